@@ -1,0 +1,4 @@
+//! The `tensormem` command.
+#![deny(unsafe_code)]
+
+fn main() {}

@@ -1,0 +1,212 @@
+//! The memory provider the allocator sits on: a device, its streams, its events and its virtual memory.
+//!
+//! The caching allocator is generic over [`Device`] and calls it with static dispatch, so the policy code
+//! (pools, splitting, stats, OOM handling) never knows whether it runs on a real GPU or on the
+//! [simulated device](crate::backend::sim). The CUDA backend (`crate::backend::cuda`, feature `cuda`)
+//! implements the same trait through the CUDA driver API.
+//!
+//! Streams are named by [`StreamId`], the numeric value of the stream handle (what PyTorch records as
+//! `stream` in snapshots and traces; `0` is the legacy default stream). Device memory is named by
+//! [`DevicePtr`], a device address.
+
+use std::fmt;
+
+/// A device address, as the device reports it (`CUdeviceptr`).
+///
+/// It is a plain number: holding one grants no access to the memory, so it is safe to copy around.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[derive(serde::Serialize, serde::Deserialize)]
+pub struct DevicePtr(pub u64);
+
+impl DevicePtr {
+    /// The address `bytes` past this one.
+    #[inline]
+    #[must_use]
+    pub const fn offset(self, bytes: usize) -> DevicePtr {
+        DevicePtr(self.0 + bytes as u64)
+    }
+
+    /// The address as an integer.
+    #[inline]
+    #[must_use]
+    pub const fn addr(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Debug for DevicePtr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+impl fmt::Display for DevicePtr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+/// A stream, named by the numeric value of its handle (`cudaStream_t` as an integer; `0` is the legacy
+/// default stream). Blocks belong to the stream they were allocated on.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Debug)]
+#[derive(serde::Serialize, serde::Deserialize)]
+pub struct StreamId(pub u64);
+
+impl StreamId {
+    /// The legacy default stream (`0`).
+    pub const DEFAULT: StreamId = StreamId(0);
+}
+
+impl fmt::Display for StreamId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+/// Free and total memory of a device, in bytes (`cuMemGetInfo`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct MemInfo {
+    /// Bytes the device could still hand out.
+    pub free: u64,
+    /// The device's capacity.
+    pub total: u64,
+}
+
+/// Whether a stream is being captured into a CUDA graph (`cuStreamGetCaptureInfo`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum CaptureStatus {
+    /// Not capturing: work runs when it is enqueued.
+    None,
+    /// Capturing under the given capture id: work is recorded into a graph, events may not be recorded.
+    Active {
+        /// The driver's unique id of the capture sequence.
+        id: u64,
+    },
+    /// A capture on this stream was invalidated (an error was made while capturing).
+    Invalidated,
+}
+
+/// Why the device refused an operation.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum DeviceError {
+    /// The device has no memory left for this request (`CUDA_ERROR_OUT_OF_MEMORY`). The allocator treats
+    /// this as recoverable: it releases cached memory and retries before reporting an out-of-memory error.
+    #[error("the device is out of memory ({bytes} bytes requested)")]
+    OutOfMemory {
+        /// The size of the refused request.
+        bytes: u64,
+    },
+    /// The device does not support the operation (for example virtual memory management on an old GPU).
+    #[error("the device does not support {what}")]
+    Unsupported {
+        /// The operation that is unsupported.
+        what: &'static str,
+    },
+    /// Any other failure, with the driver's code and name where there is one.
+    #[error("{call} failed: {message} (code {code})")]
+    Driver {
+        /// The driver call that failed, e.g. `cuMemAlloc`.
+        call: &'static str,
+        /// The driver's numeric result code (`CUresult`), or `-1` for failures of the simulated device.
+        code: i32,
+        /// The driver's description of the code.
+        message: String,
+    },
+}
+
+/// Result alias of device calls.
+pub type DeviceResult<T> = Result<T, DeviceError>;
+
+/// The allocator's memory provider: one device, its streams, events and virtual memory.
+///
+/// All methods take `&self`: the allocator calls them from many threads at once, possibly while holding one
+/// of its own locks (never while holding all of them, except in [`Device::synchronize`]'s callers).
+///
+/// # Safety
+///
+/// The allocator hands out the memory this trait returns as if it owned it. Implementors guarantee:
+///
+/// 1. Memory returned by [`Device::malloc`] is at least `size` bytes, is not handed out again (by any method)
+///    until it is passed to [`Device::free`], and its address is aligned to at least 512 bytes.
+/// 2. [`Device::reserve_address_range`] returns a range of at least `size` bytes aligned to
+///    [`Device::vmm_granularity`] that overlaps no other live allocation or reservation of this device.
+/// 3. Events report completion ([`Device::query_event`] returns `true`, [`Device::synchronize_event`]
+///    returns) only once all work enqueued on the stream before the matching [`Device::record_event`] has
+///    finished.
+/// 4. No method calls back into the allocator that is using it (no re-entry): the allocator may hold its
+///    locks across these calls.
+pub unsafe trait Device: Send + Sync + 'static {
+    /// An event that can be recorded on a stream and queried. The allocator pools them.
+    type Event: Send + Sync + 'static;
+    /// A physical memory chunk for expandable segments (`CUmemGenericAllocationHandle`).
+    type PhysicalChunk: Send + Sync + 'static;
+
+    /// The device ordinal this provider serves.
+    fn index(&self) -> u32;
+
+    /// Free and total memory of the device (`cuMemGetInfo`).
+    fn mem_info(&self) -> DeviceResult<MemInfo>;
+
+    /// Allocates `size` bytes of device memory (`cuMemAlloc`). Out of memory is
+    /// [`DeviceError::OutOfMemory`], not a panic.
+    fn malloc(&self, size: usize) -> DeviceResult<DevicePtr>;
+
+    /// Returns memory obtained from [`Device::malloc`] (`cuMemFree`).
+    ///
+    /// # Safety
+    ///
+    /// `ptr` came from [`Device::malloc`] on this device with this `size`, has not been freed yet, and no
+    /// queued device work uses it any more.
+    unsafe fn free(&self, ptr: DevicePtr, size: usize) -> DeviceResult<()>;
+
+    /// Creates an event (`cuEventCreate` with timing disabled).
+    fn create_event(&self) -> DeviceResult<Self::Event>;
+
+    /// Records `event` on `stream` (`cuEventRecord`): it completes once the work enqueued so far has.
+    fn record_event(&self, event: &Self::Event, stream: StreamId) -> DeviceResult<()>;
+
+    /// Whether `event` has completed (`cuEventQuery`), without blocking.
+    fn query_event(&self, event: &Self::Event) -> DeviceResult<bool>;
+
+    /// Blocks until `event` has completed (`cuEventSynchronize`).
+    fn synchronize_event(&self, event: &Self::Event) -> DeviceResult<()>;
+
+    /// Blocks until all work on the device has finished (`cuCtxSynchronize`).
+    fn synchronize(&self) -> DeviceResult<()>;
+
+    /// Whether `stream` is being captured into a graph (`cuStreamGetCaptureInfo`).
+    fn capture_status(&self, stream: StreamId) -> DeviceResult<CaptureStatus>;
+
+    /// The granularity of virtual-memory mappings in bytes (`cuMemGetAllocationGranularity`), typically 2 MiB.
+    fn vmm_granularity(&self) -> DeviceResult<usize>;
+
+    /// Reserves `size` bytes of device address space without backing it (`cuMemAddressReserve`).
+    fn reserve_address_range(&self, size: usize) -> DeviceResult<DevicePtr>;
+
+    /// Releases an address range from [`Device::reserve_address_range`] (`cuMemAddressFree`).
+    ///
+    /// # Safety
+    ///
+    /// The range came from [`Device::reserve_address_range`] with this size and has nothing mapped in it.
+    unsafe fn release_address_range(&self, ptr: DevicePtr, size: usize) -> DeviceResult<()>;
+
+    /// Creates `size` bytes of physical device memory (`cuMemCreate`); `size` is a multiple of
+    /// [`Device::vmm_granularity`]. Out of memory is [`DeviceError::OutOfMemory`].
+    fn create_physical(&self, size: usize) -> DeviceResult<Self::PhysicalChunk>;
+
+    /// Maps `chunk` at `ptr` (`cuMemMap`) and grants this device (and its peers with access) read-write
+    /// access to it (`cuMemSetAccess`).
+    ///
+    /// # Safety
+    ///
+    /// `[ptr, ptr + size)` lies in a reserved range and has nothing mapped; `size` is the chunk's size.
+    unsafe fn map(&self, ptr: DevicePtr, size: usize, chunk: &Self::PhysicalChunk) -> DeviceResult<()>;
+
+    /// Unmaps `[ptr, ptr + size)` (`cuMemUnmap`) and releases the chunk mapped there (`cuMemRelease`).
+    ///
+    /// # Safety
+    ///
+    /// `[ptr, ptr + size)` is exactly where `chunk` was mapped by [`Device::map`], and no queued device work
+    /// uses it any more.
+    unsafe fn unmap(&self, ptr: DevicePtr, size: usize, chunk: Self::PhysicalChunk) -> DeviceResult<()>;
+}

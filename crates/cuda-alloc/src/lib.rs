@@ -1,0 +1,5 @@
+//! A CUDA caching allocator with PyTorch's semantics.
+
+pub mod device;
+
+pub use device::{CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, MemInfo, StreamId};

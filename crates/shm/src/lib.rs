@@ -1,0 +1,1 @@
+//! CPU shared memory for tensors.
