@@ -1,5 +1,6 @@
 //! A CUDA caching allocator with PyTorch's semantics.
 
+pub mod config;
 pub mod device;
 
 pub use device::{CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, MemInfo, StreamId};

@@ -1,0 +1,597 @@
+//! The allocator's settings: PyTorch's `PYTORCH_CUDA_ALLOC_CONF` grammar.
+//!
+//! PyTorch configures its caching allocator with one string of comma-separated `key:value` pairs, read
+//! from the environment at start-up and settable later through `torch.cuda.memory._set_allocator_settings`:
+//!
+//! ```text
+//! max_split_size_mb:128,roundup_power2_divisions:[256:1,512:2,>:8],expandable_segments:True
+//! ```
+//!
+//! [`AllocatorConfig`] is that string parsed: [`AllocatorConfig::parse`] reads it (with PyTorch's error
+//! messages for malformed values), [`AllocatorConfig::apply`] changes settings at run time the way PyTorch
+//! does, [`AllocatorConfig::from_env`] reads `TENSORMEM_ALLOC_CONF` (falling back to PyTorch's own
+//! variables), and [`Display`](fmt::Display) writes the canonical string that parses back to the same value.
+//!
+//! ```
+//! use tensormem_cuda_alloc::config::AllocatorConfig;
+//!
+//! let config = AllocatorConfig::parse("max_split_size_mb:128, expandable_segments:True")?;
+//! assert_eq!(config.max_split_size, 128 << 20);
+//! assert!(config.expandable_segments);
+//! assert_eq!(AllocatorConfig::parse(&config.to_string())?, config);
+//! # Ok::<(), tensormem_cuda_alloc::config::ConfigError>(())
+//! ```
+//!
+//! Keys (PyTorch 2.11, CUDA build): `backend`, `max_split_size_mb`, `max_non_split_rounding_mb`,
+//! `garbage_collection_threshold`, `roundup_power2_divisions`, `expandable_segments`,
+//! `release_lock_on_cudamalloc` (alias `release_lock_on_hipmalloc`), `pinned_use_cuda_host_register` (alias
+//! `pinned_use_hip_host_register`), `pinned_num_register_threads`, `pinned_use_background_threads`,
+//! `pinned_reserve_segment_size_mb`, `graph_capture_record_stream_reuse`, `per_process_memory_fraction`,
+//! `pinned_free_catch_all`, `throw_on_cudamalloc_oom`, and the `expandable_segments_reserve` /
+//! `expandable_segments_reserve_by_class` pair, which is kept verbatim in [`AllocatorConfig::other`].
+
+mod parse;
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// One mebibyte: the unit of the `*_mb` keys.
+pub const MB: usize = 1 << 20;
+
+/// PyTorch's `kLargeBuffer`: large allocations are packed in 20 MiB segments, and both
+/// `max_split_size_mb` and `max_non_split_rounding_mb` must be at least this large.
+pub const LARGE_BUFFER: usize = 20 * MB;
+
+/// Number of power-of-two size intervals `roundup_power2_divisions` configures: interval `i` holds sizes in
+/// `[2^i MiB, 2^(i+1) MiB)`, from 1 MiB up to 64 GiB; smaller sizes use interval 0 and larger ones the last.
+pub const ROUNDUP_POWER2_INTERVALS: usize = 16;
+
+/// Log2 of the first interval's start (1 MiB).
+const ROUNDUP_POWER2_START_LOG2: u32 = 20;
+
+/// The largest `pinned_num_register_threads` PyTorch accepts.
+pub const MAX_PINNED_REGISTER_THREADS: usize = 128;
+
+/// Every key the grammar accepts (PyTorch 2.11's, CUDA build, plus the ROCm spellings it also accepts).
+pub const KNOWN_KEYS: [&str; 19] = [
+    "backend",
+    "max_split_size_mb",
+    "max_non_split_rounding_mb",
+    "garbage_collection_threshold",
+    "roundup_power2_divisions",
+    "expandable_segments",
+    "release_lock_on_cudamalloc",
+    "release_lock_on_hipmalloc",
+    "pinned_use_cuda_host_register",
+    "pinned_use_hip_host_register",
+    "pinned_num_register_threads",
+    "pinned_use_background_threads",
+    "pinned_reserve_segment_size_mb",
+    "graph_capture_record_stream_reuse",
+    "per_process_memory_fraction",
+    "pinned_free_catch_all",
+    "throw_on_cudamalloc_oom",
+    "expandable_segments_reserve",
+    "expandable_segments_reserve_by_class",
+];
+
+/// Environment variables [`AllocatorConfig::from_env`] reads, first found wins.
+///
+/// `TENSORMEM_ALLOC_CONF` is tensormem's own; `PYTORCH_ALLOC_CONF` is the device-generic name PyTorch
+/// prefers since 2.9; `PYTORCH_CUDA_ALLOC_CONF` is the historical (now deprecated) one.
+pub const ENV_VARS: [&str; 3] = [
+    "TENSORMEM_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
+    "PYTORCH_CUDA_ALLOC_CONF",
+];
+
+/// Which allocator implementation serves device memory (`backend:native|cudaMallocAsync`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Hash)]
+pub enum Backend {
+    /// The caching allocator (this crate's).
+    #[default]
+    Native,
+    /// CUDA's stream-ordered allocator (`cudaMallocAsync`). Chosen by the string only: this crate has no
+    /// such backend; the caller decides what to do with a configuration that asks for it.
+    CudaMallocAsync,
+}
+
+impl Backend {
+    /// The name PyTorch's grammar uses for this backend.
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            Backend::Native => "native",
+            Backend::CudaMallocAsync => "cudaMallocAsync",
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The caching allocator's settings, with PyTorch's defaults ([`Default`]).
+///
+/// Fields are plain values so that tests and embedders can build a configuration directly; values built
+/// that way are not validated (use [`AllocatorConfig::parse`] for checked input). [`Display`](fmt::Display)
+/// writes only the settings that differ from the defaults.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AllocatorConfig {
+    /// `backend`: which allocator serves device memory. Default [`Backend::Native`].
+    pub backend: Backend,
+    /// `max_split_size_mb`, in bytes: blocks at least this large are never split, and a cached block this
+    /// large serves a request only if it exceeds the request by less than
+    /// [`max_non_split_rounding_size`](Self::max_non_split_rounding_size). `usize::MAX` (the default) means
+    /// unlimited. Parsed values are whole MiB, at least [`LARGE_BUFFER`].
+    pub max_split_size: usize,
+    /// `max_non_split_rounding_mb`, in bytes: how much larger than a request an unsplittable cached block
+    /// may be and still serve it. Default [`LARGE_BUFFER`] (20 MiB).
+    pub max_non_split_rounding_size: usize,
+    /// `roundup_power2_divisions`: for each power-of-two size interval (see [`ROUNDUP_POWER2_INTERVALS`]),
+    /// into how many equal steps the interval is divided when rounding a request up; `0` (the default)
+    /// means no such rounding. Read it with [`roundup_divisions_for`](Self::roundup_divisions_for).
+    pub roundup_power2_divisions: [usize; ROUNDUP_POWER2_INTERVALS],
+    /// `garbage_collection_threshold`: when reserved memory exceeds this fraction of the allowed maximum,
+    /// cached blocks are released oldest first before a new segment is allocated. `0.0` (default) is off;
+    /// parsed values lie in `(0, 1)`.
+    pub garbage_collection_threshold: f64,
+    /// `expandable_segments`: one growable segment per stream and pool, mapped in chunks on reserved
+    /// address space, instead of one device allocation per segment. Default `false`.
+    pub expandable_segments: bool,
+    /// `release_lock_on_cudamalloc`: drop the allocator lock around the device allocation call.
+    /// Default `false`.
+    pub release_lock_on_cudamalloc: bool,
+    /// `pinned_use_cuda_host_register`: the pinned host allocator uses `malloc` + `cudaHostRegister`
+    /// instead of `cudaHostAlloc`. Default `false`.
+    pub pinned_use_cuda_host_register: bool,
+    /// `pinned_num_register_threads`: threads that page in and register pinned memory (a power of two, at
+    /// most [`MAX_PINNED_REGISTER_THREADS`]). Default `1`.
+    pub pinned_num_register_threads: usize,
+    /// `pinned_use_background_threads`: the pinned host allocator processes its events on a background
+    /// thread. Default `false`.
+    pub pinned_use_background_threads: bool,
+    /// `pinned_reserve_segment_size_mb`: size of the pinned memory segment reserved up front, in MiB;
+    /// `0` (default) reserves none. Parsed values are greater than 0.
+    pub pinned_reserve_segment_size_mb: usize,
+    /// `graph_capture_record_stream_reuse`: while capturing a CUDA graph, decide whether a block freed with
+    /// `record_stream` may be reused from the graph's topology instead of waiting for the capture to end.
+    /// Default `false`.
+    pub graph_capture_record_stream_reuse: bool,
+    /// `per_process_memory_fraction`: the fraction of the device's memory this process may reserve, in
+    /// `[0, 1]`. Default `1.0`.
+    pub per_process_memory_fraction: f64,
+    /// `pinned_free_catch_all`: the pinned host allocator accepts frees of pointers it did not hand out.
+    /// Default `false`.
+    pub pinned_free_catch_all: bool,
+    /// `throw_on_cudamalloc_oom`: refuse an allocation up front (an out-of-memory error) when it would
+    /// exceed `per_process_memory_fraction`, instead of calling the device. Default `false`.
+    pub throw_on_cudamalloc_oom: bool,
+    /// Keys PyTorch accepts whose values this crate does not interpret, with their value text as written
+    /// (whitespace removed; a list value keeps its brackets): `expandable_segments_reserve` and
+    /// `expandable_segments_reserve_by_class`. Kept so a configuration survives a round trip.
+    pub other: BTreeMap<String, String>,
+}
+
+impl Default for AllocatorConfig {
+    fn default() -> Self {
+        AllocatorConfig {
+            backend: Backend::Native,
+            max_split_size: usize::MAX,
+            max_non_split_rounding_size: LARGE_BUFFER,
+            roundup_power2_divisions: [0; ROUNDUP_POWER2_INTERVALS],
+            garbage_collection_threshold: 0.0,
+            expandable_segments: false,
+            release_lock_on_cudamalloc: false,
+            pinned_use_cuda_host_register: false,
+            pinned_num_register_threads: 1,
+            pinned_use_background_threads: false,
+            pinned_reserve_segment_size_mb: 0,
+            graph_capture_record_stream_reuse: false,
+            per_process_memory_fraction: 1.0,
+            pinned_free_catch_all: false,
+            throw_on_cudamalloc_oom: false,
+            other: BTreeMap::new(),
+        }
+    }
+}
+
+/// Why a configuration string was refused. Messages are PyTorch's where PyTorch has one.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A key neither PyTorch nor tensormem knows.
+    #[error("Unrecognized key '{key}' in CUDA allocator config.")]
+    UnknownKey {
+        /// The key as written (whitespace removed).
+        key: String,
+    },
+    /// A separator (`:`, `,`, `[`, `]`) is missing where the grammar needs one.
+    #[error(
+        "Expected '{expected}' after '{after}' in allocator config but got {}; write key:value pairs \
+         separated by commas",
+        found.as_deref().map_or_else(|| "the end of the string".to_owned(), |t| format!("'{t}'"))
+    )]
+    ExpectedToken {
+        /// The separator the grammar needs.
+        expected: char,
+        /// The token before it.
+        after: String,
+        /// What was there instead (`None`: the string ended).
+        found: Option<String>,
+    },
+    /// A key's value is missing (the string ends after `key:`).
+    #[error("Error, expecting {key} value")]
+    MissingValue {
+        /// The key.
+        key: String,
+    },
+    /// A value that should be a number is not one.
+    #[error("invalid value '{value}' for {key}: expected {expected}")]
+    InvalidNumber {
+        /// The key (or `roundup_power2_divisions` for a list entry).
+        key: String,
+        /// The value as written.
+        value: String,
+        /// What kind of number was expected.
+        expected: &'static str,
+    },
+    /// A boolean key's value is not `True` or `False` (PyTorch's spelling, case-sensitive).
+    #[error("Expected 'True' or 'False' at index {index} in ConfigTokenizer but got '{found}'")]
+    ExpectedBool {
+        /// Token index of the value (keys, values and separators counted from 0, as PyTorch does).
+        index: usize,
+        /// The value as written.
+        found: String,
+    },
+    /// `max_split_size_mb` below 20.
+    #[error("CachingAllocator option max_split_size_mb too small, must be >= {}", LARGE_BUFFER / MB)]
+    MaxSplitSizeTooSmall {
+        /// The value given, in MiB.
+        mb: u64,
+    },
+    /// `max_non_split_rounding_mb` below 20.
+    #[error("CachingAllocator option max_non_split_rounding_mb too small, must be >= {}", LARGE_BUFFER / MB)]
+    MaxNonSplitRoundingTooSmall {
+        /// The value given, in MiB.
+        mb: u64,
+    },
+    /// `garbage_collection_threshold` outside `(0, 1)`.
+    #[error("garbage_collect_threshold is invalid, set it in (0.0, 1.0)")]
+    GarbageCollectionThreshold {
+        /// The value given.
+        value: f64,
+    },
+    /// `per_process_memory_fraction` outside `[0, 1]`.
+    #[error("per_process_memory_fraction is invalid, set it in [0.0, 1.0]")]
+    MemoryFraction {
+        /// The value given.
+        value: f64,
+    },
+    /// A `roundup_power2_divisions` value that is not a power of two (0 is allowed in the list form only).
+    #[error("For roundups, the divisions has to be power of 2{}", if *.in_list { " or 0 to disable roundup" } else { "" })]
+    DivisionsNotPowerOf2 {
+        /// The value given.
+        value: u64,
+        /// Whether it came from the list form (`[size:divisions,...]`).
+        in_list: bool,
+    },
+    /// A `roundup_power2_divisions` list boundary (in MiB) that is not a power of two.
+    #[error("For roundups, the intervals have to be power of 2")]
+    IntervalNotPowerOf2 {
+        /// The boundary given, in MiB.
+        boundary: u64,
+    },
+    /// A list value without its closing bracket.
+    #[error("Expected closing bracket ']' in ConfigTokenizer but reached end of config")]
+    UnclosedList,
+    /// `backend` names no known allocator.
+    #[error("Unknown allocator backend, options are native and cudaMallocAsync")]
+    UnknownBackend {
+        /// The value given.
+        value: String,
+    },
+    /// `pinned_num_register_threads` is not a power of two.
+    #[error("Number of register threads has to be power of 2, got {value}")]
+    RegisterThreadsNotPowerOf2 {
+        /// The value given.
+        value: u64,
+    },
+    /// `pinned_num_register_threads` above [`MAX_PINNED_REGISTER_THREADS`].
+    #[error("Number of register threads should be less than or equal to {MAX_PINNED_REGISTER_THREADS}, got {value}")]
+    TooManyRegisterThreads {
+        /// The value given.
+        value: u64,
+    },
+    /// `pinned_reserve_segment_size_mb` is 0.
+    #[error("Pinned reserve segment size has to be greater than 0")]
+    PinnedReserveSegmentSizeZero,
+    /// An environment variable holds a configuration that does not parse.
+    #[error("{var} is not a valid allocator configuration: {source}")]
+    Env {
+        /// The variable read.
+        var: &'static str,
+        /// What was wrong with its value.
+        #[source]
+        source: Box<ConfigError>,
+    },
+    /// An environment variable is set but is not valid Unicode.
+    #[error(
+        "{var} is not valid UTF-8; set it to a config string such as 'expandable_segments:True'"
+    )]
+    EnvNotUnicode {
+        /// The variable read.
+        var: &'static str,
+    },
+}
+
+/// `Result` with a [`ConfigError`].
+pub type ConfigResult<T> = Result<T, ConfigError>;
+
+impl AllocatorConfig {
+    /// Parses a configuration string, starting from the defaults.
+    ///
+    /// Whitespace anywhere is ignored and an empty string gives the defaults, as in PyTorch.
+    ///
+    /// # Errors
+    /// [`ConfigError`] for an unknown key, a malformed pair or list, or a value out of range.
+    pub fn parse(config: &str) -> ConfigResult<Self> {
+        let mut parsed = AllocatorConfig::default();
+        parsed.apply(config)?;
+        Ok(parsed)
+    }
+
+    /// Applies a configuration string to these settings at run time, as
+    /// `torch.cuda.memory._set_allocator_settings` does.
+    ///
+    /// Like PyTorch, every call first resets `max_split_size`, `roundup_power2_divisions` and
+    /// `garbage_collection_threshold` to their defaults (a key left out of the string goes back to its
+    /// default), while the other settings keep their values unless the string names them. Unlike PyTorch,
+    /// a string with an error changes nothing.
+    ///
+    /// # Errors
+    /// As [`parse`](Self::parse); `self` is then unchanged.
+    pub fn apply(&mut self, config: &str) -> ConfigResult<()> {
+        let mut next = self.clone();
+        let defaults = AllocatorConfig::default();
+        next.max_split_size = defaults.max_split_size;
+        next.roundup_power2_divisions = defaults.roundup_power2_divisions;
+        next.garbage_collection_threshold = defaults.garbage_collection_threshold;
+        let native_options = parse::apply_tokens(&mut next, config)?;
+        if next.backend == Backend::CudaMallocAsync && native_options {
+            tracing::warn!(
+                config,
+                "backend:cudaMallocAsync ignores max_split_size_mb, roundup_power2_divisions, and \
+                 garbage_collect_threshold"
+            );
+        }
+        *self = next;
+        Ok(())
+    }
+
+    /// Reads the configuration from the environment: the first of [`ENV_VARS`] that is set
+    /// (`TENSORMEM_ALLOC_CONF`, then `PYTORCH_ALLOC_CONF`, then `PYTORCH_CUDA_ALLOC_CONF`); the defaults if
+    /// none is.
+    ///
+    /// # Errors
+    /// [`ConfigError::Env`] naming the variable when its value does not parse, or
+    /// [`ConfigError::EnvNotUnicode`].
+    pub fn from_env() -> ConfigResult<Self> {
+        Self::from_env_with(std::env::var_os)
+    }
+
+    /// [`from_env`](Self::from_env) with the environment given as a lookup function (for tests and for
+    /// embedders with their own settings source).
+    ///
+    /// # Errors
+    /// As [`from_env`](Self::from_env).
+    pub fn from_env_with<F>(mut lookup: F) -> ConfigResult<Self>
+    where
+        F: FnMut(&'static str) -> Option<std::ffi::OsString>,
+    {
+        for var in ENV_VARS {
+            if let Some(value) = lookup(var) {
+                let text = value
+                    .into_string()
+                    .map_err(|_| ConfigError::EnvNotUnicode { var })?;
+                tracing::debug!(var, config = %text, "allocator configuration from the environment");
+                return Self::parse(&text).map_err(|source| ConfigError::Env {
+                    var,
+                    source: Box::new(source),
+                });
+            }
+        }
+        Ok(AllocatorConfig::default())
+    }
+
+    /// How many divisions `roundup_power2_divisions` asks for when rounding a request of `size` bytes
+    /// (0: no power-of-two rounding). Sizes below 2 MiB use the first interval, sizes of 32 GiB and more
+    /// the last.
+    #[must_use]
+    pub fn roundup_divisions_for(&self, size: usize) -> usize {
+        self.roundup_power2_divisions[roundup_interval(size)]
+    }
+
+    /// Whether [`max_split_size`](Self::max_split_size) limits splitting (it is not unlimited).
+    #[must_use]
+    pub fn limits_split_size(&self) -> bool {
+        self.max_split_size != usize::MAX
+    }
+}
+
+/// Index into `roundup_power2_divisions` for a request of `size` bytes.
+#[must_use]
+pub fn roundup_interval(size: usize) -> usize {
+    let log2 = size.checked_ilog2().unwrap_or(0);
+    let index = log2.saturating_sub(ROUNDUP_POWER2_START_LOG2) as usize;
+    index.min(ROUNDUP_POWER2_INTERVALS - 1)
+}
+
+impl fmt::Display for AllocatorConfig {
+    /// The canonical configuration string: the settings that differ from the defaults, in a fixed order,
+    /// `key:value` separated by `,` (empty for the defaults). It parses back to an equal value for every
+    /// configuration [`AllocatorConfig::parse`] can produce.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let defaults = AllocatorConfig::default();
+        let mut pairs = PairWriter { f, first: true };
+        if self.backend != defaults.backend {
+            pairs.pair("backend", self.backend)?;
+        }
+        if self.max_split_size != defaults.max_split_size {
+            pairs.pair("max_split_size_mb", self.max_split_size / MB)?;
+        }
+        if self.max_non_split_rounding_size != defaults.max_non_split_rounding_size {
+            pairs.pair(
+                "max_non_split_rounding_mb",
+                self.max_non_split_rounding_size / MB,
+            )?;
+        }
+        if self.roundup_power2_divisions != defaults.roundup_power2_divisions {
+            pairs.pair(
+                "roundup_power2_divisions",
+                DivisionsText(&self.roundup_power2_divisions),
+            )?;
+        }
+        if self.garbage_collection_threshold != defaults.garbage_collection_threshold {
+            pairs.pair(
+                "garbage_collection_threshold",
+                self.garbage_collection_threshold,
+            )?;
+        }
+        let flags = [
+            (
+                "expandable_segments",
+                self.expandable_segments,
+                defaults.expandable_segments,
+            ),
+            (
+                "release_lock_on_cudamalloc",
+                self.release_lock_on_cudamalloc,
+                defaults.release_lock_on_cudamalloc,
+            ),
+            (
+                "pinned_use_cuda_host_register",
+                self.pinned_use_cuda_host_register,
+                defaults.pinned_use_cuda_host_register,
+            ),
+            (
+                "pinned_use_background_threads",
+                self.pinned_use_background_threads,
+                defaults.pinned_use_background_threads,
+            ),
+            (
+                "graph_capture_record_stream_reuse",
+                self.graph_capture_record_stream_reuse,
+                defaults.graph_capture_record_stream_reuse,
+            ),
+            (
+                "pinned_free_catch_all",
+                self.pinned_free_catch_all,
+                defaults.pinned_free_catch_all,
+            ),
+            (
+                "throw_on_cudamalloc_oom",
+                self.throw_on_cudamalloc_oom,
+                defaults.throw_on_cudamalloc_oom,
+            ),
+        ];
+        for (key, value, default) in flags {
+            if value != default {
+                pairs.pair(key, if value { "True" } else { "False" })?;
+            }
+        }
+        if self.pinned_num_register_threads != defaults.pinned_num_register_threads {
+            pairs.pair(
+                "pinned_num_register_threads",
+                self.pinned_num_register_threads,
+            )?;
+        }
+        if self.pinned_reserve_segment_size_mb != defaults.pinned_reserve_segment_size_mb {
+            pairs.pair(
+                "pinned_reserve_segment_size_mb",
+                self.pinned_reserve_segment_size_mb,
+            )?;
+        }
+        if self.per_process_memory_fraction != defaults.per_process_memory_fraction {
+            pairs.pair(
+                "per_process_memory_fraction",
+                self.per_process_memory_fraction,
+            )?;
+        }
+        for (key, value) in &self.other {
+            pairs.pair(key, value)?;
+        }
+        Ok(())
+    }
+}
+
+/// Writes `key:value` pairs separated by commas.
+struct PairWriter<'a, 'b> {
+    f: &'a mut fmt::Formatter<'b>,
+    first: bool,
+}
+
+impl PairWriter<'_, '_> {
+    fn pair(&mut self, key: &str, value: impl fmt::Display) -> fmt::Result {
+        if !self.first {
+            self.f.write_str(",")?;
+        }
+        self.first = false;
+        write!(self.f, "{key}:{value}")
+    }
+}
+
+/// The shortest `roundup_power2_divisions` value that parses back to the given table.
+///
+/// The list form sets, for its first entry `2^k:v`, intervals `0..=k` to `v`; each later `2^i:v` sets
+/// interval `i` only; `>:v` sets every interval after the last one listed. Intervals not mentioned keep 0.
+struct DivisionsText<'a>(&'a [usize; ROUNDUP_POWER2_INTERVALS]);
+
+impl fmt::Display for DivisionsText<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let table = self.0;
+        let last = ROUNDUP_POWER2_INTERVALS - 1;
+        // End of the leading run (inclusive) and start of the trailing run.
+        let lead_end = table.iter().take_while(|&&v| v == table[0]).count() - 1;
+        if lead_end == last {
+            // Every interval alike: the single-value form (0 cannot be written that way, but an all-zero
+            // table is the default and is not written at all).
+            return if table[0] == 0 {
+                f.write_str("[1:0]")
+            } else {
+                write!(f, "{}", table[0])
+            };
+        }
+        let tail_start = last + 1
+            - table
+                .iter()
+                .rev()
+                .take_while(|&&v| v == table[last])
+                .count();
+        // A non-zero trailing run is written as `>:v`; a zero one is left out (intervals default to 0).
+        let use_tail = table[last] != 0;
+        let explicit_end = if use_tail {
+            tail_start
+        } else {
+            ROUNDUP_POWER2_INTERVALS
+        };
+        write!(f, "[{}:{}", 1u64 << lead_end, table[0])?;
+        for (index, &value) in table
+            .iter()
+            .enumerate()
+            .take(explicit_end)
+            .skip(lead_end + 1)
+        {
+            // Zeros need not be written, except the entry just before `>` (which starts after it).
+            if value != 0 || (use_tail && index + 1 == tail_start) {
+                write!(f, ",{}:{}", 1u64 << index, value)?;
+            }
+        }
+        if use_tail {
+            write!(f, ",>:{}", table[last])?;
+        }
+        f.write_str("]")
+    }
+}

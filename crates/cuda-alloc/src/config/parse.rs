@@ -1,0 +1,304 @@
+//! Tokenizing and parsing a configuration string into an [`AllocatorConfig`].
+//!
+//! The grammar is PyTorch's: the string splits into tokens at `,` `:` `[` `]` (each its own token),
+//! whitespace is dropped everywhere (also inside words), and the tokens form `key:value` pairs separated by
+//! `,`, where a value is one token or a bracketed list. Token indices in error messages count every token
+//! from 0, as PyTorch's do.
+
+use super::{
+    AllocatorConfig, Backend, ConfigError, ConfigResult, KNOWN_KEYS, LARGE_BUFFER,
+    MAX_PINNED_REGISTER_THREADS, MB,
+};
+
+/// Splits a configuration string into tokens.
+fn tokenize(config: &str) -> Vec<String> {
+    let mut tokens = Vec::new();
+    let mut word = String::new();
+    for ch in config.chars() {
+        if matches!(ch, ',' | ':' | '[' | ']') {
+            if !word.is_empty() {
+                tokens.push(std::mem::take(&mut word));
+            }
+            tokens.push(ch.to_string());
+        } else if !ch.is_whitespace() {
+            word.push(ch);
+        }
+    }
+    if !word.is_empty() {
+        tokens.push(word);
+    }
+    tokens
+}
+
+/// A cursor over the tokens.
+struct Tokens {
+    tokens: Vec<String>,
+}
+
+impl Tokens {
+    fn get(&self, index: usize) -> Option<&str> {
+        self.tokens.get(index).map(String::as_str)
+    }
+
+    /// Checks that token `index` is the separator `expected`.
+    fn expect(&self, index: usize, expected: char) -> ConfigResult<()> {
+        let found = self.get(index);
+        let mut buf = [0u8; 4];
+        if found == Some(&*expected.encode_utf8(&mut buf)) {
+            return Ok(());
+        }
+        Err(ConfigError::ExpectedToken {
+            expected,
+            after: index
+                .checked_sub(1)
+                .and_then(|i| self.get(i))
+                .unwrap_or_default()
+                .to_owned(),
+            found: found.map(str::to_owned),
+        })
+    }
+
+    /// The value token at `index` for `key`.
+    fn value(&self, index: usize, key: &str) -> ConfigResult<&str> {
+        self.get(index).ok_or_else(|| ConfigError::MissingValue {
+            key: key.to_owned(),
+        })
+    }
+
+    fn unsigned(&self, index: usize, key: &str) -> ConfigResult<u64> {
+        let text = self.value(index, key)?;
+        parse_unsigned(text, key)
+    }
+
+    fn float(&self, index: usize, key: &str) -> ConfigResult<f64> {
+        let text = self.value(index, key)?;
+        text.parse::<f64>().map_err(|_| ConfigError::InvalidNumber {
+            key: key.to_owned(),
+            value: text.to_owned(),
+            expected: "a decimal number such as 0.5",
+        })
+    }
+
+    fn boolean(&self, index: usize, key: &str) -> ConfigResult<bool> {
+        match self.value(index, key)? {
+            "True" => Ok(true),
+            "False" => Ok(false),
+            other => Err(ConfigError::ExpectedBool {
+                index,
+                found: other.to_owned(),
+            }),
+        }
+    }
+
+    /// The raw text of the value at `index` (one token, or a bracketed list through its `]`), and the
+    /// index of its last token.
+    fn raw_value(&self, index: usize, key: &str) -> ConfigResult<(String, usize)> {
+        let first = self.value(index, key)?;
+        if first != "[" {
+            return Ok((first.to_owned(), index));
+        }
+        let close = (index + 1..self.tokens.len())
+            .find(|&i| self.tokens[i] == "]")
+            .ok_or(ConfigError::UnclosedList)?;
+        Ok((self.tokens[index..=close].concat(), close))
+    }
+}
+
+fn parse_unsigned(text: &str, key: &str) -> ConfigResult<u64> {
+    text.parse::<u64>().map_err(|_| ConfigError::InvalidNumber {
+        key: key.to_owned(),
+        value: text.to_owned(),
+        expected: "a whole number (at most 2^64 - 1)",
+    })
+}
+
+/// Applies every `key:value` pair of `config` to `target`, in order. Returns whether any option of the
+/// native allocator (any key but `backend`) was given.
+pub(super) fn apply_tokens(target: &mut AllocatorConfig, config: &str) -> ConfigResult<bool> {
+    let tokens = Tokens {
+        tokens: tokenize(config),
+    };
+    let mut native_options = false;
+    let mut i = 0;
+    while i < tokens.tokens.len() {
+        let key = tokens.tokens[i].clone();
+        if !KNOWN_KEYS.contains(&key.as_str()) {
+            return Err(ConfigError::UnknownKey { key });
+        }
+        tokens.expect(i + 1, ':')?;
+        let value = i + 2;
+        // Each arm leaves `i` on the last token of the value.
+        i = value;
+        match key.as_str() {
+            "backend" => {
+                target.backend = match tokens.value(value, &key)? {
+                    "native" => Backend::Native,
+                    "cudaMallocAsync" => Backend::CudaMallocAsync,
+                    other => {
+                        return Err(ConfigError::UnknownBackend {
+                            value: other.to_owned(),
+                        })
+                    }
+                };
+            }
+            "max_split_size_mb" => {
+                let mb = tokens.unsigned(value, &key)?;
+                target.max_split_size = megabytes(mb, ConfigError::MaxSplitSizeTooSmall { mb })?;
+            }
+            "max_non_split_rounding_mb" => {
+                let mb = tokens.unsigned(value, &key)?;
+                target.max_non_split_rounding_size =
+                    megabytes(mb, ConfigError::MaxNonSplitRoundingTooSmall { mb })?;
+            }
+            "garbage_collection_threshold" => {
+                let threshold = tokens.float(value, &key)?;
+                if !(threshold > 0.0 && threshold < 1.0) {
+                    return Err(ConfigError::GarbageCollectionThreshold { value: threshold });
+                }
+                target.garbage_collection_threshold = threshold;
+            }
+            "roundup_power2_divisions" => {
+                i = parse_divisions(&tokens, value, &mut target.roundup_power2_divisions)?;
+            }
+            "expandable_segments" => target.expandable_segments = tokens.boolean(value, &key)?,
+            "release_lock_on_cudamalloc" | "release_lock_on_hipmalloc" => {
+                target.release_lock_on_cudamalloc = tokens.boolean(value, &key)?;
+            }
+            "pinned_use_cuda_host_register" | "pinned_use_hip_host_register" => {
+                target.pinned_use_cuda_host_register = tokens.boolean(value, &key)?;
+            }
+            "pinned_num_register_threads" => {
+                let threads = tokens.unsigned(value, &key)?;
+                if !threads.is_power_of_two() {
+                    return Err(ConfigError::RegisterThreadsNotPowerOf2 { value: threads });
+                }
+                if threads > MAX_PINNED_REGISTER_THREADS as u64 {
+                    return Err(ConfigError::TooManyRegisterThreads { value: threads });
+                }
+                target.pinned_num_register_threads = threads as usize;
+            }
+            "pinned_use_background_threads" => {
+                target.pinned_use_background_threads = tokens.boolean(value, &key)?;
+            }
+            "pinned_reserve_segment_size_mb" => {
+                let mb = tokens.unsigned(value, &key)?;
+                if mb == 0 {
+                    return Err(ConfigError::PinnedReserveSegmentSizeZero);
+                }
+                target.pinned_reserve_segment_size_mb = usize::try_from(mb).unwrap_or(usize::MAX);
+            }
+            "graph_capture_record_stream_reuse" => {
+                target.graph_capture_record_stream_reuse = tokens.boolean(value, &key)?;
+            }
+            "per_process_memory_fraction" => {
+                let fraction = tokens.float(value, &key)?;
+                if !(0.0..=1.0).contains(&fraction) {
+                    return Err(ConfigError::MemoryFraction { value: fraction });
+                }
+                target.per_process_memory_fraction = fraction;
+            }
+            "pinned_free_catch_all" => {
+                target.pinned_free_catch_all = tokens.boolean(value, &key)?
+            }
+            "throw_on_cudamalloc_oom" => {
+                target.throw_on_cudamalloc_oom = tokens.boolean(value, &key)?
+            }
+            "expandable_segments_reserve" | "expandable_segments_reserve_by_class" => {
+                let (text, end) = tokens.raw_value(value, &key)?;
+                target.other.insert(key.clone(), text);
+                i = end;
+            }
+            _ => return Err(ConfigError::UnknownKey { key }),
+        }
+        native_options |= key != "backend";
+        if i + 1 < tokens.tokens.len() {
+            tokens.expect(i + 1, ',')?;
+            i += 1;
+        }
+        i += 1;
+    }
+    Ok(native_options)
+}
+
+/// A `*_mb` size: at least 20 MiB (else `too_small`), capped at what `usize` can hold, in bytes.
+fn megabytes(mb: u64, too_small: ConfigError) -> ConfigResult<usize> {
+    if mb < (LARGE_BUFFER / MB) as u64 {
+        return Err(too_small);
+    }
+    let mb = usize::try_from(mb)
+        .unwrap_or(usize::MAX)
+        .min(usize::MAX / MB);
+    Ok(mb * MB)
+}
+
+/// Parses a `roundup_power2_divisions` value starting at token `index` into `table`; returns the index of
+/// the value's last token.
+///
+/// A single number `n` (a power of two) sets every interval. The list form `[b:n, ..., >:n]` takes
+/// boundaries `b` in MiB (powers of two): its first entry also sets every interval below its own, later
+/// entries set their own interval, and `>` sets every interval after the last boundary listed.
+fn parse_divisions(tokens: &Tokens, index: usize, table: &mut [usize]) -> ConfigResult<usize> {
+    const KEY: &str = "roundup_power2_divisions";
+    if tokens.value(index, KEY)? != "[" {
+        let divisions = tokens.unsigned(index, KEY)?;
+        if !divisions.is_power_of_two() {
+            return Err(ConfigError::DivisionsNotPowerOf2 {
+                value: divisions,
+                in_list: false,
+            });
+        }
+        table.fill(usize::try_from(divisions).unwrap_or(usize::MAX));
+        return Ok(index);
+    }
+    let mut i = index;
+    let mut last_index = 0;
+    let mut first = true;
+    loop {
+        i += 1;
+        let boundary = tokens.get(i).ok_or(ConfigError::UnclosedList)?;
+        if boundary == "]" {
+            return Ok(i);
+        }
+        tokens.expect(i + 1, ':')?;
+        i += 2;
+        let divisions = match tokens.get(i) {
+            Some(text) => parse_unsigned(text, KEY)?,
+            None => return Err(ConfigError::UnclosedList),
+        };
+        if divisions != 0 && !divisions.is_power_of_two() {
+            return Err(ConfigError::DivisionsNotPowerOf2 {
+                value: divisions,
+                in_list: true,
+            });
+        }
+        let divisions = usize::try_from(divisions).unwrap_or(usize::MAX);
+        if boundary == ">" {
+            // PyTorch fills from the interval after the last one listed (from 1 when none was).
+            if let Some(rest) = table.get_mut(last_index + 1..) {
+                rest.fill(divisions);
+            }
+        } else {
+            let boundary_mb = parse_unsigned(boundary, KEY)?;
+            if !boundary_mb.is_power_of_two() {
+                return Err(ConfigError::IntervalNotPowerOf2 {
+                    boundary: boundary_mb,
+                });
+            }
+            let interval = (boundary_mb.ilog2() as usize).min(table.len() - 1);
+            if first {
+                table[..interval].fill(divisions);
+                first = false;
+            }
+            table[interval] = divisions;
+            last_index = interval;
+        }
+        match tokens.get(i + 1) {
+            Some("]") => {}
+            Some(_) => {
+                tokens.expect(i + 1, ',')?;
+                i += 1;
+            }
+            None => return Err(ConfigError::UnclosedList),
+        }
+    }
+}
