@@ -1,0 +1,120 @@
+//! Anonymous fd-backed regions (PyTorch's fd sharing strategy, `new_shm_fd_storage`): memory
+//! with no name, reachable only through its descriptor, which is what gets sent to peers.
+//!
+//! PyTorch creates a named shm object and unlinks it right after mapping. Here the object is a
+//! `memfd_create(2)` file, which never has a name at all, created with `MFD_ALLOW_SEALING` and
+//! then sealed with `F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`:
+//! - `F_SEAL_SHRINK`: no process holding the fd can truncate it, so a mapping of it can never
+//!   SIGBUS because a peer shrank the object;
+//! - `F_SEAL_GROW`: its size is fixed, like a non-resizable storage; receivers can trust the size
+//!   they `fstat`;
+//! - `F_SEAL_SEAL`: the seal set is final, so no peer can add a write seal
+//!   (`F_SEAL_FUTURE_WRITE`) that would stop others from mapping it writable.
+//!
+//! Where `memfd_create` is unavailable (old kernels, some sandboxes) the region falls back to
+//! `shm_open(O_CREAT | O_EXCL, 0600)` of a generated name followed at once by `shm_unlink`: equally
+//! anonymous after the unlink, but unsealed (a peer holding the fd could truncate it).
+
+use rustix::fd::{AsFd, OwnedFd};
+use rustix::fs::{MemfdFlags, SealFlags};
+use rustix::io::Errno;
+
+use crate::error::{Error, Result};
+use crate::mapping::{Access, Mapping};
+use crate::name::NameGenerator;
+use crate::object::{self, CreateMode};
+use crate::region::{Backing, SharedRegion};
+
+/// The seals anonymous regions carry.
+const SEALS: SealFlags = SealFlags::SHRINK
+    .union(SealFlags::GROW)
+    .union(SealFlags::SEAL);
+
+impl SharedRegion {
+    /// A new anonymous region of `len` zeroed bytes, mapped read-write, keeping its fd (see the
+    /// [module docs](crate::anon) for memfd, seals and the fallback).
+    ///
+    /// Pages are not faulted in: creating even a large region is a few system calls.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidSize`] for a zero or oversized `len`; [`Error::Os`] if neither memfd nor
+    /// shm objects can be created (`ENOSPC`, `EMFILE`, ...) or the mapping fails.
+    #[doc(alias = "memfd_create")]
+    #[doc(alias = "new_shm_fd_storage")]
+    pub fn create_anonymous(len: u64) -> Result<Self> {
+        let object = "anonymous region";
+        let len_usize = object::check_len(len, object)?;
+        let (fd, sealed) = match memfd(len) {
+            Ok(fd) => (fd, true),
+            Err(Errno::NOSYS | Errno::INVAL | Errno::PERM) => (unlinked_shm(len)?, false),
+            Err(errno) => return Err(Error::from_errno(errno, "memfd_create", object)),
+        };
+        let map = Mapping::map(&fd, len_usize, 0, Access::ReadWrite, false)
+            .map_err(Error::os("mmap", object))?;
+        tracing::debug!(len, sealed, "created anonymous shared region");
+        Ok(Self::from_parts(
+            map,
+            Some(fd),
+            Backing::Anonymous { sealed },
+        ))
+    }
+
+    /// Whether the object is sealed against shrinking (`F_SEAL_SHRINK`), i.e. no process can
+    /// truncate it under this mapping. `false` when the fd was not kept.
+    pub fn is_sealed_against_shrink(&self) -> bool {
+        self.fd().is_some_and(is_sealed_against_shrink)
+    }
+}
+
+/// `memfd_create` + `ftruncate` + seals.
+fn memfd(len: u64) -> rustix::io::Result<OwnedFd> {
+    let fd =
+        rustix::fs::memfd_create("tensormem", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+    rustix::fs::ftruncate(&fd, len)?;
+    rustix::fs::fcntl_add_seals(&fd, SEALS)?;
+    Ok(fd)
+}
+
+/// The fallback: an exclusively created shm object, unlinked at once.
+pub(crate) fn unlinked_shm(len: u64) -> Result<OwnedFd> {
+    let name = NameGenerator::default().next_name();
+    let fd = object::shm_open(&name, CreateMode::CreateExclusive, Access::ReadWrite)?;
+    object::unlink_shm(&name)?;
+    rustix::fs::ftruncate(&fd, len).map_err(Error::os("ftruncate", &name.describe()))?;
+    Ok(fd)
+}
+
+/// Whether `fd` carries `F_SEAL_SHRINK`; `false` for objects that cannot be sealed.
+pub(crate) fn is_sealed_against_shrink(fd: impl AsFd) -> bool {
+    rustix::fs::fcntl_get_seals(fd).is_ok_and(|seals| seals.contains(SealFlags::SHRINK))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memfd_regions_are_sealed_and_cannot_be_truncated() {
+        let region = SharedRegion::create_anonymous(8192).unwrap();
+        assert!(region.is_sealed_against_shrink());
+        assert_eq!(region.backing(), &Backing::Anonymous { sealed: true });
+        let fd = region.fd().unwrap();
+        assert_eq!(rustix::fs::ftruncate(fd, 100), Err(Errno::PERM));
+        assert_eq!(rustix::fs::ftruncate(fd, 1 << 20), Err(Errno::PERM));
+        assert!(region.as_slice().iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn fallback_object_is_unlinked_and_sized() {
+        let fd = unlinked_shm(4096).unwrap();
+        let info = object::inspect(&fd, "fallback").unwrap();
+        assert_eq!(info.size, 4096);
+        let stat = rustix::fs::fstat(&fd).unwrap();
+        assert_eq!(
+            stat.st_nlink, 0,
+            "the fallback object must have no name left"
+        );
+        assert_eq!(stat.st_mode & 0o777, 0o600);
+    }
+}

@@ -1,0 +1,315 @@
+//! The crate's error type: every failure names the object it concerns and says what to do.
+
+use std::fmt;
+use std::io;
+
+use rustix::io::Errno;
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong while creating, opening, passing or accessing a shared region.
+///
+/// `object` fields describe the object concerned: a shared memory name (`shm "/tensormem_1_2_3"`),
+/// a path (`file "/tmp/x"`), a file descriptor (`fd 7`) or an anonymous region. OS failures keep
+/// their error code in `source` (see [`std::io::Error::raw_os_error`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A shared memory name broke the naming rules.
+    #[error(
+        "invalid shared memory name {name:?}: {problem}; a name is one leading '/' followed by \
+         1 to 255 bytes without '/' or NUL (like \"/tensormem_123_456_0\"); \
+         use NameGenerator to make valid, unique names"
+    )]
+    InvalidName {
+        /// The rejected name (lossy if it was not UTF-8).
+        name: String,
+        /// Which rule it broke.
+        problem: NameProblem,
+    },
+
+    /// A name prefix for [`NameGenerator`](crate::NameGenerator) was rejected.
+    #[error(
+        "invalid name prefix {prefix:?}: use 1 to {max} ASCII letters, digits, '-', '.' or '_' \
+         (PyTorch uses \"torch\", the default is \"tensormem\")",
+        max = crate::name::MAX_PREFIX_LEN
+    )]
+    InvalidPrefix {
+        /// The rejected prefix.
+        prefix: String,
+    },
+
+    /// A region size was zero or too large to map.
+    #[error("invalid size {len} for {object}: {problem}")]
+    InvalidSize {
+        /// The object being created or mapped.
+        object: String,
+        /// The requested size in bytes.
+        len: u64,
+        /// Why the size cannot be used.
+        problem: SizeProblem,
+    },
+
+    /// Exclusive creation found an object of that name already there.
+    #[error(
+        "{object} already exists; generate a fresh name (NameGenerator::next_name) or open \
+         the existing object with CreateMode::OpenExisting"
+    )]
+    AlreadyExists {
+        /// The object that exists.
+        object: String,
+    },
+
+    /// Opening without creating found no object of that name.
+    #[error(
+        "{object} does not exist; check the name, and that its creator is alive and has not \
+         unlinked it yet (a refcounted region disappears when its last user closes it)"
+    )]
+    NotFound {
+        /// The missing object.
+        object: String,
+    },
+
+    /// The object belongs to another user and the caller did not opt in to opening it.
+    #[error(
+        "{object} is owned by uid {owner}, but this process runs as uid {ours}; refusing to map \
+         memory another user controls. If you trust that user, opt in with \
+         allow_foreign_owner(true)"
+    )]
+    ForeignOwner {
+        /// The foreign object.
+        object: String,
+        /// Its owner.
+        owner: u32,
+        /// This process's effective uid.
+        ours: u32,
+    },
+
+    /// The file descriptor or path does not refer to a regular file or shared memory object.
+    #[error(
+        "{object} is a {kind}, not a regular file or shared memory object; only fds of shared \
+         regions (memfd, shm_open, regular files) can be mapped"
+    )]
+    WrongKind {
+        /// The object.
+        object: String,
+        /// What it actually is.
+        kind: ObjectKind,
+    },
+
+    /// The object is shorter than the size claimed for it: mapping it would SIGBUS on access.
+    #[error(
+        "{object} holds {actual} bytes but {needed} were expected; it was truncated after \
+         sharing or the claimed size is wrong. Not mapping it (reading past its end would \
+         raise SIGBUS); ask the producer to share it again"
+    )]
+    TooSmall {
+        /// The object.
+        object: String,
+        /// Its size according to `fstat`.
+        actual: u64,
+        /// The size that was claimed or requested.
+        needed: u64,
+    },
+
+    /// A file descriptor was closed or otherwise unusable.
+    #[error(
+        "{object} is not an open file descriptor ({source}); pass an fd that is open for the \
+         whole call"
+    )]
+    InvalidFd {
+        /// The descriptor.
+        object: String,
+        /// The OS error (usually `EBADF`).
+        source: io::Error,
+    },
+
+    /// The OS refused access to the object.
+    #[error(
+        "permission denied for {object} during {op} ({source}); check its mode and owner, \
+         or map it read-only"
+    )]
+    PermissionDenied {
+        /// The object.
+        object: String,
+        /// The system call that failed.
+        op: &'static str,
+        /// The OS error.
+        source: io::Error,
+    },
+
+    /// Any other system call failure.
+    #[error("{op} failed for {object}: {source}")]
+    Os {
+        /// The object.
+        object: String,
+        /// The system call that failed.
+        op: &'static str,
+        /// The OS error, with its code.
+        source: io::Error,
+    },
+
+    /// A refcounted region was opened while its last user was tearing it down.
+    #[error(
+        "{object} is being destroyed (its refcount was {refcount} when this process tried to \
+         join); the region is gone or not yet initialised; ask its owner to share a fresh one \
+         or retry"
+    )]
+    RefcountGone {
+        /// The region.
+        object: String,
+        /// The refcount this process found before adding itself.
+        refcount: i32,
+    },
+
+    /// A message on a region socket did not follow the wire format.
+    #[error("bad region message on the socket: {problem}; both ends must use tensormem-shm's region protocol (same major version)")]
+    Protocol {
+        /// What was wrong.
+        problem: String,
+    },
+
+    /// The peer closed the region socket.
+    #[error("the peer closed the region socket before a full message arrived; it probably exited")]
+    Disconnected,
+
+    /// A byte range lies outside the mapped region.
+    #[error("range {offset}..{offset}+{len} is outside the region of {region_len} bytes; keep offsets below len()")]
+    OutOfBounds {
+        /// Start of the range.
+        offset: usize,
+        /// Its length.
+        len: usize,
+        /// The region's length.
+        region_len: usize,
+    },
+
+    /// An atomic access was not aligned to its size.
+    #[error(
+        "offset {offset} is not a multiple of {align}, the alignment a {align}-byte atomic needs"
+    )]
+    Misaligned {
+        /// The offset asked for.
+        offset: usize,
+        /// The alignment needed.
+        align: usize,
+    },
+
+    /// A write was attempted through a read-only mapping.
+    #[error("the region is mapped read-only; map it with Access::ReadWrite to write to it")]
+    ReadOnly,
+}
+
+/// Which naming rule a shared memory name broke.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum NameProblem {
+    /// The name does not start with '/'.
+    NoLeadingSlash,
+    /// Nothing follows the leading '/'.
+    Empty,
+    /// A '/' appears after the first byte.
+    InnerSlash,
+    /// The name contains a NUL byte.
+    Nul,
+    /// More than 255 bytes follow the leading '/'.
+    TooLong,
+    /// The name is "/." or "/..".
+    DotName,
+    /// The name is not valid UTF-8.
+    NotUtf8,
+}
+
+impl fmt::Display for NameProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::NoLeadingSlash => "it must start with '/'",
+            Self::Empty => "nothing follows the leading '/'",
+            Self::InnerSlash => "it contains a '/' after the leading one",
+            Self::Nul => "it contains a NUL byte",
+            Self::TooLong => "more than 255 bytes follow the leading '/'",
+            Self::DotName => "\".\" and \"..\" are directory entries, not names",
+            Self::NotUtf8 => "it is not valid UTF-8",
+        })
+    }
+}
+
+/// Why a size cannot be used for a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SizeProblem {
+    /// Zero bytes cannot be mapped.
+    Zero,
+    /// Larger than a mapping can be on this platform (`isize::MAX` bytes).
+    TooLarge,
+    /// Creating a region requires its size: call `len(...)`.
+    Missing,
+}
+
+impl fmt::Display for SizeProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Zero => "a region needs at least one byte",
+            Self::TooLarge => "it exceeds the largest mapping possible (isize::MAX bytes)",
+            Self::Missing => "creating a region needs its size; set it with len(...)",
+        })
+    }
+}
+
+/// What kind of filesystem object a descriptor or path refers to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ObjectKind {
+    /// A regular file, memfd or POSIX shared memory object: the only kind that can be mapped.
+    Regular,
+    /// A directory.
+    Directory,
+    /// A socket.
+    Socket,
+    /// A pipe or FIFO.
+    Fifo,
+    /// A character device.
+    CharDevice,
+    /// A block device.
+    BlockDevice,
+    /// A symbolic link.
+    Symlink,
+    /// Something else.
+    Unknown,
+}
+
+impl fmt::Display for ObjectKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Regular => "regular file",
+            Self::Directory => "directory",
+            Self::Socket => "socket",
+            Self::Fifo => "pipe (FIFO)",
+            Self::CharDevice => "character device",
+            Self::BlockDevice => "block device",
+            Self::Symlink => "symbolic link",
+            Self::Unknown => "object of unknown type",
+        })
+    }
+}
+
+impl Error {
+    /// Turns an OS error from `op` on `object` into the most specific variant.
+    pub(crate) fn from_errno(errno: Errno, op: &'static str, object: impl Into<String>) -> Self {
+        let object = object.into();
+        let source = io::Error::from(errno);
+        match errno {
+            Errno::EXIST => Self::AlreadyExists { object },
+            Errno::NOENT => Self::NotFound { object },
+            Errno::BADF => Self::InvalidFd { object, source },
+            Errno::ACCESS | Errno::PERM => Self::PermissionDenied { object, op, source },
+            _ => Self::Os { object, op, source },
+        }
+    }
+
+    /// A closure for `map_err` that calls [`Error::from_errno`].
+    pub(crate) fn os<'a>(op: &'static str, object: &'a str) -> impl FnOnce(Errno) -> Self + 'a {
+        move |errno| Self::from_errno(errno, op, object)
+    }
+}

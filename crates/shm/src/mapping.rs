@@ -1,0 +1,329 @@
+//! [`Mapping`]: shared memory mapped into this process, and safe ways to reach its bytes.
+//!
+//! # Memory that other processes change
+//!
+//! A shared mapping is, by design, memory that other processes may write at any time. Rust's
+//! references promise that nothing changes the bytes behind a `&[u8]` while it lives, a promise
+//! no library can keep for memory a peer writes. This crate follows the convention of `memmap2`:
+//! [`Mapping::as_slice`] and [`Mapping::as_mut_slice`] are safe, and it is the application's
+//! protocol (a message on the socket, a flag set with an atomic) that must make sure no peer
+//! writes the bytes while this process reads them through a slice. Where words really are shared
+//! concurrently (counters, flags), use [`Mapping::atomic`], which is sound under concurrent access
+//! from any process; [`Mapping::read_at`] / [`Mapping::write_at`] copy without creating references;
+//! [`Mapping::as_ptr`] / [`Mapping::as_mut_ptr`] give raw access for everything else.
+
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::atomic::{
+    AtomicI16, AtomicI32, AtomicI64, AtomicI8, AtomicU16, AtomicU32, AtomicU64, AtomicU8,
+};
+
+use rustix::fd::AsFd;
+use rustix::mm::{MapFlags, ProtFlags};
+
+use crate::error::{Error, Result};
+
+/// Whether a mapping may be written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Access {
+    /// Readable and writable (`PROT_READ | PROT_WRITE`, object opened `O_RDWR`).
+    #[default]
+    ReadWrite,
+    /// Readable only (`PROT_READ`, object opened `O_RDONLY`); writes are refused with
+    /// [`Error::ReadOnly`].
+    ReadOnly,
+}
+
+impl Access {
+    /// Whether writes are allowed.
+    pub fn is_writable(self) -> bool {
+        self == Self::ReadWrite
+    }
+}
+
+/// A `MAP_SHARED` mapping of a file or shared memory object; `Drop` unmaps it.
+///
+/// The bytes the mapping exposes start `offset` bytes into the mapped range (non-zero for
+/// refcounted regions, whose header precedes the data).
+pub struct Mapping {
+    /// Start of the mapped range, page aligned, valid for `map_len` bytes until `Drop`.
+    base: NonNull<u8>,
+    /// Length of the whole mapped range (what `munmap` gets).
+    map_len: usize,
+    /// Where the exposed bytes start within the range; `offset < map_len`.
+    offset: usize,
+    /// How the range was mapped.
+    access: Access,
+}
+
+// SAFETY: a `Mapping` owns its address range exclusively within this process (nothing else
+// unmaps it); moving the owner to another thread changes nothing about the memory's validity.
+unsafe impl Send for Mapping {}
+// SAFETY: `&Mapping` only hands out `&[u8]` (read-only views), atomics and copies; writes need
+// `&mut Mapping` or raw pointers whose use is the caller's unsafe responsibility.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// `mmap(NULL, map_len, prot, MAP_SHARED [| MAP_POPULATE], fd, 0)`.
+    ///
+    /// The caller has checked that the object behind `fd` holds at least `map_len` bytes and that
+    /// `0 < map_len <= isize::MAX` and `offset < map_len`.
+    pub(crate) fn map(
+        fd: impl AsFd,
+        map_len: usize,
+        offset: usize,
+        access: Access,
+        populate: bool,
+    ) -> rustix::io::Result<Self> {
+        debug_assert!(map_len > 0 && offset < map_len);
+        let prot = match access {
+            Access::ReadWrite => ProtFlags::READ | ProtFlags::WRITE,
+            Access::ReadOnly => ProtFlags::READ,
+        };
+        let mut flags = MapFlags::SHARED;
+        if populate {
+            flags |= MapFlags::POPULATE;
+        }
+        // SAFETY: a null hint lets the kernel pick an unused range, so no existing mapping is
+        // replaced; the range becomes owned by the returned `Mapping`, which unmaps it once.
+        let ptr = unsafe { rustix::mm::mmap(std::ptr::null_mut(), map_len, prot, flags, fd, 0)? };
+        let base = NonNull::new(ptr.cast::<u8>()).ok_or(rustix::io::Errno::NOMEM)?;
+        Ok(Self {
+            base,
+            map_len,
+            offset,
+            access,
+        })
+    }
+
+    /// Number of bytes exposed (the mapped range minus any header).
+    pub fn len(&self) -> usize {
+        self.map_len - self.offset
+    }
+
+    /// Always `false`: regions hold at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// How the memory was mapped.
+    pub fn access(&self) -> Access {
+        self.access
+    }
+
+    /// Pointer to the first exposed byte; valid for [`len`](Self::len) bytes while `self` lives.
+    pub fn as_ptr(&self) -> *const u8 {
+        // SAFETY: `offset < map_len`, so the result stays inside the mapped range.
+        unsafe { self.base.as_ptr().add(self.offset) }
+    }
+
+    /// Mutable pointer to the first exposed byte. Writing through it is allowed only for
+    /// [`Access::ReadWrite`] mappings (a write to a read-only mapping raises SIGSEGV).
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        // SAFETY: as in `as_ptr`.
+        unsafe { self.base.as_ptr().add(self.offset) }
+    }
+
+    /// The exposed bytes. Other processes sharing the object may change them: see the
+    /// [module docs](self) for what that means and when to prefer [`atomic`](Self::atomic).
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the range is mapped readable for `len()` bytes until `self` is dropped, and the
+        // returned borrow cannot outlive `self`. Writes by other processes are the documented
+        // caveat shared with memmap2; within this process, writes need `&mut self`.
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }
+    }
+
+    /// The exposed bytes, writable.
+    ///
+    /// # Panics
+    ///
+    /// If the mapping is read-only; [`try_as_mut_slice`](Self::try_as_mut_slice) returns an
+    /// error instead.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self.try_as_mut_slice() {
+            Ok(slice) => slice,
+            Err(err) => panic!("{err}"),
+        }
+    }
+
+    /// The exposed bytes, writable.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ReadOnly`] if the mapping is read-only.
+    pub fn try_as_mut_slice(&mut self) -> Result<&mut [u8]> {
+        if !self.access.is_writable() {
+            return Err(Error::ReadOnly);
+        }
+        let len = self.len();
+        // SAFETY: the range is mapped writable for `len` bytes; `&mut self` guarantees no other
+        // reference into it exists in this process for the borrow's lifetime.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr(), len) })
+    }
+
+    /// Copies `buf.len()` bytes starting at `offset` into `buf`, without creating a reference to
+    /// the shared bytes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::OutOfBounds`] if the range does not fit in the region.
+    pub fn read_at(&self, offset: usize, buf: &mut [u8]) -> Result<()> {
+        self.check_range(offset, buf.len())?;
+        // SAFETY: the range was checked to lie inside the mapping; `buf` is private memory that
+        // cannot overlap a shared mapping we own.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.as_ptr().add(offset), buf.as_mut_ptr(), buf.len());
+        }
+        Ok(())
+    }
+
+    /// Copies `data` into the region at `offset`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ReadOnly`] for read-only mappings, [`Error::OutOfBounds`] if the range does not
+    /// fit.
+    pub fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<()> {
+        if !self.access.is_writable() {
+            return Err(Error::ReadOnly);
+        }
+        self.check_range(offset, data.len())?;
+        // SAFETY: the range was checked to lie inside a writable mapping; `&mut self` excludes
+        // other references in this process and `data` cannot alias a mapping `self` owns mutably.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.as_mut_ptr().add(offset), data.len());
+        }
+        Ok(())
+    }
+
+    /// Reads the byte at `offset` with a volatile load: the compiler neither caches nor elides it,
+    /// which is what polling a byte another process writes needs when no atomic is used.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::OutOfBounds`] if `offset >= len()`.
+    pub fn read_volatile(&self, offset: usize) -> Result<u8> {
+        self.check_range(offset, 1)?;
+        // SAFETY: `offset` is inside the readable mapping.
+        Ok(unsafe { self.as_ptr().add(offset).read_volatile() })
+    }
+
+    /// Writes the byte at `offset` with a volatile store.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ReadOnly`] or [`Error::OutOfBounds`].
+    pub fn write_volatile(&mut self, offset: usize, value: u8) -> Result<()> {
+        if !self.access.is_writable() {
+            return Err(Error::ReadOnly);
+        }
+        self.check_range(offset, 1)?;
+        // SAFETY: `offset` is inside the writable mapping.
+        unsafe { self.as_mut_ptr().add(offset).write_volatile(value) };
+        Ok(())
+    }
+
+    /// An atomic integer living at `offset` in the region, for words several processes update
+    /// concurrently (refcounts, flags, sequence numbers):
+    ///
+    /// ```
+    /// use std::sync::atomic::{AtomicU64, Ordering};
+    /// # let region = tensormem_shm::SharedRegion::create_anonymous(4096)?;
+    /// let counter: &AtomicU64 = region.atomic(8)?;
+    /// counter.fetch_add(1, Ordering::AcqRel);
+    /// # Ok::<(), tensormem_shm::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ReadOnly`] for read-only mappings (an atomic could be stored to),
+    /// [`Error::Misaligned`] if `offset` is not a multiple of the atomic's size,
+    /// [`Error::OutOfBounds`] if it does not fit.
+    pub fn atomic<A: SharedAtomic>(&self, offset: usize) -> Result<&A> {
+        if !self.access.is_writable() {
+            return Err(Error::ReadOnly);
+        }
+        let size = std::mem::size_of::<A>();
+        self.check_range(offset, size)?;
+        // The base is page aligned, so alignment within the region is alignment in memory
+        // provided the header offset is itself aligned (it is 0 or 64).
+        let addr = self.as_ptr() as usize + offset;
+        if addr % std::mem::align_of::<A>() != 0 {
+            return Err(Error::Misaligned {
+                offset,
+                align: std::mem::align_of::<A>(),
+            });
+        }
+        // SAFETY: the address is inside a writable shared mapping, aligned for `A`, and lives as
+        // long as `&self`. Atomic types have the layout of their integer and every bit pattern
+        // is valid; atomics are the sound way to access memory other processes write.
+        Ok(unsafe { &*(addr as *const A) })
+    }
+
+    fn check_range(&self, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len() => Ok(()),
+            _ => Err(Error::OutOfBounds {
+                offset,
+                len,
+                region_len: self.len(),
+            }),
+        }
+    }
+
+    /// Start of the whole mapped range, header included.
+    pub(crate) fn base_ptr(&self) -> *mut u8 {
+        self.base.as_ptr()
+    }
+
+    /// Length of the whole mapped range, header included.
+    pub(crate) fn map_len(&self) -> usize {
+        self.map_len
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`map_len` describe exactly the range `mmap` returned, unmapped only here;
+        // every borrow of it has ended because they borrow `self`.
+        if let Err(errno) = unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.map_len) } {
+            tracing::error!(
+                addr = ?self.base,
+                len = self.map_len,
+                error = %errno,
+                "munmap of a shared region failed; the address range stays mapped (leaked)"
+            );
+        }
+    }
+}
+
+impl fmt::Debug for Mapping {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Mapping")
+            .field("base", &self.base)
+            .field("len", &self.len())
+            .field("offset", &self.offset)
+            .field("access", &self.access)
+            .finish()
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// Atomic integer types that [`Mapping::atomic`] can place in shared memory.
+///
+/// Implemented for `AtomicU8` .. `AtomicU64` and `AtomicI8` .. `AtomicI64`; sealed, because the
+/// soundness of `atomic` relies on every bit pattern being a valid value of the type.
+pub trait SharedAtomic: sealed::Sealed + Sync {}
+
+macro_rules! shared_atomic {
+    ($($t:ty),*) => {$(
+        impl sealed::Sealed for $t {}
+        impl SharedAtomic for $t {}
+    )*};
+}
+shared_atomic!(
+    AtomicU8, AtomicU16, AtomicU32, AtomicU64, AtomicI8, AtomicI16, AtomicI32, AtomicI64
+);
