@@ -1,0 +1,386 @@
+//! The CUDA backend: [`Device`] on a real GPU through the CUDA driver API (feature `cuda`).
+//!
+//! Built on [cudarc](https://docs.rs/cudarc) with dynamic loading: building needs no CUDA toolkit, and
+//! `libcuda.so` is looked up when the first device is opened. Where cudarc's safe layer has no wrapper
+//! (virtual memory, interprocess events, graph-capture status, host functions) this module calls the raw
+//! driver API (`cudarc::driver::sys`) and checks every `CUresult`, turning failures into
+//! [`DeviceError::Driver`] (the call, the code, and the driver's name and description of it) and
+//! `CUDA_ERROR_OUT_OF_MEMORY` into [`DeviceError::OutOfMemory`], which the allocator answers by freeing
+//! cached memory and retrying.
+//!
+//! | CUDA concept | here |
+//! | --- | --- |
+//! | device ordinal + primary context | [`CudaDevice`] (one per ordinal; the context is retained for the process) |
+//! | `cudaStream_t` created non-blocking | [`CudaStream`]; its [`StreamId`] is the handle value |
+//! | `cudaEvent_t` (timing disabled, optionally interprocess) | [`CudaEvent`] |
+//! | `CUmemGenericAllocationHandle` | [`PhysicalChunk`] |
+//! | `cudaGetDeviceProperties` | [`device_properties`] |
+//!
+//! # Without a driver or a device
+//!
+//! cudarc panics when `libcuda.so` is missing; this backend probes for the library first and calls
+//! `cuInit` under `catch_unwind`, so [`CudaDevice::new`], [`device_count`] and friends return
+//! [`DeviceError::Driver`] with code 100 (`CUDA_ERROR_NO_DEVICE`) and a message saying what is missing.
+//! [`init`] tells whether CUDA is usable at all.
+//!
+//! # Threads and contexts
+//!
+//! Driver calls that act on "the current context" (allocation, event and stream creation, memory info,
+//! synchronisation) first make the device's primary context current on the calling thread, unless the
+//! driver already reports it current (one cheap `cuCtxGetCurrent`). The context is not cached on our side:
+//! other code in the process (the CUDA runtime, PyTorch) may switch it at any time.
+
+mod context;
+mod driver;
+mod event;
+mod properties;
+mod stream;
+mod vmm;
+
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+
+use cudarc::driver::sys;
+use parking_lot::Mutex;
+
+use crate::device::{
+    CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, MemInfo, StreamId,
+};
+
+use context::PrimaryContext;
+pub use driver::{device_count, init};
+pub use event::{CudaEvent, IPC_HANDLE_SIZE};
+pub use properties::{can_access_peer, device_properties, DeviceProperties, DeviceUuid};
+pub use stream::CudaStream;
+use vmm::ChunkKind;
+pub use vmm::PhysicalChunk;
+
+/// The minimum alignment the allocator relies on (trait obligation 1).
+const MIN_ALIGNMENT: u64 = 512;
+
+/// One CUDA device as the allocator's memory provider.
+///
+/// Create one per device ordinal with [`CudaDevice::new`] and hand it to the allocator. It uses the
+/// device's primary context (the one the CUDA runtime and PyTorch use), so pointers and streams are
+/// interchangeable with runtime-API code in the same process.
+#[derive(Debug)]
+pub struct CudaDevice {
+    /// The device ordinal.
+    ordinal: u32,
+    /// The primary context, retained for the rest of the process.
+    ctx: &'static PrimaryContext,
+    /// How physical chunks are created; read on first virtual-memory use.
+    chunk_kind: OnceLock<DeviceResult<ChunkKind>>,
+    /// The mapping granularity; read on first virtual-memory use.
+    granularity: OnceLock<DeviceResult<usize>>,
+    /// Who may access this device's mapped virtual memory, and what is mapped.
+    vmm: Mutex<VmmAccess>,
+}
+
+/// The state behind [`CudaDevice::enable_peer_access`] for virtual memory: unlike `cuMemAlloc` memory,
+/// mapped chunks are accessible only to devices named in `cuMemSetAccess`, so a peer granted access later
+/// must be given access to every live mapping too.
+#[derive(Debug, Default)]
+struct VmmAccess {
+    /// Devices other than this one that were granted access (no duplicates).
+    peers: Vec<sys::CUdevice>,
+    /// Live mappings: start address -> length.
+    mapped: BTreeMap<u64, usize>,
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal`: loads and initialises the driver if needed and retains the device's
+    /// primary context.
+    ///
+    /// # Errors
+    ///
+    /// [`DeviceError::Driver`] with `CUDA_ERROR_NO_DEVICE` (100) when there is no driver or no device,
+    /// `CUDA_ERROR_INVALID_DEVICE` (101) when `ordinal` is past the device count.
+    pub fn new(ordinal: u32) -> DeviceResult<Self> {
+        let ctx = PrimaryContext::get(ordinal)?;
+        Ok(Self {
+            ordinal,
+            ctx,
+            chunk_kind: OnceLock::new(),
+            granularity: OnceLock::new(),
+            vmm: Mutex::new(VmmAccess::default()),
+        })
+    }
+
+    /// The device ordinal.
+    #[inline]
+    #[must_use]
+    pub fn ordinal(&self) -> u32 {
+        self.ordinal
+    }
+
+    /// The primary context.
+    #[inline]
+    pub(crate) fn context(&self) -> &'static PrimaryContext {
+        self.ctx
+    }
+
+    /// Makes this device's primary context current on the calling thread (`cuCtxSetCurrent`), like
+    /// `cudaSetDevice`; a no-op if it already is.
+    #[doc(alias = "cuCtxSetCurrent")]
+    pub fn make_current(&self) -> DeviceResult<()> {
+        self.ctx.make_current()
+    }
+
+    /// The device's properties (see [`device_properties`]).
+    pub fn properties(&self) -> DeviceResult<DeviceProperties> {
+        device_properties(self.ordinal)
+    }
+
+    /// Creates an interprocess-capable event (`cuEventCreate` with `CU_EVENT_DISABLE_TIMING |
+    /// CU_EVENT_INTERPROCESS`), for the CUDA IPC layer: export it with [`CudaEvent::ipc_handle`].
+    #[doc(alias = "cuEventCreate")]
+    pub fn create_interprocess_event(&self) -> DeviceResult<CudaEvent> {
+        self.ctx.make_current()?;
+        CudaEvent::create_in_current_context(true)
+    }
+
+    /// Creates a non-blocking stream on this device (see [`CudaStream::new`]).
+    pub fn create_stream(&self) -> DeviceResult<CudaStream> {
+        CudaStream::new(self)
+    }
+
+    /// Lets kernels and copies running on this device access memory of `peer` directly
+    /// (`cuCtxEnablePeerAccess` from this device's context to `peer`'s), and grants this device access to
+    /// `peer`'s virtual-memory mappings, present and future (`cuMemSetAccess`), which peer access alone
+    /// does not cover. Enabling twice is not an error.
+    ///
+    /// # Errors
+    ///
+    /// [`DeviceError::Unsupported`] if the hardware cannot (see [`can_access_peer`]) or `peer` is this
+    /// device; the driver's errors otherwise.
+    #[doc(alias = "cuCtxEnablePeerAccess")]
+    pub fn enable_peer_access(&self, peer: &CudaDevice) -> DeviceResult<()> {
+        if !can_access_peer(self.ordinal, peer.ordinal)? {
+            return Err(DeviceError::Unsupported {
+                what: "peer access between these two devices (cuDeviceCanAccessPeer says no)",
+            });
+        }
+        self.ctx.make_current()?;
+        // SAFETY: this device's context is current and `peer`'s context is live; flags must be 0.
+        match unsafe { sys::cuCtxEnablePeerAccess(peer.ctx.raw(), 0) } {
+            sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {}
+            other => driver::check("cuCtxEnablePeerAccess", other)?,
+        }
+        peer.grant_vmm_access(self.ctx.device())
+    }
+
+    /// Adds `dev` to the devices that may access this device's virtual-memory mappings, and gives it
+    /// access to every live mapping.
+    fn grant_vmm_access(&self, dev: sys::CUdevice) -> DeviceResult<()> {
+        let mut vmm = self.vmm.lock();
+        if dev == self.ctx.device() || vmm.peers.contains(&dev) {
+            return Ok(());
+        }
+        for (&ptr, &size) in &vmm.mapped {
+            // SAFETY: `mapped` lists exactly the live mappings (`map` inserts after mapping, `unmap`
+            // removes before unmapping, both under this lock).
+            unsafe { vmm::set_access(ptr, size, &[dev])? };
+        }
+        vmm.peers.push(dev);
+        Ok(())
+    }
+
+    fn chunk_kind(&self) -> DeviceResult<ChunkKind> {
+        self.chunk_kind
+            .get_or_init(|| ChunkKind::of(self.ctx.device()))
+            .clone()
+    }
+}
+
+// SAFETY: the obligations of `Device` hold:
+// 1. `malloc` returns what `cuMemAlloc` returned; the driver hands a range out once until `cuMemFree`, and
+//    the address is checked to be 512-byte aligned (the driver aligns to at least 256 bytes and in
+//    practice to 512 or more; a less aligned address is freed and reported as an error).
+// 2. `reserve_address_range` asks `cuMemAddressReserve` for an alignment of the granularity; reserved
+//    ranges never overlap each other or `cuMemAlloc` memory (unified address space).
+// 3. Events are real CUDA events, which complete only after the work recorded before them.
+// 4. Nothing here calls back into an allocator: only driver calls, host functions are never queued by
+//    these methods.
+unsafe impl Device for CudaDevice {
+    type Event = CudaEvent;
+    type PhysicalChunk = PhysicalChunk;
+
+    #[inline]
+    fn index(&self) -> u32 {
+        self.ordinal
+    }
+
+    #[doc(alias = "cuMemGetInfo")]
+    fn mem_info(&self) -> DeviceResult<MemInfo> {
+        self.ctx.make_current()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: this device's context is current; both out-parameters are valid.
+        driver::check("cuMemGetInfo", unsafe {
+            sys::cuMemGetInfo_v2(&mut free, &mut total)
+        })?;
+        Ok(MemInfo {
+            free: free as u64,
+            total: total as u64,
+        })
+    }
+
+    #[doc(alias = "cuMemAlloc")]
+    fn malloc(&self, size: usize) -> DeviceResult<DevicePtr> {
+        self.ctx.make_current()?;
+        let mut ptr = 0;
+        // SAFETY: this device's context is current; `ptr` is a valid out-parameter.
+        driver::check_alloc(
+            "cuMemAlloc",
+            unsafe { sys::cuMemAlloc_v2(&mut ptr, size) },
+            size,
+        )?;
+        if ptr % MIN_ALIGNMENT != 0 {
+            // SAFETY: `ptr` was just allocated by `cuMemAlloc` and is unused.
+            let _ = unsafe { sys::cuMemFree_v2(ptr) };
+            return Err(DeviceError::Driver {
+                call: "cuMemAlloc",
+                code: sys::CUresult::CUDA_ERROR_INVALID_ADDRESS_SPACE as i32,
+                message: format!(
+                    "returned {ptr:#x}, which is not aligned to {MIN_ALIGNMENT} bytes"
+                ),
+            });
+        }
+        Ok(DevicePtr(ptr))
+    }
+
+    #[doc(alias = "cuMemFree")]
+    unsafe fn free(&self, ptr: DevicePtr, _size: usize) -> DeviceResult<()> {
+        self.ctx.make_current()?;
+        // SAFETY: the caller guarantees `ptr` came from `malloc` here, is freed once, and is idle.
+        driver::check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr.0) })
+    }
+
+    fn create_event(&self) -> DeviceResult<CudaEvent> {
+        self.ctx.make_current()?;
+        CudaEvent::create_in_current_context(false)
+    }
+
+    #[inline]
+    fn record_event(&self, event: &CudaEvent, stream: StreamId) -> DeviceResult<()> {
+        if stream == StreamId::DEFAULT {
+            // The legacy default stream is the current context's: make sure it is this device's.
+            self.ctx.make_current()?;
+        }
+        // SAFETY: a `StreamId` names a live stream of this device (the allocator only records on streams
+        // it was given blocks for) or the default stream, whose context was just made current.
+        unsafe { event.record_raw(stream.0 as sys::CUstream) }
+    }
+
+    #[inline]
+    fn query_event(&self, event: &CudaEvent) -> DeviceResult<bool> {
+        event.query()
+    }
+
+    fn synchronize_event(&self, event: &CudaEvent) -> DeviceResult<()> {
+        event.synchronize()
+    }
+
+    #[doc(alias = "cuCtxSynchronize")]
+    fn synchronize(&self) -> DeviceResult<()> {
+        self.ctx.make_current()?;
+        // SAFETY: this device's context is current.
+        driver::check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+
+    #[doc(alias = "cuStreamGetCaptureInfo")]
+    fn capture_status(&self, stream: StreamId) -> DeviceResult<CaptureStatus> {
+        if stream == StreamId::DEFAULT {
+            self.ctx.make_current()?;
+        }
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut id = 0;
+        // SAFETY: the stream is live (see `record_event`); the optional outputs are null, which the driver
+        // accepts; `status` and `id` are valid out-parameters.
+        driver::check("cuStreamGetCaptureInfo", unsafe {
+            sys::cuStreamGetCaptureInfo_v3(
+                stream.0 as sys::CUstream,
+                &mut status,
+                &mut id,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        })?;
+        Ok(match status {
+            sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => CaptureStatus::None,
+            sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE => {
+                CaptureStatus::Active { id }
+            }
+            sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_INVALIDATED => {
+                CaptureStatus::Invalidated
+            }
+        })
+    }
+
+    #[doc(alias = "cuMemGetAllocationGranularity")]
+    fn vmm_granularity(&self) -> DeviceResult<usize> {
+        self.granularity
+            .get_or_init(|| self.chunk_kind()?.granularity())
+            .clone()
+    }
+
+    #[doc(alias = "cuMemAddressReserve")]
+    fn reserve_address_range(&self, size: usize) -> DeviceResult<DevicePtr> {
+        let granularity = self.vmm_granularity()?;
+        self.ctx.make_current()?;
+        let mut ptr = 0;
+        // SAFETY: this device's context is current; `ptr` is a valid out-parameter; no fixed address is
+        // requested (0) and flags must be 0.
+        let result = unsafe { sys::cuMemAddressReserve(&mut ptr, size, granularity, 0, 0) };
+        driver::check_alloc("cuMemAddressReserve", result, size)?;
+        Ok(DevicePtr(ptr))
+    }
+
+    #[doc(alias = "cuMemAddressFree")]
+    unsafe fn release_address_range(&self, ptr: DevicePtr, size: usize) -> DeviceResult<()> {
+        // SAFETY: the caller guarantees the range was reserved with this size and has nothing mapped.
+        driver::check("cuMemAddressFree", unsafe {
+            sys::cuMemAddressFree(ptr.0, size)
+        })
+    }
+
+    #[doc(alias = "cuMemCreate")]
+    fn create_physical(&self, size: usize) -> DeviceResult<PhysicalChunk> {
+        let kind = self.chunk_kind()?;
+        self.ctx.make_current()?;
+        kind.create(size)
+    }
+
+    #[doc(alias = "cuMemMap")]
+    unsafe fn map(&self, ptr: DevicePtr, size: usize, chunk: &PhysicalChunk) -> DeviceResult<()> {
+        debug_assert_eq!(size, chunk.size(), "a chunk is mapped whole");
+        let mut vmm = self.vmm.lock();
+        // SAFETY: the caller guarantees the range is reserved, unmapped, and `size` is the chunk's size.
+        driver::check("cuMemMap", unsafe {
+            sys::cuMemMap(ptr.0, size, 0, chunk.as_raw(), 0)
+        })?;
+        let mut devices = Vec::with_capacity(1 + vmm.peers.len());
+        devices.push(self.ctx.device());
+        devices.extend_from_slice(&vmm.peers);
+        // SAFETY: the range was mapped in full just above.
+        if let Err(err) = unsafe { vmm::set_access(ptr.0, size, &devices) } {
+            // SAFETY: undo the mapping made above; nothing can have used it (no access was granted).
+            let _ = unsafe { sys::cuMemUnmap(ptr.0, size) };
+            return Err(err);
+        }
+        vmm.mapped.insert(ptr.0, size);
+        Ok(())
+    }
+
+    #[doc(alias = "cuMemUnmap")]
+    unsafe fn unmap(&self, ptr: DevicePtr, size: usize, chunk: PhysicalChunk) -> DeviceResult<()> {
+        let mut vmm = self.vmm.lock();
+        vmm.mapped.remove(&ptr.0);
+        // SAFETY: the caller guarantees `chunk` is mapped exactly at this range and is idle.
+        driver::check("cuMemUnmap", unsafe { sys::cuMemUnmap(ptr.0, size) })?;
+        drop(vmm);
+        chunk.release()
+    }
+}

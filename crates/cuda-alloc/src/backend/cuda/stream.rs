@@ -1,0 +1,235 @@
+//! Owned non-blocking streams, and the few stream operations tests and users need around the allocator
+//! (memset, copies, host functions).
+
+use std::ffi::c_void;
+use std::panic::AssertUnwindSafe;
+
+use cudarc::driver::sys;
+
+use super::driver::check;
+use super::CudaDevice;
+use crate::device::{DevicePtr, DeviceResult, StreamId};
+
+/// An owned CUDA stream (`CUstream`) of one device, created non-blocking (it does not synchronise with the
+/// legacy default stream), destroyed on drop.
+///
+/// Its [`StreamId`] is the numeric value of its handle, which is how the allocator, snapshots and traces
+/// name streams. Dropping a stream with work still queued is allowed: the driver finishes the work first.
+#[derive(Debug)]
+pub struct CudaStream {
+    /// Non-null, owned by this value, destroyed in `drop`.
+    raw: sys::CUstream,
+    /// The device ordinal.
+    ordinal: u32,
+}
+
+// SAFETY: CUDA stream handles may be used from any thread; the driver serialises work submission on a
+// stream internally. This type only passes the handle to driver calls.
+unsafe impl Send for CudaStream {}
+// SAFETY: as above; no method takes `&mut self` except `drop`.
+unsafe impl Sync for CudaStream {}
+
+/// A host function queued on a stream: the boxed closure the trampoline runs once.
+type HostFn = Box<dyn FnOnce() + Send + 'static>;
+
+/// Runs the closure handed to `cuLaunchHostFunc`; a panic is caught (it must not unwind into the driver).
+unsafe extern "C" fn run_host_fn(data: *mut c_void) {
+    // SAFETY: `data` is the `Box<HostFn>` leaked by `launch_host_fn`, handed to the driver once, and the
+    // driver calls this function exactly once with it.
+    let f: Box<HostFn> = unsafe { Box::from_raw(data.cast::<HostFn>()) };
+    if std::panic::catch_unwind(AssertUnwindSafe(f)).is_err() {
+        tracing::error!(
+            "a host function queued on a CUDA stream panicked; the panic was contained"
+        );
+    }
+}
+
+impl CudaStream {
+    /// Creates a non-blocking stream on `device` (`cuStreamCreate` with `CU_STREAM_NON_BLOCKING`).
+    #[doc(alias = "cuStreamCreate")]
+    pub fn new(device: &CudaDevice) -> DeviceResult<Self> {
+        Self::with_priority(device, 0)
+    }
+
+    /// Creates a non-blocking stream with a priority (`cuStreamCreateWithPriority`; lower numbers are
+    /// higher priority, `0` is the default).
+    #[doc(alias = "cuStreamCreateWithPriority")]
+    pub fn with_priority(device: &CudaDevice, priority: i32) -> DeviceResult<Self> {
+        let ctx = device.context();
+        ctx.make_current()?;
+        let mut raw = std::ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: the device's context is current; `raw` is a valid out-parameter.
+        check("cuStreamCreateWithPriority", unsafe {
+            sys::cuStreamCreateWithPriority(&mut raw, flags, priority)
+        })?;
+        Ok(Self {
+            raw,
+            ordinal: device.ordinal(),
+        })
+    }
+
+    /// The stream's name for the allocator: its handle value.
+    #[inline]
+    #[must_use]
+    pub fn id(&self) -> StreamId {
+        StreamId(self.raw as u64)
+    }
+
+    /// The ordinal of the device the stream belongs to.
+    #[inline]
+    #[must_use]
+    pub fn device_index(&self) -> u32 {
+        self.ordinal
+    }
+
+    /// The raw handle, for driver calls this crate does not wrap. It stays owned by `self`.
+    #[inline]
+    #[must_use]
+    pub fn as_raw(&self) -> sys::CUstream {
+        self.raw
+    }
+
+    /// Blocks until all work queued on the stream has finished (`cuStreamSynchronize`).
+    #[doc(alias = "cuStreamSynchronize")]
+    pub fn synchronize(&self) -> DeviceResult<()> {
+        // SAFETY: the stream is live.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(self.raw)
+        })
+    }
+
+    /// Whether all work queued on the stream has finished (`cuStreamQuery`), without blocking.
+    #[doc(alias = "cuStreamQuery")]
+    pub fn is_idle(&self) -> DeviceResult<bool> {
+        // SAFETY: the stream is live.
+        match unsafe { sys::cuStreamQuery(self.raw) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => check("cuStreamQuery", other).map(|()| false),
+        }
+    }
+
+    /// Makes later work on this stream wait for `event` (`cuStreamWaitEvent`).
+    #[doc(alias = "cuStreamWaitEvent")]
+    pub fn wait_event(&self, event: &super::CudaEvent) -> DeviceResult<()> {
+        // SAFETY: the stream and the event are live.
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(self.raw, event.as_raw(), 0)
+        })
+    }
+
+    /// Records `event` on this stream (`cuEventRecord`): it completes once the work queued so far has.
+    #[doc(alias = "cuEventRecord")]
+    pub fn record(&self, event: &super::CudaEvent) -> DeviceResult<()> {
+        // SAFETY: the stream is live and non-null (so the current context does not matter).
+        unsafe { event.record_raw(self.raw) }
+    }
+
+    /// Queues `f` to run on a driver thread once the work queued before it has finished
+    /// (`cuLaunchHostFunc`); work queued after it waits for it to return. Tests use it to hold a stream
+    /// busy for as long as they like.
+    ///
+    /// A panic in `f` is caught and logged.
+    ///
+    /// # Safety
+    ///
+    /// `f` makes no CUDA call (the driver forbids it in host functions; it may fail or deadlock).
+    #[doc(alias = "cuLaunchHostFunc")]
+    pub unsafe fn launch_host_fn(&self, f: impl FnOnce() + Send + 'static) -> DeviceResult<()> {
+        let data = Box::into_raw(Box::new(Box::new(f) as HostFn)).cast::<c_void>();
+        // SAFETY: the stream is live; `run_host_fn` takes back ownership of `data` when the driver calls it.
+        let result = unsafe { sys::cuLaunchHostFunc(self.raw, Some(run_host_fn), data) };
+        if result != sys::CUresult::CUDA_SUCCESS {
+            // SAFETY: the launch failed, so the driver will never call `run_host_fn`; reclaim the box.
+            drop(unsafe { Box::from_raw(data.cast::<HostFn>()) });
+        }
+        check("cuLaunchHostFunc", result)
+    }
+
+    /// Queues a fill of `len` bytes at `ptr` with `value` (`cuMemsetD8Async`).
+    ///
+    /// # Safety
+    ///
+    /// `[ptr, ptr + len)` is device memory this stream may write, and nothing else uses it until the fill
+    /// has completed.
+    #[doc(alias = "cuMemsetD8Async")]
+    pub unsafe fn memset_d8(&self, ptr: DevicePtr, value: u8, len: usize) -> DeviceResult<()> {
+        // SAFETY: the stream is live; the range is the caller's obligation.
+        check("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(ptr.0, value, len, self.raw)
+        })
+    }
+
+    /// Copies `src` from the host to `dst` on this stream and waits for the copy (`cuMemcpyHtoDAsync`,
+    /// `cuStreamSynchronize`).
+    ///
+    /// # Safety
+    ///
+    /// `[dst, dst + src.len())` is device memory this stream may write.
+    #[doc(alias = "cuMemcpyHtoDAsync")]
+    pub unsafe fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> DeviceResult<()> {
+        // SAFETY: `src` is valid for reads of its length until the synchronize below returns; the
+        // destination is the caller's obligation.
+        check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst.0, src.as_ptr().cast(), src.len(), self.raw)
+        })?;
+        self.synchronize()
+    }
+
+    /// Copies `dst.len()` bytes from `src` to the host on this stream and waits for the copy
+    /// (`cuMemcpyDtoHAsync`, `cuStreamSynchronize`).
+    ///
+    /// # Safety
+    ///
+    /// `[src, src + dst.len())` is device memory this stream may read.
+    #[doc(alias = "cuMemcpyDtoHAsync")]
+    pub unsafe fn copy_to_host(&self, dst: &mut [u8], src: DevicePtr) -> DeviceResult<()> {
+        // SAFETY: `dst` is valid for writes of its length until the synchronize below returns (it is
+        // borrowed mutably for the whole call); the source is the caller's obligation.
+        check("cuMemcpyDtoHAsync", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), src.0, dst.len(), self.raw)
+        })?;
+        self.synchronize()
+    }
+
+    /// Queues a copy of `len` bytes from `src` (on `src_device`) to `dst` (on `dst_device`)
+    /// (`cuMemcpyPeerAsync`); works with or without peer access enabled (the driver stages through the
+    /// host without it).
+    ///
+    /// # Safety
+    ///
+    /// The two ranges are device memory of the named devices, `dst` is not used by anything else until the
+    /// copy completes and `src` is not written meanwhile.
+    #[doc(alias = "cuMemcpyPeerAsync")]
+    pub unsafe fn copy_peer(
+        &self,
+        dst: DevicePtr,
+        dst_device: &CudaDevice,
+        src: DevicePtr,
+        src_device: &CudaDevice,
+        len: usize,
+    ) -> DeviceResult<()> {
+        // SAFETY: the stream and both contexts are live; the ranges are the caller's obligation.
+        check("cuMemcpyPeerAsync", unsafe {
+            sys::cuMemcpyPeerAsync(
+                dst.0,
+                dst_device.context().raw(),
+                src.0,
+                src_device.context().raw(),
+                len,
+                self.raw,
+            )
+        })
+    }
+}
+
+impl Drop for CudaStream {
+    fn drop(&mut self) {
+        // SAFETY: the stream is owned by this value and destroyed exactly once; queued work still runs.
+        let result = unsafe { sys::cuStreamDestroy_v2(self.raw) };
+        if let Err(err) = check("cuStreamDestroy", result) {
+            tracing::warn!(%err, device = self.ordinal, "destroying a CUDA stream failed");
+        }
+    }
+}

@@ -1,0 +1,236 @@
+//! `cargo xtask test-gpu --bundle DIR`: the GPU test executables, the `alloc_patterns` benchmark and a
+//! `run.sh`, built here for a GPU host that has no Rust toolchain.
+//!
+//! The executables are built in release without debug info and stripped (through `CARGO_PROFILE_*`
+//! variables, so the workspace's profiles stay as they are), found through cargo's JSON messages, and
+//! copied into `DIR`. CUDA is loaded at run time (`libcuda.so`), so the bundle needs only the NVIDIA driver
+//! and a glibc at least as new as the newest symbol version the executables use (printed, and written to
+//! `DIR/README.txt`).
+
+use std::fmt::Write as _;
+use std::fs;
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use anyhow::{bail, Context, Result};
+
+use crate::gpu_tests::{cargo, GPU_TEST_TARGETS};
+
+/// The benchmark binary copied beside the tests: (package, binary).
+const BENCH_BIN: (&str, &str) = ("tensormem-benches", "alloc_patterns");
+
+/// Builds the bundle into `dir` (created if missing; files of an earlier bundle are replaced).
+pub(crate) fn build(dir: &Path) -> Result<()> {
+    let tests_dir = dir.join("tests");
+    if tests_dir.exists() {
+        fs::remove_dir_all(&tests_dir)
+            .with_context(|| format!("could not clear {}", tests_dir.display()))?;
+    }
+    fs::create_dir_all(&tests_dir)
+        .with_context(|| format!("could not create {}", tests_dir.display()))?;
+
+    let mut files = Vec::new();
+    for &(package, test) in GPU_TEST_TARGETS {
+        let exe = build_one(
+            &["test", "--no-run", "-p", package, "--test", test],
+            |artifact| {
+                artifact
+                    .pointer("/profile/test")
+                    .and_then(serde_json::Value::as_bool)
+                    == Some(true)
+                    && target_name(artifact) == Some(test)
+            },
+        )
+        .with_context(|| format!("building the GPU tests of {package}"))?;
+        let dest = tests_dir.join(format!("{}-{test}", package.replace('-', "_")));
+        copy_executable(&exe, &dest)?;
+        files.push(dest);
+    }
+    let (package, bin) = BENCH_BIN;
+    let exe = build_one(&["build", "-p", package, "--bin", bin], |artifact| {
+        target_name(artifact) == Some(bin)
+    })
+    .with_context(|| format!("building {bin}"))?;
+    let dest = dir.join(bin);
+    copy_executable(&exe, &dest)?;
+    files.push(dest);
+
+    let run_sh = dir.join("run.sh");
+    fs::write(&run_sh, RUN_SH).with_context(|| format!("could not write {}", run_sh.display()))?;
+    set_executable(&run_sh)?;
+
+    let mut glibc = (0, 0);
+    let mut total = 0u64;
+    for file in &files {
+        total += fs::metadata(file)?.len();
+        glibc = glibc.max(newest_glibc_symbol(file)?);
+    }
+    let readme = dir.join("README.txt");
+    fs::write(&readme, readme_text(&files, dir, glibc))
+        .with_context(|| format!("could not write {}", readme.display()))?;
+    eprintln!(
+        "xtask: bundle in {} ({} files, {:.1} MiB; needs glibc >= 2.{}); run it on the GPU host with: bash {}/run.sh",
+        dir.display(),
+        files.len() + 2,
+        total as f64 / (1024.0 * 1024.0),
+        glibc.1,
+        dir.display()
+    );
+    Ok(())
+}
+
+/// Runs `cargo <args> --release --message-format=json` with debug info off and stripping on, and returns
+/// the one executable whose artifact message `wanted` accepts.
+fn build_one(args: &[&str], wanted: impl Fn(&serde_json::Value) -> bool) -> Result<PathBuf> {
+    let mut cmd = cargo();
+    cmd.args(args)
+        .args(["--release", "--message-format=json-render-diagnostics"])
+        .env("CARGO_PROFILE_RELEASE_DEBUG", "false")
+        .env("CARGO_PROFILE_RELEASE_STRIP", "symbols")
+        .env("CARGO_PROFILE_RELEASE_CODEGEN_UNITS", "1")
+        .stdout(Stdio::piped());
+    let mut child = cmd.spawn().context("could not run cargo")?;
+    let stdout = child
+        .stdout
+        .take()
+        .context("cargo's stdout was not captured")?;
+    let mut found = Vec::new();
+    for line in std::io::BufReader::new(stdout).lines() {
+        let line = line.context("reading cargo's messages")?;
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(&line) else {
+            continue;
+        };
+        if msg["reason"] != "compiler-artifact" || !wanted(&msg) {
+            continue;
+        }
+        if let Some(exe) = msg["executable"].as_str() {
+            found.push(PathBuf::from(exe));
+        }
+    }
+    let status = child.wait().context("waiting for cargo")?;
+    if !status.success() {
+        bail!("cargo {} failed ({status})", args.join(" "));
+    }
+    match found.as_slice() {
+        [one] => Ok(one.clone()),
+        [] => bail!("cargo {} produced no matching executable", args.join(" ")),
+        many => bail!(
+            "cargo {} produced several matching executables: {many:?}",
+            args.join(" ")
+        ),
+    }
+}
+
+/// The target name of an artifact message.
+fn target_name(artifact: &serde_json::Value) -> Option<&str> {
+    artifact
+        .pointer("/target/name")
+        .and_then(serde_json::Value::as_str)
+}
+
+fn copy_executable(from: &Path, to: &Path) -> Result<()> {
+    fs::copy(from, to)
+        .with_context(|| format!("could not copy {} to {}", from.display(), to.display()))?;
+    set_executable(to)
+}
+
+fn set_executable(path: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(path, fs::Permissions::from_mode(0o755))
+        .with_context(|| format!("could not make {} executable", path.display()))
+}
+
+/// The newest `GLIBC_2.N` symbol version named in an executable, as `(2, N)`: the oldest glibc it runs on.
+fn newest_glibc_symbol(path: &Path) -> Result<(u32, u32)> {
+    let bytes = fs::read(path).with_context(|| format!("could not read {}", path.display()))?;
+    let needle = b"GLIBC_2.";
+    let mut newest = (2, 0);
+    let mut i = 0;
+    while let Some(pos) = bytes[i..].windows(needle.len()).position(|w| w == needle) {
+        let start = i + pos + needle.len();
+        let digits: String = bytes[start..]
+            .iter()
+            .take_while(|b| b.is_ascii_digit())
+            .map(|&b| b as char)
+            .collect();
+        if let Ok(minor) = digits.parse::<u32>() {
+            newest = newest.max((2, minor));
+        }
+        i = start;
+    }
+    Ok(newest)
+}
+
+fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
+    let mut text = String::from(
+        "tensormem GPU test bundle, built by `cargo xtask test-gpu --bundle`.\n\n\
+         Run on a machine with an NVIDIA GPU and driver (no Rust toolchain needed):\n\n    bash run.sh\n\n\
+         run.sh runs every test executable with TENSORMEM_REQUIRE_GPU=1 (a missing GPU fails instead of\n\
+         skipping) and, when `python3 -c 'import torch'` works, TENSORMEM_REQUIRE_TORCH=1 (the PyTorch interop\n\
+         checks must run). It exits non-zero if any test failed. Extra arguments go to every test executable\n\
+         (e.g. a test name filter).\n\n\
+         The allocator benchmark against PyTorch:\n\n    bash ../shared/anchors/compare_alloc.sh ./alloc_patterns\n\n",
+    );
+    let _ = writeln!(text, "Needs glibc 2.{} or newer. Files:", glibc.1);
+    for file in files {
+        let _ = writeln!(
+            text,
+            "  {}",
+            file.strip_prefix(dir).unwrap_or(file).display()
+        );
+    }
+    text
+}
+
+/// The bundle's runner: every test executable, one test at a time, failing if any failed.
+const RUN_SH: &str = r#"#!/usr/bin/env bash
+# Runs every tensormem GPU test executable of this bundle on this machine's GPUs.
+# Exits non-zero if any test failed. Arguments are passed to every test executable.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+export TENSORMEM_REQUIRE_GPU=1
+if python3 -c 'import torch' >/dev/null 2>&1; then
+  export TENSORMEM_REQUIRE_TORCH=1
+  echo "run.sh: python3 has torch: PyTorch interop checks are required"
+else
+  echo "run.sh: python3 -c 'import torch' failed: PyTorch interop checks will skip"
+fi
+failed=()
+for t in "$here"/tests/*; do
+  echo "== $(basename "$t")"
+  if ! "$t" --test-threads=1 "$@"; then
+    failed+=("$(basename "$t")")
+  fi
+done
+if [ ${#failed[@]} -ne 0 ]; then
+  echo "run.sh: FAILED: ${failed[*]}"
+  exit 1
+fi
+echo "run.sh: all GPU tests passed"
+"#;
+
+#[cfg(test)]
+mod tests {
+    use super::RUN_SH;
+    use crate::gpu_tests::{REQUIRE_GPU, REQUIRE_TORCH};
+
+    #[test]
+    fn run_sh_names_the_variables_the_tests_read() {
+        assert!(RUN_SH.contains(&format!("export {REQUIRE_GPU}=1")));
+        assert!(RUN_SH.contains(&format!("export {REQUIRE_TORCH}=1")));
+    }
+
+    #[test]
+    fn newest_glibc_symbol_reads_the_highest_version() {
+        let path = std::env::temp_dir().join(format!("xtask-glibc-{}", std::process::id()));
+        std::fs::write(
+            &path,
+            b"\x7fELF..GLIBC_2.2.5\0GLIBC_2.34\0GLIBC_2.17\0GLIBC_PRIVATE\0",
+        )
+        .unwrap();
+        let newest = super::newest_glibc_symbol(&path);
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(newest.unwrap(), (2, 34));
+    }
+}

@@ -1,0 +1,85 @@
+//! Which test executables hold GPU tests, and running them on this machine.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+
+/// The integration-test targets that hold GPU tests: (package, test target). Each GPU test checks for a
+/// driver and device itself and skips with a message on stderr when there is none, unless
+/// [`REQUIRE_GPU`] is set.
+pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] =
+    &[("tensormem-cuda-alloc", "gpu"), ("tensormem", "gpu")];
+
+/// Set to `1`, a GPU test fails instead of skipping when no driver or device is found.
+pub(crate) const REQUIRE_GPU: &str = "TENSORMEM_REQUIRE_GPU";
+
+/// Set to `1`, the PyTorch interop checks fail instead of skipping when `python3 -c 'import torch'` fails.
+pub(crate) const REQUIRE_TORCH: &str = "TENSORMEM_REQUIRE_TORCH";
+
+/// The workspace root (the parent of this crate's folder).
+pub(crate) fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
+
+/// The cargo that runs this task (`$CARGO`), or `cargo` from the `PATH`.
+pub(crate) fn cargo() -> Command {
+    let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.current_dir(workspace_root());
+    cmd
+}
+
+/// Whether `python3 -c 'import torch'` works here.
+pub(crate) fn torch_available() -> bool {
+    Command::new("python3")
+        .args(["-c", "import torch"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Runs every GPU test target in release mode on this machine's GPUs, one test at a time (they measure
+/// device memory, so they must not run beside each other).
+pub(crate) fn run_here() -> Result<()> {
+    let torch = torch_available();
+    if torch {
+        eprintln!("xtask: python3 has torch: the PyTorch interop checks run too");
+    } else {
+        eprintln!(
+            "xtask: python3 -c 'import torch' failed: the PyTorch interop checks will be skipped"
+        );
+    }
+    let mut failed = Vec::new();
+    for &(package, test) in GPU_TEST_TARGETS {
+        eprintln!("xtask: cargo test --release -p {package} --test {test}");
+        let mut cmd = cargo();
+        cmd.args([
+            "test",
+            "--release",
+            "-p",
+            package,
+            "--test",
+            test,
+            "--",
+            "--test-threads=1",
+        ])
+        .env(REQUIRE_GPU, "1");
+        if torch {
+            cmd.env(REQUIRE_TORCH, "1");
+        }
+        let status = cmd
+            .status()
+            .with_context(|| format!("could not run cargo for {package}"))?;
+        if !status.success() {
+            failed.push(format!("{package} --test {test}"));
+        }
+    }
+    if !failed.is_empty() {
+        bail!("GPU tests failed in: {}", failed.join(", "));
+    }
+    eprintln!("xtask: all GPU tests passed");
+    Ok(())
+}
