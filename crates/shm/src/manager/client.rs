@@ -1,0 +1,340 @@
+//! The client's side: one connection to the daemon, started on demand.
+
+use std::io::{self, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use rustix::net::sockopt;
+
+use super::config::{check_socket_path, prepare_dir, ManagerConfig};
+use super::error::{ManagerError, ManagerResult};
+use super::protocol::{Reply, Request, PROTOCOL_VERSION};
+
+/// Clients start a daemon at most this often while one fails to answer.
+const RESPAWN_INTERVAL: Duration = Duration::from_millis(100);
+/// Backoff between connection attempts grows from 1 ms up to this.
+const MAX_BACKOFF: Duration = Duration::from_millis(50);
+
+/// A connection to the shared-memory manager daemon.
+///
+/// The daemon counts each `Manager` as one client: the names registered through it are
+/// unlinked once it is dropped or its process dies (`kill -9` included) and no other client
+/// holds them. [`ManagedRegion`](super::ManagedRegion) uses a process-wide one
+/// ([`Manager::global`]); embedders that need their own runtime directory connect explicitly.
+///
+/// Requests are serialised on the one connection; the handle is `Send + Sync`.
+#[derive(Debug)]
+pub struct Manager {
+    stream: Mutex<UnixStream>,
+    socket: std::path::PathBuf,
+    daemon_pid: u32,
+    owner_pid: u32,
+}
+
+/// The process-wide manager, reconnected after `fork` (a child gets its own connection).
+static GLOBAL: Mutex<Option<Arc<Manager>>> = Mutex::new(None);
+
+impl Manager {
+    /// Connects to the daemon of `config`'s directory, starting one if none answers.
+    ///
+    /// Racing callers in many processes end up on one daemon: each may start one, all but one
+    /// of those step back, and every caller retries with a bounded backoff until the
+    /// connect timeout.
+    ///
+    /// # Errors
+    ///
+    /// [`ManagerError::BinaryNotFound`] when a daemon is needed and none can be found,
+    /// [`ManagerError::StartFailed`] when it cannot start, [`ManagerError::Unavailable`] when
+    /// nothing answers in time, [`ManagerError::ForeignPeer`] or
+    /// [`ManagerError::VersionMismatch`] when the socket is served by something else.
+    pub fn connect(config: &ManagerConfig) -> ManagerResult<Manager> {
+        let socket = config.socket_path();
+        check_socket_path(&socket)?;
+        prepare_dir(config.dir())?;
+        let start = Instant::now();
+        let deadline = start + config.connect_timeout();
+        let mut backoff = Duration::from_millis(1);
+        let mut last_spawn: Option<Instant> = None;
+        loop {
+            let last = match handshake(&socket, config.connect_timeout()) {
+                Ok(manager) => return Ok(manager),
+                Err(Attempt::Fatal(e)) => return Err(e),
+                Err(Attempt::Retry(e)) => e,
+            };
+            if last_spawn.is_none_or(|t| t.elapsed() >= RESPAWN_INTERVAL) {
+                start_daemon(config)?;
+                last_spawn = Some(Instant::now());
+                continue;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(ManagerError::Unavailable {
+                    socket,
+                    waited: now - start,
+                    last,
+                });
+            }
+            thread::sleep(backoff.min(deadline - now));
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+        }
+    }
+
+    /// The process-wide connection, configured from the environment
+    /// ([`ManagerConfig::from_env`]) on first use. A forked child gets a new connection of
+    /// its own on its first call.
+    ///
+    /// # Errors
+    ///
+    /// As [`Manager::connect`], and [`ManagerError::Usage`] for a bad environment.
+    pub fn global() -> ManagerResult<Arc<Manager>> {
+        let mut global = GLOBAL.lock().unwrap_or_else(PoisonError::into_inner);
+        let pid = current_pid();
+        if let Some(manager) = global.as_ref().filter(|m| m.owner_pid == pid) {
+            return Ok(Arc::clone(manager));
+        }
+        // After fork the parent's connection is shared with the parent; drop our reference
+        // (the fd closes once regions inherited from the parent are gone too).
+        global.take();
+        let manager = Arc::new(Manager::connect(&ManagerConfig::from_env()?)?);
+        *global = Some(Arc::clone(&manager));
+        Ok(manager)
+    }
+
+    /// The daemon's process id, as it reported in its welcome.
+    pub fn daemon_pid(&self) -> u32 {
+        self.daemon_pid
+    }
+
+    /// The socket this manager is connected to.
+    pub fn socket_path(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Registers a name this client is about to create: from now on the daemon unlinks it
+    /// when this client dies, unless another live client holds it. Register before creating
+    /// the object so that a crash in between leaks nothing.
+    ///
+    /// # Errors
+    ///
+    /// [`ManagerError::Refused`] for a malformed name, [`ManagerError::Disconnected`] when the
+    /// daemon is gone.
+    pub fn register_new(&self, name: &str) -> ManagerResult<()> {
+        self.register(name, false)
+    }
+
+    /// Registers a name that must already exist (this client is about to open it).
+    ///
+    /// # Errors
+    ///
+    /// [`ManagerError::Refused`] when no such object exists (its last holder released it),
+    /// [`ManagerError::Disconnected`] when the daemon is gone.
+    pub fn register_existing(&self, name: &str) -> ManagerResult<()> {
+        self.register(name, true)
+    }
+
+    fn register(&self, name: &str, must_exist: bool) -> ManagerResult<()> {
+        let request = Request::Register {
+            name: name.to_owned(),
+            must_exist,
+        };
+        match self.round_trip(&request)? {
+            Reply::Registered => Ok(()),
+            other => Err(unexpected(name, other)),
+        }
+    }
+
+    /// Drops one hold of `name` by this client. When it was the last hold of any client, the
+    /// daemon unlinks the object and this returns `true`.
+    ///
+    /// # Errors
+    ///
+    /// [`ManagerError::Disconnected`] when the daemon is gone.
+    pub fn release(&self, name: &str) -> ManagerResult<bool> {
+        let request = Request::Release {
+            name: name.to_owned(),
+        };
+        match self.round_trip(&request)? {
+            Reply::Released { unlinked } => Ok(unlinked),
+            other => Err(unexpected(name, other)),
+        }
+    }
+
+    /// Tells the daemon that `name` was unlinked by this client: it drops the name for every
+    /// holder and will not unlink it.
+    ///
+    /// # Errors
+    ///
+    /// [`ManagerError::Disconnected`] when the daemon is gone.
+    pub fn forget(&self, name: &str) -> ManagerResult<()> {
+        let request = Request::Forget {
+            name: name.to_owned(),
+        };
+        match self.round_trip(&request)? {
+            Reply::Forgotten => Ok(()),
+            other => Err(unexpected(name, other)),
+        }
+    }
+
+    fn round_trip(&self, request: &Request) -> ManagerResult<Reply> {
+        let stream = self.stream.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut out: &UnixStream = &stream;
+        request
+            .write_to(&mut out)
+            .and_then(|()| out.flush())
+            .map_err(ManagerError::Disconnected)?;
+        let mut input: &UnixStream = &stream;
+        Reply::read_from(&mut input).map_err(|e| {
+            if e.kind() == io::ErrorKind::InvalidData {
+                ManagerError::Protocol(e.to_string())
+            } else {
+                ManagerError::Disconnected(e)
+            }
+        })
+    }
+}
+
+fn unexpected(name: &str, reply: Reply) -> ManagerError {
+    match reply {
+        Reply::Refused { message } => ManagerError::Refused {
+            name: name.to_owned(),
+            message,
+        },
+        other => ManagerError::Protocol(format!("unexpected reply {other:?}")),
+    }
+}
+
+fn current_pid() -> u32 {
+    rustix::process::getpid()
+        .as_raw_nonzero()
+        .get()
+        .unsigned_abs()
+}
+
+/// Outcome of one connection attempt that did not work out.
+enum Attempt {
+    /// Nobody answers (yet): start a daemon or wait.
+    Retry(io::Error),
+    /// Something answers that we must not use.
+    Fatal(ManagerError),
+}
+
+/// Connects, checks the daemon's uid, and exchanges hello/welcome.
+fn handshake(socket: &Path, timeout: Duration) -> Result<Manager, Attempt> {
+    let stream = UnixStream::connect(socket).map_err(|e| match e.kind() {
+        io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused => Attempt::Retry(e),
+        _ => Attempt::Fatal(ManagerError::io(
+            format!("cannot connect to {}", socket.display()),
+            e,
+        )),
+    })?;
+    let own_uid = rustix::process::getuid();
+    let cred = sockopt::socket_peercred(&stream).map_err(|e| {
+        Attempt::Fatal(ManagerError::io(
+            format!("cannot read SO_PEERCRED of {}", socket.display()),
+            e,
+        ))
+    })?;
+    if cred.uid != own_uid {
+        return Err(Attempt::Fatal(ManagerError::ForeignPeer {
+            socket: socket.to_owned(),
+            peer_uid: cred.uid.as_raw(),
+            own_uid: own_uid.as_raw(),
+        }));
+    }
+    // A daemon that accepted but wedged must not hang us forever.
+    let io_fatal = |e: io::Error| {
+        Attempt::Fatal(ManagerError::io(
+            format!("cannot configure the socket to {}", socket.display()),
+            e,
+        ))
+    };
+    stream.set_read_timeout(Some(timeout)).map_err(io_fatal)?;
+    let owner_pid = current_pid();
+    let hello = Request::Hello {
+        version: PROTOCOL_VERSION,
+        pid: owner_pid,
+    };
+    let mut out: &UnixStream = &stream;
+    let welcome = hello
+        .write_to(&mut out)
+        .and_then(|()| Reply::read_from(&mut &stream));
+    let daemon_pid = match welcome {
+        Ok(Reply::Welcome { version, pid }) if version == PROTOCOL_VERSION => pid,
+        Ok(Reply::Welcome { version, .. }) => {
+            return Err(Attempt::Fatal(ManagerError::VersionMismatch {
+                ours: PROTOCOL_VERSION,
+                theirs: version,
+            }))
+        }
+        Ok(other) => {
+            return Err(Attempt::Fatal(ManagerError::Protocol(format!(
+                "expected welcome, got {other:?}"
+            ))))
+        }
+        // A daemon that is exiting resets connections still in its backlog.
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::UnexpectedEof
+                    | io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::BrokenPipe
+            ) =>
+        {
+            return Err(Attempt::Retry(e))
+        }
+        Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+            return Err(Attempt::Fatal(ManagerError::Protocol(e.to_string())))
+        }
+        Err(e) => {
+            return Err(Attempt::Fatal(ManagerError::io(
+                format!("no welcome from {}", socket.display()),
+                e,
+            )))
+        }
+    };
+    Ok(Manager {
+        stream: Mutex::new(stream),
+        socket: socket.to_owned(),
+        daemon_pid,
+        owner_pid,
+    })
+}
+
+/// Runs `tensormem-shm-manager --daemonize`, which returns once a daemon listens (this one or
+/// a racing one).
+fn start_daemon(config: &ManagerConfig) -> ManagerResult<()> {
+    let binary = config.locate_binary()?;
+    let mut command = Command::new(&binary);
+    command
+        .arg("--daemonize")
+        .arg("--dir")
+        .arg(config.dir())
+        .arg("--quiet-ms")
+        .arg(config.quiet_period().as_millis().to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(log) = config.log_file() {
+        command.arg("--log").arg(log);
+    }
+    tracing::debug!(binary = %binary.display(), dir = %config.dir().display(), "starting shm manager");
+    let output = command.output().map_err(|source| ManagerError::Spawn {
+        binary: binary.clone(),
+        source,
+    })?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let first = stdout.lines().next().unwrap_or("");
+    if output.status.success() && (first.starts_with("ready") || first == "running") {
+        return Ok(());
+    }
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let mut message = stderr.trim().to_owned();
+    if message.is_empty() {
+        message = format!("{} (exit status {})", stdout.trim(), output.status);
+    }
+    Err(ManagerError::StartFailed { binary, message })
+}
