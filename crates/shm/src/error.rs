@@ -170,6 +170,16 @@ pub enum Error {
         problem: String,
     },
 
+    /// A region without a kept descriptor was asked to be sent.
+    #[error(
+        "{object} kept no file descriptor, so it cannot be sent; map it with keep_fd(true) or \
+         create it with SharedRegion::create_anonymous"
+    )]
+    NoFd {
+        /// The region.
+        object: String,
+    },
+
     /// The peer closed the region socket.
     #[error("the peer closed the region socket before a full message arrived; it probably exited")]
     Disconnected,
@@ -199,6 +209,10 @@ pub enum Error {
     /// A write was attempted through a read-only mapping.
     #[error("the region is mapped read-only; map it with Access::ReadWrite to write to it")]
     ReadOnly,
+
+    /// The shared-memory manager daemon could not be found, started or reached, or refused.
+    #[error(transparent)]
+    Manager(#[from] crate::manager::ManagerError),
 }
 
 /// Which naming rule a shared memory name broke.

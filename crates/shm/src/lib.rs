@@ -1,16 +1,82 @@
-//! CPU shared memory for tensors.
+//! CPU shared memory for tensors: mappings, fd passing, refcounted regions, PyTorch-compatible.
+//!
+//! # The problem
+//!
+//! Handing a large buffer (a tensor's storage) to another process should not copy it: both
+//! processes should map the same physical pages. That takes an object the kernel can map into
+//! several address spaces (a POSIX shared memory object, a memfd, a file), a way to name it or to
+//! pass its descriptor, and rules for who removes it. Every step can go wrong in ways a plain
+//! `mmap` wrapper ignores: a name another user planted, a peer that truncates the object so the
+//! next read raises `SIGBUS`, a descriptor that is really a socket, a creator that dies and leaks
+//! the object in `/dev/shm` until reboot.
+//!
+//! # The PyTorch concepts it mirrors
+//!
+//! `torch.multiprocessing` shares CPU storages through ATen's `MapAllocator` family
+//! (`StorageSharing.cpp`, `StorageUtils.cpp`):
+//!
+//! | PyTorch | here |
+//! | --- | --- |
+//! | `MapAllocator` and its `ALLOCATOR_MAPPED_*` flags | [`MapOptions`] → [`SharedRegion`] |
+//! | `new_shm_fd_storage` (fd strategy: shm object unlinked at once, fd kept) | [`SharedRegion::create_anonymous`] (memfd, sealed) |
+//! | sending `(fd, size)` through `multiprocessing` | [`transfer::send_region`] / [`transfer::recv_region`] (`SCM_RIGHTS`) |
+//! | `RefcountedMapAllocator` (64-byte header, atomic refcount, last closer unlinks) | [`RefcountedRegion`], same layout: PyTorch can open it |
+//! | `NewProcessWideShmHandle` (`/torch_<pid>_<random>_<counter>`) | [`NameGenerator`] (prefix `tensormem`, or `torch`) |
+//! | `share_memory_` / `storage_copy` | [`SharedRegion::copy_from_bytes`] (pre-faulted, huge pages, threads) |
+//! | `THManagedMapAllocator` + `torch_shm_manager` (file_system strategy) | the [`manager`] module and the `tensormem-shm-manager` daemon |
+//!
+//! Where this crate is stricter than PyTorch: names are validated ([`ShmName`]); objects are
+//! created `0600` with `O_EXCL` and objects owned by another user are refused unless asked for
+//! ([`MapOptions::allow_foreign_owner`]); a received descriptor is `fstat`ed before mapping, so a
+//! truncated object or a descriptor of the wrong kind is an [`Error`], never a `SIGBUS`;
+//! anonymous regions are sealed so no peer can shrink them; every failure is a typed [`Error`]
+//! naming the object and saying what to do. Creating, attaching and unlinking emit `tracing`
+//! events (target `tensormem_shm`, level `debug`).
+//!
+//! # Example: a producer hands a region to a consumer
+//!
+//! ```
+//! use std::os::unix::net::UnixStream;
+//! use tensormem_shm::transfer::{recv_region, send_region, SendOptions};
+//! use tensormem_shm::{MapOptions, SharedRegion};
+//!
+//! // Normally the two ends live in two processes, connected by a UnixListener.
+//! let (producer_end, consumer_end) = UnixStream::pair().unwrap();
+//!
+//! // Producer: move a buffer into shared memory and send it.
+//! let tensor: Vec<u8> = (0..=255).cycle().take(1 << 20).collect();
+//! let shared = SharedRegion::copy_from_bytes(&tensor)?;
+//! send_region(&producer_end, &shared, SendOptions { user: b"weights", ..Default::default() })?;
+//!
+//! // Consumer: receive, check and map it; then write into the same memory.
+//! let mut received = recv_region(&consumer_end, &MapOptions::new())?;
+//! assert_eq!(received.user_data(), b"weights");
+//! assert_eq!(received.region.as_slice(), &tensor[..]);
+//! received.region.write_at(0, &[42])?;
+//! assert_eq!(shared.as_slice()[0], 42); // the producer sees the consumer's write
+//! # Ok::<(), tensormem_shm::Error>(())
+//! ```
+//!
+//! Accessing the bytes of memory other processes can write has a caveat in Rust; the
+//! [`mapping`] module explains it and what to use instead of slices for concurrently updated words.
+//!
+//! Linux only (memfd, `/dev/shm`, `MADV_POPULATE_WRITE`); no CUDA anywhere in the dependency tree.
 
-mod anon;
+pub mod anon;
 pub mod copy;
 mod error;
+pub mod manager;
 pub mod mapping;
 pub mod name;
 mod object;
+pub mod refcounted;
 mod region;
+pub mod transfer;
 
 pub use copy::copy_prefaulted;
 pub use error::{Error, NameProblem, ObjectKind, Result, SizeProblem};
 pub use mapping::{Access, Mapping, SharedAtomic};
 pub use name::{GeneratedName, NameGenerator, ShmName, DEFAULT_PREFIX, TORCH_PREFIX};
 pub use object::{unlink_shm, CreateMode};
+pub use refcounted::{RefcountHeader, RefcountedRegion, REFCOUNT_HEADER_LEN};
 pub use region::{Backing, MapOptions, SharedRegion};

@@ -387,7 +387,7 @@ impl MapOptions {
         match self.len {
             Some(len) => {
                 object::check_len(len, object)?;
-                let total = len.checked_add(header as u64).unwrap_or(u64::MAX);
+                let total = len.saturating_add(header as u64);
                 object::check_len(total, object)?;
                 Ok(Some(total))
             }

@@ -1,0 +1,420 @@
+//! Passing regions between processes over a Unix domain socket: the fd travels as `SCM_RIGHTS`
+//! ancillary data, next to a fixed-size message saying how many bytes the receiver may map
+//! (PyTorch's fd strategy sends `(fd, size)` the same way, through Python's `multiprocessing`).
+//!
+//! # Wire format
+//!
+//! Every message is exactly [`MESSAGE_LEN`] bytes, integers little-endian, with one fd attached:
+//!
+//! | bytes | field |
+//! | --- | --- |
+//! | 0..4 | magic `b"TMSR"` |
+//! | 4..6 | version (1) |
+//! | 6..8 | flags: bit 0 = the sender grants read-only access |
+//! | 8..16 | `len`: data bytes the receiver maps |
+//! | 16..24 | `offset`: where the data starts in the object |
+//! | 24..26 | `user_len`: bytes of application data that follow (at most [`MAX_USER_DATA`]) |
+//! | 26..32 | zero |
+//! | 32..32+user_len | application data; zero up to [`MESSAGE_LEN`] |
+//!
+//! A fixed size keeps framing trivial on `SOCK_STREAM` (read exactly one message) and on
+//! `SOCK_SEQPACKET` (one message per packet).
+//!
+//! # What the receiver checks
+//!
+//! The claimed size is never trusted: before mapping, the receiver `fstat`s the fd and refuses
+//! objects that are not regular files / memfds / shm objects ([`Error::WrongKind`]: sockets,
+//! directories, pipes), that another user owns ([`Error::ForeignOwner`], unless allowed), or that
+//! hold fewer than `offset + len` bytes ([`Error::TooSmall`]: a producer that truncated the object
+//! after sending it gets an error at attach, not a SIGBUS later). Regions from
+//! [`SharedRegion::create_anonymous`] are sealed so they cannot shrink after the check either; for
+//! unsealed objects [`Backing::Fd`](crate::Backing::Fd)`{ sealed: false }` tells the receiver that
+//! a peer could still truncate it under the mapping.
+//!
+//! Attaching is an `fstat`, an `fcntl(F_GET_SEALS)` and an `mmap`: no page is touched or faulted in
+//! (unless [`MapOptions::populate`] asks for it).
+
+use std::io::{IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+
+use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
+use rustix::io::Errno;
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+
+use crate::error::{Error, Result};
+use crate::mapping::Access;
+use crate::region::{MapOptions, SharedRegion};
+
+/// Size of every region message.
+pub const MESSAGE_LEN: usize = 256;
+
+/// Bytes of the fixed header before the application data.
+pub const HEADER_LEN: usize = 32;
+
+/// Most application bytes a message carries.
+pub const MAX_USER_DATA: usize = MESSAGE_LEN - HEADER_LEN;
+
+const MAGIC: [u8; 4] = *b"TMSR";
+const VERSION: u16 = 1;
+const FLAG_READ_ONLY: u16 = 1;
+
+/// The fixed part of a region message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegionHeader {
+    /// Data bytes the receiver maps.
+    pub len: u64,
+    /// Where the data starts in the object.
+    pub offset: u64,
+    /// The sender grants read-only access: the receiver maps read-only whatever it asks for.
+    pub read_only: bool,
+    /// Length of the application data that follows.
+    pub user_len: u16,
+}
+
+impl RegionHeader {
+    /// The header's [`HEADER_LEN`] wire bytes.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut out = [0u8; HEADER_LEN];
+        out[0..4].copy_from_slice(&MAGIC);
+        out[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        let flags = if self.read_only { FLAG_READ_ONLY } else { 0 };
+        out[6..8].copy_from_slice(&flags.to_le_bytes());
+        out[8..16].copy_from_slice(&self.len.to_le_bytes());
+        out[16..24].copy_from_slice(&self.offset.to_le_bytes());
+        out[24..26].copy_from_slice(&self.user_len.to_le_bytes());
+        out
+    }
+
+    /// Parses and validates header bytes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Protocol`] for a short buffer, wrong magic or version, unknown flags, non-zero
+    /// reserved bytes, `user_len` over [`MAX_USER_DATA`], or `len` of zero.
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        let protocol = |problem: String| Err(Error::Protocol { problem });
+        let Some(b) = bytes.get(..HEADER_LEN) else {
+            return protocol(format!(
+                "{} header bytes, expected {HEADER_LEN}",
+                bytes.len()
+            ));
+        };
+        if b[0..4] != MAGIC {
+            return protocol(format!("magic {:?}, expected {MAGIC:?}", &b[0..4]));
+        }
+        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        let u64_at = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(w)
+        };
+        let version = u16_at(4);
+        if version != VERSION {
+            return protocol(format!("version {version}, this end speaks {VERSION}"));
+        }
+        let flags = u16_at(6);
+        if flags & !FLAG_READ_ONLY != 0 {
+            return protocol(format!("unknown flags {flags:#x}"));
+        }
+        if b[26..32].iter().any(|&x| x != 0) {
+            return protocol("reserved bytes are not zero".to_owned());
+        }
+        let header = Self {
+            len: u64_at(8),
+            offset: u64_at(16),
+            read_only: flags & FLAG_READ_ONLY != 0,
+            user_len: u16_at(24),
+        };
+        if usize::from(header.user_len) > MAX_USER_DATA {
+            return protocol(format!(
+                "{} bytes of application data, at most {MAX_USER_DATA} fit",
+                header.user_len
+            ));
+        }
+        if header.len == 0 {
+            return protocol("a region of 0 bytes".to_owned());
+        }
+        Ok(header)
+    }
+}
+
+/// How to share a region: which part, with what access, and what to say with it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SendOptions<'a> {
+    /// Application data sent with the region (at most [`MAX_USER_DATA`] bytes).
+    pub user: &'a [u8],
+    /// Grant read-only access.
+    pub read_only: bool,
+}
+
+/// Sends `region` (its kept fd and its length) over the Unix socket `socket`.
+///
+/// # Errors
+///
+/// [`Error::NoFd`] if the region kept no descriptor (map it with `keep_fd(true)` or create it
+/// with [`SharedRegion::create_anonymous`]); [`Error::Protocol`] for too much application data;
+/// [`Error::Disconnected`] if the peer is gone; [`Error::Os`] for other `sendmsg` failures.
+pub fn send_region(
+    socket: impl AsFd,
+    region: &SharedRegion,
+    options: SendOptions<'_>,
+) -> Result<()> {
+    let fd = region.fd().ok_or_else(|| Error::NoFd {
+        object: region.describe(),
+    })?;
+    send_fd(socket, fd, region.len() as u64, 0, options)
+}
+
+/// Sends any mappable `fd`, claiming `len` data bytes starting `offset` bytes into the object.
+///
+/// # Errors
+///
+/// As [`send_region`].
+pub fn send_fd(
+    socket: impl AsFd,
+    fd: BorrowedFd<'_>,
+    len: u64,
+    offset: u64,
+    options: SendOptions<'_>,
+) -> Result<()> {
+    let user_len = u16::try_from(options.user.len())
+        .ok()
+        .filter(|&n| usize::from(n) <= MAX_USER_DATA)
+        .ok_or_else(|| Error::Protocol {
+            problem: format!(
+                "{} bytes of application data, at most {MAX_USER_DATA} fit",
+                options.user.len()
+            ),
+        })?;
+    let header = RegionHeader {
+        len,
+        offset,
+        read_only: options.read_only,
+        user_len,
+    };
+    let mut message = [0u8; MESSAGE_LEN];
+    message[..HEADER_LEN].copy_from_slice(&header.encode());
+    message[HEADER_LEN..HEADER_LEN + options.user.len()].copy_from_slice(options.user);
+
+    let fds = [fd];
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    let pushed = control.push(SendAncillaryMessage::ScmRights(&fds));
+    debug_assert!(pushed, "cmsg_space!(ScmRights(1)) holds one fd");
+
+    let socket = socket.as_fd();
+    let mut sent = loop {
+        match rustix::net::sendmsg(
+            socket,
+            &[IoSlice::new(&message)],
+            &mut control,
+            SendFlags::NOSIGNAL,
+        ) {
+            Ok(n) => break n,
+            Err(Errno::INTR) => continue,
+            Err(errno) => return Err(socket_error(errno, "sendmsg")),
+        }
+    };
+    // A stream socket may take part of the message; the fd went with the first byte.
+    while sent < MESSAGE_LEN {
+        match rustix::net::send(socket, &message[sent..], SendFlags::NOSIGNAL) {
+            Ok(n) => sent += n,
+            Err(Errno::INTR) => {}
+            Err(errno) => return Err(socket_error(errno, "send")),
+        }
+    }
+    tracing::trace!(len, offset, "sent region");
+    Ok(())
+}
+
+/// A region received from a peer, attached, with the application data sent along.
+#[derive(Debug)]
+pub struct Received {
+    /// The attached region (its fd kept if the options asked for it).
+    pub region: SharedRegion,
+    /// What the sender claimed and granted.
+    pub header: RegionHeader,
+    user: [u8; MAX_USER_DATA],
+}
+
+impl Received {
+    /// The application data sent with the region.
+    pub fn user_data(&self) -> &[u8] {
+        &self.user[..usize::from(self.header.user_len)]
+    }
+}
+
+/// Receives one region message from `socket`, checks the object and maps it.
+///
+/// From `options`, `access` (downgraded to read-only if the sender granted only that),
+/// `keep_fd`, `allow_foreign_owner`, `populate` and `huge_pages` apply; the length comes from the
+/// message.
+///
+/// # Errors
+///
+/// [`Error::Disconnected`] if the peer closed the socket; [`Error::Protocol`] for a malformed
+/// message, a message with no fd or several, or lost ancillary data; and the attach errors:
+/// [`Error::WrongKind`], [`Error::TooSmall`], [`Error::ForeignOwner`], [`Error::InvalidSize`].
+pub fn recv_region(socket: impl AsFd, options: &MapOptions) -> Result<Received> {
+    let (fd, message) = recv_message(socket.as_fd())?;
+    let header = RegionHeader::decode(&message)?;
+    let mut user = [0u8; MAX_USER_DATA];
+    user.copy_from_slice(&message[HEADER_LEN..]);
+    let options = if header.read_only {
+        options.clone().access(Access::ReadOnly)
+    } else {
+        options.clone()
+    };
+    let offset = usize::try_from(header.offset).map_err(|_| Error::Protocol {
+        problem: format!("offset {} does not fit in memory", header.offset),
+    })?;
+    let region = options.map_owned_fd(fd, header.len, offset)?;
+    tracing::trace!(len = header.len, "attached received region");
+    Ok(Received {
+        region,
+        header,
+        user,
+    })
+}
+
+/// Reads exactly one message and its single fd.
+fn recv_message(socket: BorrowedFd<'_>) -> Result<(OwnedFd, [u8; MESSAGE_LEN])> {
+    let mut message = [0u8; MESSAGE_LEN];
+    // Room for a few fds: a peer sending more gets a protocol error and the extras are closed.
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let received = loop {
+        match rustix::net::recvmsg(
+            socket,
+            &mut [IoSliceMut::new(&mut message)],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        ) {
+            Ok(r) => break r,
+            Err(Errno::INTR) => continue,
+            Err(errno) => return Err(socket_error(errno, "recvmsg")),
+        }
+    };
+    if received.bytes == 0 {
+        return Err(Error::Disconnected);
+    }
+    let mut fds: Vec<OwnedFd> = Vec::new();
+    for msg in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(rights) = msg {
+            fds.extend(rights);
+        }
+    }
+    if received.flags.contains(ReturnFlags::CTRUNC) {
+        return Err(Error::Protocol {
+            problem: "ancillary data was truncated (more fds than one message carries)".into(),
+        });
+    }
+    if received.flags.contains(ReturnFlags::TRUNC) {
+        return Err(Error::Protocol {
+            problem: format!("a packet longer than {MESSAGE_LEN} bytes"),
+        });
+    }
+    let mut got = received.bytes;
+    while got < MESSAGE_LEN {
+        match rustix::net::recv(socket, &mut message[got..], RecvFlags::empty()) {
+            Ok((0, _)) => return Err(Error::Disconnected),
+            Ok((n, _)) => got += n,
+            Err(Errno::INTR) => {}
+            Err(errno) => return Err(socket_error(errno, "recv")),
+        }
+    }
+    let count = fds.len();
+    match <[OwnedFd; 1]>::try_from(fds) {
+        Ok([fd]) => Ok((fd, message)),
+        Err(_) => Err(Error::Protocol {
+            problem: format!("a region message carries exactly one fd, this one carried {count}"),
+        }),
+    }
+}
+
+fn socket_error(errno: Errno, op: &'static str) -> Error {
+    match errno {
+        Errno::PIPE | Errno::CONNRESET => Error::Disconnected,
+        _ => Error::from_errno(errno, op, "region socket"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rustix::net::{socketpair, AddressFamily, SocketFlags, SocketType};
+
+    fn pair(kind: SocketType) -> (OwnedFd, OwnedFd) {
+        socketpair(AddressFamily::UNIX, kind, SocketFlags::CLOEXEC, None).unwrap()
+    }
+
+    #[test]
+    fn round_trip_in_process_on_stream_and_seqpacket() {
+        for kind in [SocketType::STREAM, SocketType::SEQPACKET] {
+            let (a, b) = pair(kind);
+            let mut region = SharedRegion::create_anonymous(10_000).unwrap();
+            region.write_at(9_999, &[5]).unwrap();
+            let options = SendOptions {
+                user: b"tensor 7",
+                read_only: false,
+            };
+            send_region(&a, &region, options).unwrap();
+            let got = recv_region(&b, &MapOptions::new()).unwrap();
+            assert_eq!(got.region.len(), 10_000);
+            assert_eq!(got.user_data(), b"tensor 7");
+            assert_eq!(got.region.as_slice()[9_999], 5);
+            assert!(matches!(
+                got.region.backing(),
+                crate::Backing::Fd { sealed: true }
+            ));
+        }
+    }
+
+    #[test]
+    fn read_only_grant_is_enforced() {
+        let (a, b) = pair(SocketType::STREAM);
+        let region = SharedRegion::create_anonymous(4096).unwrap();
+        let options = SendOptions {
+            user: &[],
+            read_only: true,
+        };
+        send_region(&a, &region, options).unwrap();
+        let mut got = recv_region(&b, &MapOptions::new()).unwrap();
+        assert_eq!(got.region.access(), Access::ReadOnly);
+        assert!(matches!(got.region.write_at(0, &[1]), Err(Error::ReadOnly)));
+    }
+
+    #[test]
+    fn message_without_fd_or_closed_peer() {
+        let (a, b) = pair(SocketType::STREAM);
+        let bytes = [0u8; MESSAGE_LEN];
+        rustix::net::send(&a, &bytes, SendFlags::empty()).unwrap();
+        assert!(matches!(
+            recv_region(&b, &MapOptions::new()),
+            Err(Error::Protocol { .. })
+        ));
+        drop(a);
+        assert!(matches!(
+            recv_region(&b, &MapOptions::new()),
+            Err(Error::Disconnected)
+        ));
+    }
+
+    #[test]
+    fn too_much_user_data_is_refused() {
+        let (a, _b) = pair(SocketType::STREAM);
+        let region = SharedRegion::create_anonymous(4096).unwrap();
+        let big = [0u8; MAX_USER_DATA + 1];
+        let options = SendOptions {
+            user: &big,
+            read_only: false,
+        };
+        assert!(matches!(
+            send_region(&a, &region, options),
+            Err(Error::Protocol { .. })
+        ));
+    }
+}
