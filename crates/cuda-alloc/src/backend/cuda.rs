@@ -230,11 +230,8 @@ unsafe impl Device for CudaDevice {
         self.ctx.make_current()?;
         let mut ptr = 0;
         // SAFETY: this device's context is current; `ptr` is a valid out-parameter.
-        driver::check_alloc(
-            "cuMemAlloc",
-            unsafe { sys::cuMemAlloc_v2(&mut ptr, size) },
-            size,
-        )?;
+        let result = unsafe { sys::cuMemAlloc_v2(&mut ptr, size) };
+        driver::check_alloc("cuMemAlloc", result, size)?;
         if ptr % MIN_ALIGNMENT != 0 {
             // SAFETY: `ptr` was just allocated by `cuMemAlloc` and is unused.
             let _ = unsafe { sys::cuMemFree_v2(ptr) };

@@ -70,23 +70,22 @@ fn describe(result: sys::CUresult) -> String {
                 && !text.is_null(),
         )
     };
-    // SAFETY: the pointers were checked non-null above and point to the driver's static strings.
-    let name = name_ok.then(|| {
-        unsafe { CStr::from_ptr(name) }
-            .to_string_lossy()
-            .into_owned()
-    });
-    // SAFETY: as above.
-    let text = text_ok.then(|| {
-        unsafe { CStr::from_ptr(text) }
-            .to_string_lossy()
-            .into_owned()
-    });
+    let name = name_ok.then(|| owned(name));
+    let text = text_ok.then(|| owned(text));
     match (name, text) {
         (Some(n), Some(t)) => format!("{n}: {t}"),
         (Some(n), None) => n,
         _ => format!("unknown CUDA error {}", result as i32),
     }
+}
+
+/// Copies a driver-owned C string.
+fn owned(ptr: *const std::ffi::c_char) -> String {
+    // SAFETY: only called with non-null pointers from `cuGetErrorName`/`cuGetErrorString`, which point to
+    // the driver's static NUL-terminated strings.
+    unsafe { CStr::from_ptr(ptr) }
+        .to_string_lossy()
+        .into_owned()
 }
 
 /// Loads and initialises the driver once per process; later calls return the first outcome.
