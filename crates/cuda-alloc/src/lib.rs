@@ -2,5 +2,6 @@
 
 pub mod config;
 pub mod device;
+pub mod snapshot;
 
 pub use device::{CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, MemInfo, StreamId};

@@ -1,0 +1,600 @@
+//! The typed model to and from [`PyValue`] trees, with errors that say where in the file a value was
+//! wrong (`segments[3].blocks[0].size: expected int, found str`).
+
+use super::model::{
+    AllocatorSettings, Block, BlockState, ExternalAnnotation, Frame, OtherKeys, Segment,
+    SegmentType, Snapshot, TraceAction, TraceEntry,
+};
+use super::pyvalue::PyValue;
+use super::{SnapshotError, SnapshotResult};
+
+fn invalid(path: &str, reason: impl Into<String>) -> SnapshotError {
+    SnapshotError::Invalid {
+        path: path.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+fn expected(path: &str, what: &str, found: &PyValue) -> SnapshotError {
+    invalid(
+        path,
+        format!("expected {what}, found {} {found}", found.type_name()),
+    )
+}
+
+/// The entries of a dict with string keys, taken out one by one.
+struct Fields {
+    path: String,
+    entries: Vec<(String, PyValue)>,
+}
+
+impl Fields {
+    fn new(value: PyValue, path: String) -> SnapshotResult<Fields> {
+        let PyValue::Dict(items) = value else {
+            return Err(expected(&path, "a dict", &value));
+        };
+        let mut entries = Vec::with_capacity(items.len());
+        for (key, value) in items {
+            match key {
+                PyValue::Str(key) => entries.push((key, value)),
+                other => return Err(expected(&path, "string keys", &other)),
+            }
+        }
+        Ok(Fields { path, entries })
+    }
+
+    fn child(&self, key: &str) -> String {
+        if self.path.is_empty() {
+            key.to_owned()
+        } else {
+            format!("{}.{key}", self.path)
+        }
+    }
+
+    fn take(&mut self, key: &str) -> Option<PyValue> {
+        let index = self.entries.iter().position(|(k, _)| k == key)?;
+        Some(self.entries.remove(index).1)
+    }
+
+    fn optional<T>(
+        &mut self,
+        key: &str,
+        convert: impl FnOnce(PyValue, &str) -> SnapshotResult<T>,
+    ) -> SnapshotResult<Option<T>> {
+        let path = self.child(key);
+        self.take(key)
+            .map(|value| convert(value, &path))
+            .transpose()
+    }
+
+    fn required<T>(
+        &mut self,
+        key: &str,
+        convert: impl FnOnce(PyValue, &str) -> SnapshotResult<T>,
+    ) -> SnapshotResult<T> {
+        let path = self.child(key);
+        match self.take(key) {
+            Some(value) => convert(value, &path),
+            None => Err(invalid(
+                &self.path_or_top(),
+                format!("the key '{key}' is missing"),
+            )),
+        }
+    }
+
+    fn path_or_top(&self) -> String {
+        if self.path.is_empty() {
+            "(top level)".to_owned()
+        } else {
+            self.path.clone()
+        }
+    }
+
+    fn rest(self) -> OtherKeys {
+        self.entries
+    }
+}
+
+fn int(value: PyValue, path: &str) -> SnapshotResult<i128> {
+    match value {
+        PyValue::Int(i) => Ok(i),
+        other => Err(expected(path, "an int", &other)),
+    }
+}
+
+fn unsigned(value: PyValue, path: &str) -> SnapshotResult<u64> {
+    let i = int(value, path)?;
+    u64::try_from(i).map_err(|_| {
+        invalid(
+            path,
+            format!("expected a non-negative int below 2^64, found {i}"),
+        )
+    })
+}
+
+fn signed(value: PyValue, path: &str) -> SnapshotResult<i64> {
+    let i = int(value, path)?;
+    i64::try_from(i).map_err(|_| {
+        invalid(
+            path,
+            format!("expected an int that fits in 64 bits, found {i}"),
+        )
+    })
+}
+
+/// A stream handle: PyTorch writes `int64(stream)`, so handles past 2^63 appear negative.
+fn stream(value: PyValue, path: &str) -> SnapshotResult<u64> {
+    let i = int(value, path)?;
+    if let Ok(signed) = i64::try_from(i) {
+        return Ok(signed as u64);
+    }
+    u64::try_from(i).map_err(|_| {
+        invalid(
+            path,
+            format!("expected a stream handle (64-bit int), found {i}"),
+        )
+    })
+}
+
+fn boolean(value: PyValue, path: &str) -> SnapshotResult<bool> {
+    match value {
+        PyValue::Bool(b) => Ok(b),
+        other => Err(expected(path, "a bool", &other)),
+    }
+}
+
+fn float(value: PyValue, path: &str) -> SnapshotResult<f64> {
+    match value {
+        PyValue::Float(x) => Ok(x),
+        PyValue::Int(i) => Ok(i as f64),
+        other => Err(expected(path, "a float", &other)),
+    }
+}
+
+fn string(value: PyValue, path: &str) -> SnapshotResult<String> {
+    match value {
+        PyValue::Str(s) => Ok(s),
+        other => Err(expected(path, "a str", &other)),
+    }
+}
+
+fn list(value: PyValue, path: &str) -> SnapshotResult<Vec<PyValue>> {
+    match value {
+        PyValue::List(items) | PyValue::Tuple(items) => Ok(items),
+        other => Err(expected(path, "a list", &other)),
+    }
+}
+
+fn list_of<T>(
+    value: PyValue,
+    path: &str,
+    mut convert: impl FnMut(PyValue, String) -> SnapshotResult<T>,
+) -> SnapshotResult<Vec<T>> {
+    list(value, path)?
+        .into_iter()
+        .enumerate()
+        .map(|(i, item)| convert(item, format!("{path}[{i}]")))
+        .collect()
+}
+
+fn pool_id(value: PyValue, path: &str) -> SnapshotResult<(u64, u64)> {
+    let items = list(value, path)?;
+    match <[PyValue; 2]>::try_from(items) {
+        Ok([first, second]) => Ok((unsigned(first, path)?, unsigned(second, path)?)),
+        Err(items) => Err(invalid(
+            path,
+            format!("expected a pair of ints, found {} items", items.len()),
+        )),
+    }
+}
+
+fn frames(value: PyValue, path: &str) -> SnapshotResult<Vec<Frame>> {
+    list_of(value, path, |item, path| {
+        let mut f = Fields::new(item, path)?;
+        Ok(Frame {
+            filename: f.optional("filename", string)?.unwrap_or_default(),
+            line: f.optional("line", signed)?.unwrap_or_default(),
+            name: f.optional("name", string)?.unwrap_or_default(),
+            other: f.rest(),
+        })
+    })
+}
+
+pub(crate) fn snapshot_from_value(value: PyValue) -> SnapshotResult<Snapshot> {
+    let PyValue::Dict(items) = value else {
+        return Err(SnapshotError::NotASnapshot {
+            reason: format!("the pickle holds a {}, not a dict", value.type_name()),
+        });
+    };
+    if !items.iter().any(|(k, _)| k.as_str() == Some("segments")) {
+        let keys: Vec<String> = items.iter().take(8).map(|(k, _)| k.to_string()).collect();
+        return Err(SnapshotError::NotASnapshot {
+            reason: format!(
+                "the dict has no 'segments' key (its keys: {})",
+                keys.join(", ")
+            ),
+        });
+    }
+    let mut f = Fields::new(PyValue::Dict(items), String::new())?;
+    Ok(Snapshot {
+        segments: f.required("segments", |v, path| list_of(v, path, segment))?,
+        device_traces: f
+            .optional("device_traces", |v, path| {
+                list_of(v, path, |trace, path| list_of(trace, &path, trace_entry))
+            })?
+            .unwrap_or_default(),
+        allocator_settings: f
+            .optional("allocator_settings", |v, path| settings(v, path.to_owned()))?,
+        external_annotations: f.optional("external_annotations", |v, path| {
+            list_of(v, path, annotation)
+        })?,
+        other: f.rest(),
+    })
+}
+
+fn segment(value: PyValue, path: String) -> SnapshotResult<Segment> {
+    let mut f = Fields::new(value, path)?;
+    let address = f.required("address", unsigned)?;
+    let segment_type = f.required("segment_type", |v, path| match string(v, path)?.as_str() {
+        "small" => Ok(SegmentType::Small),
+        "large" => Ok(SegmentType::Large),
+        other => Err(invalid(
+            path,
+            format!("expected 'small' or 'large', found '{other}'"),
+        )),
+    })?;
+    let device = f.required("device", signed)?;
+    let total_size = f.required("total_size", unsigned)?;
+    let allocated_size = f.optional("allocated_size", unsigned)?;
+    let active_size = f.optional("active_size", unsigned)?;
+    let requested_size = f.optional("requested_size", unsigned)?;
+    let stream = f.required("stream", stream)?;
+    let segment_pool_id = f.optional("segment_pool_id", pool_id)?.unwrap_or_default();
+    let is_expandable = f.optional("is_expandable", boolean)?.unwrap_or_default();
+    let segment_frames = f.optional("frames", frames)?.unwrap_or_default();
+    let mut next_address = address;
+    let blocks = f.required("blocks", |v, path| {
+        list_of(v, path, |item, path| {
+            let b = block(item, path, next_address)?;
+            next_address = b.address.wrapping_add(b.size);
+            Ok(b)
+        })
+    })?;
+    let sum = |keep: fn(&Block) -> bool, size: fn(&Block) -> u64| {
+        blocks.iter().filter(|b| keep(b)).map(size).sum()
+    };
+    Ok(Segment {
+        device,
+        address,
+        total_size,
+        allocated_size: allocated_size
+            .unwrap_or_else(|| sum(|b| b.state == BlockState::ActiveAllocated, |b| b.size)),
+        active_size: active_size
+            .unwrap_or_else(|| sum(|b| b.state != BlockState::Inactive, |b| b.size)),
+        requested_size: requested_size.unwrap_or_else(|| {
+            sum(
+                |b| b.state == BlockState::ActiveAllocated,
+                |b| b.requested_size,
+            )
+        }),
+        stream,
+        segment_type,
+        segment_pool_id,
+        is_expandable,
+        frames: segment_frames,
+        blocks,
+        other: f.rest(),
+    })
+}
+
+/// A block; `default_address` (the end of the previous block) serves files from PyTorch versions that did
+/// not write block addresses.
+fn block(value: PyValue, path: String, default_address: u64) -> SnapshotResult<Block> {
+    let mut f = Fields::new(value, path)?;
+    Ok(Block {
+        address: f.optional("address", unsigned)?.unwrap_or(default_address),
+        size: f.required("size", unsigned)?,
+        requested_size: f.optional("requested_size", unsigned)?.unwrap_or_default(),
+        state: f.required("state", |v, path| match string(v, path)?.as_str() {
+            "active_allocated" => Ok(BlockState::ActiveAllocated),
+            "active_pending_free" => Ok(BlockState::ActivePendingFree),
+            "inactive" => Ok(BlockState::Inactive),
+            other => Err(invalid(
+                path,
+                format!("expected 'active_allocated', 'active_pending_free' or 'inactive', found '{other}'"),
+            )),
+        })?,
+        frames: f.optional("frames", frames)?.unwrap_or_default(),
+        other: f.rest(),
+    })
+}
+
+fn trace_entry(value: PyValue, path: String) -> SnapshotResult<TraceEntry> {
+    let mut f = Fields::new(value, path)?;
+    let action = TraceAction::from_name(&f.required("action", string)?);
+    let addr = match f.optional("addr", unsigned)? {
+        Some(addr) => addr,
+        None => f.required("device_free", unsigned)?,
+    };
+    Ok(TraceEntry {
+        action,
+        addr,
+        size: f.required("size", unsigned)?,
+        stream: f.required("stream", stream)?,
+        time_us: f.optional("time_us", signed)?.unwrap_or_default(),
+        frames: f.optional("frames", frames)?,
+        compile_context: f.optional("compile_context", string)?,
+        user_metadata: f.optional("user_metadata", string)?,
+        other: f.rest(),
+    })
+}
+
+fn settings(value: PyValue, path: String) -> SnapshotResult<AllocatorSettings> {
+    let mut f = Fields::new(value, path)?;
+    Ok(AllocatorSettings {
+        config_string: f.optional("PYTORCH_CUDA_ALLOC_CONF", string)?,
+        max_split_size: f.optional("max_split_size", signed)?,
+        garbage_collection_threshold: f.optional("garbage_collection_threshold", float)?,
+        expandable_segments: f.optional("expandable_segments", boolean)?,
+        pinned_num_register_threads: f.optional("pinned_num_register_threads", unsigned)?,
+        release_lock_on_cudamalloc: f.optional("release_lock_on_cudamalloc", boolean)?,
+        pinned_use_cuda_host_register: f.optional("pinned_use_cuda_host_register", boolean)?,
+        graph_capture_record_stream_reuse: f
+            .optional("graph_capture_record_stream_reuse", boolean)?,
+        roundup_power2_divisions: f.optional("roundup_power2_divisions", |v, path| {
+            let table = Fields::new(v, path.to_owned())?;
+            let path = table.path.clone();
+            table
+                .rest()
+                .into_iter()
+                .map(|(key, divisions)| {
+                    let start = key.parse::<u64>().map_err(|_| {
+                        invalid(
+                            &path,
+                            format!("expected interval starts in MiB as keys, found '{key}'"),
+                        )
+                    })?;
+                    Ok((start, unsigned(divisions, &format!("{path}.{key}"))?))
+                })
+                .collect::<SnapshotResult<Vec<_>>>()
+                .map(|mut table| {
+                    // In interval order (PyTorch's order; JSON objects may come back sorted as text).
+                    table.sort_by_key(|&(start, _)| start);
+                    table
+                })
+        })?,
+        other: f.rest(),
+    })
+}
+
+fn annotation(value: PyValue, path: String) -> SnapshotResult<ExternalAnnotation> {
+    let mut f = Fields::new(value, path)?;
+    Ok(ExternalAnnotation {
+        device: f.optional("device", signed)?,
+        time_us: f.optional("time_us", signed)?,
+        stage: f.optional("stage", string)?,
+        name: f.optional("name", string)?,
+        other: f.rest(),
+    })
+}
+
+/// Builds a dict from `(key, value)` pairs followed by the unknown keys.
+fn dict(known: Vec<(&str, PyValue)>, other: &OtherKeys) -> PyValue {
+    let mut items: Vec<(PyValue, PyValue)> = known
+        .into_iter()
+        .map(|(k, v)| (PyValue::from(k), v))
+        .collect();
+    items.extend(
+        other
+            .iter()
+            .map(|(k, v)| (PyValue::Str(k.clone()), v.clone())),
+    );
+    PyValue::Dict(items)
+}
+
+fn optional<T>(
+    known: &mut Vec<(&str, PyValue)>,
+    key: &'static str,
+    value: Option<T>,
+    to: impl FnOnce(T) -> PyValue,
+) {
+    if let Some(value) = value {
+        known.push((key, to(value)));
+    }
+}
+
+fn frames_value(frames: &[Frame]) -> PyValue {
+    PyValue::List(
+        frames
+            .iter()
+            .map(|fr| {
+                dict(
+                    vec![
+                        ("filename", PyValue::from(fr.filename.as_str())),
+                        ("line", PyValue::from(fr.line)),
+                        ("name", PyValue::from(fr.name.as_str())),
+                    ],
+                    &fr.other,
+                )
+            })
+            .collect(),
+    )
+}
+
+pub(crate) fn snapshot_to_value(snapshot: &Snapshot) -> PyValue {
+    let mut known = vec![
+        (
+            "segments",
+            PyValue::List(snapshot.segments.iter().map(segment_value).collect()),
+        ),
+        (
+            "device_traces",
+            PyValue::List(
+                snapshot
+                    .device_traces
+                    .iter()
+                    .map(|trace| PyValue::List(trace.iter().map(trace_entry_value).collect()))
+                    .collect(),
+            ),
+        ),
+    ];
+    optional(
+        &mut known,
+        "allocator_settings",
+        snapshot.allocator_settings.as_ref(),
+        settings_value,
+    );
+    optional(
+        &mut known,
+        "external_annotations",
+        snapshot.external_annotations.as_ref(),
+        |list| PyValue::List(list.iter().map(annotation_value).collect()),
+    );
+    dict(known, &snapshot.other)
+}
+
+fn segment_value(s: &Segment) -> PyValue {
+    let blocks = s
+        .blocks
+        .iter()
+        .map(|b| {
+            dict(
+                vec![
+                    ("address", PyValue::from(b.address)),
+                    ("size", PyValue::from(b.size)),
+                    ("requested_size", PyValue::from(b.requested_size)),
+                    ("state", PyValue::from(b.state.as_str())),
+                    ("frames", frames_value(&b.frames)),
+                ],
+                &b.other,
+            )
+        })
+        .collect();
+    dict(
+        vec![
+            ("device", PyValue::from(s.device)),
+            ("address", PyValue::from(s.address)),
+            ("total_size", PyValue::from(s.total_size)),
+            ("allocated_size", PyValue::from(s.allocated_size)),
+            ("active_size", PyValue::from(s.active_size)),
+            ("requested_size", PyValue::from(s.requested_size)),
+            ("stream", PyValue::from(s.stream as i64)),
+            ("segment_type", PyValue::from(s.segment_type.as_str())),
+            (
+                "segment_pool_id",
+                PyValue::Tuple(vec![
+                    PyValue::from(s.segment_pool_id.0),
+                    PyValue::from(s.segment_pool_id.1),
+                ]),
+            ),
+            ("is_expandable", PyValue::from(s.is_expandable)),
+            ("frames", frames_value(&s.frames)),
+            ("blocks", PyValue::List(blocks)),
+        ],
+        &s.other,
+    )
+}
+
+fn trace_entry_value(e: &TraceEntry) -> PyValue {
+    let addr_key = if e.action == TraceAction::Oom {
+        "device_free"
+    } else {
+        "addr"
+    };
+    let mut known = vec![
+        ("action", PyValue::from(e.action.as_str())),
+        (addr_key, PyValue::from(e.addr)),
+        ("size", PyValue::from(e.size)),
+        ("stream", PyValue::from(e.stream as i64)),
+        ("time_us", PyValue::from(e.time_us)),
+    ];
+    optional(
+        &mut known,
+        "compile_context",
+        e.compile_context.as_deref(),
+        PyValue::from,
+    );
+    optional(
+        &mut known,
+        "user_metadata",
+        e.user_metadata.as_deref(),
+        PyValue::from,
+    );
+    optional(&mut known, "frames", e.frames.as_deref(), frames_value);
+    dict(known, &e.other)
+}
+
+fn settings_value(s: &AllocatorSettings) -> PyValue {
+    let mut known = Vec::new();
+    optional(
+        &mut known,
+        "PYTORCH_CUDA_ALLOC_CONF",
+        s.config_string.as_deref(),
+        PyValue::from,
+    );
+    optional(
+        &mut known,
+        "max_split_size",
+        s.max_split_size,
+        PyValue::from,
+    );
+    optional(
+        &mut known,
+        "garbage_collection_threshold",
+        s.garbage_collection_threshold,
+        PyValue::from,
+    );
+    optional(
+        &mut known,
+        "expandable_segments",
+        s.expandable_segments,
+        PyValue::from,
+    );
+    optional(
+        &mut known,
+        "pinned_num_register_threads",
+        s.pinned_num_register_threads,
+        PyValue::from,
+    );
+    optional(
+        &mut known,
+        "release_lock_on_cudamalloc",
+        s.release_lock_on_cudamalloc,
+        PyValue::from,
+    );
+    optional(
+        &mut known,
+        "pinned_use_cuda_host_register",
+        s.pinned_use_cuda_host_register,
+        PyValue::from,
+    );
+    optional(
+        &mut known,
+        "graph_capture_record_stream_reuse",
+        s.graph_capture_record_stream_reuse,
+        PyValue::from,
+    );
+    optional(
+        &mut known,
+        "roundup_power2_divisions",
+        s.roundup_power2_divisions.as_ref(),
+        |table| {
+            PyValue::Dict(
+                table
+                    .iter()
+                    .map(|(start, d)| (PyValue::Str(start.to_string()), PyValue::from(*d)))
+                    .collect(),
+            )
+        },
+    );
+    dict(known, &s.other)
+}
+
+fn annotation_value(a: &ExternalAnnotation) -> PyValue {
+    let mut known = Vec::new();
+    optional(&mut known, "stage", a.stage.as_deref(), PyValue::from);
+    optional(&mut known, "name", a.name.as_deref(), PyValue::from);
+    optional(&mut known, "device", a.device, PyValue::from);
+    optional(&mut known, "time_us", a.time_us, PyValue::from);
+    dict(known, &a.other)
+}
