@@ -1,0 +1,76 @@
+//! Producer -> consumer round trip in two processes: the producer sends a region over a Unix
+//! socket, the consumer (a long-lived child: this bench binary re-executed) attaches it, reads the
+//! first and last byte, drops it and answers one byte. The region is made and filled before the
+//! timer; the timer covers send, attach, the two reads, detach and the answer.
+//!
+//! Compare with `torch_sharing_bench.py` (torch.multiprocessing, fd and file_system strategies).
+
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::process::{Command, Stdio};
+
+use criterion::{BenchmarkId, Criterion, Throughput};
+use tensormem_shm::transfer::{recv_region, send_region, SendOptions};
+use tensormem_shm::{MapOptions, SharedRegion};
+
+const CONSUMER_SOCKET: &str = "TENSORMEM_BENCH_CONSUMER_SOCKET";
+
+const SIZES: [(u64, &str); 3] = [(4 << 10, "4KiB"), (1 << 20, "1MiB"), (64 << 20, "64MiB")];
+
+/// The consumer: attach, read first and last byte, answer their sum, until the producer hangs up.
+fn consumer(path: &str) {
+    let mut socket = UnixStream::connect(path).expect("connect to producer");
+    let options = MapOptions::new();
+    while let Ok(received) = recv_region(&socket, &options) {
+        let bytes = received.region.as_slice();
+        let answer = bytes[0].wrapping_add(bytes[bytes.len() - 1]);
+        drop(received);
+        if socket.write_all(&[answer]).is_err() {
+            break;
+        }
+    }
+}
+
+fn round_trip(c: &mut Criterion) {
+    let dir = std::env::temp_dir().join(format!("tensormem-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("socket dir");
+    let path = dir.join("rt.sock");
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).expect("bind");
+    let mut child = Command::new(std::env::current_exe().expect("own path"))
+        .env(CONSUMER_SOCKET, &path)
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn consumer");
+    let (mut socket, _) = listener.accept().expect("consumer connects");
+
+    let mut group = c.benchmark_group("shm_round_trip");
+    for (len, label) in SIZES {
+        let mut region = SharedRegion::create_anonymous(len).expect("create");
+        region.as_mut_slice().fill(1);
+        region.write_at(len as usize - 1, &[2]).expect("write");
+        group.throughput(Throughput::Elements(1));
+        group.bench_function(BenchmarkId::new("fd_scm_rights", label), |b| {
+            b.iter(|| {
+                send_region(&socket, &region, SendOptions::default()).expect("send");
+                let mut answer = [0u8; 1];
+                socket.read_exact(&mut answer).expect("answer");
+                assert_eq!(answer[0], 3);
+            });
+        });
+    }
+    group.finish();
+    drop(socket);
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn main() {
+    if let Some(path) = std::env::var_os(CONSUMER_SOCKET) {
+        consumer(path.to_str().expect("utf-8 socket path"));
+        return;
+    }
+    let mut criterion = Criterion::default().configure_from_args();
+    round_trip(&mut criterion);
+    criterion.final_summary();
+}
