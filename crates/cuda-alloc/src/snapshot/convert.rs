@@ -1,6 +1,8 @@
 //! The typed model to and from [`PyValue`] trees, with errors that say where in the file a value was
 //! wrong (`segments[3].blocks[0].size: expected int, found str`).
 
+use std::fmt;
+
 use super::model::{
     AllocatorSettings, Block, BlockState, ExternalAnnotation, Frame, OtherKeys, Segment,
     SegmentType, Snapshot, TraceAction, TraceEntry,
@@ -8,14 +10,34 @@ use super::model::{
 use super::pyvalue::PyValue;
 use super::{SnapshotError, SnapshotResult};
 
-fn invalid(path: &str, reason: impl Into<String>) -> SnapshotError {
+/// Where a value sits in the snapshot, as a chain of keys and indices on the stack: built for free while
+/// converting, rendered (`segments[3].blocks[0].size`) only for an error message.
+#[derive(Clone, Copy)]
+enum Path<'a> {
+    Top,
+    Key(&'a Path<'a>, &'a str),
+    Index(&'a Path<'a>, usize),
+}
+
+impl fmt::Display for Path<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Path::Top => f.write_str("(top level)"),
+            Path::Key(Path::Top, key) => f.write_str(key),
+            Path::Key(parent, key) => write!(f, "{parent}.{key}"),
+            Path::Index(parent, index) => write!(f, "{parent}[{index}]"),
+        }
+    }
+}
+
+fn invalid(path: &Path<'_>, reason: impl Into<String>) -> SnapshotError {
     SnapshotError::Invalid {
-        path: path.to_owned(),
+        path: path.to_string(),
         reason: reason.into(),
     }
 }
 
-fn expected(path: &str, what: &str, found: &PyValue) -> SnapshotError {
+fn expected(path: &Path<'_>, what: &str, found: &PyValue) -> SnapshotError {
     invalid(
         path,
         format!("expected {what}, found {} {found}", found.type_name()),
@@ -23,32 +45,24 @@ fn expected(path: &str, what: &str, found: &PyValue) -> SnapshotError {
 }
 
 /// The entries of a dict with string keys, taken out one by one.
-struct Fields {
-    path: String,
+struct Fields<'p> {
+    path: &'p Path<'p>,
     entries: Vec<(String, PyValue)>,
 }
 
-impl Fields {
-    fn new(value: PyValue, path: String) -> SnapshotResult<Fields> {
+impl<'p> Fields<'p> {
+    fn new(value: PyValue, path: &'p Path<'p>) -> SnapshotResult<Fields<'p>> {
         let PyValue::Dict(items) = value else {
-            return Err(expected(&path, "a dict", &value));
+            return Err(expected(path, "a dict", &value));
         };
         let mut entries = Vec::with_capacity(items.len());
         for (key, value) in items {
             match key {
                 PyValue::Str(key) => entries.push((key, value)),
-                other => return Err(expected(&path, "string keys", &other)),
+                other => return Err(expected(path, "string keys", &other)),
             }
         }
         Ok(Fields { path, entries })
-    }
-
-    fn child(&self, key: &str) -> String {
-        if self.path.is_empty() {
-            key.to_owned()
-        } else {
-            format!("{}.{key}", self.path)
-        }
     }
 
     fn take(&mut self, key: &str) -> Option<PyValue> {
@@ -59,9 +73,9 @@ impl Fields {
     fn optional<T>(
         &mut self,
         key: &str,
-        convert: impl FnOnce(PyValue, &str) -> SnapshotResult<T>,
+        convert: impl FnOnce(PyValue, &Path<'_>) -> SnapshotResult<T>,
     ) -> SnapshotResult<Option<T>> {
-        let path = self.child(key);
+        let path = Path::Key(self.path, key);
         self.take(key)
             .map(|value| convert(value, &path))
             .transpose()
@@ -70,23 +84,11 @@ impl Fields {
     fn required<T>(
         &mut self,
         key: &str,
-        convert: impl FnOnce(PyValue, &str) -> SnapshotResult<T>,
+        convert: impl FnOnce(PyValue, &Path<'_>) -> SnapshotResult<T>,
     ) -> SnapshotResult<T> {
-        let path = self.child(key);
         match self.take(key) {
-            Some(value) => convert(value, &path),
-            None => Err(invalid(
-                &self.path_or_top(),
-                format!("the key '{key}' is missing"),
-            )),
-        }
-    }
-
-    fn path_or_top(&self) -> String {
-        if self.path.is_empty() {
-            "(top level)".to_owned()
-        } else {
-            self.path.clone()
+            Some(value) => convert(value, &Path::Key(self.path, key)),
+            None => Err(invalid(self.path, format!("the key '{key}' is missing"))),
         }
     }
 
@@ -95,14 +97,14 @@ impl Fields {
     }
 }
 
-fn int(value: PyValue, path: &str) -> SnapshotResult<i128> {
+fn int(value: PyValue, path: &Path<'_>) -> SnapshotResult<i128> {
     match value {
         PyValue::Int(i) => Ok(i),
         other => Err(expected(path, "an int", &other)),
     }
 }
 
-fn unsigned(value: PyValue, path: &str) -> SnapshotResult<u64> {
+fn unsigned(value: PyValue, path: &Path<'_>) -> SnapshotResult<u64> {
     let i = int(value, path)?;
     u64::try_from(i).map_err(|_| {
         invalid(
@@ -112,7 +114,7 @@ fn unsigned(value: PyValue, path: &str) -> SnapshotResult<u64> {
     })
 }
 
-fn signed(value: PyValue, path: &str) -> SnapshotResult<i64> {
+fn signed(value: PyValue, path: &Path<'_>) -> SnapshotResult<i64> {
     let i = int(value, path)?;
     i64::try_from(i).map_err(|_| {
         invalid(
@@ -123,7 +125,7 @@ fn signed(value: PyValue, path: &str) -> SnapshotResult<i64> {
 }
 
 /// A stream handle: PyTorch writes `int64(stream)`, so handles past 2^63 appear negative.
-fn stream(value: PyValue, path: &str) -> SnapshotResult<u64> {
+fn stream(value: PyValue, path: &Path<'_>) -> SnapshotResult<u64> {
     let i = int(value, path)?;
     if let Ok(signed) = i64::try_from(i) {
         return Ok(signed as u64);
@@ -136,14 +138,14 @@ fn stream(value: PyValue, path: &str) -> SnapshotResult<u64> {
     })
 }
 
-fn boolean(value: PyValue, path: &str) -> SnapshotResult<bool> {
+fn boolean(value: PyValue, path: &Path<'_>) -> SnapshotResult<bool> {
     match value {
         PyValue::Bool(b) => Ok(b),
         other => Err(expected(path, "a bool", &other)),
     }
 }
 
-fn float(value: PyValue, path: &str) -> SnapshotResult<f64> {
+fn float(value: PyValue, path: &Path<'_>) -> SnapshotResult<f64> {
     match value {
         PyValue::Float(x) => Ok(x),
         PyValue::Int(i) => Ok(i as f64),
@@ -151,14 +153,14 @@ fn float(value: PyValue, path: &str) -> SnapshotResult<f64> {
     }
 }
 
-fn string(value: PyValue, path: &str) -> SnapshotResult<String> {
+fn string(value: PyValue, path: &Path<'_>) -> SnapshotResult<String> {
     match value {
         PyValue::Str(s) => Ok(s),
         other => Err(expected(path, "a str", &other)),
     }
 }
 
-fn list(value: PyValue, path: &str) -> SnapshotResult<Vec<PyValue>> {
+fn list(value: PyValue, path: &Path<'_>) -> SnapshotResult<Vec<PyValue>> {
     match value {
         PyValue::List(items) | PyValue::Tuple(items) => Ok(items),
         other => Err(expected(path, "a list", &other)),
@@ -167,17 +169,17 @@ fn list(value: PyValue, path: &str) -> SnapshotResult<Vec<PyValue>> {
 
 fn list_of<T>(
     value: PyValue,
-    path: &str,
-    mut convert: impl FnMut(PyValue, String) -> SnapshotResult<T>,
+    path: &Path<'_>,
+    mut convert: impl FnMut(PyValue, &Path<'_>) -> SnapshotResult<T>,
 ) -> SnapshotResult<Vec<T>> {
     list(value, path)?
         .into_iter()
         .enumerate()
-        .map(|(i, item)| convert(item, format!("{path}[{i}]")))
+        .map(|(i, item)| convert(item, &Path::Index(path, i)))
         .collect()
 }
 
-fn pool_id(value: PyValue, path: &str) -> SnapshotResult<(u64, u64)> {
+fn pool_id(value: PyValue, path: &Path<'_>) -> SnapshotResult<(u64, u64)> {
     let items = list(value, path)?;
     match <[PyValue; 2]>::try_from(items) {
         Ok([first, second]) => Ok((unsigned(first, path)?, unsigned(second, path)?)),
@@ -188,7 +190,7 @@ fn pool_id(value: PyValue, path: &str) -> SnapshotResult<(u64, u64)> {
     }
 }
 
-fn frames(value: PyValue, path: &str) -> SnapshotResult<Vec<Frame>> {
+fn frames(value: PyValue, path: &Path<'_>) -> SnapshotResult<Vec<Frame>> {
     list_of(value, path, |item, path| {
         let mut f = Fields::new(item, path)?;
         Ok(Frame {
@@ -215,16 +217,15 @@ pub(crate) fn snapshot_from_value(value: PyValue) -> SnapshotResult<Snapshot> {
             ),
         });
     }
-    let mut f = Fields::new(PyValue::Dict(items), String::new())?;
+    let mut f = Fields::new(PyValue::Dict(items), &Path::Top)?;
     Ok(Snapshot {
         segments: f.required("segments", |v, path| list_of(v, path, segment))?,
         device_traces: f
             .optional("device_traces", |v, path| {
-                list_of(v, path, |trace, path| list_of(trace, &path, trace_entry))
+                list_of(v, path, |trace, path| list_of(trace, path, trace_entry))
             })?
             .unwrap_or_default(),
-        allocator_settings: f
-            .optional("allocator_settings", |v, path| settings(v, path.to_owned()))?,
+        allocator_settings: f.optional("allocator_settings", settings)?,
         external_annotations: f.optional("external_annotations", |v, path| {
             list_of(v, path, annotation)
         })?,
@@ -232,7 +233,7 @@ pub(crate) fn snapshot_from_value(value: PyValue) -> SnapshotResult<Snapshot> {
     })
 }
 
-fn segment(value: PyValue, path: String) -> SnapshotResult<Segment> {
+fn segment(value: PyValue, path: &Path<'_>) -> SnapshotResult<Segment> {
     let mut f = Fields::new(value, path)?;
     let address = f.required("address", unsigned)?;
     let segment_type = f.required("segment_type", |v, path| match string(v, path)?.as_str() {
@@ -289,7 +290,7 @@ fn segment(value: PyValue, path: String) -> SnapshotResult<Segment> {
 
 /// A block; `default_address` (the end of the previous block) serves files from PyTorch versions that did
 /// not write block addresses.
-fn block(value: PyValue, path: String, default_address: u64) -> SnapshotResult<Block> {
+fn block(value: PyValue, path: &Path<'_>, default_address: u64) -> SnapshotResult<Block> {
     let mut f = Fields::new(value, path)?;
     Ok(Block {
         address: f.optional("address", unsigned)?.unwrap_or(default_address),
@@ -309,9 +310,12 @@ fn block(value: PyValue, path: String, default_address: u64) -> SnapshotResult<B
     })
 }
 
-fn trace_entry(value: PyValue, path: String) -> SnapshotResult<TraceEntry> {
+fn trace_entry(value: PyValue, path: &Path<'_>) -> SnapshotResult<TraceEntry> {
     let mut f = Fields::new(value, path)?;
-    let action = TraceAction::from_name(&f.required("action", string)?);
+    let action = f.required("action", |v, path| match v {
+        PyValue::Str(name) => Ok(TraceAction::from_name(&name)),
+        other => Err(expected(path, "a str", &other)),
+    })?;
     let addr = match f.optional("addr", unsigned)? {
         Some(addr) => addr,
         None => f.required("device_free", unsigned)?,
@@ -329,7 +333,7 @@ fn trace_entry(value: PyValue, path: String) -> SnapshotResult<TraceEntry> {
     })
 }
 
-fn settings(value: PyValue, path: String) -> SnapshotResult<AllocatorSettings> {
+fn settings(value: PyValue, path: &Path<'_>) -> SnapshotResult<AllocatorSettings> {
     let mut f = Fields::new(value, path)?;
     Ok(AllocatorSettings {
         config_string: f.optional("PYTORCH_CUDA_ALLOC_CONF", string)?,
@@ -341,33 +345,33 @@ fn settings(value: PyValue, path: String) -> SnapshotResult<AllocatorSettings> {
         pinned_use_cuda_host_register: f.optional("pinned_use_cuda_host_register", boolean)?,
         graph_capture_record_stream_reuse: f
             .optional("graph_capture_record_stream_reuse", boolean)?,
-        roundup_power2_divisions: f.optional("roundup_power2_divisions", |v, path| {
-            let table = Fields::new(v, path.to_owned())?;
-            let path = table.path.clone();
-            table
-                .rest()
-                .into_iter()
-                .map(|(key, divisions)| {
-                    let start = key.parse::<u64>().map_err(|_| {
-                        invalid(
-                            &path,
-                            format!("expected interval starts in MiB as keys, found '{key}'"),
-                        )
-                    })?;
-                    Ok((start, unsigned(divisions, &format!("{path}.{key}"))?))
-                })
-                .collect::<SnapshotResult<Vec<_>>>()
-                .map(|mut table| {
-                    // In interval order (PyTorch's order; JSON objects may come back sorted as text).
-                    table.sort_by_key(|&(start, _)| start);
-                    table
-                })
-        })?,
+        roundup_power2_divisions: f.optional("roundup_power2_divisions", roundup_table)?,
         other: f.rest(),
     })
 }
 
-fn annotation(value: PyValue, path: String) -> SnapshotResult<ExternalAnnotation> {
+/// `{'1': d0, '2': d1, ...}` as `(interval start in MiB, divisions)` pairs in interval order (PyTorch's
+/// order; a JSON object may come back sorted as text).
+fn roundup_table(value: PyValue, path: &Path<'_>) -> SnapshotResult<Vec<(u64, u64)>> {
+    let table = Fields::new(value, path)?;
+    let mut pairs = table
+        .rest()
+        .into_iter()
+        .map(|(key, divisions)| {
+            let start = key.parse::<u64>().map_err(|_| {
+                invalid(
+                    path,
+                    format!("expected interval starts in MiB as keys, found '{key}'"),
+                )
+            })?;
+            Ok((start, unsigned(divisions, &Path::Key(path, &key))?))
+        })
+        .collect::<SnapshotResult<Vec<_>>>()?;
+    pairs.sort_by_key(|&(start, _)| start);
+    Ok(pairs)
+}
+
+fn annotation(value: PyValue, path: &Path<'_>) -> SnapshotResult<ExternalAnnotation> {
     let mut f = Fields::new(value, path)?;
     Ok(ExternalAnnotation {
         device: f.optional("device", signed)?,

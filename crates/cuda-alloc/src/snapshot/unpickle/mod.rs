@@ -8,284 +8,13 @@
 //! before it is referenced again. Nesting depth and the total size that memo references can expand to
 //! are bounded, so a hostile file gets an error, not a stack overflow or an exhausted heap.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
+mod opcodes;
+
+use self::opcodes::{malformed, raw_unicode_escape, Decoder, Op, HIGHEST_PROTOCOL};
 use super::pyvalue::{PyValue, MAX_DEPTH};
 use super::{SnapshotError, SnapshotResult};
-
-/// Newest pickle protocol understood.
-const HIGHEST_PROTOCOL: u8 = 5;
-
-/// One decoded opcode.
-enum Op<'a> {
-    Proto(u8),
-    Frame,
-    Stop,
-    Mark,
-    Pop,
-    PopMark,
-    Dup,
-    None,
-    Bool(bool),
-    Int(i128),
-    Float(f64),
-    /// UTF-8 text (`BINUNICODE` and friends).
-    Text(&'a [u8]),
-    /// Text in raw-unicode-escape form (`UNICODE`, protocol 0).
-    EscapedText(&'a [u8]),
-    /// A Python 2 `str` (`BINSTRING`, `SHORT_BINSTRING`): text when it is UTF-8, else bytes.
-    LegacyString(&'a [u8]),
-    Bytes(&'a [u8]),
-    EmptyList,
-    EmptyDict,
-    EmptyTuple,
-    EmptySet,
-    /// Build a list / dict / tuple / frozenset from the items since the last mark.
-    List,
-    Dict,
-    Tuple,
-    FrozenSet,
-    /// Build a tuple from the top 1, 2 or 3 items.
-    TupleN(usize),
-    Append,
-    Appends,
-    SetItem,
-    SetItems,
-    AddItems,
-    Put(u64),
-    Memoize,
-    Get(u64),
-    /// An opcode that creates or refers to objects of classes, with what it names.
-    Object(&'static str, String),
-}
-
-/// Splits the input into opcodes.
-struct Decoder<'a> {
-    data: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Decoder<'a> {
-    fn truncated(&self) -> SnapshotError {
-        SnapshotError::Pickle {
-            offset: self.data.len(),
-            reason: "the data ends before the pickle's STOP opcode (truncated file?)".into(),
-        }
-    }
-
-    fn take(&mut self, n: usize) -> SnapshotResult<&'a [u8]> {
-        let end = self
-            .pos
-            .checked_add(n)
-            .filter(|&end| end <= self.data.len())
-            .ok_or_else(|| self.truncated())?;
-        let bytes = &self.data[self.pos..end];
-        self.pos = end;
-        Ok(bytes)
-    }
-
-    fn fixed<const N: usize>(&mut self) -> SnapshotResult<[u8; N]> {
-        let mut out = [0; N];
-        out.copy_from_slice(self.take(N)?);
-        Ok(out)
-    }
-
-    fn length(&mut self, width: usize) -> SnapshotResult<usize> {
-        let mut raw = [0u8; 8];
-        raw[..width].copy_from_slice(self.take(width)?);
-        usize::try_from(u64::from_le_bytes(raw)).map_err(|_| self.truncated())
-    }
-
-    fn counted(&mut self, width: usize) -> SnapshotResult<&'a [u8]> {
-        let len = self.length(width)?;
-        self.take(len)
-    }
-
-    /// A newline-terminated argument (protocol 0), without the newline.
-    fn line(&mut self) -> SnapshotResult<&'a [u8]> {
-        let rest = &self.data[self.pos..];
-        let len = rest
-            .iter()
-            .position(|&b| b == b'\n')
-            .ok_or_else(|| self.truncated())?;
-        self.pos += len + 1;
-        Ok(&rest[..len])
-    }
-
-    fn line_text(&mut self, what: &str, at: usize) -> SnapshotResult<&'a str> {
-        let line = self.line()?;
-        std::str::from_utf8(line)
-            .map_err(|_| malformed(at, format!("{what} argument is not ASCII")))
-    }
-
-    fn decimal(&mut self, what: &str, at: usize) -> SnapshotResult<i128> {
-        let text = self.line_text(what, at)?;
-        let digits = text.strip_suffix('L').unwrap_or(text);
-        digits.parse().map_err(|_| {
-            malformed(
-                at,
-                format!("{what} argument {text:?} is not an integer that fits in 128 bits"),
-            )
-        })
-    }
-
-    /// The next opcode and the offset it starts at.
-    fn next(&mut self) -> SnapshotResult<(usize, Op<'a>)> {
-        let at = self.pos;
-        let [code] = self.fixed::<1>()?;
-        let op = match code {
-            0x80 => Op::Proto(self.fixed::<1>()?[0]),
-            0x95 => {
-                self.take(8)?;
-                Op::Frame
-            }
-            b'.' => Op::Stop,
-            b'(' => Op::Mark,
-            b'0' => Op::Pop,
-            b'1' => Op::PopMark,
-            b'2' => Op::Dup,
-            b'N' => Op::None,
-            0x88 => Op::Bool(true),
-            0x89 => Op::Bool(false),
-            b'I' => match self.line_text("INT", at)? {
-                "01" => Op::Bool(true),
-                "00" => Op::Bool(false),
-                text => Op::Int(text.parse().map_err(|_| malformed(at, format!("INT argument {text:?} is not an integer")))?),
-            },
-            b'L' => Op::Int(self.decimal("LONG", at)?),
-            b'J' => Op::Int(i32::from_le_bytes(self.fixed()?).into()),
-            b'K' => Op::Int(self.fixed::<1>()?[0].into()),
-            b'M' => Op::Int(u16::from_le_bytes(self.fixed()?).into()),
-            0x8a => Op::Int(long_from_bytes(self.counted(1)?, at)?),
-            0x8b => Op::Int(long_from_bytes(self.counted(4)?, at)?),
-            b'F' => {
-                let text = self.line_text("FLOAT", at)?;
-                Op::Float(text.parse().map_err(|_| malformed(at, format!("FLOAT argument {text:?} is not a number")))?)
-            }
-            b'G' => Op::Float(f64::from_be_bytes(self.fixed()?)),
-            b'X' => Op::Text(self.counted(4)?),
-            0x8c => Op::Text(self.counted(1)?),
-            0x8d => Op::Text(self.counted(8)?),
-            b'V' => Op::EscapedText(self.line()?),
-            b'T' => Op::LegacyString(self.counted(4)?),
-            b'U' => Op::LegacyString(self.counted(1)?),
-            b'B' => Op::Bytes(self.counted(4)?),
-            b'C' => Op::Bytes(self.counted(1)?),
-            0x8e | 0x96 => Op::Bytes(self.counted(8)?),
-            b']' => Op::EmptyList,
-            b'}' => Op::EmptyDict,
-            b')' => Op::EmptyTuple,
-            0x8f => Op::EmptySet,
-            b'l' => Op::List,
-            b'd' => Op::Dict,
-            b't' => Op::Tuple,
-            0x91 => Op::FrozenSet,
-            0x85 => Op::TupleN(1),
-            0x86 => Op::TupleN(2),
-            0x87 => Op::TupleN(3),
-            b'a' => Op::Append,
-            b'e' => Op::Appends,
-            b's' => Op::SetItem,
-            b'u' => Op::SetItems,
-            0x90 => Op::AddItems,
-            b'p' => Op::Put(self.decimal("PUT", at)?.try_into().unwrap_or(u64::MAX)),
-            b'q' => Op::Put(self.fixed::<1>()?[0].into()),
-            b'r' => Op::Put(u32::from_le_bytes(self.fixed()?).into()),
-            0x94 => Op::Memoize,
-            b'g' => Op::Get(self.decimal("GET", at)?.try_into().unwrap_or(u64::MAX)),
-            b'h' => Op::Get(self.fixed::<1>()?[0].into()),
-            b'j' => Op::Get(u32::from_le_bytes(self.fixed()?).into()),
-            b'c' | b'i' => {
-                let module = String::from_utf8_lossy(self.line()?).into_owned();
-                let name = String::from_utf8_lossy(self.line()?).into_owned();
-                Op::Object(if code == b'c' { "GLOBAL" } else { "INST" }, format!("{module}.{name}"))
-            }
-            b'S' => {
-                return Err(SnapshotError::UnsupportedPickle {
-                    offset: at,
-                    reason: "protocol-0 byte strings (STRING) are not supported; write the pickle with protocol 2 \
-                             or later"
-                        .into(),
-                })
-            }
-            other => match object_opcode(other) {
-                Some(name) => Op::Object(name, String::new()),
-                None => return Err(malformed(at, format!("unknown opcode 0x{other:02x}"))),
-            },
-        };
-        Ok((at, op))
-    }
-}
-
-/// Names of the opcodes that deal in objects of classes, which this reader refuses.
-fn object_opcode(code: u8) -> Option<&'static str> {
-    Some(match code {
-        b'R' => "REDUCE",
-        b'b' => "BUILD",
-        b'o' => "OBJ",
-        b'P' => "PERSID",
-        b'Q' => "BINPERSID",
-        0x81 => "NEWOBJ",
-        0x92 => "NEWOBJ_EX",
-        0x93 => "STACK_GLOBAL",
-        0x82 => "EXT1",
-        0x83 => "EXT2",
-        0x84 => "EXT4",
-        0x97 => "NEXT_BUFFER",
-        0x98 => "READONLY_BUFFER",
-        _ => return None,
-    })
-}
-
-fn malformed(offset: usize, reason: String) -> SnapshotError {
-    SnapshotError::Pickle { offset, reason }
-}
-
-/// A little-endian two's complement integer (`LONG1`, `LONG4`).
-fn long_from_bytes(bytes: &[u8], at: usize) -> SnapshotResult<i128> {
-    if bytes.len() > 16 {
-        return Err(malformed(
-            at,
-            format!("integer of {} bytes is wider than 128 bits", bytes.len()),
-        ));
-    }
-    let Some(&last) = bytes.last() else {
-        return Ok(0);
-    };
-    let mut raw = if last & 0x80 != 0 {
-        [0xff; 16]
-    } else {
-        [0; 16]
-    };
-    raw[..bytes.len()].copy_from_slice(bytes);
-    Ok(i128::from_le_bytes(raw))
-}
-
-/// Decodes Python's raw-unicode-escape: Latin-1 bytes, except `\uXXXX` and `\UXXXXXXXX`.
-fn raw_unicode_escape(bytes: &[u8], at: usize) -> SnapshotResult<String> {
-    let mut out = String::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let width = match (bytes[i], bytes.get(i + 1)) {
-            (b'\\', Some(b'u')) => 4,
-            (b'\\', Some(b'U')) => 8,
-            (b, _) => {
-                out.push(char::from(b));
-                i += 1;
-                continue;
-            }
-        };
-        let hex = bytes
-            .get(i + 2..i + 2 + width)
-            .and_then(|h| std::str::from_utf8(h).ok());
-        let ch = hex
-            .and_then(|h| u32::from_str_radix(h, 16).ok())
-            .and_then(char::from_u32);
-        out.push(ch.ok_or_else(|| malformed(at, "bad \\u escape in UNICODE argument".into()))?);
-        i += 2 + width;
-    }
-    Ok(out)
-}
 
 /// A value on the machine's stack.
 struct Item {
@@ -293,7 +22,7 @@ struct Item {
     /// Nesting depth of `value`.
     depth: usize,
     /// Memo slots waiting for this (mutable, still being filled) container to be complete.
-    pending_memo: Vec<u64>,
+    pending_memo: Vec<usize>,
     /// Referenced more than once (fetched from the memo, or fetched from it while still here): the
     /// copies must stay equal, so it must not be modified.
     shared: bool,
@@ -321,15 +50,67 @@ enum Memo {
     Pending,
 }
 
+/// The memo: values stored under slot numbers for later `GET`s.
+///
+/// Slot numbers index vectors directly. Python's pickler numbers slots 0, 1, 2, ... so a slot number
+/// beyond the data's length marks a pickle no pickler wrote, and is refused before anything is sized by it.
+struct MemoTable {
+    /// Values of the slots some `GET` reads (only those are kept), by slot.
+    slots: Vec<Option<Memo>>,
+    /// Which slots some `GET` reads.
+    referenced: Vec<bool>,
+    /// Which slots were ever set; `MEMOIZE` numbers its slot by their count.
+    assigned: Vec<bool>,
+    assigned_count: usize,
+    /// Slot numbers must stay below this.
+    limit: usize,
+}
+
+impl MemoTable {
+    fn index(&self, at: usize, slot: u64) -> SnapshotResult<usize> {
+        usize::try_from(slot)
+            .ok()
+            .filter(|&i| i < self.limit)
+            .ok_or_else(|| SnapshotError::UnsupportedPickle {
+                offset: at,
+                reason: format!("memo slot {slot} is beyond what a file of this size can use"),
+            })
+    }
+
+    /// Records that `slot` is set; returns whether any `GET` reads it.
+    fn assign(&mut self, at: usize, slot: u64) -> SnapshotResult<Option<usize>> {
+        let i = self.index(at, slot)?;
+        if i >= self.assigned.len() {
+            self.assigned.resize(i + 1, false);
+        }
+        if !std::mem::replace(&mut self.assigned[i], true) {
+            self.assigned_count += 1;
+        }
+        Ok(self
+            .referenced
+            .get(i)
+            .copied()
+            .unwrap_or(false)
+            .then_some(i))
+    }
+
+    fn get(&self, i: usize) -> Option<&Memo> {
+        self.slots.get(i).and_then(Option::as_ref)
+    }
+
+    fn set(&mut self, i: usize, memo: Memo) {
+        if i >= self.slots.len() {
+            self.slots.resize_with(i + 1, || None);
+        }
+        self.slots[i] = Some(memo);
+    }
+}
+
 /// The pickle machine.
 struct Machine {
     stack: Vec<Item>,
     marks: Vec<usize>,
-    /// Memo slots that some GET refers to (only those are kept).
-    referenced: HashSet<u64>,
-    memo: HashMap<u64, Memo>,
-    /// Every memo slot ever assigned (`MEMOIZE` numbers slots by their count).
-    assigned: HashSet<u64>,
+    memo: MemoTable,
     /// How many more values memo references may copy.
     copy_budget: usize,
 }
@@ -341,13 +122,19 @@ pub(crate) fn unpickle(data: &[u8]) -> SnapshotResult<PyValue> {
             reason: "the file is empty".into(),
         });
     }
-    let referenced = referenced_memo_slots(data).map_err(|e| not_a_pickle_at_start(data, e))?;
+    let limit = data.len() + 1;
+    let referenced =
+        referenced_memo_slots(data, limit).map_err(|e| not_a_pickle_at_start(data, e))?;
     let mut machine = Machine {
         stack: Vec::new(),
         marks: Vec::new(),
-        referenced,
-        memo: HashMap::new(),
-        assigned: HashSet::new(),
+        memo: MemoTable {
+            slots: Vec::new(),
+            referenced,
+            assigned: Vec::new(),
+            assigned_count: 0,
+            limit,
+        },
         copy_budget: data.len().saturating_mul(4).saturating_add(1 << 20),
     };
     let mut decoder = Decoder { data, pos: 0 };
@@ -365,15 +152,27 @@ pub(crate) fn unpickle(data: &[u8]) -> SnapshotResult<PyValue> {
     }
 }
 
-/// First pass: which memo slots are ever read (so that only those are kept).
-fn referenced_memo_slots(data: &[u8]) -> SnapshotResult<HashSet<u64>> {
+/// First pass: which memo slots are ever read (so that only those are kept), as flags by slot.
+fn referenced_memo_slots(data: &[u8], limit: usize) -> SnapshotResult<Vec<bool>> {
     let mut decoder = Decoder { data, pos: 0 };
-    let mut slots = HashSet::new();
+    let mut slots = Vec::new();
     loop {
         match decoder.next()? {
             (_, Op::Stop) => return Ok(slots),
-            (_, Op::Get(slot)) => {
-                slots.insert(slot);
+            (at, Op::Get(slot)) => {
+                let i = usize::try_from(slot)
+                    .ok()
+                    .filter(|&i| i < limit)
+                    .ok_or_else(|| SnapshotError::UnsupportedPickle {
+                        offset: at,
+                        reason: format!(
+                            "memo slot {slot} is beyond what a file of this size can use"
+                        ),
+                    })?;
+                if i >= slots.len() {
+                    slots.resize(i + 1, false);
+                }
+                slots[i] = true;
             }
             _ => {}
         }
@@ -412,7 +211,7 @@ impl Machine {
         for slot in std::mem::take(&mut item.pending_memo) {
             self.charge(at, &item.value)?;
             self.memo
-                .insert(slot, Memo::Ready(item.value.clone(), item.depth));
+                .set(slot, Memo::Ready(item.value.clone(), item.depth));
         }
         Ok(item)
     }
@@ -508,10 +307,9 @@ impl Machine {
     }
 
     fn memoize(&mut self, at: usize, slot: u64) -> SnapshotResult<()> {
-        self.assigned.insert(slot);
-        if !self.referenced.contains(&slot) {
+        let Some(slot) = self.memo.assign(at, slot)? else {
             return Ok(());
-        }
+        };
         let top = self
             .stack
             .last_mut()
@@ -522,17 +320,18 @@ impl Machine {
         ) && !top.shared
         {
             top.pending_memo.push(slot);
-            self.memo.insert(slot, Memo::Pending);
+            self.memo.set(slot, Memo::Pending);
         } else {
             let (value, depth) = (top.value.clone(), top.depth);
             self.charge(at, &value)?;
-            self.memo.insert(slot, Memo::Ready(value, depth));
+            self.memo.set(slot, Memo::Ready(value, depth));
         }
         Ok(())
     }
 
     fn get(&mut self, at: usize, slot: u64) -> SnapshotResult<()> {
-        match self.memo.get(&slot) {
+        let slot = self.memo.index(at, slot)?;
+        match self.memo.get(slot) {
             Some(Memo::Ready(value, _)) => {
                 let cost = count_values(value, self.copy_budget);
                 self.spend(at, cost)?;
@@ -545,7 +344,7 @@ impl Machine {
                 ))
             }
         }
-        if let Some(Memo::Ready(value, depth)) = self.memo.get(&slot) {
+        if let Some(Memo::Ready(value, depth)) = self.memo.get(slot) {
             let mut item = Item::new(value.clone(), *depth);
             item.shared = !matches!(
                 value,
@@ -559,7 +358,7 @@ impl Machine {
     /// A container still on the stack is referenced again. Python's pickler does this only once the
     /// container is complete (it then waits on the stack for its parent), so its value is taken as final
     /// now, and any later change to it is refused.
-    fn freeze_pending(&mut self, at: usize, slot: u64) -> SnapshotResult<()> {
+    fn freeze_pending(&mut self, at: usize, slot: usize) -> SnapshotResult<()> {
         let Some(index) = self
             .stack
             .iter()
@@ -576,7 +375,7 @@ impl Machine {
         item.shared = true;
         item.pending_memo.retain(|&s| s != slot);
         let frozen = Memo::Ready(item.value.clone(), item.depth);
-        self.memo.insert(slot, frozen);
+        self.memo.set(slot, frozen);
         Ok(())
     }
 
@@ -688,7 +487,7 @@ impl Machine {
             }
             Op::Put(slot) => self.memoize(at, slot)?,
             Op::Memoize => {
-                let slot = self.assigned.len() as u64;
+                let slot = self.memo.assigned_count as u64;
                 self.memoize(at, slot)?;
             }
             Op::Get(slot) => self.get(at, slot)?,
@@ -723,6 +522,16 @@ fn check_depth(at: usize, depth: usize) -> SnapshotResult<()> {
 
 /// Number of values in `value`, itself included (iteratively), counting no further than `limit + 1`.
 fn count_values(value: &PyValue, limit: usize) -> usize {
+    if !matches!(
+        value,
+        PyValue::List(_)
+            | PyValue::Tuple(_)
+            | PyValue::Dict(_)
+            | PyValue::Set(_)
+            | PyValue::FrozenSet(_)
+    ) {
+        return 1;
+    }
     let mut count = 0;
     let mut pending = vec![value];
     while let Some(v) = pending.pop() {
