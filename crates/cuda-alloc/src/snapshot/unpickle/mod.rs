@@ -4,9 +4,11 @@
 //! A pickle is a program for a small stack machine (Python's `pickletools` documents the opcodes). This
 //! reader runs the opcodes that build plain data (protocols 0 to 5) and refuses those that would create
 //! objects of classes (`GLOBAL`, `REDUCE`, `BUILD`, ...), which a memory snapshot never holds. Shared
-//! references (the memo) are supported the way Python's pickler uses them: a container is complete
-//! before it is referenced again. Nesting depth and the total size that memo references can expand to
-//! are bounded, so a hostile file gets an error, not a stack overflow or an exhausted heap.
+//! references (the memo) are supported the way Python's pickler uses them: it refers to a container again
+//! only once the container is complete, so a reference copies the value, and a pickle that changes a
+//! container after referring to it again (which would make the copies differ) is refused. Nesting depth
+//! and the total size that references and `DUP` can expand to are bounded, so a hostile file gets an
+//! error, not a stack overflow or an exhausted heap.
 
 use std::collections::HashMap;
 
