@@ -1,0 +1,438 @@
+//! The allocation path (PyTorch's `malloc`, `get_free_block`, `alloc_found_block`, `alloc_block`).
+//!
+//! 1. Process completed events of blocks freed while other streams used them (skipped when nothing
+//!    is outstanding: one relaxed load).
+//! 2. Round the size, pick the pool (small or large; private while a capture is underway).
+//! 3. Best fit in the stream's pool; split the block if the remainder is worth keeping. This is the
+//!    hot path: one lock (the stream's), no device call, no heap allocation.
+//! 4. Otherwise the slow path, step for step PyTorch's: free-memory callbacks and a second look;
+//!    garbage collection; a new segment; releasing cached oversize blocks and a retry; releasing every
+//!    cached block and a last retry; then the out-of-memory error.
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use super::{Allocation, CachingAllocator, Locked, PoolChoice, Route};
+use crate::block::{Block, NIL};
+use crate::device::{Device, DeviceError, StreamId};
+use crate::error::{Error, Result};
+use crate::oom::{OomEvent, OutOfMemory};
+use crate::pool::PoolOwner;
+use crate::size::{allocation_size, is_small, round_size, MIN_BLOCK_SIZE, ONE_EXABYTE, SMALL_SIZE};
+use crate::stats::peaks::{Kind, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS};
+use crate::trace::Action;
+
+/// A request, after rounding and pool selection.
+#[derive(Clone, Copy, Debug)]
+struct Request {
+    /// The size asked for.
+    orig: usize,
+    /// The rounded size.
+    size: usize,
+    /// The size of a new segment for it.
+    alloc_size: usize,
+    small: bool,
+    choice: PoolChoice,
+    stream: StreamId,
+}
+
+impl<D: Device> CachingAllocator<D> {
+    /// Allocates `size` bytes for use on `stream` (PyTorch's `malloc`).
+    ///
+    /// A zero-sized request returns a null allocation without touching any pool, as PyTorch does.
+    ///
+    /// # Errors
+    /// [`Error::TooLarge`] for a request of 1 EB or more; [`Error::OutOfMemory`] when the device cannot
+    /// provide the memory even after every cached block was released; [`Error::Device`] when a device
+    /// call fails otherwise; [`Error::TooManyStreams`] when `stream` does not fit the stream table.
+    pub fn allocate(&self, size: usize, stream: StreamId) -> Result<Allocation> {
+        if size == 0 {
+            return Ok(Allocation::empty(stream));
+        }
+        if size >= ONE_EXABYTE {
+            return Err(Error::TooLarge { bytes: size });
+        }
+        if self.pending.load(Relaxed) != 0 && !self.capturing() {
+            self.process_events()?;
+        }
+        let rounded = round_size(size, &self.settings);
+        let small = is_small(rounded);
+        let request = Request {
+            orig: size,
+            size: rounded,
+            alloc_size: allocation_size(rounded),
+            small,
+            choice: self.pool_choice(stream),
+            stream,
+        };
+        let shard = self.shard(stream)?;
+        {
+            let mut locked = self.lock(shard);
+            let pool = locked.pool_index(request.choice, small);
+            if let Some(block) = locked.get_free_block(pool, rounded) {
+                return Ok(locked.hand_out(pool, block, rounded, size));
+            }
+        }
+        self.allocate_slow(request)
+    }
+
+    /// Allocates and returns only the pointer (PyTorch's `raw_alloc_with_stream`); free it with
+    /// [`raw_free`](Self::raw_free). A zero-sized request returns the null pointer.
+    ///
+    /// # Errors
+    /// As [`allocate`](Self::allocate).
+    pub fn raw_alloc(&self, size: usize, stream: StreamId) -> Result<crate::DevicePtr> {
+        Ok(self.allocate(size, stream)?.into_ptr())
+    }
+
+    /// The pool a request on `stream` goes to: a private pool if a capture underway claims the
+    /// stream, else the default pools.
+    #[inline]
+    fn pool_choice(&self, stream: StreamId) -> PoolChoice {
+        if !self.capturing() {
+            return PoolChoice::Default;
+        }
+        let captures = self.captures.read();
+        captures
+            .iter()
+            .find(|c| (c.filter)(stream))
+            .map_or(PoolChoice::Default, |c| PoolChoice::Private(c.pool))
+    }
+
+    #[cold]
+    fn allocate_slow(&self, req: Request) -> Result<Allocation> {
+        let shard = self.shard(req.stream)?;
+        if self.trigger_free_memory_callbacks() {
+            let mut locked = self.lock(shard);
+            let pool = locked.pool_index(req.choice, req.small);
+            if let Some(block) = locked.get_free_block(pool, req.size) {
+                return Ok(locked.hand_out(pool, block, req.size, req.orig));
+            }
+        }
+        if self.gc_enabled() {
+            self.garbage_collect_cached_blocks()?;
+        }
+        if let Some(allocation) = self.try_new_block(req, false)? {
+            return Ok(allocation);
+        }
+        let released = {
+            let mut locked = self.lock(shard);
+            let pool = locked.pool_index(req.choice, req.small);
+            locked.release_available_cached_blocks(pool, req.size)?
+        };
+        if released {
+            if let Some(allocation) = self.try_new_block(req, false)? {
+                return Ok(allocation);
+            }
+        }
+        if !self.capturing() {
+            self.release_cached_blocks(crate::MempoolId::DEFAULT)?;
+            if let Some(allocation) = self.try_new_block(req, true)? {
+                return Ok(allocation);
+            }
+        }
+        Err(self.out_of_memory(req))
+    }
+
+    /// One attempt at a new segment for `req`; on success the block is handed out at once.
+    fn try_new_block(&self, req: Request, retry: bool) -> Result<Option<Allocation>> {
+        let shard = self.shard(req.stream)?;
+        let mut locked = self.lock(shard);
+        let pool = locked.pool_index(req.choice, req.small);
+        Ok(locked
+            .alloc_block(pool, req.size, req.alloc_size, retry)?
+            .map(|block| locked.hand_out(pool, block, req.size, req.orig)))
+    }
+
+    /// Asks every registered callback to free memory; whether any did.
+    fn trigger_free_memory_callbacks(&self) -> bool {
+        let callbacks = self.callbacks.read().clone();
+        let mut freed = false;
+        for callback in callbacks {
+            freed |= callback.free_memory();
+        }
+        freed
+    }
+
+    /// Builds the out-of-memory error, records it and tells the observers.
+    #[cold]
+    fn out_of_memory(&self, req: Request) -> Error {
+        let info = self.device.mem_info().unwrap_or_default();
+        let set_fraction = self.counters.set_fraction.load(Relaxed);
+        let allowed = set_fraction.then(|| self.counters.allowed.load(Relaxed));
+        self.trace
+            .record(Action::Oom, info.free, req.size as u64, req.stream);
+        self.counters.num_ooms.fetch_add(1, Relaxed);
+        let stats = self.memory_stats();
+        let private_pools: u64 = self
+            .streams
+            .iter()
+            .map(|shard| {
+                let st = shard.state.lock();
+                st.pools
+                    .iter()
+                    .filter(|p| matches!(p.owner, PoolOwner::Private(_)))
+                    .flat_map(|p| p.free.iter())
+                    .map(|(size, _, _)| size)
+                    .sum::<u64>()
+            })
+            .sum();
+        let event = OomEvent {
+            device: self.device.index(),
+            alloc_size: req.alloc_size as u64,
+            device_total: allowed.unwrap_or(info.total),
+            device_free: info.free,
+        };
+        for observer in self.observers.read().iter() {
+            observer(&event);
+        }
+        let oom = OutOfMemory {
+            device: self.device.index(),
+            alloc_size: req.alloc_size as u64,
+            device_total: info.total,
+            device_free: info.free,
+            allowed,
+            allocated: stats.allocated_bytes.all.current as u64,
+            reserved: stats.reserved_bytes.all.current as u64,
+            private_pools,
+            message: String::new(),
+        }
+        .finish();
+        tracing::debug!(%oom, "out of memory");
+        Error::OutOfMemory(Box::new(oom))
+    }
+}
+
+impl<D: Device> Locked<'_, D> {
+    /// Best fit in pool `pool`: the smallest free block of at least `size` bytes, lowest address
+    /// first, subject to the oversize rules (PyTorch's `get_free_block`). The block is taken out of
+    /// the free set.
+    #[inline]
+    pub(crate) fn get_free_block(&mut self, pool: u16, size: usize) -> Option<u32> {
+        let settings = &self.a.settings;
+        let st = &mut *self.st;
+        let p = &st.pools[pool as usize];
+        if self.a.gc_enabled() {
+            p.gc_clock.fetch_add(1, Relaxed);
+        }
+        let found = {
+            let blocks = &st.blocks;
+            let mut candidates = p.free.at_least(size as u64);
+            let (_, _, mut found) = candidates.next()?;
+            if blocks[found].is_expandable() {
+                if settings.expandable_segments() {
+                    // The part of an expandable segment that can still grow counts, for best fit,
+                    // with the unmapped space after it.
+                    let expandable_size = |i: u32| {
+                        let b = &blocks[i];
+                        b.size
+                            + if b.next != NIL && !blocks[b.next].mapped {
+                                blocks[b.next].size
+                            } else {
+                                0
+                            }
+                    };
+                    for (_, _, next) in candidates {
+                        if !blocks[found].is_expandable()
+                            || expandable_size(next) >= expandable_size(found)
+                        {
+                            break;
+                        }
+                        found = next;
+                    }
+                } else {
+                    // Expandable segments were switched off after some were made: skip their
+                    // blocks.
+                    found = candidates.find(|&(_, _, i)| !blocks[i].is_expandable())?.2;
+                }
+            }
+            found
+        };
+        let blocks = &st.blocks;
+        let block_size = blocks[found].size as usize;
+        let max_split = settings.max_split_size();
+        if size < max_split && block_size >= max_split {
+            return None;
+        }
+        if size >= max_split
+            && block_size >= size.saturating_add(settings.max_non_split_rounding_size())
+        {
+            return None;
+        }
+        let addr = blocks[found].addr;
+        st.pools[pool as usize].free.remove(block_size as u64, addr);
+        Some(found)
+    }
+
+    /// Whether handing out `size` bytes of `block` should split off the rest (PyTorch's
+    /// `should_split`).
+    #[inline]
+    fn should_split(&self, pool: u16, block: u32, size: usize) -> bool {
+        let remaining = self.st.blocks[block].size as usize - size;
+        if self.st.pools[pool as usize].small || self.a.settings.expandable_segments() {
+            remaining >= MIN_BLOCK_SIZE
+        } else {
+            size < self.a.settings.max_split_size() && remaining > SMALL_SIZE
+        }
+    }
+
+    /// Splits `block` if worthwhile and hands out its first `size` bytes.
+    #[inline]
+    pub(crate) fn hand_out(
+        &mut self,
+        pool: u16,
+        block: u32,
+        size: usize,
+        orig: usize,
+    ) -> Allocation {
+        let split = self.should_split(pool, block, size);
+        let index = self.alloc_found_block(pool, block, size as u64, orig as u64, split);
+        let b = &self.st.blocks[index];
+        Allocation {
+            ptr: crate::DevicePtr(b.addr),
+            size: b.size as usize,
+            requested: orig,
+            stream: self.shard.stream,
+            shard: self.shard.index,
+            block: index,
+            generation: b.generation,
+        }
+    }
+
+    /// Marks a found block allocated, splitting off the remainder first when `split` (PyTorch's
+    /// `alloc_found_block`). Returns the allocated block's index.
+    pub(crate) fn alloc_found_block(
+        &mut self,
+        pool: u16,
+        mut block: u32,
+        size: u64,
+        orig: u64,
+        split: bool,
+    ) -> u32 {
+        let small = self.st.pools[pool as usize].small;
+        let already_split = self.st.blocks[block].is_split();
+        let expandable = self.st.blocks[block].is_expandable();
+        if split {
+            let remaining = block;
+            let st = &mut *self.st;
+            let r = &st.blocks[remaining];
+            let mut head = Block::new(r.addr, size, pool);
+            head.expandable = r.expandable;
+            head.prev = r.prev;
+            head.next = remaining;
+            block = st.blocks.insert(head);
+            let prev = st.blocks[block].prev;
+            if prev != NIL {
+                st.blocks[prev].next = block;
+            }
+            let gc_now = st.pools[pool as usize].gc_now();
+            let r = &mut st.blocks[remaining];
+            r.prev = block;
+            r.addr += size;
+            r.size -= size;
+            r.gc_count_base = gc_now;
+            let (r_size, r_addr) = (r.size, r.addr);
+            st.pools[pool as usize]
+                .free
+                .insert(r_size, r_addr, remaining);
+            if already_split && !expandable {
+                // An already split free block shrinks by `size` bytes.
+                self.dec(Kind::InactiveSplitBytes, small, size);
+            } else if !expandable {
+                // A new split free block of the remaining bytes appears.
+                self.inc(Kind::InactiveSplitBytes, small, r_size);
+                self.inc(Kind::InactiveSplit, small, 1);
+            }
+        } else if already_split && !expandable {
+            let b_size = self.st.blocks[block].size;
+            self.dec(Kind::InactiveSplitBytes, small, b_size);
+            self.dec(Kind::InactiveSplit, small, 1);
+        }
+        let b = &mut self.st.blocks[block];
+        b.allocated = true;
+        b.requested = orig;
+        b.generation = b.generation.wrapping_add(1);
+        let (addr, b_size) = (b.addr, b.size);
+        self.record(Action::Alloc, addr, orig);
+        self.st.allocated.insert(addr, block);
+        self.inc(Kind::Allocation, small, 1);
+        self.inc(Kind::AllocatedBytes, small, b_size);
+        self.inc(Kind::Active, small, 1);
+        self.inc(Kind::ActiveBytes, small, b_size);
+        self.inc(Kind::RequestedBytes, small, orig);
+        if b_size as usize >= self.a.settings.max_split_size() {
+            self.inc_figure(OVERSIZE_ALLOCATIONS, 1);
+        }
+        block
+    }
+
+    /// A new segment for a request of `size` bytes (PyTorch's `alloc_block`): `alloc_size` bytes from
+    /// the device, or room mapped in an expandable segment. `None` when the device (or the memory
+    /// fraction) has no room.
+    pub(crate) fn alloc_block(
+        &mut self,
+        pool: u16,
+        size: usize,
+        alloc_size: usize,
+        retry: bool,
+    ) -> Result<Option<u32>> {
+        let counters = &self.a.counters;
+        if retry {
+            counters.num_alloc_retries.fetch_add(1, Relaxed);
+        }
+        let limited = counters.set_fraction.load(Relaxed);
+        let allowed = counters.allowed.load(Relaxed);
+        let private = self.st.pools[pool as usize].private_id();
+        if self.a.settings.expandable_segments() {
+            if limited && counters.reserved.load(Relaxed) + alloc_size as u64 > allowed {
+                return Ok(None);
+            }
+            let block = self.try_allocate_expandable_block(pool, size as u64)?;
+            if block.is_some() {
+                if let Some(id) = private {
+                    self.a.adjust_private_segments(id, 1);
+                }
+            }
+            return Ok(block);
+        }
+        // Reserve the budget first so that concurrent segment allocations cannot overshoot the
+        // fraction together.
+        let before = counters.reserved.fetch_add(alloc_size as u64, Relaxed);
+        if limited && before + alloc_size as u64 > allowed {
+            counters.reserved.fetch_sub(alloc_size as u64, Relaxed);
+            return Ok(None);
+        }
+        let ptr = match self.a.device.malloc(alloc_size) {
+            Ok(ptr) => ptr,
+            Err(e) => {
+                counters.reserved.fetch_sub(alloc_size as u64, Relaxed);
+                return match e {
+                    DeviceError::OutOfMemory { .. } => Ok(None),
+                    other => Err(other.into()),
+                };
+            }
+        };
+        if let Some(id) = private {
+            self.a.adjust_private_segments(id, 1);
+        }
+        let block = self
+            .st
+            .blocks
+            .insert(Block::new(ptr.0, alloc_size as u64, pool));
+        self.a.routes.write().insert(
+            ptr.0,
+            Route {
+                end: ptr.0 + alloc_size as u64,
+                shard: self.shard.index,
+            },
+        );
+        let small = self.st.pools[pool as usize].small;
+        self.inc(Kind::Segment, small, 1);
+        self.inc(Kind::ReservedBytes, small, alloc_size as u64);
+        if alloc_size >= self.a.settings.max_split_size() {
+            self.inc_figure(OVERSIZE_SEGMENTS, 1);
+        }
+        counters.num_device_alloc.fetch_add(1, Relaxed);
+        self.record(Action::SegmentAlloc, ptr.0, alloc_size as u64);
+        Ok(Some(block))
+    }
+}

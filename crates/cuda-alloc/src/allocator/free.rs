@@ -1,0 +1,418 @@
+//! Freeing (PyTorch's `free`, `free_block`, `try_merge_blocks`) and cross-stream uses
+//! (`recordStream`, `insert_events`, `process_events`, `synchronize_and_free_events`).
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use super::{Allocation, CachingAllocator, Locked};
+use crate::block::NIL;
+use crate::device::{Device, DevicePtr, StreamId};
+use crate::error::{Error, Result};
+use crate::events::{BlockRef, PendingEvent};
+use crate::pool_id::MempoolId;
+use crate::stats::peaks::{Kind, OVERSIZE_ALLOCATIONS};
+use crate::trace::Action;
+
+impl<D: Device> CachingAllocator<D> {
+    /// Frees an allocation (PyTorch's `free`). If the block was used on other streams
+    /// ([`record_stream`](Self::record_stream)), it returns to its pool only once their work recorded
+    /// so far has completed; otherwise at once.
+    ///
+    /// # Errors
+    /// [`Error::InvalidPointer`] if the allocation was already freed by pointer
+    /// ([`raw_free`](Self::raw_free)); [`Error::Device`] if recording an event fails and the device
+    /// cannot be synchronized instead.
+    pub fn free(&self, allocation: Allocation) -> Result<()> {
+        if allocation.shard == Allocation::EMPTY {
+            return Ok(());
+        }
+        let invalid = Error::InvalidPointer {
+            ptr: allocation.ptr,
+        };
+        let shard = self.streams.by_index(allocation.shard).ok_or(invalid)?;
+        let mut locked = self.lock(shard);
+        let index = allocation.block;
+        let st = &mut *locked.st;
+        let valid = st.blocks.is_live(index) && {
+            let b = &st.blocks[index];
+            b.allocated && b.addr == allocation.ptr.0 && b.generation == allocation.generation
+        };
+        if !valid {
+            return Err(Error::InvalidPointer {
+                ptr: allocation.ptr,
+            });
+        }
+        st.allocated.remove(&allocation.ptr.0);
+        locked.free_allocated(index)
+    }
+
+    /// Frees memory by pointer (PyTorch's `raw_delete`). The null pointer is ignored.
+    ///
+    /// # Errors
+    /// [`Error::InvalidPointer`] for a pointer this allocator did not hand out or already took back;
+    /// otherwise as [`free`](Self::free).
+    pub fn raw_free(&self, ptr: DevicePtr) -> Result<()> {
+        if ptr.0 == 0 {
+            return Ok(());
+        }
+        let shard = self.route(ptr).ok_or(Error::InvalidPointer { ptr })?;
+        let mut locked = self.lock(shard);
+        let index = locked
+            .st
+            .allocated
+            .remove(&ptr.0)
+            .ok_or(Error::InvalidPointer { ptr })?;
+        locked.free_allocated(index)
+    }
+
+    /// Marks an allocation as used by `stream` (PyTorch's `recordStream`): when it is freed, the
+    /// memory is not reused until the work enqueued on `stream` by then has completed. Uses on the
+    /// allocation's own stream need no record and are ignored.
+    ///
+    /// # Errors
+    /// [`Error::InvalidPointer`] if the allocation is no longer live.
+    pub fn record_stream(&self, allocation: &Allocation, stream: StreamId) -> Result<()> {
+        if allocation.shard == Allocation::EMPTY {
+            return Ok(());
+        }
+        let invalid = Error::InvalidPointer {
+            ptr: allocation.ptr,
+        };
+        let shard = self.streams.by_index(allocation.shard).ok_or(invalid)?;
+        let mut locked = self.lock(shard);
+        let index = allocation.block;
+        let st = &locked.st;
+        if !(st.blocks.is_live(index)
+            && st.blocks[index].allocated
+            && st.blocks[index].generation == allocation.generation)
+        {
+            return Err(Error::InvalidPointer {
+                ptr: allocation.ptr,
+            });
+        }
+        locked.record_stream_use(index, stream);
+        Ok(())
+    }
+
+    /// [`record_stream`](Self::record_stream) by pointer. The null pointer is ignored.
+    ///
+    /// # Errors
+    /// [`Error::InvalidPointer`] for a pointer that is not a live allocation of this allocator.
+    pub fn record_stream_ptr(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+        if ptr.0 == 0 {
+            return Ok(());
+        }
+        let shard = self.route(ptr).ok_or(Error::InvalidPointer { ptr })?;
+        let mut locked = self.lock(shard);
+        let index = *locked
+            .st
+            .allocated
+            .get(&ptr.0)
+            .ok_or(Error::InvalidPointer { ptr })?;
+        locked.record_stream_use(index, stream);
+        Ok(())
+    }
+
+    /// Returns blocks whose events have all completed to their pools (PyTorch's `process_events`),
+    /// after recording the events deferred while captures were underway.
+    #[cold]
+    pub(crate) fn process_events(&self) -> Result<()> {
+        let deferred = {
+            let mut events = self.events.lock();
+            let deferred = std::mem::take(&mut events.deferred);
+            self.pending.store(events.outstanding(), Relaxed);
+            deferred
+        };
+        for block in deferred {
+            if let Some(shard) = self.streams.by_index(block.shard) {
+                self.lock(shard).insert_deferred_events(block.block)?;
+            }
+        }
+        let mut done = Vec::new();
+        {
+            let mut guard = self.events.lock();
+            let events = &mut *guard;
+            for queue in events.queues.values_mut() {
+                while let Some(front) = queue.front() {
+                    if !self.device.query_event(&front.event)? {
+                        break;
+                    }
+                    let PendingEvent { event, block } = queue.pop_front().expect("front exists");
+                    events.spare.push(event);
+                    done.push(block);
+                }
+            }
+            events.queues.retain(|_, queue| !queue.is_empty());
+            self.pending.store(events.outstanding(), Relaxed);
+        }
+        for block in done {
+            if let Some(shard) = self.streams.by_index(block.shard) {
+                self.lock(shard).event_completed(block.block);
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for every outstanding event (only those of pool `only`, if given) and frees their
+    /// blocks (PyTorch's `synchronize_and_free_events`). `locks` holds every shard.
+    pub(crate) fn synchronize_and_free_events(
+        &self,
+        locks: &mut [Locked<'_, D>],
+        only: Option<MempoolId>,
+    ) -> Result<()> {
+        self.counters.num_sync_all_streams.fetch_add(1, Relaxed);
+        let deferred = std::mem::take(&mut self.events.lock().deferred);
+        for block in deferred {
+            if let Some(locked) = locks.iter_mut().find(|l| l.shard.index == block.shard) {
+                locked.insert_deferred_events(block.block)?;
+            }
+        }
+        let mut waited = Vec::new();
+        {
+            let mut events = self.events.lock();
+            for queue in events.queues.values_mut() {
+                let mut keep = std::collections::VecDeque::new();
+                for pending in queue.drain(..) {
+                    let of_pool = only.is_none_or(|id| {
+                        locks
+                            .iter()
+                            .find(|l| l.shard.index == pending.block.shard)
+                            .is_some_and(|l| {
+                                let b = &l.st.blocks[pending.block.block];
+                                l.st.pools[b.pool as usize].private_id() == Some(id)
+                            })
+                    });
+                    if of_pool {
+                        waited.push(pending);
+                    } else {
+                        keep.push_back(pending);
+                    }
+                }
+                *queue = keep;
+            }
+            events.queues.retain(|_, queue| !queue.is_empty());
+            self.pending.store(events.outstanding(), Relaxed);
+        }
+        for PendingEvent { event, block } in waited {
+            self.device.synchronize_event(&event)?;
+            self.events.lock().spare.push(event);
+            if let Some(locked) = locks.iter_mut().find(|l| l.shard.index == block.shard) {
+                locked.event_completed(block.block);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<D: Device> Locked<'_, D> {
+    /// Frees an allocated block whose pointer mapping was already removed.
+    pub(crate) fn free_allocated(&mut self, index: u32) -> Result<()> {
+        let (pool, size, addr, requested, used_elsewhere) = {
+            let b = &mut self.st.blocks[index];
+            b.allocated = false;
+            (
+                b.pool,
+                b.size,
+                b.addr,
+                b.requested,
+                !b.stream_uses.is_empty(),
+            )
+        };
+        let small = self.st.pools[pool as usize].small;
+        self.dec(Kind::Allocation, small, 1);
+        self.dec(Kind::AllocatedBytes, small, size);
+        self.record(Action::FreeRequested, addr, requested);
+        if size as usize >= self.a.settings.max_split_size() {
+            self.shard.figures.decrease(OVERSIZE_ALLOCATIONS, 1);
+        }
+        if used_elsewhere {
+            if self.a.capturing() {
+                // Events recorded during a capture may not be queried: record them after it.
+                let mut events = self.a.events.lock();
+                events.deferred.push(BlockRef {
+                    shard: self.shard.index,
+                    block: index,
+                });
+                self.a.pending.store(events.outstanding(), Relaxed);
+            } else {
+                self.insert_events(index)?;
+            }
+        } else {
+            self.free_block(index);
+        }
+        Ok(())
+    }
+
+    /// Records `stream` as a user of allocated block `index`.
+    fn record_stream_use(&mut self, index: u32, stream: StreamId) {
+        if stream == self.shard.stream {
+            return;
+        }
+        let addr = self.st.blocks[index].addr;
+        let uses = &mut self.st.blocks[index].stream_uses;
+        if !uses.contains(&stream) {
+            uses.push(stream);
+        }
+        if self.a.capturing() {
+            let during = self.st.capture_uses.entry(addr).or_default();
+            if !during.contains(&stream) {
+                during.push(stream);
+            }
+        }
+    }
+
+    /// Records an event on every stream that used block `index` (PyTorch's `insert_events`).
+    fn insert_events(&mut self, index: u32) -> Result<()> {
+        let streams = std::mem::take(&mut self.st.blocks[index].stream_uses);
+        let device = &self.a.device;
+        let mut events = self.a.events.lock();
+        let mut failure = None;
+        for stream in streams {
+            let event = match events.spare.pop() {
+                Some(event) => Ok(event),
+                None => device.create_event(),
+            };
+            match event.and_then(|e| device.record_event(&e, stream).map(|()| e)) {
+                Ok(event) => {
+                    self.st.blocks[index].event_count += 1;
+                    events
+                        .queues
+                        .entry(stream)
+                        .or_default()
+                        .push_back(PendingEvent {
+                            event,
+                            block: BlockRef {
+                                shard: self.shard.index,
+                                block: index,
+                            },
+                        });
+                }
+                Err(e) => failure = Some(e),
+            }
+        }
+        self.a.pending.store(events.outstanding(), Relaxed);
+        drop(events);
+        if let Some(error) = failure {
+            // Without the event the block would never be freed: wait for the device instead.
+            tracing::warn!(%error, "recording a stream-use event failed; synchronizing the device");
+            device.synchronize()?;
+            if self.st.blocks[index].event_count == 0 {
+                self.free_block(index);
+            }
+        }
+        Ok(())
+    }
+
+    /// Records the events of a block freed during a capture, leaving out the streams recorded during
+    /// the capture (their work is in the graph). Frees the block if no event remains.
+    fn insert_deferred_events(&mut self, index: u32) -> Result<()> {
+        let addr = self.st.blocks[index].addr;
+        if let Some(during) = self.st.capture_uses.remove(&addr) {
+            self.st.blocks[index]
+                .stream_uses
+                .retain(|s| !during.contains(s));
+        }
+        self.insert_events(index)?;
+        if self.st.blocks[index].event_count == 0 {
+            self.free_block(index);
+        }
+        Ok(())
+    }
+
+    /// One of block `index`'s events completed; frees it when it was the last.
+    fn event_completed(&mut self, index: u32) {
+        let b = &mut self.st.blocks[index];
+        b.event_count -= 1;
+        if b.event_count == 0 {
+            self.free_block(index);
+        }
+    }
+
+    /// Returns block `index` to its pool, merging it with free neighbours (PyTorch's `free_block`).
+    pub(crate) fn free_block(&mut self, index: u32) {
+        let (pool, addr, original_size, requested, prev, next) = {
+            let b = &self.st.blocks[index];
+            debug_assert!(!b.allocated && b.event_count == 0 && b.stream_uses.is_empty());
+            (b.pool, b.addr, b.size, b.requested, b.prev, b.next)
+        };
+        self.record(Action::FreeCompleted, addr, requested);
+        let mut net_blocks = 0i64;
+        let mut net_bytes = 0i64;
+        for candidate in [prev, next] {
+            let subsumed = self.try_merge(index, candidate);
+            if subsumed > 0 {
+                net_blocks -= 1;
+                net_bytes -= subsumed as i64;
+            }
+        }
+        let st = &mut *self.st;
+        let gc_now = st.pools[pool as usize].gc_now();
+        let b = &mut st.blocks[index];
+        b.gc_count_base = gc_now;
+        let (size, new_addr, split, expandable) = (b.size, b.addr, b.is_split(), b.is_expandable());
+        st.pools[pool as usize].free.insert(size, new_addr, index);
+        if split {
+            net_blocks += 1;
+            net_bytes += size as i64;
+        }
+        let small = st.pools[pool as usize].small;
+        if !expandable {
+            // Fully free chunks of expandable segments can always be released, so expandable
+            // segments are left out of the inactive-split figures.
+            match net_blocks {
+                n if n > 0 => self.inc(Kind::InactiveSplit, small, n as u64),
+                n if n < 0 => self.dec(Kind::InactiveSplit, small, n.unsigned_abs()),
+                _ => {}
+            }
+            match net_bytes {
+                n if n > 0 => self.inc(Kind::InactiveSplitBytes, small, n as u64),
+                n if n < 0 => self.dec(Kind::InactiveSplitBytes, small, n.unsigned_abs()),
+                _ => {}
+            }
+        }
+        self.dec(Kind::Active, small, 1);
+        self.dec(Kind::ActiveBytes, small, original_size);
+        self.dec(Kind::RequestedBytes, small, requested);
+    }
+
+    /// Merges free neighbour `src` into `dst` when both are free alike (mapped or unmapped);
+    /// returns the bytes gained, or 0 (PyTorch's `try_merge_blocks`). `dst` is in no free set.
+    pub(crate) fn try_merge(&mut self, dst: u32, src: u32) -> u64 {
+        if src == NIL {
+            return 0;
+        }
+        let st = &mut *self.st;
+        let s = &st.blocks[src];
+        if s.allocated
+            || s.event_count > 0
+            || !s.stream_uses.is_empty()
+            || s.mapped != st.blocks[dst].mapped
+        {
+            return 0;
+        }
+        let (s_addr, s_size, s_prev, s_next, s_mapped, pool) =
+            (s.addr, s.size, s.prev, s.next, s.mapped, s.pool);
+        if st.blocks[dst].prev == src {
+            let d = &mut st.blocks[dst];
+            d.addr = s_addr;
+            d.prev = s_prev;
+            if s_prev != NIL {
+                st.blocks[s_prev].next = dst;
+            }
+        } else {
+            st.blocks[dst].next = s_next;
+            if s_next != NIL {
+                st.blocks[s_next].prev = dst;
+            }
+        }
+        st.blocks[dst].size += s_size;
+        let p = &mut st.pools[pool as usize];
+        let removed = if s_mapped {
+            p.free.remove(s_size, s_addr)
+        } else {
+            p.unmapped.remove(&s_addr)
+        };
+        debug_assert_eq!(removed, Some(src), "merged block was not in its set");
+        st.blocks.remove(src);
+        s_size
+    }
+}

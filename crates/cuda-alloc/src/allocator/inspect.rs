@@ -1,0 +1,201 @@
+//! Looking at the allocator: statistics, snapshots, pointer lookups.
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use super::CachingAllocator;
+use crate::block::NIL;
+use crate::device::{Device, DevicePtr, StreamId};
+use crate::error::{Error, Result};
+use crate::pool_id::MempoolId;
+use crate::shard::Shard;
+use crate::snapshot::{AllocatorSettings, Block, BlockState, Segment, SegmentType, Snapshot};
+use crate::stats::MemoryStats;
+use crate::trace::Action;
+
+impl<D: Device> CachingAllocator<D> {
+    /// The statistics (`torch.cuda.memory_stats()`; [`MemoryStats::to_flat`] gives its key names).
+    #[must_use]
+    pub fn memory_stats(&self) -> MemoryStats {
+        let mut stats = MemoryStats::default();
+        self.book.read(&self.streams, &mut stats);
+        let c = &self.counters;
+        stats.num_alloc_retries = c.num_alloc_retries.load(Relaxed);
+        stats.num_ooms = c.num_ooms.load(Relaxed);
+        stats.num_sync_all_streams = c.num_sync_all_streams.load(Relaxed);
+        stats.num_device_alloc = c.num_device_alloc.load(Relaxed);
+        stats.num_device_free = c.num_device_free.load(Relaxed);
+        stats.max_split_size = self.max_split_size_at_start;
+        stats
+    }
+
+    /// Sets every peak to its current value (`torch.cuda.reset_peak_memory_stats`).
+    pub fn reset_peak_stats(&self) {
+        self.book.reset_peaks(&self.streams);
+    }
+
+    /// Zeroes the cumulative totals and counters (`torch.cuda.reset_accumulated_memory_stats`).
+    pub fn reset_accumulated_stats(&self) {
+        let (_guard, locks) = self.lock_all();
+        for locked in &locks {
+            locked.shard.figures.reset_accumulated();
+        }
+        let c = &self.counters;
+        for counter in [
+            &c.num_alloc_retries,
+            &c.num_ooms,
+            &c.num_sync_all_streams,
+            &c.num_device_alloc,
+            &c.num_device_free,
+        ] {
+            counter.store(0, Relaxed);
+        }
+    }
+
+    /// Bytes reserved from the device right now.
+    #[must_use]
+    pub fn reserved_bytes(&self) -> u64 {
+        self.counters.reserved.load(Relaxed)
+    }
+
+    /// The size of the largest free cached block in any pool (0 if none).
+    #[must_use]
+    pub fn largest_cached_block(&self) -> u64 {
+        self.streams
+            .iter()
+            .map(|shard| {
+                let st = shard.state.lock();
+                st.pools
+                    .iter()
+                    .filter_map(|p| p.free.iter().map(|(size, _, _)| size).max())
+                    .max()
+                    .unwrap_or(0)
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// PyTorch's `cacheInfo`: the larger of the device's free memory and the largest cached block.
+    ///
+    /// # Errors
+    /// [`Error::Device`] if the device's memory cannot be queried.
+    pub fn cache_info(&self) -> Result<u64> {
+        Ok(self
+            .device
+            .mem_info()?
+            .free
+            .max(self.largest_cached_block()))
+    }
+
+    /// The shard owning the segment or reservation that contains `ptr`.
+    pub(crate) fn route(&self, ptr: DevicePtr) -> Option<&Shard<D>> {
+        let routes = self.routes.read();
+        let (_, route) = routes.range(..=ptr.0).next_back()?;
+        (ptr.0 < route.end)
+            .then_some(route.shard)
+            .and_then(|index| self.streams.by_index(index))
+    }
+
+    /// The device allocation an allocated pointer lies in: its base address and size (PyTorch's
+    /// `getBaseAllocation`; CUDA IPC shares whole device allocations).
+    ///
+    /// # Errors
+    /// [`Error::InvalidPointer`] if `ptr` is not a live allocation; [`Error::ExpandableNotShareable`]
+    /// if it lies in an expandable segment.
+    pub fn base_allocation(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
+        let shard = self.route(ptr).ok_or(Error::InvalidPointer { ptr })?;
+        let st = shard.state.lock();
+        let &index = st
+            .allocated
+            .get(&ptr.0)
+            .ok_or(Error::InvalidPointer { ptr })?;
+        if st.blocks[index].is_expandable() {
+            return Err(Error::ExpandableNotShareable { ptr });
+        }
+        let mut head = index;
+        while st.blocks[head].prev != NIL {
+            head = st.blocks[head].prev;
+        }
+        let mut size = 0;
+        let mut at = head;
+        while at != NIL {
+            size += st.blocks[at].size;
+            at = st.blocks[at].next;
+        }
+        Ok((DevicePtr(st.blocks[head].addr), size as usize))
+    }
+
+    /// A snapshot of every segment and the trace (`torch.cuda.memory._snapshot()`), in the model that
+    /// pickles into the file PyTorch's `_memory_viz` opens. Records a `snapshot` trace entry after the
+    /// trace is copied, as PyTorch does.
+    #[must_use]
+    pub fn snapshot(&self) -> Snapshot {
+        let device_traces = vec![self.trace.entries()];
+        let (_guard, locks) = self.lock_all();
+        let mut segments = Vec::new();
+        for locked in &locks {
+            let st = &locked.st;
+            for (index, head) in st.blocks.iter() {
+                // One segment per contiguous mapped range: heads are mapped blocks with no mapped
+                // block before them.
+                if !head.mapped || (head.prev != NIL && st.blocks[head.prev].mapped) {
+                    continue;
+                }
+                let pool = &st.pools[head.pool as usize];
+                let id = pool.private_id().unwrap_or(MempoolId::DEFAULT);
+                let mut segment = Segment {
+                    device: i64::from(self.device.index()),
+                    address: head.addr,
+                    stream: locked.shard.stream.0,
+                    segment_type: if pool.small {
+                        SegmentType::Small
+                    } else {
+                        SegmentType::Large
+                    },
+                    segment_pool_id: (id.0, id.1),
+                    is_expandable: head.is_expandable(),
+                    ..Segment::default()
+                };
+                let mut at = index;
+                while at != NIL && st.blocks[at].mapped {
+                    let b = &st.blocks[at];
+                    let state = if b.allocated {
+                        BlockState::ActiveAllocated
+                    } else if b.is_active() {
+                        BlockState::ActivePendingFree
+                    } else {
+                        BlockState::Inactive
+                    };
+                    segment.total_size += b.size;
+                    if b.allocated {
+                        segment.allocated_size += b.size;
+                    }
+                    if state != BlockState::Inactive {
+                        segment.active_size += b.size;
+                        segment.requested_size += b.requested;
+                    }
+                    segment.blocks.push(Block {
+                        address: b.addr,
+                        size: b.size,
+                        requested_size: b.requested,
+                        state,
+                        ..Block::default()
+                    });
+                    at = b.next;
+                }
+                segments.push(segment);
+            }
+        }
+        drop(locks);
+        segments.sort_by_key(|s| s.address);
+        let total_active = segments.iter().map(|s| s.active_size).sum();
+        self.trace
+            .record(Action::Snapshot, 0, total_active, StreamId(0));
+        Snapshot {
+            segments,
+            device_traces,
+            allocator_settings: Some(AllocatorSettings::from_config(&self.settings.config())),
+            external_annotations: Some(Vec::new()),
+            other: Vec::new(),
+        }
+    }
+}

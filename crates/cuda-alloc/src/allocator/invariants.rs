@@ -1,0 +1,243 @@
+//! The full-state invariant walk run by tests after every operation.
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering::Relaxed;
+
+use super::{CachingAllocator, Locked};
+use crate::block::NIL;
+use crate::device::Device;
+use crate::pool::PoolOwner;
+use crate::stats::peaks::{self, Kind, FIGURES, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS};
+
+/// A broken invariant found by [`CachingAllocator::check_invariants`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("allocator invariant violated: {0}")]
+pub struct InvariantViolation(pub String);
+
+macro_rules! ensure {
+    ($cond:expr, $($fmt:tt)+) => {
+        if !$cond {
+            return Err(InvariantViolation(format!($($fmt)+)));
+        }
+    };
+}
+
+impl<D: Device> CachingAllocator<D> {
+    /// Walks the whole state and checks that it is consistent: blocks tile their segments exactly,
+    /// neighbour links agree, free sets are sorted views of exactly the free blocks, no two free
+    /// neighbours are left unmerged, pointer lookups find exactly the allocated blocks, and every
+    /// statistic's current value equals what the blocks add up to. Meant for tests (it takes every
+    /// lock and visits every block).
+    ///
+    /// # Errors
+    /// The first violation found.
+    pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        let (_guard, locks) = self.lock_all();
+        let mut reserved_total = 0u64;
+        for locked in &locks {
+            reserved_total += check_shard(locked, self.settings.max_split_size())?;
+        }
+        let counted = self.counters.reserved.load(Relaxed);
+        ensure!(
+            counted == reserved_total,
+            "reserved counter {counted} but segments add up to {reserved_total}"
+        );
+        let pending = self.events.lock().outstanding();
+        ensure!(
+            pending == self.pending.load(Relaxed),
+            "pending counter {} but {pending} events outstanding",
+            self.pending.load(Relaxed)
+        );
+        Ok(())
+    }
+}
+
+/// Checks one shard; returns the bytes it has reserved from the device.
+fn check_shard<D: Device>(
+    locked: &Locked<'_, D>,
+    max_split: usize,
+) -> Result<u64, InvariantViolation> {
+    let st = &locked.st;
+    let stream = locked.shard.stream;
+    let blocks = &st.blocks;
+    let mut expected = [0i64; FIGURES];
+    let mut in_sets = HashSet::new();
+    for (p, pool) in st.pools.iter().enumerate() {
+        if pool.owner == PoolOwner::Released {
+            ensure!(
+                pool.free.is_empty() && pool.unmapped.is_empty(),
+                "released pool {p} has blocks"
+            );
+        }
+        for (size, addr, index) in pool.free.iter() {
+            ensure!(
+                blocks.is_live(index),
+                "stream {stream}: free set names dead block {index}"
+            );
+            let b = &blocks[index];
+            ensure!(
+                (b.size, b.addr) == (size, addr),
+                "stream {stream}: free set key ({size}, {addr:#x}) for block ({}, {:#x})",
+                b.size,
+                b.addr
+            );
+            ensure!(
+                b.pool as usize == p,
+                "stream {stream}: block {addr:#x} in the wrong pool"
+            );
+            ensure!(
+                !b.is_active() && b.mapped,
+                "stream {stream}: free set holds an active or unmapped block at {addr:#x}"
+            );
+            ensure!(
+                in_sets.insert(index),
+                "stream {stream}: block {addr:#x} in two sets"
+            );
+        }
+        for (&addr, &index) in &pool.unmapped {
+            ensure!(
+                blocks.is_live(index),
+                "stream {stream}: unmapped set names dead block"
+            );
+            let b = &blocks[index];
+            ensure!(
+                b.addr == addr && !b.mapped && b.is_expandable(),
+                "stream {stream}: bad unmapped block {addr:#x}"
+            );
+            ensure!(
+                in_sets.insert(index),
+                "stream {stream}: block {addr:#x} in two sets"
+            );
+        }
+    }
+    let mut reserved = 0u64;
+    let mut allocated_seen = 0usize;
+    for (index, b) in blocks.iter() {
+        let small = st.pools[b.pool as usize].small;
+        let free = !b.is_active();
+        ensure!(
+            free == in_sets.contains(&index),
+            "stream {stream}: block {:#x} free={free} but in a set={}",
+            b.addr,
+            in_sets.contains(&index)
+        );
+        ensure!(
+            b.mapped || b.is_expandable(),
+            "stream {stream}: unmapped non-expandable block"
+        );
+        if b.prev != NIL {
+            ensure!(blocks.is_live(b.prev), "stream {stream}: dead prev");
+            let p = &blocks[b.prev];
+            ensure!(
+                p.next == index && p.end() == b.addr,
+                "stream {stream}: prev of {:#x} disagrees",
+                b.addr
+            );
+            ensure!(
+                p.pool == b.pool && p.expandable == b.expandable,
+                "stream {stream}: neighbours differ in pool"
+            );
+            ensure!(
+                !(free && !p.is_active() && p.mapped == b.mapped),
+                "stream {stream}: free neighbours {:#x} and {:#x} not merged",
+                p.addr,
+                b.addr
+            );
+        }
+        if b.next != NIL {
+            ensure!(blocks.is_live(b.next), "stream {stream}: dead next");
+            let n = &blocks[b.next];
+            ensure!(
+                n.prev == index && b.end() == n.addr,
+                "stream {stream}: next of {:#x} disagrees",
+                b.addr
+            );
+        }
+        if b.allocated {
+            allocated_seen += 1;
+            ensure!(
+                st.allocated.get(&b.addr) == Some(&index),
+                "stream {stream}: allocated block {:#x} not found by pointer",
+                b.addr
+            );
+            add(&mut expected, Kind::Allocation, small, 1);
+            add(&mut expected, Kind::AllocatedBytes, small, b.size);
+            if b.size as usize >= max_split {
+                expected[OVERSIZE_ALLOCATIONS] += 1;
+            }
+        }
+        if b.is_active() {
+            add(&mut expected, Kind::Active, small, 1);
+            add(&mut expected, Kind::ActiveBytes, small, b.size);
+            add(&mut expected, Kind::RequestedBytes, small, b.requested);
+        } else if b.is_split() && !b.is_expandable() {
+            add(&mut expected, Kind::InactiveSplit, small, 1);
+            add(&mut expected, Kind::InactiveSplitBytes, small, b.size);
+        }
+        if b.mapped {
+            reserved += b.size;
+            add(&mut expected, Kind::ReservedBytes, small, b.size);
+        }
+        if b.prev == NIL && !b.is_expandable() {
+            add(&mut expected, Kind::Segment, small, 1);
+            let mut size = 0;
+            let mut at = index;
+            while at != NIL {
+                size += blocks[at].size;
+                at = blocks[at].next;
+            }
+            if size as usize >= max_split {
+                expected[OVERSIZE_SEGMENTS] += 1;
+            }
+            let route = locked.a.routes.read().get(&b.addr).copied();
+            ensure!(
+                route.is_some_and(|r| r.end == b.addr + size && r.shard == locked.shard.index),
+                "stream {stream}: segment {:#x} ({size} bytes) has no matching route",
+                b.addr
+            );
+        }
+    }
+    ensure!(
+        allocated_seen == st.allocated.len(),
+        "stream {stream}: {} pointers mapped but {allocated_seen} blocks allocated",
+        st.allocated.len()
+    );
+    for (slot, segment) in st.segments.iter().enumerate() {
+        let Some(segment) = segment else { continue };
+        let mut covered = 0u64;
+        let mut mapped = 0u64;
+        for (_, b) in blocks.iter().filter(|(_, b)| b.expandable == slot as u32) {
+            covered += b.size;
+            if b.mapped {
+                mapped += b.size;
+            }
+            ensure!(
+                b.addr >= segment.base() && b.end() <= segment.base() + segment.size(),
+                "stream {stream}: block {:#x} outside its expandable segment",
+                b.addr
+            );
+        }
+        ensure!(
+            covered == segment.size(),
+            "stream {stream}: expandable segment not tiled"
+        );
+        ensure!(
+            mapped == segment.mapped_bytes(),
+            "stream {stream}: mapped blocks {mapped} but {} bytes of chunks mapped",
+            segment.mapped_bytes()
+        );
+    }
+    for (f, &value) in expected.iter().enumerate() {
+        let have = locked.shard.figures.current(f);
+        ensure!(
+            have == value,
+            "stream {stream}: figure {f} is {have}, blocks add up to {value}"
+        );
+    }
+    Ok(reserved)
+}
+
+fn add(expected: &mut [i64; FIGURES], kind: Kind, small: bool, amount: u64) {
+    expected[peaks::all(kind)] += amount as i64;
+    expected[peaks::pool(kind, small)] += amount as i64;
+}

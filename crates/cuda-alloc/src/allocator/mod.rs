@@ -1,0 +1,474 @@
+//! [`CachingAllocator`]: the caching allocator over a [`Device`].
+//!
+//! The policy follows PyTorch's `DeviceCachingAllocator` decision for decision; the state is split
+//! by stream (see [`crate::shard`]) so that calls on different streams take different locks. The
+//! methods are spread over submodules by concern:
+//!
+//! | module | what |
+//! | --- | --- |
+//! | `alloc` | the allocation path: best fit, splitting, new segments, the out-of-memory sequence |
+//! | `free` | freeing, merging, `record_stream` events and their processing |
+//! | `release` | returning memory to the device: cached blocks, garbage collection, `empty_cache` |
+//! | `grow` | expandable segments: finding room, mapping and unmapping chunks |
+//! | `private` | private pools (CUDA graphs) |
+//! | `inspect` | statistics, snapshots, pointer lookups, the invariant walk |
+
+mod alloc;
+mod free;
+mod grow;
+mod inspect;
+mod invariants;
+mod private;
+mod release;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+
+use crossbeam_utils::CachePadded;
+use parking_lot::{Mutex, MutexGuard, RwLock};
+
+use crate::config::AllocatorConfig;
+use crate::device::{Device, DevicePtr, StreamId};
+use crate::error::{Error, Result};
+use crate::events::EventQueues;
+use crate::oom::{FreeMemoryCallback, OomObserver};
+use crate::pool_id::MempoolId;
+use crate::settings::Settings;
+use crate::shard::{Shard, ShardState, StreamTable};
+use crate::snapshot::TraceEntry;
+use crate::stats::peaks::{self, Kind, PeakBook};
+use crate::trace::{Action, Record, TraceRecorder};
+
+pub use invariants::InvariantViolation;
+pub(crate) use private::PrivatePool;
+
+/// How many distinct streams an allocator serves unless told otherwise.
+pub const DEFAULT_STREAM_CAPACITY: usize = 1024;
+
+/// Memory handed out by [`CachingAllocator::allocate`]: the pointer, and what the allocator needs to
+/// take it back without looking it up.
+///
+/// Give it back with [`CachingAllocator::free`] (which consumes it, so it cannot be freed twice).
+/// Dropping it without freeing keeps the memory allocated for the allocator's lifetime; to manage the
+/// memory by pointer instead, use [`Allocation::into_ptr`] and [`CachingAllocator::raw_free`].
+#[must_use = "dropping an Allocation leaks the memory; pass it to CachingAllocator::free"]
+#[derive(Debug, PartialEq, Eq)]
+pub struct Allocation {
+    ptr: DevicePtr,
+    size: usize,
+    requested: usize,
+    stream: StreamId,
+    shard: u32,
+    block: u32,
+    generation: u32,
+}
+
+impl Allocation {
+    /// The "no block" marker of zero-sized allocations.
+    const EMPTY: u32 = u32::MAX;
+
+    fn empty(stream: StreamId) -> Self {
+        Allocation {
+            ptr: DevicePtr(0),
+            size: 0,
+            requested: 0,
+            stream,
+            shard: Self::EMPTY,
+            block: Self::EMPTY,
+            generation: 0,
+        }
+    }
+
+    /// The device address (null for a zero-sized allocation).
+    #[must_use]
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// The size of the block handed out (the request rounded up).
+    #[must_use]
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The size asked for.
+    #[must_use]
+    pub fn requested_size(&self) -> usize {
+        self.requested
+    }
+
+    /// The stream the memory was allocated on.
+    #[must_use]
+    pub fn stream(&self) -> StreamId {
+        self.stream
+    }
+
+    /// Gives up the handle and returns the pointer; free it later with
+    /// [`CachingAllocator::raw_free`].
+    #[must_use]
+    pub fn into_ptr(self) -> DevicePtr {
+        self.ptr
+    }
+}
+
+/// Device-wide counters that change only on rare paths.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    /// Bytes reserved from the device (PyTorch's `total_allocated_memory`).
+    pub(crate) reserved: AtomicU64,
+    /// Whether a memory fraction is set, and the resulting limit.
+    pub(crate) set_fraction: AtomicBool,
+    pub(crate) allowed: AtomicU64,
+    pub(crate) num_alloc_retries: AtomicI64,
+    pub(crate) num_ooms: AtomicI64,
+    pub(crate) num_sync_all_streams: AtomicI64,
+    pub(crate) num_device_alloc: AtomicI64,
+    pub(crate) num_device_free: AtomicI64,
+}
+
+/// Which pool a request goes to, decided before the stream's lock is taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PoolChoice {
+    Default,
+    Private(MempoolId),
+}
+
+/// Where a device range lives: the shard that owns the segment or reservation starting there.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Route {
+    pub(crate) end: u64,
+    pub(crate) shard: u32,
+}
+
+/// A capture underway: allocations on streams the filter accepts go to the private pool.
+pub(crate) struct Capture {
+    pub(crate) pool: MempoolId,
+    pub(crate) filter: Box<dyn Fn(StreamId) -> bool + Send + Sync>,
+}
+
+impl std::fmt::Debug for Capture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Capture")
+            .field("pool", &self.pool)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A caching allocator for one device with PyTorch's semantics. See the [crate documentation](crate).
+///
+/// `Send + Sync`: every method takes `&self` and may be called from any thread.
+pub struct CachingAllocator<D: Device> {
+    pub(crate) device: D,
+    pub(crate) settings: Settings,
+    pub(crate) streams: StreamTable<D>,
+    pub(crate) book: PeakBook,
+    pub(crate) trace: TraceRecorder,
+    /// Outstanding events; taken after a shard lock, never before one.
+    pub(crate) events: Mutex<EventQueues<D::Event>>,
+    /// Entries in `events` (checked without its lock on every allocation).
+    pub(crate) pending: CachePadded<AtomicUsize>,
+    /// Number of captures underway (checked without a lock on every allocation).
+    pub(crate) captures_active: CachePadded<AtomicUsize>,
+    pub(crate) captures: RwLock<Vec<Capture>>,
+    pub(crate) private: Mutex<BTreeMap<MempoolId, PrivatePool>>,
+    pub(crate) counters: CachePadded<Counters>,
+    pub(crate) routes: RwLock<BTreeMap<u64, Route>>,
+    pub(crate) callbacks: RwLock<Vec<Arc<dyn FreeMemoryCallback>>>,
+    pub(crate) observers: RwLock<Vec<OomObserver>>,
+    /// Serialises device-wide passes (release, garbage collection, snapshots); taken before any shard
+    /// lock.
+    pub(crate) maintenance: Mutex<()>,
+    small_clock: Arc<AtomicU64>,
+    large_clock: Arc<AtomicU64>,
+    max_split_size_at_start: i64,
+}
+
+impl<D: Device> std::fmt::Debug for CachingAllocator<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CachingAllocator")
+            .field("device", &self.device.index())
+            .field("streams", &self.streams.iter().count())
+            .field("reserved", &self.counters.reserved.load(Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+/// A shard with its lock held, and the allocator it belongs to: the receiver of the per-stream
+/// policy code.
+pub(crate) struct Locked<'a, D: Device> {
+    pub(crate) a: &'a CachingAllocator<D>,
+    pub(crate) shard: &'a Shard<D>,
+    pub(crate) st: MutexGuard<'a, ShardState<D>>,
+}
+
+impl<D: Device> CachingAllocator<D> {
+    /// An allocator with PyTorch's default settings.
+    pub fn new(device: D) -> Self {
+        Self::with_config(device, AllocatorConfig::default())
+    }
+
+    /// An allocator with the given settings.
+    pub fn with_config(device: D, config: AllocatorConfig) -> Self {
+        Self::with_stream_capacity(device, config, DEFAULT_STREAM_CAPACITY)
+    }
+
+    /// An allocator with settings read from the environment (`TENSORMEM_ALLOC_CONF`, then PyTorch's
+    /// variables; see [`AllocatorConfig::from_env`]).
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the variable holds a malformed configuration.
+    pub fn from_env(device: D) -> Result<Self> {
+        Ok(Self::with_config(device, AllocatorConfig::from_env()?))
+    }
+
+    /// An allocator with the given settings serving at most `streams` distinct streams.
+    pub fn with_stream_capacity(device: D, config: AllocatorConfig, streams: usize) -> Self {
+        let fraction = config.per_process_memory_fraction;
+        let allocator = CachingAllocator {
+            max_split_size_at_start: config.max_split_size as i64,
+            settings: Settings::new(&config),
+            device,
+            streams: StreamTable::new(streams),
+            book: PeakBook::default(),
+            trace: TraceRecorder::default(),
+            events: Mutex::new(EventQueues::default()),
+            pending: CachePadded::new(AtomicUsize::new(0)),
+            captures_active: CachePadded::new(AtomicUsize::new(0)),
+            captures: RwLock::new(Vec::new()),
+            private: Mutex::new(BTreeMap::new()),
+            counters: CachePadded::new(Counters::default()),
+            routes: RwLock::new(BTreeMap::new()),
+            callbacks: RwLock::new(Vec::new()),
+            observers: RwLock::new(Vec::new()),
+            maintenance: Mutex::new(()),
+            small_clock: Arc::new(AtomicU64::new(0)),
+            large_clock: Arc::new(AtomicU64::new(0)),
+        };
+        if fraction < 1.0 {
+            if let Err(e) = allocator.set_memory_fraction(fraction) {
+                tracing::warn!(error = %e, "per_process_memory_fraction not applied");
+            }
+        }
+        allocator
+    }
+
+    /// The device this allocator serves.
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+
+    /// The current settings.
+    #[must_use]
+    pub fn config(&self) -> AllocatorConfig {
+        self.settings.config()
+    }
+
+    /// Replaces the settings at run time; calls that start afterwards use them.
+    pub fn set_config(&self, config: &AllocatorConfig) {
+        self.settings.set(config);
+    }
+
+    /// Applies a configuration string at run time the way `torch.cuda.memory._set_allocator_settings`
+    /// does (see [`AllocatorConfig::apply`]).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a malformed string; the settings are then unchanged.
+    pub fn apply_settings(&self, config: &str) -> Result<()> {
+        let mut next = self.settings.config();
+        next.apply(config)?;
+        self.settings.set(&next);
+        Ok(())
+    }
+
+    /// Limits the memory this allocator reserves to `fraction` of the device's total memory
+    /// (`torch.cuda.set_per_process_memory_fraction`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidFraction`] outside `[0, 1]`; [`Error::Device`] if the device's memory cannot be
+    /// queried.
+    pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(Error::InvalidFraction { fraction });
+        }
+        let total = self.device.mem_info()?.total;
+        self.counters
+            .allowed
+            .store((fraction * total as f64) as u64, Relaxed);
+        self.counters.set_fraction.store(true, Relaxed);
+        Ok(())
+    }
+
+    /// The memory fraction in force (1.0 when none was set).
+    ///
+    /// # Errors
+    /// [`Error::Device`] if the device's memory cannot be queried.
+    pub fn memory_fraction(&self) -> Result<f64> {
+        if !self.counters.set_fraction.load(Relaxed) {
+            return Ok(1.0);
+        }
+        let total = self.device.mem_info()?.total;
+        Ok(self.counters.allowed.load(Relaxed) as f64 / total as f64)
+    }
+
+    /// Registers a callback asked to free memory when no cached block fits a request (PyTorch's
+    /// `FreeCudaMemoryCallbacksRegistry`; the CUDA IPC layer registers one).
+    pub fn add_free_memory_callback(&self, callback: Arc<dyn FreeMemoryCallback>) {
+        self.callbacks.write().push(callback);
+    }
+
+    /// Registers a function told about every out-of-memory error.
+    pub fn attach_oom_observer(&self, observer: OomObserver) {
+        self.observers.write().push(observer);
+    }
+
+    /// Turns the trace ring buffer on or off (`torch.cuda.memory._record_memory_history`); turning it
+    /// off clears it. `max_entries` is at least 1.
+    pub fn record_history(&self, enabled: bool, max_entries: usize) {
+        self.trace.configure(enabled, max_entries);
+    }
+
+    /// Whether the trace ring buffer is recording.
+    #[must_use]
+    pub fn is_history_enabled(&self) -> bool {
+        self.trace.enabled()
+    }
+
+    /// Adds a user annotation to the trace (when recording).
+    pub fn record_annotation(&self, name: impl Into<String>) {
+        if self.trace.enabled() {
+            self.trace.push(Record {
+                action: Action::UserDefined,
+                addr: 0,
+                size: 0,
+                stream: StreamId(0),
+                time_us: crate::trace::now_us(),
+                user_metadata: Some(name.into().into_boxed_str()),
+            });
+        }
+    }
+
+    /// The trace ring buffer's entries, oldest first, as snapshots carry them.
+    #[must_use]
+    pub fn trace(&self) -> Vec<TraceEntry> {
+        self.trace.entries()
+    }
+
+    /// The shard of `stream`, made on first use.
+    #[inline]
+    pub(crate) fn shard(&self, stream: StreamId) -> Result<&Shard<D>> {
+        if let Some(shard) = self.streams.get(stream) {
+            return Ok(shard);
+        }
+        self.streams
+            .get_or_insert(stream, || {
+                (Arc::clone(&self.small_clock), Arc::clone(&self.large_clock))
+            })
+            .ok_or(Error::TooManyStreams {
+                stream,
+                capacity: self.streams.capacity(),
+            })
+    }
+
+    /// Takes `shard`'s lock.
+    #[inline]
+    pub(crate) fn lock<'a>(&'a self, shard: &'a Shard<D>) -> Locked<'a, D> {
+        Locked {
+            a: self,
+            shard,
+            st: shard.state.lock(),
+        }
+    }
+
+    /// Takes the maintenance lock and every shard's lock, in stream order.
+    pub(crate) fn lock_all(&self) -> (MutexGuard<'_, ()>, Vec<Locked<'_, D>>) {
+        let guard = self.maintenance.lock();
+        let locks = self
+            .streams
+            .in_stream_order()
+            .into_iter()
+            .map(|shard| self.lock(shard))
+            .collect();
+        (guard, locks)
+    }
+
+    /// Whether garbage collection runs (a memory fraction is set and the threshold is positive).
+    #[inline]
+    pub(crate) fn gc_enabled(&self) -> bool {
+        self.counters.set_fraction.load(Relaxed)
+            && self.settings.garbage_collection_threshold() > 0.0
+    }
+
+    /// Whether any graph capture is underway.
+    #[inline]
+    pub(crate) fn capturing(&self) -> bool {
+        self.captures_active.load(Relaxed) != 0
+    }
+}
+
+impl<D: Device> Locked<'_, D> {
+    /// Adds `amount` to statistic `kind` for all pools and for the pool type.
+    #[inline]
+    pub(crate) fn inc(&self, kind: Kind, small: bool, amount: u64) {
+        let figures = &*self.shard.figures;
+        figures.increase(peaks::all(kind), amount, &self.a.book, &self.a.streams);
+        figures.increase(
+            peaks::pool(kind, small),
+            amount,
+            &self.a.book,
+            &self.a.streams,
+        );
+    }
+
+    /// Subtracts `amount` from statistic `kind` for all pools and for the pool type.
+    #[inline]
+    pub(crate) fn dec(&self, kind: Kind, small: bool, amount: u64) {
+        let figures = &*self.shard.figures;
+        figures.decrease(peaks::all(kind), amount);
+        figures.decrease(peaks::pool(kind, small), amount);
+    }
+
+    /// Adds to a single figure (the oversize counts).
+    #[inline]
+    pub(crate) fn inc_figure(&self, figure: usize, amount: u64) {
+        self.shard
+            .figures
+            .increase(figure, amount, &self.a.book, &self.a.streams);
+    }
+
+    /// Records a trace entry for this shard's stream.
+    #[inline]
+    pub(crate) fn record(&self, action: Action, addr: u64, size: u64) {
+        self.a.trace.record(action, addr, size, self.shard.stream);
+    }
+
+    /// The pool index for a request of the given size class.
+    #[inline]
+    pub(crate) fn pool_index(&mut self, choice: PoolChoice, small: bool) -> u16 {
+        match choice {
+            PoolChoice::Default => {
+                if small {
+                    crate::shard::SMALL_POOL
+                } else {
+                    crate::shard::LARGE_POOL
+                }
+            }
+            PoolChoice::Private(id) => {
+                let private = &self.a.private;
+                self.st.private_pool_or_insert(id, small, || {
+                    let pools = private.lock();
+                    pools.get(&id).map_or_else(
+                        || Arc::new(AtomicU64::new(0)),
+                        |p| {
+                            Arc::clone(if small {
+                                &p.small_clock
+                            } else {
+                                &p.large_clock
+                            })
+                        },
+                    )
+                })
+            }
+        }
+    }
+}

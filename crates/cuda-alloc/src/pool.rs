@@ -1,0 +1,124 @@
+//! Pools of free blocks, ordered for best fit.
+//!
+//! PyTorch keeps one ordered set of free blocks per pool, sorted by `(stream, size, address)`, and
+//! looks a request up with `lower_bound(stream, size)`: the smallest block of that stream that is large
+//! enough, ties broken by the lowest address. Here every stream has its own pools (blocks never move
+//! between streams), so a pool's set is sorted by `(size, address)` and the lookup is the same.
+//!
+//! Expandable segments add a second set per pool: the unmapped ranges of its segments, sorted by
+//! address.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use crate::pool_id::MempoolId;
+
+/// Free mapped blocks of one pool: `(size, address) -> block index`.
+#[derive(Debug, Default)]
+pub(crate) struct FreeSet {
+    map: BTreeMap<(u64, u64), u32>,
+}
+
+impl FreeSet {
+    #[inline]
+    pub(crate) fn insert(&mut self, size: u64, addr: u64, index: u32) {
+        let previous = self.map.insert((size, addr), index);
+        debug_assert!(previous.is_none(), "block at {addr:#x} already free");
+    }
+
+    #[inline]
+    pub(crate) fn remove(&mut self, size: u64, addr: u64) -> Option<u32> {
+        self.map.remove(&(size, addr))
+    }
+
+    /// Blocks of at least `size` bytes, smallest (then lowest address) first.
+    #[inline]
+    pub(crate) fn at_least(&self, size: u64) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
+        self.map.range((size, 0)..).map(|(&(s, a), &i)| (s, a, i))
+    }
+
+    /// Blocks smaller than `size` bytes, largest (then highest address) first.
+    pub(crate) fn below(&self, size: u64) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
+        self.map
+            .range(..(size, 0))
+            .rev()
+            .map(|(&(s, a), &i)| (s, a, i))
+    }
+
+    /// Blocks ordered before `(size, addr)`, largest first.
+    pub(crate) fn before(
+        &self,
+        size: u64,
+        addr: u64,
+    ) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
+        self.map
+            .range(..(size, addr))
+            .rev()
+            .map(|(&(s, a), &i)| (s, a, i))
+    }
+
+    /// Every block, in `(size, address)` order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
+        self.map.iter().map(|(&(s, a), &i)| (s, a, i))
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
+/// Which default pool, or a private one, a pool is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PoolOwner {
+    /// One of the two default pools every stream has.
+    Default,
+    /// A private pool (CUDA graphs, memory pools).
+    Private(MempoolId),
+    /// A private pool's slot after the pool was released; it holds no blocks and may be reused.
+    Released,
+}
+
+/// One pool of one stream: the free blocks of the small or the large size class of a default or
+/// private pool.
+#[derive(Debug)]
+pub(crate) struct Pool {
+    /// Free mapped blocks.
+    pub(crate) free: FreeSet,
+    /// Free unmapped ranges of expandable segments: address -> block index.
+    pub(crate) unmapped: BTreeMap<u64, u32>,
+    /// Small pool (requests of at most 1 MiB) or large pool.
+    pub(crate) small: bool,
+    /// Default or private.
+    pub(crate) owner: PoolOwner,
+    /// PyTorch's `get_free_blocks_call_count`: ticks on each lookup while garbage collection is on.
+    /// Shared by the pool's parts on every stream (PyTorch has one set per pool for all streams).
+    pub(crate) gc_clock: Arc<AtomicU64>,
+}
+
+impl Pool {
+    pub(crate) fn new(small: bool, owner: PoolOwner, gc_clock: Arc<AtomicU64>) -> Self {
+        Pool {
+            free: FreeSet::default(),
+            unmapped: BTreeMap::new(),
+            small,
+            owner,
+            gc_clock,
+        }
+    }
+
+    /// The garbage-collection clock now.
+    #[inline]
+    pub(crate) fn gc_now(&self) -> u64 {
+        self.gc_clock.load(Relaxed)
+    }
+
+    /// The private pool this pool belongs to, if any.
+    #[inline]
+    pub(crate) fn private_id(&self) -> Option<MempoolId> {
+        match self.owner {
+            PoolOwner::Private(id) => Some(id),
+            PoolOwner::Default | PoolOwner::Released => None,
+        }
+    }
+}

@@ -1,0 +1,99 @@
+//! The settings the allocator reads on every call, kept as atomics so that reading them takes no lock.
+//!
+//! [`AllocatorConfig`] is the parsed configuration; [`Settings`] holds the values the policy code
+//! consults (split limits, rounding, garbage collection, expandable segments) in relaxed atomics that
+//! are written only when the configuration changes, plus the whole configuration under a mutex for
+//! snapshots. A change takes effect for calls that start after it, as in PyTorch.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+
+use parking_lot::Mutex;
+
+use crate::config::{roundup_interval, AllocatorConfig, ROUNDUP_POWER2_INTERVALS};
+
+/// The configuration as the allocator reads it.
+#[derive(Debug)]
+pub(crate) struct Settings {
+    max_split_size: AtomicUsize,
+    max_non_split_rounding_size: AtomicUsize,
+    roundup_power2_divisions: [AtomicUsize; ROUNDUP_POWER2_INTERVALS],
+    /// `garbage_collection_threshold` as `f64` bits.
+    garbage_collection_threshold: AtomicU64,
+    expandable_segments: AtomicBool,
+    /// The configuration these values came from.
+    config: Mutex<AllocatorConfig>,
+}
+
+impl Settings {
+    pub(crate) fn new(config: &AllocatorConfig) -> Self {
+        let settings = Settings {
+            max_split_size: AtomicUsize::new(0),
+            max_non_split_rounding_size: AtomicUsize::new(0),
+            roundup_power2_divisions: std::array::from_fn(|_| AtomicUsize::new(0)),
+            garbage_collection_threshold: AtomicU64::new(0),
+            expandable_segments: AtomicBool::new(false),
+            config: Mutex::new(config.clone()),
+        };
+        settings.store(config);
+        settings
+    }
+
+    /// Replaces the configuration.
+    pub(crate) fn set(&self, config: &AllocatorConfig) {
+        let mut current = self.config.lock();
+        *current = config.clone();
+        self.store(config);
+    }
+
+    fn store(&self, config: &AllocatorConfig) {
+        self.max_split_size.store(config.max_split_size, Relaxed);
+        self.max_non_split_rounding_size
+            .store(config.max_non_split_rounding_size, Relaxed);
+        for (slot, &value) in self
+            .roundup_power2_divisions
+            .iter()
+            .zip(&config.roundup_power2_divisions)
+        {
+            slot.store(value, Relaxed);
+        }
+        self.garbage_collection_threshold
+            .store(config.garbage_collection_threshold.to_bits(), Relaxed);
+        self.expandable_segments
+            .store(config.expandable_segments, Relaxed);
+    }
+
+    /// A copy of the whole configuration.
+    pub(crate) fn config(&self) -> AllocatorConfig {
+        self.config.lock().clone()
+    }
+
+    /// Blocks at least this large are never split (`usize::MAX`: unlimited).
+    #[inline]
+    pub(crate) fn max_split_size(&self) -> usize {
+        self.max_split_size.load(Relaxed)
+    }
+
+    /// How much larger than a request an unsplittable block may be and still serve it.
+    #[inline]
+    pub(crate) fn max_non_split_rounding_size(&self) -> usize {
+        self.max_non_split_rounding_size.load(Relaxed)
+    }
+
+    /// `roundup_power2_divisions` for a request of `size` bytes.
+    #[inline]
+    pub(crate) fn roundup_divisions_for(&self, size: usize) -> usize {
+        self.roundup_power2_divisions[roundup_interval(size)].load(Relaxed)
+    }
+
+    /// The garbage-collection threshold (0: off).
+    #[inline]
+    pub(crate) fn garbage_collection_threshold(&self) -> f64 {
+        f64::from_bits(self.garbage_collection_threshold.load(Relaxed))
+    }
+
+    /// Whether new segments are expandable.
+    #[inline]
+    pub(crate) fn expandable_segments(&self) -> bool {
+        self.expandable_segments.load(Relaxed)
+    }
+}

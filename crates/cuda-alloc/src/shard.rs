@@ -1,0 +1,247 @@
+//! Stream shards: everything the allocator keeps for one stream, behind that stream's own lock.
+//!
+//! Blocks never move between streams (a block freed on stream S can only be reused on S), so the
+//! pools, blocks and expandable segments of different streams are independent: each [`Shard`] has
+//! its own mutex, and calls on different streams never contend. The [`StreamTable`] finds a stream's
+//! shard without a lock: an append-only open-addressing table of write-once slots.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use crossbeam_utils::CachePadded;
+use parking_lot::Mutex;
+
+use crate::block::Arena;
+use crate::device::{Device, StreamId};
+use crate::expandable::ExpandableSegment;
+use crate::pool::{Pool, PoolOwner};
+use crate::pool_id::MempoolId;
+use crate::stats::peaks::{FigureSet, Figures};
+
+/// Index of the default small pool in every shard's pool table.
+pub(crate) const SMALL_POOL: u16 = 0;
+/// Index of the default large pool in every shard's pool table.
+pub(crate) const LARGE_POOL: u16 = 1;
+
+/// A multiplicative hasher for device addresses and stream handles (well-distributed `u64` keys).
+#[derive(Default, Clone, Copy, Debug)]
+pub(crate) struct AddrHasher(u64);
+
+impl Hasher for AddrHasher {
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    #[inline]
+    fn write_u64(&mut self, n: u64) {
+        // Fibonacci hashing; the high bits are well mixed, and hashbrown uses the top 7 bits as tags.
+        self.0 = (self.0 ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+/// `HashMap` keyed by addresses.
+pub(crate) type AddrMap<V> = HashMap<u64, V, BuildHasherDefault<AddrHasher>>;
+
+/// The state of one stream, guarded by its shard's lock.
+#[derive(Debug)]
+pub(crate) struct ShardState<D: Device> {
+    /// Every block of the stream's segments.
+    pub(crate) blocks: Arena,
+    /// Pools: the default small and large pools at [`SMALL_POOL`] and [`LARGE_POOL`], then the parts
+    /// of private pools this stream has used.
+    pub(crate) pools: Vec<Pool>,
+    /// Allocated blocks by address (for calls that name memory by pointer).
+    pub(crate) allocated: AddrMap<u32>,
+    /// Expandable segments of this stream (`None`: released slot).
+    pub(crate) segments: Vec<Option<ExpandableSegment<D>>>,
+    /// Streams recorded on a block while a graph capture was underway (PyTorch's
+    /// `block_to_cudagraph_stream_uses`).
+    pub(crate) capture_uses: AddrMap<Vec<StreamId>>,
+}
+
+impl<D: Device> ShardState<D> {
+    fn new(small_clock: Arc<AtomicU64>, large_clock: Arc<AtomicU64>) -> Self {
+        ShardState {
+            blocks: Arena::default(),
+            pools: vec![
+                Pool::new(true, PoolOwner::Default, small_clock),
+                Pool::new(false, PoolOwner::Default, large_clock),
+            ],
+            allocated: AddrMap::default(),
+            segments: Vec::new(),
+            capture_uses: AddrMap::default(),
+        }
+    }
+
+    /// The index of this stream's part of private pool `id` for the given size class, if it exists.
+    pub(crate) fn private_pool(&self, id: MempoolId, small: bool) -> Option<u16> {
+        self.pools
+            .iter()
+            .position(|p| p.owner == PoolOwner::Private(id) && p.small == small)
+            .map(|i| i as u16)
+    }
+
+    /// The index of this stream's part of private pool `id`, created with `clock` if new.
+    pub(crate) fn private_pool_or_insert(
+        &mut self,
+        id: MempoolId,
+        small: bool,
+        clock: impl FnOnce() -> Arc<AtomicU64>,
+    ) -> u16 {
+        if let Some(index) = self.private_pool(id, small) {
+            return index;
+        }
+        let pool = Pool::new(small, PoolOwner::Private(id), clock());
+        if let Some(slot) = self
+            .pools
+            .iter()
+            .position(|p| p.owner == PoolOwner::Released)
+        {
+            self.pools[slot] = pool;
+            return slot as u16;
+        }
+        self.pools.push(pool);
+        u16::try_from(self.pools.len() - 1).expect("fewer than 65536 pools per stream")
+    }
+}
+
+/// One stream's shard.
+#[derive(Debug)]
+pub(crate) struct Shard<D: Device> {
+    /// The stream.
+    pub(crate) stream: StreamId,
+    /// The shard's index in creation order (what allocation handles name).
+    pub(crate) index: u32,
+    /// Statistics of this stream's blocks (see [`crate::stats::peaks`]).
+    pub(crate) figures: CachePadded<Figures>,
+    /// Everything else, under the shard's lock.
+    pub(crate) state: CachePadded<Mutex<ShardState<D>>>,
+}
+
+/// Stream -> shard, without locks on lookup.
+#[derive(Debug)]
+pub(crate) struct StreamTable<D: Device> {
+    /// Open-addressing slots: `(stream, shard index)`, written once.
+    slots: Box<[OnceLock<(StreamId, u32)>]>,
+    /// Shards by index, written once, in creation order.
+    shards: Box<[OnceLock<Shard<D>>]>,
+    /// Number of shards made.
+    count: AtomicUsize,
+    /// Serialises insertions; holds the shard indices sorted by stream (the fixed visiting order).
+    sorted: Mutex<Vec<u32>>,
+}
+
+impl<D: Device> StreamTable<D> {
+    /// A table for up to `capacity` streams.
+    pub(crate) fn new(capacity: usize) -> Self {
+        let capacity = capacity.max(1);
+        StreamTable {
+            slots: (0..(capacity * 2).next_power_of_two())
+                .map(|_| OnceLock::new())
+                .collect(),
+            shards: (0..capacity).map(|_| OnceLock::new()).collect(),
+            count: AtomicUsize::new(0),
+            sorted: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// How many streams the table can hold.
+    pub(crate) fn capacity(&self) -> usize {
+        self.shards.len()
+    }
+
+    #[inline]
+    fn probe(&self, stream: StreamId) -> impl Iterator<Item = &OnceLock<(StreamId, u32)>> {
+        let mask = self.slots.len() - 1;
+        let start = (stream.0.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as usize & mask;
+        (0..self.slots.len()).map(move |i| &self.slots[(start + i) & mask])
+    }
+
+    /// The shard of `stream`, if it has one.
+    #[inline]
+    pub(crate) fn get(&self, stream: StreamId) -> Option<&Shard<D>> {
+        for slot in self.probe(stream) {
+            match slot.get() {
+                Some(&(s, index)) if s == stream => return self.by_index(index),
+                Some(_) => {}
+                None => return None,
+            }
+        }
+        None
+    }
+
+    /// The shard of `stream`, made (with `make`) if it has none. `None` when the table is full.
+    pub(crate) fn get_or_insert(
+        &self,
+        stream: StreamId,
+        make: impl FnOnce() -> (Arc<AtomicU64>, Arc<AtomicU64>),
+    ) -> Option<&Shard<D>> {
+        if let Some(shard) = self.get(stream) {
+            return Some(shard);
+        }
+        let mut sorted = self.sorted.lock();
+        if let Some(shard) = self.get(stream) {
+            return Some(shard);
+        }
+        let index = self.count.load(Ordering::Relaxed);
+        if index >= self.shards.len() {
+            return None;
+        }
+        let (small, large) = make();
+        let shard = Shard {
+            stream,
+            index: index as u32,
+            figures: CachePadded::new(Figures::default()),
+            state: CachePadded::new(Mutex::new(ShardState::new(small, large))),
+        };
+        // Publish the shard before the slot that points to it, and the count after both.
+        let _ = self.shards[index].set(shard);
+        let slot = self
+            .probe(stream)
+            .find(|slot| slot.get().is_none())
+            .expect("the slot array is twice the shard capacity");
+        let _ = slot.set((stream, index as u32));
+        self.count.store(index + 1, Ordering::Release);
+        let at = sorted
+            .binary_search_by_key(&stream, |&i| {
+                self.shards[i as usize].get().map_or(stream, |s| s.stream)
+            })
+            .unwrap_or_else(|at| at);
+        sorted.insert(at, index as u32);
+        self.by_index(index as u32)
+    }
+
+    /// The shard with the given index.
+    #[inline]
+    pub(crate) fn by_index(&self, index: u32) -> Option<&Shard<D>> {
+        self.shards.get(index as usize).and_then(OnceLock::get)
+    }
+
+    /// Every shard, in creation order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &Shard<D>> {
+        let count = self.count.load(Ordering::Acquire);
+        self.shards[..count].iter().filter_map(OnceLock::get)
+    }
+
+    /// Every shard, sorted by stream (the order device-wide passes visit and lock them).
+    pub(crate) fn in_stream_order(&self) -> Vec<&Shard<D>> {
+        let sorted = self.sorted.lock();
+        sorted.iter().filter_map(|&i| self.by_index(i)).collect()
+    }
+}
+
+impl<D: Device> FigureSet for StreamTable<D> {
+    fn for_each_figures(&self, f: &mut dyn FnMut(&Figures)) {
+        for shard in self.iter() {
+            f(&shard.figures);
+        }
+    }
+}

@@ -1,0 +1,200 @@
+//! The trace ring buffer: what the allocator did, in order (PyTorch's `_record_memory_history`).
+//!
+//! When history recording is on, every allocator event is appended to a ring buffer of at most
+//! `max_entries` entries (the oldest are overwritten). Snapshots carry the buffer as `device_traces`,
+//! which PyTorch's `_memory_viz` draws and tensormem's replay reads back. Entries are kept compactly and
+//! converted to the snapshot model's [`TraceEntry`] when read.
+
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use parking_lot::Mutex;
+
+use crate::device::StreamId;
+use crate::snapshot::{TraceAction, TraceEntry};
+
+/// What happened (PyTorch's `TraceEntry::Action`). Converted to the snapshot model's
+/// [`TraceAction`](crate::snapshot::TraceAction) when the trace is read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Action {
+    /// A caller was handed memory (`size`: the size asked for).
+    Alloc,
+    /// A caller freed memory (`size`: the size it had asked for).
+    FreeRequested,
+    /// Freed memory became reusable (at once, or once other streams finished with it).
+    FreeCompleted,
+    /// A segment was allocated from the device (`cudaMalloc`).
+    SegmentAlloc,
+    /// A segment was returned to the device (`cudaFree`).
+    SegmentFree,
+    /// Physical memory was mapped into an expandable segment.
+    SegmentMap,
+    /// Physical memory was unmapped from an expandable segment.
+    SegmentUnmap,
+    /// A snapshot was taken (`size`: bytes in active blocks).
+    Snapshot,
+    /// An out-of-memory error was raised (`addr`: the device's free bytes, `size`: the rounded
+    /// request).
+    Oom,
+    /// A user annotation.
+    UserDefined,
+}
+
+impl Action {
+    fn to_model(self) -> TraceAction {
+        match self {
+            Action::Alloc => TraceAction::Alloc,
+            Action::FreeRequested => TraceAction::FreeRequested,
+            Action::FreeCompleted => TraceAction::FreeCompleted,
+            Action::SegmentAlloc => TraceAction::SegmentAlloc,
+            Action::SegmentFree => TraceAction::SegmentFree,
+            Action::SegmentMap => TraceAction::SegmentMap,
+            Action::SegmentUnmap => TraceAction::SegmentUnmap,
+            Action::Snapshot => TraceAction::Snapshot,
+            Action::Oom => TraceAction::Oom,
+            Action::UserDefined => TraceAction::UserDefined,
+        }
+    }
+}
+
+/// One recorded event, as kept in the ring buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Record {
+    pub(crate) action: Action,
+    /// The address concerned (for `Oom`, the device's free bytes; 0 for snapshots and annotations).
+    pub(crate) addr: u64,
+    pub(crate) size: u64,
+    pub(crate) stream: StreamId,
+    /// When, in microseconds since the Unix epoch.
+    pub(crate) time_us: i64,
+    /// The annotation of a `UserDefined` entry.
+    pub(crate) user_metadata: Option<Box<str>>,
+}
+
+impl Record {
+    /// The entry as PyTorch 2.11 writes it in `device_traces`.
+    pub(crate) fn to_entry(&self) -> TraceEntry {
+        TraceEntry {
+            action: self.action.to_model(),
+            addr: self.addr,
+            size: self.size,
+            stream: self.stream.0,
+            time_us: self.time_us,
+            frames: None,
+            compile_context: Some("N/A".to_owned()),
+            user_metadata: Some(self.user_metadata.as_deref().unwrap_or("").to_owned()),
+            other: Vec::new(),
+        }
+    }
+}
+
+/// Microseconds since the Unix epoch.
+pub(crate) fn now_us() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
+
+#[derive(Debug)]
+struct Ring {
+    entries: Vec<Record>,
+    /// Where the next entry goes once the ring is full.
+    next: usize,
+    max_entries: usize,
+}
+
+/// The ring buffer with its on/off switch.
+#[derive(Debug)]
+pub(crate) struct TraceRecorder {
+    enabled: AtomicBool,
+    ring: Mutex<Ring>,
+}
+
+impl Default for TraceRecorder {
+    fn default() -> Self {
+        TraceRecorder {
+            enabled: AtomicBool::new(false),
+            ring: Mutex::new(Ring {
+                entries: Vec::new(),
+                next: 0,
+                max_entries: 1,
+            }),
+        }
+    }
+}
+
+impl TraceRecorder {
+    /// Whether entries are being recorded (checked before building one).
+    #[inline]
+    pub(crate) fn enabled(&self) -> bool {
+        self.enabled.load(Relaxed)
+    }
+
+    /// Turns recording on or off (off clears the buffer, as in PyTorch); `max_entries` is at least 1.
+    pub(crate) fn configure(&self, enabled: bool, max_entries: usize) {
+        let mut ring = self.ring.lock();
+        ring.max_entries = max_entries.max(1);
+        if !enabled {
+            ring.entries.clear();
+            ring.next = 0;
+        }
+        self.enabled.store(enabled, Relaxed);
+    }
+
+    /// Appends an entry if recording is on.
+    #[inline]
+    pub(crate) fn record(&self, action: Action, addr: u64, size: u64, stream: StreamId) {
+        if self.enabled() {
+            self.push(Record {
+                action,
+                addr,
+                size,
+                stream,
+                time_us: now_us(),
+                user_metadata: None,
+            });
+        }
+    }
+
+    #[cold]
+    pub(crate) fn push(&self, entry: Record) {
+        let mut ring = self.ring.lock();
+        if ring.entries.len() < ring.max_entries {
+            ring.entries.push(entry);
+        } else {
+            let next = ring.next;
+            ring.entries[next] = entry;
+            ring.next = (next + 1) % ring.max_entries;
+        }
+    }
+
+    /// The entries, oldest first.
+    pub(crate) fn entries(&self) -> Vec<TraceEntry> {
+        let ring = self.ring.lock();
+        ring.entries[ring.next..]
+            .iter()
+            .chain(&ring.entries[..ring.next])
+            .map(Record::to_entry)
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_keeps_the_newest_entries_in_order() {
+        let t = TraceRecorder::default();
+        t.record(Action::Alloc, 1, 1, StreamId(0));
+        assert!(t.entries().is_empty(), "off by default");
+        t.configure(true, 3);
+        for addr in 0..5 {
+            t.record(Action::Alloc, addr, 512, StreamId(0));
+        }
+        let addrs: Vec<u64> = t.entries().iter().map(|e| e.addr).collect();
+        assert_eq!(addrs, [2, 3, 4]);
+        t.configure(false, 3);
+        assert!(t.entries().is_empty());
+    }
+}
