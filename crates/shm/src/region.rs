@@ -413,7 +413,10 @@ impl MapOptions {
             let grow = match self.create {
                 CreateMode::CreateExclusive => true,
                 CreateMode::OpenOrCreate => {
-                    self.access.is_writable() && object::inspect(fd, object)?.size < len
+                    // Kind and owner first: never resize an object we would refuse to map.
+                    let info = object::inspect(fd, object)?;
+                    object::check_info(info, object, 0, self.allow_foreign_owner)?;
+                    self.access.is_writable() && info.size < len
                 }
                 CreateMode::OpenExisting => false,
             };

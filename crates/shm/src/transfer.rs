@@ -272,7 +272,7 @@ pub fn recv_region(socket: impl AsFd, options: &MapOptions) -> Result<Received> 
         problem: format!("offset {} does not fit in memory", header.offset),
     })?;
     let region = options.map_owned_fd(fd, header.len, offset)?;
-    tracing::trace!(len = header.len, "attached received region");
+    tracing::debug!(len = header.len, "attached received region");
     Ok(Received {
         region,
         header,

@@ -280,6 +280,15 @@ fn objects_of_another_user_need_an_explicit_opt_in() {
         RefcountedRegion::open(&name),
         Err(Error::ForeignOwner { .. })
     ));
+    // OpenOrCreate must refuse before growing the foreign object.
+    assert!(matches!(
+        MapOptions::new()
+            .create(CreateMode::OpenOrCreate)
+            .len(8192)
+            .map_shm(&name),
+        Err(Error::ForeignOwner { .. })
+    ));
+    assert_eq!(std::fs::metadata(name.path()).unwrap().len(), 4096);
     let opened = MapOptions::new()
         .allow_foreign_owner(true)
         .map_shm(&name)
