@@ -1,1 +1,177 @@
+//! PyTorch interop on a real GPU, where `python3 -c 'import torch'` works: PyTorch's own tools read
+//! tensormem's snapshots, tensormem reads PyTorch's, and the statistics have the same keys.
+//!
+//! Skipped when torch cannot be imported, unless `TENSORMEM_REQUIRE_TORCH=1` (set by `cargo xtask
+//! test-gpu` and the bundle's `run.sh` where torch imports).
 
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::Command;
+
+use tensormem_cuda_alloc::backend::cuda::CudaDevice;
+use tensormem_cuda_alloc::snapshot::{Snapshot, TraceAction};
+use tensormem_cuda_alloc::CachingAllocator;
+
+use crate::harness::{gpu, Gpus};
+
+/// Set to `1`, a missing torch fails the interop tests instead of skipping them.
+const REQUIRE_TORCH: &str = "TENSORMEM_REQUIRE_TORCH";
+
+/// The GPUs, if there are GPUs and `python3` imports torch; else `None` after saying why.
+fn gpu_and_torch() -> Option<Gpus> {
+    let gpus = gpu()?;
+    let imported = Command::new("python3")
+        .args(["-c", "import torch"])
+        .output();
+    match imported {
+        Ok(out) if out.status.success() => Some(gpus),
+        other => {
+            let reason = match other {
+                Ok(out) => String::from_utf8_lossy(&out.stderr)
+                    .lines()
+                    .last()
+                    .unwrap_or("")
+                    .to_owned(),
+                Err(e) => format!("python3 could not be run: {e}"),
+            };
+            assert!(
+                std::env::var(REQUIRE_TORCH).as_deref() != Ok("1"),
+                "{REQUIRE_TORCH}=1 but `python3 -c 'import torch'` failed: {reason}"
+            );
+            eprintln!("skipped: python3 cannot import torch ({reason})");
+            None
+        }
+    }
+}
+
+/// Runs `python3 args...`, returns stdout; panics with stderr when it fails.
+fn python(args: &[&str]) -> String {
+    let out = Command::new("python3")
+        .args(args)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "python3 {args:?} failed ({}):\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("python3 printed UTF-8")
+}
+
+/// Bytes the way `torch.cuda._memory_viz` prints them (`Bytes.__repr__`: `f"{num:3.1f}{unit}B"`).
+fn viz_bytes(bytes: u64) -> String {
+    let mut num = bytes as f64;
+    for unit in ["", "Ki", "Mi", "Gi", "Ti", "Pi"] {
+        if num.abs() < 1024.0 {
+            return format!("{num:3.1}{unit}B");
+        }
+        num /= 1024.0;
+    }
+    format!("{num:.1}EiB")
+}
+
+fn path_str(path: &Path) -> &str {
+    path.to_str().expect("temporary paths are UTF-8")
+}
+
+#[test]
+fn pytorch_memory_viz_reads_a_tensormem_snapshot() {
+    let Some(_gpus) = gpu_and_torch() else { return };
+    let alloc = CachingAllocator::new(CudaDevice::new(0).unwrap());
+    alloc.record_history(true, 10_000);
+    let stream = alloc.device().create_stream().unwrap();
+    let kept: Vec<_> = [512, 1 << 20, 3 << 20, 30 << 20]
+        .into_iter()
+        .map(|size| alloc.allocate(size, stream.id()).unwrap())
+        .collect();
+    let dropped = alloc.allocate(5 << 20, stream.id()).unwrap();
+    alloc.free(dropped).unwrap();
+    let snapshot = alloc.snapshot();
+    assert!(!snapshot.segments.is_empty());
+    let reserved: u64 = snapshot.segments.iter().map(|s| s.total_size).sum();
+    assert_eq!(reserved, alloc.reserved_bytes());
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tensormem_snapshot.pickle");
+    snapshot.write_pickle_file(&file).unwrap();
+
+    // `stats` also asserts, in Python, that every segment's blocks add up to its size.
+    let stats = python(&["-m", "torch.cuda._memory_viz", "stats", path_str(&file)]);
+    assert!(
+        stats.contains(&format!("segments: {}\n", snapshot.segments.len())),
+        "{stats}"
+    );
+    assert!(
+        stats.contains(&format!("total_reserved: {}\n", viz_bytes(reserved))),
+        "{stats}"
+    );
+    let trace = python(&["-m", "torch.cuda._memory_viz", "trace", path_str(&file)]);
+    assert!(trace.contains("Device 0 ----------------"), "{trace}");
+    let allocs = snapshot
+        .trace(0)
+        .iter()
+        .filter(|e| e.action == TraceAction::Alloc)
+        .count();
+    assert_eq!(allocs, 5, "five allocations were traced");
+
+    for a in kept {
+        alloc.free(a).unwrap();
+    }
+    alloc.empty_cache().unwrap();
+}
+
+#[test]
+fn tensormem_reads_a_snapshot_pytorch_dumped_on_this_gpu() {
+    let Some(_gpus) = gpu_and_torch() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("torch_snapshot.pickle");
+    let script = format!(
+        "import torch\n\
+         torch.cuda.memory._record_memory_history(max_entries=1000)\n\
+         a = torch.empty(3 << 20, dtype=torch.uint8, device='cuda')\n\
+         b = torch.empty(512, dtype=torch.uint8, device='cuda')\n\
+         del a\n\
+         torch.cuda.memory._dump_snapshot({:?})\n",
+        path_str(&file)
+    );
+    python(&["-c", &script]);
+    let snapshot = Snapshot::read_pickle_file(&file).unwrap();
+    assert!(
+        snapshot.segments.len() >= 2,
+        "a small and a large segment: {:?}",
+        snapshot.segments
+    );
+    let trace = snapshot.trace(0);
+    let allocs: Vec<u64> = trace
+        .iter()
+        .filter(|e| e.action == TraceAction::Alloc)
+        .map(|e| e.size)
+        .collect();
+    assert!(
+        allocs.contains(&(3 << 20)) && allocs.contains(&512),
+        "allocations traced: {allocs:?}"
+    );
+    assert!(trace.iter().any(|e| e.action == TraceAction::FreeRequested));
+}
+
+#[test]
+fn memory_stats_have_pytorchs_keys() {
+    let Some(_gpus) = gpu_and_torch() else { return };
+    let printed = python(&[
+        "-c",
+        "import torch\n\
+         x = torch.empty(1 << 20, device='cuda')\n\
+         print('\\n'.join(sorted(torch.cuda.memory_stats(0).keys())))\n",
+    ]);
+    let torch_keys: BTreeSet<&str> = printed.lines().filter(|l| !l.is_empty()).collect();
+    let alloc = CachingAllocator::new(CudaDevice::new(0).unwrap());
+    let ours = alloc.memory_stats().to_flat();
+    let our_keys: BTreeSet<&str> = ours.keys().map(String::as_str).collect();
+    let missing: Vec<_> = torch_keys.difference(&our_keys).collect();
+    let extra: Vec<_> = our_keys.difference(&torch_keys).collect();
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "keys PyTorch has and tensormem lacks: {missing:?}; keys only tensormem has: {extra:?}"
+    );
+}
