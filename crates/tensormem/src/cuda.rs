@@ -1,0 +1,58 @@
+//! The `torch.cuda` surface: devices, streams and the per-device caching allocators.
+//!
+//! PyTorch keeps, per process, a current device per thread, a current stream per device and thread, and
+//! one caching allocator per device, created on the device's first use; `torch.cuda` exposes them
+//! (`torch/csrc/cuda/Module.cpp`). This module is the same surface for Rust programs, on the CUDA driver
+//! API ([`cuda_alloc::backend::cuda`](crate::cuda_alloc::backend::cuda)):
+//!
+//! | `torch.cuda` | here |
+//! | --- | --- |
+//! | `is_available`, `device_count` | [`is_available`], [`device_count`] |
+//! | `current_device`, `set_device`, `_exchange_device`, `device(i)` | [`current_device`], [`set_device`], [`exchange_device`], [`device_guard`] |
+//! | `can_device_access_peer` | [`can_device_access_peer`] (and [`enable_peer_access`]) |
+//! | `get_device_properties`, `get_device_name`, `get_device_capability` | [`get_device_properties`], [`get_device_name`], [`get_device_capability`] |
+//! | `Stream()`, `current_stream`, `default_stream`, `set_stream` | [`Stream::new`], [`current_stream`], [`default_stream`], [`set_stream`] |
+//! | `synchronize`, `mem_get_info` | [`synchronize`], [`mem_get_info`] |
+//! | `memory_stats`, `memory_allocated`, `memory_reserved`, `max_memory_allocated` | [`memory_stats`], [`memory_allocated`], [`memory_reserved`], [`max_memory_allocated`], [`max_memory_reserved`] |
+//! | `reset_peak_memory_stats`, `reset_accumulated_memory_stats` | [`reset_peak_memory_stats`], [`reset_accumulated_memory_stats`] |
+//! | `memory_snapshot`, `memory._record_memory_history`, `memory._dump_snapshot` | [`memory_snapshot`], [`record_memory_history`], [`dump_snapshot`] |
+//! | `set_per_process_memory_fraction`, `empty_cache` | [`set_per_process_memory_fraction`], [`empty_cache`] |
+//! | `memory._set_allocator_settings`, `_get_allocator_backend` | [`set_allocator_settings`], [`allocator_settings`] |
+//! | `caching_allocator_alloc`, `caching_allocator_delete` | [`caching_allocator_alloc`], [`caching_allocator_delete`] |
+//! | `_is_in_bad_fork` | [`is_in_bad_fork`] |
+//!
+//! Functions that take `device: Option<u32>` act on the calling thread's current device for `None`.
+//!
+//! The allocator of a device is configured from `TENSORMEM_ALLOC_CONF`, else `PYTORCH_CUDA_ALLOC_CONF`
+//! (PyTorch's grammar), read when the device is first used.
+//!
+//! # Fork
+//!
+//! The CUDA driver does not survive `fork()`. As in PyTorch, the first call that initialises CUDA arms a
+//! guard, and in a child forked after that every function here returns [`Error::ForkedChild`] instead of
+//! touching the driver. Start CUDA workers as fresh processes.
+
+mod device;
+mod error;
+mod fork;
+mod memory;
+mod registry;
+mod stream;
+
+pub use device::{
+    can_device_access_peer, current_device, device_count, device_guard, enable_peer_access,
+    exchange_device, get_device_capability, get_device_name, get_device_properties, is_available,
+    mem_get_info, set_device, synchronize, DeviceGuard,
+};
+pub use error::{Error, Result};
+pub use fork::is_in_bad_fork;
+pub use memory::{
+    allocator_settings, caching_allocator, caching_allocator_alloc, caching_allocator_delete,
+    caching_allocator_record_stream, device_memory_stats, dump_snapshot, empty_cache,
+    max_memory_allocated, max_memory_reserved, memory_allocated, memory_reserved, memory_snapshot,
+    memory_stats, record_memory_history, reset_accumulated_memory_stats, reset_peak_memory_stats,
+    set_allocator_settings, set_per_process_memory_fraction,
+};
+pub use stream::{current_stream, default_stream, set_stream, Stream};
+pub use tensormem_cuda_alloc::backend::cuda::{DeviceProperties, DeviceUuid};
+pub use tensormem_cuda_alloc::{DevicePtr, MemInfo, StreamId};

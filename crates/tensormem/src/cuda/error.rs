@@ -1,0 +1,61 @@
+//! The device API's error type.
+
+use tensormem_cuda_alloc::DeviceError;
+
+/// Why a call of the device API failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// This process is a `fork()` child of a process that had initialised CUDA: the driver's state is not
+    /// usable here (PyTorch's bad-fork guard).
+    #[error(
+        "Cannot re-initialize CUDA in forked subprocess: this process was forked after its parent had \
+         initialised CUDA. Start workers that use CUDA as fresh processes (spawn, or fork then exec), or \
+         fork before the parent's first CUDA call"
+    )]
+    ForkedChild,
+    /// A device ordinal past the devices this process sees.
+    #[error("invalid device ordinal {device}: this process sees {count} CUDA device(s), numbered from 0")]
+    InvalidDevice {
+        /// The ordinal given.
+        device: u32,
+        /// How many devices there are.
+        count: u32,
+    },
+    /// A stream of one device was used where another device's was needed.
+    #[error(
+        "stream {stream} belongs to device {stream_device}, not to device {device}; use a stream of the \
+         device the memory is on"
+    )]
+    WrongStreamDevice {
+        /// The stream's id.
+        stream: tensormem_cuda_alloc::StreamId,
+        /// The device the stream belongs to.
+        stream_device: u32,
+        /// The device the call was about.
+        device: u32,
+    },
+    /// A driver call failed (no driver, no device, or the driver's error code and name).
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    /// A snapshot could not be written.
+    #[error("could not write the memory snapshot to {path}: {source}")]
+    Snapshot {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        source: tensormem_cuda_alloc::snapshot::SnapshotError,
+    },
+    /// The caching allocator refused (out of memory with PyTorch's message, a bad configuration, ...).
+    #[error(transparent)]
+    Alloc(#[from] tensormem_cuda_alloc::Error),
+}
+
+impl From<tensormem_cuda_alloc::config::ConfigError> for Error {
+    fn from(err: tensormem_cuda_alloc::config::ConfigError) -> Self {
+        Error::Alloc(err.into())
+    }
+}
+
+/// `Result` with the device API's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

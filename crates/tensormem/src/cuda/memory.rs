@@ -1,0 +1,270 @@
+//! The per-device caching allocators: statistics, snapshots, history, limits, settings, and raw
+//! allocation (`torch.cuda.memory`).
+//!
+//! Each device gets one [`CachingAllocator`] on first use, configured from `TENSORMEM_ALLOC_CONF` (else
+//! `PYTORCH_CUDA_ALLOC_CONF`) and then by every [`set_allocator_settings`] call made so far.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use tensormem_cuda_alloc::backend::cuda::CudaDevice;
+use tensormem_cuda_alloc::config::AllocatorConfig;
+use tensormem_cuda_alloc::snapshot::Snapshot;
+use tensormem_cuda_alloc::stats::MemoryStats;
+use tensormem_cuda_alloc::{CachingAllocator, DevicePtr};
+
+use super::device::resolve;
+use super::error::{Error, Result};
+use super::registry;
+use super::stream::{current_stream, Stream};
+
+/// The caching allocator of `device`, or of the current device, created on first use. For what the
+/// functions of this module do not cover (private pools, free-memory callbacks, OOM observers,
+/// base-allocation lookups for IPC).
+///
+/// # Errors
+///
+/// [`Error::InvalidDevice`]; the errors of opening the device; [`Error::Alloc`] when the configuration
+/// in the environment is malformed.
+pub fn caching_allocator(device: Option<u32>) -> Result<&'static CachingAllocator<CudaDevice>> {
+    Ok(registry::device(resolve(device)?)?.allocator())
+}
+
+/// The allocator statistics of `device`, or of the current device, under the flat keys of
+/// `torch.cuda.memory_stats()` (`"allocated_bytes.all.current"`, `"num_alloc_retries"`, ...).
+///
+/// # Errors
+///
+/// As [`caching_allocator`].
+pub fn memory_stats(device: Option<u32>) -> Result<BTreeMap<String, i64>> {
+    Ok(device_memory_stats(device)?.to_flat())
+}
+
+/// The allocator statistics of `device`, or of the current device, as a typed value.
+///
+/// # Errors
+///
+/// As [`caching_allocator`].
+pub fn device_memory_stats(device: Option<u32>) -> Result<MemoryStats> {
+    Ok(caching_allocator(device)?.memory_stats())
+}
+
+/// Bytes currently handed out on `device` (`torch.cuda.memory_allocated`).
+///
+/// # Errors
+///
+/// As [`caching_allocator`].
+pub fn memory_allocated(device: Option<u32>) -> Result<u64> {
+    Ok(non_negative(
+        device_memory_stats(device)?.allocated_bytes.all.current,
+    ))
+}
+
+/// The most bytes handed out on `device` at once since the last peak reset
+/// (`torch.cuda.max_memory_allocated`).
+///
+/// # Errors
+///
+/// As [`caching_allocator`].
+pub fn max_memory_allocated(device: Option<u32>) -> Result<u64> {
+    Ok(non_negative(
+        device_memory_stats(device)?.allocated_bytes.all.peak,
+    ))
+}
+
+/// Bytes the allocator currently holds from `device`, handed out or cached (`torch.cuda.memory_reserved`).
+///
+/// # Errors
+///
+/// As [`caching_allocator`].
+pub fn memory_reserved(device: Option<u32>) -> Result<u64> {
+    Ok(non_negative(
+        device_memory_stats(device)?.reserved_bytes.all.current,
+    ))
+}
+
+/// The most bytes held from `device` at once since the last peak reset (`torch.cuda.max_memory_reserved`).
+///
+/// # Errors
+///
+/// As [`caching_allocator`].
+pub fn max_memory_reserved(device: Option<u32>) -> Result<u64> {
+    Ok(non_negative(
+        device_memory_stats(device)?.reserved_bytes.all.peak,
+    ))
+}
+
+fn non_negative(value: i64) -> u64 {
+    u64::try_from(value).unwrap_or(0)
+}
+
+/// Resets the peaks of `device`'s statistics to their current values (`torch.cuda.reset_peak_memory_stats`).
+///
+/// # Errors
+///
+/// As [`caching_allocator`].
+pub fn reset_peak_memory_stats(device: Option<u32>) -> Result<()> {
+    caching_allocator(device)?.reset_peak_stats();
+    Ok(())
+}
+
+/// Resets the accumulated counts of `device`'s statistics (`allocated`, `freed`, `num_*`) to zero
+/// (`torch.cuda.reset_accumulated_memory_stats`).
+///
+/// # Errors
+///
+/// As [`caching_allocator`].
+pub fn reset_accumulated_memory_stats(device: Option<u32>) -> Result<()> {
+    caching_allocator(device)?.reset_accumulated_stats();
+    Ok(())
+}
+
+/// A snapshot of every device's allocator opened so far (`torch.cuda.memory._snapshot()`): all their
+/// segments, one trace per device ordinal (empty where history is off or the device unused), and the
+/// settings of the current device's allocator.
+///
+/// # Errors
+///
+/// The errors of initialising CUDA.
+pub fn memory_snapshot() -> Result<Snapshot> {
+    let count = super::device_count()?;
+    let current = super::current_device()?;
+    let mut merged = Snapshot {
+        device_traces: vec![Vec::new(); count as usize],
+        ..Snapshot::default()
+    };
+    for (ordinal, state) in registry::opened()? {
+        let snapshot = state.allocator().snapshot();
+        merged.segments.extend(snapshot.segments);
+        if let Some(trace) = snapshot.device_traces.into_iter().next() {
+            merged.device_traces[ordinal as usize] = trace;
+        }
+        if ordinal == current || merged.allocator_settings.is_none() {
+            merged.allocator_settings = snapshot.allocator_settings;
+        }
+    }
+    Ok(merged)
+}
+
+/// Writes [`memory_snapshot`] as the pickle `torch.cuda.memory._dump_snapshot` writes, which PyTorch's
+/// `python -m torch.cuda._memory_viz` and <https://pytorch.org/memory_viz> read.
+///
+/// # Errors
+///
+/// As [`memory_snapshot`]; [`Error::Snapshot`] when the file cannot be written.
+pub fn dump_snapshot(path: impl AsRef<Path>) -> Result<()> {
+    let path = path.as_ref();
+    memory_snapshot()?
+        .write_pickle_file(path)
+        .map_err(|source| Error::Snapshot {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+/// Starts or stops recording allocator events into a ring buffer of `max_entries` per device, for all
+/// devices including those not used yet (`torch.cuda.memory._record_memory_history`). Stopping clears
+/// the recorded events.
+///
+/// # Errors
+///
+/// The errors of initialising CUDA.
+pub fn record_memory_history(enabled: bool, max_entries: usize) -> Result<()> {
+    registry::record_history(enabled, max_entries.max(1))
+}
+
+/// Limits how much of `device`'s memory its allocator may hold to `fraction` of the total
+/// (`torch.cuda.set_per_process_memory_fraction`): requests beyond it fail with the out-of-memory error,
+/// whose message then names the allowed amount.
+///
+/// # Errors
+///
+/// [`Error::Alloc`] with [`InvalidFraction`](tensormem_cuda_alloc::Error::InvalidFraction) outside
+/// `[0, 1]`; as [`caching_allocator`].
+pub fn set_per_process_memory_fraction(fraction: f64, device: Option<u32>) -> Result<()> {
+    Ok(caching_allocator(device)?.set_memory_fraction(fraction)?)
+}
+
+/// Returns every cached, unused block of every device's allocator to the driver
+/// (`torch.cuda.empty_cache`). Memory handed out stays.
+///
+/// # Errors
+///
+/// The driver's errors while freeing.
+pub fn empty_cache() -> Result<()> {
+    for (_, state) in registry::opened()? {
+        state.allocator().empty_cache()?;
+    }
+    Ok(())
+}
+
+/// Applies a configuration string in `PYTORCH_CUDA_ALLOC_CONF` grammar to every device's allocator, now
+/// and for devices used later (`torch.cuda.memory._set_allocator_settings`).
+///
+/// # Errors
+///
+/// [`Error::Alloc`] with the configuration error (PyTorch's messages) for a malformed string, in which
+/// case nothing changes.
+pub fn set_allocator_settings(config: &str) -> Result<()> {
+    registry::apply_settings(config)
+}
+
+/// The settings `device`'s allocator runs with, or the current device's.
+///
+/// # Errors
+///
+/// As [`caching_allocator`].
+pub fn allocator_settings(device: Option<u32>) -> Result<AllocatorConfig> {
+    Ok(caching_allocator(device)?.config())
+}
+
+/// Allocates `size` bytes with the caching allocator for use on `stream`, or on the current stream of the
+/// current device (`torch.cuda.caching_allocator_alloc`). Free it with [`caching_allocator_delete`].
+///
+/// # Errors
+///
+/// [`Error::Alloc`] with PyTorch's out-of-memory error when the device cannot provide the memory even
+/// after the cache was emptied; as [`caching_allocator`].
+pub fn caching_allocator_alloc(size: usize, stream: Option<&Stream>) -> Result<DevicePtr> {
+    let stream = match stream {
+        Some(stream) => stream.clone(),
+        None => current_stream(None)?,
+    };
+    let allocator = registry::device(stream.device_index())?.allocator();
+    Ok(allocator.raw_alloc(size, stream.id())?)
+}
+
+/// Frees memory from [`caching_allocator_alloc`] (`torch.cuda.caching_allocator_delete`), whichever
+/// device it is on. The null pointer is ignored.
+///
+/// # Errors
+///
+/// [`Error::Alloc`] with [`InvalidPointer`](tensormem_cuda_alloc::Error::InvalidPointer) when no
+/// device's allocator handed out `ptr` (or it was already freed).
+pub fn caching_allocator_delete(ptr: DevicePtr) -> Result<()> {
+    let current = super::current_device()?;
+    let mut tried = registry::opened()?.collect::<Vec<_>>();
+    // The current device first: where memory usually is.
+    tried.sort_by_key(|&(ordinal, _)| ordinal != current);
+    let mut last = tensormem_cuda_alloc::Error::InvalidPointer { ptr };
+    for (_, state) in tried {
+        match state.allocator().raw_free(ptr) {
+            Ok(()) => return Ok(()),
+            Err(err @ tensormem_cuda_alloc::Error::InvalidPointer { .. }) => last = err,
+            Err(other) => return Err(other.into()),
+        }
+    }
+    Err(last.into())
+}
+
+/// Marks memory from [`caching_allocator_alloc`] as used by `stream` (`Tensor.record_stream`): once it is
+/// freed it is not reused before the work queued on `stream` until then has finished.
+///
+/// # Errors
+///
+/// [`Error::Alloc`] with [`InvalidPointer`](tensormem_cuda_alloc::Error::InvalidPointer) when `ptr` is
+/// not live memory of `stream`'s device.
+pub fn caching_allocator_record_stream(ptr: DevicePtr, stream: &Stream) -> Result<()> {
+    let allocator = registry::device(stream.device_index())?.allocator();
+    Ok(allocator.record_stream_ptr(ptr, stream.id())?)
+}

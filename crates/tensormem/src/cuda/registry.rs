@@ -1,0 +1,167 @@
+//! The process-wide table of devices: one lazily opened [`CudaDevice`] and caching allocator per device
+//! ordinal, created on first use, never dropped (like PyTorch's per-device allocators).
+
+use std::sync::{Mutex, OnceLock, PoisonError};
+
+use tensormem_cuda_alloc::backend::cuda::{self as backend, CudaDevice};
+use tensormem_cuda_alloc::config::AllocatorConfig;
+use tensormem_cuda_alloc::CachingAllocator;
+
+use super::error::{Error, Result};
+use super::fork;
+
+/// All devices of the process.
+#[derive(Debug)]
+pub(crate) struct Registry {
+    /// One slot per device ordinal, filled on the device's first use.
+    devices: Box<[OnceLock<DeviceState>]>,
+}
+
+/// What the device API keeps per device: its caching allocator, which owns the [`CudaDevice`].
+#[derive(Debug)]
+pub(crate) struct DeviceState {
+    allocator: CachingAllocator<CudaDevice>,
+}
+
+/// Settings made for all devices, including those not opened yet (PyTorch's allocator settings and
+/// history recording are process-wide).
+#[derive(Debug, Default)]
+struct ProcessSettings {
+    /// Configuration strings applied with `set_allocator_settings`, in order, after the environment's.
+    applied: Vec<String>,
+    /// History recording: (enabled, max entries), when set.
+    history: Option<(bool, usize)>,
+}
+
+/// Process-wide settings; also held while a device is opened, so that a device opened concurrently
+/// with a settings change gets the change exactly once.
+static SETTINGS: Mutex<ProcessSettings> = Mutex::new(ProcessSettings {
+    applied: Vec::new(),
+    history: None,
+});
+
+fn settings() -> std::sync::MutexGuard<'static, ProcessSettings> {
+    SETTINGS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl DeviceState {
+    /// Opens the device and its allocator: configuration from the environment, then the strings applied
+    /// since, then history recording if it was turned on.
+    fn open(ordinal: u32, process: &ProcessSettings) -> Result<Self> {
+        let mut config = AllocatorConfig::from_env()?;
+        for applied in &process.applied {
+            config.apply(applied)?;
+        }
+        let allocator = CachingAllocator::with_config(CudaDevice::new(ordinal)?, config);
+        if let Some((enabled, max_entries)) = process.history {
+            allocator.record_history(enabled, max_entries);
+        }
+        Ok(Self { allocator })
+    }
+
+    /// The device.
+    pub(crate) fn device(&self) -> &CudaDevice {
+        self.allocator.device()
+    }
+
+    /// The device's caching allocator.
+    pub(crate) fn allocator(&self) -> &CachingAllocator<CudaDevice> {
+        &self.allocator
+    }
+}
+
+impl Registry {
+    /// The number of devices.
+    pub(crate) fn device_count(&self) -> u32 {
+        self.devices.len() as u32
+    }
+}
+
+/// The registry, initialising CUDA on first use (after arming the bad-fork guard).
+///
+/// # Errors
+///
+/// [`Error::ForkedChild`] in a bad fork; the driver's errors when CUDA cannot be initialised.
+#[inline]
+pub(crate) fn get() -> Result<&'static Registry> {
+    static REGISTRY: OnceLock<Registry> = OnceLock::new();
+    fork::check_not_forked()?;
+    if let Some(registry) = REGISTRY.get() {
+        return Ok(registry);
+    }
+    // As PyTorch's `poison_fork`: armed before the first driver call, whether or not it succeeds.
+    fork::poison_fork();
+    let count = backend::device_count()?;
+    Ok(REGISTRY.get_or_init(|| Registry {
+        devices: (0..count).map(|_| OnceLock::new()).collect(),
+    }))
+}
+
+/// `Ok` if `device` is a valid ordinal.
+pub(crate) fn check_ordinal(device: u32) -> Result<()> {
+    let count = get()?.device_count();
+    if device < count {
+        Ok(())
+    } else {
+        Err(Error::InvalidDevice { device, count })
+    }
+}
+
+/// The state of `device`, opened on first use.
+///
+/// # Errors
+///
+/// [`Error::InvalidDevice`] for an ordinal past the device count; the errors of opening the device.
+#[inline]
+pub(crate) fn device(device: u32) -> Result<&'static DeviceState> {
+    let registry = get()?;
+    let Some(slot) = registry.devices.get(device as usize) else {
+        return Err(Error::InvalidDevice {
+            device,
+            count: registry.device_count(),
+        });
+    };
+    if let Some(state) = slot.get() {
+        return Ok(state);
+    }
+    let process = settings();
+    if let Some(state) = slot.get() {
+        return Ok(state); // opened by another thread while this one waited for the settings
+    }
+    let state = DeviceState::open(device, &process)?;
+    Ok(slot.get_or_init(|| state))
+}
+
+/// The devices opened so far, in ordinal order.
+pub(crate) fn opened() -> Result<impl Iterator<Item = (u32, &'static DeviceState)>> {
+    let registry = get()?;
+    Ok(registry
+        .devices
+        .iter()
+        .enumerate()
+        .filter_map(|(i, slot)| slot.get().map(|s| (i as u32, s))))
+}
+
+/// Applies a configuration string to every opened device's allocator and remembers it for devices
+/// opened later. Checked on a copy first, so a malformed string changes nothing.
+pub(crate) fn apply_settings(config: &str) -> Result<()> {
+    get()?;
+    AllocatorConfig::default().apply(config)?;
+    let mut process = settings();
+    for (_, state) in opened()? {
+        state.allocator.apply_settings(config)?;
+    }
+    process.applied.push(config.to_owned());
+    Ok(())
+}
+
+/// Turns history recording on or off on every opened device's allocator and for devices opened later.
+pub(crate) fn record_history(enabled: bool, max_entries: usize) -> Result<()> {
+    get()?;
+    let mut process = settings();
+    for (_, state) in opened()? {
+        state.allocator.record_history(enabled, max_entries);
+    }
+    process.history = Some((enabled, max_entries));
+    Ok(())
+}
