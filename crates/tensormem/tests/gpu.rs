@@ -1,0 +1,263 @@
+//! The device API on a real GPU. Each test skips with `skipped: no CUDA driver/device (...)` where there
+//! is none, and fails instead with `TENSORMEM_REQUIRE_GPU=1` (`cargo xtask test-gpu`, the bundle's
+//! `run.sh`). The per-device allocators are process-wide, so the tests hold one lock while they run.
+#![cfg(feature = "cuda")]
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use tensormem::cuda::{self, Error, Stream};
+use tensormem::cuda_alloc::snapshot::{BlockState, Snapshot, TraceAction};
+
+const MIB: usize = 1 << 20;
+
+static LOCK: Mutex<()> = Mutex::new(());
+
+/// The number of devices, holding the test lock, or `None` after saying why the test is skipped.
+fn gpus() -> Option<(u32, MutexGuard<'static, ()>)> {
+    let lock = LOCK.lock().unwrap_or_else(PoisonError::into_inner);
+    let reason = match cuda::device_count() {
+        Ok(n) if n > 0 => return Some((n, lock)),
+        Ok(_) => "the driver reports 0 devices".to_owned(),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        std::env::var("TENSORMEM_REQUIRE_GPU").as_deref() != Ok("1"),
+        "TENSORMEM_REQUIRE_GPU=1 but there is no usable CUDA device: {reason}"
+    );
+    eprintln!("skipped: no CUDA driver/device ({reason})");
+    None
+}
+
+/// Runs `f` on a fresh thread (whose current device and streams are the defaults) and returns its result.
+fn on_new_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::spawn(f).join().expect("the thread panicked")
+}
+
+#[test]
+fn the_current_device_is_per_thread_and_guards_restore_it() {
+    let Some((count, _lock)) = gpus() else { return };
+    on_new_thread(move || {
+        assert_eq!(cuda::current_device().unwrap(), 0);
+        let last = count - 1;
+        cuda::set_device(last).unwrap();
+        assert_eq!(cuda::current_device().unwrap(), last);
+        assert_eq!(
+            on_new_thread(|| cuda::current_device().unwrap()),
+            0,
+            "another thread's device changed"
+        );
+        assert_eq!(cuda::exchange_device(0).unwrap(), last);
+        {
+            let _guard = cuda::device_guard(last).unwrap();
+            assert_eq!(cuda::current_device().unwrap(), last);
+        }
+        assert_eq!(cuda::current_device().unwrap(), 0);
+        match cuda::set_device(count) {
+            Err(Error::InvalidDevice { device, count: c }) => {
+                assert_eq!((device, c), (count, count))
+            }
+            other => panic!("set_device({count}) of {count} devices gave {other:?}"),
+        }
+        assert_eq!(
+            cuda::current_device().unwrap(),
+            0,
+            "a failed set_device changed the device"
+        );
+    });
+}
+
+#[test]
+fn properties_peer_queries_memory_info_and_synchronize() {
+    let Some((count, _lock)) = gpus() else { return };
+    let props = cuda::get_device_properties(Some(0)).unwrap();
+    assert_eq!(cuda::get_device_name(Some(0)).unwrap(), props.name);
+    assert_eq!(
+        cuda::get_device_capability(Some(0)).unwrap(),
+        (props.major, props.minor)
+    );
+    let info = cuda::mem_get_info(Some(0)).unwrap();
+    assert_eq!(info.total, props.total_memory);
+    assert!(info.free <= info.total);
+    assert!(!cuda::can_device_access_peer(0, 0).unwrap());
+    assert!(matches!(
+        cuda::can_device_access_peer(0, count),
+        Err(Error::InvalidDevice { .. })
+    ));
+    cuda::synchronize(None).unwrap();
+    assert!(cuda::is_available());
+    assert!(!cuda::is_in_bad_fork());
+}
+
+#[test]
+fn current_streams_are_per_thread_and_per_device() {
+    let Some(_) = gpus() else { return };
+    on_new_thread(|| {
+        let default = cuda::current_stream(None).unwrap();
+        assert!(default.is_default());
+        assert_eq!(default, cuda::default_stream(None).unwrap());
+        let stream = Stream::new(None).unwrap();
+        assert!(!stream.is_default());
+        cuda::set_stream(&stream).unwrap();
+        assert_eq!(cuda::current_stream(Some(0)).unwrap(), stream);
+        assert!(on_new_thread(|| cuda::current_stream(None)
+            .unwrap()
+            .is_default()));
+        stream.synchronize().unwrap();
+        assert!(stream.query().unwrap());
+        default.synchronize().unwrap();
+        cuda::set_stream(&default).unwrap();
+        assert!(cuda::current_stream(None).unwrap().is_default());
+    });
+}
+
+#[test]
+fn caching_allocator_alloc_and_delete_show_in_stats_and_snapshots() {
+    let Some(_) = gpus() else { return };
+    on_new_thread(|| {
+        cuda::record_memory_history(true, 1000).unwrap();
+        let stream = Stream::new(Some(0)).unwrap();
+        let before = cuda::memory_allocated(Some(0)).unwrap();
+        cuda::reset_peak_memory_stats(Some(0)).unwrap();
+        let ptr = cuda::caching_allocator_alloc(3 * MIB, Some(&stream)).unwrap();
+        assert_eq!(
+            cuda::memory_allocated(Some(0)).unwrap(),
+            before + 3 * MIB as u64
+        );
+        assert!(cuda::max_memory_allocated(Some(0)).unwrap() >= before + 3 * MIB as u64);
+        assert!(cuda::memory_reserved(Some(0)).unwrap() >= 3 * MIB as u64);
+        let stats = cuda::memory_stats(Some(0)).unwrap();
+        assert_eq!(
+            stats["allocated_bytes.all.current"],
+            (before + 3 * MIB as u64) as i64
+        );
+
+        let snapshot = cuda::memory_snapshot().unwrap();
+        let block = snapshot
+            .segments
+            .iter()
+            .flat_map(|s| &s.blocks)
+            .find(|b| b.address == ptr.addr());
+        assert_eq!(
+            block.map(|b| b.state),
+            Some(BlockState::ActiveAllocated),
+            "{snapshot:?}"
+        );
+        assert!(snapshot.device_traces[0]
+            .iter()
+            .any(|e| e.action == TraceAction::Alloc && e.addr == ptr.addr()));
+
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("snapshot.pickle");
+        cuda::dump_snapshot(&file).unwrap();
+        let read = Snapshot::read_file(&file).unwrap();
+        assert_eq!(read.segments.len(), snapshot.segments.len());
+
+        cuda::caching_allocator_record_stream(ptr, &cuda::default_stream(Some(0)).unwrap())
+            .unwrap();
+        cuda::caching_allocator_delete(ptr).unwrap();
+        assert!(matches!(
+            cuda::caching_allocator_delete(ptr),
+            Err(Error::Alloc(
+                tensormem::cuda_alloc::Error::InvalidPointer { .. }
+            ))
+        ));
+        cuda::synchronize(Some(0)).unwrap();
+        cuda::empty_cache().unwrap();
+        assert_eq!(cuda::memory_allocated(Some(0)).unwrap(), before);
+        cuda::reset_accumulated_memory_stats(Some(0)).unwrap();
+        assert_eq!(cuda::memory_stats(Some(0)).unwrap()["num_device_alloc"], 0);
+        cuda::record_memory_history(false, 1).unwrap();
+    });
+}
+
+#[test]
+fn the_memory_fraction_and_settings_apply_to_the_device_allocator() {
+    let Some(_) = gpus() else { return };
+    on_new_thread(|| {
+        let total = cuda::mem_get_info(Some(0)).unwrap().total as usize;
+        cuda::set_per_process_memory_fraction(0.5, Some(0)).unwrap();
+        match cuda::caching_allocator_alloc(total / 10 * 6, None) {
+            Err(Error::Alloc(tensormem::cuda_alloc::Error::OutOfMemory(oom))) => {
+                assert_eq!(oom.allowed, Some(total as u64 / 2));
+            }
+            other => panic!("60% of the device under a 0.5 fraction gave {other:?}"),
+        }
+        cuda::set_per_process_memory_fraction(1.0, Some(0)).unwrap();
+        assert!(matches!(
+            cuda::set_per_process_memory_fraction(2.0, None),
+            Err(Error::Alloc(_))
+        ));
+
+        cuda::set_allocator_settings("garbage_collection_threshold:0.6").unwrap();
+        assert!(
+            (cuda::allocator_settings(Some(0))
+                .unwrap()
+                .garbage_collection_threshold
+                - 0.6)
+                .abs()
+                < 1e-9
+        );
+        assert!(cuda::set_allocator_settings("garbage_collection_threshold:7").is_err());
+        assert!(
+            (cuda::allocator_settings(Some(0))
+                .unwrap()
+                .garbage_collection_threshold
+                - 0.6)
+                .abs()
+                < 1e-9
+        );
+    });
+}
+
+#[test]
+fn two_devices_have_their_own_allocators_and_can_share_memory() {
+    let Some((count, _lock)) = gpus() else { return };
+    if count < 2 {
+        eprintln!("skipped: this test needs 2 CUDA devices, this machine has {count}");
+        return;
+    }
+    on_new_thread(move || {
+        let (s0, s1) = (Stream::new(Some(0)).unwrap(), Stream::new(Some(1)).unwrap());
+        let (before0, before1) = (
+            cuda::memory_allocated(Some(0)).unwrap(),
+            cuda::memory_allocated(Some(1)).unwrap(),
+        );
+        let p0 = cuda::caching_allocator_alloc(MIB, Some(&s0)).unwrap();
+        let p1 = cuda::caching_allocator_alloc(2 * MIB, Some(&s1)).unwrap();
+        assert_eq!(
+            cuda::memory_allocated(Some(0)).unwrap(),
+            before0 + MIB as u64
+        );
+        assert_eq!(
+            cuda::memory_allocated(Some(1)).unwrap(),
+            before1 + 2 * MIB as u64
+        );
+        if cuda::can_device_access_peer(1, 0).unwrap() {
+            cuda::enable_peer_access(1, 0).unwrap();
+        }
+        let (d0, d1) = (
+            cuda::caching_allocator(Some(0)).unwrap().device(),
+            cuda::caching_allocator(Some(1)).unwrap().device(),
+        );
+        let c1 = s1.as_cuda_stream().unwrap();
+        let mut back = vec![0u8; MIB];
+        // SAFETY: both pointers are live allocations of at least 1 MiB; the copy is synchronised.
+        unsafe {
+            s0.as_cuda_stream()
+                .unwrap()
+                .memset_d8(p0, 0x9C, MIB)
+                .unwrap();
+            s0.synchronize().unwrap();
+            c1.copy_peer(p1, d1, p0, d0, MIB).unwrap();
+            c1.copy_to_host(&mut back, p1).unwrap();
+        }
+        assert!(back.iter().all(|&b| b == 0x9C));
+        // Deleting by pointer finds the right device's allocator.
+        cuda::caching_allocator_delete(p1).unwrap();
+        cuda::caching_allocator_delete(p0).unwrap();
+        assert_eq!(
+            cuda::memory_snapshot().unwrap().device_traces.len(),
+            count as usize
+        );
+    });
+}
