@@ -35,6 +35,15 @@ pub struct Manager {
     owner_pid: u32,
 }
 
+/// A snapshot of the daemon's bookkeeping ([`Manager::status`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ManagerStatus {
+    /// Connections open now, the asking one included.
+    pub clients: u32,
+    /// Names held by at least one client.
+    pub names: u32,
+}
+
 /// The process-wide manager, reconnected after `fork` (a child gets its own connection).
 static GLOBAL: Mutex<Option<Arc<Manager>>> = Mutex::new(None);
 
@@ -176,6 +185,18 @@ impl Manager {
         match self.round_trip(&request)? {
             Reply::Forgotten => Ok(()),
             other => Err(unexpected(name, other)),
+        }
+    }
+
+    /// What the daemon tracks right now.
+    ///
+    /// # Errors
+    ///
+    /// [`ManagerError::Disconnected`] when the daemon is gone.
+    pub fn status(&self) -> ManagerResult<ManagerStatus> {
+        match self.round_trip(&Request::Status)? {
+            Reply::Status { clients, names } => Ok(ManagerStatus { clients, names }),
+            other => Err(unexpected("status", other)),
         }
     }
 

@@ -324,6 +324,13 @@ fn handle(request: Request, id: ClientId, shared: &SharedState) -> Reply {
             tracing::debug!(client = id, name, unlinked, "released");
             Reply::Released { unlinked }
         }
+        Request::Status => {
+            let state = lock(shared);
+            Reply::Status {
+                clients: u32::try_from(state.clients).unwrap_or(u32::MAX),
+                names: u32::try_from(state.registry.name_count()).unwrap_or(u32::MAX),
+            }
+        }
         Request::Forget { name } => {
             let known = lock(shared).registry.forget(&name);
             tracing::debug!(client = id, name, known, "forgotten");

@@ -19,9 +19,11 @@
 //! | 0x03 | `Register` existing| name                    | `Registered` or `Refused`  |
 //! | 0x04 | `Release`          | name                    | `Released` unlinked u8     |
 //! | 0x05 | `Forget`           | name                    | `Forgotten`                |
+//! | 0x06 | `Status`           | (none)                  | `Status` clients u32, names u32 |
 //!
 //! Replies use kinds 0x81 (`Welcome`), 0x82 (`Registered`), 0x84 (`Released`), 0x85
-//! (`Forgotten`) and 0xFF (`Refused`, payload: a UTF-8 message).
+//! (`Forgotten`), 0x86 (`Status`) and 0xFF (`Refused`, payload: a UTF-8 message). Integers are
+//! little-endian.
 
 use std::io::{self, Read, Write};
 
@@ -49,6 +51,8 @@ pub(crate) enum Request {
     Release { name: String },
     /// The client unlinked `name` itself; the daemon drops it for every holder.
     Forget { name: String },
+    /// How many clients and names the daemon tracks.
+    Status,
 }
 
 /// What the daemon answers.
@@ -62,6 +66,8 @@ pub(crate) enum Reply {
     Released { unlinked: bool },
     /// Answer to `Forget`.
     Forgotten,
+    /// Answer to `Status`: connected clients (the asking one included) and held names.
+    Status { clients: u32, names: u32 },
     /// The request was refused.
     Refused { message: String },
 }
@@ -72,10 +78,12 @@ mod kind {
     pub(super) const REGISTER_EXISTING: u8 = 0x03;
     pub(super) const RELEASE: u8 = 0x04;
     pub(super) const FORGET: u8 = 0x05;
+    pub(super) const STATUS: u8 = 0x06;
     pub(super) const WELCOME: u8 = 0x81;
     pub(super) const REGISTERED: u8 = 0x82;
     pub(super) const RELEASED: u8 = 0x84;
     pub(super) const FORGOTTEN: u8 = 0x85;
+    pub(super) const STATUS_REPLY: u8 = 0x86;
     pub(super) const REFUSED: u8 = 0xFF;
 }
 
@@ -162,6 +170,7 @@ impl Request {
             }
             Request::Release { name } => write_frame(out, kind::RELEASE, name.as_bytes()),
             Request::Forget { name } => write_frame(out, kind::FORGET, name.as_bytes()),
+            Request::Status => write_frame(out, kind::STATUS, &[]),
         }
     }
 
@@ -185,6 +194,8 @@ impl Request {
             kind::FORGET => Request::Forget {
                 name: text(payload, "name")?,
             },
+            kind::STATUS if payload.is_empty() => Request::Status,
+            kind::STATUS => return Err(malformed("status carries an unexpected payload")),
             other => return Err(malformed(format!("unknown request kind {other:#04x}"))),
         };
         Ok(Some(request))
@@ -203,6 +214,9 @@ impl Reply {
                 write_frame(out, kind::RELEASED, &[u8::from(*unlinked)])
             }
             Reply::Forgotten => write_frame(out, kind::FORGOTTEN, &[]),
+            Reply::Status { clients, names } => {
+                write_frame(out, kind::STATUS_REPLY, &pair(*clients, *names))
+            }
             Reply::Refused { message } => {
                 // Keep within the frame limit on a char boundary.
                 let mut end = message.len().min(MAX_PAYLOAD);
@@ -247,6 +261,10 @@ impl Reply {
                 no_payload(&payload, "forgotten")?;
                 Reply::Forgotten
             }
+            kind::STATUS_REPLY => {
+                let (clients, names) = two_u32(&payload, "status")?;
+                Reply::Status { clients, names }
+            }
             kind::REFUSED => Reply::Refused {
                 message: text(payload, "refusal")?,
             },
@@ -288,6 +306,7 @@ mod tests {
         }
         round_trip_request(Request::Release { name: "/x".into() });
         round_trip_request(Request::Forget { name: "/y".into() });
+        round_trip_request(Request::Status);
     }
 
     #[test]
@@ -297,6 +316,10 @@ mod tests {
         round_trip_reply(Reply::Released { unlinked: true });
         round_trip_reply(Reply::Released { unlinked: false });
         round_trip_reply(Reply::Forgotten);
+        round_trip_reply(Reply::Status {
+            clients: 3,
+            names: 12,
+        });
         round_trip_reply(Reply::Refused {
             message: "no such object".into(),
         });
