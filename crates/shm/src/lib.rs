@@ -64,6 +64,7 @@
 
 pub mod anon;
 pub mod copy;
+pub mod housekeeping;
 mod error;
 pub mod manager;
 pub mod mapping;

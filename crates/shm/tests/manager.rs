@@ -377,7 +377,7 @@ fn racing_first_clients_leave_exactly_one_daemon() {
                     .split(|b| *b == 0)
                     .map(|a| String::from_utf8_lossy(a).into_owned())
                     .collect();
-                args.iter().any(|a| a == "--detached") && args.iter().any(|a| *a == dir)
+                args.iter().any(|a| a == "--detached") && args.contains(&dir)
             })
         })
         .filter(|pid| process_alive(*pid))
