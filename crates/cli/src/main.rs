@@ -1,4 +1,75 @@
-//! The `tensormem` command.
+//! The `tensormem` command: one subcommand group per concern, each in its own module.
+//!
+//! - `tensormem shm list | gc`: shared memory housekeeping ([`shm_cmd`]).
+//!
+//! Errors end the command with one line on stderr (`tensormem: error: ...`, causes joined with
+//! `: `) and exit status 1; usage errors are clap's (exit status 2).
 #![deny(unsafe_code)]
 
-fn main() {}
+mod shm_cmd;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// tensormem: PyTorch's tensor-memory machinery in Rust.
+#[derive(Debug, Parser)]
+#[command(name = "tensormem", version, about, propagate_version = true)]
+struct Cli {
+    /// More diagnostics on stderr (-v: info, -vv: debug, -vvv: trace); TENSORMEM_LOG (a
+    /// tracing filter such as `tensormem_shm=debug`) overrides it.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Shared memory housekeeping: list and clean up objects in /dev/shm.
+    #[command(subcommand)]
+    Shm(shm_cmd::ShmCommand),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing(cli.verbose);
+    let result = match cli.command {
+        Command::Shm(command) => shm_cmd::run(command),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("tensormem: error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Diagnostics go to stderr, so that stdout stays machine-readable (`--json`).
+fn init_tracing(verbose: u8) {
+    let level = match verbose {
+        0 => "warn",
+        1 => "info",
+        2 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TENSORMEM_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(filter)
+        .init();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+}
