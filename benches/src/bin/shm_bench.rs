@@ -10,7 +10,8 @@
 //! - `tensormem_make_region,cpu,BYTES,MEDIAN_US`: making that region (`create_anonymous`), not part
 //!   of the round trip;
 //! - `share_memory_,cpu,BYTES,US  (GB/s)`: `SharedRegion::copy_from_bytes` of a private buffer
-//!   (median of several runs), then the same copy into a fresh private `Vec` for reference.
+//!   (median of several runs); `share_memory_1_thread`: the same with one thread;
+//!   `private_vec_copy`: the same bytes copied into a fresh private `Vec` (`to_vec`), for reference.
 //!
 //! Usage: `shm_bench [--rounds N]` (default 1000 round trips per size after 50 warm-up ones).
 
@@ -19,6 +20,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
+use tensormem_shm::copy::{copy_prefaulted, parallelism};
 use tensormem_shm::transfer::{recv_region, send_region, SendOptions};
 use tensormem_shm::{MapOptions, SharedRegion};
 
@@ -84,6 +86,10 @@ fn run(dir: &std::path::Path, rounds: usize) -> BenchResult<()> {
         .spawn()?;
     let (mut socket, _) = listener.accept()?;
 
+    eprintln!(
+        "shm_bench: copies use up to {} threads (available_parallelism)",
+        parallelism()
+    );
     println!("strategy,device,bytes,median_us_per_roundtrip");
     for len in ROUND_TRIP_SIZES {
         let mut make = Vec::with_capacity(20);
@@ -122,6 +128,7 @@ fn run(dir: &std::path::Path, rounds: usize) -> BenchResult<()> {
     for (len, runs) in COPY_SIZES {
         let src: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
         let mut shared = Vec::with_capacity(runs);
+        let mut one_thread = Vec::with_capacity(runs);
         let mut private = Vec::with_capacity(runs);
         for _ in 0..runs {
             let start = Instant::now();
@@ -129,14 +136,21 @@ fn run(dir: &std::path::Path, rounds: usize) -> BenchResult<()> {
             shared.push(start.elapsed());
             drop(region);
             let start = Instant::now();
+            let mut region = SharedRegion::create_anonymous(len as u64)?;
+            copy_prefaulted(region.as_mut_slice(), &src, 1);
+            one_thread.push(start.elapsed());
+            drop(region);
+            let start = Instant::now();
             let copy = std::hint::black_box(src.to_vec());
             private.push(start.elapsed());
             drop(copy);
         }
-        for (label, times) in [
+        let rows = [
             ("share_memory_", &mut shared),
+            ("share_memory_1_thread", &mut one_thread),
             ("private_vec_copy", &mut private),
-        ] {
+        ];
+        for (label, times) in rows {
             let us = median_us(times);
             let gbs = len as f64 / (us * 1e-6) / 1e9;
             println!("{label},cpu,{len},{us:.1}  ({gbs:.2} GB/s)");

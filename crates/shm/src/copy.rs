@@ -9,10 +9,11 @@
 //! - **transparent huge pages** (`MADV_HUGEPAGE`), where
 //!   `/sys/kernel/mm/transparent_hugepage/shmem_enabled` allows them for shared memory: one fault
 //!   per 2 MiB;
-//! - **several threads**, each pre-faulting and copying its own chunk of at least
-//!   [`MIN_CHUNK`] bytes, so faults and copies of different chunks run in parallel.
+//! - **several threads** taking [`MIN_CHUNK`]-sized pieces from a shared queue, each pre-faulting
+//!   and copying its piece, so faults and copies of different pieces run in parallel.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, PoisonError};
 
 use rustix::mm::Advice;
 
@@ -20,13 +21,10 @@ use crate::error::Result;
 use crate::mapping::Mapping;
 use crate::region::SharedRegion;
 
-/// Smallest share of a copy given to one thread: below this, starting a thread costs more than
-/// it saves.
+/// The piece of a copy one thread takes at a time, and the least a copy must have per thread
+/// to get one: below this, starting a thread costs more than it saves. A multiple of the
+/// x86-64 huge page size (2 MiB), so no two threads fault the same huge page.
 pub const MIN_CHUNK: usize = 4 << 20;
-
-/// Chunk boundaries are multiples of this (the x86-64 huge page size), so no two threads fault
-/// the same huge page.
-const CHUNK_ALIGN: usize = 2 << 20;
 
 const PAGE: usize = 4096;
 
@@ -80,16 +78,21 @@ pub fn copy_prefaulted(dst: &mut [u8], src: &[u8], threads: usize) {
         copy_chunk(dst, src);
         return;
     }
-    let per_thread = src.len().div_ceil(threads).next_multiple_of(CHUNK_ALIGN);
+    // Threads take MIN_CHUNK-sized pieces from a shared queue rather than one fixed share each:
+    // a thread the scheduler delays (busy machine) then holds up at most one piece.
+    let work = Mutex::new(dst.chunks_mut(MIN_CHUNK).zip(src.chunks(MIN_CHUNK)));
+    let worker = || loop {
+        let next = work.lock().unwrap_or_else(PoisonError::into_inner).next();
+        match next {
+            Some((d, s)) => copy_chunk(d, s),
+            None => break,
+        }
+    };
     std::thread::scope(|scope| {
-        let mut pairs = dst.chunks_mut(per_thread).zip(src.chunks(per_thread));
-        let first = pairs.next();
-        for (d, s) in pairs {
-            scope.spawn(move || copy_chunk(d, s));
+        for _ in 1..threads {
+            scope.spawn(worker);
         }
-        if let Some((d, s)) = first {
-            copy_chunk(d, s);
-        }
+        worker();
     });
 }
 
