@@ -24,6 +24,7 @@
 //! | `NewProcessWideShmHandle` (`/torch_<pid>_<random>_<counter>`) | [`NameGenerator`] (prefix `tensormem`, or `torch`) |
 //! | `share_memory_` / `storage_copy` | [`SharedRegion::copy_from_bytes`] (pre-faulted, huge pages, threads) |
 //! | `THManagedMapAllocator` + `torch_shm_manager` (file_system strategy) | the [`manager`] module and the `tensormem-shm-manager` daemon |
+//! | (none: leaked objects stay in `/dev/shm` until reboot) | [`housekeeping`]: list objects, unlink those whose creator died (`tensormem shm list/gc`) |
 //!
 //! Where this crate is stricter than PyTorch: names are validated ([`ShmName`]); objects are
 //! created `0600` with `O_EXCL` and objects owned by another user are refused unless asked for
