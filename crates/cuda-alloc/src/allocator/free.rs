@@ -160,7 +160,17 @@ impl<D: Device> CachingAllocator<D> {
         only: Option<MempoolId>,
     ) -> Result<()> {
         self.counters.num_sync_all_streams.fetch_add(1, Relaxed);
-        let deferred = std::mem::take(&mut self.events.lock().deferred);
+        let deferred = {
+            let mut events = self.events.lock();
+            // Blocks of shards made after the locks were taken stay deferred for the next pass.
+            let (ours, later): (Vec<BlockRef>, Vec<BlockRef>) =
+                std::mem::take(&mut events.deferred)
+                    .into_iter()
+                    .partition(|b| locks.iter().any(|l| l.shard.index == b.shard));
+            events.deferred = later;
+            self.pending.store(events.outstanding(), Relaxed);
+            ours
+        };
         for block in deferred {
             if let Some(locked) = locks.iter_mut().find(|l| l.shard.index == block.shard) {
                 locked.insert_deferred_events(block.block)?;
@@ -172,16 +182,18 @@ impl<D: Device> CachingAllocator<D> {
             for queue in events.queues.values_mut() {
                 let mut keep = std::collections::VecDeque::new();
                 for pending in queue.drain(..) {
-                    let of_pool = only.is_none_or(|id| {
-                        locks
-                            .iter()
-                            .find(|l| l.shard.index == pending.block.shard)
-                            .is_some_and(|l| {
+                    // Only blocks of the locked shards: a stream first used after the locks were
+                    // taken keeps its events for the next pass.
+                    let wanted = locks
+                        .iter()
+                        .find(|l| l.shard.index == pending.block.shard)
+                        .is_some_and(|l| {
+                            only.is_none_or(|id| {
                                 let b = &l.st.blocks[pending.block.block];
                                 l.st.pools[b.pool as usize].private_id() == Some(id)
                             })
-                    });
-                    if of_pool {
+                        });
+                    if wanted {
                         waited.push(pending);
                     } else {
                         keep.push_back(pending);
