@@ -129,7 +129,8 @@ fn a_block_used_by_another_stream_is_reused_only_after_that_stream_is_done() {
         .unwrap();
     assert_eq!(pending.state, BlockState::ActivePendingFree);
 
-    // While `other` is busy, the same request gets other memory, however often it is asked.
+    // While `other` is busy, the same request gets other memory, however often it is asked. These
+    // blocks stay live, so that once `first` is free it is the only free block of its size.
     let mut meanwhile = Vec::new();
     for _ in 0..3 {
         std::thread::sleep(Duration::from_millis(20));
@@ -141,20 +142,18 @@ fn a_block_used_by_another_stream_is_reused_only_after_that_stream_is_done() {
         );
         meanwhile.push(a);
     }
-    for a in meanwhile.drain(..) {
-        alloc.free(a).unwrap();
-    }
 
     release.send(()).unwrap();
     other.synchronize().unwrap();
-    // Once the work is done the block is free again, and best fit hands it out (lowest address of its size).
+    // Once the work is done the block is free again, the only free block that fits, and handed out.
     let again = alloc.allocate(MIB, home.id()).unwrap();
     assert_eq!(
         again.ptr(),
         first_ptr,
         "the block was not reused after the other stream finished"
     );
-    release_all(&alloc, vec![again]);
+    meanwhile.push(again);
+    release_all(&alloc, meanwhile);
 }
 
 #[test]
@@ -304,10 +303,10 @@ fn expandable_segments_grow_in_place_and_empty_cache_unmaps_them() {
         .find(|s| s.address == base)
         .expect("the segment moved");
     assert!(segment.is_expandable);
+    let in_use = (a.size() + b.size() + c.size()) as u64;
     assert!(
-        segment.total_size >= size_before + 130 * MIB as u64 - 2 * MIB as u64,
-        "segment grew from {} to {}",
-        size_before,
+        segment.total_size > size_before && segment.total_size >= in_use,
+        "the segment grew from {size_before} to {} bytes for {in_use} bytes in use",
         segment.total_size
     );
     for x in [&b, &c] {

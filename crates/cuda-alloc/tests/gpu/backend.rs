@@ -177,11 +177,29 @@ fn physical_memory_past_capacity_is_out_of_memory() {
     let dev = gpus.first();
     let granularity = dev.vmm_granularity().unwrap();
     let total = dev.mem_info().unwrap().total as usize;
-    let too_much = (total / granularity + 1) * granularity;
-    assert!(matches!(
-        dev.create_physical(too_much),
-        Err(DeviceError::OutOfMemory { .. })
-    ));
+    // Chunks of 1 GiB (a multiple of the granularity) until the device runs out, as expandable segments
+    // would grow: the failure must be the typed out-of-memory error.
+    let chunk = (1 << 30) / granularity * granularity;
+    let mut chunks = Vec::new();
+    let outcome = loop {
+        match dev.create_physical(chunk) {
+            Ok(c) => chunks.push(c),
+            Err(err) => break err,
+        }
+        assert!(
+            chunks.len() * chunk <= total + chunk,
+            "created more physical memory than the device has"
+        );
+    };
+    assert!(
+        matches!(outcome, DeviceError::OutOfMemory { .. }),
+        "running out gave {outcome:?}"
+    );
+    assert!(!chunks.is_empty());
+    drop(chunks);
+    // Released on drop: the memory is back.
+    let again = dev.create_physical(chunk).unwrap();
+    drop(again);
 }
 
 #[test]

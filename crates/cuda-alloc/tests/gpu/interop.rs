@@ -128,7 +128,7 @@ fn tensormem_reads_a_snapshot_pytorch_dumped_on_this_gpu() {
     let file = dir.path().join("torch_snapshot.pickle");
     let script = format!(
         "import torch\n\
-         torch.cuda.memory._record_memory_history(max_entries=1000)\n\
+         torch.cuda.memory._record_memory_history(max_entries=1000, stacks='python')\n\
          a = torch.empty(3 << 20, dtype=torch.uint8, device='cuda')\n\
          b = torch.empty(512, dtype=torch.uint8, device='cuda')\n\
          del a\n\

@@ -72,3 +72,57 @@ fn peer_access_covers_virtual_memory_mapped_before_and_after_it_is_enabled() {
         d0.release_address_range(base, 2 * g).unwrap();
     }
 }
+
+#[test]
+fn each_device_has_its_own_allocator_and_blocks_move_between_them() {
+    use tensormem_cuda_alloc::config::AllocatorConfig;
+    use tensormem_cuda_alloc::CachingAllocator;
+
+    let Some(gpus) = gpus(2) else { return };
+    drop(gpus.devices);
+    let expandable = AllocatorConfig::parse("expandable_segments:True").unwrap();
+    let a0 = CachingAllocator::with_config(CudaDevice::new(0).unwrap(), expandable);
+    let a1 = CachingAllocator::new(CudaDevice::new(1).unwrap());
+    let (d0, d1) = (a0.device(), a1.device());
+    let (s0, s1) = (d0.create_stream().unwrap(), d1.create_stream().unwrap());
+
+    let x = a0.allocate(24 * MIB, s0.id()).unwrap();
+    let y = a1.allocate(24 * MIB, s1.id()).unwrap();
+    assert_eq!(
+        a0.memory_stats().allocated_bytes.all.current,
+        x.size() as i64
+    );
+    assert_eq!(
+        a1.memory_stats().allocated_bytes.all.current,
+        y.size() as i64
+    );
+    assert!(a0.reserved_bytes() > 0 && a1.reserved_bytes() > 0);
+
+    // A copy from device 0's block to device 1's.
+    // SAFETY: both are live 24 MiB allocations; `s0` is synchronised before they are read.
+    unsafe {
+        s0.memset_d8(x.ptr(), 0x42, 24 * MIB).unwrap();
+        s0.copy_peer(y.ptr(), d1, x.ptr(), d0, 24 * MIB).unwrap();
+    }
+    s0.synchronize().unwrap();
+    fill_and_check(d1, y.ptr(), 24 * MIB, 0x42);
+
+    // With peer access, device 1 writes device 0's expandable segment directly.
+    if cuda::can_access_peer(1, 0).unwrap() {
+        d1.enable_peer_access(d0).unwrap();
+        // SAFETY: `x` is live; nothing else uses it until `s1` is synchronised.
+        unsafe { s1.memset_d8(x.ptr(), 0x24, 24 * MIB).unwrap() };
+        s1.synchronize().unwrap();
+        fill_and_check(d0, x.ptr(), 24 * MIB, 0x24);
+    } else {
+        eprintln!(
+            "note: device 1 cannot access device 0 directly; the direct-write half was not run"
+        );
+    }
+
+    a0.free(x).unwrap();
+    a1.free(y).unwrap();
+    a0.empty_cache().unwrap();
+    a1.empty_cache().unwrap();
+    assert_eq!(a0.reserved_bytes() + a1.reserved_bytes(), 0);
+}
