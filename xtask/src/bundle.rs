@@ -163,15 +163,23 @@ fn newest_glibc_symbol(path: &Path) -> Result<(u32, u32)> {
 }
 
 fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
-    let mut text = String::from(
+    let text = String::from(
         "tensormem GPU test bundle, built by `cargo xtask test-gpu --bundle`.\n\n\
          Run on a machine with an NVIDIA GPU and driver (no Rust toolchain needed):\n\n    bash run.sh\n\n\
          run.sh runs every test executable with TENSORMEM_REQUIRE_GPU=1 (a missing GPU fails instead of\n\
          skipping) and, when `python3 -c 'import torch'` works, TENSORMEM_REQUIRE_TORCH=1 (the PyTorch interop\n\
          checks must run). It exits non-zero if any test failed. Extra arguments go to every test executable\n\
          (e.g. a test name filter).\n\n\
-         The allocator benchmark against PyTorch:\n\n    bash ../shared/anchors/compare_alloc.sh ./alloc_patterns\n\n",
+         The allocator benchmark against PyTorch (from the repository root, with the anchors of\n\
+         ../shared/anchors):\n\n    bash ../shared/anchors/compare_alloc.sh gpu-bundle/alloc_patterns\n\n\
+         alloc_patterns --sim runs the same patterns on the simulated device; --raw uses the pointer API\n\
+         (raw_alloc/raw_free) instead of Allocation handles.\n\n",
     );
+    let name = dir.file_name().map_or_else(
+        || dir.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    let mut text = text.replace("gpu-bundle/", &format!("{name}/"));
     let _ = writeln!(text, "Needs glibc 2.{} or newer. Files:", glibc.1);
     for file in files {
         let _ = writeln!(
