@@ -527,3 +527,41 @@ fn a_socket_directory_of_another_kind_is_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn clients_arriving_while_the_daemon_exits_reach_a_new_one() {
+    // A quiet period this short makes the daemon exit between almost every pair of
+    // connections, so clients keep meeting a daemon on its way out.
+    let world = World::with_quiet(
+        "clients_arriving_while_the_daemon_exits_reach_a_new_one",
+        "restart",
+        Duration::from_millis(5),
+    );
+    let daemons: Vec<BTreeSet<u32>> = thread::scope(|scope| {
+        let workers: Vec<_> = (0..2)
+            .map(|worker| {
+                let world = &world;
+                scope.spawn(move || {
+                    let names = NameGenerator::with_prefix(&world.prefix).unwrap();
+                    let mut daemons = BTreeSet::new();
+                    for round in 0..40u64 {
+                        let manager = world.connect();
+                        daemons.insert(manager.daemon_pid());
+                        let region = ManagedRegion::create_with(&manager, &names, 4096).unwrap();
+                        assert!(region.close().unwrap());
+                        drop(manager);
+                        // Vary the gaps so that some arrivals meet an exiting daemon.
+                        thread::sleep(Duration::from_millis((round * 7 + worker * 3) % 31));
+                    }
+                    daemons
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).collect()
+    });
+    // How often the daemon restarted depends on scheduling; what must hold is that every
+    // connection and every region above worked, and that nothing is left.
+    let seen: BTreeSet<u32> = daemons.into_iter().flatten().collect();
+    assert!(!seen.is_empty());
+    assert!(world.objects().is_empty(), "{:?}", world.objects());
+}
