@@ -234,7 +234,10 @@ unsafe impl Device for CudaDevice {
         driver::check_alloc("cuMemAlloc", result, size)?;
         if ptr % MIN_ALIGNMENT != 0 {
             // SAFETY: `ptr` was just allocated by `cuMemAlloc` and is unused.
-            let _ = unsafe { sys::cuMemFree_v2(ptr) };
+            let freed = unsafe { sys::cuMemFree_v2(ptr) };
+            if let Err(err) = driver::check("cuMemFree", freed) {
+                tracing::warn!(%err, "freeing a misaligned allocation failed");
+            }
             return Err(DeviceError::Driver {
                 call: "cuMemAlloc",
                 code: sys::CUresult::CUDA_ERROR_INVALID_ADDRESS_SPACE as i32,
@@ -364,7 +367,10 @@ unsafe impl Device for CudaDevice {
         // SAFETY: the range was mapped in full just above.
         if let Err(err) = unsafe { vmm::set_access(ptr.0, size, &devices) } {
             // SAFETY: undo the mapping made above; nothing can have used it (no access was granted).
-            let _ = unsafe { sys::cuMemUnmap(ptr.0, size) };
+            let unmapped = unsafe { sys::cuMemUnmap(ptr.0, size) };
+            if let Err(unmap_err) = driver::check("cuMemUnmap", unmapped) {
+                tracing::warn!(%unmap_err, "undoing a mapping whose access could not be set failed");
+            }
             return Err(err);
         }
         vmm.mapped.insert(ptr.0, size);

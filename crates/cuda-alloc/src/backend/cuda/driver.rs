@@ -196,11 +196,14 @@ pub(crate) fn no_such_device(ordinal: u32, count: u32) -> DeviceError {
     DeviceError::Driver {
         call: "cuDeviceGet",
         code: sys::CUresult::CUDA_ERROR_INVALID_DEVICE as i32,
-        message: format!(
-            "CUDA_ERROR_INVALID_DEVICE: there is no CUDA device {ordinal}; this machine has {count} \
-             (ordinals 0 to {})",
-            count.saturating_sub(1)
-        ),
+        message: match count {
+            0 => format!("CUDA_ERROR_INVALID_DEVICE: there is no CUDA device {ordinal}; this machine has none"),
+            _ => format!(
+                "CUDA_ERROR_INVALID_DEVICE: there is no CUDA device {ordinal}; this machine has {count} \
+                 (ordinals 0 to {})",
+                count - 1
+            ),
+        },
     }
 }
 
