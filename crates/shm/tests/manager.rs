@@ -565,3 +565,28 @@ fn clients_arriving_while_the_daemon_exits_reach_a_new_one() {
     assert!(!seen.is_empty());
     assert!(world.objects().is_empty(), "{:?}", world.objects());
 }
+
+#[test]
+fn a_killed_daemon_is_reported_and_replaced() {
+    let world = World::new("a_killed_daemon_is_reported_and_replaced", "killd");
+    let names = NameGenerator::with_prefix(&world.prefix).unwrap();
+    let manager = world.connect();
+    let region = ManagedRegion::create_with(&manager, &names, 4096).unwrap();
+    let daemon = manager.daemon_pid();
+    let pid = rustix::process::Pid::from_raw(daemon as i32).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
+    eventually("the daemon is dead", || !process_alive(daemon));
+
+    let err = manager.status().unwrap_err();
+    assert!(matches!(err, ManagerError::Disconnected(_)), "{err}");
+    let err = region.close().unwrap_err();
+    assert!(
+        matches!(err, Error::Manager(ManagerError::Disconnected(_))),
+        "{err}"
+    );
+    // The dead daemon left its socket behind; the next client starts a new daemon anyway.
+    assert!(world.config().socket_path().exists());
+    let again = world.connect();
+    assert_ne!(again.daemon_pid(), daemon);
+    assert_eq!(again.status().unwrap().clients, 1);
+}

@@ -4,6 +4,7 @@ use std::io::{self, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -33,6 +34,9 @@ pub struct Manager {
     socket: std::path::PathBuf,
     daemon_pid: u32,
     owner_pid: u32,
+    /// Set once a request found the connection broken (the daemon died); `global` then
+    /// replaces this manager.
+    broken: AtomicBool,
 }
 
 /// A snapshot of the daemon's bookkeeping ([`Manager::status`]).
@@ -94,7 +98,8 @@ impl Manager {
 
     /// The process-wide connection, configured from the environment
     /// ([`ManagerConfig::from_env`]) on first use. A forked child gets a new connection of
-    /// its own on its first call.
+    /// its own on its first call, and so does every process after its connection broke (the
+    /// daemon was killed; names registered before are then no longer protected).
     ///
     /// # Errors
     ///
@@ -102,11 +107,12 @@ impl Manager {
     pub fn global() -> ManagerResult<Arc<Manager>> {
         let mut global = GLOBAL.lock().unwrap_or_else(PoisonError::into_inner);
         let pid = current_pid();
-        if let Some(manager) = global.as_ref().filter(|m| m.owner_pid == pid) {
+        let usable = |m: &&Arc<Manager>| m.owner_pid == pid && !m.broken.load(Ordering::Relaxed);
+        if let Some(manager) = global.as_ref().filter(usable) {
             return Ok(Arc::clone(manager));
         }
-        // After fork the parent's connection is shared with the parent; drop our reference
-        // (the fd closes once regions inherited from the parent are gone too).
+        // After fork the parent's connection is shared with the parent, and a broken one is
+        // useless; drop our reference (the fd closes once the regions using it are gone).
         global.take();
         let manager = Arc::new(Manager::connect(&ManagerConfig::from_env()?)?);
         *global = Some(Arc::clone(&manager));
@@ -203,16 +209,20 @@ impl Manager {
     fn round_trip(&self, request: &Request) -> ManagerResult<Reply> {
         let stream = self.stream.lock().unwrap_or_else(PoisonError::into_inner);
         let mut out: &UnixStream = &stream;
+        let broken = |e: io::Error| {
+            self.broken.store(true, Ordering::Relaxed);
+            ManagerError::Disconnected(e)
+        };
         request
             .write_to(&mut out)
             .and_then(|()| out.flush())
-            .map_err(ManagerError::Disconnected)?;
+            .map_err(broken)?;
         let mut input: &UnixStream = &stream;
         Reply::read_from(&mut input).map_err(|e| {
             if e.kind() == io::ErrorKind::InvalidData {
                 ManagerError::Protocol(e.to_string())
             } else {
-                ManagerError::Disconnected(e)
+                broken(e)
             }
         })
     }
@@ -322,6 +332,7 @@ fn handshake(socket: &Path, timeout: Duration) -> Result<Manager, Attempt> {
         socket: socket.to_owned(),
         daemon_pid,
         owner_pid,
+        broken: AtomicBool::new(false),
     })
 }
 

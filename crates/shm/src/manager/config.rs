@@ -50,9 +50,13 @@ pub struct ManagerConfig {
 impl ManagerConfig {
     /// A config for the daemon whose socket lives in `dir`, with default timings; the binary is
     /// searched as [`locate_binary`](Self::locate_binary) says.
+    ///
+    /// A relative `dir` is made absolute against the current directory (the daemon runs in
+    /// `/`).
     pub fn new(dir: impl Into<PathBuf>) -> Self {
+        let dir = dir.into();
         ManagerConfig {
-            dir: dir.into(),
+            dir: std::path::absolute(&dir).unwrap_or(dir),
             quiet_period: DEFAULT_QUIET_PERIOD,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             binary: None,
