@@ -39,7 +39,8 @@ struct Args {
     config: ManagerConfig,
 }
 
-fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Args, ManagerError> {
+/// Parses the command line; `Ok(None)` when help was asked for.
+fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Args>, ManagerError> {
     let mut mode = Mode::Foreground;
     let mut dir = None;
     let mut quiet = None;
@@ -65,7 +66,7 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Args, ManagerE
                 quiet = Some(Duration::from_millis(ms));
             }
             Some("--log") => log = Some(PathBuf::from(value("--log")?)),
-            Some("-h" | "--help") => return Err(ManagerError::Usage(USAGE.to_owned())),
+            Some("-h" | "--help") => return Ok(None),
             _ => return Err(usage(format!("unknown argument {arg:?}"))),
         }
     }
@@ -79,12 +80,16 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Args, ManagerE
     if let Some(log) = log {
         config = config.with_log_file(log);
     }
-    Ok(Args { mode, config })
+    Ok(Some(Args { mode, config }))
 }
 
 fn main() -> ExitCode {
     let args = match parse_args(std::env::args_os().skip(1)) {
-        Ok(args) => args,
+        Ok(Some(args)) => args,
+        Ok(None) => {
+            print!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
         Err(e) => {
             eprintln!("tensormem-shm-manager: {e}");
             return ExitCode::from(2);
