@@ -66,14 +66,26 @@ impl Drop for Object {
     }
 }
 
-/// A live process (not this one) holding the object open on its stdin.
-fn holder(object: &Object) -> Child {
-    Command::new("sleep")
-        .arg("600")
-        .stdin(File::open(object.0.path()).unwrap())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap()
+/// A live process (not this one) holding the object open on its stdin; killed on drop.
+struct Holder(Child);
+
+impl Holder {
+    fn new(object: &Object) -> Holder {
+        let child = Command::new("sleep")
+            .arg("600")
+            .stdin(File::open(object.0.path()).unwrap())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        Holder(child)
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 #[test]
@@ -131,16 +143,15 @@ fn gc_dry_run_reports_and_gc_removes() {
 fn gc_keeps_an_object_a_live_process_holds() {
     let prefix = prefix("held");
     let object = Object::new(&prefix, dead_pid());
-    let mut sleeper = holder(&object);
+    let sleeper = Holder::new(&object);
 
     let report = json_of(&["shm", "gc", "--prefix", &prefix, "--json"]);
     assert_eq!(report["removed"].as_array().unwrap().len(), 0, "{report}");
     assert_eq!(report["kept"][0]["reason"], "in_use");
-    assert_eq!(report["kept"][0]["users"][0], sleeper.id());
+    assert_eq!(report["kept"][0]["users"][0], sleeper.0.id());
     assert!(object.exists());
 
-    sleeper.kill().unwrap();
-    sleeper.wait().unwrap();
+    drop(sleeper);
     let report = json_of(&["shm", "gc", "--prefix", &prefix, "--json"]);
     assert_eq!(report["removed"][0]["name"], object.0.as_str());
     assert!(!object.exists());
