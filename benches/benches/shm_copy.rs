@@ -1,11 +1,12 @@
 //! Copying a private buffer into shared memory (`share_memory_`) against copying it into freshly
 //! allocated private memory, in the same run.
 //!
-//! - `shared`: `SharedRegion::copy_from_bytes` (new sealed memfd, huge-page advice, pre-faulted
-//!   chunks copied by several threads), region dropped after;
+//! - `shared`: `SharedRegion::copy_from_bytes` (new sealed memfd, huge-page advice, one thread
+//!   `pwrite`s pieces while the others pre-fault and copy theirs);
 //! - `private_vec`: `src.to_vec()`, the plain way to copy into fresh private memory;
-//! - `private_prefaulted`: a fresh zeroed `Vec` filled with `copy_prefaulted` (the same technique
-//!   as `shared`, on private memory), to separate the technique from the kind of memory.
+//! - `private_prefaulted`: a fresh zeroed `Vec` filled with `copy_prefaulted` (threads that
+//!   pre-fault and copy pieces, as `shared` does minus the `pwrite`), to separate the technique
+//!   from the kind of memory.
 //!
 //! Each result is dropped outside the timed part (freeing 1 GiB costs as much as a copy), as in
 //! the anchor, which times `share_memory_()` alone.
@@ -36,7 +37,7 @@ fn copy_into_shared(c: &mut Criterion) {
                 || (),
                 |()| {
                     let mut dst = vec![0u8; len];
-                    copy_prefaulted(&mut dst, &src, parallelism());
+                    copy_prefaulted(&mut dst, &src, parallelism()).expect("copy");
                     dst
                 },
                 BatchSize::PerIteration,

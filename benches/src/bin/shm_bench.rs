@@ -20,7 +20,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-use tensormem_shm::copy::{copy_prefaulted, parallelism};
+use tensormem_shm::copy::parallelism;
 use tensormem_shm::transfer::{recv_region, send_region, SendOptions};
 use tensormem_shm::{MapOptions, SharedRegion};
 
@@ -136,8 +136,7 @@ fn run(dir: &std::path::Path, rounds: usize) -> BenchResult<()> {
             shared.push(start.elapsed());
             drop(region);
             let start = Instant::now();
-            let mut region = SharedRegion::create_anonymous(len as u64)?;
-            copy_prefaulted(region.as_mut_slice(), &src, 1);
+            let region = SharedRegion::copy_from_bytes_with_threads(&src, 1)?;
             one_thread.push(start.elapsed());
             drop(region);
             let start = Instant::now();

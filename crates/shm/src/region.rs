@@ -95,6 +95,11 @@ impl SharedRegion {
         &mut self.map
     }
 
+    /// The kept fd and the mapping at once (for filling the object through both).
+    pub(crate) fn fd_and_mapping_mut(&mut self) -> (Option<BorrowedFd<'_>>, &mut Mapping) {
+        (self.fd.as_ref().map(AsFd::as_fd), &mut self.map)
+    }
+
     /// Removes the region's name (`shm_unlink`, or `unlink` for files) while keeping the mapping:
     /// nobody can open it by name any more, and the memory is freed once every mapping and
     /// descriptor of it is gone. Does nothing for anonymous regions or if already unlinked.
