@@ -11,6 +11,7 @@ mod expandable;
 pub mod oom;
 mod pool;
 mod pool_id;
+pub mod replay;
 mod settings;
 mod shard;
 pub mod size;

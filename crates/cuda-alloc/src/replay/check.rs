@@ -1,0 +1,307 @@
+//! Checking a replay under the recorded configuration against what PyTorch recorded.
+//!
+//! Three records can be compared, each where the trace provides it:
+//!
+//! - **every allocation**: the trace says where PyTorch put each block and, through its segment
+//!   events, how many bytes were reserved at that moment; the first allocation where the replay
+//!   differs is reported as a [`Divergence`];
+//! - **the final segments**: the snapshot's `segments` are the allocator's state when it was taken
+//!   (addresses, sizes, streams, pools, and the state of every block);
+//! - **the statistics**: `torch.cuda.memory_stats()` read after the run, when it was saved beside the
+//!   trace ([`ExpectedStats`]); every integer figure present in both is compared.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+
+use super::{ReplayError, ReplayResult};
+use crate::device::StreamId;
+use crate::size::format_size;
+use crate::snapshot::{BlockState, Segment};
+
+/// `torch.cuda.memory_stats()` as saved by the recording script: flat key names and values (only
+/// the integer figures are kept; other entries, such as the device name, are ignored).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExpectedStats {
+    /// The figures by flat key (`"reserved_bytes.all.peak"`, ...).
+    pub figures: BTreeMap<String, i64>,
+}
+
+impl ExpectedStats {
+    /// Reads the JSON object `json.dumps(torch.cuda.memory_stats())` writes.
+    ///
+    /// # Errors
+    /// [`ReplayError::ExpectedStats`] when the text is not a JSON object.
+    pub fn from_json(text: &str) -> ReplayResult<ExpectedStats> {
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| ReplayError::ExpectedStats {
+                reason: e.to_string(),
+            })?;
+        let object = value
+            .as_object()
+            .ok_or_else(|| ReplayError::ExpectedStats {
+                reason: "expected a JSON object of memory_stats() keys".to_owned(),
+            })?;
+        let figures = object
+            .iter()
+            .filter_map(|(key, value)| value.as_i64().map(|v| (key.clone(), v)))
+            .collect();
+        Ok(ExpectedStats { figures })
+    }
+
+    /// Reads a `*.stats.json` file (see [`from_json`](Self::from_json)).
+    ///
+    /// # Errors
+    /// [`ReplayError::ExpectedStats`] when the file cannot be read or is not a JSON object.
+    pub fn read_file(path: impl AsRef<Path>) -> ReplayResult<ExpectedStats> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| ReplayError::ExpectedStats {
+            reason: format!("cannot read {}: {e}", path.display()),
+        })?;
+        Self::from_json(&text).map_err(|e| match e {
+            ReplayError::ExpectedStats { reason } => ReplayError::ExpectedStats {
+                reason: format!("{}: {reason}", path.display()),
+            },
+            other => other,
+        })
+    }
+}
+
+/// A statistic whose replayed value differs from the recorded one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StatMismatch {
+    /// The flat key.
+    pub key: String,
+    /// The replay's value.
+    pub replayed: i64,
+    /// PyTorch's value.
+    pub recorded: i64,
+}
+
+/// The comparison of the final statistics with [`ExpectedStats`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StatsCheck {
+    /// Figures compared (those both sides have).
+    pub compared: usize,
+    /// Figures that differ, by key.
+    pub mismatches: Vec<StatMismatch>,
+}
+
+impl StatsCheck {
+    pub(crate) fn compare(replayed: &BTreeMap<String, i64>, expected: &ExpectedStats) -> Self {
+        let mut check = StatsCheck::default();
+        for (key, &recorded) in &expected.figures {
+            if let Some(&value) = replayed.get(key) {
+                check.compared += 1;
+                if value != recorded {
+                    check.mismatches.push(StatMismatch {
+                        key: key.clone(),
+                        replayed: value,
+                        recorded,
+                    });
+                }
+            }
+        }
+        check
+    }
+}
+
+/// The comparison of the final segments with the snapshot's.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SegmentCheck {
+    /// Segments in the snapshot.
+    pub recorded: usize,
+    /// Blocks in the snapshot.
+    pub blocks: usize,
+    /// What differs, one line each (at most [`SegmentCheck::MAX_REPORTED`]).
+    pub mismatches: Vec<String>,
+}
+
+impl SegmentCheck {
+    /// The most differences listed.
+    pub const MAX_REPORTED: usize = 20;
+
+    /// Compares `replayed` with `recorded` (both sorted by address): addresses, sizes, streams,
+    /// pools, expandability, and each block's address, size and state; requested sizes of active
+    /// blocks (a free block's requested size is stale in PyTorch's snapshots).
+    pub(crate) fn compare(replayed: &[Segment], recorded: &[Segment]) -> Self {
+        let mut check = SegmentCheck {
+            recorded: recorded.len(),
+            blocks: recorded.iter().map(|s| s.blocks.len()).sum(),
+            mismatches: Vec::new(),
+        };
+        let mut note = |line: String| {
+            if check.mismatches.len() < Self::MAX_REPORTED {
+                check.mismatches.push(line);
+            }
+        };
+        if replayed.len() != recorded.len() {
+            note(format!(
+                "{} segments replayed, {} recorded",
+                replayed.len(),
+                recorded.len()
+            ));
+        }
+        let by_addr: BTreeMap<u64, &Segment> = replayed.iter().map(|s| (s.address, s)).collect();
+        for want in recorded {
+            let Some(have) = by_addr.get(&want.address) else {
+                note(format!(
+                    "segment {:#x} ({}) recorded, not replayed",
+                    want.address,
+                    format_size(want.total_size)
+                ));
+                continue;
+            };
+            let shape = |s: &Segment| {
+                (
+                    s.total_size,
+                    s.stream,
+                    s.segment_type,
+                    s.is_expandable,
+                    s.allocated_size,
+                    s.active_size,
+                )
+            };
+            if shape(have) != shape(want) {
+                note(format!(
+                    "segment {:#x}: replayed (size, stream, pool, expandable, allocated, active) {:?}, \
+                     recorded {:?}",
+                    want.address,
+                    shape(have),
+                    shape(want)
+                ));
+                continue;
+            }
+            let blocks = |s: &Segment| -> Vec<(u64, u64, BlockState, Option<u64>)> {
+                s.blocks
+                    .iter()
+                    .map(|b| {
+                        let requested =
+                            (b.state != BlockState::Inactive).then_some(b.requested_size);
+                        (b.address, b.size, b.state, requested)
+                    })
+                    .collect()
+            };
+            let (have_blocks, want_blocks) = (blocks(have), blocks(want));
+            if have_blocks != want_blocks {
+                let first = have_blocks
+                    .iter()
+                    .zip(&want_blocks)
+                    .position(|(h, w)| h != w)
+                    .unwrap_or(have_blocks.len().min(want_blocks.len()));
+                note(format!(
+                    "segment {:#x}: block {first} replayed {:?}, recorded {:?}",
+                    want.address,
+                    have_blocks.get(first),
+                    want_blocks.get(first)
+                ));
+            }
+        }
+        check
+    }
+}
+
+/// The first point where a replay under the recorded configuration left PyTorch's path.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Divergence {
+    /// The device.
+    pub device: usize,
+    /// Index of the trace event (in `device_traces[device]`).
+    pub event: usize,
+    /// What differed.
+    pub kind: DivergenceKind,
+}
+
+/// What differed at a [`Divergence`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DivergenceKind {
+    /// An allocation landed elsewhere.
+    Address {
+        /// The size asked for.
+        size: u64,
+        /// The stream.
+        stream: StreamId,
+        /// Where PyTorch put it.
+        recorded: u64,
+        /// Where the replay put it (0 when the replay could not allocate it).
+        replayed: u64,
+    },
+    /// After an allocation, the bytes reserved from the device differ.
+    Reserved {
+        /// PyTorch's figure (from the trace's segment events).
+        recorded: u64,
+        /// The replay's.
+        replayed: u64,
+    },
+    /// The recorded run ran out of memory here; the replay did not.
+    OomNotReproduced {
+        /// The size asked for.
+        size: u64,
+    },
+}
+
+impl fmt::Display for Divergence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "device {} event {}: ", self.device, self.event)?;
+        match &self.kind {
+            DivergenceKind::Address {
+                size,
+                stream,
+                recorded,
+                replayed,
+            } => write!(
+                f,
+                "allocation of {size} bytes on stream {stream}: PyTorch at {recorded:#x}, replay at \
+                 {replayed:#x}"
+            ),
+            DivergenceKind::Reserved { recorded, replayed } => write!(
+                f,
+                "reserved bytes after the allocation: PyTorch {recorded}, replay {replayed}"
+            ),
+            DivergenceKind::OomNotReproduced { size } => write!(
+                f,
+                "PyTorch ran out of memory allocating {size} bytes, the replay did not"
+            ),
+        }
+    }
+}
+
+/// How a replay under the recorded configuration compares with the record.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Check {
+    /// Allocations whose address and reserved bytes were compared.
+    pub allocations: u64,
+    /// Allocations that landed at another address than PyTorch's.
+    pub address_mismatches: u64,
+    /// Allocations after which the reserved bytes differed.
+    pub reserved_mismatches: u64,
+    /// The first divergence, if any.
+    pub divergence: Option<Divergence>,
+    /// The final segments against the snapshot's (when the snapshot has segments for the device).
+    pub segments: Option<SegmentCheck>,
+    /// The final statistics against [`ExpectedStats`], when given.
+    pub stats: Option<StatsCheck>,
+}
+
+impl Check {
+    /// Whether everything compared matched.
+    #[must_use]
+    pub fn matches(&self) -> bool {
+        self.divergence.is_none()
+            && self
+                .segments
+                .as_ref()
+                .is_none_or(|s| s.mismatches.is_empty())
+            && self.stats.as_ref().is_none_or(|s| s.mismatches.is_empty())
+    }
+
+    pub(crate) fn diverged(&mut self, device: usize, event: usize, kind: DivergenceKind) {
+        if self.divergence.is_none() {
+            self.divergence = Some(Divergence {
+                device,
+                event,
+                kind,
+            });
+        }
+    }
+}

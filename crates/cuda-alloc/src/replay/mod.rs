@@ -1,0 +1,460 @@
+//! Trace replay: run a recorded PyTorch workload's allocations through this allocator, on the CPU.
+//!
+//! `torch.cuda.memory._record_memory_history()` makes PyTorch's caching allocator record every
+//! event (`alloc`, `free_requested`, `free_completed`, `segment_alloc`, `segment_map`, ...), and
+//! `_dump_snapshot()` saves them. Those events are enough to redo the run's *requests* (what
+//! was allocated, on which stream, freed when, held back by which other stream's work) on a
+//! simulated device, in milliseconds, under any configuration:
+//!
+//! - **under the recorded configuration** (the snapshot's `allocator_settings`) the replay makes
+//!   PyTorch's decisions exactly: every block lands where PyTorch put it and every figure of
+//!   `torch.cuda.memory_stats()` comes out the same. [`Check`] compares the replay with the record;
+//! - **under another configuration** (`expandable_segments:True`, `max_split_size_mb:64`,
+//!   `garbage_collection_threshold:0.6,per_process_memory_fraction:0.8`, ...) it answers what the
+//!   run would have reserved, how fragmented the cache would have been, and whether it would have
+//!   run out of memory on a device of a given size.
+//!
+//! How the events become calls:
+//!
+//! - `alloc` is `allocate(size, stream)` with the size the caller asked for;
+//! - `free_requested` is `free`. When the trace's `free_completed` for the block does not follow at
+//!   once, the block was in use on another stream (`record_stream`): the replay records it as used
+//!   on a synthetic stream whose work completes where the trace says `free_completed`, so the block
+//!   returns to its pool at the next allocation, as in PyTorch;
+//! - new segments get the addresses the trace's `segment_alloc` events recorded, and expandable
+//!   segments the ranges their first `segment_map` shows (see [`ReplayDevice`]): the allocator
+//!   breaks ties by address, so the layout must be the real one for the decisions to be;
+//! - a run of `segment_free` events ending in an `oom`, or in a new segment the device had no room
+//!   for, happened inside an allocation (the replayed allocator makes those releases itself); any
+//!   other run was an `empty_cache()` call. An `oom` event is the failed request, replayed on a
+//!   device as large as the record shows it was.
+//!
+//! ```no_run
+//! use tensormem_cuda_alloc::replay::{ExpectedStats, Replay};
+//! use tensormem_cuda_alloc::snapshot::Snapshot;
+//!
+//! let snapshot = Snapshot::read_file("gpt2_train.pickle")?;
+//! let replay = Replay::new(&snapshot)?
+//!     .with_expected_stats(ExpectedStats::read_file("gpt2_train.stats.json")?);
+//! let recorded = replay.run_recorded()?;
+//! assert_eq!(recorded.matches_record(), Some(true));
+//! let what_if = replay.run_with("expandable_segments:True")?;
+//! println!(
+//!     "reserved peak {} -> {}",
+//!     recorded.flat_stats()["reserved_bytes.all.peak"],
+//!     what_if.flat_stats()["reserved_bytes.all.peak"]
+//! );
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod check;
+mod device;
+mod plan;
+mod run;
+mod timeline;
+
+use std::collections::BTreeMap;
+
+pub use check::{
+    Check, Divergence, DivergenceKind, ExpectedStats, SegmentCheck, StatMismatch, StatsCheck,
+};
+pub use device::{AddressUse, ReplayDevice};
+pub use run::DeviceRun;
+pub use timeline::{Timeline, TimelinePoint};
+
+use crate::allocator::InvariantViolation;
+use crate::config::{AllocatorConfig, ConfigError};
+use crate::snapshot::{Snapshot, SnapshotError};
+use plan::{DevicePlan, PlanError};
+
+/// The simulated device's memory when neither the caller nor the trace says how much the real one
+/// had: 1 TiB, so that nothing runs out.
+pub const DEFAULT_CAPACITY: u64 = 1 << 40;
+
+/// Why a replay could not be prepared or run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReplayError {
+    /// The snapshot holds no trace to replay.
+    #[error(
+        "the snapshot has no recorded allocator events to replay; record them with \
+         torch.cuda.memory._record_memory_history(max_entries=...) before the workload runs, then \
+         torch.cuda.memory._dump_snapshot(path)"
+    )]
+    NoEvents,
+    /// The trace of a device cannot be replayed.
+    #[error("device {device}'s trace cannot be replayed: {reason}")]
+    Trace {
+        /// The device.
+        device: usize,
+        /// What is wrong.
+        reason: &'static str,
+    },
+    /// The snapshot's recorded allocator settings are not usable.
+    #[error(transparent)]
+    Settings(#[from] SnapshotError),
+    /// A what-if configuration string does not parse.
+    #[error("invalid configuration '{config}': {source}")]
+    Config {
+        /// The string given.
+        config: String,
+        /// The parser's error.
+        #[source]
+        source: ConfigError,
+    },
+    /// The allocator failed in a way other than running out of memory (a bug, or a trace the
+    /// allocator cannot follow).
+    #[error("replaying device {device}'s event {event} failed: {source}")]
+    Allocator {
+        /// The device.
+        device: usize,
+        /// The trace event.
+        event: usize,
+        /// The allocator's error.
+        #[source]
+        source: crate::Error,
+    },
+    /// The allocator's state was inconsistent after the replay (a bug in the allocator).
+    #[error("after replaying device {device}: {source}")]
+    Invariant {
+        /// The device.
+        device: usize,
+        /// The violation.
+        #[source]
+        source: InvariantViolation,
+    },
+    /// A file of expected statistics is unusable.
+    #[error("expected statistics: {reason}")]
+    ExpectedStats {
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// `Result` with a [`ReplayError`].
+pub type ReplayResult<T> = Result<T, ReplayError>;
+
+/// How to run a replay.
+#[derive(Clone)]
+pub struct RunOptions<'a> {
+    /// The allocator's configuration.
+    pub config: AllocatorConfig,
+    /// Compare the replay with the record ([`DeviceRun::check`]); meaningful under the recorded
+    /// configuration.
+    pub check: bool,
+    /// The simulated device's memory in bytes; `None`: what the trace implies (the layout of its
+    /// expandable reservations, its `oom` events), else [`DEFAULT_CAPACITY`].
+    pub capacity: Option<u64>,
+    /// About how many points each device's [`Timeline`] gets.
+    pub timeline_points: usize,
+    /// Record the replaying allocator's own trace (it then appears in [`DeviceRun::snapshot`]).
+    pub record_history: bool,
+    /// Take the allocator's snapshot at the end ([`DeviceRun::snapshot`]).
+    pub snapshot: bool,
+    /// Called now and then with the number of events replayed so far (over all devices).
+    pub progress: Option<&'a (dyn Fn(u64) + Sync)>,
+}
+
+impl std::fmt::Debug for RunOptions<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunOptions")
+            .field("config", &self.config.to_string())
+            .field("check", &self.check)
+            .field("capacity", &self.capacity)
+            .field("timeline_points", &self.timeline_points)
+            .field("record_history", &self.record_history)
+            .field("snapshot", &self.snapshot)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RunOptions<'_> {
+    /// Options for a run under `config`: no check, the trace's capacity, 1000 timeline points, no
+    /// history, no snapshot, no progress.
+    #[must_use]
+    pub fn new(config: AllocatorConfig) -> Self {
+        RunOptions {
+            config,
+            check: false,
+            capacity: None,
+            timeline_points: 1000,
+            record_history: false,
+            snapshot: false,
+            progress: None,
+        }
+    }
+}
+
+/// A snapshot's traces, prepared for replaying (once; each run replays them again).
+#[derive(Debug)]
+pub struct Replay {
+    plans: Vec<DevicePlan>,
+    recorded: AllocatorConfig,
+    settings_recorded: bool,
+    expected: Option<ExpectedStats>,
+    events: u64,
+}
+
+impl Replay {
+    /// Prepares the traces of every device of `snapshot`.
+    ///
+    /// # Errors
+    /// [`ReplayError::NoEvents`] when the snapshot has no trace; [`ReplayError::Settings`] when its
+    /// recorded allocator settings do not make a configuration; [`ReplayError::Trace`] for a trace
+    /// of more than 2^32 events.
+    pub fn new(snapshot: &Snapshot) -> ReplayResult<Replay> {
+        if snapshot.event_count() == 0 {
+            return Err(ReplayError::NoEvents);
+        }
+        let (recorded, settings_recorded) = match &snapshot.allocator_settings {
+            Some(settings) => (settings.to_config()?, true),
+            None => {
+                tracing::warn!(
+                    "the snapshot does not record its allocator settings (PyTorch before 2.1); \
+                     replaying under the defaults"
+                );
+                (AllocatorConfig::default(), false)
+            }
+        };
+        let mut plans = Vec::new();
+        for (device, trace) in snapshot.traces() {
+            if trace.is_empty() {
+                continue;
+            }
+            let segments = snapshot
+                .segments
+                .iter()
+                .filter(|s| usize::try_from(s.device).ok() == Some(device))
+                .cloned()
+                .collect();
+            let plan =
+                DevicePlan::build(device, trace, segments).map_err(|e| ReplayError::Trace {
+                    device,
+                    reason: match e {
+                        PlanError::TooManyEvents => "it has more than 2^32 events",
+                        PlanError::StreamIds => {
+                            "its stream ids leave no room for synthetic streams"
+                        }
+                    },
+                })?;
+            if plan.unmatched_frees > 0 {
+                tracing::warn!(
+                    device,
+                    frees = plan.unmatched_frees,
+                    "the trace frees blocks it never allocated (it starts mid-run: raise \
+                     max_entries when recording); those frees are skipped"
+                );
+            }
+            plans.push(plan);
+        }
+        Ok(Replay {
+            plans,
+            recorded,
+            settings_recorded,
+            expected: None,
+            events: snapshot.event_count() as u64,
+        })
+    }
+
+    /// Adds the statistics PyTorch reported after the recorded run (for device 0, or the only
+    /// device traced), for [`Check::stats`].
+    #[must_use]
+    pub fn with_expected_stats(mut self, expected: ExpectedStats) -> Self {
+        self.expected = Some(expected);
+        self
+    }
+
+    /// The configuration the trace was recorded with (the defaults when the snapshot does not say).
+    #[must_use]
+    pub fn recorded_config(&self) -> &AllocatorConfig {
+        &self.recorded
+    }
+
+    /// Whether the snapshot recorded its allocator settings.
+    #[must_use]
+    pub fn settings_recorded(&self) -> bool {
+        self.settings_recorded
+    }
+
+    /// Events in the snapshot's traces, over all devices.
+    #[must_use]
+    pub fn events(&self) -> u64 {
+        self.events
+    }
+
+    /// The devices that have events, in order.
+    #[must_use]
+    pub fn devices(&self) -> Vec<usize> {
+        self.plans.iter().map(|p| p.device).collect()
+    }
+
+    /// The memory the simulated device gets when [`RunOptions::capacity`] is `None`: the most the
+    /// recorded expandable reservations allow, else [`DEFAULT_CAPACITY`].
+    #[must_use]
+    pub fn default_capacity(&self, device: usize) -> u64 {
+        self.plans
+            .iter()
+            .find(|p| p.device == device)
+            .and_then(|p| p.capacity_bound)
+            .unwrap_or(DEFAULT_CAPACITY)
+    }
+
+    /// The recorded configuration with `config` applied over it, the way
+    /// `torch.cuda.memory._set_allocator_settings(config)` would change it.
+    ///
+    /// # Errors
+    /// [`ReplayError::Config`] when the string does not parse.
+    pub fn what_if_config(&self, config: &str) -> ReplayResult<AllocatorConfig> {
+        let mut applied = self.recorded.clone();
+        applied
+            .apply(config)
+            .map_err(|source| ReplayError::Config {
+                config: config.to_owned(),
+                source,
+            })?;
+        Ok(applied)
+    }
+
+    /// Replays under the recorded configuration and checks the result against the record.
+    ///
+    /// # Errors
+    /// As [`run`](Self::run).
+    pub fn run_recorded(&self) -> ReplayResult<ReplayRun> {
+        let mut options = RunOptions::new(self.recorded.clone());
+        options.check = true;
+        self.run(&options)
+    }
+
+    /// Replays under the recorded configuration with `config` applied over it (see
+    /// [`what_if_config`](Self::what_if_config)).
+    ///
+    /// # Errors
+    /// [`ReplayError::Config`] for a malformed string; as [`run`](Self::run).
+    pub fn run_with(&self, config: &str) -> ReplayResult<ReplayRun> {
+        self.run(&RunOptions::new(self.what_if_config(config)?))
+    }
+
+    /// Replays every device's trace with a fresh allocator under `options`. Allocations the device
+    /// has no memory for are counted ([`DeviceRun::refused`]) and the replay goes on.
+    ///
+    /// # Errors
+    /// [`ReplayError::Allocator`] when the allocator fails other than by running out of memory;
+    /// [`ReplayError::Invariant`] when its state is inconsistent at the end.
+    pub fn run(&self, options: &RunOptions<'_>) -> ReplayResult<ReplayRun> {
+        let mut devices = Vec::with_capacity(self.plans.len());
+        let mut events_before = 0u64;
+        let first = self.plans.first().map(|p| p.device);
+        for plan in &self.plans {
+            let expected = self
+                .expected
+                .as_ref()
+                .filter(|_| Some(plan.device) == first);
+            let default = plan.capacity_bound.unwrap_or(DEFAULT_CAPACITY);
+            devices.push(run::run_device(
+                plan,
+                options,
+                default,
+                events_before,
+                expected,
+            )?);
+            events_before += plan.events as u64;
+        }
+        Ok(ReplayRun {
+            config: options.config.clone(),
+            recorded: options.check,
+            seconds: devices.iter().map(|d| d.seconds).sum(),
+            devices,
+            events: self.events,
+        })
+    }
+}
+
+/// The result of one replay.
+#[derive(Clone, Debug)]
+pub struct ReplayRun {
+    /// The configuration replayed under.
+    pub config: AllocatorConfig,
+    /// Whether the run was checked against the record.
+    pub recorded: bool,
+    /// Per device with events, in order.
+    pub devices: Vec<DeviceRun>,
+    /// Seconds spent replaying events, over all devices.
+    pub seconds: f64,
+    /// Events in the trace, over all devices.
+    pub events: u64,
+}
+
+impl ReplayRun {
+    /// The configuration string (`"(defaults)"` for PyTorch's defaults).
+    #[must_use]
+    pub fn label(&self) -> String {
+        let text = self.config.to_string();
+        if text.is_empty() {
+            "(defaults)".to_owned()
+        } else {
+            text
+        }
+    }
+
+    /// The final statistics under `torch.cuda.memory_stats()`'s flat keys. With several devices,
+    /// each figure is the sum over devices (peaks: the sum of each device's peak).
+    #[must_use]
+    pub fn flat_stats(&self) -> BTreeMap<String, i64> {
+        let mut total: BTreeMap<String, i64> = BTreeMap::new();
+        for device in &self.devices {
+            for (key, value) in device.stats.to_flat() {
+                if key == "max_split_size" {
+                    total.insert(key, value);
+                } else {
+                    *total.entry(key).or_default() += value;
+                }
+            }
+        }
+        total
+    }
+
+    /// Replay speed: trace events per second.
+    #[must_use]
+    pub fn events_per_second(&self) -> f64 {
+        self.events as f64 / self.seconds.max(1e-9)
+    }
+
+    /// Whether every figure checked matched the record; `None` for runs that were not checked.
+    #[must_use]
+    pub fn matches_record(&self) -> Option<bool> {
+        self.recorded.then(|| {
+            self.devices
+                .iter()
+                .all(|d| d.check.as_ref().is_some_and(Check::matches))
+        })
+    }
+
+    /// Allocations refused for lack of memory, over all devices.
+    #[must_use]
+    pub fn refused(&self) -> u64 {
+        self.devices.iter().map(|d| d.refused).sum()
+    }
+
+    /// The final snapshot of every device's allocator in one (when [`RunOptions::snapshot`] was set):
+    /// all segments, and each device's trace at its index.
+    #[must_use]
+    pub fn snapshot(&self) -> Option<Snapshot> {
+        let mut merged: Option<Snapshot> = None;
+        for device in &self.devices {
+            let snapshot = device.snapshot.as_ref()?;
+            let merged = merged.get_or_insert_with(|| Snapshot {
+                allocator_settings: snapshot.allocator_settings.clone(),
+                external_annotations: snapshot.external_annotations.clone(),
+                ..Snapshot::default()
+            });
+            merged.segments.extend(snapshot.segments.iter().cloned());
+            if merged.device_traces.len() <= device.device {
+                merged
+                    .device_traces
+                    .resize_with(device.device + 1, Vec::new);
+            }
+            merged.device_traces[device.device] = snapshot.trace(0).to_vec();
+        }
+        merged
+    }
+}

@@ -1,0 +1,564 @@
+//! Turning one device's recorded trace into the operations a replay performs.
+//!
+//! A trace records what PyTorch's allocator did; a replay needs what its *callers* did. This module
+//! reads one device's events once and produces:
+//!
+//! - the calls to make: allocations (with the size asked for and the stream), frees (with the
+//!   synthetic stream that holds the block back when the trace says its free completed later),
+//!   completions of that held-back work, failed requests (`oom`), and `empty_cache` calls;
+//! - the addresses the real device gave new segments and expandable reservations, in order;
+//! - what the trace says the allocator's answer was: the address of every allocation and the bytes
+//!   reserved at that moment, for checking a replay under the recorded configuration;
+//! - an upper bound on the device's memory, where the layout of expandable reservations gives one.
+//!
+//! Allocations and frees are matched by address while the trace is read, so that the replay keeps
+//! live allocations in a plain vector indexed by *slot* instead of a map.
+
+use std::collections::HashMap;
+
+use crate::device::StreamId;
+use crate::size::{LARGE_BUFFER, SMALL_BUFFER};
+use crate::snapshot::{Segment, TraceAction, TraceEntry};
+
+/// One call of the replay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Op {
+    /// `allocate(size, stream)`; the allocation is kept in `slot`.
+    Alloc {
+        size: u64,
+        stream: StreamId,
+        slot: u32,
+    },
+    /// Free the allocation in `slot`. With `held_on`, the block is first recorded as used on that
+    /// synthetic stream, whose work completes at the matching [`Op::Complete`].
+    Free {
+        slot: u32,
+        held_on: Option<StreamId>,
+    },
+    /// The work on synthetic stream `stream` is done: the block it held back (of `requested` bytes)
+    /// returns to its pool at the next allocation.
+    Complete { stream: StreamId, requested: u64 },
+    /// A request that failed with out of memory in the recorded run. `capacity` is the device memory
+    /// the record implies: the bytes still reserved after the allocator released what it could, plus
+    /// what the device reported free.
+    Oom {
+        size: u64,
+        stream: StreamId,
+        capacity: u64,
+    },
+    /// A run of segment releases (`segment_free`, `segment_unmap`) that did not end in an `oom`;
+    /// `run` indexes [`DevicePlan::releases`].
+    Release { run: u32 },
+}
+
+/// A run of segment releases that did not end in an `oom`.
+///
+/// PyTorch releases cached segments inside an allocation only when the request finds no cached
+/// block and the device refuses a new segment (or for garbage collection), so a run followed by
+/// anything but a new segment was `torch.cuda.empty_cache()`. A run followed by a new segment was
+/// one too if the device had room for that segment or the cache could have served the allocation
+/// that follows (decided when replaying); else the replayed allocator makes the releases itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ReleaseRun {
+    /// The size of the new segment (or mapping) that follows the run, if one does.
+    pub(crate) next_segment: Option<u64>,
+    /// The next allocation after the run: size asked for and stream.
+    pub(crate) next_alloc: Option<(u64, StreamId)>,
+}
+
+/// What the trace says about one allocation: where it landed and the bytes reserved afterwards.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Expected {
+    pub(crate) addr: u64,
+    pub(crate) reserved: u64,
+}
+
+/// One device's trace, ready to replay.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct DevicePlan {
+    /// The device index (position in `device_traces`).
+    pub(crate) device: usize,
+    pub(crate) ops: Vec<Op>,
+    /// For each op, the index of the trace event it came from.
+    pub(crate) op_events: Vec<u32>,
+    /// The release runs [`Op::Release`] refers to.
+    pub(crate) releases: Vec<ReleaseRun>,
+    /// For each [`Op::Alloc`], in order, what the trace recorded.
+    pub(crate) expected: Vec<Expected>,
+    /// Slots needed (the most allocations live at once).
+    pub(crate) slots: usize,
+    /// Addresses of new segments (`segment_alloc`), in order.
+    pub(crate) malloc_addrs: Vec<u64>,
+    /// Start addresses of expandable reservations (the first `segment_map` of each), in order.
+    pub(crate) reserve_addrs: Vec<u64>,
+    /// The most device memory consistent with the recorded reservations, when they bound it.
+    pub(crate) capacity_bound: Option<u64>,
+    /// Distinct streams the trace allocates on.
+    pub(crate) streams: usize,
+    /// Trace events of this device.
+    pub(crate) events: usize,
+    /// Frees of blocks the trace never allocated (a trace that starts mid-run): skipped.
+    pub(crate) unmatched_frees: usize,
+    /// The segments the snapshot holds for this device (its state when it was taken).
+    pub(crate) segments: Vec<Segment>,
+}
+
+/// Why a trace cannot be turned into a plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PlanError {
+    /// More events than the plan's 32-bit indices hold.
+    TooManyEvents,
+    /// A synthetic stream id would collide with the trace's streams.
+    StreamIds,
+}
+
+/// A recorded expandable reservation, as far as the trace shows it.
+struct Reservation {
+    base: u64,
+    /// Highest end of any mapping in it so far.
+    extent: u64,
+    /// Chunk size of its pool (from the size of its first mapping).
+    chunk: u64,
+}
+
+impl DevicePlan {
+    /// Reads device `device`'s events; `segments` are the snapshot's segments of that device.
+    pub(crate) fn build(
+        device: usize,
+        trace: &[TraceEntry],
+        segments: Vec<Segment>,
+    ) -> Result<DevicePlan, PlanError> {
+        if u32::try_from(trace.len()).is_err() {
+            return Err(PlanError::TooManyEvents);
+        }
+        let completion = completion_events(trace);
+        let mut streams: Vec<u64> = trace
+            .iter()
+            .filter(|e| e.action == TraceAction::Alloc)
+            .map(|e| e.stream)
+            .collect();
+        streams.sort_unstable();
+        streams.dedup();
+        // Synthetic streams sort after every real one, in the order their work completes in the
+        // trace, so that the allocator visits completed blocks in the order PyTorch freed them.
+        let synthetic_base = trace
+            .iter()
+            .map(|e| e.stream)
+            .max()
+            .unwrap_or(0)
+            .max(1 << 62)
+            .checked_add(1)
+            .ok_or(PlanError::StreamIds)?;
+        synthetic_base
+            .checked_add(2 * trace.len() as u64)
+            .ok_or(PlanError::StreamIds)?;
+
+        let mut plan = DevicePlan {
+            device,
+            streams: streams.len(),
+            events: trace.len(),
+            segments,
+            ..DevicePlan::default()
+        };
+        let mut live: HashMap<u64, u32> = HashMap::new();
+        let mut spare_slots: Vec<u32> = Vec::new();
+        let mut held: HashMap<u64, StreamId> = HashMap::new();
+        let mut reservations: Vec<Reservation> = Vec::new();
+        let mut reserved: u64 = 0;
+        let mut never_completed = 0u64;
+        // Completions PyTorch saw by synchronizing, inside the allocation that follows.
+        let mut synced: Vec<Op> = Vec::new();
+        for (i, e) in trace.iter().enumerate() {
+            let event = i as u32;
+            match &e.action {
+                TraceAction::Alloc => {
+                    let slot = spare_slots.pop().unwrap_or_else(|| {
+                        plan.slots += 1;
+                        (plan.slots - 1) as u32
+                    });
+                    live.insert(e.addr, slot);
+                    plan.push(
+                        event,
+                        Op::Alloc {
+                            size: e.size,
+                            stream: e.stream_id(),
+                            slot,
+                        },
+                    );
+                    plan.expected.push(Expected {
+                        addr: e.addr,
+                        reserved,
+                    });
+                    plan.flush(event, &mut synced);
+                }
+                TraceAction::FreeRequested => {
+                    let Some(slot) = live.remove(&e.addr) else {
+                        plan.unmatched_frees += 1;
+                        continue;
+                    };
+                    spare_slots.push(slot);
+                    let held_on = match completion.get(&i) {
+                        // Completed at once, unless by the synchronization of the next
+                        // allocation's out-of-memory sequence (nothing is recorded in between).
+                        Some(&Some(done))
+                            if done == i + 1 && !completed_by_synchronizing(trace, done) =>
+                        {
+                            None
+                        }
+                        Some(&Some(done)) => Some(StreamId(synthetic_base + done as u64)),
+                        _ => {
+                            never_completed += 1;
+                            Some(StreamId(
+                                synthetic_base + trace.len() as u64 + never_completed,
+                            ))
+                        }
+                    };
+                    if let Some(stream) = held_on {
+                        held.insert(e.addr, stream);
+                    }
+                    plan.push(event, Op::Free { slot, held_on });
+                }
+                TraceAction::FreeCompleted => {
+                    if let Some(stream) = held.remove(&e.addr) {
+                        let complete = Op::Complete {
+                            stream,
+                            requested: e.size,
+                        };
+                        if completed_by_synchronizing(trace, i) {
+                            synced.push(complete);
+                        } else {
+                            plan.push(event, complete);
+                        }
+                    }
+                }
+                TraceAction::SegmentAlloc => {
+                    plan.malloc_addrs.push(e.addr);
+                    reserved += e.size;
+                }
+                TraceAction::SegmentMap => {
+                    reserved += e.size;
+                    let end = e.addr + e.size;
+                    match reservations
+                        .iter_mut()
+                        .find(|r| e.addr >= r.base && e.addr <= r.extent)
+                    {
+                        Some(r) => r.extent = r.extent.max(end),
+                        None => {
+                            plan.reserve_addrs.push(e.addr);
+                            reservations.push(Reservation {
+                                base: e.addr,
+                                extent: end,
+                                chunk: chunk_of_first_map(e.size),
+                            });
+                        }
+                    }
+                }
+                TraceAction::SegmentFree | TraceAction::SegmentUnmap => {
+                    reserved = reserved.saturating_sub(e.size);
+                    if release_run_starts(trace, i) {
+                        let next_segment = match release_run_end(trace, i) {
+                            RunEnd::Oom => continue,
+                            RunEnd::Segment(size) => Some(size),
+                            RunEnd::Other => None,
+                        };
+                        let next_alloc = trace[i..]
+                            .iter()
+                            .find(|e| e.action == TraceAction::Alloc)
+                            .map(|e| (e.size, e.stream_id()));
+                        let run = plan.releases.len() as u32;
+                        plan.releases.push(ReleaseRun {
+                            next_segment,
+                            next_alloc,
+                        });
+                        plan.push(event, Op::Release { run });
+                    }
+                }
+                TraceAction::Oom => {
+                    plan.push(
+                        event,
+                        Op::Oom {
+                            size: e.size,
+                            stream: e.stream_id(),
+                            capacity: reserved + e.addr,
+                        },
+                    );
+                    plan.flush(event, &mut synced);
+                }
+                TraceAction::Snapshot | TraceAction::UserDefined | TraceAction::Other(_) => {}
+            }
+        }
+        plan.flush(trace.len().saturating_sub(1) as u32, &mut synced);
+        plan.capacity_bound = capacity_bound(&reservations, &plan.malloc_addrs);
+        Ok(plan)
+    }
+
+    fn push(&mut self, event: u32, op: Op) {
+        self.ops.push(op);
+        self.op_events.push(event);
+    }
+
+    /// Completes, after the allocation of `event`, the work of blocks PyTorch freed by
+    /// synchronizing inside it: if the replayed allocator synchronized too, this changes nothing;
+    /// if it did not, the blocks still return to their pools.
+    fn flush(&mut self, event: u32, synced: &mut Vec<Op>) {
+        for op in synced.drain(..) {
+            self.push(event, op);
+        }
+    }
+}
+
+/// For every `free_requested` event (by index), the index of the `free_completed` event of the same
+/// block, or `None` when the trace ends first.
+fn completion_events(trace: &[TraceEntry]) -> HashMap<usize, Option<usize>> {
+    let mut requested: HashMap<u64, usize> = HashMap::new();
+    let mut completion = HashMap::new();
+    for (i, e) in trace.iter().enumerate() {
+        match e.action {
+            TraceAction::FreeRequested => {
+                requested.insert(e.addr, i);
+                completion.insert(i, None);
+            }
+            TraceAction::FreeCompleted => {
+                if let Some(free) = requested.remove(&e.addr) {
+                    completion.insert(free, Some(i));
+                }
+            }
+            _ => {}
+        }
+    }
+    completion
+}
+
+/// Whether the `free_completed` event at `i` of a held-back block came from synchronizing with
+/// every stream (the out-of-memory sequence or `empty_cache`, which release segments right after)
+/// rather than from finding the block's event done at the start of an allocation. The difference
+/// matters: blocks freed at the start of an allocation can serve it, those freed by synchronizing
+/// cannot.
+fn completed_by_synchronizing(trace: &[TraceEntry], i: usize) -> bool {
+    trace[i..]
+        .iter()
+        .find(|e| e.action != TraceAction::FreeCompleted && !is_note(&e.action))
+        .is_some_and(|e| is_release(&e.action) || e.action == TraceAction::Oom)
+}
+
+fn is_release(action: &TraceAction) -> bool {
+    matches!(action, TraceAction::SegmentFree | TraceAction::SegmentUnmap)
+}
+
+/// Events that say nothing about the allocator's decisions.
+fn is_note(action: &TraceAction) -> bool {
+    matches!(
+        action,
+        TraceAction::Snapshot | TraceAction::UserDefined | TraceAction::Other(_)
+    )
+}
+
+/// Whether event `i` (a release) is the first of a run of releases.
+fn release_run_starts(trace: &[TraceEntry], i: usize) -> bool {
+    trace[..i]
+        .iter()
+        .rev()
+        .find(|e| !is_note(&e.action))
+        .is_none_or(|e| !is_release(&e.action))
+}
+
+/// What follows a run of releases.
+enum RunEnd {
+    /// An `oom` event: the releases were the out-of-memory sequence's.
+    Oom,
+    /// A new segment (`segment_alloc`) or mapping (`segment_map`) of this many bytes.
+    Segment(u64),
+    /// Anything else, or the end of the trace.
+    Other,
+}
+
+/// What follows the run of releases starting at `i`.
+fn release_run_end(trace: &[TraceEntry], i: usize) -> RunEnd {
+    match trace[i..]
+        .iter()
+        .find(|e| !is_release(&e.action) && !is_note(&e.action))
+    {
+        Some(e) if e.action == TraceAction::Oom => RunEnd::Oom,
+        Some(e)
+            if matches!(
+                e.action,
+                TraceAction::SegmentAlloc | TraceAction::SegmentMap
+            ) =>
+        {
+            RunEnd::Segment(e.size)
+        }
+        _ => RunEnd::Other,
+    }
+}
+
+/// The chunk size of an expandable segment, judged from its first mapping: large-pool mappings are
+/// whole 20 MiB chunks, small-pool ones 2 MiB chunks.
+fn chunk_of_first_map(size: u64) -> u64 {
+    if size % LARGE_BUFFER as u64 == 0 {
+        LARGE_BUFFER as u64
+    } else {
+        SMALL_BUFFER as u64
+    }
+}
+
+/// The most device memory for which every recorded reservation (`total * 9 / 8` rounded up to whole
+/// chunks, as the allocator reserves) ends before the next recorded address above it; `None` when
+/// nothing lies above any reservation.
+fn capacity_bound(reservations: &[Reservation], malloc_addrs: &[u64]) -> Option<u64> {
+    let mut bound: Option<u64> = None;
+    for r in reservations {
+        let next = reservations
+            .iter()
+            .map(|o| o.base)
+            .chain(malloc_addrs.iter().copied())
+            .filter(|&a| a > r.base)
+            .min();
+        let Some(next) = next else { continue };
+        let room = (next - r.base) / r.chunk * r.chunk;
+        let fits = largest_total_within(room);
+        bound = Some(bound.map_or(fits, |b| b.min(fits)));
+    }
+    bound
+}
+
+/// The largest `total` with `total + total / 8 <= room`.
+fn largest_total_within(room: u64) -> u64 {
+    let mut total = (u128::from(room) * 8 / 9) as u64;
+    while total + total / 8 > room {
+        total -= 1;
+    }
+    while (total + 1) + (total + 1) / 8 <= room {
+        total += 1;
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(action: TraceAction, addr: u64, size: u64, stream: u64) -> TraceEntry {
+        TraceEntry {
+            action,
+            addr,
+            size,
+            stream,
+            ..TraceEntry::default()
+        }
+    }
+
+    #[test]
+    fn frees_completed_later_are_held_on_synthetic_streams_in_completion_order() {
+        use TraceAction::*;
+        let trace = [
+            entry(SegmentAlloc, 0x1000_0000, 20 << 20, 0),
+            entry(Alloc, 0x1000_0000, 4096, 0),
+            entry(Alloc, 0x1000_1000, 4096, 0),
+            entry(FreeRequested, 0x1000_0000, 4096, 0),
+            entry(FreeRequested, 0x1000_1000, 4096, 0),
+            entry(FreeCompleted, 0x1000_1000, 4096, 0),
+            entry(FreeCompleted, 0x1000_0000, 4096, 0),
+        ];
+        let plan = DevicePlan::build(0, &trace, Vec::new()).unwrap();
+        let held: Vec<Option<StreamId>> = plan
+            .ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::Free { held_on, .. } => Some(*held_on),
+                _ => None,
+            })
+            .collect();
+        let (a, b) = (held[0].unwrap(), held[1]);
+        // The second free completes at once (event 5 follows event 4 directly).
+        assert_eq!(b, None);
+        assert!(a.0 > 1 << 62);
+        assert_eq!(plan.malloc_addrs, vec![0x1000_0000]);
+        assert_eq!(plan.slots, 2);
+        assert_eq!(
+            plan.expected[1],
+            Expected {
+                addr: 0x1000_1000,
+                reserved: 20 << 20
+            }
+        );
+        assert!(matches!(plan.ops.last(), Some(Op::Complete { stream, .. }) if *stream == a));
+    }
+
+    #[test]
+    fn release_runs_say_what_follows_them() {
+        use TraceAction::*;
+        let trace = [
+            entry(SegmentAlloc, 0x1000_0000, 20 << 20, 0),
+            entry(Alloc, 0x1000_0000, 4096, 0),
+            entry(FreeRequested, 0x1000_0000, 4096, 0),
+            entry(FreeCompleted, 0x1000_0000, 4096, 0),
+            entry(SegmentFree, 0x1000_0000, 20 << 20, 0),
+            entry(SegmentAlloc, 0x2000_0000, 40 << 20, 0),
+            entry(Alloc, 0x2000_0000, 30 << 20, 0),
+            entry(SegmentFree, 0x2000_0000, 40 << 20, 0),
+            entry(Snapshot, 0, 0, 0),
+            entry(SegmentFree, 0x4000_0000, 2 << 20, 0),
+            entry(Alloc, 0x3000_0000, 4096, 0),
+            entry(SegmentFree, 0x5000_0000, 2 << 20, 0),
+            entry(Oom, 0, 64 << 20, 0),
+        ];
+        let plan = DevicePlan::build(0, &trace, Vec::new()).unwrap();
+        let releases: Vec<(u32, ReleaseRun)> = plan
+            .ops
+            .iter()
+            .zip(&plan.op_events)
+            .filter_map(|(op, &e)| match op {
+                Op::Release { run } => Some((e, plan.releases[*run as usize])),
+                _ => None,
+            })
+            .collect();
+        let run = |next_segment, size| ReleaseRun {
+            next_segment,
+            next_alloc: Some((size, StreamId(0))),
+        };
+        assert_eq!(
+            releases,
+            vec![(4, run(Some(40 << 20), 30 << 20)), (7, run(None, 4096))]
+        );
+    }
+
+    #[test]
+    fn expandable_reservations_bound_the_device_memory() {
+        use TraceAction::*;
+        let large = 0x3_0000_0000u64;
+        let small = large + 9 * (1 << 30);
+        let trace = [
+            entry(SegmentMap, large, 40 << 20, 0),
+            entry(SegmentMap, small, 2 << 20, 0),
+            entry(SegmentMap, large + (40 << 20), 20 << 20, 0),
+        ];
+        let plan = DevicePlan::build(0, &trace, Vec::new()).unwrap();
+        assert_eq!(plan.reserve_addrs, vec![large, small]);
+        let bound = plan.capacity_bound.unwrap();
+        let chunk = LARGE_BUFFER as u64;
+        let reservation = (bound + bound / 8).div_ceil(chunk) * chunk;
+        assert!(reservation <= small - large);
+        let more = bound + 1;
+        assert!((more + more / 8).div_ceil(chunk) * chunk > small - large);
+    }
+
+    #[test]
+    fn an_oom_carries_the_device_memory_it_implies() {
+        use TraceAction::*;
+        let trace = [
+            entry(SegmentAlloc, 0x1000_0000, 20 << 20, 0),
+            entry(SegmentAlloc, 0x2000_0000, 20 << 20, 0),
+            entry(SegmentFree, 0x1000_0000, 20 << 20, 0),
+            entry(Oom, 1 << 20, 64 << 20, 0),
+        ];
+        let plan = DevicePlan::build(0, &trace, Vec::new()).unwrap();
+        assert_eq!(
+            plan.ops,
+            vec![Op::Oom {
+                size: 64 << 20,
+                stream: StreamId(0),
+                capacity: (20 << 20) + (1 << 20)
+            }]
+        );
+    }
+}

@@ -1,0 +1,308 @@
+//! Running one device's plan through a fresh allocator.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use super::check::{Check, DivergenceKind, ExpectedStats, SegmentCheck, StatsCheck};
+use super::device::{AddressUse, ReplayDevice};
+use super::plan::{DevicePlan, Op, ReleaseRun};
+use super::timeline::{Sampler, Timeline};
+use super::{ReplayError, ReplayResult, RunOptions};
+use crate::allocator::{Allocation, CachingAllocator, DEFAULT_STREAM_CAPACITY};
+use crate::config::AllocatorConfig;
+use crate::device::{Device, StreamId};
+use crate::error::Error;
+use crate::settings::Settings;
+use crate::size::{is_small, round_size};
+use crate::snapshot::{BlockState, SegmentType, Snapshot};
+use crate::stats::MemoryStats;
+
+/// How often (in operations) the progress callback is called.
+const PROGRESS_EVERY: usize = 1 << 13;
+
+/// What one device's replay produced.
+#[derive(Clone, Debug)]
+pub struct DeviceRun {
+    /// The device index (position in the snapshot's `device_traces`).
+    pub device: usize,
+    /// The allocator's statistics at the end (`torch.cuda.memory_stats(device)`).
+    pub stats: MemoryStats,
+    /// The simulated device's memory, in bytes.
+    pub capacity: u64,
+    /// How new segments were placed: at recorded or invented addresses.
+    pub addresses: AddressUse,
+    /// Allocations the replay could not make (out of memory); their frees are skipped.
+    pub refused: u64,
+    /// Frees of blocks the trace never allocated (it starts mid-run); skipped.
+    pub unmatched_frees: usize,
+    /// Allocated, reserved and requested bytes over the trace.
+    pub timeline: Timeline,
+    /// The comparison with the record (runs under the recorded configuration).
+    pub check: Option<Check>,
+    /// The allocator's final snapshot, when asked for.
+    pub snapshot: Option<Snapshot>,
+    /// Seconds spent replaying the events (the allocator's work, without setup and checks).
+    pub seconds: f64,
+}
+
+/// Running figures for the timeline.
+#[derive(Default)]
+struct Figures {
+    allocated: u64,
+    requested: u64,
+    /// Requested bytes of blocks held back on a synthetic stream, by stream.
+    held: HashMap<u64, u64>,
+}
+
+/// Whether a recorded run of releases was `torch.cuda.empty_cache()` rather than the allocator's own
+/// doing inside the allocation that follows (see [`ReleaseRun`]), judged on the replay's state
+/// before the run.
+fn release_was_external(
+    allocator: &CachingAllocator<ReplayDevice>,
+    config: &AllocatorConfig,
+    run: ReleaseRun,
+) -> bool {
+    let Some(segment) = run.next_segment else {
+        return true;
+    };
+    let gc = config.garbage_collection_threshold > 0.0 && config.per_process_memory_fraction < 1.0;
+    if gc {
+        return false;
+    }
+    if room(allocator, config) >= segment {
+        return true;
+    }
+    run.next_alloc
+        .is_some_and(|(size, stream)| served_from_cache(allocator, config, size, stream))
+}
+
+/// Bytes the allocator could obtain from the device right now: the device's free memory, within
+/// the memory fraction's limit when one is set.
+fn room(allocator: &CachingAllocator<ReplayDevice>, config: &AllocatorConfig) -> u64 {
+    let Ok(info) = allocator.device().mem_info() else {
+        return 0;
+    };
+    let mut room = info.free;
+    if config.per_process_memory_fraction < 1.0 {
+        let allowed = (config.per_process_memory_fraction * info.total as f64) as u64;
+        room = room.min(allowed.saturating_sub(allocator.reserved_bytes()));
+    }
+    room
+}
+
+/// Whether a cached block could serve `size` bytes on `stream` now (PyTorch's `get_free_block`
+/// rules, read off a snapshot: this is asked only at ambiguous release runs, which are rare).
+fn served_from_cache(
+    allocator: &CachingAllocator<ReplayDevice>,
+    config: &AllocatorConfig,
+    size: u64,
+    stream: StreamId,
+) -> bool {
+    let Ok(size) = usize::try_from(size) else {
+        return false;
+    };
+    let rounded = round_size(size, &Settings::new(config)) as u64;
+    let pool = if is_small(rounded as usize) {
+        SegmentType::Small
+    } else {
+        SegmentType::Large
+    };
+    let max_split = config.max_split_size as u64;
+    let max_rounding = config.max_non_split_rounding_size as u64;
+    let usable = |block: u64| {
+        block >= rounded
+            && !(rounded < max_split && block >= max_split)
+            && !(rounded >= max_split && block >= rounded.saturating_add(max_rounding))
+    };
+    allocator
+        .snapshot()
+        .segments
+        .iter()
+        .filter(|s| s.stream == stream.0 && s.segment_type == pool)
+        .flat_map(|s| &s.blocks)
+        .any(|b| b.state == BlockState::Inactive && usable(b.size))
+}
+
+/// Replays `plan` under `options`; `events_before` is the number of events of earlier devices (for
+/// progress); `expected` the statistics to compare with, for this device.
+pub(crate) fn run_device(
+    plan: &DevicePlan,
+    options: &RunOptions<'_>,
+    default_capacity: u64,
+    events_before: u64,
+    expected: Option<&ExpectedStats>,
+) -> ReplayResult<DeviceRun> {
+    let device_index = plan.device;
+    let capacity = options.capacity.unwrap_or(default_capacity);
+    let device = ReplayDevice::new(
+        u32::try_from(device_index).unwrap_or(u32::MAX),
+        capacity,
+        plan.malloc_addrs.iter().copied(),
+        plan.reserve_addrs.iter().copied(),
+    );
+    let allocator = CachingAllocator::with_stream_capacity(
+        device,
+        options.config.clone(),
+        DEFAULT_STREAM_CAPACITY.max(plan.streams + 1),
+    );
+    if options.record_history {
+        allocator.record_history(true, plan.events.saturating_mul(2).max(1));
+    }
+    let fail = |event: u32, source: Error| ReplayError::Allocator {
+        device: device_index,
+        event: event as usize,
+        source,
+    };
+
+    let mut slots: Vec<Option<Allocation>> = Vec::with_capacity(plan.slots);
+    slots.resize_with(plan.slots, || None);
+    let mut check = options.check.then(Check::default);
+    let mut sampler = Sampler::new(plan.ops.len(), options.timeline_points);
+    let mut figures = Figures::default();
+    let mut refused = 0u64;
+    let mut allocs = 0usize;
+
+    let started = Instant::now();
+    for (i, (op, &event)) in plan.ops.iter().zip(&plan.op_events).enumerate() {
+        match *op {
+            Op::Alloc { size, stream, slot } => {
+                let expected = plan.expected[allocs];
+                allocs += 1;
+                let bytes = usize::try_from(size).unwrap_or(usize::MAX);
+                let landed = match allocator.allocate(bytes, stream) {
+                    Ok(a) => {
+                        figures.allocated += a.size() as u64;
+                        figures.requested += a.requested_size() as u64;
+                        let ptr = a.ptr().0;
+                        slots[slot as usize] = Some(a);
+                        ptr
+                    }
+                    Err(Error::OutOfMemory(_) | Error::TooLarge { .. }) => {
+                        refused += 1;
+                        0
+                    }
+                    Err(e) => return Err(fail(event, e)),
+                };
+                if let Some(check) = &mut check {
+                    check.allocations += 1;
+                    if landed != expected.addr {
+                        check.address_mismatches += 1;
+                        check.diverged(
+                            device_index,
+                            event as usize,
+                            DivergenceKind::Address {
+                                size,
+                                stream,
+                                recorded: expected.addr,
+                                replayed: landed,
+                            },
+                        );
+                    }
+                    let reserved = allocator.reserved_bytes();
+                    if reserved != expected.reserved {
+                        check.reserved_mismatches += 1;
+                        check.diverged(
+                            device_index,
+                            event as usize,
+                            DivergenceKind::Reserved {
+                                recorded: expected.reserved,
+                                replayed: reserved,
+                            },
+                        );
+                    }
+                }
+            }
+            Op::Free { slot, held_on } => {
+                if let Some(a) = slots[slot as usize].take() {
+                    let (size, requested) = (a.size() as u64, a.requested_size() as u64);
+                    if let Some(stream) = held_on {
+                        allocator
+                            .record_stream(&a, stream)
+                            .map_err(|e| fail(event, e))?;
+                        figures.held.insert(stream.0, requested);
+                    } else {
+                        figures.requested -= requested;
+                    }
+                    allocator.free(a).map_err(|e| fail(event, e))?;
+                    figures.allocated -= size;
+                }
+            }
+            Op::Complete { stream, .. } => {
+                allocator.device().sim().complete_stream_work(stream);
+                if let Some(requested) = figures.held.remove(&stream.0) {
+                    figures.requested -= requested;
+                }
+            }
+            Op::Oom {
+                size,
+                stream,
+                capacity: recorded_capacity,
+            } => {
+                if options.capacity.is_none() {
+                    allocator.device().sim().set_capacity(recorded_capacity);
+                }
+                let bytes = usize::try_from(size).unwrap_or(usize::MAX);
+                match allocator.allocate(bytes, stream) {
+                    Ok(a) => {
+                        // The program went on without this memory: give it back at once.
+                        allocator.free(a).map_err(|e| fail(event, e))?;
+                        if let Some(check) = &mut check {
+                            check.diverged(
+                                device_index,
+                                event as usize,
+                                DivergenceKind::OomNotReproduced { size },
+                            );
+                        }
+                    }
+                    Err(Error::OutOfMemory(_) | Error::TooLarge { .. }) => refused += 1,
+                    Err(e) => return Err(fail(event, e)),
+                }
+            }
+            Op::Release { run } => {
+                if release_was_external(&allocator, &options.config, plan.releases[run as usize]) {
+                    allocator.empty_cache().map_err(|e| fail(event, e))?;
+                }
+            }
+        }
+        sampler.observe(
+            u64::from(event),
+            figures.allocated,
+            allocator.reserved_bytes(),
+            figures.requested,
+        );
+        if i % PROGRESS_EVERY == 0 {
+            if let Some(progress) = options.progress {
+                progress(events_before + u64::from(event));
+            }
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+
+    let stats = allocator.memory_stats();
+    let want_segments = check.is_some() || options.snapshot;
+    let snapshot = want_segments.then(|| allocator.snapshot());
+    if let (Some(check), Some(snapshot)) = (&mut check, &snapshot) {
+        check.segments = Some(SegmentCheck::compare(&snapshot.segments, &plan.segments));
+        if let Some(expected) = expected {
+            check.stats = Some(StatsCheck::compare(&stats.to_flat(), expected));
+        }
+    }
+    allocator
+        .check_invariants()
+        .map_err(|source| ReplayError::Invariant {
+            device: device_index,
+            source,
+        })?;
+    Ok(DeviceRun {
+        device: device_index,
+        stats,
+        capacity,
+        addresses: allocator.device().address_use(),
+        refused,
+        unmatched_frees: plan.unmatched_frees,
+        timeline: sampler.finish(),
+        check,
+        snapshot: if options.snapshot { snapshot } else { None },
+        seconds,
+    })
+}

@@ -1,0 +1,331 @@
+//! The replay engine on the recorded PyTorch traces (`traces/`, or `$TENSORMEM_TRACES_DIR`): under the
+//! recorded configuration every figure of PyTorch's `memory_stats()` must come out exactly; under
+//! other configurations the replay must run to the end.
+
+use std::path::PathBuf;
+
+use tensormem_cuda_alloc::backend::sim::SimDevice;
+use tensormem_cuda_alloc::replay::{ExpectedStats, Replay, RunOptions};
+use tensormem_cuda_alloc::snapshot::{Snapshot, TraceAction, TraceEntry};
+use tensormem_cuda_alloc::{CachingAllocator, StreamId};
+
+const TRACES: [&str; 3] = [
+    "gpt2_train",
+    "gpt2_train__expandable_segments-True",
+    "multistream",
+];
+
+fn traces_dir() -> PathBuf {
+    std::env::var_os("TENSORMEM_TRACES_DIR").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces"),
+        PathBuf::from,
+    )
+}
+
+fn load(name: &str) -> (Snapshot, ExpectedStats) {
+    let dir = traces_dir();
+    let snapshot = Snapshot::read_file(dir.join(format!("{name}.pickle"))).unwrap();
+    let expected = ExpectedStats::read_file(dir.join(format!("{name}.stats.json"))).unwrap();
+    (snapshot, expected)
+}
+
+/// Every figure the allocator tracks that PyTorch's `memory_stats()` reports for all pools.
+fn tracked_keys() -> Vec<String> {
+    let mut keys: Vec<String> = [
+        "num_device_alloc",
+        "num_device_free",
+        "num_alloc_retries",
+        "num_ooms",
+        "num_sync_all_streams",
+    ]
+    .map(String::from)
+    .to_vec();
+    for stat in [
+        "reserved_bytes",
+        "allocated_bytes",
+        "requested_bytes",
+        "active",
+        "active_bytes",
+        "allocation",
+        "segment",
+        "inactive_split",
+        "inactive_split_bytes",
+    ] {
+        for field in ["current", "peak", "allocated", "freed"] {
+            keys.push(format!("{stat}.all.{field}"));
+        }
+    }
+    keys
+}
+
+fn exact(name: &str) {
+    let (snapshot, expected) = load(name);
+    let replay = Replay::new(&snapshot)
+        .unwrap()
+        .with_expected_stats(expected.clone());
+    let run = replay.run_recorded().unwrap();
+    let ours = run.flat_stats();
+    let mut wrong = Vec::new();
+    for key in tracked_keys() {
+        let want = *expected
+            .figures
+            .get(&key)
+            .unwrap_or_else(|| panic!("{name}.stats.json lacks {key}"));
+        let have = *ours
+            .get(&key)
+            .unwrap_or_else(|| panic!("the replay lacks {key}"));
+        if have != want {
+            wrong.push(format!("{key}: replay {have}, PyTorch {want}"));
+        }
+    }
+    let device = &run.devices[0];
+    let check = device.check.as_ref().expect("recorded runs are checked");
+    assert!(
+        wrong.is_empty(),
+        "{name}: {}\nfirst divergence: {:?}",
+        wrong.join("; "),
+        check.divergence
+    );
+    // Every allocation landed where PyTorch put it, with the same bytes reserved.
+    assert_eq!(check.divergence, None, "{name}");
+    assert_eq!(
+        check.allocations,
+        expected.figures["allocation.all.allocated"] as u64
+    );
+    // The final segments equal the snapshot's, block for block.
+    let segments = check.segments.as_ref().unwrap();
+    assert!(segments.recorded > 0);
+    assert!(
+        segments.mismatches.is_empty(),
+        "{name}: {:?}",
+        segments.mismatches
+    );
+    // Every other figure of the stats file that the replay has matches too.
+    let stats = check.stats.as_ref().unwrap();
+    assert!(stats.compared >= tracked_keys().len());
+    assert!(
+        stats.mismatches.is_empty(),
+        "{name}: {:?}",
+        stats.mismatches
+    );
+    assert_eq!(run.matches_record(), Some(true));
+    // New segments were all placed at the recorded addresses.
+    assert_eq!(device.addresses.invented, 0, "{name}");
+    assert!(device.addresses.recorded > 0);
+    assert_eq!(device.refused, 0);
+    assert_eq!(run.events, snapshot.event_count() as u64);
+}
+
+#[test]
+fn gpt2_train_replays_exactly() {
+    exact("gpt2_train");
+}
+
+#[test]
+fn gpt2_train_expandable_segments_replays_exactly() {
+    exact("gpt2_train__expandable_segments-True");
+}
+
+#[test]
+fn multistream_replays_exactly() {
+    exact("multistream");
+}
+
+#[test]
+fn timeline_peaks_are_the_statistics_peaks() {
+    let (snapshot, _) = load("gpt2_train");
+    let replay = Replay::new(&snapshot).unwrap();
+    let run = replay.run_recorded().unwrap();
+    let stats = run.flat_stats();
+    let points = &run.devices[0].timeline.points;
+    assert!(
+        points.len() > 100 && points.len() <= 1001,
+        "{}",
+        points.len()
+    );
+    let max = |f: fn(&tensormem_cuda_alloc::replay::TimelinePoint) -> u64| {
+        points.iter().map(f).max().unwrap() as i64
+    };
+    assert_eq!(max(|p| p.allocated), stats["allocated_bytes.all.peak"]);
+    assert_eq!(max(|p| p.reserved), stats["reserved_bytes.all.peak"]);
+    assert_eq!(max(|p| p.requested), stats["requested_bytes.all.peak"]);
+    assert!(points.windows(2).all(|w| w[0].event < w[1].event));
+}
+
+#[test]
+fn what_if_runs_complete_under_other_configurations() {
+    for name in TRACES {
+        let (snapshot, _) = load(name);
+        let replay = Replay::new(&snapshot).unwrap();
+        let recorded = replay.run_recorded().unwrap().flat_stats();
+        for config in [
+            "expandable_segments:True",
+            "expandable_segments:False",
+            "max_split_size_mb:64",
+            "garbage_collection_threshold:0.6,per_process_memory_fraction:0.9",
+            "roundup_power2_divisions:4",
+        ] {
+            let run = replay
+                .run_with(config)
+                .unwrap_or_else(|e| panic!("{name} under {config}: {e}"));
+            let stats = run.flat_stats();
+            assert_eq!(run.matches_record(), None);
+            // Every allocation of the trace was made and every free given back.
+            assert_eq!(
+                stats["allocation.all.allocated"], recorded["allocation.all.allocated"],
+                "{name} under {config}"
+            );
+            assert_eq!(stats["num_ooms"], 0, "{name} under {config}");
+            assert_eq!(
+                stats["requested_bytes.all.peak"], recorded["requested_bytes.all.peak"],
+                "{name} under {config}: callers asked for the same bytes"
+            );
+            assert!(stats["reserved_bytes.all.peak"] >= stats["allocated_bytes.all.peak"]);
+        }
+    }
+}
+
+#[test]
+fn the_recorded_configuration_applied_again_changes_nothing() {
+    let (snapshot, _) = load("gpt2_train__expandable_segments-True");
+    let replay = Replay::new(&snapshot).unwrap();
+    let recorded = replay.run_recorded().unwrap();
+    let same = replay.run_with("expandable_segments:True").unwrap();
+    assert_eq!(recorded.flat_stats(), same.flat_stats());
+    assert_eq!(same.devices[0].addresses.invented, 0);
+}
+
+#[test]
+fn expandable_segments_cut_fragmentation_of_the_gpt2_trace() {
+    let (snapshot, _) = load("gpt2_train");
+    let replay = Replay::new(&snapshot).unwrap();
+    let native = replay.run_recorded().unwrap().flat_stats();
+    let expandable = replay
+        .run_with("expandable_segments:True")
+        .unwrap()
+        .flat_stats();
+    assert!(expandable["reserved_bytes.all.peak"] < native["reserved_bytes.all.peak"]);
+    assert_eq!(expandable["inactive_split_bytes.all.peak"], 0);
+}
+
+#[test]
+fn a_small_device_runs_out_of_memory_and_the_replay_goes_on() {
+    let (snapshot, _) = load("gpt2_train");
+    let replay = Replay::new(&snapshot).unwrap();
+    let mut options = RunOptions::new(replay.recorded_config().clone());
+    options.capacity = Some(4 << 30);
+    let run = replay.run(&options).unwrap();
+    let stats = run.flat_stats();
+    assert!(run.refused() > 0);
+    assert_eq!(stats["num_ooms"], run.refused() as i64);
+    assert!(stats["num_alloc_retries"] > 0);
+    assert!(stats["reserved_bytes.all.peak"] <= 4 << 30);
+    // The allocations it could make were all freed again or are still live, none lost.
+    assert_eq!(
+        stats["allocation.all.allocated"] + run.refused() as i64,
+        3203
+    );
+}
+
+#[test]
+fn bad_what_if_configurations_are_reported() {
+    let (snapshot, _) = load("multistream");
+    let replay = Replay::new(&snapshot).unwrap();
+    let error = replay.run_with("max_split_size_mb:banana").unwrap_err();
+    let message = error.to_string();
+    assert!(message.contains("max_split_size_mb:banana"), "{message}");
+}
+
+#[test]
+fn a_snapshot_without_events_is_refused() {
+    let (mut snapshot, _) = load("multistream");
+    snapshot.device_traces.clear();
+    assert!(Replay::new(&snapshot)
+        .unwrap_err()
+        .to_string()
+        .contains("_record_memory_history"));
+}
+
+/// A trace written by tensormem's own allocator, with out-of-memory errors, allocations that
+/// succeed after releasing the cache, cross-stream frees (some completed by the out-of-memory
+/// sequence's synchronization) and an `empty_cache`, replays exactly: same statistics, same
+/// segments, and the replaying allocator's own trace is the original one, event for event.
+#[test]
+fn tensormem_traces_replay_exactly_too() {
+    let capacity = 96 << 20;
+    let allocator = CachingAllocator::new(SimDevice::new(capacity));
+    allocator.record_history(true, 1 << 20);
+    let (s0, s1) = (StreamId(0), StreamId(7));
+    let mut live = Vec::new();
+    for i in 0..400usize {
+        let size = [700, 300 << 10, 3 << 20, 9 << 20, 24 << 20][i % 5] + i * 512;
+        let stream = if i % 3 == 0 { s1 } else { s0 };
+        match allocator.allocate(size, stream) {
+            Ok(a) => live.push(a),
+            Err(tensormem_cuda_alloc::Error::OutOfMemory(_)) => {}
+            Err(e) => panic!("{e}"),
+        }
+        if i % 4 == 3 && !live.is_empty() {
+            let a = live.swap_remove(i % live.len());
+            if i % 8 == 3 {
+                // Used on the other stream too: its free completes once that stream's work does.
+                let other = if a.stream() == s0 { s1 } else { s0 };
+                allocator.record_stream(&a, other).unwrap();
+            }
+            allocator.free(a).unwrap();
+        }
+        if i % 16 == 15 {
+            allocator.device().complete_all_work();
+        }
+        if i == 200 {
+            // Everything back, then the cache emptied (`torch.cuda.empty_cache()`).
+            for a in live.drain(..) {
+                allocator.free(a).unwrap();
+            }
+            allocator.device().complete_all_work();
+            allocator.empty_cache().unwrap();
+        }
+    }
+    let original = allocator.memory_stats();
+    assert!(
+        original.num_ooms > 0,
+        "the workload should run out of memory"
+    );
+    assert!(original.num_alloc_retries > original.num_ooms);
+    let snapshot = allocator.snapshot();
+    let expected = ExpectedStats {
+        figures: original.to_flat(),
+    };
+    let replay = Replay::new(&snapshot)
+        .unwrap()
+        .with_expected_stats(expected);
+    let without_notes = |trace: &[TraceEntry]| -> Vec<(String, u64, u64, u64)> {
+        trace
+            .iter()
+            .filter(|e| e.action != TraceAction::Snapshot)
+            .map(|e| (e.action.to_string(), e.addr, e.size, e.stream))
+            .collect()
+    };
+    // With the device's size given, and with the size the trace's `oom` events imply.
+    for device_size in [Some(capacity), None] {
+        let mut options = RunOptions::new(replay.recorded_config().clone());
+        options.check = true;
+        options.capacity = device_size;
+        options.record_history = true;
+        options.snapshot = true;
+        let run = replay.run(&options).unwrap();
+        let check = run.devices[0].check.as_ref().unwrap();
+        assert_eq!(check.divergence, None, "{device_size:?}");
+        assert_eq!(check.stats.as_ref().unwrap().mismatches, Vec::new());
+        assert_eq!(
+            check.segments.as_ref().unwrap().mismatches,
+            Vec::<String>::new()
+        );
+        assert_eq!(run.devices[0].stats, original);
+        let replayed = run.snapshot().unwrap();
+        assert_eq!(
+            without_notes(replayed.trace(0)),
+            without_notes(snapshot.trace(0))
+        );
+    }
+}
