@@ -65,8 +65,8 @@
 
 pub mod anon;
 pub mod copy;
-pub mod housekeeping;
 mod error;
+pub mod housekeeping;
 pub mod manager;
 pub mod mapping;
 pub mod name;

@@ -56,16 +56,30 @@ fn main() {
         return;
     }
     let exact = args.iter().any(|a| a == "--exact");
-    let filters: Vec<&String> = args.iter().filter(|a| !a.starts_with('-')).collect();
+    // libtest's options that take a value: the value is not a filter.
+    const WITH_VALUE: &[&str] = &["--test-threads", "--format", "--color", "--logfile", "-Z"];
+    let mut filters: Vec<&str> = Vec::new();
+    let mut skips: Vec<&str> = Vec::new();
+    let mut iter = args.iter();
+    while let Some(arg) = iter.next() {
+        if arg == "--skip" {
+            skips.extend(iter.next().map(String::as_str));
+        } else if WITH_VALUE.contains(&arg.as_str()) {
+            iter.next();
+        } else if !arg.starts_with('-') {
+            filters.push(arg);
+        }
+    }
+    let matches = |name: &str, pattern: &str| {
+        if exact {
+            name == pattern
+        } else {
+            name.contains(pattern)
+        }
+    };
     let selected = TESTS.iter().filter(|(name, _)| {
-        filters.is_empty()
-            || filters.iter().any(|f| {
-                if exact {
-                    *name == f.as_str()
-                } else {
-                    name.contains(f.as_str())
-                }
-            })
+        (filters.is_empty() || filters.iter().any(|f| matches(name, f)))
+            && !skips.iter().any(|s| matches(name, s))
     });
     let mut failed = Vec::new();
     let mut passed = 0;
