@@ -1,12 +1,20 @@
 //! The `tensormem` command: one subcommand group per concern, each in its own module.
 //!
 //! - `tensormem shm list | gc`: shared memory housekeeping ([`shm_cmd`]).
+//! - `tensormem replay [TRACE]`: replay a PyTorch allocator trace, recorded and what-if
+//!   configurations ([`replay_cmd`]).
+//! - `tensormem snapshot summary FILE`: what a memory snapshot holds ([`snapshot_cmd`]).
 //!
 //! Errors end the command with one line on stderr (`tensormem: error: ...`, causes joined with
 //! `: `) and exit status 1; usage errors are clap's (exit status 2).
 #![deny(unsafe_code)]
 
+mod embedded;
+mod plot;
+mod replay_cmd;
+mod replay_report;
 mod shm_cmd;
+mod snapshot_cmd;
 
 use std::process::ExitCode;
 
@@ -30,6 +38,12 @@ enum Command {
     /// Shared memory housekeeping: list and clean up objects in /dev/shm.
     #[command(subcommand)]
     Shm(shm_cmd::ShmCommand),
+    /// Replay a PyTorch allocator trace on a simulated device: the recorded configuration (checked
+    /// against PyTorch's own figures) and what-if configurations.
+    Replay(replay_cmd::ReplayArgs),
+    /// Look at memory snapshots (PyTorch's _dump_snapshot files or tensormem's).
+    #[command(subcommand)]
+    Snapshot(snapshot_cmd::SnapshotCommand),
 }
 
 fn main() -> ExitCode {
@@ -37,6 +51,8 @@ fn main() -> ExitCode {
     init_tracing(cli.verbose);
     let result = match cli.command {
         Command::Shm(command) => shm_cmd::run(command),
+        Command::Replay(args) => replay_cmd::run(args),
+        Command::Snapshot(command) => snapshot_cmd::run(command),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

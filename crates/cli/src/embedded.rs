@@ -1,0 +1,41 @@
+//! The trace built into the binary: `tensormem replay` with no file replays it.
+//!
+//! It is the repository's `traces/gpt2_train.pickle` (GPT-2 training, 6 layers, batch 8 x 512, bf16
+//! autocast, AdamW, 4 steps, recorded with PyTorch 2.11 on an NVIDIA H200), gzip-compressed by
+//! `build.rs`, with the `torch.cuda.memory_stats()` PyTorch reported after the run.
+
+use tensormem_cuda_alloc::replay::{ExpectedStats, ReplayResult};
+use tensormem_cuda_alloc::snapshot::{Snapshot, SnapshotResult};
+
+/// How the built-in trace is named in output.
+pub(crate) const NAME: &str = "built-in gpt2_train";
+
+/// How its statistics are named in output.
+pub(crate) const STATS_NAME: &str = "gpt2_train.stats.json";
+
+const TRACE_GZ: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/gpt2_train.pickle.gz"));
+const STATS_JSON: &str = include_str!(concat!(env!("OUT_DIR"), "/gpt2_train.stats.json"));
+
+/// The built-in trace.
+pub(crate) fn gpt2_train() -> SnapshotResult<Snapshot> {
+    Snapshot::from_pickle_bytes(TRACE_GZ)
+}
+
+/// PyTorch's statistics after the built-in trace's run.
+pub(crate) fn gpt2_train_stats() -> ReplayResult<ExpectedStats> {
+    ExpectedStats::from_json(STATS_JSON)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_built_in_trace_reads() {
+        let snapshot = gpt2_train().unwrap();
+        assert_eq!(snapshot.event_count(), 9679);
+        let stats = gpt2_train_stats().unwrap();
+        assert_eq!(stats.figures["num_device_alloc"], 76);
+        assert!(TRACE_GZ.len() < 400_000, "{} bytes", TRACE_GZ.len());
+    }
+}

@@ -1,0 +1,296 @@
+//! `tensormem replay`: replays a PyTorch allocator trace under its recorded configuration and under
+//! what-if configurations, and reports what each would have reserved.
+//!
+//! The work is the library's ([`tensormem_cuda_alloc::replay`]); this module reads the files, runs
+//! the configurations, and prints a table, JSON, an SVG timeline, or the final snapshot.
+
+use std::collections::BTreeMap;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, Context, Result};
+use clap::Args;
+use tensormem_cuda_alloc::replay::{ExpectedStats, Replay, ReplayRun, RunOptions};
+use tensormem_cuda_alloc::snapshot::Snapshot;
+
+use crate::embedded;
+use crate::plot;
+use crate::replay_report;
+
+/// Arguments of `tensormem replay`.
+#[derive(Debug, Args)]
+pub(crate) struct ReplayArgs {
+    /// A snapshot with a trace, as torch.cuda.memory._dump_snapshot writes it (pickle, gzip-compressed
+    /// pickle, or tensormem's JSON). Default: a GPT-2 training trace built into the binary. Statistics
+    /// saved beside it as NAME.stats.json (json.dumps(torch.cuda.memory_stats())) are checked too.
+    trace: Option<PathBuf>,
+
+    /// A what-if configuration (PYTORCH_CUDA_ALLOC_CONF syntax), applied over the recorded one the
+    /// way torch.cuda.memory._set_allocator_settings would; repeat for several runs.
+    #[arg(long = "config", value_name = "STR")]
+    configs: Vec<String>,
+
+    /// Print {"trace", "events", "runs": [{"config", "stats", "seconds"}]} as JSON on stdout, and
+    /// nothing else there.
+    #[arg(long)]
+    json: bool,
+
+    /// Write an SVG timeline of allocated, reserved and requested bytes, one panel per configuration.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+
+    /// Write the replaying allocator's final snapshot (recorded configuration; with its own trace) as
+    /// a pickle PyTorch's _memory_viz opens, or as JSON when FILE ends in .json.
+    #[arg(long, value_name = "FILE")]
+    snapshot_out: Option<PathBuf>,
+
+    /// Memory of the simulated device, e.g. 80GiB (binary units; K, M, G, T also accepted). Default:
+    /// what the trace implies (its expandable reservations, its out-of-memory events), else 1 TiB.
+    #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
+    capacity: Option<u64>,
+}
+
+/// Where the trace came from.
+struct Source {
+    /// How to name it in output.
+    name: String,
+    snapshot: Snapshot,
+    expected: Option<ExpectedStats>,
+    /// Where the expected statistics came from, for the report.
+    expected_from: Option<String>,
+}
+
+/// Runs `tensormem replay`.
+pub(crate) fn run(args: ReplayArgs) -> Result<()> {
+    let source = load(args.trace.as_deref())?;
+    let mut replay = Replay::new(&source.snapshot).map_err(flat)?;
+    if let Some(expected) = source.expected.clone() {
+        replay = replay.with_expected_stats(expected);
+    }
+    // Parse every configuration before running anything, so a typo fails at once.
+    let mut plans = vec![(replay.recorded_config().clone(), true)];
+    for text in &args.configs {
+        plans.push((replay.what_if_config(text).map_err(flat)?, false));
+    }
+
+    let progress = progress_bar(replay.events() * plans.len() as u64);
+    let mut runs = Vec::with_capacity(plans.len());
+    for (index, (config, recorded)) in plans.into_iter().enumerate() {
+        let done_before = replay.events() * index as u64;
+        let report = |events: u64| {
+            if let Some(bar) = &progress {
+                bar.set_position(done_before + events);
+            }
+        };
+        let mut options = RunOptions::new(config);
+        options.check = recorded;
+        options.capacity = args.capacity;
+        options.snapshot = recorded && args.snapshot_out.is_some();
+        options.record_history = options.snapshot;
+        options.progress = progress
+            .is_some()
+            .then_some(&report as &(dyn Fn(u64) + Sync));
+        runs.push(replay.run(&options).map_err(flat)?);
+    }
+    if let Some(bar) = progress {
+        bar.finish_and_clear();
+    }
+
+    if let Some(path) = &args.plot {
+        plot::write_timeline(path, &source.name, &runs)
+            .with_context(|| format!("cannot write the plot {}", path.display()))?;
+    }
+    if let Some(path) = &args.snapshot_out {
+        write_snapshot(path, &runs[0])?;
+    }
+    quiet_broken_pipe(print_report(&args, &source, &replay, &runs))
+}
+
+/// Output cut short by the reader (`tensormem replay | head`) is not an error.
+pub(crate) fn quiet_broken_pipe(result: std::io::Result<()>) -> Result<()> {
+    match result {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => Ok(other?),
+    }
+}
+
+fn print_report(
+    args: &ReplayArgs,
+    source: &Source,
+    replay: &Replay,
+    runs: &[ReplayRun],
+) -> std::io::Result<()> {
+    let mut stdout = std::io::stdout().lock();
+    if args.json {
+        let json = json_report(&source.name, replay.events(), runs);
+        serde_json::to_writer_pretty(&mut stdout, &json)?;
+        writeln!(stdout)?;
+    } else {
+        replay_report::print(
+            &mut stdout,
+            &replay_report::Header {
+                trace: &source.name,
+                events: replay.events(),
+                devices: replay.devices().len(),
+                expected_from: source.expected_from.as_deref(),
+            },
+            runs,
+        )?;
+        if let Some(path) = &args.plot {
+            writeln!(stdout, "timeline: {}", path.display())?;
+        }
+        if let Some(path) = &args.snapshot_out {
+            writeln!(stdout, "snapshot: {}", path.display())?;
+        }
+    }
+    stdout.flush()
+}
+
+/// A library error as one line (its message already names its cause).
+fn flat(error: impl std::fmt::Display) -> anyhow::Error {
+    anyhow!("{error}")
+}
+
+fn load(path: Option<&Path>) -> Result<Source> {
+    let Some(path) = path else {
+        let snapshot = embedded::gpt2_train().map_err(flat)?;
+        return Ok(Source {
+            name: embedded::NAME.to_owned(),
+            snapshot,
+            expected: Some(embedded::gpt2_train_stats().map_err(flat)?),
+            expected_from: Some(format!("built-in {}", embedded::STATS_NAME)),
+        });
+    };
+    let snapshot = Snapshot::read_file(path).map_err(flat)?;
+    let beside = stats_beside(path);
+    let expected =
+        beside
+            .as_ref()
+            .filter(|p| p.is_file())
+            .and_then(|p| match ExpectedStats::read_file(p) {
+                Ok(stats) => Some((stats, p.display().to_string())),
+                Err(error) => {
+                    tracing::warn!(%error, "ignoring the statistics beside the trace");
+                    None
+                }
+            });
+    let (expected, expected_from) = match expected {
+        Some((stats, from)) => (Some(stats), Some(from)),
+        None => (None, None),
+    };
+    Ok(Source {
+        name: path.display().to_string(),
+        snapshot,
+        expected,
+        expected_from,
+    })
+}
+
+/// `DIR/NAME.stats.json` for `DIR/NAME.pickle` (also `.pkl`, `.json`, with or without `.gz`).
+pub(crate) fn stats_beside(trace: &Path) -> Option<PathBuf> {
+    let mut name = trace.file_name()?.to_str()?;
+    for suffix in [".gz", ".pickle", ".pkl", ".json"] {
+        name = name.strip_suffix(suffix).unwrap_or(name);
+    }
+    Some(trace.with_file_name(format!("{name}.stats.json")))
+}
+
+fn progress_bar(total: u64) -> Option<indicatif::ProgressBar> {
+    if !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = indicatif::ProgressBar::new(total);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("replaying {bar:40} {pos}/{len} events")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    Some(bar)
+}
+
+fn write_snapshot(path: &Path, run: &ReplayRun) -> Result<()> {
+    let snapshot = run
+        .snapshot()
+        .ok_or_else(|| anyhow!("the replay produced no snapshot"))?;
+    let is_json = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("json"));
+    if is_json {
+        let file = std::fs::File::create(path)
+            .with_context(|| format!("cannot create {}", path.display()))?;
+        snapshot.write_json(file).map_err(flat)
+    } else {
+        snapshot.write_pickle_file(path).map_err(flat)
+    }
+}
+
+fn json_report(trace: &str, events: u64, runs: &[ReplayRun]) -> serde_json::Value {
+    let runs: Vec<serde_json::Value> = runs
+        .iter()
+        .map(|run| {
+            let stats: BTreeMap<String, i64> = run.flat_stats();
+            serde_json::json!({
+                "config": run.config.to_string(),
+                "stats": stats,
+                "seconds": run.seconds,
+            })
+        })
+        .collect();
+    serde_json::json!({ "trace": trace, "events": events, "runs": runs })
+}
+
+/// Parses a byte count: a number with an optional unit (`B`, `K`/`KB`/`KiB`, `M`..., `G`...,
+/// `T`...; all binary).
+pub(crate) fn parse_bytes(text: &str) -> Result<u64, String> {
+    let trimmed = text.trim();
+    let split = trimmed
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(trimmed.len());
+    let (number, unit) = trimmed.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("'{text}' is not a size; write e.g. 80GiB or 85899345920"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        other => {
+            return Err(format!(
+                "unknown unit '{other}' in '{text}'; use B, KiB, MiB, GiB or TiB"
+            ))
+        }
+    };
+    let bytes = value * (1u64 << shift) as f64;
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes < u64::MAX as f64) {
+        return Err(format!("'{text}' is not a usable device size"));
+    }
+    Ok(bytes as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_units() {
+        assert_eq!(parse_bytes("80GiB"), Ok(80 << 30));
+        assert_eq!(parse_bytes("1.5 g"), Ok(3 << 29));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert_eq!(parse_bytes("2T"), Ok(2 << 40));
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("3 parsecs").is_err());
+        assert!(parse_bytes("0").is_err());
+    }
+
+    #[test]
+    fn statistics_are_looked_for_beside_the_trace() {
+        let beside = |p: &str| stats_beside(Path::new(p)).unwrap();
+        assert_eq!(
+            beside("traces/gpt2_train.pickle"),
+            Path::new("traces/gpt2_train.stats.json")
+        );
+        assert_eq!(beside("x/run.pickle.gz"), Path::new("x/run.stats.json"));
+        assert_eq!(beside("snap.json"), Path::new("snap.stats.json"));
+    }
+}

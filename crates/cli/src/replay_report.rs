@@ -1,0 +1,214 @@
+//! The human-readable report of `tensormem replay`: one table row per configuration, then what was
+//! checked against the record and, if anything differed, where.
+
+use std::io::{self, Write};
+
+use tensormem_cuda_alloc::replay::{Check, ReplayRun};
+use tensormem_cuda_alloc::size::format_size;
+
+/// What the report says about the trace.
+pub(crate) struct Header<'a> {
+    pub(crate) trace: &'a str,
+    pub(crate) events: u64,
+    pub(crate) devices: usize,
+    /// Where the expected statistics came from, if any.
+    pub(crate) expected_from: Option<&'a str>,
+}
+
+/// Writes the report.
+pub(crate) fn print(
+    out: &mut impl Write,
+    header: &Header<'_>,
+    runs: &[ReplayRun],
+) -> io::Result<()> {
+    writeln!(
+        out,
+        "trace: {}: {} events, {} device{}",
+        header.trace,
+        header.events,
+        header.devices,
+        if header.devices == 1 { "" } else { "s" }
+    )?;
+    let titles = [
+        "configuration",
+        "peak allocated",
+        "peak reserved",
+        "reserved/allocated",
+        "device allocs",
+        "device frees",
+        "retries",
+        "OOMs",
+        "matches record",
+        "events/s",
+    ];
+    let rows: Vec<Vec<String>> = runs.iter().map(row).collect();
+    let widths: Vec<usize> = (0..titles.len())
+        .map(|c| {
+            rows.iter()
+                .map(|r| r[c].chars().count())
+                .chain([titles[c].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |cells: &[String]| -> String {
+        let mut text = String::new();
+        for (c, cell) in cells.iter().enumerate() {
+            if c > 0 {
+                text.push_str("  ");
+            }
+            let pad = widths[c] - cell.chars().count();
+            if c == 0 || c == 8 {
+                text.push_str(cell);
+                text.push_str(&" ".repeat(pad));
+            } else {
+                text.push_str(&" ".repeat(pad));
+                text.push_str(cell);
+            }
+        }
+        text.trim_end().to_owned()
+    };
+    let titles: Vec<String> = titles.iter().map(|t| (*t).to_owned()).collect();
+    writeln!(out, "{}", line(&titles))?;
+    for r in &rows {
+        writeln!(out, "{}", line(r))?;
+    }
+    for run in runs.iter().filter(|r| r.recorded) {
+        details(out, header, run)?;
+    }
+    Ok(())
+}
+
+fn row(run: &ReplayRun) -> Vec<String> {
+    let stats = run.flat_stats();
+    let figure = |key: &str| stats.get(key).copied().unwrap_or(0);
+    let allocated = figure("allocated_bytes.all.peak");
+    let reserved = figure("reserved_bytes.all.peak");
+    let ratio = if allocated > 0 {
+        format!("{:.3}", reserved as f64 / allocated as f64)
+    } else {
+        "-".to_owned()
+    };
+    let label = if run.recorded {
+        format!("{} [recorded]", run.label())
+    } else {
+        run.label()
+    };
+    let matches = match run.matches_record() {
+        Some(true) => "yes",
+        Some(false) => "NO",
+        None => "-",
+    };
+    vec![
+        label,
+        format_size(allocated.max(0) as u64),
+        format_size(reserved.max(0) as u64),
+        ratio,
+        figure("num_device_alloc").to_string(),
+        figure("num_device_free").to_string(),
+        figure("num_alloc_retries").to_string(),
+        figure("num_ooms").to_string(),
+        matches.to_owned(),
+        rate(run.events_per_second()),
+    ]
+}
+
+/// Events per second with a unit prefix: `12.3 M`.
+fn rate(per_second: f64) -> String {
+    if per_second >= 1e6 {
+        format!("{:.1} M", per_second / 1e6)
+    } else if per_second >= 1e3 {
+        format!("{:.1} k", per_second / 1e3)
+    } else {
+        format!("{per_second:.0}")
+    }
+}
+
+/// What the recorded run was checked against, and what differed.
+fn details(out: &mut impl Write, header: &Header<'_>, run: &ReplayRun) -> io::Result<()> {
+    let checks: Vec<&Check> = run
+        .devices
+        .iter()
+        .filter_map(|d| d.check.as_ref())
+        .collect();
+    let allocations: u64 = checks.iter().map(|c| c.allocations).sum();
+    let segments: usize = checks
+        .iter()
+        .filter_map(|c| c.segments.as_ref())
+        .map(|s| s.recorded)
+        .sum();
+    let blocks: usize = checks
+        .iter()
+        .filter_map(|c| c.segments.as_ref())
+        .map(|s| s.blocks)
+        .sum();
+    let mut against = vec![
+        format!(
+            "{allocations} allocations (address and bytes reserved after each, from the trace)"
+        ),
+        format!("{segments} segments and {blocks} blocks (the snapshot's final state)"),
+    ];
+    let stats = checks.iter().find_map(|c| c.stats.as_ref());
+    match (stats, header.expected_from) {
+        (Some(stats), Some(from)) => {
+            against.push(format!(
+                "{} figures of memory_stats() ({from})",
+                stats.compared
+            ));
+        }
+        _ => against.push("no memory_stats() record (none saved as NAME.stats.json)".to_owned()),
+    }
+    writeln!(out, "checked against the record: {}", against.join("; "))?;
+    for check in &checks {
+        if let Some(divergence) = &check.divergence {
+            writeln!(
+                out,
+                "  first divergence: {divergence} ({} address and {} reserved-bytes mismatches)",
+                check.address_mismatches, check.reserved_mismatches
+            )?;
+        }
+        if let Some(segments) = &check.segments {
+            for mismatch in segments.mismatches.iter().take(5) {
+                writeln!(out, "  segments: {mismatch}")?;
+            }
+        }
+        if let Some(stats) = &check.stats {
+            for m in stats.mismatches.iter().take(10) {
+                writeln!(
+                    out,
+                    "  {}: replay {}, PyTorch {}",
+                    m.key, m.replayed, m.recorded
+                )?;
+            }
+        }
+    }
+    for device in &run.devices {
+        if device.addresses.invented > 0 {
+            writeln!(
+                out,
+                "  device {}: {} segments placed at invented addresses (the recorded ones did not fit)",
+                device.device, device.addresses.invented
+            )?;
+        }
+        if device.unmatched_frees > 0 {
+            writeln!(
+                out,
+                "  device {}: {} frees of blocks the trace never allocated were skipped (it starts mid-run)",
+                device.device, device.unmatched_frees
+            )?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_have_unit_prefixes() {
+        assert_eq!(rate(12_345_678.0), "12.3 M");
+        assert_eq!(rate(4_500.0), "4.5 k");
+        assert_eq!(rate(12.0), "12");
+    }
+}
