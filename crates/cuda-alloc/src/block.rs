@@ -8,17 +8,17 @@
 //! Blocks live in an [`Arena`] owned by their stream's shard and are named by `u32` index, so splitting
 //! and merging reuse slots instead of allocating memory, and a block never moves between streams.
 
-use crate::device::StreamId;
-
 /// The "no block" index (a sentinel instead of `Option<u32>`, to keep [`Block`] small).
 pub(crate) const NIL: u32 = u32::MAX;
 
-/// One block. Invariants (checked by the allocator's `check_invariants`):
+/// One block (64 bytes: one cache line). Invariants (checked by the allocator's
+/// `check_invariants`):
 /// - `prev`/`next` are `NIL` or indices of live blocks of the same segment with
 ///   `blocks[prev].addr + blocks[prev].size == addr` and `addr + size == blocks[next].addr`;
 /// - a free, mapped block is in exactly its pool's free set; a free unmapped block is in its pool's
 ///   unmapped set; an allocated or pending block is in neither;
-/// - `mapped` is `true` unless the block belongs to an expandable segment (`expandable != NIL`).
+/// - `mapped` is `true` unless the block belongs to an expandable segment (`expandable != NIL`);
+/// - `used_elsewhere` is set exactly when the shard's stream-use table has an entry for the block.
 #[derive(Debug, Clone)]
 pub(crate) struct Block {
     /// Device address of the first byte.
@@ -27,45 +27,51 @@ pub(crate) struct Block {
     pub(crate) size: u64,
     /// The size the caller asked for when the block was last handed out.
     pub(crate) requested: u64,
+    /// The pool's garbage-collection clock when the block entered the free set.
+    pub(crate) gc_count_base: u64,
     /// The block before this one in its segment, or [`NIL`].
     pub(crate) prev: u32,
     /// The block after this one in its segment, or [`NIL`].
     pub(crate) next: u32,
+    /// Incremented each time the slot is handed out or freed; lets an allocation handle detect a
+    /// stale block.
+    pub(crate) generation: u32,
+    /// Index of the expandable segment in the shard's table, or [`NIL`].
+    pub(crate) expandable: u32,
+    /// Events recorded on other streams that must complete before the block is free.
+    pub(crate) event_count: u32,
     /// Index of the owning pool in the shard's pool table.
     pub(crate) pool: u16,
     /// Handed out to a caller.
     pub(crate) allocated: bool,
     /// Backed by physical memory (always true outside expandable segments).
     pub(crate) mapped: bool,
-    /// Events recorded on other streams that must complete before the block is free.
-    pub(crate) event_count: u32,
-    /// Incremented each time the block is handed out; lets an allocation handle detect a stale block.
-    pub(crate) generation: u32,
-    /// Index of the expandable segment in the shard's table, or [`NIL`].
-    pub(crate) expandable: u32,
-    /// The pool's garbage-collection clock when the block entered the free set.
-    pub(crate) gc_count_base: u64,
-    /// Streams other than the allocation stream that used the block (`record_stream`).
-    pub(crate) stream_uses: Vec<StreamId>,
+    /// Other streams used the block (`record_stream`); they are listed in the shard's stream-use
+    /// table.
+    pub(crate) used_elsewhere: bool,
+    /// The slot holds a block (false: on the arena's free list).
+    live: bool,
 }
 
 impl Block {
     /// A new, free, mapped block of a segment of its own.
+    #[inline]
     pub(crate) fn new(addr: u64, size: u64, pool: u16) -> Self {
         Block {
             addr,
             size,
             requested: 0,
+            gc_count_base: 0,
             prev: NIL,
             next: NIL,
+            generation: 0,
+            expandable: NIL,
+            event_count: 0,
             pool,
             allocated: false,
             mapped: true,
-            event_count: 0,
-            generation: 0,
-            expandable: NIL,
-            gc_count_base: 0,
-            stream_uses: Vec::new(),
+            used_elsewhere: false,
+            live: true,
         }
     }
 
@@ -78,7 +84,7 @@ impl Block {
     /// Whether the block is in use: allocated, or freed with uses on other streams outstanding.
     #[inline]
     pub(crate) fn is_active(&self) -> bool {
-        self.allocated || self.event_count > 0 || !self.stream_uses.is_empty()
+        self.allocated || self.event_count > 0 || self.used_elsewhere
     }
 
     /// Whether the block belongs to an expandable segment.
@@ -98,7 +104,6 @@ impl Block {
 #[derive(Debug, Default)]
 pub(crate) struct Arena {
     slots: Vec<Block>,
-    live: Vec<bool>,
     vacant: Vec<u32>,
 }
 
@@ -107,17 +112,16 @@ impl Arena {
     #[inline]
     pub(crate) fn insert(&mut self, block: Block) -> u32 {
         if let Some(index) = self.vacant.pop() {
-            let generation = self.slots[index as usize].generation;
-            self.slots[index as usize] = Block {
+            let slot = &mut self.slots[index as usize];
+            let generation = slot.generation;
+            *slot = Block {
                 generation,
                 ..block
             };
-            self.live[index as usize] = true;
             index
         } else {
             let index = u32::try_from(self.slots.len()).expect("fewer than 2^32 blocks per stream");
             self.slots.push(block);
-            self.live.push(true);
             index
         }
     }
@@ -126,28 +130,26 @@ impl Arena {
     /// stale.
     #[inline]
     pub(crate) fn remove(&mut self, index: u32) {
-        debug_assert!(self.live[index as usize], "block {index} removed twice");
         let slot = &mut self.slots[index as usize];
-        slot.stream_uses = Vec::new();
+        debug_assert!(slot.live, "block {index} removed twice");
         slot.generation = slot.generation.wrapping_add(1);
-        self.live[index as usize] = false;
+        slot.live = false;
         self.vacant.push(index);
     }
 
     /// Whether `index` names a live block.
     #[inline]
     pub(crate) fn is_live(&self, index: u32) -> bool {
-        self.live.get(index as usize).copied().unwrap_or(false)
+        self.slots.get(index as usize).is_some_and(|b| b.live)
     }
 
     /// Live blocks with their indices.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u32, &Block)> {
         self.slots
             .iter()
-            .zip(&self.live)
             .enumerate()
-            .filter(|(_, (_, &live))| live)
-            .map(|(i, (b, _))| (i as u32, b))
+            .filter(|(_, b)| b.live)
+            .map(|(i, b)| (i as u32, b))
     }
 }
 
@@ -155,15 +157,27 @@ impl std::ops::Index<u32> for Arena {
     type Output = Block;
     #[inline]
     fn index(&self, index: u32) -> &Block {
-        debug_assert!(self.live[index as usize], "block {index} is not live");
-        &self.slots[index as usize]
+        let block = &self.slots[index as usize];
+        debug_assert!(block.live, "block {index} is not live");
+        block
     }
 }
 
 impl std::ops::IndexMut<u32> for Arena {
     #[inline]
     fn index_mut(&mut self, index: u32) -> &mut Block {
-        debug_assert!(self.live[index as usize], "block {index} is not live");
-        &mut self.slots[index as usize]
+        let block = &mut self.slots[index as usize];
+        debug_assert!(block.live, "block {index} is not live");
+        block
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_block_is_one_cache_line() {
+        assert_eq!(std::mem::size_of::<Block>(), 64);
     }
 }

@@ -8,6 +8,7 @@ pub mod device;
 mod error;
 mod events;
 mod expandable;
+mod free_set;
 pub mod oom;
 mod pool;
 mod pool_id;

@@ -9,64 +9,12 @@
 //! address.
 
 use std::collections::BTreeMap;
+
+pub(crate) use crate::free_set::FreeSet;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use crate::pool_id::MempoolId;
-
-/// Free mapped blocks of one pool: `(size, address) -> block index`.
-#[derive(Debug, Default)]
-pub(crate) struct FreeSet {
-    map: BTreeMap<(u64, u64), u32>,
-}
-
-impl FreeSet {
-    #[inline]
-    pub(crate) fn insert(&mut self, size: u64, addr: u64, index: u32) {
-        let previous = self.map.insert((size, addr), index);
-        debug_assert!(previous.is_none(), "block at {addr:#x} already free");
-    }
-
-    #[inline]
-    pub(crate) fn remove(&mut self, size: u64, addr: u64) -> Option<u32> {
-        self.map.remove(&(size, addr))
-    }
-
-    /// Blocks of at least `size` bytes, smallest (then lowest address) first.
-    #[inline]
-    pub(crate) fn at_least(&self, size: u64) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
-        self.map.range((size, 0)..).map(|(&(s, a), &i)| (s, a, i))
-    }
-
-    /// Blocks smaller than `size` bytes, largest (then highest address) first.
-    pub(crate) fn below(&self, size: u64) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
-        self.map
-            .range(..(size, 0))
-            .rev()
-            .map(|(&(s, a), &i)| (s, a, i))
-    }
-
-    /// Blocks ordered before `(size, addr)`, largest first.
-    pub(crate) fn before(
-        &self,
-        size: u64,
-        addr: u64,
-    ) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
-        self.map
-            .range(..(size, addr))
-            .rev()
-            .map(|(&(s, a), &i)| (s, a, i))
-    }
-
-    /// Every block, in `(size, address)` order.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
-        self.map.iter().map(|(&(s, a), &i)| (s, a, i))
-    }
-
-    pub(crate) fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
-}
 
 /// Which default pool, or a private one, a pool is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

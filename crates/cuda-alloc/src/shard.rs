@@ -62,7 +62,10 @@ pub(crate) struct ShardState<D: Device> {
     pub(crate) allocated: AddrMap<u32>,
     /// Expandable segments of this stream (`None`: released slot).
     pub(crate) segments: Vec<Option<ExpandableSegment<D>>>,
-    /// Streams recorded on a block while a graph capture was underway (PyTorch's
+    /// Streams other than the allocation stream that used a block (`record_stream`), by block index
+    /// (PyTorch's `Block::stream_uses`; most blocks have none, so they are kept out of the block).
+    pub(crate) uses: AddrMap<Vec<StreamId>>,
+    /// Streams recorded on a block while a graph capture was underway, by block index (PyTorch's
     /// `block_to_cudagraph_stream_uses`).
     pub(crate) capture_uses: AddrMap<Vec<StreamId>>,
 }
@@ -77,6 +80,7 @@ impl<D: Device> ShardState<D> {
             ],
             allocated: AddrMap::default(),
             segments: Vec::new(),
+            uses: AddrMap::default(),
             capture_uses: AddrMap::default(),
         }
     }

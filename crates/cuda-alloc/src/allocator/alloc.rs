@@ -69,7 +69,7 @@ impl<D: Device> CachingAllocator<D> {
             let mut locked = self.lock(shard);
             let pool = locked.pool_index(request.choice, small);
             if let Some(block) = locked.get_free_block(pool, rounded) {
-                return Ok(locked.hand_out(pool, block, rounded, size));
+                return Ok(locked.hand_out(pool, block, rounded, size, true));
             }
         }
         self.allocate_slow(request)
@@ -81,6 +81,7 @@ impl<D: Device> CachingAllocator<D> {
     /// # Errors
     /// As [`allocate`](Self::allocate).
     pub fn raw_alloc(&self, size: usize, stream: StreamId) -> Result<crate::DevicePtr> {
+        self.enable_pointer_index();
         Ok(self.allocate(size, stream)?.into_ptr())
     }
 
@@ -105,7 +106,7 @@ impl<D: Device> CachingAllocator<D> {
             let mut locked = self.lock(shard);
             let pool = locked.pool_index(req.choice, req.small);
             if let Some(block) = locked.get_free_block(pool, req.size) {
-                return Ok(locked.hand_out(pool, block, req.size, req.orig));
+                return Ok(locked.hand_out(pool, block, req.size, req.orig, true));
             }
         }
         if self.gc_enabled() {
@@ -140,7 +141,7 @@ impl<D: Device> CachingAllocator<D> {
         let pool = locked.pool_index(req.choice, req.small);
         Ok(locked
             .alloc_block(pool, req.size, req.alloc_size, retry)?
-            .map(|block| locked.hand_out(pool, block, req.size, req.orig)))
+            .map(|block| locked.hand_out(pool, block, req.size, req.orig, false)))
     }
 
     /// Asks every registered callback to free memory; whether any did.
@@ -204,8 +205,8 @@ impl<D: Device> CachingAllocator<D> {
 
 impl<D: Device> Locked<'_, D> {
     /// Best fit in pool `pool`: the smallest free block of at least `size` bytes, lowest address
-    /// first, subject to the oversize rules (PyTorch's `get_free_block`). The block is taken out of
-    /// the free set.
+    /// first, subject to the oversize rules (PyTorch's `get_free_block`). The block stays in the free
+    /// set until [`hand_out`](Self::hand_out) takes it.
     #[inline]
     pub(crate) fn get_free_block(&mut self, pool: u16, size: usize) -> Option<u32> {
         let settings = &self.a.settings;
@@ -214,41 +215,12 @@ impl<D: Device> Locked<'_, D> {
         if self.a.gc_enabled() {
             p.gc_clock.fetch_add(1, Relaxed);
         }
-        let found = {
-            let blocks = &st.blocks;
-            let mut candidates = p.free.at_least(size as u64);
-            let (_, _, mut found) = candidates.next()?;
-            if blocks[found].is_expandable() {
-                if settings.expandable_segments() {
-                    // The part of an expandable segment that can still grow counts, for best fit,
-                    // with the unmapped space after it.
-                    let expandable_size = |i: u32| {
-                        let b = &blocks[i];
-                        b.size
-                            + if b.next != NIL && !blocks[b.next].mapped {
-                                blocks[b.next].size
-                            } else {
-                                0
-                            }
-                    };
-                    for (_, _, next) in candidates {
-                        if !blocks[found].is_expandable()
-                            || expandable_size(next) >= expandable_size(found)
-                        {
-                            break;
-                        }
-                        found = next;
-                    }
-                } else {
-                    // Expandable segments were switched off after some were made: skip their
-                    // blocks.
-                    found = candidates.find(|&(_, _, i)| !blocks[i].is_expandable())?.2;
-                }
-            }
-            found
-        };
         let blocks = &st.blocks;
-        let block_size = blocks[found].size as usize;
+        let (first_size, _, mut found) = p.free.first_at_least(size as u64)?;
+        let mut block_size = first_size as usize;
+        if blocks[found].is_expandable() {
+            (found, block_size) = self.expandable_best_fit(pool, size, found)?;
+        }
         let max_split = settings.max_split_size();
         if size < max_split && block_size >= max_split {
             return None;
@@ -258,9 +230,42 @@ impl<D: Device> Locked<'_, D> {
         {
             return None;
         }
-        let addr = blocks[found].addr;
-        st.pools[pool as usize].free.remove(block_size as u64, addr);
         Some(found)
+    }
+
+    /// Best fit when the first candidate, `first`, is part of an expandable segment: with expandable
+    /// segments on, a block that can still grow counts with the unmapped space after it; with them
+    /// off (switched off after some were made), their blocks are skipped. Returns the block and its
+    /// size.
+    #[cold]
+    fn expandable_best_fit(&self, pool: u16, size: usize, first: u32) -> Option<(u32, usize)> {
+        let blocks = &self.st.blocks;
+        let mut candidates = self.st.pools[pool as usize]
+            .free
+            .at_least(size as u64)
+            .skip(1);
+        let mut found = first;
+        if self.a.settings.expandable_segments() {
+            let expandable_size = |i: u32| {
+                let b = &blocks[i];
+                b.size
+                    + if b.next != NIL && !blocks[b.next].mapped {
+                        blocks[b.next].size
+                    } else {
+                        0
+                    }
+            };
+            for (_, _, next) in candidates {
+                if !blocks[found].is_expandable() || expandable_size(next) >= expandable_size(found)
+                {
+                    break;
+                }
+                found = next;
+            }
+        } else {
+            found = candidates.find(|&(_, _, i)| !blocks[i].is_expandable())?.2;
+        }
+        Some((found, blocks[found].size as usize))
     }
 
     /// Whether handing out `size` bytes of `block` should split off the rest (PyTorch's
@@ -275,17 +280,20 @@ impl<D: Device> Locked<'_, D> {
         }
     }
 
-    /// Splits `block` if worthwhile and hands out its first `size` bytes.
-    #[inline]
+    /// Splits `block` if worthwhile and hands out its first `size` bytes. `in_set`: the block is
+    /// still in its pool's free set (found by [`get_free_block`](Self::get_free_block)), rather than
+    /// new.
+    #[inline(always)]
     pub(crate) fn hand_out(
         &mut self,
         pool: u16,
         block: u32,
         size: usize,
         orig: usize,
+        in_set: bool,
     ) -> Allocation {
         let split = self.should_split(pool, block, size);
-        let index = self.alloc_found_block(pool, block, size as u64, orig as u64, split);
+        let index = self.alloc_found_block(pool, block, size as u64, orig as u64, split, in_set);
         let b = &self.st.blocks[index];
         Allocation {
             ptr: crate::DevicePtr(b.addr),
@@ -299,7 +307,8 @@ impl<D: Device> Locked<'_, D> {
     }
 
     /// Marks a found block allocated, splitting off the remainder first when `split` (PyTorch's
-    /// `alloc_found_block`). Returns the allocated block's index.
+    /// `alloc_found_block`). `in_set`: the block is still in the free set. Returns the allocated
+    /// block's index.
     pub(crate) fn alloc_found_block(
         &mut self,
         pool: u16,
@@ -307,6 +316,7 @@ impl<D: Device> Locked<'_, D> {
         size: u64,
         orig: u64,
         split: bool,
+        in_set: bool,
     ) -> u32 {
         let small = self.st.pools[pool as usize].small;
         let already_split = self.st.blocks[block].is_split();
@@ -324,16 +334,19 @@ impl<D: Device> Locked<'_, D> {
             if prev != NIL {
                 st.blocks[prev].next = block;
             }
-            let gc_now = st.pools[pool as usize].gc_now();
+            let p = &mut st.pools[pool as usize];
             let r = &mut st.blocks[remaining];
+            let old = (r.size, r.addr);
             r.prev = block;
             r.addr += size;
             r.size -= size;
-            r.gc_count_base = gc_now;
+            r.gc_count_base = p.gc_now();
             let (r_size, r_addr) = (r.size, r.addr);
-            st.pools[pool as usize]
-                .free
-                .insert(r_size, r_addr, remaining);
+            if in_set {
+                p.free.rekey(old, (r_size, r_addr), remaining);
+            } else {
+                p.free.insert(r_size, r_addr, remaining);
+            }
             if already_split && !expandable {
                 // An already split free block shrinks by `size` bytes.
                 self.dec(Kind::InactiveSplitBytes, small, size);
@@ -342,10 +355,17 @@ impl<D: Device> Locked<'_, D> {
                 self.inc(Kind::InactiveSplitBytes, small, r_size);
                 self.inc(Kind::InactiveSplit, small, 1);
             }
-        } else if already_split && !expandable {
-            let b_size = self.st.blocks[block].size;
-            self.dec(Kind::InactiveSplitBytes, small, b_size);
-            self.dec(Kind::InactiveSplit, small, 1);
+        } else {
+            if in_set {
+                let b = &self.st.blocks[block];
+                let (b_size, b_addr) = (b.size, b.addr);
+                self.st.pools[pool as usize].free.remove(b_size, b_addr);
+            }
+            if already_split && !expandable {
+                let b_size = self.st.blocks[block].size;
+                self.dec(Kind::InactiveSplitBytes, small, b_size);
+                self.dec(Kind::InactiveSplit, small, 1);
+            }
         }
         let b = &mut self.st.blocks[block];
         b.allocated = true;
@@ -353,12 +373,10 @@ impl<D: Device> Locked<'_, D> {
         b.generation = b.generation.wrapping_add(1);
         let (addr, b_size) = (b.addr, b.size);
         self.record(Action::Alloc, addr, orig);
-        self.st.allocated.insert(addr, block);
-        self.inc(Kind::Allocation, small, 1);
-        self.inc(Kind::AllocatedBytes, small, b_size);
-        self.inc(Kind::Active, small, 1);
-        self.inc(Kind::ActiveBytes, small, b_size);
-        self.inc(Kind::RequestedBytes, small, orig);
+        if self.a.pointer_index_on() {
+            self.st.allocated.insert(addr, block);
+        }
+        self.inc_alloc(small, b_size, orig);
         if b_size as usize >= self.a.settings.max_split_size() {
             self.inc_figure(OVERSIZE_ALLOCATIONS, 1);
         }

@@ -41,7 +41,9 @@ impl<D: Device> CachingAllocator<D> {
                 ptr: allocation.ptr,
             });
         }
-        st.allocated.remove(&allocation.ptr.0);
+        if locked.a.pointer_index_on() {
+            st.allocated.remove(&allocation.ptr.0);
+        }
         locked.free_allocated(index)
     }
 
@@ -54,6 +56,7 @@ impl<D: Device> CachingAllocator<D> {
         if ptr.0 == 0 {
             return Ok(());
         }
+        self.enable_pointer_index();
         let shard = self.route(ptr).ok_or(Error::InvalidPointer { ptr })?;
         let mut locked = self.lock(shard);
         let index = locked
@@ -101,6 +104,7 @@ impl<D: Device> CachingAllocator<D> {
         if ptr.0 == 0 {
             return Ok(());
         }
+        self.enable_pointer_index();
         let shard = self.route(ptr).ok_or(Error::InvalidPointer { ptr })?;
         let mut locked = self.lock(shard);
         let index = *locked
@@ -221,13 +225,7 @@ impl<D: Device> Locked<'_, D> {
         let (pool, size, addr, requested, used_elsewhere) = {
             let b = &mut self.st.blocks[index];
             b.allocated = false;
-            (
-                b.pool,
-                b.size,
-                b.addr,
-                b.requested,
-                !b.stream_uses.is_empty(),
-            )
+            (b.pool, b.size, b.addr, b.requested, b.used_elsewhere)
         };
         let small = self.st.pools[pool as usize].small;
         self.dec(Kind::Allocation, small, 1);
@@ -259,13 +257,13 @@ impl<D: Device> Locked<'_, D> {
         if stream == self.shard.stream {
             return;
         }
-        let addr = self.st.blocks[index].addr;
-        let uses = &mut self.st.blocks[index].stream_uses;
+        let uses = self.st.uses.entry(u64::from(index)).or_default();
         if !uses.contains(&stream) {
             uses.push(stream);
         }
+        self.st.blocks[index].used_elsewhere = true;
         if self.a.capturing() {
-            let during = self.st.capture_uses.entry(addr).or_default();
+            let during = self.st.capture_uses.entry(u64::from(index)).or_default();
             if !during.contains(&stream) {
                 during.push(stream);
             }
@@ -274,7 +272,10 @@ impl<D: Device> Locked<'_, D> {
 
     /// Records an event on every stream that used block `index` (PyTorch's `insert_events`).
     fn insert_events(&mut self, index: u32) -> Result<()> {
-        let streams = std::mem::take(&mut self.st.blocks[index].stream_uses);
+        let streams = self.st.uses.remove(&u64::from(index)).unwrap_or_default();
+        self.st.blocks[index].used_elsewhere = false;
+        // Uses recorded during a capture that ended before this free need events like any other.
+        self.st.capture_uses.remove(&u64::from(index));
         let device = &self.a.device;
         let mut events = self.a.events.lock();
         let mut failure = None;
@@ -317,11 +318,14 @@ impl<D: Device> Locked<'_, D> {
     /// Records the events of a block freed during a capture, leaving out the streams recorded during
     /// the capture (their work is in the graph). Frees the block if no event remains.
     fn insert_deferred_events(&mut self, index: u32) -> Result<()> {
-        let addr = self.st.blocks[index].addr;
-        if let Some(during) = self.st.capture_uses.remove(&addr) {
-            self.st.blocks[index]
-                .stream_uses
-                .retain(|s| !during.contains(s));
+        if let Some(during) = self.st.capture_uses.remove(&u64::from(index)) {
+            if let Some(uses) = self.st.uses.get_mut(&u64::from(index)) {
+                uses.retain(|s| !during.contains(s));
+                if uses.is_empty() {
+                    self.st.uses.remove(&u64::from(index));
+                    self.st.blocks[index].used_elsewhere = false;
+                }
+            }
         }
         self.insert_events(index)?;
         if self.st.blocks[index].event_count == 0 {
@@ -343,25 +347,64 @@ impl<D: Device> Locked<'_, D> {
     pub(crate) fn free_block(&mut self, index: u32) {
         let (pool, addr, original_size, requested, prev, next) = {
             let b = &self.st.blocks[index];
-            debug_assert!(!b.allocated && b.event_count == 0 && b.stream_uses.is_empty());
+            debug_assert!(!b.is_active());
             (b.pool, b.addr, b.size, b.requested, b.prev, b.next)
         };
         self.record(Action::FreeCompleted, addr, requested);
         let mut net_blocks = 0i64;
         let mut net_bytes = 0i64;
-        for candidate in [prev, next] {
-            let subsumed = self.try_merge(index, candidate);
-            if subsumed > 0 {
-                net_blocks -= 1;
-                net_bytes -= subsumed as i64;
-            }
-        }
         let st = &mut *self.st;
+        let blocks = &mut st.blocks;
+        let free = &mut st.pools[pool as usize].free;
+        // Merge with free neighbours (PyTorch's `try_merge_blocks` on both sides). A merged
+        // neighbour's free-set entry is reused for the result, so that the common case (one free
+        // neighbour) updates the set in place.
+        let mergeable = |blocks: &crate::block::Arena, i: u32| {
+            i != NIL && !blocks[i].is_active() && blocks[i].mapped == blocks[index].mapped
+        };
+        let mut reuse: Option<(u64, u64)> = None;
+        if mergeable(blocks, prev) {
+            let p = &blocks[prev];
+            let (p_size, p_addr, p_prev) = (p.size, p.addr, p.prev);
+            let b = &mut blocks[index];
+            b.addr = p_addr;
+            b.prev = p_prev;
+            b.size += p_size;
+            if p_prev != NIL {
+                blocks[p_prev].next = index;
+            }
+            blocks.remove(prev);
+            reuse = Some((p_size, p_addr));
+            net_blocks -= 1;
+            net_bytes -= p_size as i64;
+        }
+        if mergeable(blocks, next) {
+            let n = &blocks[next];
+            let (n_size, n_addr, n_next) = (n.size, n.addr, n.next);
+            let b = &mut blocks[index];
+            b.next = n_next;
+            b.size += n_size;
+            if n_next != NIL {
+                blocks[n_next].prev = index;
+            }
+            blocks.remove(next);
+            if reuse.is_some() {
+                free.remove(n_size, n_addr);
+            } else {
+                reuse = Some((n_size, n_addr));
+            }
+            net_blocks -= 1;
+            net_bytes -= n_size as i64;
+        }
         let gc_now = st.pools[pool as usize].gc_now();
-        let b = &mut st.blocks[index];
+        let b = &mut blocks[index];
         b.gc_count_base = gc_now;
         let (size, new_addr, split, expandable) = (b.size, b.addr, b.is_split(), b.is_expandable());
-        st.pools[pool as usize].free.insert(size, new_addr, index);
+        let free = &mut st.pools[pool as usize].free;
+        match reuse {
+            Some(old) => free.rekey(old, (size, new_addr), index),
+            None => free.insert(size, new_addr, index),
+        }
         if split {
             net_blocks += 1;
             net_bytes += size as i64;
@@ -394,10 +437,7 @@ impl<D: Device> Locked<'_, D> {
         }
         let st = &mut *self.st;
         let s = &st.blocks[src];
-        if s.allocated
-            || s.event_count > 0
-            || !s.stream_uses.is_empty()
-            || s.mapped != st.blocks[dst].mapped
+        if s.allocated || s.event_count > 0 || s.used_elsewhere || s.mapped != st.blocks[dst].mapped
         {
             return 0;
         }

@@ -21,7 +21,7 @@ impl<D: Device> Locked<'_, D> {
     fn allocatable(&self, index: u32) -> bool {
         index != NIL && {
             let b = &self.st.blocks[index];
-            !b.allocated && b.event_count == 0 && b.stream_uses.is_empty()
+            !b.is_active()
         }
     }
 

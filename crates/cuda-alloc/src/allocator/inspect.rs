@@ -86,6 +86,35 @@ impl<D: Device> CachingAllocator<D> {
             .max(self.largest_cached_block()))
     }
 
+    /// Whether allocated blocks are indexed by pointer (see
+    /// [`enable_pointer_index`](Self::enable_pointer_index)).
+    #[inline]
+    pub(crate) fn pointer_index_on(&self) -> bool {
+        self.pointer_index.load(Relaxed)
+    }
+
+    /// Starts indexing allocated blocks by pointer, for the calls that name memory by pointer
+    /// ([`raw_free`](Self::raw_free), [`base_allocation`](Self::base_allocation), ...). Callers that
+    /// only use [`Allocation`](crate::Allocation) handles never pay for the index; the first
+    /// pointer-based call builds it from the blocks allocated so far and keeps it from then on.
+    pub(crate) fn enable_pointer_index(&self) {
+        if self.pointer_index_on() {
+            return;
+        }
+        let (_guard, mut locks) = self.lock_all();
+        for locked in &mut locks {
+            let st = &mut *locked.st;
+            st.allocated.clear();
+            for (index, b) in st.blocks.iter() {
+                if b.allocated {
+                    st.allocated.insert(b.addr, index);
+                }
+            }
+        }
+        // Published under every shard lock: a call that takes a shard lock afterwards sees it.
+        self.pointer_index.store(true, Relaxed);
+    }
+
     /// The shard owning the segment or reservation that contains `ptr`.
     pub(crate) fn route(&self, ptr: DevicePtr) -> Option<&Shard<D>> {
         let routes = self.routes.read();
@@ -102,6 +131,7 @@ impl<D: Device> CachingAllocator<D> {
     /// [`Error::InvalidPointer`] if `ptr` is not a live allocation; [`Error::ExpandableNotShareable`]
     /// if it lies in an expandable segment.
     pub fn base_allocation(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
+        self.enable_pointer_index();
         let shard = self.route(ptr).ok_or(Error::InvalidPointer { ptr })?;
         let st = shard.state.lock();
         let &index = st

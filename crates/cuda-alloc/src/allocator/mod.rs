@@ -37,7 +37,7 @@ use crate::pool_id::MempoolId;
 use crate::settings::Settings;
 use crate::shard::{Shard, ShardState, StreamTable};
 use crate::snapshot::TraceEntry;
-use crate::stats::peaks::{self, Kind, PeakBook};
+use crate::stats::peaks::{Kind, PeakBook};
 use crate::trace::{Action, Record, TraceRecorder};
 
 pub use invariants::InvariantViolation;
@@ -174,6 +174,9 @@ pub struct CachingAllocator<D: Device> {
     pub(crate) private: Mutex<BTreeMap<MempoolId, PrivatePool>>,
     pub(crate) counters: CachePadded<Counters>,
     pub(crate) routes: RwLock<BTreeMap<u64, Route>>,
+    /// Whether shards index their allocated blocks by pointer (turned on by the first pointer-based
+    /// call; see `enable_pointer_index`).
+    pub(crate) pointer_index: AtomicBool,
     pub(crate) callbacks: RwLock<Vec<Arc<dyn FreeMemoryCallback>>>,
     pub(crate) observers: RwLock<Vec<OomObserver>>,
     /// Serialises device-wide passes (release, garbage collection, snapshots); taken before any shard
@@ -239,6 +242,7 @@ impl<D: Device> CachingAllocator<D> {
             private: Mutex::new(BTreeMap::new()),
             counters: CachePadded::new(Counters::default()),
             routes: RwLock::new(BTreeMap::new()),
+            pointer_index: AtomicBool::new(false),
             callbacks: RwLock::new(Vec::new()),
             observers: RwLock::new(Vec::new()),
             maintenance: Mutex::new(()),
@@ -407,25 +411,26 @@ impl<D: Device> CachingAllocator<D> {
 }
 
 impl<D: Device> Locked<'_, D> {
+    /// The statistics of handing out a block of `size` bytes for a request of `requested`.
+    #[inline]
+    pub(crate) fn inc_alloc(&self, small: bool, size: u64, requested: u64) {
+        self.shard
+            .figures
+            .on_alloc(small, size, requested, &self.a.book, &self.a.streams);
+    }
+
     /// Adds `amount` to statistic `kind` for all pools and for the pool type.
     #[inline]
     pub(crate) fn inc(&self, kind: Kind, small: bool, amount: u64) {
-        let figures = &*self.shard.figures;
-        figures.increase(peaks::all(kind), amount, &self.a.book, &self.a.streams);
-        figures.increase(
-            peaks::pool(kind, small),
-            amount,
-            &self.a.book,
-            &self.a.streams,
-        );
+        self.shard
+            .figures
+            .increase_kind(kind, small, amount, &self.a.book, &self.a.streams);
     }
 
     /// Subtracts `amount` from statistic `kind` for all pools and for the pool type.
     #[inline]
     pub(crate) fn dec(&self, kind: Kind, small: bool, amount: u64) {
-        let figures = &*self.shard.figures;
-        figures.decrease(peaks::all(kind), amount);
-        figures.decrease(peaks::pool(kind, small), amount);
+        self.shard.figures.decrease_kind(kind, small, amount);
     }
 
     /// Adds to a single figure (the oversize counts).

@@ -15,14 +15,16 @@
 //! So while every shard stays under its limit the sum cannot exceed the recorded peak, and an increase
 //! that stays under the limit needs no device-wide work at all. An increase that passes its shard's
 //! limit takes the book's lock ([`PeakBook`]), sums the figure over all shards exactly, raises the
-//! peak if the sum is higher, and hands the remaining headroom (`peak - sum`) out again: an equal share
-//! to every shard on top of its current value. Peaks are therefore exact for a caller on one thread,
+//! peak if the sum is higher, and sets limits again: the passing shard takes what the other shards'
+//! limits leave of the peak if that covers its value (shards taking turns settle this way), else the
+//! headroom (`peak - sum`) is shared out equally on top of every shard's current value. Peaks are therefore exact for a caller on one thread,
 //! whatever streams it uses (the decisions and figures a PyTorch trace replay checks).
 //!
 //! With several threads an increase may race with a redistribution (a shard may read its old, larger
 //! limit); the peak can then lag the true maximum by at most the headroom handed out, and is caught up
 //! with the current sum whenever statistics are read. Cumulative totals (`allocated`, `freed`) are
-//! plain per-shard counters, summed on read.
+//! plain per-shard counters, summed on read. Only the small- and large-pool figures are stored; an
+//! `all` figure is their sum, with a limit of its own.
 
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 
@@ -64,15 +66,78 @@ pub(crate) const fn pool(kind: Kind, small: bool) -> usize {
     kind as usize * 3 + if small { 1 } else { 2 }
 }
 
-/// One shard's figures. Written only by the holder of the shard's lock, except `limit`, which only
-/// the holder of the [`PeakBook`] lock writes; read by anyone (relaxed atomics: plain loads and stores
-/// on the hot path).
+/// Where a figure lives in a shard: pool figures are stored, `all` figures are the sum of the two
+/// pool figures of their kind.
+#[derive(Clone, Copy, Debug)]
+enum Slot {
+    /// A stored figure (a pool figure or an oversize count), by index into `Figures::stored`.
+    Stored(usize),
+    /// The `all` figure of a kind.
+    All(Kind),
+}
+
+/// The stored figure of `kind` for a pool type.
+#[inline]
+const fn stored(kind: Kind, small: bool) -> usize {
+    kind as usize * 2 + if small { 0 } else { 1 }
+}
+
+/// Stored index of `oversize_allocations`.
+const STORED_OVERSIZE_ALLOCATIONS: usize = 18;
+/// Number of stored figures.
+const STORED: usize = 20;
+/// Number of kinds.
+const KINDS: usize = 9;
+
+/// The slot of book figure `f`.
+fn slot(f: usize) -> Slot {
+    match f {
+        OVERSIZE_ALLOCATIONS => Slot::Stored(STORED_OVERSIZE_ALLOCATIONS),
+        OVERSIZE_SEGMENTS => Slot::Stored(STORED_OVERSIZE_ALLOCATIONS + 1),
+        f => {
+            let kind = KIND_ORDER[f / 3];
+            match f % 3 {
+                0 => Slot::All(kind),
+                1 => Slot::Stored(stored(kind, true)),
+                _ => Slot::Stored(stored(kind, false)),
+            }
+        }
+    }
+}
+
+const KIND_ORDER: [Kind; KINDS] = [
+    Kind::Allocation,
+    Kind::Segment,
+    Kind::Active,
+    Kind::InactiveSplit,
+    Kind::AllocatedBytes,
+    Kind::ReservedBytes,
+    Kind::ActiveBytes,
+    Kind::InactiveSplitBytes,
+    Kind::RequestedBytes,
+];
+
+/// One stored figure of one shard, in one place so that an update touches one cache line.
+///
+/// The cumulative total added since the last accumulated reset is not stored: it is
+/// `current - base + freed`, where `base` is `current` at the reset. That keeps an increase to one
+/// store.
+#[derive(Debug, Default)]
+struct Figure {
+    current: AtomicI64,
+    limit: AtomicI64,
+    freed: AtomicI64,
+    base: AtomicI64,
+}
+
+/// One shard's figures: the small- and large-pool figures of each kind and the two oversize counts,
+/// plus the limits of the `all` figures (whose values are the sums of the pool figures). Written only
+/// by the holder of the shard's lock, except the limits, which only the holder of the [`PeakBook`]
+/// lock writes; read by anyone (relaxed atomics: plain loads and stores on the hot path).
 #[derive(Debug)]
 pub(crate) struct Figures {
-    current: [AtomicI64; FIGURES],
-    limit: [AtomicI64; FIGURES],
-    allocated: [AtomicI64; FIGURES],
-    freed: [AtomicI64; FIGURES],
+    stored: [Figure; STORED],
+    all_limits: [AtomicI64; KINDS],
 }
 
 /// Every shard's figures, for the rare device-wide passes.
@@ -84,52 +149,140 @@ pub(crate) trait FigureSet {
 impl Default for Figures {
     fn default() -> Self {
         Figures {
-            current: std::array::from_fn(|_| AtomicI64::new(0)),
-            limit: std::array::from_fn(|_| AtomicI64::new(0)),
-            allocated: std::array::from_fn(|_| AtomicI64::new(0)),
-            freed: std::array::from_fn(|_| AtomicI64::new(0)),
+            stored: std::array::from_fn(|_| Figure::default()),
+            all_limits: std::array::from_fn(|_| AtomicI64::new(0)),
         }
     }
 }
 
-#[inline]
-fn bump(cell: &AtomicI64, by: i64) -> i64 {
-    let value = cell.load(Relaxed) + by;
-    cell.store(value, Relaxed);
-    value
-}
-
 impl Figures {
-    /// Adds `amount` to figure `f` (PyTorch's `increase_stat`). Caller holds the shard's lock.
+    /// Adds `amount` to statistic `kind` of the pool type (and so to its `all` figure): PyTorch's
+    /// `increase_stat` on both. Caller holds the shard's lock.
+    #[inline(always)]
+    pub(crate) fn increase_kind(
+        &self,
+        kind: Kind,
+        small: bool,
+        amount: u64,
+        book: &PeakBook,
+        set: &dyn FigureSet,
+    ) {
+        let i = stored(kind, small);
+        let fig = &self.stored[i];
+        let current = fig.current.load(Relaxed) + amount as i64;
+        fig.current.store(current, Relaxed);
+        let all_current = current + self.stored[i ^ 1].current.load(Relaxed);
+        if current > fig.limit.load(Relaxed)
+            || all_current > self.all_limits[kind as usize].load(Relaxed)
+        {
+            book.overflow_kind(self, kind, small, set);
+        }
+    }
+
+    /// A block handed out: `allocation`, `allocated_bytes`, `active`, `active_bytes` and
+    /// `requested_bytes` go up (the updates of PyTorch's `alloc_found_block`).
+    #[inline]
+    pub(crate) fn on_alloc(
+        &self,
+        small: bool,
+        size: u64,
+        requested: u64,
+        book: &PeakBook,
+        set: &dyn FigureSet,
+    ) {
+        self.increase_kind(Kind::Allocation, small, 1, book, set);
+        self.increase_kind(Kind::AllocatedBytes, small, size, book, set);
+        self.increase_kind(Kind::Active, small, 1, book, set);
+        self.increase_kind(Kind::ActiveBytes, small, size, book, set);
+        self.increase_kind(Kind::RequestedBytes, small, requested, book, set);
+    }
+
+    /// Subtracts `amount` from statistic `kind` of the pool type (PyTorch's `decrease_stat`).
+    /// Caller holds the shard's lock.
+    #[inline(always)]
+    pub(crate) fn decrease_kind(&self, kind: Kind, small: bool, amount: u64) {
+        self.decrease_stored(stored(kind, small), amount);
+    }
+
+    /// Adds to an oversize count ([`OVERSIZE_ALLOCATIONS`] or [`OVERSIZE_SEGMENTS`]).
     #[inline]
     pub(crate) fn increase(&self, f: usize, amount: u64, book: &PeakBook, set: &dyn FigureSet) {
-        let amount = amount as i64;
-        let current = bump(&self.current[f], amount);
-        bump(&self.allocated[f], amount);
-        if current > self.limit[f].load(Relaxed) {
+        let Slot::Stored(i) = slot(f) else {
+            unreachable!("only stored figures are increased alone")
+        };
+        let fig = &self.stored[i];
+        let current = fig.current.load(Relaxed) + amount as i64;
+        fig.current.store(current, Relaxed);
+        if current > fig.limit.load(Relaxed) {
             book.overflow(self, f, set);
         }
     }
 
-    /// Subtracts `amount` from figure `f` (PyTorch's `decrease_stat`). Caller holds the shard's lock.
+    /// Subtracts from an oversize count.
     #[inline]
     pub(crate) fn decrease(&self, f: usize, amount: u64) {
-        let amount = amount as i64;
-        let current = bump(&self.current[f], -amount);
-        debug_assert!(current >= i64::MIN / 2);
-        bump(&self.freed[f], amount);
+        if let Slot::Stored(i) = slot(f) {
+            self.decrease_stored(i, amount);
+        }
     }
 
-    /// The current value of figure `f` in this shard.
+    #[inline(always)]
+    fn decrease_stored(&self, i: usize, amount: u64) {
+        let fig = &self.stored[i];
+        fig.current
+            .store(fig.current.load(Relaxed) - amount as i64, Relaxed);
+        fig.freed
+            .store(fig.freed.load(Relaxed) + amount as i64, Relaxed);
+    }
+
+    /// The value of book figure `f` in this shard.
     pub(crate) fn current(&self, f: usize) -> i64 {
-        self.current[f].load(Relaxed)
+        match slot(f) {
+            Slot::Stored(i) => self.stored[i].current.load(Relaxed),
+            Slot::All(kind) => self.current(pool(kind, true)) + self.current(pool(kind, false)),
+        }
+    }
+
+    /// The total added to book figure `f` since the last accumulated reset.
+    fn allocated(&self, f: usize) -> i64 {
+        match slot(f) {
+            Slot::Stored(i) => {
+                let fig = &self.stored[i];
+                fig.current.load(Relaxed) - fig.base.load(Relaxed) + fig.freed.load(Relaxed)
+            }
+            Slot::All(kind) => self.allocated(pool(kind, true)) + self.allocated(pool(kind, false)),
+        }
+    }
+
+    /// The total removed from book figure `f` since the last accumulated reset.
+    fn freed(&self, f: usize) -> i64 {
+        match slot(f) {
+            Slot::Stored(i) => self.stored[i].freed.load(Relaxed),
+            Slot::All(kind) => self.freed(pool(kind, true)) + self.freed(pool(kind, false)),
+        }
+    }
+
+    /// Sets the limit of book figure `f`.
+    fn set_limit(&self, f: usize, limit: i64) {
+        match slot(f) {
+            Slot::Stored(i) => self.stored[i].limit.store(limit, Relaxed),
+            Slot::All(kind) => self.all_limits[kind as usize].store(limit, Relaxed),
+        }
+    }
+
+    /// The limit of book figure `f`.
+    fn limit(&self, f: usize) -> i64 {
+        match slot(f) {
+            Slot::Stored(i) => self.stored[i].limit.load(Relaxed),
+            Slot::All(kind) => self.all_limits[kind as usize].load(Relaxed),
+        }
     }
 
     /// Zeroes the cumulative totals. Caller holds the shard's lock.
     pub(crate) fn reset_accumulated(&self) {
-        for f in 0..FIGURES {
-            self.allocated[f].store(0, Relaxed);
-            self.freed[f].store(0, Relaxed);
+        for fig in &self.stored {
+            fig.base.store(fig.current.load(Relaxed), Relaxed);
+            fig.freed.store(0, Relaxed);
         }
     }
 }
@@ -149,6 +302,17 @@ impl Default for PeakBook {
 }
 
 impl PeakBook {
+    /// Shard `me` may have passed its limit of statistic `kind` for the pool type, or for all pools.
+    #[cold]
+    #[inline(never)]
+    fn overflow_kind(&self, me: &Figures, kind: Kind, small: bool, set: &dyn FigureSet) {
+        for f in [pool(kind, small), all(kind)] {
+            if me.current(f) > me.limit(f) {
+                self.overflow(me, f, set);
+            }
+        }
+    }
+
     /// Shard `me` passed its limit for figure `f`: record the exact device-wide sum as the peak if it
     /// is higher, and share out the headroom again.
     #[cold]
@@ -158,19 +322,30 @@ impl PeakBook {
         let mut sum = 0i64;
         let mut shards = 0i64;
         set.for_each_figures(&mut |fig| {
-            sum += fig.current[f].load(Relaxed);
+            sum += fig.current(f);
             shards += 1;
         });
         if sum > peaks[f] {
             peaks[f] = sum;
         }
+        // First choice: leave the other shards' limits alone and take what they leave. Shards that
+        // take turns (the usual pattern) then stop passing their limits once the peak is reached.
+        let mut others = 0i64;
+        set.for_each_figures(&mut |fig| {
+            if !std::ptr::eq(fig, me) {
+                others += fig.limit(f);
+            }
+        });
+        if peaks[f] - others >= me.current(f) {
+            me.set_limit(f, peaks[f] - others);
+            return;
+        }
+        // Otherwise share the headroom out again from everyone's current value.
         let headroom = peaks[f] - sum;
         let share = headroom / shards.max(1);
-        set.for_each_figures(&mut |fig| {
-            fig.limit[f].store(fig.current[f].load(Relaxed) + share, Relaxed);
-        });
+        set.for_each_figures(&mut |fig| fig.set_limit(f, fig.current(f) + share));
         let extra = headroom - share * shards.max(1);
-        me.limit[f].store(me.limit[f].load(Relaxed) + extra, Relaxed);
+        me.set_limit(f, me.limit(f) + extra);
     }
 
     /// Sets every peak to the current sum (PyTorch's `reset_peak_stat`), leaving no headroom.
@@ -178,10 +353,10 @@ impl PeakBook {
         let mut peaks = self.peaks.lock();
         *peaks = [0; FIGURES];
         set.for_each_figures(&mut |fig| {
-            for f in 0..FIGURES {
-                let current = fig.current[f].load(Relaxed);
-                peaks[f] += current;
-                fig.limit[f].store(current, Relaxed);
+            for (f, peak) in peaks.iter_mut().enumerate() {
+                let current = fig.current(f);
+                *peak += current;
+                fig.set_limit(f, current);
             }
         });
     }
@@ -192,9 +367,9 @@ impl PeakBook {
         let mut stats = [Stat::default(); FIGURES];
         set.for_each_figures(&mut |fig| {
             for (f, stat) in stats.iter_mut().enumerate() {
-                stat.current += fig.current[f].load(Relaxed);
-                stat.allocated += fig.allocated[f].load(Relaxed);
-                stat.freed += fig.freed[f].load(Relaxed);
+                stat.current += fig.current(f);
+                stat.allocated += fig.allocated(f);
+                stat.freed += fig.freed(f);
             }
         });
         for (f, stat) in stats.iter_mut().enumerate() {
@@ -237,25 +412,28 @@ mod tests {
         let (a, b) = (Figures::default(), Figures::default());
         let book = PeakBook::default();
         let set = Set(vec![&a, &b]);
-        let f = all(Kind::AllocatedBytes);
-        a.increase(f, 100, &book, &set);
-        a.decrease(f, 100);
-        b.increase(f, 60, &book, &set);
-        a.increase(f, 30, &book, &set); // sum 90 < 100
-        b.decrease(f, 60);
-        b.increase(f, 50, &book, &set); // sum 80
-        a.increase(f, 30, &book, &set); // sum 110: new peak
+        let k = Kind::AllocatedBytes;
+        a.increase_kind(k, true, 100, &book, &set);
+        a.decrease_kind(k, true, 100);
+        b.increase_kind(k, false, 60, &book, &set);
+        a.increase_kind(k, true, 30, &book, &set); // sum 90 < 100
+        b.decrease_kind(k, false, 60);
+        b.increase_kind(k, true, 50, &book, &set); // sum 80
+        a.increase_kind(k, false, 30, &book, &set); // sum 110: new peak
         let mut stats = MemoryStats::default();
         book.read(&set, &mut stats);
         assert_eq!(stats.allocated_bytes.all.peak, 110);
         assert_eq!(stats.allocated_bytes.all.current, 110);
         assert_eq!(stats.allocated_bytes.all.allocated, 270);
         assert_eq!(stats.allocated_bytes.all.freed, 160);
-        a.decrease(f, 60);
+        assert_eq!(stats.allocated_bytes.small_pool.peak, 100);
+        assert_eq!(stats.allocated_bytes.large_pool.peak, 60);
+        a.decrease_kind(k, true, 30);
+        a.decrease_kind(k, false, 30);
         book.reset_peaks(&set);
         book.read(&set, &mut stats);
         assert_eq!(stats.allocated_bytes.all.peak, 50);
-        b.increase(f, 1, &book, &set);
+        b.increase_kind(k, false, 1, &book, &set);
         book.read(&set, &mut stats);
         assert_eq!(stats.allocated_bytes.all.peak, 51);
     }
@@ -266,7 +444,7 @@ mod tests {
         let shards = [Figures::default(), Figures::default(), Figures::default()];
         let book = PeakBook::default();
         let set = Set(shards.iter().collect());
-        let f = pool(Kind::ActiveBytes, true);
+        let k = Kind::ActiveBytes;
         let (mut sum, mut peak) = (0i64, 0i64);
         let mut values = [0i64; 3];
         let mut x = 0x2545_f491_4f6c_dd1du64;
@@ -277,18 +455,19 @@ mod tests {
             let shard = (x % 3) as usize;
             let amount = (x >> 8) % 1000;
             if x & 0x100 != 0 || values[shard] < amount as i64 {
-                shards[shard].increase(f, amount, &book, &set);
+                shards[shard].increase_kind(k, true, amount, &book, &set);
                 values[shard] += amount as i64;
                 sum += amount as i64;
                 peak = peak.max(sum);
             } else {
-                shards[shard].decrease(f, amount);
+                shards[shard].decrease_kind(k, true, amount);
                 values[shard] -= amount as i64;
                 sum -= amount as i64;
             }
             let mut stats = MemoryStats::default();
             book.read(&set, &mut stats);
             assert_eq!(stats.active_bytes.small_pool.peak, peak);
+            assert_eq!(stats.active_bytes.all.peak, peak);
         }
     }
 }
