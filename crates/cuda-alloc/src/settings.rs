@@ -17,6 +17,8 @@ pub(crate) struct Settings {
     max_split_size: AtomicUsize,
     max_non_split_rounding_size: AtomicUsize,
     roundup_power2_divisions: [AtomicUsize; ROUNDUP_POWER2_INTERVALS],
+    /// Whether any interval has divisions (else rounding skips the table).
+    any_divisions: AtomicBool,
     /// `garbage_collection_threshold` as `f64` bits.
     garbage_collection_threshold: AtomicU64,
     expandable_segments: AtomicBool,
@@ -30,6 +32,7 @@ impl Settings {
             max_split_size: AtomicUsize::new(0),
             max_non_split_rounding_size: AtomicUsize::new(0),
             roundup_power2_divisions: std::array::from_fn(|_| AtomicUsize::new(0)),
+            any_divisions: AtomicBool::new(false),
             garbage_collection_threshold: AtomicU64::new(0),
             expandable_segments: AtomicBool::new(false),
             config: Mutex::new(config.clone()),
@@ -56,6 +59,10 @@ impl Settings {
         {
             slot.store(value, Relaxed);
         }
+        self.any_divisions.store(
+            config.roundup_power2_divisions.iter().any(|&d| d > 1),
+            Relaxed,
+        );
         self.garbage_collection_threshold
             .store(config.garbage_collection_threshold.to_bits(), Relaxed);
         self.expandable_segments
@@ -82,6 +89,9 @@ impl Settings {
     /// `roundup_power2_divisions` for a request of `size` bytes.
     #[inline]
     pub(crate) fn roundup_divisions_for(&self, size: usize) -> usize {
+        if !self.any_divisions.load(Relaxed) {
+            return 0;
+        }
         self.roundup_power2_divisions[roundup_interval(size)].load(Relaxed)
     }
 

@@ -56,23 +56,23 @@ impl<D: Device> CachingAllocator<D> {
         }
         let rounded = round_size(size, &self.settings);
         let small = is_small(rounded);
-        let request = Request {
-            orig: size,
-            size: rounded,
-            alloc_size: allocation_size(rounded),
-            small,
-            choice: self.pool_choice(stream),
-            stream,
-        };
+        let choice = self.pool_choice(stream);
         let shard = self.shard(stream)?;
         {
             let mut locked = self.lock(shard);
-            let pool = locked.pool_index(request.choice, small);
+            let pool = locked.pool_index(choice, small);
             if let Some(block) = locked.get_free_block(pool, rounded) {
                 return Ok(locked.hand_out(pool, block, rounded, size, true));
             }
         }
-        self.allocate_slow(request)
+        self.allocate_slow(Request {
+            orig: size,
+            size: rounded,
+            alloc_size: allocation_size(rounded),
+            small,
+            choice,
+            stream,
+        })
     }
 
     /// Allocates and returns only the pointer (PyTorch's `raw_alloc_with_stream`); free it with

@@ -3,7 +3,16 @@
 //! [`MemoryStats`] is the typed form; [`MemoryStats::to_flat`] gives the flat map PyTorch's
 //! `memory_stats()` returns (`"allocated_bytes.all.current"`, `"num_alloc_retries"`, ...).
 //!
-//! How the figures are kept without a device-wide lock on every call is described in [`peaks`].
+//! # How the figures are kept
+//!
+//! PyTorch updates its statistics under its device lock. Here every stream keeps its own figures,
+//! written under that stream's lock only, and a device-wide value is the sum over streams, computed
+//! when read. Peaks (the highest a *sum* has been) stay exact without touching the other streams on
+//! every call: each stream holds a limit per figure, the limits add up to at most the recorded peak,
+//! and only an increase past its stream's limit takes a device-wide lock to sum the figure, raise the
+//! peak if needed and hand out limits again. A caller on one thread therefore sees exactly PyTorch's
+//! peaks; with several threads a peak may lag the true maximum by the headroom in flight, and is
+//! never below the current value.
 
 pub(crate) mod peaks;
 
