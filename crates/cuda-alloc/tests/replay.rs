@@ -381,3 +381,41 @@ fn a_trace_that_starts_mid_run_replays_to_the_end() {
     assert!(stats["allocation.all.current"] >= 0);
     assert!(stats["allocated_bytes.all.current"] >= 0);
 }
+
+/// A run that was short of memory without running out (allocations that succeeded only after the
+/// cache was released) replays exactly without being told the device's size: the releases bound
+/// it.
+#[test]
+fn cache_releases_tell_the_device_size() {
+    let allocator = CachingAllocator::new(SimDevice::new(64 << 20));
+    allocator.record_history(true, 1 << 16);
+    let stream = StreamId(0);
+    for round in 0..6usize {
+        // Fill the device with segments of one size, free them (cached), then ask for another size:
+        // the device refuses the new segment until the cache is released.
+        let size = [12 << 20, 40 << 20, 6 << 20, 30 << 20, 500 << 10, 18 << 20][round];
+        let count = (44 << 20) / size.max(8 << 20);
+        let blocks: Vec<_> = (0..count.max(1))
+            .map(|_| allocator.allocate(size, stream).unwrap())
+            .collect();
+        for block in blocks {
+            allocator.free(block).unwrap();
+        }
+    }
+    let original = allocator.memory_stats();
+    assert!(original.num_alloc_retries > 0);
+    assert_eq!(original.num_ooms, 0);
+    let snapshot = allocator.snapshot();
+    let replay = Replay::new(&snapshot)
+        .unwrap()
+        .with_expected_stats(ExpectedStats {
+            figures: original.to_flat(),
+        });
+    let capacity = replay.default_capacity(0);
+    assert!((64 << 20..128 << 20).contains(&capacity), "{capacity}");
+    let run = replay.run_recorded().unwrap();
+    let check = run.devices[0].check.as_ref().unwrap();
+    assert_eq!(check.divergence, None);
+    assert_eq!(check.stats.as_ref().unwrap().mismatches, Vec::new());
+    assert_eq!(run.devices[0].stats, original);
+}

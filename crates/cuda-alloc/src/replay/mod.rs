@@ -143,7 +143,8 @@ pub struct RunOptions<'a> {
     /// configuration.
     pub check: bool,
     /// The simulated device's memory in bytes; `None`: what the trace implies (the layout of its
-    /// expandable reservations, its `oom` events), else [`DEFAULT_CAPACITY`].
+    /// expandable reservations, cache releases that made room for a new segment, its `oom`
+    /// events), else [`DEFAULT_CAPACITY`].
     pub capacity: Option<u64>,
     /// About how many points each device's [`Timeline`] gets.
     pub timeline_points: usize,
@@ -247,6 +248,9 @@ impl Replay {
             }
             plans.push(plan);
         }
+        for plan in &mut plans {
+            plan.capacity_bound = inferred_capacity(plan, &recorded);
+        }
         Ok(Replay {
             plans,
             recorded,
@@ -289,7 +293,8 @@ impl Replay {
     }
 
     /// The memory the simulated device gets when [`RunOptions::capacity`] is `None`: the most the
-    /// recorded expandable reservations allow, else [`DEFAULT_CAPACITY`].
+    /// recorded expandable reservations allow and the trace's cache releases imply (a release that
+    /// made room for a new segment shows the device was full), else [`DEFAULT_CAPACITY`].
     #[must_use]
     pub fn default_capacity(&self, device: usize) -> u64 {
         self.plans
@@ -366,6 +371,25 @@ impl Replay {
             devices,
             events: self.events,
         })
+    }
+}
+
+/// The device memory a plan implies: the least of what the recorded expandable reservations allow
+/// and of what the trace's cache releases show (the bytes the allocator could obtain, scaled up by
+/// the recorded memory fraction; not when garbage collection made releases of its own).
+fn inferred_capacity(plan: &DevicePlan, recorded: &AllocatorConfig) -> Option<u64> {
+    let fraction = recorded.per_process_memory_fraction;
+    let collects = recorded.garbage_collection_threshold > 0.0 && fraction < 1.0;
+    let pressure = plan.pressure_bound.filter(|_| !collects).map(|bytes| {
+        if fraction < 1.0 && fraction > 0.0 {
+            (bytes as f64 / fraction) as u64
+        } else {
+            bytes
+        }
+    });
+    match (plan.capacity_bound, pressure) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 

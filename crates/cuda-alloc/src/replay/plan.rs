@@ -93,6 +93,9 @@ pub(crate) struct DevicePlan {
     pub(crate) reserve_addrs: Vec<u64>,
     /// The most device memory consistent with the recorded reservations, when they bound it.
     pub(crate) capacity_bound: Option<u64>,
+    /// The most memory the allocator could have obtained from the device, when the trace shows it
+    /// short of memory without running out (see [`pressure_bound`]).
+    pub(crate) pressure_bound: Option<u64>,
     /// Distinct streams the trace allocates on.
     pub(crate) streams: usize,
     /// Trace events of this device.
@@ -165,6 +168,10 @@ impl DevicePlan {
         let mut held: HashMap<u64, StreamId> = HashMap::new();
         let mut reservations: Vec<Reservation> = Vec::new();
         let mut reserved: u64 = 0;
+        // The most bytes reserved right after a new segment made without releasing first, and the
+        // release runs that may have made room for a new segment: (bytes reserved before, size).
+        let mut reached: u64 = 0;
+        let mut pressure: Vec<(u64, u64)> = Vec::new();
         let mut never_completed = 0u64;
         // Completions PyTorch saw by synchronizing, inside the allocation that follows.
         let mut synced: Vec<Op> = Vec::new();
@@ -234,9 +241,15 @@ impl DevicePlan {
                 TraceAction::SegmentAlloc => {
                     plan.malloc_addrs.push(e.addr);
                     reserved += e.size;
+                    if !follows_release(trace, i) {
+                        reached = reached.max(reserved);
+                    }
                 }
                 TraceAction::SegmentMap => {
                     reserved += e.size;
+                    if !follows_release(trace, i) {
+                        reached = reached.max(reserved);
+                    }
                     let end = e.addr + e.size;
                     match reservations
                         .iter_mut()
@@ -254,11 +267,15 @@ impl DevicePlan {
                     }
                 }
                 TraceAction::SegmentFree | TraceAction::SegmentUnmap => {
+                    let before = reserved;
                     reserved = reserved.saturating_sub(e.size);
                     if release_run_starts(trace, i) {
                         let next_segment = match release_run_end(trace, i) {
                             RunEnd::Oom => continue,
-                            RunEnd::Segment(size) => Some(size),
+                            RunEnd::Segment(size) => {
+                                pressure.push((before, size));
+                                Some(size)
+                            }
                             RunEnd::Other => None,
                         };
                         let next_alloc = trace[i..]
@@ -289,6 +306,7 @@ impl DevicePlan {
         }
         plan.flush(trace.len().saturating_sub(1) as u32, &mut synced);
         plan.capacity_bound = capacity_bound(&reservations, &plan.malloc_addrs);
+        plan.pressure_bound = pressure_bound(reached, &pressure);
         Ok(plan)
     }
 
@@ -389,6 +407,32 @@ fn release_run_end(trace: &[TraceEntry], i: usize) -> RunEnd {
         }
         _ => RunEnd::Other,
     }
+}
+
+/// Whether the new segment at event `i` follows a run of releases (made inside the same allocation).
+fn follows_release(trace: &[TraceEntry], i: usize) -> bool {
+    trace[..i]
+        .iter()
+        .rev()
+        .find(|e| !is_note(&e.action))
+        .is_some_and(|e| is_release(&e.action))
+}
+
+/// The memory the allocator could obtain, as far as the trace shows it was short of it.
+///
+/// A run of releases followed by a new segment of `size` bytes, with `before` bytes reserved, was
+/// the allocator's own (the device refused the segment, the cache was released, the retry
+/// succeeded) only if the device had less than `before + size` bytes for it; a new segment made
+/// without releasing shows the device had at least the bytes reserved after it (`reached`). Runs
+/// that fit under `reached` were `empty_cache()` calls; the others bound the memory: the largest
+/// value consistent with all of them is returned (`None` when no run bounds it).
+fn pressure_bound(reached: u64, pressure: &[(u64, u64)]) -> Option<u64> {
+    pressure
+        .iter()
+        .map(|&(before, size)| before + size)
+        .filter(|&needed| needed > reached)
+        .map(|needed| needed - 1)
+        .min()
 }
 
 /// The chunk size of an expandable segment, judged from its first mapping: large-pool mappings are
