@@ -93,27 +93,28 @@ impl<D: Device> ShardState<D> {
             .map(|i| i as u16)
     }
 
-    /// The index of this stream's part of private pool `id`, created with `clock` if new.
+    /// The index of this stream's part of private pool `id`, created with the pool's clock if new;
+    /// `None` if `clock` says the pool no longer exists.
     pub(crate) fn private_pool_or_insert(
         &mut self,
         id: MempoolId,
         small: bool,
-        clock: impl FnOnce() -> Arc<AtomicU64>,
-    ) -> u16 {
+        clock: impl FnOnce() -> Option<Arc<AtomicU64>>,
+    ) -> Option<u16> {
         if let Some(index) = self.private_pool(id, small) {
-            return index;
+            return Some(index);
         }
-        let pool = Pool::new(small, PoolOwner::Private(id), clock());
+        let pool = Pool::new(small, PoolOwner::Private(id), clock()?);
         if let Some(slot) = self
             .pools
             .iter()
             .position(|p| p.owner == PoolOwner::Released)
         {
             self.pools[slot] = pool;
-            return slot as u16;
+            return Some(slot as u16);
         }
         self.pools.push(pool);
-        u16::try_from(self.pools.len() - 1).expect("fewer than 65536 pools per stream")
+        Some(u16::try_from(self.pools.len() - 1).expect("fewer than 65536 pools per stream"))
     }
 }
 

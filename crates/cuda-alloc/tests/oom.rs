@@ -230,3 +230,23 @@ fn observers_and_callbacks_see_every_stream() {
         "a 20 MiB segment was wanted"
     );
 }
+
+#[test]
+fn observers_may_call_back_into_the_allocator() {
+    let a = Arc::new(sim(8 * MIB));
+    let weak = Arc::downgrade(&a);
+    let seen = Arc::new(AtomicU64::new(0));
+    let sink = Arc::clone(&seen);
+    a.attach_oom_observer(Box::new(move |_| {
+        if let Some(a) = weak.upgrade() {
+            sink.store(a.memory_stats().num_ooms as u64, Ordering::SeqCst);
+            a.attach_oom_observer(Box::new(|_| {}));
+        }
+    }));
+    assert!(a.allocate(16 * MIB, S0).is_err());
+    assert_eq!(
+        seen.load(Ordering::SeqCst),
+        1,
+        "the observer saw the counted OOM"
+    );
+}

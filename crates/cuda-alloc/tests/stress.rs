@@ -30,6 +30,28 @@ impl Shadow {
 }
 
 fn hammer(alloc: &CachingAllocator<SimDevice>, threads: usize, streams: usize, seed: u64) {
+    run_threads(alloc, threads, streams, seed);
+    assert_all_returned(alloc);
+}
+
+/// After everything is freed: the state is consistent and `empty_cache` returns all memory.
+fn assert_all_returned(alloc: &CachingAllocator<SimDevice>) {
+    alloc.check_invariants().unwrap();
+    alloc.device().complete_all_work();
+    alloc.empty_cache().unwrap();
+    let s = checked(alloc);
+    assert_eq!(
+        s.reserved_bytes.all.current,
+        0,
+        "segments left: {:#?}",
+        alloc.snapshot().segments
+    );
+    assert_eq!(s.allocated_bytes.all.current, 0);
+    assert_eq!(s.active.all.current, 0);
+    assert_eq!(alloc.device().counters().used_bytes, 0);
+}
+
+fn run_threads(alloc: &CachingAllocator<SimDevice>, threads: usize, streams: usize, seed: u64) {
     let shadow = Shadow(Mutex::new(BTreeMap::new()));
     std::thread::scope(|scope| {
         for t in 0..threads {
@@ -79,19 +101,6 @@ fn hammer(alloc: &CachingAllocator<SimDevice>, threads: usize, streams: usize, s
             });
         }
     });
-    alloc.check_invariants().unwrap();
-    alloc.device().complete_all_work();
-    alloc.empty_cache().unwrap();
-    let s = checked(alloc);
-    assert_eq!(
-        s.reserved_bytes.all.current,
-        0,
-        "segments left: {:#?}",
-        alloc.snapshot().segments
-    );
-    assert_eq!(s.allocated_bytes.all.current, 0);
-    assert_eq!(s.active.all.current, 0);
-    assert_eq!(alloc.device().counters().used_bytes, 0);
 }
 
 #[test]
@@ -117,4 +126,28 @@ fn eight_threads_with_split_limits_and_garbage_collection() {
     );
     a.set_memory_fraction(0.9).unwrap();
     hammer(&a, 8, 8, 300);
+}
+
+#[test]
+fn eight_threads_while_captures_come_and_go() {
+    let a = sim(512 * MIB);
+    std::thread::scope(|scope| {
+        let a = &a;
+        scope.spawn(move || {
+            for round in 0..200u64 {
+                let pool = tensormem_cuda_alloc::MempoolId(round + 1, 0);
+                a.begin_allocate_to_pool(pool, move |s| s.0 % 4 == round % 4)
+                    .unwrap();
+                std::thread::yield_now();
+                a.end_allocate_to_pool(pool).unwrap();
+                a.release_pool(pool).unwrap();
+                if round % 10 == 0 {
+                    a.empty_cache().unwrap();
+                }
+            }
+        });
+        run_threads(a, 7, 7, 400);
+    });
+    assert_all_returned(&a);
+    assert!(a.private_pools().is_empty());
 }

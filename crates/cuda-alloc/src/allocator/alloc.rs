@@ -183,7 +183,9 @@ impl<D: Device> CachingAllocator<D> {
             device_total: allowed.unwrap_or(info.total),
             device_free: info.free,
         };
-        for observer in self.observers.read().iter() {
+        // Called without any lock held (an observer may call back into the allocator).
+        let observers = self.observers.read().clone();
+        for observer in observers {
             observer(&event);
         }
         let oom = OutOfMemory {

@@ -164,7 +164,10 @@ impl<D: Device> CachingAllocator<D> {
         only: Option<MempoolId>,
     ) -> Result<()> {
         self.counters.num_sync_all_streams.fetch_add(1, Relaxed);
-        let deferred = {
+        let deferred = if self.capturing() {
+            // Events may not be recorded during a capture: deferred blocks wait for its end.
+            Vec::new()
+        } else {
             let mut events = self.events.lock();
             // Blocks of shards made after the locks were taken stay deferred for the next pass.
             let (ours, later): (Vec<BlockRef>, Vec<BlockRef>) =

@@ -43,6 +43,9 @@ use crate::trace::{Action, Record, TraceRecorder};
 pub use invariants::InvariantViolation;
 pub(crate) use private::PrivatePool;
 
+/// An out-of-memory observer as kept (cloned out of the list before being called).
+pub(crate) type SharedObserver = Arc<dyn Fn(&crate::oom::OomEvent) + Send + Sync>;
+
 /// How many distinct streams an allocator serves unless told otherwise.
 pub const DEFAULT_STREAM_CAPACITY: usize = 1024;
 
@@ -178,7 +181,7 @@ pub struct CachingAllocator<D: Device> {
     /// call; see `enable_pointer_index`).
     pub(crate) pointer_index: AtomicBool,
     pub(crate) callbacks: RwLock<Vec<Arc<dyn FreeMemoryCallback>>>,
-    pub(crate) observers: RwLock<Vec<OomObserver>>,
+    pub(crate) observers: RwLock<Vec<SharedObserver>>,
     /// Serialises device-wide passes (release, garbage collection, snapshots); taken before any shard
     /// lock.
     pub(crate) maintenance: Mutex<()>,
@@ -323,7 +326,7 @@ impl<D: Device> CachingAllocator<D> {
 
     /// Registers a function told about every out-of-memory error.
     pub fn attach_oom_observer(&self, observer: OomObserver) {
-        self.observers.write().push(observer);
+        self.observers.write().push(Arc::from(observer));
     }
 
     /// Turns the trace ring buffer on or off (`torch.cuda.memory._record_memory_history`); turning it
@@ -460,18 +463,22 @@ impl<D: Device> Locked<'_, D> {
             }
             PoolChoice::Private(id) => {
                 let private = &self.a.private;
-                self.st.private_pool_or_insert(id, small, || {
+                let part = self.st.private_pool_or_insert(id, small, || {
                     let pools = private.lock();
-                    pools.get(&id).map_or_else(
-                        || Arc::new(AtomicU64::new(0)),
-                        |p| {
-                            Arc::clone(if small {
-                                &p.small_clock
-                            } else {
-                                &p.large_clock
-                            })
-                        },
-                    )
+                    pools.get(&id).map(|p| {
+                        Arc::clone(if small {
+                            &p.small_clock
+                        } else {
+                            &p.large_clock
+                        })
+                    })
+                });
+                // The capture ended and its pool was released and emptied while this call was on
+                // its way here: it behaves as if it came after the capture, from the default pools.
+                part.unwrap_or(if small {
+                    crate::shard::SMALL_POOL
+                } else {
+                    crate::shard::LARGE_POOL
                 })
             }
         }
