@@ -3,25 +3,43 @@
 //! first and last byte, drops it and answers one byte. The region is made and filled before the
 //! timer; the timer covers send, attach, the two reads, detach and the answer.
 //!
+//! Two series: `fd_scm_rights` blocks in the kernel on both ends (the default `recv_region`);
+//! `fd_scm_rights_spin` has both ends poll for up to [`SPIN`] before blocking
+//! (`RecvOptions::spinning`), which saves the two cross-process wake-ups at the price of a busy
+//! core on each side while waiting.
+//!
 //! Compare with `torch_sharing_bench.py` (torch.multiprocessing, fd and file_system strategies).
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use tensormem_shm::transfer::{recv_region, send_region, SendOptions};
+use tensormem_shm::transfer::{
+    recv_exact, recv_region_with, send_region, RecvOptions, SendOptions,
+};
 use tensormem_shm::{MapOptions, SharedRegion};
 
 const CONSUMER_SOCKET: &str = "TENSORMEM_BENCH_CONSUMER_SOCKET";
 
+/// How long the spinning series polls before blocking.
+const SPIN: Duration = Duration::from_micros(200);
+
 const SIZES: [(u64, &str); 3] = [(4 << 10, "4KiB"), (1 << 20, "1MiB"), (64 << 20, "64MiB")];
 
 /// The consumer: attach, read first and last byte, answer their sum, until the producer hangs up.
+/// The application data of each message (a byte: 1 = spin) says how to wait for the next.
 fn consumer(path: &str) {
     let mut socket = UnixStream::connect(path).expect("connect to producer");
     let options = MapOptions::new();
-    while let Ok(received) = recv_region(&socket, &options) {
+    let mut recv = RecvOptions::BLOCKING;
+    while let Ok(received) = recv_region_with(&socket, &options, recv) {
+        recv = if received.user_data() == [1] {
+            RecvOptions::spinning(SPIN)
+        } else {
+            RecvOptions::BLOCKING
+        };
         let bytes = received.region.as_slice();
         let answer = bytes[0].wrapping_add(bytes[bytes.len() - 1]);
         drop(received);
@@ -42,7 +60,7 @@ fn round_trip(c: &mut Criterion) {
         .stdin(Stdio::null())
         .spawn()
         .expect("spawn consumer");
-    let (mut socket, _) = listener.accept().expect("consumer connects");
+    let (socket, _) = listener.accept().expect("consumer connects");
 
     let mut group = c.benchmark_group("shm_round_trip");
     for (len, label) in SIZES {
@@ -50,14 +68,23 @@ fn round_trip(c: &mut Criterion) {
         region.as_mut_slice().fill(1);
         region.write_at(len as usize - 1, &[2]).expect("write");
         group.throughput(Throughput::Elements(1));
-        group.bench_function(BenchmarkId::new("fd_scm_rights", label), |b| {
-            b.iter(|| {
-                send_region(&socket, &region, SendOptions::default()).expect("send");
-                let mut answer = [0u8; 1];
-                socket.read_exact(&mut answer).expect("answer");
-                assert_eq!(answer[0], 3);
+        for (series, recv, flag) in [
+            ("fd_scm_rights", RecvOptions::BLOCKING, 0u8),
+            ("fd_scm_rights_spin", RecvOptions::spinning(SPIN), 1u8),
+        ] {
+            let message = SendOptions {
+                user: &[flag],
+                read_only: false,
+            };
+            group.bench_function(BenchmarkId::new(series, label), |b| {
+                b.iter(|| {
+                    send_region(&socket, &region, message).expect("send");
+                    let mut answer = [0u8; 1];
+                    recv_exact(&socket, &mut answer, recv).expect("answer");
+                    assert_eq!(answer[0], 3);
+                });
             });
-        });
+        }
     }
     group.finish();
     drop(socket);

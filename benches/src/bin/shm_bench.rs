@@ -1,50 +1,63 @@
 //! `shm_bench`: tensormem-shm's sharing costs as CSV rows shaped like those of the anchor
 //! `torch_sharing_bench.py`, to be run side by side with it on one machine. Self-contained: the
 //! consumer process is this binary re-executed (`shm_bench --consumer SOCKET`), so it runs where
-//! there is no Rust toolchain. Takes a few seconds.
+//! there is no Rust toolchain. Takes under 90 s on a 16-core machine.
 //!
-//! Rows:
-//! - `tensormem_fd,cpu,BYTES,MEDIAN_US`: one round trip producer -> consumer (send a region over a
-//!   Unix socket with `SCM_RIGHTS`, consumer attaches, reads the first and last byte, detaches,
-//!   answers one byte); region made and filled before timing, as in the anchor;
-//! - `tensormem_make_region,cpu,BYTES,MEDIAN_US`: making that region (`create_anonymous`), not part
-//!   of the round trip;
-//! - `share_memory_,cpu,BYTES,US  (GB/s)`: `SharedRegion::copy_from_bytes` of a private buffer
-//!   (median of several runs); `share_memory_1_thread`: the same with one thread;
-//!   `private_vec_copy`: the same bytes copied into a fresh private `Vec` (`to_vec`), for reference.
+//! Sections (each starts with its own CSV header line):
+//! 1. `system`: the kernel's huge-page settings (`transparent_hugepage/{enabled,shmem_enabled}`,
+//!    per-size shmem mTHP settings, `/dev/shm` mount options, hugetlb pages) and probes: whether
+//!    `MADV_HUGEPAGE` really gives a memfd / a `/dev/shm` object huge pages (`ShmemHugePages`
+//!    grows) and whether `memfd_create(MFD_HUGETLB)` can be mapped and populated.
+//! 2. Round trips: `tensormem_fd,cpu,BYTES,MEDIAN_US`: producer -> consumer, blocking receives
+//!    (send a region over a Unix socket with `SCM_RIGHTS`, consumer attaches, reads the first and
+//!    last byte, detaches, answers one byte); `tensormem_fd_spin`: the same with both ends
+//!    spinning up to `--spin-us` before blocking (`RecvOptions::spinning`);
+//!    `tensormem_make_region`: making the region (`create_anonymous`), not part of the round trip.
+//! 3. `share_memory_,cpu,BYTES,US  (GB/s)`: `SharedRegion::copy_from_bytes` (the default plan),
+//!    median, in the anchor's row format.
+//! 4. Copy variants, for 64 MiB and 1 GiB: every `CopyPlan` worth comparing (method x threads
+//!    1/4/8/16 capped by `available_parallelism` x huge-page advice x memfd / `/dev/shm`), plus
+//!    `torch_like` (what PyTorch's `share_memory_` does: a fresh unlinked `/dev/shm` object, no
+//!    advice, threads `memcpy` contiguous pieces taking a fault per page), `private_vec` (`to_vec`)
+//!    and `private_prefaulted` (zeroed `Vec` + `copy_prefaulted`). Each variant runs several times
+//!    in a row; the first run is reported apart from the median of the others, so first-touch
+//!    effects (a VM's host faulting guest memory in) show. Results are freed outside the timer.
 //!
-//! Usage: `shm_bench [--rounds N]` (default 1000 round trips per size after 50 warm-up ones).
+//! Usage: `shm_bench [--rounds N] [--spin-us N] [--no-copy]` (default 1000 round trips per size
+//! after 50 warm-up ones, spin 200 µs).
 
-use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-use tensormem_shm::copy::parallelism;
-use tensormem_shm::transfer::{recv_region, send_region, SendOptions};
-use tensormem_shm::{MapOptions, SharedRegion};
+use tensormem_shm::copy::{parallelism, CopyMethod, CopyPlan};
+use tensormem_shm::transfer::{
+    recv_exact, recv_region_with, send_region, RecvOptions, SendOptions,
+};
+use tensormem_shm::{copy_prefaulted, AnonymousKind, MapOptions, SharedRegion};
 
 const ROUND_TRIP_SIZES: [u64; 3] = [4 << 10, 1 << 20, 64 << 20];
-const COPY_SIZES: [(usize, usize); 2] = [(64 << 20, 9), (1 << 30, 5)];
+/// (bytes, runs per variant: the first plus the ones the median is taken over).
+const COPY_SIZES: [(usize, usize); 2] = [(64 << 20, 7), (1 << 30, 4)];
 const WARM_UP: usize = 50;
 
 type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
 
+struct Args {
+    rounds: usize,
+    spin: Duration,
+    copy: bool,
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let result = match args.first().map(String::as_str) {
-        Some("--consumer") => match args.get(1) {
+    let result = if args.first().map(String::as_str) == Some("--consumer") {
+        match args.get(1) {
             Some(path) => consumer(path),
             None => Err("--consumer needs a socket path".into()),
-        },
-        Some("--rounds") => match args.get(1).and_then(|n| n.parse().ok()) {
-            Some(rounds) => producer(rounds),
-            None => Err("--rounds needs a number".into()),
-        },
-        None => producer(1000),
-        Some(other) => {
-            Err(format!("unknown argument {other}; usage: shm_bench [--rounds N]").into())
         }
+    } else {
+        parse(&args).and_then(|args| producer(&args))
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -55,28 +68,68 @@ fn main() -> ExitCode {
     }
 }
 
-/// Attach, read first and last byte, answer their sum; until the producer hangs up.
+fn parse(args: &[String]) -> BenchResult<Args> {
+    let mut parsed = Args {
+        rounds: 1000,
+        spin: Duration::from_micros(200),
+        copy: true,
+    };
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let mut number = |what: &str| -> BenchResult<u64> {
+            it.next()
+                .and_then(|n| n.parse().ok())
+                .ok_or_else(|| format!("{what} needs a number").into())
+        };
+        match arg.as_str() {
+            "--rounds" => parsed.rounds = number("--rounds")?.max(1) as usize,
+            "--spin-us" => parsed.spin = Duration::from_micros(number("--spin-us")?),
+            "--no-copy" => parsed.copy = false,
+            other => return Err(format!(
+                "unknown argument {other}; usage: shm_bench [--rounds N] [--spin-us N] [--no-copy]"
+            )
+            .into()),
+        }
+    }
+    Ok(parsed)
+}
+
+/// Attach, read first and last byte, answer their sum; until the producer hangs up. Each message
+/// says (4 bytes of application data, µs) how long to spin while waiting for the next one.
 fn consumer(path: &str) -> BenchResult<()> {
-    let mut socket = UnixStream::connect(path)?;
+    let socket = UnixStream::connect(path)?;
     let options = MapOptions::new();
-    while let Ok(received) = recv_region(&socket, &options) {
+    let mut recv = RecvOptions::BLOCKING;
+    while let Ok(received) = recv_region_with(&socket, &options, recv) {
+        let mut spin_us = [0u8; 4];
+        spin_us.copy_from_slice(&received.user_data()[..4]);
+        recv = RecvOptions::spinning(Duration::from_micros(u32::from_le_bytes(spin_us).into()));
         let bytes = received.region.as_slice();
         let answer = bytes[0].wrapping_add(bytes[bytes.len() - 1]);
         drop(received);
-        socket.write_all(&[answer])?;
+        rustix::net::send(&socket, &[answer], rustix::net::SendFlags::NOSIGNAL)?;
     }
     Ok(())
 }
 
-fn producer(rounds: usize) -> BenchResult<()> {
+fn producer(args: &Args) -> BenchResult<()> {
+    eprintln!(
+        "shm_bench: copies use up to {} threads (available_parallelism)",
+        parallelism()
+    );
+    system::report();
     let dir = std::env::temp_dir().join(format!("tensormem-shm-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    let outcome = run(&dir, rounds);
+    let outcome = round_trips(&dir, args);
     let _ = std::fs::remove_dir_all(&dir);
-    outcome
+    outcome?;
+    if args.copy {
+        copies()?;
+    }
+    Ok(())
 }
 
-fn run(dir: &std::path::Path, rounds: usize) -> BenchResult<()> {
+fn round_trips(dir: &std::path::Path, args: &Args) -> BenchResult<()> {
     let path = dir.join("rt.sock");
     let listener = UnixListener::bind(&path)?;
     let mut child = Command::new(std::env::current_exe()?)
@@ -84,13 +137,10 @@ fn run(dir: &std::path::Path, rounds: usize) -> BenchResult<()> {
         .arg(&path)
         .stdin(Stdio::null())
         .spawn()?;
-    let (mut socket, _) = listener.accept()?;
+    let (socket, _) = listener.accept()?;
 
-    eprintln!(
-        "shm_bench: copies use up to {} threads (available_parallelism)",
-        parallelism()
-    );
     println!("strategy,device,bytes,median_us_per_roundtrip");
+    let spinning = RecvOptions::spinning(args.spin);
     for len in ROUND_TRIP_SIZES {
         let mut make = Vec::with_capacity(20);
         for _ in 0..20 {
@@ -102,21 +152,31 @@ fn run(dir: &std::path::Path, rounds: usize) -> BenchResult<()> {
         let mut region = SharedRegion::create_anonymous(len)?;
         region.as_mut_slice().fill(1);
         region.write_at(len as usize - 1, &[2])?;
-        let mut times = Vec::with_capacity(rounds);
-        for i in 0..WARM_UP + rounds {
-            let start = Instant::now();
-            send_region(&socket, &region, SendOptions::default())?;
-            let mut answer = [0u8; 1];
-            socket.read_exact(&mut answer)?;
-            let elapsed = start.elapsed();
-            if answer[0] != 3 {
-                return Err(format!("consumer answered {} instead of 3", answer[0]).into());
+        for (label, recv) in [
+            ("tensormem_fd", RecvOptions::BLOCKING),
+            ("tensormem_fd_spin", spinning),
+        ] {
+            let spin_us = u32::try_from(recv.spin.as_micros()).unwrap_or(u32::MAX);
+            let message = SendOptions {
+                user: &spin_us.to_le_bytes(),
+                read_only: false,
+            };
+            let mut times = Vec::with_capacity(args.rounds);
+            for i in 0..WARM_UP + args.rounds {
+                let start = Instant::now();
+                send_region(&socket, &region, message)?;
+                let mut answer = [0u8; 1];
+                recv_exact(&socket, &mut answer, recv)?;
+                let elapsed = start.elapsed();
+                if answer[0] != 3 {
+                    return Err(format!("consumer answered {} instead of 3", answer[0]).into());
+                }
+                if i >= WARM_UP {
+                    times.push(elapsed);
+                }
             }
-            if i >= WARM_UP {
-                times.push(elapsed);
-            }
+            println!("{label},cpu,{len},{:.1}", median_us(&mut times));
         }
-        println!("tensormem_fd,cpu,{len},{:.1}", median_us(&mut times));
         println!(
             "tensormem_make_region,cpu,{len},{:.1}",
             median_us(&mut make)
@@ -124,36 +184,155 @@ fn run(dir: &std::path::Path, rounds: usize) -> BenchResult<()> {
     }
     drop(socket);
     child.wait()?;
+    Ok(())
+}
 
+/// One way of copying a buffer into fresh memory; returns what must be freed after the timer.
+enum Variant {
+    Plan(CopyPlan),
+    TorchLike(usize),
+    PrivateVec,
+    PrivatePrefaulted(usize),
+}
+
+impl Variant {
+    fn label(&self) -> String {
+        match self {
+            Self::Plan(plan) => format!(
+                "{:?},{},{},{}",
+                plan.method,
+                plan.threads,
+                if plan.huge_pages { "huge" } else { "nohuge" },
+                match plan.object {
+                    AnonymousKind::Memfd => "memfd",
+                    AnonymousKind::UnlinkedShm => "dev_shm",
+                }
+            ),
+            Self::TorchLike(threads) => format!("torch_like,{threads},nohuge,dev_shm"),
+            Self::PrivateVec => "private_vec,1,-,private".to_owned(),
+            Self::PrivatePrefaulted(threads) => {
+                format!("private_prefaulted,{threads},-,private")
+            }
+        }
+    }
+
+    /// Copies `src`; the result is returned so that freeing it happens outside the timer.
+    fn run(&self, src: &[u8]) -> BenchResult<Box<dyn std::any::Any>> {
+        Ok(match self {
+            Self::Plan(plan) => Box::new(SharedRegion::copy_from_bytes_with(src, plan)?),
+            Self::TorchLike(threads) => Box::new(torch_like(src, *threads)?),
+            Self::PrivateVec => Box::new(std::hint::black_box(src.to_vec())),
+            Self::PrivatePrefaulted(threads) => {
+                let mut dst = vec![0u8; src.len()];
+                copy_prefaulted(&mut dst, src, *threads)?;
+                Box::new(dst)
+            }
+        })
+    }
+}
+
+/// PyTorch's `share_memory_`: a new unlinked `/dev/shm` object mapped without advice, filled by
+/// `threads` threads copying contiguous pieces, each page faulted in by the first store.
+fn torch_like(src: &[u8], threads: usize) -> BenchResult<SharedRegion> {
+    let mut region =
+        SharedRegion::create_anonymous_as(src.len() as u64, AnonymousKind::UnlinkedShm)?;
+    let dst = region.as_mut_slice();
+    let piece = src.len().div_ceil(threads.max(1));
+    std::thread::scope(|scope| {
+        for (d, s) in dst.chunks_mut(piece).zip(src.chunks(piece)) {
+            scope.spawn(move || d.copy_from_slice(s));
+        }
+    });
+    Ok(region)
+}
+
+fn variants() -> Vec<Variant> {
+    let max = parallelism();
+    let mut counts: Vec<usize> = [1, 4, 8, 16].iter().map(|&n| n.min(max)).collect();
+    counts.push(max.min(16));
+    counts.sort_unstable();
+    counts.dedup();
+    let plan = |method, threads, huge_pages, object| {
+        Variant::Plan(CopyPlan {
+            method,
+            threads,
+            huge_pages,
+            object,
+        })
+    };
+    let top = *counts.last().unwrap_or(&1);
+    let mut list = vec![Variant::Plan(CopyPlan::new())];
+    for &threads in &counts {
+        for huge in [true, false] {
+            list.push(plan(
+                CopyMethod::PrefaultSplit,
+                threads,
+                huge,
+                AnonymousKind::Memfd,
+            ));
+        }
+    }
+    for huge in [true, false] {
+        list.push(plan(CopyMethod::Pwrite, 1, huge, AnonymousKind::Memfd));
+    }
+    list.push(plan(
+        CopyMethod::PwriteAndMap,
+        top,
+        true,
+        AnonymousKind::Memfd,
+    ));
+    list.push(plan(
+        CopyMethod::FallocateSplit,
+        top,
+        true,
+        AnonymousKind::Memfd,
+    ));
+    for (method, threads) in [(CopyMethod::PrefaultSplit, top), (CopyMethod::Pwrite, 1)] {
+        list.push(plan(method, threads, true, AnonymousKind::UnlinkedShm));
+    }
+    list.push(Variant::TorchLike(top));
+    list.push(Variant::PrivateVec);
+    list.push(Variant::PrivatePrefaulted(top));
+    list
+}
+
+fn copies() -> BenchResult<()> {
+    let variants = variants();
+    let mut default_rows = Vec::new();
+    println!(
+        "copy_variant,bytes,method,threads,huge_pages,object,first_GBps,median_GBps,median_us"
+    );
     for (len, runs) in COPY_SIZES {
         let src: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
-        let mut shared = Vec::with_capacity(runs);
-        let mut one_thread = Vec::with_capacity(runs);
-        let mut private = Vec::with_capacity(runs);
-        for _ in 0..runs {
-            let start = Instant::now();
-            let region = SharedRegion::copy_from_bytes(&src)?;
-            shared.push(start.elapsed());
-            drop(region);
-            let start = Instant::now();
-            let region = SharedRegion::copy_from_bytes_with_threads(&src, 1)?;
-            one_thread.push(start.elapsed());
-            drop(region);
-            let start = Instant::now();
-            let copy = std::hint::black_box(src.to_vec());
-            private.push(start.elapsed());
-            drop(copy);
+        for (index, variant) in variants.iter().enumerate() {
+            let mut times = Vec::with_capacity(runs);
+            for _ in 0..runs {
+                let start = Instant::now();
+                let result = variant.run(&src)?;
+                times.push(start.elapsed());
+                drop(result);
+            }
+            let first = times[0];
+            let median = median_us(&mut times[1..]);
+            let gbs = |us: f64| len as f64 / (us * 1e-6) / 1e9;
+            let first_us = first.as_secs_f64() * 1e6;
+            println!(
+                "copy_variant,{len},{},{:.2},{:.2},{median:.1}",
+                variant.label(),
+                gbs(first_us),
+                gbs(median)
+            );
+            if index == 0 {
+                default_rows.push(format!(
+                    "share_memory_,cpu,{len},{median:.1}  ({:.2} GB/s)",
+                    gbs(median)
+                ));
+            }
         }
-        let rows = [
-            ("share_memory_", &mut shared),
-            ("share_memory_1_thread", &mut one_thread),
-            ("private_vec_copy", &mut private),
-        ];
-        for (label, times) in rows {
-            let us = median_us(times);
-            let gbs = len as f64 / (us * 1e-6) / 1e9;
-            println!("{label},cpu,{len},{us:.1}  ({gbs:.2} GB/s)");
-        }
+    }
+    println!("strategy,device,bytes,median_us  (GB/s)  [copy_from_bytes, default plan]");
+    for row in default_rows {
+        println!("{row}");
     }
     Ok(())
 }
@@ -161,4 +340,131 @@ fn run(dir: &std::path::Path, rounds: usize) -> BenchResult<()> {
 fn median_us(times: &mut [Duration]) -> f64 {
     times.sort_unstable();
     times[times.len() / 2].as_secs_f64() * 1e6
+}
+
+/// The kernel's huge-page settings and what really works.
+mod system {
+    use tensormem_shm::copy::{CopyMethod, CopyPlan};
+    use tensormem_shm::{AnonymousKind, SharedRegion};
+
+    const THP: &str = "/sys/kernel/mm/transparent_hugepage";
+
+    pub(super) fn report() {
+        println!("system,key,value");
+        let read = |path: &str| {
+            std::fs::read_to_string(path)
+                .map(|s| s.trim().to_owned())
+                .unwrap_or_else(|e| format!("unreadable ({e})"))
+        };
+        println!("system,thp_enabled,{}", read(&format!("{THP}/enabled")));
+        println!(
+            "system,thp_shmem_enabled,{}",
+            read(&format!("{THP}/shmem_enabled"))
+        );
+        println!("system,thp_defrag,{}", read(&format!("{THP}/defrag")));
+        let mut sizes: Vec<_> = std::fs::read_dir(THP)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.join("shmem_enabled").exists())
+            .collect();
+        sizes.sort();
+        for dir in sizes {
+            let name = dir.file_name().map(|n| n.to_string_lossy().into_owned());
+            let value = read(&dir.join("shmem_enabled").to_string_lossy());
+            if !value.contains("[never]") {
+                println!("system,mthp_shmem_{},{value}", name.unwrap_or_default());
+            }
+        }
+        let mounts = read("/proc/mounts");
+        let dev_shm = mounts
+            .lines()
+            .find(|l| l.split_whitespace().nth(1) == Some("/dev/shm"))
+            .unwrap_or("not mounted");
+        println!("system,dev_shm_mount,{}", dev_shm.replace(',', ";"));
+        println!(
+            "system,hugetlb_pages_total,{}",
+            meminfo("HugePages_Total").map_or("unknown".into(), |v| v.to_string())
+        );
+        for (label, object) in [
+            ("madv_hugepage_memfd", AnonymousKind::Memfd),
+            ("madv_hugepage_dev_shm", AnonymousKind::UnlinkedShm),
+        ] {
+            println!("system,{label},{}", huge_pages_effective(object));
+        }
+        println!("system,mfd_hugetlb,{}", hugetlb_memfd());
+    }
+
+    /// A `/proc/meminfo` figure (kB, or a count).
+    fn meminfo(key: &str) -> Option<u64> {
+        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+        text.lines()
+            .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+            .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+    }
+
+    /// Copies 8 MiB with `MADV_HUGEPAGE` and says whether `ShmemHugePages` grew meanwhile.
+    fn huge_pages_effective(object: AnonymousKind) -> String {
+        let before = meminfo("ShmemHugePages");
+        let src = vec![1u8; 8 << 20];
+        let plan = CopyPlan {
+            method: CopyMethod::PrefaultSplit,
+            threads: 1,
+            huge_pages: true,
+            object,
+        };
+        match SharedRegion::copy_from_bytes_with(&src, &plan) {
+            Ok(region) => {
+                let after = meminfo("ShmemHugePages");
+                drop(region);
+                match (before, after) {
+                    (Some(b), Some(a)) if a > b => format!("yes (+{} kB ShmemHugePages)", a - b),
+                    (Some(_), Some(_)) => "no (ShmemHugePages unchanged)".to_owned(),
+                    _ => "unknown (no ShmemHugePages in /proc/meminfo)".to_owned(),
+                }
+            }
+            Err(err) => format!("copy failed: {err}"),
+        }
+    }
+
+    /// Whether a 2 MiB `memfd_create(MFD_HUGETLB)` object can be mapped and populated.
+    fn hugetlb_memfd() -> String {
+        use rustix::fs::MemfdFlags;
+        use rustix::mm::{Advice, MapFlags, ProtFlags};
+        const LEN: usize = 2 << 20;
+        let fd = match rustix::fs::memfd_create(
+            "tensormem-probe",
+            MemfdFlags::CLOEXEC | MemfdFlags::HUGETLB,
+        ) {
+            Ok(fd) => fd,
+            Err(e) => return format!("no (memfd_create: {e})"),
+        };
+        if let Err(e) = rustix::fs::ftruncate(&fd, LEN as u64) {
+            return format!("no (ftruncate: {e})");
+        }
+        // SAFETY: a fresh mapping at a kernel-chosen address, unmapped below before returning.
+        let ptr = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                LEN,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                &fd,
+                0,
+            )
+        };
+        let ptr = match ptr {
+            Ok(ptr) => ptr,
+            Err(e) => return format!("no (mmap: {e}; reserve pages in /proc/sys/vm/nr_hugepages)"),
+        };
+        // SAFETY: the range is the mapping made above; populating only faults pages in.
+        let populated = unsafe { rustix::mm::madvise(ptr, LEN, Advice::LinuxPopulateWrite) };
+        // SAFETY: unmaps exactly the mapping made above; nothing refers to it any more.
+        let _ = unsafe { rustix::mm::munmap(ptr, LEN) };
+        match populated {
+            Ok(()) => "yes".to_owned(),
+            Err(e) => format!("no (populate: {e})"),
+        }
+    }
 }

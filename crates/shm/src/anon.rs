@@ -43,12 +43,26 @@ impl SharedRegion {
     #[doc(alias = "memfd_create")]
     #[doc(alias = "new_shm_fd_storage")]
     pub fn create_anonymous(len: u64) -> Result<Self> {
+        Self::create_anonymous_as(len, AnonymousKind::Memfd)
+    }
+
+    /// [`create_anonymous`](Self::create_anonymous) with a choice of object: a memfd (falling
+    /// back to an unlinked shm object where memfd is unavailable) or directly an unlinked shm
+    /// object in `/dev/shm` (whose mount options, not `shmem_enabled`, decide about huge pages).
+    ///
+    /// # Errors
+    ///
+    /// As [`create_anonymous`](Self::create_anonymous).
+    pub fn create_anonymous_as(len: u64, kind: AnonymousKind) -> Result<Self> {
         let object = "anonymous region";
         let len_usize = object::check_len(len, object)?;
-        let (fd, sealed) = match memfd(len) {
-            Ok(fd) => (fd, true),
-            Err(Errno::NOSYS | Errno::INVAL | Errno::PERM) => (unlinked_shm(len)?, false),
-            Err(errno) => return Err(Error::from_errno(errno, "memfd_create", object)),
+        let (fd, sealed) = match kind {
+            AnonymousKind::Memfd => match memfd(len) {
+                Ok(fd) => (fd, true),
+                Err(Errno::NOSYS | Errno::INVAL | Errno::PERM) => (unlinked_shm(len)?, false),
+                Err(errno) => return Err(Error::from_errno(errno, "memfd_create", object)),
+            },
+            AnonymousKind::UnlinkedShm => (unlinked_shm(len)?, false),
         };
         let map = Mapping::map(&fd, len_usize, 0, Access::ReadWrite, false)
             .map_err(Error::os("mmap", object))?;
@@ -65,6 +79,17 @@ impl SharedRegion {
     pub fn is_sealed_against_shrink(&self) -> bool {
         self.fd().is_some_and(is_sealed_against_shrink)
     }
+}
+
+/// The object behind an anonymous region.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum AnonymousKind {
+    /// `memfd_create`, sealed; an unlinked shm object where memfd is unavailable (the default).
+    #[default]
+    Memfd,
+    /// `shm_open(O_CREAT | O_EXCL)` of a generated name, unlinked at once (PyTorch's way); not
+    /// sealed.
+    UnlinkedShm,
 }
 
 /// `memfd_create` + `ftruncate` + seals.

@@ -75,7 +75,8 @@ pub mod refcounted;
 mod region;
 pub mod transfer;
 
-pub use copy::copy_prefaulted;
+pub use anon::AnonymousKind;
+pub use copy::{copy_prefaulted, CopyMethod, CopyPlan};
 pub use error::{Error, NameProblem, ObjectKind, Result, SizeProblem};
 pub use mapping::{Access, Mapping, SharedAtomic};
 pub use name::{GeneratedName, NameGenerator, ShmName, DEFAULT_PREFIX, TORCH_PREFIX};

@@ -36,6 +36,7 @@
 
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
+use std::time::{Duration, Instant};
 
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use rustix::io::Errno;
@@ -247,7 +248,49 @@ impl Received {
     }
 }
 
-/// Receives one region message from `socket`, checks the object and maps it.
+/// How a receiving call waits for its peer.
+///
+/// By default (`spin` zero) a call blocks in the kernel until data arrives: the thread sleeps and
+/// the sender's write wakes it. A wake-up is cheap on bare metal but costs several microseconds
+/// where the CPU was idle (an inter-processor interrupt; in a virtual machine also a VM exit and
+/// the host rescheduling the vCPU), and a round trip has two of them. With `spin` above zero the
+/// call first polls for up to that long (non-blocking `recvmsg` / `recv` in a loop with
+/// [`std::hint::spin_loop`] between attempts), so a message that comes within `spin` is taken
+/// without any wake-up; after `spin` it blocks as usual, so a slow sender still gets through.
+///
+/// The trade-off: while it waits, a spinning call keeps a core 100% busy (and, on a machine with
+/// fewer cores than busy threads, can delay the very peer it waits for). Use it on latency
+/// critical paths where the peer answers within microseconds and a core can be spared; keep
+/// `spin` short (tens to hundreds of microseconds) so an idle peer costs little.
+///
+/// ```
+/// use std::time::Duration;
+/// use tensormem_shm::transfer::RecvOptions;
+///
+/// let low_latency = RecvOptions::spinning(Duration::from_micros(100));
+/// assert_eq!(RecvOptions::default().spin, Duration::ZERO); // blocking
+/// # let _ = low_latency;
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecvOptions {
+    /// How long to poll before blocking; zero (the default) blocks at once.
+    pub spin: Duration,
+}
+
+impl RecvOptions {
+    /// Blocks at once (the default).
+    pub const BLOCKING: Self = Self {
+        spin: Duration::ZERO,
+    };
+
+    /// Polls for up to `spin` before blocking.
+    pub const fn spinning(spin: Duration) -> Self {
+        Self { spin }
+    }
+}
+
+/// Receives one region message from `socket`, checks the object and maps it, blocking until a
+/// message comes ([`recv_region_with`] can spin first).
 ///
 /// From `options`, `access` (downgraded to read-only if the sender granted only that),
 /// `keep_fd`, `allow_foreign_owner`, `populate` and `huge_pages` apply; the length comes from the
@@ -259,7 +302,20 @@ impl Received {
 /// message, a message with no fd or several, or lost ancillary data; and the attach errors:
 /// [`Error::WrongKind`], [`Error::TooSmall`], [`Error::ForeignOwner`], [`Error::InvalidSize`].
 pub fn recv_region(socket: impl AsFd, options: &MapOptions) -> Result<Received> {
-    let (fd, message) = recv_message(socket.as_fd())?;
+    recv_region_with(socket, options, RecvOptions::BLOCKING)
+}
+
+/// [`recv_region`], waiting as `recv` says (spinning first for the lowest latency).
+///
+/// # Errors
+///
+/// As [`recv_region`].
+pub fn recv_region_with(
+    socket: impl AsFd,
+    options: &MapOptions,
+    recv: RecvOptions,
+) -> Result<Received> {
+    let (fd, message) = recv_message(socket.as_fd(), recv)?;
     let header = RegionHeader::decode(&message)?;
     let mut user = [0u8; MAX_USER_DATA];
     user.copy_from_slice(&message[HEADER_LEN..]);
@@ -280,24 +336,83 @@ pub fn recv_region(socket: impl AsFd, options: &MapOptions) -> Result<Received> 
     })
 }
 
+/// Reads exactly `buf.len()` bytes from a stream socket, waiting as `recv` says: for small
+/// replies on the same socket (an acknowledgement after [`send_region`]) with the same
+/// low-latency option as [`recv_region_with`].
+///
+/// # Errors
+///
+/// [`Error::Disconnected`] if the peer closed the socket first; [`Error::Os`] for other `recv`
+/// failures.
+pub fn recv_exact(socket: impl AsFd, buf: &mut [u8], recv: RecvOptions) -> Result<()> {
+    let socket = socket.as_fd();
+    let mut got = 0;
+    while got < buf.len() {
+        let n = wait_and(recv.spin, |flags| {
+            rustix::net::recv(socket, &mut buf[got..], flags).map(|(n, _)| n)
+        })
+        .map_err(|errno| socket_error(errno, "recv"))?;
+        if n == 0 {
+            return Err(Error::Disconnected);
+        }
+        got += n;
+    }
+    Ok(())
+}
+
+/// Runs the receiving call `call` with the flags to use: first non-blocking
+/// (`MSG_DONTWAIT`) in a loop for up to `spin`, then blocking. `EINTR` is retried.
+fn wait_and<T>(
+    spin: Duration,
+    mut call: impl FnMut(RecvFlags) -> rustix::io::Result<T>,
+) -> rustix::io::Result<T> {
+    if !spin.is_zero() {
+        let start = Instant::now();
+        loop {
+            match call(RecvFlags::DONTWAIT) {
+                Err(Errno::AGAIN | Errno::INTR) => {}
+                done => return done,
+            }
+            if start.elapsed() >= spin {
+                break;
+            }
+            for _ in 0..SPIN_HINTS {
+                std::hint::spin_loop();
+            }
+            // The peer may be waiting for this very CPU (the scheduler likes to put two
+            // processes that wake each other on one CPU); let it run. With nothing else
+            // runnable here, `sched_yield` returns at once.
+            std::thread::yield_now();
+        }
+    }
+    loop {
+        match call(RecvFlags::empty()) {
+            Err(Errno::INTR) => {}
+            done => return done,
+        }
+    }
+}
+
+/// `spin_loop` hints between two polls: the poll and the `sched_yield` after it already take a
+/// few hundred nanoseconds, so a short pause suffices to give the core's pipeline to a
+/// hyperthread sibling.
+const SPIN_HINTS: u32 = 16;
+
 /// Reads exactly one message and its single fd.
-fn recv_message(socket: BorrowedFd<'_>) -> Result<(OwnedFd, [u8; MESSAGE_LEN])> {
+fn recv_message(socket: BorrowedFd<'_>, recv: RecvOptions) -> Result<(OwnedFd, [u8; MESSAGE_LEN])> {
     let mut message = [0u8; MESSAGE_LEN];
     // Room for a few fds: a peer sending more gets a protocol error and the extras are closed.
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
-    let received = loop {
-        match rustix::net::recvmsg(
+    let received = wait_and(recv.spin, |flags| {
+        rustix::net::recvmsg(
             socket,
             &mut [IoSliceMut::new(&mut message)],
             &mut control,
-            RecvFlags::CMSG_CLOEXEC,
-        ) {
-            Ok(r) => break r,
-            Err(Errno::INTR) => continue,
-            Err(errno) => return Err(socket_error(errno, "recvmsg")),
-        }
-    };
+            RecvFlags::CMSG_CLOEXEC | flags,
+        )
+    })
+    .map_err(|errno| socket_error(errno, "recvmsg"))?;
     if received.bytes == 0 {
         return Err(Error::Disconnected);
     }
@@ -317,15 +432,8 @@ fn recv_message(socket: BorrowedFd<'_>) -> Result<(OwnedFd, [u8; MESSAGE_LEN])> 
             problem: format!("a packet longer than {MESSAGE_LEN} bytes"),
         });
     }
-    let mut got = received.bytes;
-    while got < MESSAGE_LEN {
-        match rustix::net::recv(socket, &mut message[got..], RecvFlags::empty()) {
-            Ok((0, _)) => return Err(Error::Disconnected),
-            Ok((n, _)) => got += n,
-            Err(Errno::INTR) => {}
-            Err(errno) => return Err(socket_error(errno, "recv")),
-        }
-    }
+    // A stream socket may deliver the message in parts; the fd came with the first.
+    recv_exact(socket, &mut message[received.bytes..], recv)?;
     let count = fds.len();
     match <[OwnedFd; 1]>::try_from(fds) {
         Ok([fd]) => Ok((fd, message)),
@@ -415,6 +523,92 @@ mod tests {
         assert!(matches!(
             send_region(&a, &region, options),
             Err(Error::Protocol { .. })
+        ));
+    }
+
+    #[test]
+    fn spinning_receive_gets_a_waiting_message() {
+        for kind in [SocketType::STREAM, SocketType::SEQPACKET] {
+            let (a, b) = pair(kind);
+            let mut region = SharedRegion::create_anonymous(1 << 20).unwrap();
+            region.write_at((1 << 20) - 1, &[9]).unwrap();
+            let options = SendOptions {
+                user: b"spin",
+                read_only: false,
+            };
+            send_region(&a, &region, options).unwrap();
+            let recv = RecvOptions::spinning(Duration::from_secs(5));
+            let got = recv_region_with(&b, &MapOptions::new(), recv).unwrap();
+            assert_eq!(got.user_data(), b"spin");
+            assert_eq!(got.region.len(), 1 << 20);
+            assert_eq!(got.region.as_slice()[(1 << 20) - 1], 9);
+        }
+    }
+
+    #[test]
+    fn spinning_receive_gets_a_message_sent_while_it_spins() {
+        let (a, b) = pair(SocketType::STREAM);
+        let sender = std::thread::spawn(move || {
+            let region = SharedRegion::create_anonymous(4096).unwrap();
+            for round in 0u8..20 {
+                send_region(&a, &region, SendOptions::default()).unwrap();
+                let mut answer = [0u8; 1];
+                recv_exact(
+                    &a,
+                    &mut answer,
+                    RecvOptions::spinning(Duration::from_secs(5)),
+                )
+                .unwrap();
+                assert_eq!(answer[0], round);
+            }
+        });
+        let recv = RecvOptions::spinning(Duration::from_secs(5));
+        for round in 0u8..20 {
+            let got = recv_region_with(&b, &MapOptions::new(), recv).unwrap();
+            assert_eq!(got.region.len(), 4096);
+            rustix::net::send(&b, &[round], SendFlags::empty()).unwrap();
+        }
+        sender.join().unwrap();
+    }
+
+    #[test]
+    fn slow_sender_falls_back_to_blocking() {
+        let (a, b) = pair(SocketType::STREAM);
+        let sender = std::thread::spawn(move || {
+            // Far longer than the receiver spins: it must be blocked in recvmsg by now.
+            std::thread::sleep(Duration::from_millis(100));
+            let mut region = SharedRegion::create_anonymous(8192).unwrap();
+            region.write_at(0, &[7]).unwrap();
+            send_region(&a, &region, SendOptions::default()).unwrap();
+            std::thread::sleep(Duration::from_millis(100));
+            rustix::net::send(&a, b"late", SendFlags::empty()).unwrap();
+        });
+        let recv = RecvOptions::spinning(Duration::from_micros(200));
+        let got = recv_region_with(&b, &MapOptions::new(), recv).unwrap();
+        assert_eq!(got.region.as_slice()[0], 7);
+        let mut reply = [0u8; 4];
+        recv_exact(&b, &mut reply, recv).unwrap();
+        assert_eq!(&reply, b"late");
+        sender.join().unwrap();
+    }
+
+    #[test]
+    fn spinning_receive_sees_a_closed_peer() {
+        let (a, b) = pair(SocketType::STREAM);
+        drop(a);
+        let recv = RecvOptions::spinning(Duration::from_millis(1));
+        assert!(matches!(
+            recv_region_with(&b, &MapOptions::new(), recv),
+            Err(Error::Disconnected)
+        ));
+        let mut buf = [0u8; 1];
+        assert!(matches!(
+            recv_exact(&b, &mut buf, recv),
+            Err(Error::Disconnected)
+        ));
+        assert!(matches!(
+            recv_exact(&b, &mut buf, RecvOptions::BLOCKING),
+            Err(Error::Disconnected)
         ));
     }
 }
