@@ -40,6 +40,7 @@ const ROUND_TRIP_SIZES: [u64; 3] = [4 << 10, 1 << 20, 64 << 20];
 /// (bytes, runs per variant: the first plus the ones the median is taken over).
 const COPY_SIZES: [(usize, usize); 2] = [(64 << 20, 7), (1 << 30, 4)];
 const WARM_UP: usize = 50;
+const USAGE: &str = "shm_bench [--rounds N] [--spin-us N] [--no-copy]";
 
 type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -85,10 +86,7 @@ fn parse(args: &[String]) -> BenchResult<Args> {
             "--rounds" => parsed.rounds = number("--rounds")?.max(1) as usize,
             "--spin-us" => parsed.spin = Duration::from_micros(number("--spin-us")?),
             "--no-copy" => parsed.copy = false,
-            other => return Err(format!(
-                "unknown argument {other}; usage: shm_bench [--rounds N] [--spin-us N] [--no-copy]"
-            )
-            .into()),
+            other => return Err(format!("unknown argument {other}; usage: {USAGE}").into()),
         }
     }
     Ok(parsed)
