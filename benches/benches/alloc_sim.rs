@@ -6,8 +6,9 @@
 //!   each iteration frees a random one and allocates a new size in its place (the anchors' `mixed`
 //!   pattern: churn with splits and merges). An iteration is two operations (throughput counts
 //!   operations).
-//! - `threads/<n>`: `n` threads, each on its own stream, doing 512 B pairs; throughput is the
-//!   aggregate, so `threads/2` over `threads/1` is the scaling factor.
+//! - `threads/<n>` (1, 2, 4, 8): `n` threads, each on its own stream, doing 512 B pairs; throughput
+//!   is the aggregate, so `threads/n` over `threads/1` is the scaling factor (meaningful only with
+//!   `n` free cores).
 
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
@@ -109,7 +110,7 @@ fn run_threads(alloc: &CachingAllocator<SimDevice>, threads: usize, pairs: u64) 
 
 fn threads(c: &mut Criterion) {
     let mut group = c.benchmark_group("threads");
-    for threads in [1usize, 2] {
+    for threads in [1usize, 2, 4, 8] {
         let alloc = allocator();
         run_threads(&alloc, threads, 1000);
         group.throughput(Throughput::Elements(threads as u64));
