@@ -311,6 +311,7 @@ impl<D: Device> Locked<'_, D> {
     /// Marks a found block allocated, splitting off the remainder first when `split` (PyTorch's
     /// `alloc_found_block`). `in_set`: the block is still in the free set. Returns the allocated
     /// block's index.
+    #[inline(always)]
     pub(crate) fn alloc_found_block(
         &mut self,
         pool: u16,

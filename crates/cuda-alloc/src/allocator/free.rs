@@ -224,6 +224,7 @@ impl<D: Device> CachingAllocator<D> {
 
 impl<D: Device> Locked<'_, D> {
     /// Frees an allocated block whose pointer mapping was already removed.
+    #[inline(always)]
     pub(crate) fn free_allocated(&mut self, index: u32) -> Result<()> {
         let (pool, size, addr, requested, used_elsewhere) = {
             let b = &mut self.st.blocks[index];
@@ -347,6 +348,7 @@ impl<D: Device> Locked<'_, D> {
     }
 
     /// Returns block `index` to its pool, merging it with free neighbours (PyTorch's `free_block`).
+    #[inline]
     pub(crate) fn free_block(&mut self, index: u32) {
         let (pool, addr, original_size, requested, prev, next) = {
             let b = &self.st.blocks[index];
