@@ -12,6 +12,9 @@
 //!    (send a region over a Unix socket with `SCM_RIGHTS`, consumer attaches, reads the first and
 //!    last byte, detaches, answers one byte); `tensormem_fd_spin`: the same with both ends
 //!    spinning up to `--spin-us` before blocking (`RecvOptions::spinning`);
+//!    `tensormem_fd_spin_answer_then_unmap`: spinning, and the consumer answers as soon as it has
+//!    read the bytes and unmaps afterwards (a consumer keeps using the data it received; its unmap
+//!    then overlaps the producer's next step instead of delaying the answer);
 //!    `tensormem_make_region`: making the region (`create_anonymous`), not part of the round trip.
 //! 3. `share_memory_,cpu,BYTES,US  (GB/s)`: `SharedRegion::copy_from_bytes` (the default plan),
 //!    median, in the anchor's row format.
@@ -102,10 +105,19 @@ fn consumer(path: &str) -> BenchResult<()> {
         let mut spin_us = [0u8; 4];
         spin_us.copy_from_slice(&received.user_data()[..4]);
         recv = RecvOptions::spinning(Duration::from_micros(u32::from_le_bytes(spin_us).into()));
+        let detach_first = received.user_data().get(4) == Some(&1);
         let bytes = received.region.as_slice();
         let answer = bytes[0].wrapping_add(bytes[bytes.len() - 1]);
-        drop(received);
-        rustix::net::send(&socket, &[answer], rustix::net::SendFlags::NOSIGNAL)?;
+        if detach_first {
+            // The anchor's order: unmap, then answer.
+            drop(received);
+            rustix::net::send(&socket, &[answer], rustix::net::SendFlags::NOSIGNAL)?;
+        } else {
+            // A consumer that keeps using the data answers first; the unmap then overlaps the
+            // producer's next step instead of delaying the answer.
+            rustix::net::send(&socket, &[answer], rustix::net::SendFlags::NOSIGNAL)?;
+            drop(received);
+        }
     }
     Ok(())
 }
@@ -150,13 +162,17 @@ fn round_trips(dir: &std::path::Path, args: &Args) -> BenchResult<()> {
         let mut region = SharedRegion::create_anonymous(len)?;
         region.as_mut_slice().fill(1);
         region.write_at(len as usize - 1, &[2])?;
-        for (label, recv) in [
-            ("tensormem_fd", RecvOptions::BLOCKING),
-            ("tensormem_fd_spin", spinning),
+        for (label, recv, detach_first) in [
+            ("tensormem_fd", RecvOptions::BLOCKING, true),
+            ("tensormem_fd_spin", spinning, true),
+            ("tensormem_fd_spin_answer_then_unmap", spinning, false),
         ] {
             let spin_us = u32::try_from(recv.spin.as_micros()).unwrap_or(u32::MAX);
+            let mut user = [0u8; 5];
+            user[..4].copy_from_slice(&spin_us.to_le_bytes());
+            user[4] = u8::from(detach_first);
             let message = SendOptions {
-                user: &spin_us.to_le_bytes(),
+                user: &user,
                 read_only: false,
             };
             let mut times = Vec::with_capacity(args.rounds);
