@@ -21,6 +21,7 @@ impl<D: Device> CachingAllocator<D> {
     /// [`Error::InvalidPointer`] if the allocation was already freed by pointer
     /// ([`raw_free`](Self::raw_free)); [`Error::Device`] if recording an event fails and the device
     /// cannot be synchronized instead.
+    #[inline]
     pub fn free(&self, allocation: Allocation) -> Result<()> {
         if allocation.shard == Allocation::EMPTY {
             return Ok(());
@@ -52,12 +53,21 @@ impl<D: Device> CachingAllocator<D> {
     /// # Errors
     /// [`Error::InvalidPointer`] for a pointer this allocator did not hand out or already took back;
     /// otherwise as [`free`](Self::free).
+    #[inline]
     pub fn raw_free(&self, ptr: DevicePtr) -> Result<()> {
         if ptr.0 == 0 {
             return Ok(());
         }
         self.enable_pointer_index();
+        // Most pointers are freed by the thread that allocated them: its last shard first.
+        if let Some(shard) = self.remembered_shard() {
+            let mut locked = self.lock(shard);
+            if let Some(index) = locked.st.allocated.remove(&ptr.0) {
+                return locked.free_allocated(index);
+            }
+        }
         let shard = self.route(ptr).ok_or(Error::InvalidPointer { ptr })?;
+        self.remember_shard(shard.index);
         let mut locked = self.lock(shard);
         let index = locked
             .st

@@ -97,10 +97,17 @@ impl<D: Device> CachingAllocator<D> {
     /// ([`raw_free`](Self::raw_free), [`base_allocation`](Self::base_allocation), ...). Callers that
     /// only use [`Allocation`](crate::Allocation) handles never pay for the index; the first
     /// pointer-based call builds it from the blocks allocated so far and keeps it from then on.
+    #[inline]
     pub(crate) fn enable_pointer_index(&self) {
-        if self.pointer_index_on() {
-            return;
+        if !self.pointer_index_on() {
+            self.build_pointer_index();
         }
+    }
+
+    /// Builds the pointer index (the first pointer-based call).
+    #[cold]
+    #[inline(never)]
+    fn build_pointer_index(&self) {
         let (_guard, mut locks) = self.lock_all();
         for locked in &mut locks {
             let st = &mut *locked.st;

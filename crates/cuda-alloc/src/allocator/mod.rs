@@ -16,6 +16,7 @@
 mod alloc;
 mod free;
 mod grow;
+mod hint;
 mod inspect;
 mod invariants;
 mod private;
