@@ -36,7 +36,7 @@ use crate::events::EventQueues;
 use crate::oom::{FreeMemoryCallback, OomObserver};
 use crate::pool_id::MempoolId;
 use crate::settings::Settings;
-use crate::shard::{Shard, ShardState, StreamTable};
+use crate::shard::{Shard, ShardGuard, ShardState, StreamTable};
 use crate::snapshot::TraceEntry;
 use crate::stats::peaks::{Kind, PeakBook};
 use crate::trace::{Action, Record, TraceRecorder};
@@ -206,7 +206,7 @@ impl<D: Device> std::fmt::Debug for CachingAllocator<D> {
 pub(crate) struct Locked<'a, D: Device> {
     pub(crate) a: &'a CachingAllocator<D>,
     pub(crate) shard: &'a Shard<D>,
-    pub(crate) st: MutexGuard<'a, ShardState<D>>,
+    pub(crate) st: ShardGuard<'a, ShardState<D>>,
 }
 
 impl<D: Device> CachingAllocator<D> {
