@@ -14,8 +14,9 @@ use std::fmt;
 /// A device address, as the device reports it (`CUdeviceptr`).
 ///
 /// It is a plain number: holding one grants no access to the memory, so it is safe to copy around.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-#[derive(serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, serde::Serialize, serde::Deserialize,
+)]
 pub struct DevicePtr(pub u64);
 
 impl DevicePtr {
@@ -48,8 +49,19 @@ impl fmt::Display for DevicePtr {
 
 /// A stream, named by the numeric value of its handle (`cudaStream_t` as an integer; `0` is the legacy
 /// default stream). Blocks belong to the stream they were allocated on.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Debug)]
-#[derive(serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Default,
+    Debug,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 pub struct StreamId(pub u64);
 
 impl StreamId {
@@ -200,7 +212,12 @@ pub unsafe trait Device: Send + Sync + 'static {
     /// # Safety
     ///
     /// `[ptr, ptr + size)` lies in a reserved range and has nothing mapped; `size` is the chunk's size.
-    unsafe fn map(&self, ptr: DevicePtr, size: usize, chunk: &Self::PhysicalChunk) -> DeviceResult<()>;
+    unsafe fn map(
+        &self,
+        ptr: DevicePtr,
+        size: usize,
+        chunk: &Self::PhysicalChunk,
+    ) -> DeviceResult<()>;
 
     /// Unmaps `[ptr, ptr + size)` (`cuMemUnmap`) and releases the chunk mapped there (`cuMemRelease`).
     ///
@@ -208,5 +225,10 @@ pub unsafe trait Device: Send + Sync + 'static {
     ///
     /// `[ptr, ptr + size)` is exactly where `chunk` was mapped by [`Device::map`], and no queued device work
     /// uses it any more.
-    unsafe fn unmap(&self, ptr: DevicePtr, size: usize, chunk: Self::PhysicalChunk) -> DeviceResult<()>;
+    unsafe fn unmap(
+        &self,
+        ptr: DevicePtr,
+        size: usize,
+        chunk: Self::PhysicalChunk,
+    ) -> DeviceResult<()>;
 }

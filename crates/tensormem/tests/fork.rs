@@ -37,15 +37,27 @@ fn not_flagged() -> bool {
 
 #[test]
 fn children_forked_after_cuda_initialisation_refuse_cuda() {
-    assert!(in_child(not_flagged), "a child forked before any CUDA call was flagged as a bad fork");
+    assert!(
+        in_child(not_flagged),
+        "a child forked before any CUDA call was flagged as a bad fork"
+    );
 
     let parent = cuda::device_count();
     assert!(!matches!(parent, Err(Error::ForkedChild)));
-    assert!(!cuda::is_in_bad_fork(), "the parent itself is not a bad fork");
+    assert!(
+        !cuda::is_in_bad_fork(),
+        "the parent itself is not a bad fork"
+    );
 
-    assert!(in_child(refuses_cuda), "a child forked after CUDA initialisation did not refuse CUDA");
+    assert!(
+        in_child(refuses_cuda),
+        "a child forked after CUDA initialisation did not refuse CUDA"
+    );
     let message = Error::ForkedChild.to_string();
-    assert!(message.starts_with("Cannot re-initialize CUDA in forked subprocess"), "{message}");
+    assert!(
+        message.starts_with("Cannot re-initialize CUDA in forked subprocess"),
+        "{message}"
+    );
 
     // The parent is unaffected.
     assert!(!cuda::is_in_bad_fork());
