@@ -44,7 +44,6 @@ impl<D: Device> CachingAllocator<D> {
     /// [`Error::TooLarge`] for a request of 1 EB or more; [`Error::OutOfMemory`] when the device cannot
     /// provide the memory even after every cached block was released; [`Error::Device`] when a device
     /// call fails otherwise; [`Error::TooManyStreams`] when `stream` does not fit the stream table.
-    #[inline]
     pub fn allocate(&self, size: usize, stream: StreamId) -> Result<Allocation> {
         if size == 0 {
             return Ok(Allocation::empty(stream));
@@ -81,7 +80,6 @@ impl<D: Device> CachingAllocator<D> {
     ///
     /// # Errors
     /// As [`allocate`](Self::allocate).
-    #[inline]
     pub fn raw_alloc(&self, size: usize, stream: StreamId) -> Result<crate::DevicePtr> {
         self.enable_pointer_index();
         let allocation = self.allocate(size, stream)?;

@@ -21,7 +21,6 @@ impl<D: Device> CachingAllocator<D> {
     /// [`Error::InvalidPointer`] if the allocation was already freed by pointer
     /// ([`raw_free`](Self::raw_free)); [`Error::Device`] if recording an event fails and the device
     /// cannot be synchronized instead.
-    #[inline]
     pub fn free(&self, allocation: Allocation) -> Result<()> {
         if allocation.shard == Allocation::EMPTY {
             return Ok(());
@@ -53,7 +52,6 @@ impl<D: Device> CachingAllocator<D> {
     /// # Errors
     /// [`Error::InvalidPointer`] for a pointer this allocator did not hand out or already took back;
     /// otherwise as [`free`](Self::free).
-    #[inline]
     pub fn raw_free(&self, ptr: DevicePtr) -> Result<()> {
         if ptr.0 == 0 {
             return Ok(());
