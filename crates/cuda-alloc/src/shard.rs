@@ -33,7 +33,11 @@ pub(crate) struct AddrHasher(u64);
 impl Hasher for AddrHasher {
     #[inline]
     fn finish(&self) -> u64 {
-        self.0
+        // hashbrown takes the bucket from the low bits and a tag from the top 7. A product's low
+        // bits depend only on the key's low bits, which are zero for 512-byte-aligned addresses
+        // (every key would land in one bucket group); folding the well-mixed middle bits down fixes
+        // that and keeps the top bits.
+        self.0 ^ (self.0 >> 29)
     }
     #[inline]
     fn write(&mut self, bytes: &[u8]) {
@@ -43,7 +47,7 @@ impl Hasher for AddrHasher {
     }
     #[inline]
     fn write_u64(&mut self, n: u64) {
-        // Fibonacci hashing; the high bits are well mixed, and hashbrown uses the top 7 bits as tags.
+        // Fibonacci hashing: the high and middle bits are well mixed (see `finish`).
         self.0 = (self.0 ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     }
 }
