@@ -86,6 +86,7 @@ mod events;
 mod expandable;
 mod free_set;
 pub mod oom;
+mod pointer_index;
 mod pool;
 mod pool_id;
 pub mod replay;

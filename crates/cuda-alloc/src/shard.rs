@@ -17,6 +17,7 @@ use parking_lot::Mutex;
 use crate::block::Arena;
 use crate::device::{Device, StreamId};
 use crate::expandable::ExpandableSegment;
+use crate::pointer_index::PointerIndex;
 use crate::pool::{Pool, PoolOwner};
 use crate::pool_id::MempoolId;
 use crate::stats::peaks::{FigureSet, Figures};
@@ -64,7 +65,7 @@ pub(crate) struct ShardState<D: Device> {
     /// of private pools this stream has used.
     pub(crate) pools: Vec<Pool>,
     /// Allocated blocks by address (for calls that name memory by pointer).
-    pub(crate) allocated: AddrMap<u32>,
+    pub(crate) allocated: PointerIndex,
     /// Expandable segments of this stream (`None`: released slot).
     pub(crate) segments: Vec<Option<ExpandableSegment<D>>>,
     /// Streams other than the allocation stream that used a block (`record_stream`), by block index
@@ -83,7 +84,7 @@ impl<D: Device> ShardState<D> {
                 Pool::new(true, PoolOwner::Default, small_clock),
                 Pool::new(false, PoolOwner::Default, large_clock),
             ],
-            allocated: AddrMap::default(),
+            allocated: PointerIndex::default(),
             segments: Vec::new(),
             uses: AddrMap::default(),
             capture_uses: AddrMap::default(),
