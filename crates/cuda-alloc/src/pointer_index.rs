@@ -104,8 +104,9 @@ impl PointerIndex {
         self.find(*addr).map(|i| &self.slots[i].index)
     }
 
-    /// Removes `addr`, returning its arena index, if held.
-    #[inline]
+    /// Removes `addr`, returning its arena index, if held. Always inlined: as a call, a fifth of it
+    /// was saving registers.
+    #[inline(always)]
     pub(crate) fn remove(&mut self, addr: &u64) -> Option<u32> {
         let mut hole = self.find(*addr)?;
         let index = self.slots[hole].index;
@@ -129,6 +130,13 @@ impl PointerIndex {
         self.slots[hole] = VACANT;
         self.len -= 1;
         Some(index)
+    }
+
+    /// Removes `addr` if held, out of line: for callers that seldom have the index on (freeing by
+    /// handle), where an inlined [`remove`](Self::remove) made every call save more registers.
+    #[inline(never)]
+    pub(crate) fn forget(&mut self, addr: u64) {
+        self.remove(&addr);
     }
 
     /// Forgets every address, keeping the room.
@@ -174,6 +182,10 @@ mod tests {
         index.insert(1024, 2);
         assert_eq!(index.len(), 1);
         assert_eq!(index.get(&1024), Some(&2));
+        index.insert(2048, 3);
+        index.forget(1024);
+        assert_eq!(index.get(&1024), None);
+        assert_eq!(index.get(&2048), Some(&3));
         index.clear();
         assert_eq!(index.get(&1024), None);
         assert_eq!(index.len(), 0);

@@ -42,7 +42,7 @@ impl<D: Device> CachingAllocator<D> {
             });
         }
         if locked.a.pointer_index_on() {
-            st.allocated.remove(&allocation.ptr.0);
+            st.allocated.forget(allocation.ptr.0);
         }
         locked.free_allocated(index)
     }
