@@ -212,8 +212,8 @@ impl<D: Device> CachingAllocator<D> {
 impl<D: Device> Locked<'_, D> {
     /// Best fit in pool `pool`: the smallest free block of at least `size` bytes, lowest address
     /// first, subject to the oversize rules (PyTorch's `get_free_block`). The block stays in the free
-    /// set until [`hand_out`](Self::hand_out) takes it.
-    #[inline]
+    /// set until [`hand_out`](Self::hand_out) takes it. Always inlined: the hot path's other half.
+    #[inline(always)]
     pub(crate) fn get_free_block(&mut self, pool: u16, size: usize) -> Option<u32> {
         let settings = &self.a.settings;
         let st = &mut *self.st;
