@@ -4,8 +4,9 @@
 //! tombstones). Keys are block addresses, always multiples of 512 bytes, so a dedicated table does
 //! less: open addressing with linear probing over `(address, index)` pairs, the home slot taken from
 //! the top bits of `(address >> 9) * φ·2^64` (Fibonacci hashing: spreads both consecutive 512-byte
-//! blocks and widely spaced segments), at most half full, and removal by backward shift, so there
-//! are no tombstones and a lookup stops at the first empty slot.
+//! blocks and widely spaced segments), at most a quarter full, and removal by backward shift, so
+//! there are no tombstones and a lookup stops at the first empty slot. (Half full, the probe loops'
+//! branches mispredicted often enough with 256 live blocks to cost 12 ns per operation.)
 
 /// The key of an empty slot. Block addresses are multiples of 512, so never this.
 const EMPTY: u64 = u64::MAX;
@@ -28,7 +29,7 @@ const VACANT: Slot = Slot {
 };
 
 /// Addresses of allocated blocks to their arena indices. Invariant: `slots` is empty or a power of
-/// two long and at most half full; every key sits in the run of occupied slots that starts at its
+/// two long and at most a quarter full; every key sits in the run of occupied slots that starts at its
 /// home slot (no empty slot between its home and it).
 #[derive(Debug, Default)]
 pub(crate) struct PointerIndex {
@@ -78,7 +79,7 @@ impl PointerIndex {
     #[inline]
     pub(crate) fn insert(&mut self, addr: u64, index: u32) {
         debug_assert_ne!(addr, EMPTY, "not a block address");
-        if (self.len + 1) * 2 > self.slots.len() {
+        if (self.len + 1) * 4 > self.slots.len() {
             self.grow();
         }
         let mask = self.mask();
