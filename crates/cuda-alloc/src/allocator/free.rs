@@ -356,7 +356,8 @@ impl<D: Device> Locked<'_, D> {
     }
 
     /// Returns block `index` to its pool, merging it with free neighbours (PyTorch's `free_block`).
-    #[inline]
+    /// Always inlined: the second half of every free.
+    #[inline(always)]
     pub(crate) fn free_block(&mut self, index: u32) {
         let (pool, addr, original_size, requested, prev, next) = {
             let b = &self.st.blocks[index];
