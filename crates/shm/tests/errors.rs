@@ -1,7 +1,10 @@
 //! Bad input gives the right typed error: names, sizes, descriptors, foreign owners, access.
 
+mod common;
+
 use std::sync::atomic::{AtomicU32, AtomicU64};
 
+use common::fresh_name;
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use rustix::fs::{Mode, OFlags};
 use rustix::net::{socketpair, AddressFamily, SocketFlags, SocketType};
@@ -10,20 +13,6 @@ use tensormem_shm::{
     CreateMode, Error, MapOptions, NameGenerator, NameProblem, ObjectKind, RefcountedRegion,
     SharedRegion, ShmName, SizeProblem,
 };
-
-/// Unlinks a test's name when the test ends (ignoring "already gone").
-struct UnlinkOnDrop(ShmName);
-
-impl Drop for UnlinkOnDrop {
-    fn drop(&mut self) {
-        let _ = tensormem_shm::unlink_shm(&self.0);
-    }
-}
-
-fn fresh_name() -> (ShmName, UnlinkOnDrop) {
-    let name = NameGenerator::with_prefix("tmtest").unwrap().next_name();
-    (name.clone(), UnlinkOnDrop(name))
-}
 
 fn create(name: &ShmName, len: u64) -> tensormem_shm::Result<SharedRegion> {
     MapOptions::new()

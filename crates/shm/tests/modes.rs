@@ -1,24 +1,14 @@
 //! The MapAllocator flag combinations and the refcounted layout, observed from outside.
 
+mod common;
+
 use std::os::unix::fs::PermissionsExt;
 
+use common::fresh_name;
 use tensormem_shm::{
     Access, Backing, CreateMode, MapOptions, NameGenerator, RefcountHeader, RefcountedRegion,
     SharedRegion, ShmName, REFCOUNT_HEADER_LEN,
 };
-
-struct UnlinkOnDrop(ShmName);
-
-impl Drop for UnlinkOnDrop {
-    fn drop(&mut self) {
-        let _ = tensormem_shm::unlink_shm(&self.0);
-    }
-}
-
-fn fresh_name() -> (ShmName, UnlinkOnDrop) {
-    let name = NameGenerator::with_prefix("tmtest").unwrap().next_name();
-    (name.clone(), UnlinkOnDrop(name))
-}
 
 #[test]
 fn exclusive_create_is_private_and_sized() {

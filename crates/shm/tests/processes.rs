@@ -3,11 +3,14 @@
 //!
 //! Run with `cargo test -p tensormem-shm --test processes [-- FILTER]`.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
+use common::UnlinkOnDrop;
 use tensormem_shm::transfer::{recv_region, send_region, SendOptions};
 use tensormem_shm::{
     CreateMode, Error, MapOptions, NameGenerator, RefcountedRegion, SharedRegion, ShmName,
@@ -161,15 +164,6 @@ impl Drop for ChildProc {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
-    }
-}
-
-/// Unlinks a test's name when the test ends, passed or failed (ignoring "already gone").
-struct UnlinkOnDrop(ShmName);
-
-impl Drop for UnlinkOnDrop {
-    fn drop(&mut self) {
-        let _ = tensormem_shm::unlink_shm(&self.0);
     }
 }
 
