@@ -132,10 +132,7 @@ fn daemonize(config: &ManagerConfig) -> Result<(), ManagerError> {
     };
     let mut child = Command::new(&exe)
         .arg("--detached")
-        .arg("--dir")
-        .arg(config.dir())
-        .arg("--quiet-ms")
-        .arg(config.quiet_period().as_millis().to_string())
+        .args(config.daemon_args())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(stderr)

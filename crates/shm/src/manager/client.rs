@@ -343,10 +343,7 @@ fn start_daemon(config: &ManagerConfig) -> ManagerResult<()> {
     let mut command = Command::new(&binary);
     command
         .arg("--daemonize")
-        .arg("--dir")
-        .arg(config.dir())
-        .arg("--quiet-ms")
-        .arg(config.quiet_period().as_millis().to_string())
+        .args(config.daemon_args())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());

@@ -141,6 +141,18 @@ impl ManagerConfig {
         self.quiet_period
     }
 
+    /// The command-line arguments that hand this configuration's directory and quiet period to a
+    /// `tensormem-shm-manager` process (`--dir DIR --quiet-ms MS`), for the client that starts the
+    /// daemon and for the daemon re-running itself detached.
+    pub fn daemon_args(&self) -> [OsString; 4] {
+        [
+            "--dir".into(),
+            self.dir.clone().into_os_string(),
+            "--quiet-ms".into(),
+            self.quiet_period.as_millis().to_string().into(),
+        ]
+    }
+
     /// How long a client keeps trying to reach or start the daemon.
     pub fn connect_timeout(&self) -> Duration {
         self.connect_timeout
