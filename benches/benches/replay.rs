@@ -11,8 +11,8 @@
 use std::path::PathBuf;
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use tensormem_cuda_alloc::replay::{Replay, RunOptions};
 use tensormem_cuda_alloc::snapshot::Snapshot;
+use tensormem_replay::{Replay, RunOptions};
 
 fn traces_dir() -> PathBuf {
     std::env::var_os("TENSORMEM_TRACES_DIR").map_or_else(

@@ -4,8 +4,8 @@
 //! autocast, AdamW, 4 steps, recorded with PyTorch 2.11 on an NVIDIA H200), gzip-compressed by
 //! `build.rs`, with the `torch.cuda.memory_stats()` PyTorch reported after the run.
 
-use tensormem_cuda_alloc::replay::{ExpectedStats, ReplayResult};
 use tensormem_cuda_alloc::snapshot::{Snapshot, SnapshotResult};
+use tensormem_replay::{ExpectedStats, ReplayResult};
 
 /// How the built-in trace is named in output.
 pub(crate) const NAME: &str = "built-in gpt2_train";

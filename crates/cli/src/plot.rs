@@ -6,8 +6,8 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use tensormem_cuda_alloc::replay::{ReplayRun, TimelinePoint};
 use tensormem_cuda_alloc::size::format_size;
+use tensormem_replay::{ReplayRun, TimelinePoint};
 
 const WIDTH: f64 = 960.0;
 const PANEL_HEIGHT: f64 = 230.0;

@@ -1,7 +1,7 @@
 //! `tensormem replay`: replays a PyTorch allocator trace under its recorded configuration and under
 //! what-if configurations, and reports what each would have reserved.
 //!
-//! The work is the library's ([`tensormem_cuda_alloc::replay`]); this module reads the files, runs
+//! The work is the library's ([`tensormem_replay`]); this module reads the files, runs
 //! the configurations, and prints a table, JSON, an SVG timeline, or the final snapshot.
 
 use std::collections::BTreeMap;
@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, Context, Result};
 use clap::Args;
-use tensormem_cuda_alloc::replay::{ExpectedStats, Replay, ReplayRun, RunOptions};
 use tensormem_cuda_alloc::snapshot::Snapshot;
+use tensormem_replay::{ExpectedStats, Replay, ReplayRun, RunOptions};
 
 use crate::embedded;
 use crate::plot;

@@ -3,8 +3,8 @@
 
 use std::io::{self, Write};
 
-use tensormem_cuda_alloc::replay::{Check, ReplayRun};
 use tensormem_cuda_alloc::size::format_size;
+use tensormem_replay::{Check, ReplayRun};
 
 /// What the report says about the trace.
 pub(crate) struct Header<'a> {

@@ -89,7 +89,6 @@ pub mod oom;
 mod pointer_index;
 mod pool;
 mod pool_id;
-pub mod replay;
 mod settings;
 mod shard;
 pub mod size;

@@ -92,7 +92,7 @@ impl<D: Device> CachingAllocator<D> {
     /// The pool a request on `stream` goes to: a private pool if a capture underway claims the
     /// stream, else the default pools.
     #[inline]
-    fn pool_choice(&self, stream: StreamId) -> PoolChoice {
+    pub(super) fn pool_choice(&self, stream: StreamId) -> PoolChoice {
         if !self.capturing() {
             return PoolChoice::Default;
         }
@@ -215,12 +215,20 @@ impl<D: Device> Locked<'_, D> {
     /// set until [`hand_out`](Self::hand_out) takes it. Always inlined: the hot path's other half.
     #[inline(always)]
     pub(crate) fn get_free_block(&mut self, pool: u16, size: usize) -> Option<u32> {
-        let settings = &self.a.settings;
-        let st = &mut *self.st;
-        let p = &st.pools[pool as usize];
         if self.a.gc_enabled() {
-            p.gc_clock.fetch_add(1, Relaxed);
+            self.st.pools[pool as usize].gc_clock.fetch_add(1, Relaxed);
         }
+        self.best_fit(pool, size)
+    }
+
+    /// The block [`get_free_block`](Self::get_free_block) would choose, without counting the call
+    /// (the garbage collector's clock): the best-fit and oversize rules in one place, shared with
+    /// [`CachingAllocator::would_serve_from_cache`].
+    #[inline(always)]
+    pub(crate) fn best_fit(&self, pool: u16, size: usize) -> Option<u32> {
+        let settings = &self.a.settings;
+        let st = &*self.st;
+        let p = &st.pools[pool as usize];
         let blocks = &st.blocks;
         let (first_size, _, mut found) = p.free.first_at_least(size as u64)?;
         let mut block_size = first_size as usize;

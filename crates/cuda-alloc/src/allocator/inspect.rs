@@ -8,6 +8,7 @@ use crate::device::{Device, DevicePtr, StreamId};
 use crate::error::{Error, Result};
 use crate::pool_id::MempoolId;
 use crate::shard::Shard;
+use crate::size::{is_small, round_size, ONE_EXABYTE};
 use crate::snapshot::{AllocatorSettings, Block, BlockState, Segment, SegmentType, Snapshot};
 use crate::stats::MemoryStats;
 use crate::trace::Action;
@@ -234,5 +235,52 @@ impl<D: Device> CachingAllocator<D> {
             external_annotations: Some(Vec::new()),
             other: Vec::new(),
         }
+    }
+}
+
+impl<D: Device> CachingAllocator<D> {
+    /// Whether [`allocate(size, stream)`](Self::allocate) would be served right now by a block the
+    /// cache already holds, without asking the device for memory (PyTorch's `get_free_block`
+    /// succeeding on the first look).
+    ///
+    /// The answer applies the allocator's own policy: the size is rounded as `allocate` rounds it
+    /// (512 B granularity, `roundup_power2_divisions`), the pool is the one the request would go to
+    /// (small or large; a private pool while a capture claims `stream`), and the best fit must pass
+    /// the oversize rules (`max_split_size`, `max_non_split_rounding_size`). Only blocks free now
+    /// count: a block freed while other streams still use it counts once `allocate` would have
+    /// reclaimed it, which this query does not do (it changes nothing: no events are processed,
+    /// no statistics or garbage-collection ages move, no trace entry is written).
+    ///
+    /// A zero-sized request, or one of 1 EB or more, is never served from the cache (`allocate`
+    /// returns a null allocation or an error for those). A stream the allocator has never seen has
+    /// no cached blocks.
+    ///
+    /// ```
+    /// use tensormem_cuda_alloc::backend::sim::SimDevice;
+    /// use tensormem_cuda_alloc::{CachingAllocator, StreamId};
+    ///
+    /// let alloc = CachingAllocator::new(SimDevice::new(1 << 30));
+    /// let s = StreamId(0);
+    /// assert!(!alloc.would_serve_from_cache(4096, s)); // nothing cached yet
+    /// let a = alloc.allocate(4096, s)?; // a new 2 MiB segment; the rest stays cached
+    /// assert!(alloc.would_serve_from_cache(4096, s));
+    /// assert!(!alloc.would_serve_from_cache(4 << 20, s)); // the large pool is empty
+    /// assert!(!alloc.would_serve_from_cache(4096, StreamId(3))); // blocks never change streams
+    /// alloc.free(a)?;
+    /// # Ok::<(), tensormem_cuda_alloc::Error>(())
+    /// ```
+    #[must_use]
+    pub fn would_serve_from_cache(&self, size: usize, stream: StreamId) -> bool {
+        if size == 0 || size >= ONE_EXABYTE {
+            return false;
+        }
+        let Some(shard) = self.streams.get(stream) else {
+            return false;
+        };
+        let rounded = round_size(size, &self.settings);
+        let choice = self.pool_choice(stream);
+        let mut locked = self.lock(shard);
+        let pool = locked.pool_index(choice, is_small(rounded));
+        locked.best_fit(pool, rounded).is_some()
     }
 }

@@ -5,9 +5,9 @@
 use std::path::PathBuf;
 
 use tensormem_cuda_alloc::backend::sim::SimDevice;
-use tensormem_cuda_alloc::replay::{ExpectedStats, Replay, RunOptions};
 use tensormem_cuda_alloc::snapshot::{Snapshot, TraceAction, TraceEntry};
 use tensormem_cuda_alloc::{CachingAllocator, StreamId};
+use tensormem_replay::{ExpectedStats, Replay, RunOptions};
 
 const TRACES: [&str; 4] = [
     "gpt2_train",
@@ -158,9 +158,8 @@ fn timeline_peaks_are_the_statistics_peaks() {
         "{}",
         points.len()
     );
-    let max = |f: fn(&tensormem_cuda_alloc::replay::TimelinePoint) -> u64| {
-        points.iter().map(f).max().unwrap() as i64
-    };
+    let max =
+        |f: fn(&tensormem_replay::TimelinePoint) -> u64| points.iter().map(f).max().unwrap() as i64;
     assert_eq!(max(|p| p.allocated), stats["allocated_bytes.all.peak"]);
     assert_eq!(max(|p| p.reserved), stats["reserved_bytes.all.peak"]);
     assert_eq!(max(|p| p.requested), stats["requested_bytes.all.peak"]);

@@ -8,14 +8,12 @@ use super::device::{AddressUse, ReplayDevice};
 use super::plan::{DevicePlan, Op, ReleaseRun};
 use super::timeline::{Sampler, Timeline};
 use super::{ReplayError, ReplayResult, RunOptions};
-use crate::allocator::{Allocation, CachingAllocator, DEFAULT_STREAM_CAPACITY};
-use crate::config::AllocatorConfig;
-use crate::device::{Device, StreamId};
-use crate::error::Error;
-use crate::settings::Settings;
-use crate::size::{is_small, round_size};
-use crate::snapshot::{BlockState, SegmentType, Snapshot};
-use crate::stats::MemoryStats;
+use tensormem_cuda_alloc::config::AllocatorConfig;
+use tensormem_cuda_alloc::device::Device;
+use tensormem_cuda_alloc::snapshot::Snapshot;
+use tensormem_cuda_alloc::stats::MemoryStats;
+use tensormem_cuda_alloc::Error;
+use tensormem_cuda_alloc::{Allocation, CachingAllocator, DEFAULT_STREAM_CAPACITY};
 
 /// How often (in operations) the progress callback is called.
 const PROGRESS_EVERY: usize = 1 << 13;
@@ -72,8 +70,9 @@ fn release_was_external(
     if room(allocator, config) >= segment {
         return true;
     }
-    run.next_alloc
-        .is_some_and(|(size, stream)| served_from_cache(allocator, config, size, stream))
+    run.next_alloc.is_some_and(|(size, stream)| {
+        usize::try_from(size).is_ok_and(|size| allocator.would_serve_from_cache(size, stream))
+    })
 }
 
 /// Bytes the allocator could obtain from the device right now: the device's free memory, within
@@ -88,39 +87,6 @@ fn room(allocator: &CachingAllocator<ReplayDevice>, config: &AllocatorConfig) ->
         room = room.min(allowed.saturating_sub(allocator.reserved_bytes()));
     }
     room
-}
-
-/// Whether a cached block could serve `size` bytes on `stream` now (PyTorch's `get_free_block`
-/// rules, read off a snapshot: this is asked only at ambiguous release runs, which are rare).
-fn served_from_cache(
-    allocator: &CachingAllocator<ReplayDevice>,
-    config: &AllocatorConfig,
-    size: u64,
-    stream: StreamId,
-) -> bool {
-    let Ok(size) = usize::try_from(size) else {
-        return false;
-    };
-    let rounded = round_size(size, &Settings::new(config)) as u64;
-    let pool = if is_small(rounded as usize) {
-        SegmentType::Small
-    } else {
-        SegmentType::Large
-    };
-    let max_split = config.max_split_size as u64;
-    let max_rounding = config.max_non_split_rounding_size as u64;
-    let usable = |block: u64| {
-        block >= rounded
-            && !(rounded < max_split && block >= max_split)
-            && !(rounded >= max_split && block >= rounded.saturating_add(max_rounding))
-    };
-    allocator
-        .snapshot()
-        .segments
-        .iter()
-        .filter(|s| s.stream == stream.0 && s.segment_type == pool)
-        .flat_map(|s| &s.blocks)
-        .any(|b| b.state == BlockState::Inactive && usable(b.size))
 }
 
 /// Replays `plan` under `options`; `events_before` is the number of events of earlier devices (for

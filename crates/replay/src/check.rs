@@ -15,9 +15,9 @@ use std::fmt;
 use std::path::Path;
 
 use super::{ReplayError, ReplayResult};
-use crate::device::StreamId;
-use crate::size::format_size;
-use crate::snapshot::{BlockState, Segment};
+use tensormem_cuda_alloc::device::StreamId;
+use tensormem_cuda_alloc::size::format_size;
+use tensormem_cuda_alloc::snapshot::{BlockState, Segment};
 
 /// `torch.cuda.memory_stats()` as saved by the recording script: flat key names and values (only
 /// the integer figures are kept; other entries, such as the device name, are ignored).

@@ -16,9 +16,9 @@
 
 use std::collections::HashMap;
 
-use crate::device::StreamId;
-use crate::size::{LARGE_BUFFER, SMALL_BUFFER};
-use crate::snapshot::{Segment, TraceAction, TraceEntry};
+use tensormem_cuda_alloc::device::StreamId;
+use tensormem_cuda_alloc::size::{LARGE_BUFFER, SMALL_BUFFER};
+use tensormem_cuda_alloc::snapshot::{Segment, TraceAction, TraceEntry};
 
 /// One call of the replay.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

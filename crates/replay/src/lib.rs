@@ -30,7 +30,7 @@
 //!   device as large as the record shows it was.
 //!
 //! ```no_run
-//! use tensormem_cuda_alloc::replay::{ExpectedStats, Replay};
+//! use tensormem_replay::{ExpectedStats, Replay};
 //! use tensormem_cuda_alloc::snapshot::Snapshot;
 //!
 //! let snapshot = Snapshot::read_file("gpt2_train.pickle")?;
@@ -62,10 +62,10 @@ pub use device::{AddressUse, ReplayDevice};
 pub use run::DeviceRun;
 pub use timeline::{Timeline, TimelinePoint};
 
-use crate::allocator::InvariantViolation;
-use crate::config::{AllocatorConfig, ConfigError};
-use crate::snapshot::{Snapshot, SnapshotError};
 use plan::{DevicePlan, PlanError};
+use tensormem_cuda_alloc::config::{AllocatorConfig, ConfigError};
+use tensormem_cuda_alloc::snapshot::{Snapshot, SnapshotError};
+use tensormem_cuda_alloc::InvariantViolation;
 
 /// The simulated device's memory when neither the caller nor the trace says how much the real one
 /// had: 1 TiB, so that nothing runs out.
@@ -112,7 +112,7 @@ pub enum ReplayError {
         event: usize,
         /// The allocator's error.
         #[source]
-        source: crate::Error,
+        source: tensormem_cuda_alloc::Error,
     },
     /// The allocator's state was inconsistent after the replay (a bug in the allocator).
     #[error("after replaying device {device}: {source}")]

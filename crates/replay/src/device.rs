@@ -15,8 +15,8 @@ use std::collections::VecDeque;
 
 use parking_lot::Mutex;
 
-use crate::backend::sim::SimDevice;
-use crate::device::{
+use tensormem_cuda_alloc::backend::sim::SimDevice;
+use tensormem_cuda_alloc::device::{
     CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, MemInfo, StreamId,
 };
 
