@@ -63,6 +63,10 @@
 //!
 //! - `cuda` (default): the CUDA backend, `backend::cuda`, through `cudarc` with the driver loaded at
 //!   run time (no CUDA toolkit needed to build).
+//! - `snapshot-io` (default): snapshot files, [`snapshot::Snapshot::read_file`] and the writers: the
+//!   pickle reader and writer, gzip (`flate2`) and JSON (`serde_json`). Without it the snapshot model
+//!   stays ([`CachingAllocator::snapshot`], [`snapshot::Snapshot::to_value`]) and the crate depends on
+//!   neither `flate2` nor `serde_json`.
 //!
 //! # Map
 //!

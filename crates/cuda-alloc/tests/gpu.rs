@@ -15,6 +15,7 @@ mod allocator;
 mod backend;
 #[path = "gpu/harness.rs"]
 mod harness;
+#[cfg(feature = "snapshot-io")]
 #[path = "gpu/interop.rs"]
 mod interop;
 #[path = "gpu/multi_gpu.rs"]

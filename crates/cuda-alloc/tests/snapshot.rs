@@ -1,6 +1,8 @@
 //! Snapshot files: the real PyTorch traces read, checked field by field, written and read back (by this
 //! crate and by Python's `pickle`), in pickle, gzip and JSON form.
 
+#![cfg(feature = "snapshot-io")]
+
 use std::path::PathBuf;
 use std::process::Command;
 

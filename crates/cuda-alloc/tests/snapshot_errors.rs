@@ -1,6 +1,8 @@
 //! Files that are not snapshots get a typed error, never a panic: random files, truncated and damaged
 //! pickles, pickles of other data, hostile pickles (deep nesting, recursion, reference bombs).
 
+#![cfg(feature = "snapshot-io")]
+
 use std::path::PathBuf;
 
 use proptest::prelude::*;

@@ -2,6 +2,8 @@
 //! at the address PyTorch chose, and the final statistics must equal PyTorch's `memory_stats()`.
 //! (The full replay tool lives in the CLI; this checks the allocator core's decisions.)
 
+#![cfg(feature = "snapshot-io")]
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 
