@@ -145,7 +145,7 @@ impl SharedRegion {
     ///
     /// let tensor = vec![7u8; 1 << 20];
     /// let shared = SharedRegion::copy_from_bytes(&tensor)?;
-    /// assert_eq!(shared.as_slice(), &tensor[..]);
+    /// assert_eq!(shared.to_vec()?, tensor);
     /// # Ok::<(), tensormem_shm::Error>(())
     /// ```
     ///
@@ -177,7 +177,7 @@ impl SharedRegion {
     /// let tensor = vec![3u8; 5 << 20];
     /// let plan = CopyPlan { method: CopyMethod::PrefaultSplit, ..CopyPlan::with_threads(2) };
     /// let shared = SharedRegion::copy_from_bytes_with(&tensor, &plan)?;
-    /// assert_eq!(shared.as_slice(), &tensor[..]);
+    /// assert_eq!(shared.to_vec()?, tensor);
     /// # Ok::<(), tensormem_shm::Error>(())
     /// ```
     ///
@@ -194,7 +194,10 @@ impl SharedRegion {
         let fd = fd.ok_or_else(|| Error::NoFd {
             object: "new anonymous region".to_owned(),
         })?;
-        let dst = map.try_as_mut_slice()?;
+        // SAFETY: the region was created by this call and its fd has not left this function, so
+        // no other process can reach the object (a memfd has no name; the shm fallback was
+        // unlinked at once): nobody else reads, writes or truncates it while `dst` lives.
+        let dst = unsafe { map.try_as_mut_slice()? };
         match plan.method {
             CopyMethod::PrefaultSplit => copy_split(dst, src, threads)?,
             CopyMethod::Pwrite => pwrite_all(fd, src, 0)?,
@@ -459,7 +462,7 @@ mod tests {
                         object,
                     };
                     let region = SharedRegion::copy_from_bytes_with(&src, &plan).unwrap();
-                    assert!(region.as_slice() == &src[..], "{plan:?}");
+                    assert!(region.to_vec().unwrap() == src, "{plan:?}");
                     assert!(region.fd().is_some(), "{plan:?}");
                 }
             }

@@ -48,7 +48,7 @@ pub enum Backing {
 /// Shared memory mapped into this process: a [`Mapping`] plus, optionally, the descriptor of the
 /// object behind it.
 ///
-/// Dereferences to [`Mapping`] for data access (`as_slice`, `atomic`, `read_at`, ...). `Drop`
+/// Dereferences to [`Mapping`] for data access (`read_at`, `write_at`, `atomic`, ...). `Drop`
 /// unmaps and closes; it never unlinks a name (use [`SharedRegion::unlink`], or a
 /// [`RefcountedRegion`](crate::RefcountedRegion) whose last user unlinks it).
 pub struct SharedRegion {
@@ -184,7 +184,9 @@ impl fmt::Debug for SharedRegion {
 /// producer.write_at(0, b"hello")?;
 ///
 /// let consumer = MapOptions::new().read_only().map_shm(&name)?; // length from fstat
-/// assert_eq!(&consumer.as_slice()[..5], b"hello");
+/// let mut hello = [0u8; 5];
+/// consumer.read_at(0, &mut hello)?;
+/// assert_eq!(&hello, b"hello");
 /// producer.unlink()?;
 /// # Ok::<(), tensormem_shm::Error>(())
 /// ```

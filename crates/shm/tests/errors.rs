@@ -304,7 +304,12 @@ fn access_errors() {
     let mut rw = create(&name, 4096).unwrap();
     let mut ro = MapOptions::new().read_only().map_shm(&name).unwrap();
     assert!(matches!(ro.write_at(0, &[1]), Err(Error::ReadOnly)));
-    assert!(matches!(ro.try_as_mut_slice(), Err(Error::ReadOnly)));
+    // SAFETY: the call fails before any slice exists.
+    assert!(matches!(
+        unsafe { ro.try_as_mut_slice() },
+        Err(Error::ReadOnly)
+    ));
+    assert!(matches!(ro.fill(1), Err(Error::ReadOnly)));
     assert!(matches!(ro.atomic::<AtomicU32>(0), Err(Error::ReadOnly)));
     assert!(matches!(ro.write_volatile(0, 1), Err(Error::ReadOnly)));
     assert!(matches!(
@@ -349,7 +354,8 @@ fn as_mut_slice_on_a_read_only_mapping_panics() {
     let (name, _cleanup) = fresh_name();
     let _rw = create(&name, 4096).unwrap();
     let mut ro = MapOptions::new().read_only().map_shm(&name).unwrap();
-    ro.as_mut_slice()[0] = 1;
+    // SAFETY: it panics before creating a slice; nobody else uses the object.
+    unsafe { ro.as_mut_slice()[0] = 1 };
 }
 
 #[test]
