@@ -15,7 +15,7 @@
 //! `shm_open(O_CREAT | O_EXCL, 0600)` of a generated name followed at once by `shm_unlink`: equally
 //! anonymous after the unlink, but unsealed (a peer holding the fd could truncate it).
 
-use rustix::fd::{AsFd, OwnedFd};
+use rustix::fd::OwnedFd;
 use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::io::Errno;
 
@@ -77,7 +77,7 @@ impl SharedRegion {
     /// Whether the object is sealed against shrinking (`F_SEAL_SHRINK`), i.e. no process can
     /// truncate it under this mapping. `false` when the fd was not kept.
     pub fn is_sealed_against_shrink(&self) -> bool {
-        self.fd().is_some_and(is_sealed_against_shrink)
+        self.fd().is_some_and(object::is_sealed_against_shrink)
     }
 }
 
@@ -108,11 +108,6 @@ pub(crate) fn unlinked_shm(len: u64) -> Result<OwnedFd> {
     object::unlink_shm(&name)?;
     rustix::fs::ftruncate(&fd, len).map_err(Error::os("ftruncate", &name.describe()))?;
     Ok(fd)
-}
-
-/// Whether `fd` carries `F_SEAL_SHRINK`; `false` for objects that cannot be sealed.
-pub(crate) fn is_sealed_against_shrink(fd: impl AsFd) -> bool {
-    rustix::fs::fcntl_get_seals(fd).is_ok_and(|seals| seals.contains(SealFlags::SHRINK))
 }
 
 #[cfg(test)]

@@ -46,7 +46,7 @@ use rustix::mm::Advice;
 
 use crate::anon::AnonymousKind;
 use crate::error::{Error, Result};
-use crate::mapping::Mapping;
+use crate::object;
 use crate::region::SharedRegion;
 
 /// The least a copy must have per thread to get one: below this, starting a thread costs more
@@ -187,7 +187,7 @@ impl SharedRegion {
     pub fn copy_from_bytes_with(src: &[u8], plan: &CopyPlan) -> Result<Self> {
         let mut region = Self::create_anonymous_as(src.len() as u64, plan.object)?;
         if plan.huge_pages {
-            advise_huge_pages(region.mapping());
+            object::advise_huge_pages(region.mapping());
         }
         let threads = plan.threads_for(src.len());
         let (fd, map) = region.fd_and_mapping_mut();
@@ -408,18 +408,6 @@ fn prefault_write(buf: &mut [u8]) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// `madvise(MADV_HUGEPAGE)` on the whole mapping; failures (no THP support) are only traced,
-/// since huge pages are an optimisation.
-pub(crate) fn advise_huge_pages(map: &Mapping) {
-    // SAFETY: the range is exactly the mapping `map` owns; MADV_HUGEPAGE only changes how the
-    // kernel backs it, never its contents.
-    let advised =
-        unsafe { rustix::mm::madvise(map.base_ptr().cast(), map.map_len(), Advice::LinuxHugepage) };
-    if let Err(errno) = advised {
-        tracing::trace!(%errno, "MADV_HUGEPAGE refused; using normal pages");
-    }
 }
 
 #[cfg(test)]

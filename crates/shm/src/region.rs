@@ -137,6 +137,30 @@ impl SharedRegion {
     }
 }
 
+/// The descriptor kept with the region, for `fstat`, `send_fd`, `fcntl` and any other API taking
+/// `impl AsFd`.
+///
+/// Regions from [`SharedRegion::create_anonymous`], [`SharedRegion::copy_from_bytes`] and every
+/// region mapped with [`MapOptions::keep_fd`]`(true)` (the default for [`MapOptions::map_fd`] and
+/// received regions is to close it; ask to keep it) have one. [`SharedRegion::fd`] is the
+/// non-panicking form.
+///
+/// # Panics
+///
+/// If the region kept no descriptor (mapped with `keep_fd(false)`, or after
+/// [`take_fd`](SharedRegion::take_fd)).
+impl AsFd for SharedRegion {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self.fd() {
+            Some(fd) => fd,
+            None => panic!(
+                "{} kept no file descriptor; map it with keep_fd(true) or use SharedRegion::fd()",
+                self.describe()
+            ),
+        }
+    }
+}
+
 impl Deref for SharedRegion {
     type Target = Mapping;
 
@@ -331,7 +355,7 @@ impl MapOptions {
         } else {
             None
         };
-        let sealed = crate::anon::is_sealed_against_shrink(fd);
+        let sealed = object::is_sealed_against_shrink(fd);
         Ok(SharedRegion::from_parts(map, kept, Backing::Fd { sealed }))
     }
 
@@ -345,7 +369,7 @@ impl MapOptions {
     ) -> Result<SharedRegion> {
         let object = object::describe_fd(&fd);
         let map = self.attach(&fd, &object, Some(needed), header)?;
-        let sealed = crate::anon::is_sealed_against_shrink(&fd);
+        let sealed = object::is_sealed_against_shrink(&fd);
         Ok(SharedRegion::from_parts(
             map,
             self.keep_fd.then_some(fd),
@@ -460,7 +484,7 @@ impl MapOptions {
         let map = Mapping::map(fd, total, header, self.access, self.populate)
             .map_err(Error::os("mmap", object))?;
         if self.huge_pages {
-            crate::copy::advise_huge_pages(&map);
+            object::advise_huge_pages(&map);
         }
         Ok(map)
     }
