@@ -106,8 +106,11 @@ fn consumer(path: &str) -> BenchResult<()> {
         spin_us.copy_from_slice(&received.user_data()[..4]);
         recv = RecvOptions::spinning(Duration::from_micros(u32::from_le_bytes(spin_us).into()));
         let detach_first = received.user_data().get(4) == Some(&1);
-        let bytes = received.region.as_slice();
-        let answer = bytes[0].wrapping_add(bytes[bytes.len() - 1]);
+        // Copies of the two bytes, not a slice: the producer may write the region again.
+        let region = &received.region;
+        let first = region.read_volatile(0).unwrap_or(0);
+        let last = region.read_volatile(region.len() - 1).unwrap_or(0);
+        let answer = first.wrapping_add(last);
         if detach_first {
             // The anchor's order: unmap, then answer.
             drop(received);
@@ -160,7 +163,7 @@ fn round_trips(dir: &std::path::Path, args: &Args) -> BenchResult<()> {
             drop(region);
         }
         let mut region = SharedRegion::create_anonymous(len)?;
-        region.as_mut_slice().fill(1);
+        region.fill(1)?;
         region.write_at(len as usize - 1, &[2])?;
         for (label, recv, detach_first) in [
             ("tensormem_fd", RecvOptions::BLOCKING, true),
@@ -250,7 +253,9 @@ impl Variant {
 fn torch_like(src: &[u8], threads: usize) -> BenchResult<SharedRegion> {
     let mut region =
         SharedRegion::create_anonymous_as(src.len() as u64, AnonymousKind::UnlinkedShm)?;
-    let dst = region.as_mut_slice();
+    // SAFETY: the region was created just above and its fd has not been shared: no other
+    // process can reach, write or truncate the object while `dst` lives.
+    let dst = unsafe { region.as_mut_slice() };
     let piece = src.len().div_ceil(threads.max(1));
     std::thread::scope(|scope| {
         for (d, s) in dst.chunks_mut(piece).zip(src.chunks(piece)) {

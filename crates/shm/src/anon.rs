@@ -15,7 +15,7 @@
 //! `shm_open(O_CREAT | O_EXCL, 0600)` of a generated name followed at once by `shm_unlink`: equally
 //! anonymous after the unlink, but unsealed (a peer holding the fd could truncate it).
 
-use rustix::fd::{AsFd, OwnedFd};
+use rustix::fd::OwnedFd;
 use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::io::Errno;
 
@@ -77,7 +77,7 @@ impl SharedRegion {
     /// Whether the object is sealed against shrinking (`F_SEAL_SHRINK`), i.e. no process can
     /// truncate it under this mapping. `false` when the fd was not kept.
     pub fn is_sealed_against_shrink(&self) -> bool {
-        self.fd().is_some_and(is_sealed_against_shrink)
+        self.fd().is_some_and(object::is_sealed_against_shrink)
     }
 }
 
@@ -110,11 +110,6 @@ pub(crate) fn unlinked_shm(len: u64) -> Result<OwnedFd> {
     Ok(fd)
 }
 
-/// Whether `fd` carries `F_SEAL_SHRINK`; `false` for objects that cannot be sealed.
-pub(crate) fn is_sealed_against_shrink(fd: impl AsFd) -> bool {
-    rustix::fs::fcntl_get_seals(fd).is_ok_and(|seals| seals.contains(SealFlags::SHRINK))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -127,7 +122,7 @@ mod tests {
         let fd = region.fd().unwrap();
         assert_eq!(rustix::fs::ftruncate(fd, 100), Err(Errno::PERM));
         assert_eq!(rustix::fs::ftruncate(fd, 1 << 20), Err(Errno::PERM));
-        assert!(region.as_slice().iter().all(|&b| b == 0));
+        assert!(region.to_vec().unwrap().iter().all(|&b| b == 0));
     }
 
     #[test]

@@ -46,7 +46,7 @@ use rustix::mm::Advice;
 
 use crate::anon::AnonymousKind;
 use crate::error::{Error, Result};
-use crate::mapping::Mapping;
+use crate::object;
 use crate::region::SharedRegion;
 
 /// The least a copy must have per thread to get one: below this, starting a thread costs more
@@ -145,7 +145,7 @@ impl SharedRegion {
     ///
     /// let tensor = vec![7u8; 1 << 20];
     /// let shared = SharedRegion::copy_from_bytes(&tensor)?;
-    /// assert_eq!(shared.as_slice(), &tensor[..]);
+    /// assert_eq!(shared.to_vec()?, tensor);
     /// # Ok::<(), tensormem_shm::Error>(())
     /// ```
     ///
@@ -177,7 +177,7 @@ impl SharedRegion {
     /// let tensor = vec![3u8; 5 << 20];
     /// let plan = CopyPlan { method: CopyMethod::PrefaultSplit, ..CopyPlan::with_threads(2) };
     /// let shared = SharedRegion::copy_from_bytes_with(&tensor, &plan)?;
-    /// assert_eq!(shared.as_slice(), &tensor[..]);
+    /// assert_eq!(shared.to_vec()?, tensor);
     /// # Ok::<(), tensormem_shm::Error>(())
     /// ```
     ///
@@ -187,14 +187,17 @@ impl SharedRegion {
     pub fn copy_from_bytes_with(src: &[u8], plan: &CopyPlan) -> Result<Self> {
         let mut region = Self::create_anonymous_as(src.len() as u64, plan.object)?;
         if plan.huge_pages {
-            advise_huge_pages(region.mapping());
+            object::advise_huge_pages(region.mapping());
         }
         let threads = plan.threads_for(src.len());
         let (fd, map) = region.fd_and_mapping_mut();
         let fd = fd.ok_or_else(|| Error::NoFd {
             object: "new anonymous region".to_owned(),
         })?;
-        let dst = map.try_as_mut_slice()?;
+        // SAFETY: the region was created by this call and its fd has not left this function, so
+        // no other process can reach the object (a memfd has no name; the shm fallback was
+        // unlinked at once): nobody else reads, writes or truncates it while `dst` lives.
+        let dst = unsafe { map.try_as_mut_slice()? };
         match plan.method {
             CopyMethod::PrefaultSplit => copy_split(dst, src, threads)?,
             CopyMethod::Pwrite => pwrite_all(fd, src, 0)?,
@@ -407,18 +410,6 @@ fn prefault_write(buf: &mut [u8]) -> Result<()> {
     Ok(())
 }
 
-/// `madvise(MADV_HUGEPAGE)` on the whole mapping; failures (no THP support) are only traced,
-/// since huge pages are an optimisation.
-pub(crate) fn advise_huge_pages(map: &Mapping) {
-    // SAFETY: the range is exactly the mapping `map` owns; MADV_HUGEPAGE only changes how the
-    // kernel backs it, never its contents.
-    let advised =
-        unsafe { rustix::mm::madvise(map.base_ptr().cast(), map.map_len(), Advice::LinuxHugepage) };
-    if let Err(errno) = advised {
-        tracing::trace!(%errno, "MADV_HUGEPAGE refused; using normal pages");
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -459,7 +450,7 @@ mod tests {
                         object,
                     };
                     let region = SharedRegion::copy_from_bytes_with(&src, &plan).unwrap();
-                    assert!(region.as_slice() == &src[..], "{plan:?}");
+                    assert!(region.to_vec().unwrap() == src, "{plan:?}");
                     assert!(region.fd().is_some(), "{plan:?}");
                 }
             }

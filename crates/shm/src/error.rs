@@ -327,3 +327,37 @@ impl Error {
         move |errno| Self::from_errno(errno, op, object)
     }
 }
+
+impl Error {
+    /// The [`io::ErrorKind`] closest to this error, used by `From<Error> for io::Error`.
+    pub fn kind(&self) -> io::ErrorKind {
+        use io::ErrorKind as K;
+        match self {
+            Self::InvalidName { .. }
+            | Self::InvalidPrefix { .. }
+            | Self::InvalidSize { .. }
+            | Self::OutOfBounds { .. }
+            | Self::Misaligned { .. }
+            | Self::NoFd { .. } => K::InvalidInput,
+            Self::AlreadyExists { .. } => K::AlreadyExists,
+            Self::NotFound { .. } | Self::RefcountGone { .. } => K::NotFound,
+            Self::ForeignOwner { .. } | Self::ReadOnly => K::PermissionDenied,
+            Self::WrongKind { .. } | Self::TooSmall { .. } | Self::Protocol { .. } => {
+                K::InvalidData
+            }
+            Self::Disconnected => K::UnexpectedEof,
+            Self::InvalidFd { source, .. }
+            | Self::PermissionDenied { source, .. }
+            | Self::Os { source, .. } => source.kind(),
+            Self::Manager(e) => e.kind(),
+        }
+    }
+}
+
+/// For callers whose functions return `io::Result`: the kind is [`Error::kind`], and the typed
+/// error stays reachable through `io::Error::get_ref` / `into_inner` (downcast to [`Error`]).
+impl From<Error> for io::Error {
+    fn from(err: Error) -> Self {
+        io::Error::new(err.kind(), err)
+    }
+}

@@ -52,14 +52,22 @@
 //! // Consumer: receive, check and map it; then write into the same memory.
 //! let mut received = recv_region(&consumer_end, &MapOptions::new())?;
 //! assert_eq!(received.user_data(), b"weights");
-//! assert_eq!(received.region.as_slice(), &tensor[..]);
+//! assert_eq!(received.region.to_vec()?, tensor); // a copy: safe whatever the peer does
 //! received.region.write_at(0, &[42])?;
-//! assert_eq!(shared.as_slice()[0], 42); // the producer sees the consumer's write
+//! let mut first = [0u8; 1];
+//! shared.read_at(0, &mut first)?;
+//! assert_eq!(first, [42]); // the producer sees the consumer's write
 //! # Ok::<(), tensormem_shm::Error>(())
 //! ```
 //!
-//! Accessing the bytes of memory other processes can write has a caveat in Rust; the
-//! [`mapping`] module explains it and what to use instead of slices for concurrently updated words.
+//! # Memory a peer can write is reached by copies, atomics, or `unsafe`
+//!
+//! A `&[u8]` over shared memory would promise that no other process writes those bytes while it
+//! lives, which no library can check. So the safe surface copies ([`Mapping::read_at`],
+//! [`Mapping::write_at`], [`Mapping::to_vec`], [`Mapping::fill`]) or uses atomics
+//! ([`Mapping::atomic`]); [`Mapping::as_slice`] / [`Mapping::as_mut_slice`] are `unsafe fn`s whose
+//! `# Safety` sections state the obligation (no concurrent writer, no truncation while the slice
+//! lives). The [`mapping`] module explains the split.
 //!
 //! Linux only (memfd, `/dev/shm`, `MADV_POPULATE_WRITE`); no CUDA anywhere in the dependency tree.
 

@@ -2,15 +2,39 @@
 //!
 //! # Memory that other processes change
 //!
-//! A shared mapping is, by design, memory that other processes may write at any time. Rust's
-//! references promise that nothing changes the bytes behind a `&[u8]` while it lives, a promise
-//! no library can keep for memory a peer writes. This crate follows the convention of `memmap2`:
-//! [`Mapping::as_slice`] and [`Mapping::as_mut_slice`] are safe, and it is the application's
-//! protocol (a message on the socket, a flag set with an atomic) that must make sure no peer
-//! writes the bytes while this process reads them through a slice. Where words really are shared
-//! concurrently (counters, flags), use [`Mapping::atomic`], which is sound under concurrent access
-//! from any process; [`Mapping::read_at`] / [`Mapping::write_at`] copy without creating references;
-//! [`Mapping::as_ptr`] / [`Mapping::as_mut_ptr`] give raw access for everything else.
+//! A shared mapping is, by design, memory that other processes may write (or, for objects that
+//! are not sealed, truncate) at any time. Rust's references promise that nothing changes the
+//! bytes behind a `&[u8]` while it lives, and that nobody else touches the bytes behind a
+//! `&mut [u8]`: a promise no library can keep for memory a peer writes. So this crate splits the
+//! API along that line:
+//!
+//! - **Safe**: [`Mapping::read_at`] / [`Mapping::write_at`] copy bytes in and out through raw
+//!   pointers, never creating a reference to the shared bytes (a concurrent peer write may make
+//!   the copy see a mix of old and new bytes, which is the worst that happens);
+//!   [`Mapping::to_vec`] and [`Mapping::fill`] are copies too; [`Mapping::read_volatile`] /
+//!   [`Mapping::write_volatile`] poll or set single bytes; [`Mapping::atomic`] places an atomic
+//!   integer in the region, sound under concurrent access from any process.
+//! - **`unsafe`**: [`Mapping::as_slice`] and [`Mapping::as_mut_slice`] create references, so the
+//!   caller promises what the compiler cannot check: no process writes (for `as_mut_slice`: reads
+//!   or writes) the bytes while the slice lives, and nobody truncates the object under it. That
+//!   is the obligation `memmap2` puts on `Mmap::map`; here it sits on the view rather than the
+//!   mapping, because attaching alone is harmless while the copies above are the whole access.
+//!   Typical ways to meet it: the consumer reads through a slice only after the producer's
+//!   message and the producer writes again only after the consumer's answer; or the region is an
+//!   anonymous (sealed) region this process created and has not shared yet.
+//! - [`Mapping::as_ptr`] / [`Mapping::as_mut_ptr`] give raw pointers for everything else; using
+//!   them is `unsafe` as usual.
+//!
+//! Taking a slice without `unsafe` does not compile:
+//!
+//! ```compile_fail,E0133
+//! let region = tensormem_shm::SharedRegion::create_anonymous(4096).unwrap();
+//! let bytes: &[u8] = region.as_slice(); // error: call to unsafe function
+//! # let _ = bytes;
+//! ```
+//!
+//! What truncation by a peer does to each access, per sharing mode, is described in the crate
+//! docs (section "Truncation and `SIGBUS`").
 
 use std::fmt;
 use std::ptr::NonNull;
@@ -59,8 +83,9 @@ pub struct Mapping {
 // SAFETY: a `Mapping` owns its address range exclusively within this process (nothing else
 // unmaps it); moving the owner to another thread changes nothing about the memory's validity.
 unsafe impl Send for Mapping {}
-// SAFETY: `&Mapping` only hands out `&[u8]` (read-only views), atomics and copies; writes need
-// `&mut Mapping` or raw pointers whose use is the caller's unsafe responsibility.
+// SAFETY: `&Mapping` only hands out copies, atomics and (through `unsafe fn as_slice`) read-only
+// views; writes need `&mut Mapping` or raw pointers whose use is the caller's unsafe
+// responsibility. Concurrent copies from several threads are no different from a peer process's.
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
@@ -124,23 +149,44 @@ impl Mapping {
         unsafe { self.base.as_ptr().add(self.offset) }
     }
 
-    /// The exposed bytes. Other processes sharing the object may change them: see the
-    /// [module docs](self) for what that means and when to prefer [`atomic`](Self::atomic).
-    pub fn as_slice(&self) -> &[u8] {
+    /// The exposed bytes as a slice.
+    ///
+    /// Prefer [`read_at`](Self::read_at) or [`to_vec`](Self::to_vec), which copy and are safe;
+    /// a slice is for reading a large region in place when the protocol guarantees quiet.
+    ///
+    /// # Safety
+    ///
+    /// For as long as the returned slice lives:
+    /// - no process (this one through raw pointers or atomics included) writes the exposed bytes;
+    /// - no process truncates the object below the mapped length (sealed anonymous regions
+    ///   cannot be truncated; named, file-backed and unsealed objects can be, by anyone holding
+    ///   a writable descriptor, and touching a lost page raises `SIGBUS`).
+    ///
+    /// Shared memory offers no way to check either from here; your protocol must ensure it (see
+    /// the [module docs](self)).
+    pub unsafe fn as_slice(&self) -> &[u8] {
         // SAFETY: the range is mapped readable for `len()` bytes until `self` is dropped, and the
-        // returned borrow cannot outlive `self`. Writes by other processes are the documented
-        // caveat shared with memmap2; within this process, writes need `&mut self`.
+        // returned borrow cannot outlive `self`; within this process, writes through this
+        // `Mapping` need `&mut self`. That no other writer or truncation meets the slice while
+        // it lives is the caller's obligation (this function's `# Safety`).
         unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }
     }
 
     /// The exposed bytes, writable.
     ///
+    /// Prefer [`write_at`](Self::write_at) or [`fill`](Self::fill), which copy and are safe.
+    ///
     /// # Panics
     ///
     /// If the mapping is read-only; [`try_as_mut_slice`](Self::try_as_mut_slice) returns an
     /// error instead.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        match self.try_as_mut_slice() {
+    ///
+    /// # Safety
+    ///
+    /// As [`try_as_mut_slice`](Self::try_as_mut_slice).
+    pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: the caller upholds `try_as_mut_slice`'s obligations, which are ours.
+        match unsafe { self.try_as_mut_slice() } {
             Ok(slice) => slice,
             Err(err) => panic!("{err}"),
         }
@@ -151,14 +197,48 @@ impl Mapping {
     /// # Errors
     ///
     /// [`Error::ReadOnly`] if the mapping is read-only.
-    pub fn try_as_mut_slice(&mut self) -> Result<&mut [u8]> {
+    ///
+    /// # Safety
+    ///
+    /// For as long as the returned slice lives, no other process reads or writes the exposed
+    /// bytes (a peer's access would race with this exclusive borrow) and none truncates the
+    /// object below the mapped length (see [`as_slice`](Self::as_slice)).
+    pub unsafe fn try_as_mut_slice(&mut self) -> Result<&mut [u8]> {
         if !self.access.is_writable() {
             return Err(Error::ReadOnly);
         }
         let len = self.len();
         // SAFETY: the range is mapped writable for `len` bytes; `&mut self` guarantees no other
-        // reference into it exists in this process for the borrow's lifetime.
+        // reference into it exists in this process for the borrow's lifetime, and the caller
+        // guarantees no other process touches it meanwhile.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr(), len) })
+    }
+
+    /// A copy of all exposed bytes (what [`read_at`](Self::read_at) gives for the whole region).
+    ///
+    /// # Errors
+    ///
+    /// As [`read_at`](Self::read_at).
+    pub fn to_vec(&self) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; self.len()];
+        self.read_at(0, &mut out)?;
+        Ok(out)
+    }
+
+    /// Sets every exposed byte to `value`, without creating a reference to the shared bytes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ReadOnly`] for read-only mappings.
+    pub fn fill(&mut self, value: u8) -> Result<()> {
+        if !self.access.is_writable() {
+            return Err(Error::ReadOnly);
+        }
+        let len = self.len();
+        // SAFETY: the whole exposed range lies inside a writable mapping owned by `self`;
+        // `&mut self` excludes other references to it in this process.
+        unsafe { std::ptr::write_bytes(self.as_mut_ptr(), value, len) };
+        Ok(())
     }
 
     /// Copies `buf.len()` bytes starting at `offset` into `buf`, without creating a reference to

@@ -5,9 +5,9 @@
 //!
 //! Generated names have the shape PyTorch's `NewProcessWideShmHandle` produces,
 //! `/<prefix>_<pid>_<random>_<counter>`: the pid tells housekeeping tools (`tensormem shm gc`)
-//! whether the creator still lives, the random part (from the OS-seeded ChaCha generator behind
-//! `rand::thread_rng`, a CSPRNG) makes names unguessable, and the process-wide counter makes them
-//! unique within the process even if the random part repeated.
+//! whether the creator still lives, the random part (8 bytes from the kernel's `getrandom(2)`)
+//! makes names unguessable, and the process-wide counter makes them unique within the process
+//! even if the random part repeated.
 
 use std::borrow::Borrow;
 use std::ffi::OsStr;
@@ -121,6 +121,29 @@ impl ShmName {
     pub(crate) fn describe(&self) -> String {
         format!("shm {:?}", self.0)
     }
+}
+
+/// Eight bytes from `getrandom(2)`. Where the call is unavailable (kernels before 3.17, seccomp
+/// filters), a SipHash of the counter keyed by std's `RandomState` (itself seeded by the OS),
+/// which is just as unpredictable to other processes.
+#[doc(alias = "getrandom")]
+fn random_u64() -> u64 {
+    let mut bytes = [0u8; 8];
+    let mut filled = 0;
+    while filled < bytes.len() {
+        match rustix::rand::getrandom(&mut bytes[filled..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(n) => filled += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(_) => {
+                use std::hash::{BuildHasher, Hasher};
+                let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+                hasher.write_u64(COUNTER.load(Ordering::Relaxed));
+                hasher.write_u32(std::process::id());
+                return hasher.finish();
+            }
+        }
+    }
+    u64::from_ne_bytes(bytes)
 }
 
 fn check_name(name: &[u8]) -> Result<(), NameProblem> {
@@ -266,7 +289,7 @@ impl NameGenerator {
     /// A fresh name. Never repeats within this process; another process cannot predict it.
     pub fn next_name(&self) -> ShmName {
         let counter = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let random: u64 = rand::random();
+        let random = random_u64();
         let name = format!(
             "/{}_{}_{}_{}",
             self.prefix,

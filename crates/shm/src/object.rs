@@ -165,6 +165,29 @@ pub(crate) fn check_len(len: u64, object: &str) -> Result<usize> {
     })
 }
 
+/// Whether `fd` carries `F_SEAL_SHRINK` (`fcntl(F_GET_SEALS)`); `false` for objects that cannot
+/// be sealed.
+pub(crate) fn is_sealed_against_shrink(fd: impl AsFd) -> bool {
+    rustix::fs::fcntl_get_seals(fd).is_ok_and(|seals| seals.contains(rustix::fs::SealFlags::SHRINK))
+}
+
+/// `madvise(MADV_HUGEPAGE)` on the whole mapping; failures (no THP support) are only traced,
+/// since huge pages are an optimisation.
+pub(crate) fn advise_huge_pages(map: &crate::mapping::Mapping) {
+    // SAFETY: the range is exactly the mapping `map` owns; MADV_HUGEPAGE only changes how the
+    // kernel backs it, never its contents.
+    let advised = unsafe {
+        rustix::mm::madvise(
+            map.base_ptr().cast(),
+            map.map_len(),
+            rustix::mm::Advice::LinuxHugepage,
+        )
+    };
+    if let Err(errno) = advised {
+        tracing::trace!(%errno, "MADV_HUGEPAGE refused; using normal pages");
+    }
+}
+
 pub(crate) fn describe_path(path: &Path) -> String {
     format!("file {:?}", path.display().to_string())
 }

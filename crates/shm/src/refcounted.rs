@@ -83,7 +83,7 @@ impl RefcountHeader {
 /// first.write_at(0, &[42])?;
 /// let second = RefcountedRegion::open(&name)?; // normally in another process
 /// assert_eq!(first.refcount(), 2);
-/// assert_eq!(second.as_slice()[0], 42);
+/// assert_eq!(second.read_volatile(0)?, 42);
 /// assert!(!second.close()?); // 2 -> 1: the name stays
 /// assert!(first.close()?); // 1 -> 0: unlinked
 /// assert!(!name.path().exists());

@@ -48,7 +48,7 @@ pub enum Backing {
 /// Shared memory mapped into this process: a [`Mapping`] plus, optionally, the descriptor of the
 /// object behind it.
 ///
-/// Dereferences to [`Mapping`] for data access (`as_slice`, `atomic`, `read_at`, ...). `Drop`
+/// Dereferences to [`Mapping`] for data access (`read_at`, `write_at`, `atomic`, ...). `Drop`
 /// unmaps and closes; it never unlinks a name (use [`SharedRegion::unlink`], or a
 /// [`RefcountedRegion`](crate::RefcountedRegion) whose last user unlinks it).
 pub struct SharedRegion {
@@ -137,6 +137,30 @@ impl SharedRegion {
     }
 }
 
+/// The descriptor kept with the region, for `fstat`, `send_fd`, `fcntl` and any other API taking
+/// `impl AsFd`.
+///
+/// Regions from [`SharedRegion::create_anonymous`], [`SharedRegion::copy_from_bytes`] and every
+/// region mapped with [`MapOptions::keep_fd`]`(true)` (the default for [`MapOptions::map_fd`] and
+/// received regions is to close it; ask to keep it) have one. [`SharedRegion::fd`] is the
+/// non-panicking form.
+///
+/// # Panics
+///
+/// If the region kept no descriptor (mapped with `keep_fd(false)`, or after
+/// [`take_fd`](SharedRegion::take_fd)).
+impl AsFd for SharedRegion {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self.fd() {
+            Some(fd) => fd,
+            None => panic!(
+                "{} kept no file descriptor; map it with keep_fd(true) or use SharedRegion::fd()",
+                self.describe()
+            ),
+        }
+    }
+}
+
 impl Deref for SharedRegion {
     type Target = Mapping;
 
@@ -184,7 +208,9 @@ impl fmt::Debug for SharedRegion {
 /// producer.write_at(0, b"hello")?;
 ///
 /// let consumer = MapOptions::new().read_only().map_shm(&name)?; // length from fstat
-/// assert_eq!(&consumer.as_slice()[..5], b"hello");
+/// let mut hello = [0u8; 5];
+/// consumer.read_at(0, &mut hello)?;
+/// assert_eq!(&hello, b"hello");
 /// producer.unlink()?;
 /// # Ok::<(), tensormem_shm::Error>(())
 /// ```
@@ -329,7 +355,7 @@ impl MapOptions {
         } else {
             None
         };
-        let sealed = crate::anon::is_sealed_against_shrink(fd);
+        let sealed = object::is_sealed_against_shrink(fd);
         Ok(SharedRegion::from_parts(map, kept, Backing::Fd { sealed }))
     }
 
@@ -343,7 +369,7 @@ impl MapOptions {
     ) -> Result<SharedRegion> {
         let object = object::describe_fd(&fd);
         let map = self.attach(&fd, &object, Some(needed), header)?;
-        let sealed = crate::anon::is_sealed_against_shrink(&fd);
+        let sealed = object::is_sealed_against_shrink(&fd);
         Ok(SharedRegion::from_parts(
             map,
             self.keep_fd.then_some(fd),
@@ -458,7 +484,7 @@ impl MapOptions {
         let map = Mapping::map(fd, total, header, self.access, self.populate)
             .map_err(Error::os("mmap", object))?;
         if self.huge_pages {
-            crate::copy::advise_huge_pages(&map);
+            object::advise_huge_pages(&map);
         }
         Ok(map)
     }

@@ -304,7 +304,10 @@ fn access_errors() {
     let mut rw = create(&name, 4096).unwrap();
     let mut ro = MapOptions::new().read_only().map_shm(&name).unwrap();
     assert!(matches!(ro.write_at(0, &[1]), Err(Error::ReadOnly)));
-    assert!(matches!(ro.try_as_mut_slice(), Err(Error::ReadOnly)));
+    // SAFETY: the call fails before any slice exists.
+    let refused = unsafe { ro.try_as_mut_slice() };
+    assert!(matches!(refused, Err(Error::ReadOnly)));
+    assert!(matches!(ro.fill(1), Err(Error::ReadOnly)));
     assert!(matches!(ro.atomic::<AtomicU32>(0), Err(Error::ReadOnly)));
     assert!(matches!(ro.write_volatile(0, 1), Err(Error::ReadOnly)));
     assert!(matches!(
@@ -349,7 +352,8 @@ fn as_mut_slice_on_a_read_only_mapping_panics() {
     let (name, _cleanup) = fresh_name();
     let _rw = create(&name, 4096).unwrap();
     let mut ro = MapOptions::new().read_only().map_shm(&name).unwrap();
-    ro.as_mut_slice()[0] = 1;
+    // SAFETY: it panics before creating a slice; nobody else uses the object.
+    unsafe { ro.as_mut_slice()[0] = 1 };
 }
 
 #[test]
@@ -377,4 +381,24 @@ fn error_messages_name_the_object_and_the_remedy() {
     assert!(msg.contains("does not exist"), "{msg}");
     let msg = ShmName::new("bad").unwrap_err().to_string();
     assert!(msg.contains("NameGenerator"), "{msg}");
+}
+
+#[test]
+fn regions_are_as_fd_and_errors_convert_to_io_errors() {
+    let region = tensormem_shm::SharedRegion::create_anonymous(4096).unwrap();
+    let stat = rustix::fs::fstat(&region).unwrap();
+    assert_eq!(stat.st_size, 4096);
+    assert_eq!(
+        rustix::fs::fstat(region.as_fd()).unwrap().st_ino,
+        rustix::fs::fstat(region.fd().unwrap()).unwrap().st_ino
+    );
+
+    let (name, _cleanup) = fresh_name();
+    let err = MapOptions::new().map_shm(&name).unwrap_err();
+    let io: std::io::Error = err.into();
+    assert_eq!(io.kind(), std::io::ErrorKind::NotFound);
+    let inner = io.get_ref().and_then(|e| e.downcast_ref::<Error>());
+    assert!(matches!(inner, Some(Error::NotFound { .. })), "{io:?}");
+    let io: std::io::Error = Error::ReadOnly.into();
+    assert_eq!(io.kind(), std::io::ErrorKind::PermissionDenied);
 }

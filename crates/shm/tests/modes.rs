@@ -24,7 +24,7 @@ fn exclusive_create_is_private_and_sized() {
     assert_eq!(region.len(), 10_000);
     assert!(region.fd().is_none(), "fd closed unless keep_fd");
     assert_eq!(region.name(), Some(&name));
-    assert!(region.as_slice().iter().all(|&b| b == 0));
+    assert!(region.to_vec().unwrap().iter().all(|&b| b == 0));
 }
 
 #[test]
@@ -48,7 +48,7 @@ fn keep_fd_unlink_after_map_is_the_fd_strategy() {
     region.write_at(0, b"still here").unwrap();
     // The kept fd reaches the same memory.
     let again = MapOptions::new().map_fd(region.fd().unwrap()).unwrap();
-    assert_eq!(&again.as_slice()[..10], b"still here");
+    assert_eq!(&again.to_vec().unwrap()[..10], b"still here");
     assert_eq!(again.backing(), &Backing::Fd { sealed: false });
     region.unlink().unwrap(); // already unlinked: nothing to do
 }
@@ -93,7 +93,7 @@ fn files_by_path() {
     writer.write_at(4999, &[3]).unwrap();
     let reader = MapOptions::new().read_only().map_path(&path).unwrap();
     assert_eq!(reader.len(), 5000);
-    assert_eq!(reader.as_slice()[4999], 3);
+    assert_eq!(reader.to_vec().unwrap()[4999], 3);
     assert_eq!(std::fs::read(&path).unwrap()[4999], 3);
     writer.unlink().unwrap();
     assert!(!path.exists());
@@ -109,12 +109,17 @@ fn refcounted_layout_is_pytorchs() {
     // What a PyTorch process maps: 64 + 1000 bytes, refcount (native i32) at 0, data at 64.
     let raw = MapOptions::new().read_only().map_shm(&name).unwrap();
     assert_eq!(raw.len(), REFCOUNT_HEADER_LEN + 1000);
-    let header = RefcountHeader::decode(raw.as_slice()).unwrap();
+    let header = RefcountHeader::decode(&raw.to_vec().unwrap()).unwrap();
     assert_eq!(header.refcount, 2);
-    assert_eq!(&raw.as_slice()[..4], &2i32.to_ne_bytes());
-    assert_eq!(&raw.as_slice()[64..68], b"data");
+    assert_eq!(&raw.to_vec().unwrap()[..4], &2i32.to_ne_bytes());
+    assert_eq!(&raw.to_vec().unwrap()[64..68], b"data");
     drop(second);
-    assert_eq!(RefcountHeader::decode(raw.as_slice()).unwrap().refcount, 1);
+    assert_eq!(
+        RefcountHeader::decode(&raw.to_vec().unwrap())
+            .unwrap()
+            .refcount,
+        1
+    );
     assert!(region.close().unwrap());
     assert!(!name.path().exists());
 }
@@ -134,7 +139,12 @@ fn refcounted_open_of_a_dying_region_is_refused() {
         RefcountedRegion::open(&name),
         Err(tensormem_shm::Error::RefcountGone { refcount: 0, .. })
     ));
-    assert_eq!(RefcountHeader::decode(raw.as_slice()).unwrap().refcount, 0);
+    assert_eq!(
+        RefcountHeader::decode(&raw.to_vec().unwrap())
+            .unwrap()
+            .refcount,
+        0
+    );
     // Too small to hold the header and a byte.
     let (small, _cleanup2) = fresh_name();
     let _tiny = MapOptions::new()
@@ -152,7 +162,7 @@ fn refcounted_open_of_a_dying_region_is_refused() {
 fn anonymous_regions_and_copies() {
     let data: Vec<u8> = (0..(5 << 20)).map(|i| (i % 253) as u8).collect();
     let region = SharedRegion::copy_from_bytes(&data).unwrap();
-    assert_eq!(region.as_slice(), &data[..]);
+    assert_eq!(region.to_vec().unwrap(), &data[..]);
     assert!(region.is_sealed_against_shrink());
     assert!(region.name().is_none());
     assert!(

@@ -196,9 +196,9 @@ fn producer_passes_region_to_consumer() {
     socket.read_exact(&mut ack).unwrap();
     assert_eq!(ack, [b'k']);
     // The consumer's writes are visible here: same physical memory.
-    assert_eq!(&region.as_slice()[..17], b"consumer was here");
-    assert_eq!(region.as_slice()[len - 1], 0x5a);
-    assert_eq!(region.as_slice()[17], pattern(17));
+    assert_eq!(&region.to_vec().unwrap()[..17], b"consumer was here");
+    assert_eq!(region.to_vec().unwrap()[len - 1], 0x5a);
+    assert_eq!(region.to_vec().unwrap()[17], pattern(17));
     child.wait_success();
 }
 
@@ -220,7 +220,7 @@ fn refcount_across_three_processes_last_closer_unlinks() {
         })
         .collect();
     assert_eq!(creator.refcount(), 3);
-    assert_eq!(&creator.as_slice()[..3], &[0xee, 1, 2]);
+    assert_eq!(&creator.to_vec().unwrap()[..3], &[0xee, 1, 2]);
 
     // The creator leaves first: the name must survive while the children hold it.
     assert!(!creator.close().unwrap());
@@ -281,7 +281,11 @@ fn named_region_opened_by_another_process() {
     region.write_at(8191, &[7]).unwrap();
     let mut child = ChildProc::spawn("named_reader", &[(NAME, name.as_str())]);
     assert_eq!(child.hear(), "len=8192 last=7");
-    assert_eq!(region.as_slice()[0], 9, "the child's write is visible");
+    assert_eq!(
+        region.to_vec().unwrap()[0],
+        9,
+        "the child's write is visible"
+    );
     child.wait_success();
     region.unlink().unwrap();
     assert!(!name.path().exists());
@@ -324,7 +328,7 @@ fn consumer() -> RoleResult {
     if received.user_data() != b"pattern" {
         return Err("wrong user data".into());
     }
-    let bytes = received.region.as_slice();
+    let bytes = received.region.to_vec()?;
     if let Some(i) = (0..bytes.len()).find(|&i| bytes[i] != pattern(i)) {
         return Err(format!("byte {i} is {} not {}", bytes[i], pattern(i)).into());
     }
@@ -367,7 +371,7 @@ fn late_consumer() -> RoleResult {
 fn named_reader() -> RoleResult {
     let name = ShmName::new(env(NAME)?)?;
     let mut region = MapOptions::new().map_shm(&name)?;
-    let last = region.as_slice()[region.len() - 1];
+    let last = region.to_vec().unwrap()[region.len() - 1];
     region.write_at(0, &[9])?;
     say(&format!("len={} last={last}", region.len()));
     Ok(())

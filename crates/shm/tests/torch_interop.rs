@@ -61,7 +61,11 @@ fn pytorch_opens_a_refcounted_region() {
         Some(&"2"),
         "PyTorch added itself to the refcount at offset 0"
     );
-    assert_eq!(region.as_slice()[9], 33, "PyTorch's write is visible here");
+    assert_eq!(
+        region.to_vec().unwrap()[9],
+        33,
+        "PyTorch's write is visible here"
+    );
     // PyTorch closed its mapping on exit: the count is back to ours alone.
     let raw = std::fs::read(name.path()).map(|bytes| RefcountHeader::decode(&bytes).unwrap());
     if let Ok(header) = raw {

@@ -141,3 +141,29 @@ impl ManagerError {
 
 /// `Result` with [`ManagerError`], inside the manager module.
 pub(crate) type ManagerResult<T> = std::result::Result<T, ManagerError>;
+
+impl ManagerError {
+    /// The [`io::ErrorKind`] closest to this error, used by `From<ManagerError> for io::Error`.
+    pub fn kind(&self) -> io::ErrorKind {
+        use io::ErrorKind as K;
+        match self {
+            Self::BinaryNotFound { .. } => K::NotFound,
+            Self::Spawn { source, .. } | Self::Disconnected(source) | Self::Io { source, .. } => {
+                source.kind()
+            }
+            Self::StartFailed { .. } => K::Other,
+            Self::Unavailable { .. } => K::TimedOut,
+            Self::InsecureDir { .. } | Self::ForeignPeer { .. } => K::PermissionDenied,
+            Self::SocketPathTooLong { .. } | Self::Usage(_) => K::InvalidInput,
+            Self::VersionMismatch { .. } | Self::Protocol(_) => K::InvalidData,
+            Self::Refused { .. } => K::Other,
+        }
+    }
+}
+
+/// The kind is [`ManagerError::kind`]; the typed error stays reachable by downcasting.
+impl From<ManagerError> for io::Error {
+    fn from(err: ManagerError) -> Self {
+        io::Error::new(err.kind(), err)
+    }
+}
