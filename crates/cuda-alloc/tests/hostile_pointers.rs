@@ -73,3 +73,86 @@ fn hostile_frees_before_any_pointer_call_are_refused() {
     a.free(x).unwrap();
     assert_eq!(checked(&a).allocation.all.current, 0);
 }
+
+/// Double `raw_free`s racing reuse of the same addresses on 8 threads (on 64 streams that the
+/// threads share and first use mid-run): every call is `Ok` or [`Error::InvalidPointer`], and the state is consistent whenever it
+/// is checked, mid-run included.
+#[test]
+fn racing_double_frees_never_corrupt_the_state() {
+    use rand::{Rng, SeedableRng};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use tensormem_cuda_alloc::StreamId;
+
+    for seed in 0..4u64 {
+        let a = sim(GIB);
+        let done = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..8u64)
+                .map(|t| {
+                    let a = &a;
+                    scope.spawn(move || {
+                        let mut rng = rand::rngs::StdRng::seed_from_u64(seed * 100 + t);
+                        let mut freed: Vec<DevicePtr> = Vec::new();
+                        let mut live: Vec<DevicePtr> = Vec::new();
+                        for _ in 0..2000 {
+                            match rng.gen_range(0..10) {
+                                0..=3 => {
+                                    let size = 512 * rng.gen_range(1..64usize);
+                                    // Streams first used mid-run, shared between threads.
+                                    let stream = StreamId(1 + rng.gen_range(0..64));
+                                    live.push(a.raw_alloc(size, stream).unwrap());
+                                }
+                                4..=6 if !live.is_empty() => {
+                                    let p = live.swap_remove(rng.gen_range(0..live.len()));
+                                    // Another thread may already have freed it (a double free
+                                    // of ours that met its reuse).
+                                    match a.raw_free(p) {
+                                        Ok(()) | Err(Error::InvalidPointer { .. }) => {}
+                                        Err(e) => panic!("raw_free: {e}"),
+                                    }
+                                    freed.push(p);
+                                }
+                                _ if !freed.is_empty() => {
+                                    // A deliberate double free, possibly of an address some
+                                    // thread has been handed again meanwhile.
+                                    let p = freed[rng.gen_range(0..freed.len())];
+                                    match a.raw_free(p) {
+                                        Ok(()) | Err(Error::InvalidPointer { .. }) => {}
+                                        Err(e) => panic!("double raw_free: {e}"),
+                                    }
+                                    if rng.gen_bool(0.1) {
+                                        let other = StreamId(1 + rng.gen_range(0..64));
+                                        let _ = a.record_stream_ptr(p, other);
+                                    }
+                                }
+                                _ => {}
+                            }
+                        }
+                        for p in live {
+                            let _ = a.raw_free(p);
+                        }
+                    })
+                })
+                .collect();
+            scope.spawn(|| {
+                while !done.load(Ordering::Relaxed) {
+                    if let Err(e) = a.check_invariants() {
+                        panic!("seed {seed}: mid-run: {e}");
+                    }
+                    // Let the workers through between checks (each takes every lock).
+                    std::thread::sleep(std::time::Duration::from_micros(300));
+                }
+            });
+            for w in workers {
+                w.join().unwrap();
+            }
+            done.store(true, Ordering::Relaxed);
+        });
+        a.device().complete_all_work();
+        a.check_invariants().unwrap();
+        a.empty_cache().unwrap();
+        let s = checked(&a);
+        assert_eq!(s.allocated_bytes.all.current, 0, "seed {seed}");
+        assert_eq!(s.reserved_bytes.all.current, 0, "seed {seed}");
+    }
+}

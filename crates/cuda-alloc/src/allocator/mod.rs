@@ -368,6 +368,16 @@ impl<D: Device> CachingAllocator<D> {
         if let Some(shard) = self.streams.get(stream) {
             return Ok(shard);
         }
+        self.new_shard(stream)
+    }
+
+    /// Makes the shard of a stream seen for the first time. A new shard waits for any device-wide
+    /// pass underway (`maintenance`): a pass sees every shard there is, so that device-wide figures
+    /// (the reserved counter, statistics) agree with the shards it locked.
+    #[cold]
+    #[inline(never)]
+    fn new_shard(&self, stream: StreamId) -> Result<&Shard<D>> {
+        let _pass = self.maintenance.lock();
         self.streams
             .get_or_insert(stream, || {
                 (Arc::clone(&self.small_clock), Arc::clone(&self.large_clock))
