@@ -156,3 +156,49 @@ fn racing_double_frees_never_corrupt_the_state() {
         assert_eq!(s.reserved_bytes.all.current, 0, "seed {seed}");
     }
 }
+
+/// A handle freed (or recorded) on an allocator that did not make it is refused, and neither
+/// allocator changes.
+#[test]
+fn a_handle_of_another_allocator_is_refused() {
+    let (a, b) = (sim(GIB), sim(GIB));
+    assert_ne!(a.id(), b.id());
+    let x = a.allocate(4096, S0).unwrap();
+    let y = b.allocate(4096, S0).unwrap();
+    assert_eq!(x.allocator_id(), a.id());
+    assert!(matches!(
+        b.record_stream(&x, S1),
+        Err(Error::ForeignAllocation { owner, this, .. }) if owner == a.id() && this == b.id()
+    ));
+    assert!(matches!(
+        b.free(x),
+        Err(Error::ForeignAllocation { .. })
+    ));
+    assert_eq!(checked(&a).allocation.all.current, 1, "a's block still allocated");
+    assert_eq!(checked(&b).allocation.all.current, 1, "b's own block untouched");
+    b.free(y).unwrap();
+    // The zero-sized allocation belongs to no allocator.
+    let z = a.allocate(0, S0).unwrap();
+    b.free(z).unwrap();
+}
+
+/// Two simulated devices never hand out the same address, so a pointer of one is unknown to the
+/// other's allocator.
+#[test]
+fn pointers_of_another_device_are_refused() {
+    let (dev0, dev1) = (sim(GIB), sim(GIB));
+    let p0 = dev0.raw_alloc(4096, S0).unwrap();
+    let p1 = dev1.raw_alloc(4096, S0).unwrap();
+    assert_ne!(p0, p1);
+    assert!(matches!(
+        dev1.raw_free(p0),
+        Err(Error::InvalidPointer { .. })
+    ));
+    assert!(matches!(
+        dev1.base_allocation(p0),
+        Err(Error::InvalidPointer { .. })
+    ));
+    assert_eq!(checked(&dev1).allocation.all.current, 1);
+    dev0.raw_free(p0).unwrap();
+    dev1.raw_free(p1).unwrap();
+}

@@ -18,6 +18,7 @@ impl<D: Device> CachingAllocator<D> {
     /// so far has completed; otherwise at once.
     ///
     /// # Errors
+    /// [`Error::ForeignAllocation`] if another allocator handed it out (nothing is freed);
     /// [`Error::InvalidPointer`] if the allocation was already freed by pointer
     /// ([`raw_free`](Self::raw_free)); [`Error::Device`] if recording an event fails and the device
     /// cannot be synchronized instead.
@@ -25,6 +26,7 @@ impl<D: Device> CachingAllocator<D> {
         if allocation.shard == Allocation::EMPTY {
             return Ok(());
         }
+        self.check_owner(&allocation)?;
         let invalid = Error::InvalidPointer {
             ptr: allocation.ptr,
         };
@@ -78,11 +80,13 @@ impl<D: Device> CachingAllocator<D> {
     /// allocation's own stream need no record and are ignored.
     ///
     /// # Errors
-    /// [`Error::InvalidPointer`] if the allocation is no longer live.
+    /// [`Error::ForeignAllocation`] if another allocator handed it out; [`Error::InvalidPointer`] if
+    /// the allocation is no longer live.
     pub fn record_stream(&self, allocation: &Allocation, stream: StreamId) -> Result<()> {
         if allocation.shard == Allocation::EMPTY {
             return Ok(());
         }
+        self.check_owner(allocation)?;
         let invalid = Error::InvalidPointer {
             ptr: allocation.ptr,
         };
