@@ -29,6 +29,20 @@ pub enum Error {
         /// The pointer given.
         ptr: DevicePtr,
     },
+    /// An [`Allocation`](crate::Allocation) handed to an allocator other than the one that made it
+    /// (nothing was freed or recorded).
+    #[error(
+        "allocation {ptr} belongs to allocator #{owner}, not to this one (#{this}); free it (or record \
+         its streams) on the allocator that handed it out"
+    )]
+    ForeignAllocation {
+        /// The allocation's pointer.
+        ptr: DevicePtr,
+        /// The id of the allocator that handed it out.
+        owner: u32,
+        /// The id of the allocator it was given to.
+        this: u32,
+    },
     /// The pointer is inside an expandable segment, whose memory cannot be shared between processes.
     #[error(
         "Tensors allocated with expandable_segments:True cannot be shared between processes. Consider \

@@ -65,11 +65,13 @@ impl PointerIndex {
         let mut i = self.home(addr);
         loop {
             let key = self.slots[i].addr;
-            if key == addr {
-                return Some(i);
-            }
+            // Empty first: `EMPTY` is also a value a caller can pass (a hostile or corrupt pointer),
+            // and an empty slot must never match it.
             if key == EMPTY {
                 return None;
+            }
+            if key == addr {
+                return Some(i);
             }
             i = (i + 1) & mask;
         }
@@ -174,6 +176,16 @@ mod tests {
         assert_eq!(index.get(&512), None);
         assert_eq!(index.remove(&512), None);
         assert_eq!(index.len(), 0);
+    }
+
+    #[test]
+    fn the_empty_key_is_never_found() {
+        let mut index = PointerIndex::default();
+        index.insert(1024, 7);
+        assert_eq!(index.get(&EMPTY), None);
+        assert_eq!(index.remove(&EMPTY), None);
+        assert_eq!(index.len(), 1);
+        assert_eq!(index.get(&1024), Some(&7));
     }
 
     #[test]

@@ -58,7 +58,7 @@ impl ReplayDevice {
         reservations: impl IntoIterator<Item = u64>,
     ) -> Self {
         ReplayDevice {
-            sim: SimDevice::with_index(index, capacity),
+            sim: SimDevice::with_fixed_addresses(index, capacity),
             queues: Mutex::new(Queues {
                 mallocs: mallocs.into_iter().collect(),
                 reservations: reservations.into_iter().collect(),

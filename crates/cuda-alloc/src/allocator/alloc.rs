@@ -311,6 +311,7 @@ impl<D: Device> Locked<'_, D> {
         let b = &self.st.blocks[index];
         Allocation {
             ptr: crate::DevicePtr(b.addr),
+            allocator: self.a.id,
             size: b.size as usize,
             requested: orig,
             stream: self.shard.stream,

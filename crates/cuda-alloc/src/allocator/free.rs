@@ -18,6 +18,7 @@ impl<D: Device> CachingAllocator<D> {
     /// so far has completed; otherwise at once.
     ///
     /// # Errors
+    /// [`Error::ForeignAllocation`] if another allocator handed it out (nothing is freed);
     /// [`Error::InvalidPointer`] if the allocation was already freed by pointer
     /// ([`raw_free`](Self::raw_free)); [`Error::Device`] if recording an event fails and the device
     /// cannot be synchronized instead.
@@ -25,6 +26,7 @@ impl<D: Device> CachingAllocator<D> {
         if allocation.shard == Allocation::EMPTY {
             return Ok(());
         }
+        self.check_owner(&allocation)?;
         let invalid = Error::InvalidPointer {
             ptr: allocation.ptr,
         };
@@ -60,7 +62,7 @@ impl<D: Device> CachingAllocator<D> {
         // Most pointers are freed by the thread that allocated them: its last shard first.
         if let Some(shard) = self.remembered_shard() {
             let mut locked = self.lock(shard);
-            if let Some(index) = locked.st.allocated.remove(&ptr.0) {
+            if let Some(index) = locked.take_indexed(ptr) {
                 return locked.free_allocated(index);
             }
         }
@@ -68,9 +70,7 @@ impl<D: Device> CachingAllocator<D> {
         self.remember_shard(shard.index);
         let mut locked = self.lock(shard);
         let index = locked
-            .st
-            .allocated
-            .remove(&ptr.0)
+            .take_indexed(ptr)
             .ok_or(Error::InvalidPointer { ptr })?;
         locked.free_allocated(index)
     }
@@ -80,11 +80,13 @@ impl<D: Device> CachingAllocator<D> {
     /// allocation's own stream need no record and are ignored.
     ///
     /// # Errors
-    /// [`Error::InvalidPointer`] if the allocation is no longer live.
+    /// [`Error::ForeignAllocation`] if another allocator handed it out; [`Error::InvalidPointer`] if
+    /// the allocation is no longer live.
     pub fn record_stream(&self, allocation: &Allocation, stream: StreamId) -> Result<()> {
         if allocation.shard == Allocation::EMPTY {
             return Ok(());
         }
+        self.check_owner(allocation)?;
         let invalid = Error::InvalidPointer {
             ptr: allocation.ptr,
         };
@@ -231,6 +233,21 @@ impl<D: Device> CachingAllocator<D> {
 }
 
 impl<D: Device> Locked<'_, D> {
+    /// Removes `ptr` from the pointer index and returns its block, if it names an allocated block of
+    /// this shard. The block is checked as well as the index (a live, allocated block starting at
+    /// `ptr`): a wrong index entry must not free a block that is not allocated.
+    #[inline(always)]
+    fn take_indexed(&mut self, ptr: DevicePtr) -> Option<u32> {
+        let index = self.st.allocated.remove(&ptr.0)?;
+        let st = &self.st;
+        let sound = st.blocks.is_live(index) && {
+            let b = &st.blocks[index];
+            b.allocated && b.addr == ptr.0
+        };
+        debug_assert!(sound, "pointer index entry {ptr} names block {index}, not allocated there");
+        sound.then_some(index)
+    }
+
     /// Frees an allocated block whose pointer mapping was already removed.
     #[inline(always)]
     pub(crate) fn free_allocated(&mut self, index: u32) -> Result<()> {

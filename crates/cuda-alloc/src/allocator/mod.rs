@@ -47,6 +47,17 @@ pub(crate) use private::PrivatePool;
 /// An out-of-memory observer as kept (cloned out of the list before being called).
 pub(crate) type SharedObserver = Arc<dyn Fn(&crate::oom::OomEvent) + Send + Sync>;
 
+/// A fresh allocator identity (1, 2, ...; 0 is never handed out).
+fn next_allocator_id() -> u32 {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+    loop {
+        let id = NEXT.fetch_add(1, Relaxed);
+        if id != 0 {
+            return id;
+        }
+    }
+}
+
 /// How many distinct streams an allocator serves unless told otherwise.
 pub const DEFAULT_STREAM_CAPACITY: usize = 1024;
 
@@ -60,6 +71,9 @@ pub const DEFAULT_STREAM_CAPACITY: usize = 1024;
 #[derive(Debug, PartialEq, Eq)]
 pub struct Allocation {
     ptr: DevicePtr,
+    /// The [`CachingAllocator::id`] of the allocator that handed it out (0 for the null allocation,
+    /// which any allocator takes back).
+    allocator: u32,
     size: usize,
     requested: usize,
     stream: StreamId,
@@ -75,6 +89,7 @@ impl Allocation {
     fn empty(stream: StreamId) -> Self {
         Allocation {
             ptr: DevicePtr(0),
+            allocator: 0,
             size: 0,
             requested: 0,
             stream,
@@ -106,6 +121,13 @@ impl Allocation {
     #[must_use]
     pub fn stream(&self) -> StreamId {
         self.stream
+    }
+
+    /// The [`id`](CachingAllocator::id) of the allocator that handed it out (0 for a zero-sized
+    /// allocation, which belongs to no allocator).
+    #[must_use]
+    pub fn allocator_id(&self) -> u32 {
+        self.allocator
     }
 
     /// Gives up the handle and returns the pointer; free it later with
@@ -163,6 +185,8 @@ impl std::fmt::Debug for Capture {
 ///
 /// `Send + Sync`: every method takes `&self` and may be called from any thread.
 pub struct CachingAllocator<D: Device> {
+    /// This allocator's identity, stamped on every [`Allocation`] it hands out.
+    pub(crate) id: u32,
     pub(crate) device: D,
     pub(crate) settings: Settings,
     pub(crate) streams: StreamTable<D>,
@@ -233,6 +257,7 @@ impl<D: Device> CachingAllocator<D> {
     pub fn with_stream_capacity(device: D, config: AllocatorConfig, streams: usize) -> Self {
         let fraction = config.per_process_memory_fraction;
         let allocator = CachingAllocator {
+            id: next_allocator_id(),
             max_split_size_at_start: config.max_split_size as i64,
             settings: Settings::new(&config),
             device,
@@ -259,6 +284,27 @@ impl<D: Device> CachingAllocator<D> {
             }
         }
         allocator
+    }
+
+    /// This allocator's identity, unique in the process (never 0): every [`Allocation`] carries the id
+    /// of the allocator that made it, and the others refuse it.
+    #[must_use]
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// Checks that `allocation` was handed out by this allocator.
+    #[inline]
+    pub(crate) fn check_owner(&self, allocation: &Allocation) -> Result<()> {
+        if allocation.allocator == self.id {
+            Ok(())
+        } else {
+            Err(Error::ForeignAllocation {
+                ptr: allocation.ptr,
+                owner: allocation.allocator,
+                this: self.id,
+            })
+        }
     }
 
     /// The device this allocator serves.
@@ -368,6 +414,16 @@ impl<D: Device> CachingAllocator<D> {
         if let Some(shard) = self.streams.get(stream) {
             return Ok(shard);
         }
+        self.new_shard(stream)
+    }
+
+    /// Makes the shard of a stream seen for the first time. A new shard waits for any device-wide
+    /// pass underway (`maintenance`): a pass sees every shard there is, so that device-wide figures
+    /// (the reserved counter, statistics) agree with the shards it locked.
+    #[cold]
+    #[inline(never)]
+    fn new_shard(&self, stream: StreamId) -> Result<&Shard<D>> {
+        let _pass = self.maintenance.lock();
         self.streams
             .get_or_insert(stream, || {
                 (Arc::clone(&self.small_clock), Arc::clone(&self.large_clock))

@@ -4,7 +4,8 @@
 //!
 //! - **Memory**: a capacity in bytes. [`Device::malloc`] and [`Device::create_physical`] count against
 //!   it and fail with [`DeviceError::OutOfMemory`] past it; frees and unmaps give it back.
-//! - **Addresses**: by default invented (2 MiB aligned, never overlapping anything live). A replay can
+//! - **Addresses**: by default invented (2 MiB aligned, never overlapping anything live, in a window
+//!   of its own per device, so that two simulated devices never hand out the same address). A replay can
 //!   queue the addresses a real device returned ([`SimDevice::push_addresses`]); each new allocation or
 //!   reservation takes the next one, so the allocator sees the real layout and makes the real
 //!   decisions.
@@ -45,8 +46,20 @@ use crate::device::{
     CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, MemInfo, StreamId,
 };
 
-/// Where invented addresses start (a typical user-space GPU virtual address).
+/// Where invented addresses start (a typical user-space GPU virtual address): the first window.
 const INVENTED_BASE: u64 = 0x7f00_0000_0000;
+/// The size of each device's window of invented addresses (16 TiB: replays simulate devices of
+/// over a TiB, and expandable segments reserve 9/8 of the capacity).
+const WINDOW: u64 = 1 << 44;
+/// Windows handed out in turn to simulated devices (window 0 is the fixed one, see
+/// [`SimDevice::with_fixed_addresses`]); past this many the windows are reused.
+const WINDOWS: u64 = 1 << 19;
+
+/// The next device's window of invented addresses: 1, 2, ..., `WINDOWS - 1`, 1, ...
+fn next_window() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    1 + NEXT.fetch_add(1, Relaxed) % (WINDOWS - 1)
+}
 /// The virtual-memory granularity the simulated device reports: 2 MiB, like current GPUs.
 pub const SIM_GRANULARITY: usize = 2 << 20;
 
@@ -123,6 +136,8 @@ struct SimState {
     live_chunks: usize,
     mapped_bytes: u64,
     queued: VecDeque<u64>,
+    /// This device's window of invented addresses: `[window, window + WINDOW)`.
+    window: u64,
     next_invented: u64,
     streams: HashMap<StreamId, StreamWork>,
     captures: HashMap<StreamId, u64>,
@@ -185,9 +200,23 @@ impl SimState {
             }
             return Ok(addr);
         }
+        let (start, end) = (self.window, self.window + WINDOW);
         let mut candidate = self.next_invented.next_multiple_of(align);
-        while let Some((_, end)) = self.overlapping(candidate, size) {
-            candidate = end.next_multiple_of(align);
+        let mut wrapped = false;
+        loop {
+            if candidate + size > end {
+                // The window's end: start again from its beginning (what was freed there is free).
+                if wrapped || size > WINDOW {
+                    return Err(DeviceError::OutOfMemory { bytes: size });
+                }
+                wrapped = true;
+                candidate = start;
+                continue;
+            }
+            match self.overlapping(candidate, size) {
+                Some((_, used_end)) => candidate = used_end.next_multiple_of(align),
+                None => break,
+            }
         }
         self.next_invented = candidate + size;
         Ok(candidate)
@@ -226,8 +255,26 @@ impl SimDevice {
     }
 
     /// A simulated device with the given ordinal and capacity.
+    ///
+    /// Like real devices of one process (which share one virtual address space), simulated devices
+    /// invent addresses that no other simulated device hands out: each gets its own 16 TiB window, so
+    /// a pointer of one device is never a pointer of another (up to 524 287 devices alive at once).
     #[must_use]
     pub fn with_index(index: u32, capacity: u64) -> Self {
+        Self::in_window(index, capacity, INVENTED_BASE + next_window() * WINDOW)
+    }
+
+    /// A simulated device that invents the same addresses as every other device made this way,
+    /// from `0x7f00_0000_0000` up: runs are reproducible whatever other devices the process made
+    /// (trace replays use it, where invented addresses decide ties between free blocks). Its
+    /// invented addresses may coincide with those of other devices made this way, never with those
+    /// of devices made by [`new`](Self::new) or [`with_index`](Self::with_index).
+    #[must_use]
+    pub fn with_fixed_addresses(index: u32, capacity: u64) -> Self {
+        Self::in_window(index, capacity, INVENTED_BASE)
+    }
+
+    fn in_window(index: u32, capacity: u64, window: u64) -> Self {
         SimDevice {
             index,
             state: Mutex::new(SimState {
@@ -238,7 +285,8 @@ impl SimDevice {
                 live_chunks: 0,
                 mapped_bytes: 0,
                 queued: VecDeque::new(),
-                next_invented: INVENTED_BASE,
+                window,
+                next_invented: window,
                 streams: HashMap::new(),
                 captures: HashMap::new(),
                 next_capture_id: 1,
@@ -587,6 +635,35 @@ unsafe impl Device for SimDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn devices_invent_disjoint_addresses_and_fixed_ones_repeat() {
+        let (a, b) = (SimDevice::new(1 << 30), SimDevice::new(1 << 30));
+        let (pa, pb) = (a.malloc(2 << 20).unwrap(), b.malloc(2 << 20).unwrap());
+        assert!(pa.0.abs_diff(pb.0) >= WINDOW, "{pa} and {pb} share a window");
+        let (f, g) = (
+            SimDevice::with_fixed_addresses(0, 1 << 30),
+            SimDevice::with_fixed_addresses(0, 1 << 30),
+        );
+        let pf = f.malloc(2 << 20).unwrap();
+        assert_eq!(pf, g.malloc(2 << 20).unwrap());
+        assert_eq!(pf.0, INVENTED_BASE);
+    }
+
+    #[test]
+    fn invented_addresses_wrap_within_the_window() {
+        let d = SimDevice::with_fixed_addresses(0, u64::MAX);
+        let big = (WINDOW / 2) as usize;
+        let first = d.malloc(big).unwrap();
+        // SAFETY: `first` came from `malloc` with this size and is freed once.
+        unsafe { d.free(first, big).unwrap() };
+        let second = d.malloc(big).unwrap();
+        // The window has no room after `second`: the next one starts over at the beginning.
+        let third = d.malloc(big).unwrap();
+        assert_eq!(third, first);
+        assert!(matches!(d.malloc(big), Err(DeviceError::OutOfMemory { .. })));
+        assert!(second.0 + big as u64 <= INVENTED_BASE + WINDOW);
+    }
 
     #[test]
     fn malloc_counts_against_capacity() {
