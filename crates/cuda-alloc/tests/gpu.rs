@@ -20,3 +20,5 @@ mod harness;
 mod interop;
 #[path = "gpu/multi_gpu.rs"]
 mod multi_gpu;
+#[path = "gpu/streams.rs"]
+mod streams;

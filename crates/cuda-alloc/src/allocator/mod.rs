@@ -423,6 +423,8 @@ impl<D: Device> CachingAllocator<D> {
     #[cold]
     #[inline(never)]
     fn new_shard(&self, stream: StreamId) -> Result<&Shard<D>> {
+        // A stream the backend does not know never gets a shard (nor, later, an event).
+        self.device.check_stream(stream)?;
         let _pass = self.maintenance.lock();
         self.streams
             .get_or_insert(stream, || {
