@@ -107,3 +107,34 @@ impl Drop for ContextGuard {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::call;
+    use crate::error::{last_error_string, Error};
+
+    #[test]
+    fn a_panic_is_stopped_and_kept_as_the_last_error() {
+        let value = call("tensormem_test", 7, || -> crate::Result<i32> {
+            panic!("boom at the boundary")
+        });
+        assert_eq!(value, 7);
+        let error = last_error_string().expect("the panic was kept");
+        assert!(error.contains("tensormem_test panicked"), "{error}");
+        assert!(error.contains("boom at the boundary"), "{error}");
+    }
+
+    #[test]
+    fn an_error_gives_the_failure_value_and_a_success_keeps_the_last_error() {
+        let value = call("tensormem_test", -1, || {
+            Err(Error::InvalidDevice { device: -3 })
+        });
+        assert_eq!(value, -1);
+        assert!(last_error_string().unwrap().contains("device -3"));
+        assert_eq!(call("tensormem_test", -1, || Ok(5)), 5);
+        assert!(
+            last_error_string().unwrap().contains("device -3"),
+            "a successful call must not clear the last error"
+        );
+    }
+}
