@@ -36,7 +36,8 @@ fn gpus() -> Option<(u32, MutexGuard<'static, ()>)> {
 /// A stream made outside tensormem, as PyTorch makes its pool streams, kept for the whole process (as
 /// PyTorch keeps them): one per device.
 fn foreign_stream(device: u32) -> sys::CUstream {
-    static STREAMS: OnceLock<Mutex<Vec<(u32, Arc<CudaStream>)>>> = OnceLock::new();
+    type Kept = Mutex<Vec<(u32, Arc<CudaStream>)>>;
+    static STREAMS: OnceLock<Kept> = OnceLock::new();
     let streams = STREAMS.get_or_init(|| Mutex::new(Vec::new()));
     let mut streams = streams.lock().unwrap();
     if let Some((_, s)) = streams.iter().find(|(d, _)| *d == device) {
@@ -121,10 +122,8 @@ fn the_callers_current_context_is_left_as_it_was() {
     let current = || {
         let mut ctx = ptr::null_mut();
         // SAFETY: a valid out-parameter; the driver is initialised (gpus() found a device).
-        assert_eq!(
-            unsafe { sys::cuCtxGetCurrent(&mut ctx) },
-            sys::CUresult::CUDA_SUCCESS
-        );
+        let result = unsafe { sys::cuCtxGetCurrent(&mut ctx) };
+        assert_eq!(result, sys::CUresult::CUDA_SUCCESS);
         ctx
     };
     // SAFETY: null unbinds the calling thread's context.
