@@ -70,10 +70,8 @@ fn snapshots_need_a_path_and_strings_free_null() {
     assert!(last_error().contains("path is a null pointer"));
     let bad = b"/tmp/\xff\xfe.pickle\0";
     // SAFETY: NUL-terminated.
-    assert_eq!(
-        unsafe { tensormem_dump_snapshot(bad.as_ptr().cast::<c_char>()) },
-        -1
-    );
+    let rc = unsafe { tensormem_dump_snapshot(bad.as_ptr().cast::<c_char>()) };
+    assert_eq!(rc, -1);
     assert!(last_error().contains("not valid UTF-8"));
     // SAFETY: null is ignored.
     unsafe { tensormem_string_free(ptr::null_mut()) };
