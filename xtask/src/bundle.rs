@@ -20,6 +20,17 @@ use crate::gpu_tests::{cargo, GPU_TEST_TARGETS};
 /// The benchmark binary copied beside the tests: (package, binary).
 const BENCH_BIN: (&str, &str) = ("tensormem-benches", "alloc_patterns");
 
+/// PyTorch's pluggable allocator library: (package, library target name, file name), copied into
+/// `DIR/torch/` with the crate's Python scripts.
+const TORCH_PLUGIN: (&str, &str, &str) = (
+    "tensormem-torch",
+    "tensormem_torch",
+    "libtensormem_torch.so",
+);
+
+/// The Python scripts of the plugin crate, relative to the workspace root.
+const TORCH_PYTHON_DIR: &str = "crates/torch-plugin/python";
+
 /// Builds the bundle into `dir` (created if missing; files of an earlier bundle are replaced).
 pub(crate) fn build(dir: &Path) -> Result<()> {
     let tests_dir = dir.join("tests");
@@ -56,6 +67,8 @@ pub(crate) fn build(dir: &Path) -> Result<()> {
     copy_executable(&exe, &dest)?;
     files.push(dest);
 
+    files.push(bundle_torch_plugin(dir)?);
+
     let run_sh = dir.join("run.sh");
     fs::write(&run_sh, RUN_SH).with_context(|| format!("could not write {}", run_sh.display()))?;
     set_executable(&run_sh)?;
@@ -80,9 +93,63 @@ pub(crate) fn build(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Builds the PyTorch plugin library into `DIR/torch/` beside its Python scripts; returns the library's
+/// path there.
+fn bundle_torch_plugin(dir: &Path) -> Result<PathBuf> {
+    let (package, target, file) = TORCH_PLUGIN;
+    let torch_dir = dir.join("torch");
+    if torch_dir.exists() {
+        fs::remove_dir_all(&torch_dir)
+            .with_context(|| format!("could not clear {}", torch_dir.display()))?;
+    }
+    fs::create_dir_all(&torch_dir)
+        .with_context(|| format!("could not create {}", torch_dir.display()))?;
+    let lib = build_artifact(
+        &["build", "-p", package, "--lib"],
+        |artifact| target_name(artifact) == Some(target),
+        |artifact| {
+            artifact["filenames"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(serde_json::Value::as_str)
+                .find(|f| f.ends_with(".so"))
+                .map(PathBuf::from)
+        },
+    )
+    .with_context(|| format!("building {package}"))?;
+    let dest = torch_dir.join(file);
+    fs::copy(&lib, &dest)
+        .with_context(|| format!("could not copy {} to {}", lib.display(), dest.display()))?;
+    let python = crate::gpu_tests::workspace_root().join(TORCH_PYTHON_DIR);
+    for entry in
+        fs::read_dir(&python).with_context(|| format!("could not read {}", python.display()))?
+    {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "py") {
+            let to = torch_dir.join(path.file_name().unwrap_or_default());
+            fs::copy(&path, &to).with_context(|| {
+                format!("could not copy {} to {}", path.display(), to.display())
+            })?;
+        }
+    }
+    Ok(dest)
+}
+
 /// Runs `cargo <args> --release --message-format=json` with debug info off and stripping on, and returns
 /// the one executable whose artifact message `wanted` accepts.
 fn build_one(args: &[&str], wanted: impl Fn(&serde_json::Value) -> bool) -> Result<PathBuf> {
+    build_artifact(args, wanted, |artifact| {
+        artifact["executable"].as_str().map(PathBuf::from)
+    })
+}
+
+/// As [`build_one`], with `file` picking the wanted file out of an accepted artifact message.
+fn build_artifact(
+    args: &[&str],
+    wanted: impl Fn(&serde_json::Value) -> bool,
+    file: impl Fn(&serde_json::Value) -> Option<PathBuf>,
+) -> Result<PathBuf> {
     let mut cmd = cargo();
     cmd.args(args)
         .args(["--release", "--message-format=json-render-diagnostics"])
@@ -104,8 +171,8 @@ fn build_one(args: &[&str], wanted: impl Fn(&serde_json::Value) -> bool) -> Resu
         if msg["reason"] != "compiler-artifact" || !wanted(&msg) {
             continue;
         }
-        if let Some(exe) = msg["executable"].as_str() {
-            found.push(PathBuf::from(exe));
+        if let Some(path) = file(&msg) {
+            found.push(path);
         }
     }
     let status = child.wait().context("waiting for cargo")?;
@@ -173,7 +240,11 @@ fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
          The allocator benchmark against PyTorch (from the repository root, with the anchors of\n\
          ../shared/anchors):\n\n    bash ../shared/anchors/compare_alloc.sh gpu-bundle/alloc_patterns\n\n\
          alloc_patterns --sim runs the same patterns on the simulated device; --raw uses the pointer API\n\
-         (raw_alloc/raw_free) instead of Allocation handles.\n\n",
+         (raw_alloc/raw_free) instead of Allocation handles.\n\n\
+         torch/ holds PyTorch's pluggable allocator on tensormem (libtensormem_torch.so) and its Python\n\
+         scripts; run.sh runs the real-client checks (GPT-2 and CUDA-graph training, losses against the\n\
+         native allocator). The benchmark against PyTorch's native allocator, in one call:\n\n\
+         \x20   python3 gpu-bundle/torch/step_bench.py --lib gpu-bundle/torch/libtensormem_torch.so\n\n",
     );
     let name = dir.file_name().map_or_else(
         || dir.display().to_string(),
@@ -198,6 +269,9 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 export TENSORMEM_REQUIRE_GPU=1
+# PyTorch's pluggable allocator on tensormem and its scripts, for the real-client tests.
+export TENSORMEM_TORCH_LIB="$here/torch/libtensormem_torch.so"
+export TENSORMEM_TORCH_PYTHON="$here/torch"
 if python3 -c 'import torch' >/dev/null 2>&1; then
   export TENSORMEM_REQUIRE_TORCH=1
   echo "run.sh: python3 has torch: PyTorch interop checks are required"
@@ -227,6 +301,12 @@ mod tests {
     fn run_sh_names_the_variables_the_tests_read() {
         assert!(RUN_SH.contains(&format!("export {REQUIRE_GPU}=1")));
         assert!(RUN_SH.contains(&format!("export {REQUIRE_TORCH}=1")));
+        // The names tensormem-torch's tests read.
+        assert!(RUN_SH.contains(&format!(
+            "export TENSORMEM_TORCH_LIB=\"$here/torch/{}\"",
+            super::TORCH_PLUGIN.2
+        )));
+        assert!(RUN_SH.contains("export TENSORMEM_TORCH_PYTHON=\"$here/torch\""));
     }
 
     #[test]
