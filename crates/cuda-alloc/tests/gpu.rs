@@ -21,3 +21,5 @@ mod interop;
 mod multi_gpu;
 #[path = "gpu/streams.rs"]
 mod streams;
+#[path = "gpu/teardown.rs"]
+mod teardown;
