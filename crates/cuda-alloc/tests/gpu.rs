@@ -22,3 +22,5 @@ mod interop;
 mod multi_gpu;
 #[path = "gpu/streams.rs"]
 mod streams;
+#[path = "gpu/teardown.rs"]
+mod teardown;

@@ -21,6 +21,7 @@ mod inspect;
 mod invariants;
 mod private;
 mod release;
+mod teardown;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering::Relaxed};
