@@ -6,7 +6,7 @@ use std::ffi::{c_int, c_void};
 use cudarc::driver::sys;
 use tensormem_cuda_alloc::{DevicePtr, Error as AllocError};
 
-use crate::boundary::{call, ContextGuard};
+use crate::boundary::call;
 use crate::devices::{self, Allocator};
 use crate::error::{Error, Result};
 use crate::streams;
@@ -31,7 +31,6 @@ pub unsafe extern "C" fn tensormem_alloc(
 ) -> *mut c_void {
     let ptr = call("tensormem_alloc", std::ptr::null_mut(), || {
         let allocator = devices::allocator(device)?;
-        let _context = ContextGuard::save();
         // SAFETY: `stream` is a live stream of `device` kept alive by its owner (our caller's
         // obligation).
         let ptr = unsafe {
@@ -80,7 +79,6 @@ pub unsafe extern "C" fn tensormem_free(
     }
     let freed = call("tensormem_free", false, || {
         let allocator = devices::allocator(device)?;
-        let _context = ContextGuard::save();
         allocator.raw_free(DevicePtr(ptr as u64))?;
         Ok(true)
     });
@@ -104,7 +102,6 @@ pub unsafe extern "C" fn tensormem_free(
 pub unsafe extern "C" fn tensormem_record_stream(ptr: *mut c_void, stream: sys::CUstream) {
     call("tensormem_record_stream", (), || {
         let ptr = DevicePtr(ptr as u64);
-        let _context = ContextGuard::save();
         let allocator = owner(ptr)?;
         // SAFETY: `stream` is live and kept alive (our caller's obligation).
         unsafe {

@@ -9,11 +9,13 @@ use cudarc::driver::sys;
 use crate::error::{set_last_error, Error, Result};
 
 /// Runs `body` for the exported function `call`: returns its value, or `failed` after keeping the
-/// error (or the panic, as [`Error::Panicked`]) as the thread's last error and logging it.
+/// error (or the panic, as [`Error::Panicked`]) as the thread's last error and logging it. The
+/// caller's current CUDA context is the same afterwards.
 ///
 /// A panic never unwinds into the C caller (which would abort the process or be undefined).
 #[inline]
 pub(crate) fn call<T>(call: &'static str, failed: T, body: impl FnOnce() -> Result<T>) -> T {
+    let _context = ContextGuard::save();
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(value)) => value,
         Ok(Err(error)) => {
@@ -53,7 +55,7 @@ fn panic_message(payload: &(dyn Any + Send)) -> String {
 /// it so; a C caller such as PyTorch keeps its own notion of the current device in that same
 /// driver state, and freeing memory of device 1 while device 0 is current must not switch it.
 #[derive(Debug)]
-pub(crate) struct ContextGuard {
+struct ContextGuard {
     /// The context current on entry (null where none was), or `None` if it could not be read (no
     /// driver: then nothing was changed either).
     saved: Option<sys::CUcontext>,
@@ -62,7 +64,7 @@ pub(crate) struct ContextGuard {
 impl ContextGuard {
     /// Remembers the current context.
     #[inline]
-    pub(crate) fn save() -> Self {
+    fn save() -> Self {
         Self {
             saved: current_context(),
         }

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use tensormem::cuda;
 use tensormem_cuda_alloc::{CaptureStatus, Device, MempoolId};
 
-use crate::boundary::{call, ContextGuard};
+use crate::boundary::call;
 use crate::devices;
 
 /// PyTorch's `MempoolId_t` (`std::pair<unsigned long long, unsigned long long>`), passed by value: the
@@ -38,7 +38,6 @@ impl From<TorchMempoolId> for MempoolId {
 #[no_mangle]
 pub extern "C" fn tensormem_init(device_count: c_int) {
     call("tensormem_init", (), || {
-        let _context = ContextGuard::save();
         let found = cuda::device_count()?;
         if i64::from(found) != i64::from(device_count) {
             tracing::warn!(
@@ -56,7 +55,6 @@ pub extern "C" fn tensormem_init(device_count: c_int) {
 #[no_mangle]
 pub extern "C" fn tensormem_empty_cache() {
     call("tensormem_empty_cache", (), || {
-        let _context = ContextGuard::save();
         for allocator in devices::used() {
             allocator.empty_cache()?;
         }
@@ -70,7 +68,6 @@ pub extern "C" fn tensormem_empty_cache() {
 #[no_mangle]
 pub extern "C" fn tensormem_set_memory_fraction(fraction: f64, device: c_int) {
     call("tensormem_set_memory_fraction", (), || {
-        let _context = ContextGuard::save();
         devices::allocator(device)?.set_memory_fraction(fraction)?;
         Ok(())
     });
@@ -98,7 +95,6 @@ pub unsafe extern "C" fn tensormem_begin_allocate_to_pool(
 ) {
     let _ = filter;
     call("tensormem_begin_allocate_to_pool", (), || {
-        let _context = ContextGuard::save();
         let allocator = devices::allocator(device)?;
         /// No capture bound yet (capture ids are never this).
         const UNBOUND: u64 = u64::MAX;
@@ -124,7 +120,6 @@ pub unsafe extern "C" fn tensormem_begin_allocate_to_pool(
 #[no_mangle]
 pub extern "C" fn tensormem_end_allocate_to_pool(device: c_int, pool: TorchMempoolId) {
     call("tensormem_end_allocate_to_pool", (), || {
-        let _context = ContextGuard::save();
         devices::allocator(device)?.end_allocate_to_pool(pool.into())?;
         Ok(())
     });
@@ -136,7 +131,6 @@ pub extern "C" fn tensormem_end_allocate_to_pool(device: c_int, pool: TorchMempo
 #[no_mangle]
 pub extern "C" fn tensormem_release_pool(device: c_int, pool: TorchMempoolId) {
     call("tensormem_release_pool", (), || {
-        let _context = ContextGuard::save();
         devices::allocator(device)?.release_pool(pool.into())?;
         Ok(())
     });

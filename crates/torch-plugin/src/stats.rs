@@ -5,7 +5,7 @@ use std::ffi::{c_char, c_int, CStr, CString};
 
 use tensormem::cuda;
 
-use crate::boundary::{call, ContextGuard};
+use crate::boundary::call;
 use crate::devices;
 use crate::error::{Error, Result};
 
@@ -16,7 +16,6 @@ use crate::error::{Error, Result};
 #[no_mangle]
 pub extern "C" fn tensormem_memory_stats_json(device: c_int) -> *mut c_char {
     call("tensormem_memory_stats_json", std::ptr::null_mut(), || {
-        let _context = ContextGuard::save();
         let stats = devices::allocator(device)?.memory_stats().to_flat();
         let json = serde_json::Value::from_iter(
             stats
@@ -70,7 +69,6 @@ pub unsafe extern "C" fn tensormem_dump_snapshot(path: *const c_char) -> c_int {
     call("tensormem_dump_snapshot", -1, || {
         // SAFETY: `path` is null or NUL-terminated (our caller's obligation).
         let path = unsafe { c_path(path) }?;
-        let _context = ContextGuard::save();
         cuda::dump_snapshot(path)?;
         Ok(0)
     })
