@@ -7,6 +7,7 @@ use cudarc::driver::sys;
 use tensormem_cuda_alloc::{DevicePtr, Error as AllocError};
 
 use crate::boundary::call;
+use crate::capture_mode;
 use crate::devices::{self, Allocator};
 use crate::error::{Error, Result};
 use crate::streams;
@@ -31,6 +32,7 @@ pub unsafe extern "C" fn tensormem_alloc(
 ) -> *mut c_void {
     let ptr = call("tensormem_alloc", std::ptr::null_mut(), || {
         let allocator = devices::allocator(device)?;
+        let _relaxed = capture_mode::relaxed_while_capturing();
         // SAFETY: `stream` is a live stream of `device` kept alive by its owner (our caller's
         // obligation).
         let ptr = unsafe {

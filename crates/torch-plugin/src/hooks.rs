@@ -12,6 +12,7 @@ use tensormem::cuda;
 use tensormem_cuda_alloc::{CaptureStatus, Device, MempoolId};
 
 use crate::boundary::call;
+use crate::capture_mode;
 use crate::devices;
 
 /// PyTorch's `MempoolId_t` (`std::pair<unsigned long long, unsigned long long>`), passed by value: the
@@ -81,7 +82,9 @@ pub extern "C" fn tensormem_set_memory_fraction(fraction: f64, device: c_int) {
 /// goes to the pool if its stream is capturing, under the capture id of the first capturing stream
 /// that allocates while the pool is open (a capture's side streams share its id). Allocations outside
 /// captures, including those in a `torch.cuda.use_mem_pool` block, come from the ordinary pools.
-/// Errors (the pool is already being recorded to) are kept.
+/// Until the pool is closed, allocations switch their thread to the relaxed capture mode, in which new
+/// device memory may be had during a global-mode capture (as PyTorch's allocator does). Errors (the
+/// pool is already being recorded to) are kept.
 ///
 /// # Safety
 ///
@@ -111,6 +114,7 @@ pub unsafe extern "C" fn tensormem_begin_allocate_to_pool(
                 _ => false,
             }
         })?;
+        capture_mode::opened();
         Ok(())
     });
 }
@@ -121,6 +125,7 @@ pub unsafe extern "C" fn tensormem_begin_allocate_to_pool(
 pub extern "C" fn tensormem_end_allocate_to_pool(device: c_int, pool: TorchMempoolId) {
     call("tensormem_end_allocate_to_pool", (), || {
         devices::allocator(device)?.end_allocate_to_pool(pool.into())?;
+        capture_mode::closed();
         Ok(())
     });
 }

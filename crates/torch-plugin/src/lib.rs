@@ -52,6 +52,7 @@
 
 mod allocate;
 mod boundary;
+mod capture_mode;
 mod devices;
 mod error;
 mod hooks;

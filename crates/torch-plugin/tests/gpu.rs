@@ -198,15 +198,28 @@ fn allocations_of_a_graph_capture_go_to_its_private_pool() {
     assert_eq!(begun, sys::CUresult::CUDA_SUCCESS);
     // SAFETY: the filter argument is not used.
     unsafe { tensormem_begin_allocate_to_pool(0, pool, ptr::null_mut()) };
-    let captured = alloc(5 * MIB, 0, stream);
-    let outside = alloc(5 * MIB, 0, ptr::null_mut());
+    // New segments during a global-mode capture (cuMemAlloc is refused there unless relaxed).
+    // SAFETY: a stream of device 0 kept for the process; the default stream.
+    let (captured, outside) = unsafe {
+        (
+            tensormem_alloc(5 * MIB, 0, stream),
+            tensormem_alloc(5 * MIB, 0, ptr::null_mut()),
+        )
+    };
+    let error = last_error();
     let mut graph = ptr::null_mut();
-    // SAFETY: ends the capture begun above; `graph` is a valid out-parameter.
+    // SAFETY: ends the capture begun above (whatever happened in it); `graph` is a valid
+    // out-parameter.
     let ended = unsafe { sys::cuStreamEndCapture(stream, &mut graph) };
-    assert_eq!(ended, sys::CUresult::CUDA_SUCCESS);
     tensormem_clear_last_error();
     tensormem_end_allocate_to_pool(0, pool);
     assert!(tensormem_last_error().is_null(), "{}", last_error());
+    assert!(!captured.is_null() && !outside.is_null(), "{error}");
+    assert_eq!(
+        ended,
+        sys::CUresult::CUDA_SUCCESS,
+        "the capture stayed valid"
+    );
 
     let segments = allocator.snapshot().segments;
     let pool_of = |p: *mut c_void| {
