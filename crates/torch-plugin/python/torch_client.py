@@ -1,11 +1,13 @@
 """Real-client check: runs a workload on PyTorch's native allocator and on tensormem's (each in its own
 process, same seeds) and compares the losses; prints both peak reserved figures.
 
-    python3 torch_client.py [--lib PATH/libtensormem_torch.so] [--rtol 1e-3] gpt2_train cudagraph_train
+    python3 torch_client.py [--lib PATH/libtensormem_torch.so] [--rtol 1e-3] gpt2_train cudagraph_train mempool
 
 Exits 0 if every workload ran to the end on both allocators with losses equal within --rtol (PyTorch's
 backward is not bitwise deterministic: two native runs differ by about 1e-6 relative), 1 otherwise.
 One JSON line per workload and allocator is printed (prefix "run,"), then one verdict line per workload.
+`mempool` checks the other way of using the plugin: PyTorch's allocator stays current and one
+torch.cuda.MemPool takes its segments from tensormem.
 """
 import argparse
 import json
@@ -17,6 +19,26 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 WORKLOADS = ("gpt2_train", "cudagraph_train")
+CHECKS = ("mempool",)
+
+
+def mempool_check(lib):
+    """PyTorch's allocator stays current; one torch.cuda.MemPool takes its segments from tensormem."""
+    import torch
+    import tensormem_torch
+    plugin, pool = tensormem_torch.mem_pool(lib)
+    n = 4 << 20
+    with torch.cuda.use_mem_pool(pool):
+        x = torch.ones(n, device="cuda")
+        y = x * 2
+    z = torch.ones(n, device="cuda")  # outside the pool: PyTorch's own memory
+    total = (y.sum() + z.sum()).item()
+    held = plugin.stats(torch.cuda.current_device())["allocated_bytes.all.current"]
+    ok = total == 3 * n and held >= 2 * 4 * n
+    print(f"{'PASS' if ok else 'FAIL'} mempool: sum {total} (want {3 * n}); tensormem holds {held} B for "
+          f"the pool's segments (want >= {2 * 4 * n})", flush=True)
+    del x, y, pool
+    return ok
 
 
 def child(workload, backend, lib):
@@ -68,15 +90,26 @@ def main():
     ap.add_argument("--lib", help="libtensormem_torch.so (default: tensormem_torch.find_library())")
     ap.add_argument("--rtol", type=float, default=1e-3)
     ap.add_argument("--child", nargs=2, metavar=("WORKLOAD", "BACKEND"), help=argparse.SUPPRESS)
-    ap.add_argument("workloads", nargs="*", default=list(WORKLOADS))
+    ap.add_argument("workloads", nargs="*", default=list(WORKLOADS + CHECKS))
     args = ap.parse_args()
     if args.child:
+        if args.child[0] in CHECKS:
+            return 0 if mempool_check(args.lib) else 1
         child(args.child[0], args.child[1], args.lib)
         return 0
     ok = True
     for workload in args.workloads:
+        if workload in CHECKS:
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", workload, "tensormem"]
+            out = subprocess.run(cmd + (["--lib", args.lib] if args.lib else []), capture_output=True, text=True)
+            print(out.stdout.strip())
+            if out.returncode != 0:
+                sys.stderr.write(out.stderr[-4000:])
+                print(f"FAIL {workload}: exit {out.returncode}")
+                ok = False
+            continue
         if workload not in WORKLOADS:
-            ap.error(f"unknown workload {workload}; one of {', '.join(WORKLOADS)}")
+            ap.error(f"unknown workload {workload}; one of {', '.join(WORKLOADS + CHECKS)}")
         native = run(workload, "native", args.lib)
         ours = run(workload, "tensormem", args.lib)
         if native is None or ours is None:

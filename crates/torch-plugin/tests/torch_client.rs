@@ -1,6 +1,7 @@
 //! PyTorch as a real client of the plugin: GPT-2 training and a CUDA-graph training run go to the end
 //! on tensormem's allocator with the losses of PyTorch's native allocator (`python/torch_client.py`),
-//! and both peak reserved figures are printed.
+//! and both peak reserved figures are printed; a `torch.cuda.MemPool` on the plugin, PyTorch's allocator
+//! staying current, takes its segments from tensormem.
 //!
 //! Needs a GPU and `python3` with torch (and `transformers` for GPT-2). Skipped where torch does not
 //! import or there is no GPU, unless `TENSORMEM_REQUIRE_TORCH=1` / `TENSORMEM_REQUIRE_GPU=1` (set by
@@ -97,4 +98,9 @@ fn gpt2_train_on_tensormem_has_the_native_losses() {
 #[test]
 fn cudagraph_train_on_tensormem_has_the_native_losses() {
     run_client("cudagraph_train");
+}
+
+#[test]
+fn a_mem_pool_takes_its_segments_from_tensormem() {
+    run_client("mempool");
 }
