@@ -21,7 +21,7 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use tensormem_cuda_alloc::backend::cuda::{CudaBackend, BackendStream};
+use tensormem_cuda_alloc::backend::cuda::{BackendStream, CudaBackend};
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::{Allocation, CachingAllocator, Device, DevicePtr, StreamId};

@@ -13,6 +13,8 @@
 mod allocator;
 #[path = "gpu/backend.rs"]
 mod backend;
+#[path = "gpu/bridge.rs"]
+mod bridge;
 #[path = "gpu/harness.rs"]
 mod harness;
 #[path = "gpu/interop.rs"]
@@ -23,5 +25,3 @@ mod multi_gpu;
 mod streams;
 #[path = "gpu/teardown.rs"]
 mod teardown;
-#[path = "gpu/bridge.rs"]
-mod bridge;

@@ -5,7 +5,7 @@
 use std::sync::mpsc;
 use std::time::Duration;
 
-use tensormem_cuda_alloc::backend::cuda::{CudaBackend, BackendStream};
+use tensormem_cuda_alloc::backend::cuda::{BackendStream, CudaBackend};
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::size::format_size;
 use tensormem_cuda_alloc::snapshot::BlockState;

@@ -3,7 +3,7 @@
 use std::sync::mpsc;
 use std::time::Duration;
 
-use tensormem_cuda_alloc::backend::cuda::{self, CudaBackend, BackendStream};
+use tensormem_cuda_alloc::backend::cuda::{self, BackendStream, CudaBackend};
 use tensormem_cuda_alloc::{CaptureStatus, Device, DeviceError, StreamId};
 
 use crate::harness::gpu;
