@@ -118,7 +118,7 @@ pub enum DeviceError {
     /// number anyone can write; the CUDA backend accepts only streams it made or was handed).
     #[error(
         "stream {stream} is not a live stream of device {device} known to this backend; use streams \
-         made by the backend (CudaDevice::create_stream) or handed to it (CudaDevice::register_stream), \
+         made by the backend (CudaBackend::create_stream) or handed to it (CudaBackend::register_stream), \
          or the default stream 0"
     )]
     UnknownStream {
@@ -324,11 +324,21 @@ unsafe impl<D: Device> Device for std::sync::Arc<D> {
     fn create_physical(&self, size: usize) -> DeviceResult<Self::PhysicalChunk> {
         (**self).create_physical(size)
     }
-    unsafe fn map(&self, ptr: DevicePtr, size: usize, chunk: &Self::PhysicalChunk) -> DeviceResult<()> {
+    unsafe fn map(
+        &self,
+        ptr: DevicePtr,
+        size: usize,
+        chunk: &Self::PhysicalChunk,
+    ) -> DeviceResult<()> {
         // SAFETY: the caller's obligations are the shared device's.
         unsafe { (**self).map(ptr, size, chunk) }
     }
-    unsafe fn unmap(&self, ptr: DevicePtr, size: usize, chunk: Self::PhysicalChunk) -> DeviceResult<()> {
+    unsafe fn unmap(
+        &self,
+        ptr: DevicePtr,
+        size: usize,
+        chunk: Self::PhysicalChunk,
+    ) -> DeviceResult<()> {
         // SAFETY: the caller's obligations are the shared device's.
         unsafe { (**self).unmap(ptr, size, chunk) }
     }

@@ -13,6 +13,8 @@
 mod allocator;
 #[path = "gpu/backend.rs"]
 mod backend;
+#[path = "gpu/bridge.rs"]
+mod bridge;
 #[path = "gpu/harness.rs"]
 mod harness;
 #[cfg(feature = "snapshot-io")]

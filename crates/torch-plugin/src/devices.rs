@@ -4,13 +4,13 @@ use std::ffi::c_int;
 use std::sync::OnceLock;
 
 use tensormem::cuda;
-use tensormem_cuda_alloc::backend::cuda::CudaDevice;
+use tensormem_cuda_alloc::backend::cuda::CudaBackend;
 use tensormem_cuda_alloc::CachingAllocator;
 
 use crate::error::{Error, Result};
 
 /// The allocator of one device.
-pub(crate) type Allocator = CachingAllocator<CudaDevice>;
+pub(crate) type Allocator = CachingAllocator<CudaBackend>;
 
 /// Devices whose allocator is remembered here (more are looked up in the device API each time).
 const CACHED: usize = 64;

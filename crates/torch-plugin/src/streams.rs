@@ -8,7 +8,7 @@
 //! device; the backend keeps it from then on. The fast path pays nothing: it tries the stream first.
 
 use cudarc::driver::sys;
-use tensormem_cuda_alloc::backend::cuda::CudaDevice;
+use tensormem_cuda_alloc::backend::cuda::CudaBackend;
 use tensormem_cuda_alloc::{DeviceError, StreamId};
 
 use crate::error::{Error, Result};
@@ -47,7 +47,7 @@ pub(crate) fn refused_stream<T>(result: &tensormem_cuda_alloc::Result<T>) -> boo
 /// that its owner destroys while tensormem's allocator still has memory used on it does not.
 #[inline]
 pub(crate) unsafe fn with_stream<T>(
-    device: &CudaDevice,
+    device: &CudaBackend,
     raw: sys::CUstream,
     op: impl Fn(StreamId) -> tensormem_cuda_alloc::Result<T>,
 ) -> Result<T> {
@@ -67,7 +67,7 @@ pub(crate) unsafe fn with_stream<T>(
 ///
 /// As [`with_stream`].
 #[cold]
-unsafe fn register(device: &CudaDevice, raw: sys::CUstream) -> Result<StreamId> {
+unsafe fn register(device: &CudaBackend, raw: sys::CUstream) -> Result<StreamId> {
     let stream = raw as u64;
     let mut ctx = std::ptr::null_mut();
     // SAFETY: `raw` is a live stream handle (the caller's obligation); `ctx` is a valid out-parameter.
