@@ -1,13 +1,14 @@
 """Real-client check: runs a workload on PyTorch's native allocator and on tensormem's (each in its own
 process, same seeds) and compares the losses; prints both peak reserved figures.
 
-    python3 torch_client.py [--lib PATH/libtensormem_torch.so] [--rtol 1e-3] gpt2_train cudagraph_train mempool
+    python3 torch_client.py [--lib PATH/libtensormem_torch.so] [--rtol 1e-3] gpt2_train cudagraph_train mempool record_stream
 
 Exits 0 if every workload ran to the end on both allocators with losses equal within --rtol (PyTorch's
 backward is not bitwise deterministic: two native runs differ by about 1e-6 relative), 1 otherwise.
 One JSON line per workload and allocator is printed (prefix "run,"), then one verdict line per workload.
 `mempool` checks the other way of using the plugin: PyTorch's allocator stays current and one
-torch.cuda.MemPool takes its segments from tensormem.
+torch.cuda.MemPool takes its segments from tensormem. `record_stream` checks, on both allocators, that
+memory freed while a busy side stream still reads it (Tensor.record_stream) is not reused too early.
 """
 import argparse
 import json
@@ -19,7 +20,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 WORKLOADS = ("gpt2_train", "cudagraph_train")
-CHECKS = ("mempool",)
+# Checks that are not loss comparisons: name -> the backends each runs on.
+CHECKS = {"mempool": ("tensormem",), "record_stream": ("native", "tensormem")}
 
 
 def mempool_check(lib):
@@ -38,6 +40,34 @@ def mempool_check(lib):
     print(f"{'PASS' if ok else 'FAIL'} mempool: sum {total} (want {3 * n}); tensormem holds {held} B for "
           f"the pool's segments (want >= {2 * 4 * n})", flush=True)
     del x, y, pool
+    return ok
+
+
+def record_stream_check(backend, lib):
+    """Tensor.record_stream is honoured: memory freed while a busy side stream still reads it is not
+    handed to the next allocation on the default stream before the side stream is done."""
+    import torch
+    if backend == "tensormem":
+        import tensormem_torch
+        tensormem_torch.install(lib)
+    side = torch.cuda.Stream()
+    n = 1 << 20
+    wrong = 0
+    for i in range(20):
+        a = torch.full((n,), float(i), device="cuda")
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(5_000_000)  # the side stream reads `a` only a few ms from now
+            b = a.clone()
+        a.record_stream(side)
+        del a
+        c = torch.full((n,), -1.0, device="cuda")  # the size of `a`, on the default stream
+        torch.cuda.current_stream().wait_stream(side)
+        wrong += int((b != float(i)).sum().item())
+        del b, c
+    ok = wrong == 0
+    print(f"{'PASS' if ok else 'FAIL'} record_stream on {backend}: {wrong} elements read after their "
+          "memory was reused (want 0)", flush=True)
     return ok
 
 
@@ -90,26 +120,30 @@ def main():
     ap.add_argument("--lib", help="libtensormem_torch.so (default: tensormem_torch.find_library())")
     ap.add_argument("--rtol", type=float, default=1e-3)
     ap.add_argument("--child", nargs=2, metavar=("WORKLOAD", "BACKEND"), help=argparse.SUPPRESS)
-    ap.add_argument("workloads", nargs="*", default=list(WORKLOADS + CHECKS))
+    ap.add_argument("workloads", nargs="*", default=list(WORKLOADS) + list(CHECKS))
     args = ap.parse_args()
     if args.child:
-        if args.child[0] in CHECKS:
+        if args.child[0] == "mempool":
             return 0 if mempool_check(args.lib) else 1
+        if args.child[0] == "record_stream":
+            return 0 if record_stream_check(args.child[1], args.lib) else 1
         child(args.child[0], args.child[1], args.lib)
         return 0
     ok = True
     for workload in args.workloads:
         if workload in CHECKS:
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", workload, "tensormem"]
-            out = subprocess.run(cmd + (["--lib", args.lib] if args.lib else []), capture_output=True, text=True)
-            print(out.stdout.strip())
-            if out.returncode != 0:
-                sys.stderr.write(out.stderr[-4000:])
-                print(f"FAIL {workload}: exit {out.returncode}")
-                ok = False
+            for backend in CHECKS[workload]:
+                cmd = [sys.executable, os.path.abspath(__file__), "--child", workload, backend]
+                out = subprocess.run(cmd + (["--lib", args.lib] if args.lib else []), capture_output=True,
+                                     text=True)
+                print(out.stdout.strip())
+                if out.returncode != 0:
+                    sys.stderr.write(out.stderr[-4000:])
+                    print(f"FAIL {workload} on {backend}: exit {out.returncode}")
+                    ok = False
             continue
         if workload not in WORKLOADS:
-            ap.error(f"unknown workload {workload}; one of {', '.join(WORKLOADS + CHECKS)}")
+            ap.error(f"unknown workload {workload}; one of {', '.join(list(WORKLOADS) + list(CHECKS))}")
         native = run(workload, "native", args.lib)
         ours = run(workload, "tensormem", args.lib)
         if native is None or ours is None:

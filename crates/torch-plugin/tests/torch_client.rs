@@ -1,7 +1,8 @@
 //! PyTorch as a real client of the plugin: GPT-2 training and a CUDA-graph training run go to the end
 //! on tensormem's allocator with the losses of PyTorch's native allocator (`python/torch_client.py`),
 //! and both peak reserved figures are printed; a `torch.cuda.MemPool` on the plugin, PyTorch's allocator
-//! staying current, takes its segments from tensormem.
+//! staying current, takes its segments from tensormem; memory freed while a busy side stream still reads
+//! it (`Tensor.record_stream`) is not reused too early.
 //!
 //! Needs a GPU and `python3` with torch (and `transformers` for GPT-2). Skipped where torch does not
 //! import or there is no GPU, unless `TENSORMEM_REQUIRE_TORCH=1` / `TENSORMEM_REQUIRE_GPU=1` (set by
@@ -103,4 +104,9 @@ fn cudagraph_train_on_tensormem_has_the_native_losses() {
 #[test]
 fn a_mem_pool_takes_its_segments_from_tensormem() {
     run_client("mempool");
+}
+
+#[test]
+fn record_stream_keeps_memory_from_early_reuse() {
+    run_client("record_stream");
 }
