@@ -173,6 +173,20 @@ fn details(out: &mut impl Write, header: &Header<'_>, run: &ReplayRun) -> io::Re
             }
         }
         if let Some(stats) = &check.stats {
+            if stats.compared == 0 {
+                writeln!(
+                    out,
+                    "  memory_stats(): none of the record's {} figures is one the replay produces, \
+                     so nothing was compared (not a match)",
+                    stats.recorded
+                )?;
+            }
+            for (key, written) in stats.unreadable.iter().take(10) {
+                writeln!(
+                    out,
+                    "  {key}: PyTorch {written}, which is not a whole number a memory_stats() figure can be"
+                )?;
+            }
             for m in stats.mismatches.iter().take(10) {
                 writeln!(
                     out,

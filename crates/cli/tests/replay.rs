@@ -220,3 +220,34 @@ fn snapshot_summary_of_a_non_snapshot_fails_with_one_line() {
         "/nonexistent.pickle",
     );
 }
+
+#[test]
+fn replay_of_dev_zero_is_refused_at_once() {
+    let output = tensormem(&["replay", "/dev/zero"]);
+    fails_with_one_line(&output, "not a pickle");
+}
+
+#[test]
+fn replay_with_a_figure_beyond_i64_does_not_match_the_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let pickle = dir.path().join("multistream.pickle");
+    std::fs::copy(trace("multistream.pickle"), &pickle).unwrap();
+    std::fs::write(
+        dir.path().join("multistream.stats.json"),
+        r#"{"num_device_alloc": 1e30, "device": "NVIDIA H200"}"#,
+    )
+    .unwrap();
+    let output = tensormem(&["replay", pickle.to_str().unwrap()]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let text = stdout(&output);
+    let row = text
+        .lines()
+        .find(|l| l.contains("[recorded]"))
+        .expect("a row for the recorded configuration");
+    assert!(row.contains(" NO "), "{text}");
+    assert!(text.contains("1 figures of memory_stats()"), "{text}");
+    assert!(
+        text.contains("num_device_alloc: PyTorch 1e+30, which is not a whole number"),
+        "{text}"
+    );
+}

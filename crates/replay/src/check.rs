@@ -12,6 +12,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::io::Read;
 use std::path::Path;
 
 use super::{ReplayError, ReplayResult};
@@ -20,18 +21,38 @@ use tensormem_cuda_alloc::size::format_size;
 use tensormem_cuda_alloc::snapshot::{BlockState, Segment};
 
 /// `torch.cuda.memory_stats()` as saved by the recording script: flat key names and values (only
-/// the integer figures are kept; other entries, such as the device name, are ignored).
+/// the numbers are kept; entries of other types, such as the device name, are ignored).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ExpectedStats {
     /// The figures by flat key (`"reserved_bytes.all.peak"`, ...).
     pub figures: BTreeMap<String, i64>,
+    /// Numbers that are not whole numbers in `i64`'s range (`1e30`, `0.117`), as JSON writes them
+    /// (`1e+30`), by key.
+    /// `memory_stats()` figures never are: one the replay produces is reported as a mismatch
+    /// ([`StatsCheck::unreadable`]); others (a recording script's `wall_s`) are ignored like any
+    /// key the replay does not produce.
+    pub unreadable: BTreeMap<String, String>,
 }
 
 impl ExpectedStats {
+    /// Expected figures given directly (from another allocator's [`to_flat`] statistics, say).
+    ///
+    /// [`to_flat`]: tensormem_cuda_alloc::stats::MemoryStats::to_flat
+    #[must_use]
+    pub fn from_figures(figures: BTreeMap<String, i64>) -> ExpectedStats {
+        ExpectedStats {
+            figures,
+            unreadable: BTreeMap::new(),
+        }
+    }
+
+    /// The largest `*.stats.json` read (PyTorch's are about 2 kB).
+    pub const MAX_FILE_BYTES: u64 = 16 << 20;
+
     /// Reads the JSON object `json.dumps(torch.cuda.memory_stats())` writes.
     ///
     /// # Errors
-    /// [`ReplayError::ExpectedStats`] when the text is not a JSON object.
+    /// [`ReplayError::ExpectedStats`] when the text is not a JSON object, or holds no number at all.
     pub fn from_json(text: &str) -> ReplayResult<ExpectedStats> {
         let value: serde_json::Value =
             serde_json::from_str(text).map_err(|e| ReplayError::ExpectedStats {
@@ -42,22 +63,54 @@ impl ExpectedStats {
             .ok_or_else(|| ReplayError::ExpectedStats {
                 reason: "expected a JSON object of memory_stats() keys".to_owned(),
             })?;
-        let figures = object
-            .iter()
-            .filter_map(|(key, value)| value.as_i64().map(|v| (key.clone(), v)))
-            .collect();
-        Ok(ExpectedStats { figures })
+        let mut expected = ExpectedStats::default();
+        for (key, value) in object {
+            let serde_json::Value::Number(number) = value else {
+                continue;
+            };
+            if let Some(figure) = number.as_i64() {
+                expected.figures.insert(key.clone(), figure);
+            } else {
+                expected.unreadable.insert(key.clone(), number.to_string());
+            }
+        }
+        if expected.figures.is_empty() && expected.unreadable.is_empty() {
+            return Err(ReplayError::ExpectedStats {
+                reason: "no memory_stats() figure in it (expected what \
+                         json.dumps(torch.cuda.memory_stats()) writes)"
+                    .to_owned(),
+            });
+        }
+        Ok(expected)
     }
 
     /// Reads a `*.stats.json` file (see [`from_json`](Self::from_json)).
     ///
     /// # Errors
-    /// [`ReplayError::ExpectedStats`] when the file cannot be read or is not a JSON object.
+    /// [`ReplayError::ExpectedStats`] when the file cannot be read, is larger than
+    /// [`MAX_FILE_BYTES`](Self::MAX_FILE_BYTES) (a file that never ends, such as `/dev/zero`, is
+    /// refused, not read forever), or as [`from_json`](Self::from_json).
     pub fn read_file(path: impl AsRef<Path>) -> ReplayResult<ExpectedStats> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| ReplayError::ExpectedStats {
+        let cannot_read = |e: std::io::Error| ReplayError::ExpectedStats {
             reason: format!("cannot read {}: {e}", path.display()),
-        })?;
+        };
+        let mut text = String::new();
+        std::fs::File::open(path)
+            .and_then(|file| {
+                file.take(Self::MAX_FILE_BYTES + 1)
+                    .read_to_string(&mut text)
+            })
+            .map_err(cannot_read)?;
+        if text.len() as u64 > Self::MAX_FILE_BYTES {
+            return Err(ReplayError::ExpectedStats {
+                reason: format!(
+                    "{} is larger than {} MiB; memory_stats() files are a few kB",
+                    path.display(),
+                    Self::MAX_FILE_BYTES >> 20
+                ),
+            });
+        }
         Self::from_json(&text).map_err(|e| match e {
             ReplayError::ExpectedStats { reason } => ReplayError::ExpectedStats {
                 reason: format!("{}: {reason}", path.display()),
@@ -81,15 +134,30 @@ pub struct StatMismatch {
 /// The comparison of the final statistics with [`ExpectedStats`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StatsCheck {
-    /// Figures compared (those both sides have).
+    /// Figures in the record.
+    pub recorded: usize,
+    /// Figures compared (those both sides have). Zero means the record confirmed nothing: the
+    /// check then fails (see [`Check::matches`]).
     pub compared: usize,
     /// Figures that differ, by key.
     pub mismatches: Vec<StatMismatch>,
+    /// Figures the replay produces whose recorded value is not a whole number in `i64`'s range:
+    /// `(key, recorded value as written)`. They cannot match.
+    pub unreadable: Vec<(String, String)>,
 }
 
 impl StatsCheck {
     pub(crate) fn compare(replayed: &BTreeMap<String, i64>, expected: &ExpectedStats) -> Self {
-        let mut check = StatsCheck::default();
+        let mut check = StatsCheck {
+            recorded: expected.figures.len() + expected.unreadable.len(),
+            ..StatsCheck::default()
+        };
+        for (key, written) in &expected.unreadable {
+            if replayed.contains_key(key) {
+                check.compared += 1;
+                check.unreadable.push((key.clone(), written.clone()));
+            }
+        }
         for (key, &recorded) in &expected.figures {
             if let Some(&value) = replayed.get(key) {
                 check.compared += 1;
@@ -284,7 +352,8 @@ pub struct Check {
 }
 
 impl Check {
-    /// Whether everything compared matched.
+    /// Whether everything compared matched. Statistics that were given but of which no figure
+    /// could be compared do not match: a record that confirms nothing is not a match.
     #[must_use]
     pub fn matches(&self) -> bool {
         self.divergence.is_none()
@@ -292,7 +361,9 @@ impl Check {
                 .segments
                 .as_ref()
                 .is_none_or(|s| s.mismatches.is_empty())
-            && self.stats.as_ref().is_none_or(|s| s.mismatches.is_empty())
+            && self.stats.as_ref().is_none_or(|s| {
+                s.mismatches.is_empty() && s.unreadable.is_empty() && s.compared > 0
+            })
     }
 
     pub(crate) fn diverged(&mut self, device: usize, event: usize, kind: DivergenceKind) {

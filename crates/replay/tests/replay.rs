@@ -323,9 +323,7 @@ fn tensormem_traces_replay_exactly_too() {
     );
     assert!(original.num_alloc_retries > original.num_ooms);
     let snapshot = allocator.snapshot();
-    let expected = ExpectedStats {
-        figures: original.to_flat(),
-    };
+    let expected = ExpectedStats::from_figures(original.to_flat());
     let replay = Replay::new(&snapshot)
         .unwrap()
         .with_expected_stats(expected);
@@ -438,9 +436,7 @@ fn cache_releases_tell_the_device_size() {
     let snapshot = allocator.snapshot();
     let replay = Replay::new(&snapshot)
         .unwrap()
-        .with_expected_stats(ExpectedStats {
-            figures: original.to_flat(),
-        });
+        .with_expected_stats(ExpectedStats::from_figures(original.to_flat()));
     let capacity = replay.default_capacity(0);
     assert!((64 << 20..128 << 20).contains(&capacity), "{capacity}");
     let run = replay.run_recorded().unwrap();
