@@ -163,26 +163,39 @@ impl ManagerConfig {
         self.log_file.as_deref()
     }
 
-    /// Finds the daemon binary: the configured path (`TENSORMEM_SHM_MANAGER`), else
+    /// The binary set with [`with_binary`](Self::with_binary) or `TENSORMEM_SHM_MANAGER`, if any.
+    pub fn configured_binary(&self) -> Option<&Path> {
+        self.binary.as_deref()
+    }
+
+    /// `binary` if it is an executable file, else [`ManagerError::BinaryNotFound`] naming it.
+    pub(crate) fn check_binary<'a>(&self, binary: &'a Path) -> ManagerResult<&'a Path> {
+        if is_executable(binary) {
+            Ok(binary)
+        } else {
+            Err(ManagerError::BinaryNotFound {
+                searched: format!(
+                    "{ENV_BINARY}={} is not an executable file",
+                    binary.display()
+                ),
+            })
+        }
+    }
+
+    /// Finds a daemon binary: the configured path (`TENSORMEM_SHM_MANAGER`), else
     /// `tensormem-shm-manager` next to the current executable (or one level up when that is
-    /// cargo's `deps/` directory, so tests find it), else the first executable of that name in
-    /// `PATH`.
+    /// cargo's `deps/` directory), else the first executable of that name in `PATH`.
+    ///
+    /// Clients need a binary only when no binary is configured and this program cannot start the
+    /// daemon from its own image (the library lives in a shared object): see
+    /// `docs/shm-manager.md`.
     ///
     /// # Errors
     ///
-    /// [`ManagerError::BinaryNotFound`] naming the three places when none has it.
+    /// [`ManagerError::BinaryNotFound`] naming the places searched when none has it.
     pub fn locate_binary(&self) -> ManagerResult<PathBuf> {
         if let Some(binary) = &self.binary {
-            return if is_executable(binary) {
-                Ok(binary.clone())
-            } else {
-                Err(ManagerError::BinaryNotFound {
-                    searched: format!(
-                        "{ENV_BINARY}={} is not an executable file",
-                        binary.display()
-                    ),
-                })
-            };
+            return self.check_binary(binary).map(Path::to_path_buf);
         }
         let exe_dir = env::current_exe()
             .ok()
@@ -208,8 +221,9 @@ impl ManagerConfig {
         }
         Err(ManagerError::BinaryNotFound {
             searched: format!(
-                "{ENV_BINARY} is not set, it is not next to the current executable ({}), \
-                 and no directory of PATH has it",
+                "{ENV_BINARY} is not set, this program cannot run the daemon from its own image \
+                 (tensormem-shm is not linked into its main executable), the binary is not next \
+                 to the current executable ({}), and no directory of PATH has it",
                 exe_dir.map_or_else(|| "unknown".to_owned(), |d| d.display().to_string())
             ),
         })

@@ -72,7 +72,13 @@ fn lock(shared: &SharedState) -> MutexGuard<'_, Shared> {
 /// Runs the daemon for `config`'s directory until it has had no clients for the quiet period.
 ///
 /// `on_startup` is called once, as soon as it is known whether this process serves (after
-/// the socket listens) or another daemon does; the binary uses it to tell its launcher.
+/// the socket listens) or another daemon does; the launcher protocol uses it.
+///
+/// This is the daemon loop itself, public for programs that host the manager in a process they
+/// supervise (a job launcher that outlives its workers, say), on a thread of their choice:
+/// clients of the same directory reach it as they would a started daemon. The names it tracks
+/// are only as safe as the hosting process: if that process is killed, they stay until
+/// `tensormem shm gc`. Events go to whatever `tracing` subscriber the host installed.
 ///
 /// # Errors
 ///
