@@ -33,7 +33,7 @@
 //! every fault then allocates a 2 MiB page, and the per-page costs above shrink 512-fold, leaving
 //! the zeroing and the copy; where it is `never` the advice is harmless.
 //!
-//! Running out of memory is an [`Error`](crate::Error), not a `SIGBUS`: `pwrite`, `fallocate` and
+//! Running out of memory is an [`Error`], not a `SIGBUS`: `pwrite`, `fallocate` and
 //! `MADV_POPULATE_WRITE` report it (only the page-touching fallback of pre-5.14 kernels cannot).
 
 use std::sync::atomic::{AtomicBool, Ordering};

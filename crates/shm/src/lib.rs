@@ -29,8 +29,8 @@
 //! Where this crate is stricter than PyTorch: names are validated ([`ShmName`]); objects are
 //! created `0600` with `O_EXCL` and objects owned by another user are refused unless asked for
 //! ([`MapOptions::allow_foreign_owner`]); a received descriptor is `fstat`ed before mapping, so a
-//! truncated object or a descriptor of the wrong kind is an [`Error`], never a `SIGBUS`;
-//! anonymous regions are sealed so no peer can shrink them; every failure is a typed [`Error`]
+//! truncated object or a descriptor of the wrong kind is an [`Error`] at attach;
+//! anonymous regions are sealed so no peer can shrink them (see "Truncation and `SIGBUS`"); every failure is a typed [`Error`]
 //! naming the object and saying what to do. Creating, attaching and unlinking emit `tracing`
 //! events (target `tensormem_shm`, level `debug`).
 //!
@@ -68,6 +68,24 @@
 //! ([`Mapping::atomic`]); [`Mapping::as_slice`] / [`Mapping::as_mut_slice`] are `unsafe fn`s whose
 //! `# Safety` sections state the obligation (no concurrent writer, no truncation while the slice
 //! lives). The [`mapping`] module explains the split.
+//!
+//! # Truncation and `SIGBUS`
+//!
+//! Touching a page of a mapping beyond the end of its object raises `SIGBUS`, and any process
+//! holding a writable descriptor of an unsealed object can `ftruncate` it at any time. What each
+//! access does then:
+//!
+//! | region | can a peer shrink it? | `read_at` / `write_at` / `to_vec` / `fill` / volatile | `atomic`, `unsafe` slices, raw pointers |
+//! | --- | --- | --- | --- |
+//! | anonymous memfd ([`SharedRegion::create_anonymous`], `copy_from_bytes`), sealed fds received | no (`F_SEAL_SHRINK`) | plain copies, never fault | never fault |
+//! | named ([`MapOptions::map_shm`]), refcounted, managed, file-backed, unsealed fds, the unlinked-shm fallback | yes | copied through the kernel (`process_vm_readv`/`writev` on this process): lost pages give [`Error::Truncated`] | fault (`SIGBUS`), as in PyTorch |
+//!
+//! [`Mapping::is_truncatable`] tells which case a region is in. The kernel-mediated copy costs a
+//! system call per access (bulk copies run at memory speed); where seccomp forbids it, copies fall
+//! back to plain ones, which fault like the rest. The refcount word of a [`RefcountedRegion`] is
+//! an atomic in the object's first page: a peer that truncates the object to zero makes the next
+//! open or close fault, exactly as in PyTorch, so share shrinkable objects only with processes you
+//! trust; prefer sealed anonymous regions where the peer is not trusted.
 //!
 //! Linux only (memfd, `/dev/shm`, `MADV_POPULATE_WRITE`); no CUDA anywhere in the dependency tree.
 

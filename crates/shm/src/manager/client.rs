@@ -13,6 +13,7 @@ use rustix::net::sockopt;
 
 use super::config::{check_socket_path, prepare_dir, ManagerConfig};
 use super::error::{ManagerError, ManagerResult};
+use super::launch;
 use super::protocol::{Reply, Request, PROTOCOL_VERSION};
 
 /// Clients start a daemon at most this often while one fails to answer.
@@ -336,21 +337,25 @@ fn handshake(socket: &Path, timeout: Duration) -> Result<Manager, Attempt> {
     })
 }
 
-/// Runs `tensormem-shm-manager --daemonize`, which returns once a daemon listens (this one or
-/// a racing one).
+/// Runs a launcher (see [`super::launch`]: the configured binary, this program's own image, or a
+/// binary found next to it or in `PATH`), which returns once a daemon listens (this one or a
+/// racing one).
 fn start_daemon(config: &ManagerConfig) -> ManagerResult<()> {
-    let binary = config.locate_binary()?;
-    let mut command = Command::new(&binary);
+    let (mut command, binary) = match config.configured_binary() {
+        Some(binary) => (binary_launcher(config, binary)?, binary.to_owned()),
+        None => match launch::self_launcher(config) {
+            Some(command) => (command, launch::describe_self()),
+            None => {
+                let binary = config.locate_binary()?;
+                (binary_launcher(config, &binary)?, binary)
+            }
+        },
+    };
     command
-        .arg("--daemonize")
-        .args(config.daemon_args())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    if let Some(log) = config.log_file() {
-        command.arg("--log").arg(log);
-    }
-    tracing::debug!(binary = %binary.display(), dir = %config.dir().display(), "starting shm manager");
+    tracing::debug!(image = %binary.display(), dir = %config.dir().display(), "starting shm manager");
     let output = command.output().map_err(|source| ManagerError::Spawn {
         binary: binary.clone(),
         source,
@@ -366,4 +371,15 @@ fn start_daemon(config: &ManagerConfig) -> ManagerResult<()> {
         message = format!("{} (exit status {})", stdout.trim(), output.status);
     }
     Err(ManagerError::StartFailed { binary, message })
+}
+
+/// `BINARY --daemonize --dir D --quiet-ms MS [--log F]`.
+fn binary_launcher(config: &ManagerConfig, binary: &Path) -> ManagerResult<Command> {
+    let binary = config.check_binary(binary)?;
+    let mut command = Command::new(binary);
+    command.arg("--daemonize").args(config.daemon_args());
+    if let Some(log) = config.log_file() {
+        command.arg("--log").arg(log);
+    }
+    Ok(command)
 }

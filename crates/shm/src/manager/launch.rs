@@ -1,0 +1,322 @@
+//! Starting the daemon: the launcher that detaches it, the detached daemon's `main`, and the
+//! library's own way to start a daemon when no binary is configured.
+//!
+//! # How a client starts a daemon
+//!
+//! The client runs a *launcher* process and reads one line from it (`ready <pid>`, `running`, or
+//! `error <message>`). The launcher re-runs its own image as the *daemon* with stdout piped back,
+//! relays the daemon's first line, and exits; the client reaps the launcher at once and the
+//! daemon is re-parented to init (or the nearest subreaper). The daemon never holds the client's
+//! stdio, so `cmd | tee` and test harnesses do not wait for it.
+//!
+//! Both processes are started with `fork` + `exec` (`std::process::Command`), so nothing but
+//! async-signal-safe work happens between the two in a multithreaded client, and the daemon runs
+//! in a fresh process image: it inherits none of the client's threads, locks, mappings (shared
+//! memory it would keep alive) or descriptors (`O_CLOEXEC` everywhere in Rust's std).
+//!
+//! The image is, in order of preference:
+//!
+//! 1. the binary configured with `TENSORMEM_SHM_MANAGER` / [`ManagerConfig::with_binary`];
+//! 2. **this program itself**, when the library is linked into its main executable: a function
+//!    in the `.init_array` section (run by the dynamic loader or libc start-up *before* `main`,
+//!    as C++ static constructors are) looks for `TENSORMEM_SHM_MANAGER_ROLE`. When the variable
+//!    is absent, which is every ordinary start of the program, it returns at once after
+//!    recording that it ran. When it is `launch` or `daemon`, it runs the launcher or the daemon
+//!    from the library and exits, so the program's own `main` never runs. Nothing of the
+//!    program runs except what runs at every start of it anyway (other start-up constructors);
+//!    `exec` of `/proc/self/exe` reaches the very file this process runs, even if it was
+//!    replaced or deleted since. The client uses this only after checking that the hook ran in
+//!    its own process and that the hook lives in the main executable (not in a shared library
+//!    loaded into some other program, whose `main` the hook could not intercept);
+//! 3. a `tensormem-shm-manager` binary next to the current executable or in `PATH`.
+//!
+//! A program that embeds tensormem-shm therefore needs no extra binary, no `main` cooperation
+//! and no configuration. Where option 2 is unavailable (the library lives in a shared object,
+//! e.g. a Python extension), install the binary and point `TENSORMEM_SHM_MANAGER` at it.
+
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::config::{ManagerConfig, ENV_DIR, ENV_LOG, ENV_QUIET_MS};
+use super::daemon::{serve, Startup};
+use super::error::{ManagerError, ManagerResult};
+use super::log::{open_log_file, DaemonLog};
+
+/// Environment variable that makes a process started from this program's image act as the
+/// manager's launcher (`launch`) or daemon (`daemon`) before `main`.
+pub const ENV_ROLE: &str = "TENSORMEM_SHM_MANAGER_ROLE";
+const ROLE_LAUNCH: &str = "launch";
+const ROLE_DAEMON: &str = "daemon";
+
+/// How [`run`] runs the daemon (the modes of the `tensormem-shm-manager` binary).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RunMode {
+    /// Serve in this process, logging to stderr, until the quiet period ends.
+    Foreground,
+    /// Start a detached daemon (this program's image re-run with `--detached`), print its
+    /// first line (`ready <pid>` or `running`) and return once a daemon listens.
+    Daemonize,
+    /// The process `Daemonize` starts: a new session in `/`, reporting one line on stdout.
+    Detached,
+}
+
+/// How a launcher re-runs its own image as the detached daemon.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Image {
+    /// The `tensormem-shm-manager` binary: `current_exe --detached --dir D --quiet-ms MS`.
+    Binary,
+    /// An embedding program: `/proc/self/exe` with `TENSORMEM_SHM_MANAGER_ROLE=daemon`.
+    SelfExe,
+}
+
+/// Runs the manager daemon as `mode` says: the `main` of `tensormem-shm-manager`, for programs
+/// that ship the daemon in a binary of their own.
+///
+/// # Errors
+///
+/// An unusable runtime directory or log file, a daemon that could not start, or (in the
+/// foreground) a socket that cannot be bound.
+pub fn run(config: &ManagerConfig, mode: RunMode) -> ManagerResult<()> {
+    run_as(config, mode, Image::Binary)
+}
+
+fn run_as(config: &ManagerConfig, mode: RunMode, image: Image) -> ManagerResult<()> {
+    match mode {
+        RunMode::Daemonize => daemonize(config, image),
+        RunMode::Foreground => serve_logged(config, false),
+        RunMode::Detached => serve_logged(config, true),
+    }
+}
+
+/// Starts the detached daemon with stdout piped back, relays its first line, and returns: the
+/// caller reaps us at once and the daemon is re-parented.
+fn daemonize(config: &ManagerConfig, image: Image) -> ManagerResult<()> {
+    let stderr = match config.log_file() {
+        Some(path) => Stdio::from(open_log_file(path)?),
+        None => Stdio::null(),
+    };
+    let mut command = match image {
+        Image::Binary => {
+            let exe = std::env::current_exe().map_err(|e| {
+                ManagerError::io("cannot find this executable to re-run it detached", e)
+            })?;
+            let mut command = Command::new(exe);
+            command.arg("--detached").args(config.daemon_args());
+            command
+        }
+        Image::SelfExe => {
+            let mut command = Command::new("/proc/self/exe");
+            command.envs(role_env(config, ROLE_DAEMON));
+            command
+        }
+    };
+    command.env_remove(ENV_LOG);
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .map_err(|e| ManagerError::io("cannot start the detached shm manager", e))?;
+    let mut line = String::new();
+    if let Some(out) = child.stdout.take() {
+        // Returns when the daemon reports or exits (closing the pipe).
+        let _ = BufReader::new(out).read_line(&mut line);
+    }
+    let line = line.trim_end();
+    let mut stdout = std::io::stdout();
+    if line.starts_with("ready ") {
+        // The daemon keeps running; not waiting for it is the point.
+        let _ = writeln!(stdout, "{line}");
+        return Ok(());
+    }
+    // It is exiting: reap it.
+    let status = child.wait().ok();
+    if line == "running" {
+        let _ = writeln!(stdout, "{line}");
+        return Ok(());
+    }
+    let message = match line.strip_prefix("error ") {
+        Some(message) => message.to_owned(),
+        None => format!(
+            "the daemon exited ({}) before it listened{}",
+            status.map_or_else(|| "status unknown".to_owned(), |s| s.to_string()),
+            config
+                .log_file()
+                .map_or_else(String::new, |log| format!("; see {}", log.display()))
+        ),
+    };
+    Err(ManagerError::Usage(message))
+}
+
+/// The environment that hands `config` to a process of this program's image in `role`.
+fn role_env(config: &ManagerConfig, role: &str) -> Vec<(&'static str, OsString)> {
+    let mut env = vec![
+        (ENV_ROLE, OsString::from(role)),
+        (ENV_DIR, config.dir().as_os_str().to_owned()),
+        (
+            ENV_QUIET_MS,
+            config.quiet_period().as_millis().to_string().into(),
+        ),
+    ];
+    if let Some(log) = config.log_file() {
+        env.push((ENV_LOG, log.as_os_str().to_owned()));
+    }
+    env
+}
+
+/// Serves until the quiet period ends; `detached` starts a new session first and reports
+/// startup on stdout as one line (`ready <pid>`, `running`, or `error <message>`).
+fn serve_logged(config: &ManagerConfig, detached: bool) -> ManagerResult<()> {
+    DaemonLog::from_env(!detached).install();
+    if detached {
+        // A new session: no controlling terminal, so no SIGHUP or terminal signals meant for
+        // the process group that started us.
+        if let Err(e) = rustix::process::setsid() {
+            tracing::warn!(error = %e, "setsid failed; staying in the caller's session");
+        }
+        // Do not keep the caller's working directory (and its filesystem) busy.
+        let _ = std::env::set_current_dir("/");
+    }
+    let mut reported = false;
+    let result = serve(config, |startup| {
+        reported = true;
+        let line = match startup {
+            Startup::Listening { pid } => format!("ready {pid}"),
+            Startup::AlreadyRunning => "running".to_owned(),
+        };
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{line}");
+        let _ = out.flush();
+    });
+    if let Err(e) = &result {
+        tracing::error!(error = %e, "shm manager stopped");
+        if detached && !reported {
+            // One line: the launcher relays it to the client.
+            let message = e.to_string().replace('\n', " ");
+            let _ = writeln!(std::io::stdout(), "error {message}");
+        }
+    }
+    result
+}
+
+/// Set by [`self_start_hook`] in every process whose start-up ran it.
+static HOOK_RAN: AtomicBool = AtomicBool::new(false);
+
+/// The pre-`main` entry point (see the [module docs](self)). Registered in `.init_array`, so the
+/// C runtime calls it once while the program starts, on the main thread, before `main`.
+extern "C" fn self_start_hook() {
+    HOOK_RAN.store(true, Ordering::Relaxed);
+    let Some(role) = std::env::var_os(ENV_ROLE) else {
+        return;
+    };
+    let mode = match role.to_str() {
+        Some(ROLE_LAUNCH) => RunMode::Daemonize,
+        Some(ROLE_DAEMON) => RunMode::Detached,
+        _ => return,
+    };
+    // Unwinding out of an `extern "C"` function would abort; turn a panic into an exit status.
+    let outcome = std::panic::catch_unwind(|| {
+        ManagerConfig::from_env().and_then(|config| run_as(&config, mode, Image::SelfExe))
+    });
+    let code = match outcome {
+        Ok(Ok(())) => 0,
+        Ok(Err(e)) => {
+            let _ = writeln!(std::io::stderr(), "tensormem-shm-manager: {e}");
+            1
+        }
+        Err(_) => 101,
+    };
+    std::process::exit(code);
+}
+
+// SAFETY: `.init_array` holds pointers to `extern "C" fn()`s the C runtime calls once at start-up
+// (glibc passes argc/argv/envp, which the C calling convention lets a callee ignore; musl passes
+// nothing). The hook only reads the environment and, when asked to by `ENV_ROLE`, runs the
+// daemon and exits; it touches no state of the program it is linked into.
+#[allow(unsafe_code)]
+#[used]
+#[link_section = ".init_array"]
+static SELF_START: extern "C" fn() = self_start_hook;
+
+/// A command that starts the launcher from this program's image, if that image carries the
+/// start-up hook: it ran in this process, and it lives in the main executable (a hook inside a
+/// shared library would not run before the `main` of `/proc/self/exe`).
+pub(crate) fn self_launcher(config: &ManagerConfig) -> Option<Command> {
+    if !HOOK_RAN.load(Ordering::Relaxed) || !hook_in_main_executable() {
+        return None;
+    }
+    let mut command = Command::new("/proc/self/exe");
+    command.envs(role_env(config, ROLE_LAUNCH));
+    if config.log_file().is_none() {
+        command.env_remove(ENV_LOG);
+    }
+    Some(command)
+}
+
+/// Whether the code of [`self_start_hook`] is mapped from the file `/proc/self/exe` names.
+fn hook_in_main_executable() -> bool {
+    let Ok(exe) = std::fs::read_link("/proc/self/exe") else {
+        return false;
+    };
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return false;
+    };
+    let hook = self_start_hook as *const () as usize;
+    mapping_path_of(&maps, hook).is_some_and(|path| Path::new(path) == exe)
+}
+
+/// The path of the mapping in `/proc/<pid>/maps` text that contains `addr`.
+fn mapping_path_of(maps: &str, addr: usize) -> Option<&str> {
+    maps.lines().find_map(|line| {
+        let (range, rest) = line.split_once(' ')?;
+        let (start, end) = range.split_once('-')?;
+        let start = usize::from_str_radix(start, 16).ok()?;
+        let end = usize::from_str_radix(end, 16).ok()?;
+        if !(start..end).contains(&addr) {
+            return None;
+        }
+        // perms offset dev inode path: the path starts after the fifth field.
+        let mut fields = rest.splitn(5, ' ');
+        let path = fields.nth(4)?.trim_start();
+        (!path.is_empty()).then_some(path)
+    })
+}
+
+/// Where the daemon image comes from, for messages.
+pub(crate) fn describe_self() -> PathBuf {
+    std::fs::read_link("/proc/self/exe").unwrap_or_else(|_| PathBuf::from("/proc/self/exe"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_hook_ran_and_is_found_in_the_test_executable() {
+        assert!(
+            HOOK_RAN.load(Ordering::Relaxed),
+            "the .init_array hook did not run"
+        );
+        assert!(hook_in_main_executable());
+    }
+
+    #[test]
+    fn mapping_paths_are_parsed() {
+        let maps = "\
+55d0c0000000-55d0c0001000 r--p 00000000 08:01 123 /usr/bin/prog
+55d0c0001000-55d0c0002000 r-xp 00001000 08:01 123 /usr/bin/my prog (deleted)
+7ffc00000000-7ffc00001000 rw-p 00000000 00:00 0 
+";
+        assert_eq!(mapping_path_of(maps, 0x55d0c0000010), Some("/usr/bin/prog"));
+        assert_eq!(
+            mapping_path_of(maps, 0x55d0c0001010),
+            Some("/usr/bin/my prog (deleted)")
+        );
+        assert_eq!(mapping_path_of(maps, 0x7ffc00000010), None);
+        assert_eq!(mapping_path_of(maps, 0x10), None);
+    }
+}
