@@ -114,6 +114,19 @@ pub enum DeviceError {
         /// The operation that is unsupported.
         what: &'static str,
     },
+    /// A stream id that names no live stream of this device known to the backend (a [`StreamId`] is a
+    /// number anyone can write; the CUDA backend accepts only streams it made or was handed).
+    #[error(
+        "stream {stream} is not a live stream of device {device} known to this backend; use streams \
+         made by the backend (CudaDevice::create_stream) or handed to it (CudaDevice::register_stream), \
+         or the default stream 0"
+    )]
+    UnknownStream {
+        /// The stream id given.
+        stream: StreamId,
+        /// The device ordinal.
+        device: u32,
+    },
     /// Any other failure, with the driver's code and name where there is one.
     #[error("{call} failed: {message} (code {code})")]
     Driver {
@@ -147,6 +160,11 @@ pub type DeviceResult<T> = Result<T, DeviceError>;
 ///    finished.
 /// 4. No method calls back into the allocator that is using it (no re-entry): the allocator may hold its
 ///    locks across these calls.
+/// 5. Every method taking a [`StreamId`] is sound for any value: where streams are real handles, an id
+///    that is not a live stream of this device is refused with [`DeviceError::UnknownStream`] (by
+///    [`Device::check_stream`], which such backends must override), never passed to the driver. A
+///    stream accepted by [`Device::check_stream`] stays usable by the other methods for the device's
+///    life.
 pub unsafe trait Device: Send + Sync + 'static {
     /// An event that can be recorded on a stream and queried. The allocator pools them.
     type Event: Send + Sync + 'static;
@@ -185,6 +203,23 @@ pub unsafe trait Device: Send + Sync + 'static {
 
     /// Blocks until all work on the device has finished (`cuCtxSynchronize`).
     fn synchronize(&self) -> DeviceResult<()>;
+
+    /// Checks that `stream` names a stream this device can record events on, now and later (the
+    /// allocator calls it when a stream is first used and on every `record_stream`). The default
+    /// accepts every id: right for backends whose streams are plain numbers, like the simulated device.
+    ///
+    /// # Errors
+    /// [`DeviceError::UnknownStream`] for an id that is not a live stream of this device.
+    fn check_stream(&self, stream: StreamId) -> DeviceResult<()> {
+        let _ = stream;
+        Ok(())
+    }
+
+    /// Keeps an error met where it cannot be returned (releasing memory while the allocator is
+    /// dropped) for a later check, the way cudarc keeps errors met in `Drop`. The default logs it.
+    fn record_error(&self, error: DeviceError) {
+        tracing::warn!(%error, device = self.index(), "device error met while dropping an allocator");
+    }
 
     /// Whether `stream` is being captured into a graph (`cuStreamGetCaptureInfo`).
     fn capture_status(&self, stream: StreamId) -> DeviceResult<CaptureStatus>;
@@ -231,4 +266,70 @@ pub unsafe trait Device: Send + Sync + 'static {
         size: usize,
         chunk: Self::PhysicalChunk,
     ) -> DeviceResult<()>;
+}
+
+// SAFETY: every method delegates to the shared device, which upholds the obligations itself; sharing
+// it changes nothing about what memory, reservations and events it hands out.
+unsafe impl<D: Device> Device for std::sync::Arc<D> {
+    type Event = D::Event;
+    type PhysicalChunk = D::PhysicalChunk;
+
+    fn index(&self) -> u32 {
+        (**self).index()
+    }
+    fn mem_info(&self) -> DeviceResult<MemInfo> {
+        (**self).mem_info()
+    }
+    fn malloc(&self, size: usize) -> DeviceResult<DevicePtr> {
+        (**self).malloc(size)
+    }
+    unsafe fn free(&self, ptr: DevicePtr, size: usize) -> DeviceResult<()> {
+        // SAFETY: the caller's obligations are the shared device's.
+        unsafe { (**self).free(ptr, size) }
+    }
+    fn create_event(&self) -> DeviceResult<Self::Event> {
+        (**self).create_event()
+    }
+    fn record_event(&self, event: &Self::Event, stream: StreamId) -> DeviceResult<()> {
+        (**self).record_event(event, stream)
+    }
+    fn query_event(&self, event: &Self::Event) -> DeviceResult<bool> {
+        (**self).query_event(event)
+    }
+    fn synchronize_event(&self, event: &Self::Event) -> DeviceResult<()> {
+        (**self).synchronize_event(event)
+    }
+    fn synchronize(&self) -> DeviceResult<()> {
+        (**self).synchronize()
+    }
+    fn check_stream(&self, stream: StreamId) -> DeviceResult<()> {
+        (**self).check_stream(stream)
+    }
+    fn record_error(&self, error: DeviceError) {
+        (**self).record_error(error);
+    }
+    fn capture_status(&self, stream: StreamId) -> DeviceResult<CaptureStatus> {
+        (**self).capture_status(stream)
+    }
+    fn vmm_granularity(&self) -> DeviceResult<usize> {
+        (**self).vmm_granularity()
+    }
+    fn reserve_address_range(&self, size: usize) -> DeviceResult<DevicePtr> {
+        (**self).reserve_address_range(size)
+    }
+    unsafe fn release_address_range(&self, ptr: DevicePtr, size: usize) -> DeviceResult<()> {
+        // SAFETY: the caller's obligations are the shared device's.
+        unsafe { (**self).release_address_range(ptr, size) }
+    }
+    fn create_physical(&self, size: usize) -> DeviceResult<Self::PhysicalChunk> {
+        (**self).create_physical(size)
+    }
+    unsafe fn map(&self, ptr: DevicePtr, size: usize, chunk: &Self::PhysicalChunk) -> DeviceResult<()> {
+        // SAFETY: the caller's obligations are the shared device's.
+        unsafe { (**self).map(ptr, size, chunk) }
+    }
+    unsafe fn unmap(&self, ptr: DevicePtr, size: usize, chunk: Self::PhysicalChunk) -> DeviceResult<()> {
+        // SAFETY: the caller's obligations are the shared device's.
+        unsafe { (**self).unmap(ptr, size, chunk) }
+    }
 }

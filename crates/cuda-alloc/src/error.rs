@@ -88,3 +88,65 @@ pub enum Error {
 
 /// `Result` with the allocator's [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
+
+impl From<DeviceError> for std::io::Error {
+    /// The device's error as an I/O error of the closest kind (out of memory, unsupported, invalid
+    /// input for an unknown stream, other), keeping it as the source.
+    fn from(error: DeviceError) -> Self {
+        use std::io::ErrorKind;
+        let kind = match &error {
+            DeviceError::OutOfMemory { .. } => ErrorKind::OutOfMemory,
+            DeviceError::Unsupported { .. } => ErrorKind::Unsupported,
+            DeviceError::UnknownStream { .. } => ErrorKind::InvalidInput,
+            DeviceError::Driver { .. } => ErrorKind::Other,
+        };
+        std::io::Error::new(kind, error)
+    }
+}
+
+impl From<Error> for std::io::Error {
+    /// The allocator's error as an I/O error of the closest kind (out of memory for `OutOfMemory` and
+    /// `TooLarge`, invalid input for bad pointers, handles, settings and pools, the device error's kind
+    /// for device errors), keeping it as the source.
+    fn from(error: Error) -> Self {
+        use std::io::ErrorKind;
+        let kind = match &error {
+            Error::OutOfMemory(_) | Error::TooLarge { .. } => ErrorKind::OutOfMemory,
+            Error::InvalidPointer { .. }
+            | Error::ForeignAllocation { .. }
+            | Error::Pool { .. }
+            | Error::Config(_)
+            | Error::InvalidFraction { .. } => ErrorKind::InvalidInput,
+            Error::ExpandableNotShareable { .. } => ErrorKind::Unsupported,
+            Error::TooManyStreams { .. } => ErrorKind::Other,
+            Error::Device(device) => std::io::Error::from(device.clone()).kind(),
+        };
+        std::io::Error::new(kind, error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::ErrorKind;
+
+    use super::*;
+
+    #[test]
+    fn io_errors_have_the_closest_kind_and_keep_the_message() {
+        let bad = Error::InvalidPointer { ptr: DevicePtr(0x1234) };
+        let message = bad.to_string();
+        let io = std::io::Error::from(bad);
+        assert_eq!(io.kind(), ErrorKind::InvalidInput);
+        assert_eq!(io.to_string(), message);
+        assert!(io.get_ref().is_some_and(|e| e.is::<Error>()));
+        let oom = Error::Device(DeviceError::OutOfMemory { bytes: 1 });
+        assert_eq!(std::io::Error::from(oom).kind(), ErrorKind::OutOfMemory);
+        let unknown = Error::Device(DeviceError::UnknownStream {
+            stream: StreamId(7),
+            device: 0,
+        });
+        assert_eq!(std::io::Error::from(unknown).kind(), ErrorKind::InvalidInput);
+        let large = Error::TooLarge { bytes: usize::MAX };
+        assert_eq!(std::io::Error::from(large).kind(), ErrorKind::OutOfMemory);
+    }
+}

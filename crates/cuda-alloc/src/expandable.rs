@@ -157,6 +157,28 @@ impl<D: Device> ExpandableSegment<D> {
         }
     }
 
+    /// Unmaps every chunk and releases the range, going on past failures (the allocator is being
+    /// dropped); returns the errors met. The caller has made sure no queued work uses the range.
+    pub(crate) fn tear_down(mut self, device: &D) -> Vec<DeviceError> {
+        let mut errors = Vec::new();
+        for i in 0..self.handles.len() {
+            if let Some(chunk) = self.handles[i].take() {
+                let at = DevicePtr(self.base + i as u64 * self.segment_size);
+                // SAFETY: `chunk` was mapped at slot `i` by `map` with the segment size, and the
+                // caller guarantees no queued work uses it.
+                if let Err(e) = unsafe { device.unmap(at, self.segment_size as usize, chunk) } {
+                    errors.push(e);
+                }
+            }
+        }
+        if errors.is_empty() {
+            if let Err(e) = self.release(device) {
+                errors.push(e);
+            }
+        }
+        errors
+    }
+
     /// Releases the reserved range. Every chunk must have been unmapped.
     pub(crate) fn release(self, device: &D) -> DeviceResult<()> {
         debug_assert!(self.handles.iter().all(Option::is_none));

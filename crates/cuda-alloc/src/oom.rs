@@ -42,7 +42,8 @@ pub struct OomEvent {
 /// A function told about every out-of-memory error, after the allocator's locks are released.
 pub type OomObserver = Box<dyn Fn(&OomEvent) + Send + Sync>;
 
-/// The out-of-memory error: the figures PyTorch reports and its message.
+/// The out-of-memory error: the figures PyTorch reports, and its message naming tensormem and
+/// `TENSORMEM_ALLOC_CONF` where PyTorch names itself and `PYTORCH_ALLOC_CONF`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OutOfMemory {
     /// The device ordinal.
@@ -66,7 +67,8 @@ pub struct OutOfMemory {
 }
 
 impl OutOfMemory {
-    /// Builds PyTorch's message from the figures.
+    /// Builds the message from the figures: PyTorch's sentences and figures, naming tensormem and
+    /// its own configuration variable where PyTorch names itself and its variable.
     pub(crate) fn finish(mut self) -> Self {
         let OutOfMemory {
             device,
@@ -89,7 +91,7 @@ impl OutOfMemory {
             message.push_str(&format!("{} allowed; ", format_size(allowed)));
         }
         message.push_str(&format!(
-            "Of the allocated memory {} is allocated by PyTorch, ",
+            "Of the allocated memory {} is allocated by tensormem, ",
             format_size(allocated + private_pools)
         ));
         if private_pools > 0 {
@@ -99,17 +101,17 @@ impl OutOfMemory {
             ));
         }
         message.push_str(&format!(
-            "and {} is reserved by PyTorch but unallocated. If reserved but unallocated memory is large \
-             try setting PYTORCH_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See \
-             documentation for Memory Management  \
-             (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)",
+            "and {} is reserved by tensormem but unallocated. If reserved but unallocated memory is large \
+             try setting TENSORMEM_ALLOC_CONF=expandable_segments:True (or PYTORCH_CUDA_ALLOC_CONF, read \
+             when TENSORMEM_ALLOC_CONF is unset) to avoid fragmentation.  See the allocator's settings \
+             (https://docs.rs/tensormem-cuda-alloc/latest/tensormem_cuda_alloc/config/)",
             format_size(reserved.saturating_sub(allocated + private_pools))
         ));
         self.message = message;
         self
     }
 
-    /// PyTorch's message for this error.
+    /// The message for this error (PyTorch's, naming tensormem).
     #[must_use]
     pub fn message(&self) -> &str {
         &self.message
@@ -152,16 +154,17 @@ mod tests {
     }
 
     #[test]
-    fn message_is_pytorchs() {
+    fn message_is_pytorchs_naming_tensormem() {
         let oom = figures(0, 20 << 20, 80 << 30, 10 << 20, None, 3 << 29, 2 << 30, 0);
         assert_eq!(
             oom.message(),
             "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 80.00 GiB \
-             of which 10.00 MiB is free. Of the allocated memory 1.50 GiB is allocated by PyTorch, and \
-             512.00 MiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is \
-             large try setting PYTORCH_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See \
-             documentation for Memory Management  \
-             (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+             of which 10.00 MiB is free. Of the allocated memory 1.50 GiB is allocated by tensormem, and \
+             512.00 MiB is reserved by tensormem but unallocated. If reserved but unallocated memory is \
+             large try setting TENSORMEM_ALLOC_CONF=expandable_segments:True (or \
+             PYTORCH_CUDA_ALLOC_CONF, read when TENSORMEM_ALLOC_CONF is unset) to avoid fragmentation.  \
+             See the allocator's settings \
+             (https://docs.rs/tensormem-cuda-alloc/latest/tensormem_cuda_alloc/config/)"
         );
         let capped = figures(1, 512, 1 << 30, 0, Some(1 << 29), 0, 0, 2 << 20);
         assert!(capped
@@ -171,7 +174,7 @@ mod tests {
             .message()
             .contains("is free. 512.00 MiB allowed; Of the allocated"));
         assert!(capped.message().contains(
-            "2.00 MiB is allocated by PyTorch, with 2.00 MiB allocated in private pools"
+            "2.00 MiB is allocated by tensormem, with 2.00 MiB allocated in private pools"
         ));
     }
 }

@@ -20,3 +20,7 @@ mod harness;
 mod interop;
 #[path = "gpu/multi_gpu.rs"]
 mod multi_gpu;
+#[path = "gpu/streams.rs"]
+mod streams;
+#[path = "gpu/teardown.rs"]
+mod teardown;

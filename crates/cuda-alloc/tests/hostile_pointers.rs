@@ -202,3 +202,18 @@ fn pointers_of_another_device_are_refused() {
     dev0.raw_free(p0).unwrap();
     dev1.raw_free(p1).unwrap();
 }
+
+/// The simulated device keeps accepting any stream number (trace replay makes streams from the
+/// numbers a trace recorded).
+#[test]
+fn the_simulated_device_accepts_any_stream_number() {
+    use tensormem_cuda_alloc::StreamId;
+    let a = sim(GIB);
+    for stream in [StreamId(0xdead), StreamId(u64::MAX), StreamId(0x7f12_3456_7000)] {
+        let x = a.allocate(4096, stream).unwrap();
+        a.record_stream(&x, StreamId(0xbeef)).unwrap();
+        a.free(x).unwrap();
+    }
+    a.device().complete_all_work();
+    assert_eq!(checked(&a).allocation.all.current, 0);
+}

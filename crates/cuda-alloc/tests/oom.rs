@@ -28,11 +28,11 @@ fn out_of_memory_after_releasing_everything_with_pytorchs_message() {
     assert_eq!(
         err.to_string(),
         "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 40.00 MiB of \
-         which 10.00 MiB is free. Of the allocated memory 30.00 MiB is allocated by PyTorch, and 0 \
-         bytes is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try \
-         setting PYTORCH_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See \
-         documentation for Memory Management  \
-         (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+         which 10.00 MiB is free. Of the allocated memory 30.00 MiB is allocated by tensormem, and 0 \
+         bytes is reserved by tensormem but unallocated. If reserved but unallocated memory is large try \
+         setting TENSORMEM_ALLOC_CONF=expandable_segments:True (or PYTORCH_CUDA_ALLOC_CONF, read when \
+         TENSORMEM_ALLOC_CONF is unset) to avoid fragmentation.  See the allocator's settings \
+         (https://docs.rs/tensormem-cuda-alloc/latest/tensormem_cuda_alloc/config/)"
     );
     assert_eq!(
         (oom.alloc_size, oom.device_free),

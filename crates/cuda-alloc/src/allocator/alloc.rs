@@ -43,7 +43,9 @@ impl<D: Device> CachingAllocator<D> {
     /// # Errors
     /// [`Error::TooLarge`] for a request of 1 EB or more; [`Error::OutOfMemory`] when the device cannot
     /// provide the memory even after every cached block was released; [`Error::Device`] when a device
-    /// call fails otherwise; [`Error::TooManyStreams`] when `stream` does not fit the stream table.
+    /// call fails otherwise (among them [`DeviceError::UnknownStream`](crate::DeviceError::UnknownStream)
+    /// for a stream the device does not know); [`Error::TooManyStreams`] when `stream` does not fit the
+    /// stream table.
     pub fn allocate(&self, size: usize, stream: StreamId) -> Result<Allocation> {
         if size == 0 {
             return Ok(Allocation::empty(stream));

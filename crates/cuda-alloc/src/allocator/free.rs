@@ -81,12 +81,17 @@ impl<D: Device> CachingAllocator<D> {
     ///
     /// # Errors
     /// [`Error::ForeignAllocation`] if another allocator handed it out; [`Error::InvalidPointer`] if
-    /// the allocation is no longer live.
+    /// the allocation is no longer live; [`Error::Device`] with
+    /// [`DeviceError::UnknownStream`](crate::DeviceError::UnknownStream) if the device does not know
+    /// `stream`.
     pub fn record_stream(&self, allocation: &Allocation, stream: StreamId) -> Result<()> {
         if allocation.shard == Allocation::EMPTY {
             return Ok(());
         }
         self.check_owner(allocation)?;
+        if stream != allocation.stream {
+            self.device.check_stream(stream)?;
+        }
         let invalid = Error::InvalidPointer {
             ptr: allocation.ptr,
         };
@@ -116,6 +121,9 @@ impl<D: Device> CachingAllocator<D> {
         }
         self.enable_pointer_index();
         let shard = self.route(ptr).ok_or(Error::InvalidPointer { ptr })?;
+        if stream != shard.stream {
+            self.device.check_stream(stream)?;
+        }
         let mut locked = self.lock(shard);
         let index = *locked
             .st

@@ -21,6 +21,7 @@ mod inspect;
 mod invariants;
 mod private;
 mod release;
+mod teardown;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering::Relaxed};
@@ -423,6 +424,8 @@ impl<D: Device> CachingAllocator<D> {
     #[cold]
     #[inline(never)]
     fn new_shard(&self, stream: StreamId) -> Result<&Shard<D>> {
+        // A stream the backend does not know never gets a shard (nor, later, an event).
+        self.device.check_stream(stream)?;
         let _pass = self.maintenance.lock();
         self.streams
             .get_or_insert(stream, || {

@@ -11,7 +11,8 @@
 //! | CUDA concept | here |
 //! | --- | --- |
 //! | device ordinal + primary context | [`CudaDevice`] (one per ordinal; the context is retained for the process) |
-//! | `cudaStream_t` created non-blocking | [`CudaStream`]; its [`StreamId`] is the handle value |
+//! | `cudaStream_t` created non-blocking | [`CudaStream`] (a cudarc stream); its [`StreamId`] is the handle value |
+//! | cudarc's `Arc<CudaContext>` / `Arc<CudaStream>` | [`CudaDevice::from_context`] / [`CudaDevice::register_stream`] |
 //! | `cudaEvent_t` (timing disabled, optionally interprocess) | [`CudaEvent`] |
 //! | `CUmemGenericAllocationHandle` | [`PhysicalChunk`] |
 //! | `cudaGetDeviceProperties` | [`device_properties`] |
@@ -34,13 +35,14 @@ mod context;
 mod driver;
 mod event;
 mod properties;
+mod registry;
 mod stream;
 mod vmm;
 
 use std::collections::BTreeMap;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::sys;
+use cudarc::driver::{sys, CudaContext, CudaStream as CudarcStream};
 use parking_lot::Mutex;
 
 use crate::device::{
@@ -69,6 +71,10 @@ pub struct CudaDevice {
     ordinal: u32,
     /// The primary context, retained for the rest of the process.
     ctx: &'static PrimaryContext,
+    /// The same context as cudarc's handle (streams are made through it).
+    cudarc: Arc<CudaContext>,
+    /// The first error kept by [`Device::record_error`], for [`CudaDevice::check_err`].
+    kept_error: Mutex<Option<DeviceError>>,
     /// How physical chunks are created; read on first virtual-memory use.
     chunk_kind: OnceLock<DeviceResult<ChunkKind>>,
     /// The mapping granularity; read on first virtual-memory use.
@@ -97,14 +103,87 @@ impl CudaDevice {
     /// [`DeviceError::Driver`] with `CUDA_ERROR_NO_DEVICE` (100) when there is no driver or no device,
     /// `CUDA_ERROR_INVALID_DEVICE` (101) when `ordinal` is past the device count.
     pub fn new(ordinal: u32) -> DeviceResult<Self> {
-        let ctx = PrimaryContext::get(ordinal)?;
+        // Probes for the driver first: cudarc panics where libcuda.so is missing.
+        PrimaryContext::get(ordinal)?;
+        let cudarc = CudaContext::new(ordinal as usize)
+            .map_err(|e| driver::error("cuDevicePrimaryCtxRetain", e.0))?;
+        Self::from_context(cudarc)
+    }
+
+    /// The backend of the device of a cudarc context, so that a program has one context and one set
+    /// of streams: the allocator's memory is usable by cudarc's kernels and copies, and cudarc's streams
+    /// (registered with [`register_stream`](Self::register_stream)) are the allocator's streams.
+    ///
+    /// # Errors
+    ///
+    /// [`DeviceError::Unsupported`] unless `ctx` is the device's primary context (the one
+    /// `CudaContext::new` retains, which the CUDA runtime and PyTorch use too); driver errors.
+    pub fn from_context(ctx: Arc<CudaContext>) -> DeviceResult<Self> {
+        if !ctx.is_primary() {
+            return Err(DeviceError::Unsupported {
+                what: "non-primary CUDA contexts (make the context with CudaContext::new)",
+            });
+        }
+        let ordinal = u32::try_from(ctx.ordinal()).map_err(|_| DeviceError::Unsupported {
+            what: "device ordinals past u32::MAX",
+        })?;
+        let primary = PrimaryContext::get(ordinal)?;
+        debug_assert_eq!(primary.raw(), ctx.cu_ctx(), "one primary context per device");
         Ok(Self {
             ordinal,
-            ctx,
+            ctx: primary,
+            cudarc: ctx,
+            kept_error: Mutex::new(None),
             chunk_kind: OnceLock::new(),
             granularity: OnceLock::new(),
             vmm: Mutex::new(VmmAccess::default()),
         })
+    }
+
+    /// The cudarc context of this device (its primary context).
+    #[inline]
+    #[must_use]
+    pub fn cudarc_context(&self) -> &Arc<CudaContext> {
+        &self.cudarc
+    }
+
+    /// Hands a cudarc stream of this device to the allocator: returns the [`StreamId`] the allocator
+    /// knows it by. The stream is kept alive from then on (for the rest of the process), so events can
+    /// be recorded on it whenever a block used on it is freed.
+    ///
+    /// # Errors
+    ///
+    /// [`DeviceError::UnknownStream`] if the stream belongs to another context.
+    pub fn register_stream(&self, stream: &Arc<CudarcStream>) -> DeviceResult<StreamId> {
+        let id = StreamId(stream.cu_stream() as u64);
+        if stream.context().cu_ctx() != self.ctx.raw() {
+            return Err(DeviceError::UnknownStream {
+                stream: id,
+                device: self.ordinal,
+            });
+        }
+        Ok(registry::register(self.ordinal, stream, true))
+    }
+
+    /// The cudarc stream the allocator knows as `stream`, if it is one made by or registered with the
+    /// backend (`None` for the default streams and for unknown ids).
+    #[must_use]
+    pub fn cudarc_stream(&self, stream: StreamId) -> Option<Arc<CudarcStream>> {
+        registry::lookup(self.ordinal, stream)
+    }
+
+    /// Returns (and forgets) the first error kept while an allocator on this device was dropped (see
+    /// [`Device::record_error`]); it is also recorded in the cudarc context
+    /// (`CudaContext::check_err`).
+    ///
+    /// # Errors
+    ///
+    /// The kept error.
+    pub fn check_err(&self) -> DeviceResult<()> {
+        match self.kept_error.lock().take() {
+            Some(error) => Err(error),
+            None => Ok(()),
+        }
     }
 
     /// The device ordinal.
@@ -202,6 +281,8 @@ impl CudaDevice {
 // 3. Events are real CUDA events, which complete only after the work recorded before them.
 // 4. Nothing here calls back into an allocator: only driver calls, host functions are never queued by
 //    these methods.
+// 5. `check_stream`, `record_event` and `capture_status` accept only the default streams and streams of
+//    this device in the registry, which pins them (keeps them alive) once checked.
 unsafe impl Device for CudaDevice {
     type Event = CudaEvent;
     type PhysicalChunk = PhysicalChunk;
@@ -261,14 +342,29 @@ unsafe impl Device for CudaDevice {
         CudaEvent::create_in_current_context(false)
     }
 
+    fn check_stream(&self, stream: StreamId) -> DeviceResult<()> {
+        registry::check_and_pin(self.ordinal, stream)
+    }
+
+    fn record_error(&self, error: DeviceError) {
+        tracing::warn!(%error, device = self.ordinal, "device error met while dropping an allocator");
+        if let DeviceError::Driver { code, .. } = &error {
+            if let Some(result) = driver::result_of(*code) {
+                self.cudarc.record_err(Err::<(), _>(cudarc::driver::DriverError(result)));
+            }
+        }
+        self.kept_error.lock().get_or_insert(error);
+    }
+
     #[inline]
     fn record_event(&self, event: &CudaEvent, stream: StreamId) -> DeviceResult<()> {
-        if stream == StreamId::DEFAULT {
-            // The legacy default stream is the current context's: make sure it is this device's.
+        registry::check_and_pin(self.ordinal, stream)?;
+        if stream == StreamId::DEFAULT || stream.0 == registry::PER_THREAD_STREAM {
+            // The default streams are the current context's: make sure it is this device's.
             self.ctx.make_current()?;
         }
-        // SAFETY: a `StreamId` names a live stream of this device (the allocator only records on streams
-        // it was given blocks for) or the default stream, whose context was just made current.
+        // SAFETY: `stream` is a default stream, whose context was just made current, or a stream of this
+        // device in the registry, pinned there (kept alive for the process) by the check above.
         unsafe { event.record_raw(stream.0 as sys::CUstream) }
     }
 
@@ -290,12 +386,13 @@ unsafe impl Device for CudaDevice {
 
     #[doc(alias = "cuStreamGetCaptureInfo")]
     fn capture_status(&self, stream: StreamId) -> DeviceResult<CaptureStatus> {
-        if stream == StreamId::DEFAULT {
+        registry::check_and_pin(self.ordinal, stream)?;
+        if stream == StreamId::DEFAULT || stream.0 == registry::PER_THREAD_STREAM {
             self.ctx.make_current()?;
         }
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         let mut id = 0;
-        // SAFETY: the stream is live (see `record_event`); the optional outputs are null, which the driver
+        // SAFETY: the stream is live (checked above, see `record_event`); the optional outputs are null, which the driver
         // accepts; `status` and `id` are valid out-parameters.
         driver::check("cuStreamGetCaptureInfo", unsafe {
             sys::cuStreamGetCaptureInfo_v3(

@@ -144,6 +144,10 @@ struct SimState {
     next_capture_id: u64,
     next_chunk_id: u64,
     auto_complete: bool,
+    /// Whether `free`, `unmap` and `release_address_range` fail (see `fail_releases`).
+    fail_releases: bool,
+    /// Errors handed to `record_error`, oldest first.
+    kept_errors: Vec<DeviceError>,
     counters: SimCounters,
 }
 
@@ -292,6 +296,8 @@ impl SimDevice {
                 next_capture_id: 1,
                 next_chunk_id: 1,
                 auto_complete: false,
+                fail_releases: false,
+                kept_errors: Vec::new(),
                 counters: SimCounters::default(),
             }),
         }
@@ -373,6 +379,19 @@ impl SimDevice {
         self.state.lock().captures.remove(&stream);
     }
 
+    /// When on, every `free`, `unmap` and `release_address_range` fails (a driver error, code `-1`)
+    /// and changes nothing: for testing how callers handle a device that cannot take memory back.
+    pub fn fail_releases(&self, on: bool) {
+        self.state.lock().fail_releases = on;
+    }
+
+    /// The errors kept by [`Device::record_error`] (met while an allocator was dropped), oldest
+    /// first, forgotten by this call.
+    #[must_use]
+    pub fn take_kept_errors(&self) -> Vec<DeviceError> {
+        std::mem::take(&mut self.state.lock().kept_errors)
+    }
+
     /// How the device has been used so far.
     #[must_use]
     pub fn counters(&self) -> SimCounters {
@@ -430,6 +449,9 @@ unsafe impl Device for SimDevice {
 
     unsafe fn free(&self, ptr: DevicePtr, size: usize) -> DeviceResult<()> {
         let mut state = self.state.lock();
+        if state.fail_releases {
+            return Err(misuse("cuMemFree", "failure injected by fail_releases"));
+        }
         match state.allocations.get(&ptr.0) {
             Some(&len) if len == size as u64 => {
                 state.allocations.remove(&ptr.0);
@@ -446,6 +468,10 @@ unsafe impl Device for SimDevice {
                 format!("{ptr} is not a live allocation"),
             )),
         }
+    }
+
+    fn record_error(&self, error: DeviceError) {
+        self.state.lock().kept_errors.push(error);
     }
 
     fn create_event(&self) -> DeviceResult<SimEvent> {
@@ -525,6 +551,9 @@ unsafe impl Device for SimDevice {
 
     unsafe fn release_address_range(&self, ptr: DevicePtr, size: usize) -> DeviceResult<()> {
         let mut state = self.state.lock();
+        if state.fail_releases {
+            return Err(misuse("cuMemAddressFree", "failure injected by fail_releases"));
+        }
         let size = (size as u64).next_multiple_of(SIM_GRANULARITY as u64);
         match state.reservations.get(&ptr.0) {
             Some(r) if r.size != size => Err(misuse(
@@ -603,6 +632,9 @@ unsafe impl Device for SimDevice {
 
     unsafe fn unmap(&self, ptr: DevicePtr, size: usize, chunk: SimChunk) -> DeviceResult<()> {
         let mut state = self.state.lock();
+        if state.fail_releases {
+            return Err(misuse("cuMemUnmap", "failure injected by fail_releases"));
+        }
         let Some((_, reservation)) = state
             .reservations
             .range_mut((Bound::Unbounded, Bound::Included(ptr.0)))

@@ -212,7 +212,7 @@ fn out_of_memory_retries_after_releasing_the_cache_then_fails_with_pytorchs_mess
     );
     assert!(
         message.contains(&format!(
-            "Of the allocated memory {} is allocated by PyTorch",
+            "Of the allocated memory {} is allocated by tensormem",
             format_size(big.size() as u64)
         )),
         "{message}"

@@ -216,3 +216,25 @@ pub(crate) fn attribute(dev: sys::CUdevice, attr: sys::CUdevice_attribute) -> De
     })?;
     Ok(value)
 }
+
+/// The `CUresult` of a driver code kept in a [`DeviceError`], for cudarc's error slot
+/// (`CudaContext::record_err`): the common codes map to themselves, any other to
+/// `CUDA_ERROR_UNKNOWN` (the exact code stays in the [`DeviceError`]). Codes are matched rather than
+/// transmuted, since a `DeviceError` can be built with any number.
+pub(crate) fn result_of(code: i32) -> Option<sys::CUresult> {
+    use sys::CUresult as R;
+    Some(match code {
+        0 => return None,
+        1 => R::CUDA_ERROR_INVALID_VALUE,
+        2 => R::CUDA_ERROR_OUT_OF_MEMORY,
+        3 => R::CUDA_ERROR_NOT_INITIALIZED,
+        4 => R::CUDA_ERROR_DEINITIALIZED,
+        100 => R::CUDA_ERROR_NO_DEVICE,
+        101 => R::CUDA_ERROR_INVALID_DEVICE,
+        201 => R::CUDA_ERROR_INVALID_CONTEXT,
+        400 => R::CUDA_ERROR_INVALID_HANDLE,
+        700 => R::CUDA_ERROR_ILLEGAL_ADDRESS,
+        719 => R::CUDA_ERROR_LAUNCH_FAILED,
+        _ => R::CUDA_ERROR_UNKNOWN,
+    })
+}

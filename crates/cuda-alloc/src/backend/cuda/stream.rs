@@ -3,31 +3,29 @@
 
 use std::ffi::c_void;
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
 
-use cudarc::driver::sys;
+use cudarc::driver::{sys, CudaStream as CudarcStream};
 
 use super::driver::check;
 use super::CudaDevice;
 use crate::device::{DevicePtr, DeviceResult, StreamId};
 
-/// An owned CUDA stream (`CUstream`) of one device, created non-blocking (it does not synchronise with the
-/// legacy default stream), destroyed on drop.
+/// A non-blocking CUDA stream of one device: a [cudarc stream](cudarc::driver::CudaStream) made in the
+/// device's primary context and entered in the backend's stream registry, so the allocator accepts its
+/// [`StreamId`], plus the few operations tests and users need around the allocator.
 ///
 /// Its [`StreamId`] is the numeric value of its handle, which is how the allocator, snapshots and traces
-/// name streams. Dropping a stream with work still queued is allowed: the driver finishes the work first.
-#[derive(Debug)]
+/// name streams. The stream is destroyed when the last reference to it goes, unless the allocator has
+/// used it: from then on the registry keeps it alive (like PyTorch's streams, which are never
+/// destroyed), so the allocator can always record events on it. Dropping a stream with work still
+/// queued is allowed: the driver finishes the work first.
+#[derive(Debug, Clone)]
 pub struct CudaStream {
-    /// Non-null, owned by this value, destroyed in `drop`.
-    raw: sys::CUstream,
+    inner: Arc<CudarcStream>,
     /// The device ordinal.
     ordinal: u32,
 }
-
-// SAFETY: CUDA stream handles may be used from any thread; the driver serialises work submission on a
-// stream internally. This type only passes the handle to driver calls.
-unsafe impl Send for CudaStream {}
-// SAFETY: as above; no method takes `&mut self` except `drop`.
-unsafe impl Sync for CudaStream {}
 
 /// A host function queued on a stream: the boxed closure the trampoline runs once.
 type HostFn = Box<dyn FnOnce() + Send + 'static>;
@@ -55,25 +53,30 @@ impl CudaStream {
     /// higher priority, `0` is the default).
     #[doc(alias = "cuStreamCreateWithPriority")]
     pub fn with_priority(device: &CudaDevice, priority: i32) -> DeviceResult<Self> {
-        let ctx = device.context();
-        ctx.make_current()?;
-        let mut raw = std::ptr::null_mut();
-        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
-        // SAFETY: the device's context is current; `raw` is a valid out-parameter.
-        check("cuStreamCreateWithPriority", unsafe {
-            sys::cuStreamCreateWithPriority(&mut raw, flags, priority)
-        })?;
+        device.make_current()?;
+        let inner = device
+            .cudarc_context()
+            .new_stream_with_priority(priority)
+            .map_err(|e| super::driver::error("cuStreamCreateWithPriority", e.0))?;
+        super::registry::register(device.ordinal(), &inner, false);
         Ok(Self {
-            raw,
+            inner,
             ordinal: device.ordinal(),
         })
+    }
+
+    /// The cudarc stream, for cudarc's copies, kernel launches and slices.
+    #[inline]
+    #[must_use]
+    pub fn as_cudarc(&self) -> &Arc<CudarcStream> {
+        &self.inner
     }
 
     /// The stream's name for the allocator: its handle value.
     #[inline]
     #[must_use]
     pub fn id(&self) -> StreamId {
-        StreamId(self.raw as u64)
+        StreamId(self.inner.cu_stream() as u64)
     }
 
     /// The ordinal of the device the stream belongs to.
@@ -87,7 +90,7 @@ impl CudaStream {
     #[inline]
     #[must_use]
     pub fn as_raw(&self) -> sys::CUstream {
-        self.raw
+        self.inner.cu_stream()
     }
 
     /// Blocks until all work queued on the stream has finished (`cuStreamSynchronize`).
@@ -95,7 +98,7 @@ impl CudaStream {
     pub fn synchronize(&self) -> DeviceResult<()> {
         // SAFETY: the stream is live.
         check("cuStreamSynchronize", unsafe {
-            sys::cuStreamSynchronize(self.raw)
+            sys::cuStreamSynchronize(self.as_raw())
         })
     }
 
@@ -103,7 +106,7 @@ impl CudaStream {
     #[doc(alias = "cuStreamQuery")]
     pub fn is_idle(&self) -> DeviceResult<bool> {
         // SAFETY: the stream is live.
-        match unsafe { sys::cuStreamQuery(self.raw) } {
+        match unsafe { sys::cuStreamQuery(self.as_raw()) } {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
             sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
             other => check("cuStreamQuery", other).map(|()| false),
@@ -115,7 +118,7 @@ impl CudaStream {
     pub fn wait_event(&self, event: &super::CudaEvent) -> DeviceResult<()> {
         // SAFETY: the stream and the event are live.
         check("cuStreamWaitEvent", unsafe {
-            sys::cuStreamWaitEvent(self.raw, event.as_raw(), 0)
+            sys::cuStreamWaitEvent(self.as_raw(), event.as_raw(), 0)
         })
     }
 
@@ -123,7 +126,7 @@ impl CudaStream {
     #[doc(alias = "cuEventRecord")]
     pub fn record(&self, event: &super::CudaEvent) -> DeviceResult<()> {
         // SAFETY: the stream is live and non-null (so the current context does not matter).
-        unsafe { event.record_raw(self.raw) }
+        unsafe { event.record_raw(self.as_raw()) }
     }
 
     /// Queues `f` to run on a driver thread once the work queued before it has finished
@@ -139,7 +142,7 @@ impl CudaStream {
     pub unsafe fn launch_host_fn(&self, f: impl FnOnce() + Send + 'static) -> DeviceResult<()> {
         let data = Box::into_raw(Box::new(Box::new(f) as HostFn)).cast::<c_void>();
         // SAFETY: the stream is live; `run_host_fn` takes back ownership of `data` when the driver calls it.
-        let result = unsafe { sys::cuLaunchHostFunc(self.raw, Some(run_host_fn), data) };
+        let result = unsafe { sys::cuLaunchHostFunc(self.as_raw(), Some(run_host_fn), data) };
         if result != sys::CUresult::CUDA_SUCCESS {
             // SAFETY: the launch failed, so the driver will never call `run_host_fn`; reclaim the box.
             drop(unsafe { Box::from_raw(data.cast::<HostFn>()) });
@@ -157,7 +160,7 @@ impl CudaStream {
     pub unsafe fn memset_d8(&self, ptr: DevicePtr, value: u8, len: usize) -> DeviceResult<()> {
         // SAFETY: the stream is live; the range is the caller's obligation.
         check("cuMemsetD8Async", unsafe {
-            sys::cuMemsetD8Async(ptr.0, value, len, self.raw)
+            sys::cuMemsetD8Async(ptr.0, value, len, self.as_raw())
         })
     }
 
@@ -172,7 +175,7 @@ impl CudaStream {
         // SAFETY: `src` is valid for reads of its length until the synchronize below returns; the
         // destination is the caller's obligation.
         check("cuMemcpyHtoDAsync", unsafe {
-            sys::cuMemcpyHtoDAsync_v2(dst.0, src.as_ptr().cast(), src.len(), self.raw)
+            sys::cuMemcpyHtoDAsync_v2(dst.0, src.as_ptr().cast(), src.len(), self.as_raw())
         })?;
         self.synchronize()
     }
@@ -188,7 +191,7 @@ impl CudaStream {
         // SAFETY: `dst` is valid for writes of its length until the synchronize below returns (it is
         // borrowed mutably for the whole call); the source is the caller's obligation.
         check("cuMemcpyDtoHAsync", unsafe {
-            sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), src.0, dst.len(), self.raw)
+            sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), src.0, dst.len(), self.as_raw())
         })?;
         self.synchronize()
     }
@@ -218,18 +221,8 @@ impl CudaStream {
                 src.0,
                 src_device.context().raw(),
                 len,
-                self.raw,
+                self.as_raw(),
             )
         })
-    }
-}
-
-impl Drop for CudaStream {
-    fn drop(&mut self) {
-        // SAFETY: the stream is owned by this value and destroyed exactly once; queued work still runs.
-        let result = unsafe { sys::cuStreamDestroy_v2(self.raw) };
-        if let Err(err) = check("cuStreamDestroy", result) {
-            tracing::warn!(%err, device = self.ordinal, "destroying a CUDA stream failed");
-        }
     }
 }
