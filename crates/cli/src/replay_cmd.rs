@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, Context, Result};
 use clap::Args;
-use tensormem_cuda_alloc::snapshot::Snapshot;
+use tensormem_cuda_alloc::snapshot::{ReadLimits, Snapshot, SnapshotError};
 use tensormem_replay::{ExpectedStats, Replay, ReplayRun, RunOptions};
 
 use crate::embedded;
@@ -48,6 +48,32 @@ pub(crate) struct ReplayArgs {
     /// what the trace implies (its expandable reservations, its out-of-memory events), else 1 TiB.
     #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
     capacity: Option<u64>,
+
+    /// The most bytes read from TRACE, and the most a gzip-compressed TRACE may expand to (default
+    /// 1GiB): a guard against files that are not snapshots. Raise it only for a trace you trust.
+    #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
+    max_trace_bytes: Option<u64>,
+
+    /// The most values TRACE's pickle may build (default 33554432, about 2 GiB of memory at worst):
+    /// a guard against pickle bombs. Raise it only for a trace you trust.
+    #[arg(long, value_name = "N")]
+    max_trace_values: Option<u64>,
+}
+
+impl ReplayArgs {
+    /// The limits on reading the trace.
+    fn read_limits(&self) -> ReadLimits {
+        let mut limits = ReadLimits::DEFAULT;
+        if let Some(bytes) = self.max_trace_bytes {
+            limits = limits
+                .with_max_input_bytes(bytes)
+                .with_max_decompressed_bytes(bytes);
+        }
+        if let Some(values) = self.max_trace_values {
+            limits = limits.with_max_values(values);
+        }
+        limits
+    }
 }
 
 /// Where the trace came from.
@@ -62,7 +88,7 @@ struct Source {
 
 /// Runs `tensormem replay`.
 pub(crate) fn run(args: ReplayArgs) -> Result<()> {
-    let source = load(args.trace.as_deref())?;
+    let source = load(args.trace.as_deref(), &args.read_limits())?;
     let mut replay = Replay::new(&source.snapshot).map_err(flat)?;
     if let Some(expected) = source.expected.clone() {
         replay = replay.with_expected_stats(expected);
@@ -151,7 +177,17 @@ fn flat(error: impl std::fmt::Display) -> anyhow::Error {
     anyhow!("{error}")
 }
 
-fn load(path: Option<&Path>) -> Result<Source> {
+/// A trace-reading error, naming the option that raises the limit it hit.
+fn read_error(error: SnapshotError) -> anyhow::Error {
+    let option = match &error {
+        SnapshotError::TooLarge { limit, .. } if *limit == "max_values" => "--max-trace-values",
+        SnapshotError::TooLarge { .. } => "--max-trace-bytes",
+        _ => return flat(error),
+    };
+    anyhow!("{error} (here: {option})")
+}
+
+fn load(path: Option<&Path>, limits: &ReadLimits) -> Result<Source> {
     let Some(path) = path else {
         let snapshot = embedded::gpt2_train().map_err(flat)?;
         return Ok(Source {
@@ -161,7 +197,7 @@ fn load(path: Option<&Path>) -> Result<Source> {
             expected_from: Some(format!("built-in {}", embedded::STATS_NAME)),
         });
     };
-    let snapshot = Snapshot::read_file(path).map_err(flat)?;
+    let snapshot = Snapshot::read_file_with_limits(path, limits).map_err(read_error)?;
     let beside = stats_beside(path);
     let expected =
         beside

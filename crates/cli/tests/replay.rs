@@ -251,3 +251,14 @@ fn replay_with_a_figure_beyond_i64_does_not_match_the_record() {
         "{text}"
     );
 }
+
+#[test]
+fn replay_limits_name_their_option_and_can_be_raised() {
+    let trace = trace("multistream.pickle");
+    let output = tensormem(&["replay", &trace, "--max-trace-values", "1000"]);
+    fails_with_one_line(&output, "--max-trace-values");
+    let output = tensormem(&["replay", &trace, "--max-trace-bytes", "1KiB"]);
+    fails_with_one_line(&output, "--max-trace-bytes");
+    let output = tensormem(&["replay", &trace, "--max-trace-values", "100000000"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+}

@@ -1,4 +1,34 @@
-//! Trace replay: run a recorded PyTorch workload's allocations through this allocator, on the CPU.
+//! Trace replay: run a recorded PyTorch workload's allocations through tensormem's caching allocator
+//! ([`tensormem_cuda_alloc`]), on the CPU.
+//!
+//! ```
+//! use tensormem_cuda_alloc::backend::sim::SimDevice;
+//! use tensormem_cuda_alloc::{CachingAllocator, StreamId};
+//! use tensormem_replay::{ExpectedStats, Replay};
+//!
+//! // A workload recorded with its history on, as `_record_memory_history()` records PyTorch's.
+//! let allocator = CachingAllocator::new(SimDevice::new(1 << 30));
+//! allocator.record_history(true, 1000);
+//! let s = StreamId(0);
+//! let a = allocator.allocate(3 << 20, s)?;
+//! let b = allocator.allocate(4096, s)?;
+//! allocator.free(a)?;
+//! let c = allocator.allocate(1 << 20, s)?; // reuses part of a's block
+//! allocator.free(b)?;
+//! allocator.free(c)?;
+//! let snapshot = allocator.snapshot(); // what `_dump_snapshot()` saves
+//! let recorded = ExpectedStats::from_figures(allocator.memory_stats().to_flat());
+//!
+//! // Replayed under the recorded configuration: same addresses, same statistics.
+//! let replay = Replay::new(&snapshot)?.with_expected_stats(recorded);
+//! let run = replay.run_recorded()?;
+//! assert_eq!(run.matches_record(), Some(true));
+//!
+//! // What if large blocks were never split?
+//! let what_if = replay.run_with("max_split_size_mb:20")?;
+//! println!("reserved peak: {}", what_if.flat_stats()["reserved_bytes.all.peak"]);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 //!
 //! `torch.cuda.memory._record_memory_history()` makes PyTorch's caching allocator record every
 //! event (`alloc`, `free_requested`, `free_completed`, `segment_alloc`, `segment_map`, ...), and
@@ -28,6 +58,8 @@
 //!   for, happened inside an allocation (the replayed allocator makes those releases itself); any
 //!   other run was an `empty_cache()` call. An `oom` event is the failed request, replayed on a
 //!   device as large as the record shows it was.
+//!
+//! Reading PyTorch's files:
 //!
 //! ```no_run
 //! use tensormem_replay::{ExpectedStats, Replay};

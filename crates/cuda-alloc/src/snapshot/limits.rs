@@ -16,7 +16,7 @@
 /// let mut bomb = b"\x80\x04]\x94(".to_vec();
 /// bomb.extend(std::iter::repeat_n(*b"K\x01", 10_000).flatten());
 /// bomb.extend(b"e.");
-/// let limits = ReadLimits { max_values: 1_000, ..ReadLimits::default() };
+/// let limits = ReadLimits::DEFAULT.with_max_values(1_000);
 /// let e = Snapshot::from_pickle_bytes_with_limits(&bomb, &limits).unwrap_err();
 /// assert!(matches!(e, SnapshotError::TooLarge { limit: "max_values", .. }), "{e}");
 /// ```
@@ -44,6 +44,27 @@ impl ReadLimits {
         max_decompressed_bytes: super::MAX_DECOMPRESSED_BYTES,
         max_values: 1 << 25,
     };
+
+    /// These limits with [`max_input_bytes`](Self::max_input_bytes) set to `bytes`.
+    #[must_use]
+    pub const fn with_max_input_bytes(mut self, bytes: u64) -> ReadLimits {
+        self.max_input_bytes = bytes;
+        self
+    }
+
+    /// These limits with [`max_decompressed_bytes`](Self::max_decompressed_bytes) set to `bytes`.
+    #[must_use]
+    pub const fn with_max_decompressed_bytes(mut self, bytes: u64) -> ReadLimits {
+        self.max_decompressed_bytes = bytes;
+        self
+    }
+
+    /// These limits with [`max_values`](Self::max_values) set to `values`.
+    #[must_use]
+    pub const fn with_max_values(mut self, values: u64) -> ReadLimits {
+        self.max_values = values;
+        self
+    }
 
     /// No limits beyond the machine's memory: only for files you produced yourself.
     pub const UNLIMITED: ReadLimits = ReadLimits {

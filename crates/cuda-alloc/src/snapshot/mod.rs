@@ -30,6 +30,10 @@
 //!
 //! The pickle reader is this module's own: it runs only the opcodes that build plain data, without
 //! recursion, so a file that is not a snapshot (or is hostile) gets a [`SnapshotError`], never a crash.
+//! What reading may take is bounded (`ReadLimits`: bytes read, bytes a gzip layer expands to, values
+//! the pickle builds), so a pickle or gzip bomb, or an input that never ends, gets
+//! [`SnapshotError::TooLarge`] rather than exhausting memory. docs/dependencies.md says why this is
+//! not serde-pickle.
 
 mod convert;
 #[cfg(feature = "snapshot-io")]
