@@ -255,9 +255,11 @@ fn parse_options(args: &[String]) -> BoxResult<Options> {
                     .push(Mode::parse(name).ok_or_else(|| format!("unknown mode {name}"))?);
             }
             "-h" | "--help" => {
-                return Err("usage: shm_crash [--trials N] [--seed S] [--max-delay-us US] \
+                return Err(
+                    "usage: shm_crash [--trials N] [--seed S] [--max-delay-us US] \
                      [--mode anonymous-memfd|unlinked-shm|named|refcounted|managed]..."
-                    .into())
+                        .into(),
+                )
             }
             other => return Err(format!("unknown argument {other}").into()),
         }
@@ -300,7 +302,9 @@ fn harness(args: &[String]) -> BoxResult<ExitCode> {
         let prefix = format!("tmcrash-{}-{}", std::process::id(), mode.name());
         let mut tally = Tally::default();
         for trial in 0..options.trials {
-            run_trial(*mode, &exe, &work, &prefix, trial, &mut rng, &options, &mut tally)?;
+            run_trial(
+                *mode, &exe, &work, &prefix, trial, &mut rng, &options, &mut tally,
+            )?;
         }
         let ok = tally.left_after_gc == 0
             && tally.stuck_after_gc == 0
