@@ -83,9 +83,11 @@
 //! [`Mapping::is_truncatable`] tells which case a region is in. The kernel-mediated copy costs a
 //! system call per access (bulk copies run at memory speed); where seccomp forbids it, copies fall
 //! back to plain ones, which fault like the rest. The refcount word of a [`RefcountedRegion`] is
-//! an atomic in the object's first page: a peer that truncates the object to zero makes the next
-//! open or close fault, exactly as in PyTorch, so share shrinkable objects only with processes you
-//! trust; prefer sealed anonymous regions where the peer is not trusted.
+//! an atomic in the object's first page: `open`, `close` and `refcount` first check through the
+//! kernel that the header is still there (a truncated header is [`Error::Truncated`] or
+//! [`Error::TooSmall`]), which leaves only a truncation racing that check to fault, as every
+//! access does in PyTorch. Share shrinkable objects only with processes you trust; prefer sealed
+//! anonymous regions where the peer is not trusted.
 //!
 //! Linux only (memfd, `/dev/shm`, `MADV_POPULATE_WRITE`); no CUDA anywhere in the dependency tree.
 

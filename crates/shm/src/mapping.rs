@@ -419,6 +419,27 @@ impl Mapping {
         self.truncatable = truncatable;
     }
 
+    /// Checks, through the kernel, that the first `len` bytes of the whole mapped range (header
+    /// included) are still backed by the object, for callers about to touch them with atomics.
+    /// A truncation after the check still faults: this narrows the window, it cannot close it.
+    pub(crate) fn probe_start(&self, len: usize) -> Result<()> {
+        if !self.truncatable {
+            return Ok(());
+        }
+        let len = len.min(self.map_len);
+        let mut scratch = vec![0u8; len];
+        // SAFETY: `len <= map_len`, so the range lies inside the mapping; `scratch` is private.
+        unsafe {
+            guarded_copy(
+                Direction::Read,
+                self.base.as_ptr(),
+                scratch.as_mut_ptr(),
+                len,
+                0,
+            )
+        }
+    }
+
     /// Start of the whole mapped range, header included.
     pub(crate) fn base_ptr(&self) -> *mut u8 {
         self.base.as_ptr()

@@ -81,7 +81,18 @@ fn truncation_by_a_peer_is_an_error_not_a_sigbus() {
     assert_truncated(refcounted.write_at(2 * 4096, b"x"));
     assert_truncated(refcounted.read_at(4096, &mut buf));
     // Its refcount word is in the first page: closing still works.
-    std::mem::forget(refcounted.close());
+    assert!(refcounted.close().unwrap(), "the last close unlinks");
+    // Truncated below the header: opening and closing report it instead of faulting.
+    let (rc2, _rc2_cleanup) = fresh_name();
+    let holder = RefcountedRegion::create(&rc2, 4096).unwrap();
+    truncate_by_name(&rc2, 0);
+    assert_eq!(holder.refcount(), 0);
+    assert_truncated(holder.close());
+    let reopened = RefcountedRegion::open(&rc2).map(drop);
+    assert!(
+        matches!(reopened, Err(Error::TooSmall { actual: 0, .. })),
+        "{reopened:?}"
+    );
 
     // File-backed.
     let dir = tempfile::tempdir().unwrap();
