@@ -1,5 +1,5 @@
-//! `cargo xtask test-gpu --bundle DIR`: the GPU test executables, the `alloc_patterns` benchmark and a
-//! `run.sh`, built here for a GPU host that has no Rust toolchain.
+//! `cargo xtask test-gpu --bundle DIR`: the GPU test executables, the GPU examples, the
+//! `alloc_patterns` benchmark and a `run.sh`, built here for a GPU host that has no Rust toolchain.
 //!
 //! The executables are built in release without debug info and stripped (through `CARGO_PROFILE_*`
 //! variables, so the workspace's profiles stay as they are), found through cargo's JSON messages, and
@@ -15,7 +15,7 @@ use std::process::Stdio;
 
 use anyhow::{bail, Context, Result};
 
-use crate::gpu_tests::{cargo, GPU_TEST_TARGETS};
+use crate::gpu_tests::{cargo, GPU_EXAMPLES, GPU_TEST_TARGETS};
 
 /// The benchmark binary copied beside the tests: (package, binary).
 const BENCH_BIN: (&str, &str) = ("tensormem-benches", "alloc_patterns");
@@ -44,6 +44,22 @@ pub(crate) fn build(dir: &Path) -> Result<()> {
         )
         .with_context(|| format!("building the GPU tests of {package}"))?;
         let dest = tests_dir.join(format!("{}-{test}", package.replace('-', "_")));
+        copy_executable(&exe, &dest)?;
+        files.push(dest);
+    }
+    let examples_dir = dir.join("examples");
+    if examples_dir.exists() {
+        fs::remove_dir_all(&examples_dir)
+            .with_context(|| format!("could not clear {}", examples_dir.display()))?;
+    }
+    fs::create_dir_all(&examples_dir)
+        .with_context(|| format!("could not create {}", examples_dir.display()))?;
+    for &(package, example) in GPU_EXAMPLES {
+        let exe = build_one(&["build", "-p", package, "--example", example], |artifact| {
+            target_name(artifact) == Some(example)
+        })
+        .with_context(|| format!("building the example {example} of {package}"))?;
+        let dest = examples_dir.join(example);
         copy_executable(&exe, &dest)?;
         files.push(dest);
     }
@@ -166,7 +182,8 @@ fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
     let text = String::from(
         "tensormem GPU test bundle, built by `cargo xtask test-gpu --bundle`.\n\n\
          Run on a machine with an NVIDIA GPU and driver (no Rust toolchain needed):\n\n    bash run.sh\n\n\
-         run.sh runs every test executable with TENSORMEM_REQUIRE_GPU=1 (a missing GPU fails instead of\n\
+         run.sh runs every test executable, then every example (examples/), with TENSORMEM_REQUIRE_GPU=1\n\
+         (a missing GPU fails instead of\n\
          skipping) and, when `python3 -c 'import torch'` works, TENSORMEM_REQUIRE_TORCH=1 (the PyTorch interop\n\
          checks must run). It exits non-zero if any test failed. Extra arguments go to every test executable\n\
          (e.g. a test name filter).\n\n\
@@ -193,8 +210,8 @@ fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
 
 /// The bundle's runner: every test executable, one test at a time, failing if any failed.
 const RUN_SH: &str = r#"#!/usr/bin/env bash
-# Runs every tensormem GPU test executable of this bundle on this machine's GPUs.
-# Exits non-zero if any test failed. Arguments are passed to every test executable.
+# Runs every tensormem GPU test executable, then every GPU example, of this bundle on this machine's
+# GPUs. Exits non-zero if any failed. Arguments are passed to every test executable.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 export TENSORMEM_REQUIRE_GPU=1
@@ -209,6 +226,13 @@ for t in "$here"/tests/*; do
   echo "== $(basename "$t")"
   if ! "$t" --test-threads=1 "$@"; then
     failed+=("$(basename "$t")")
+  fi
+done
+for e in "$here"/examples/*; do
+  [ -e "$e" ] || continue
+  echo "== example $(basename "$e")"
+  if ! "$e"; then
+    failed+=("example $(basename "$e")")
   fi
 done
 if [ ${#failed[@]} -ne 0 ]; then

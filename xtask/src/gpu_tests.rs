@@ -11,6 +11,10 @@ use anyhow::{bail, Context, Result};
 pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] =
     &[("tensormem-cuda-alloc", "gpu"), ("tensormem", "gpu")];
 
+/// Examples that run on a GPU as checks: (package, example). Each skips with a message when there is
+/// no driver or device, unless [`REQUIRE_GPU`] is set, and exits non-zero when something is wrong.
+pub(crate) const GPU_EXAMPLES: &[(&str, &str)] = &[("tensormem-cuda-alloc", "cudarc_kernel")];
+
 /// Set to `1`, a GPU test fails instead of skipping when no driver or device is found.
 pub(crate) const REQUIRE_GPU: &str = "TENSORMEM_REQUIRE_GPU";
 
@@ -75,6 +79,17 @@ pub(crate) fn run_here() -> Result<()> {
             .with_context(|| format!("could not run cargo for {package}"))?;
         if !status.success() {
             failed.push(format!("{package} --test {test}"));
+        }
+    }
+    for &(package, example) in GPU_EXAMPLES {
+        eprintln!("xtask: cargo run --release -p {package} --example {example}");
+        let status = cargo()
+            .args(["run", "--release", "-p", package, "--example", example])
+            .env(REQUIRE_GPU, "1")
+            .status()
+            .with_context(|| format!("could not run cargo for {package}"))?;
+        if !status.success() {
+            failed.push(format!("{package} --example {example}"));
         }
     }
     if !failed.is_empty() {

@@ -24,3 +24,5 @@ mod multi_gpu;
 mod streams;
 #[path = "gpu/teardown.rs"]
 mod teardown;
+#[path = "gpu/bridge.rs"]
+mod bridge;

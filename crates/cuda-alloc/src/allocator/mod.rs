@@ -66,8 +66,10 @@ pub const DEFAULT_STREAM_CAPACITY: usize = 1024;
 /// take it back without looking it up.
 ///
 /// Give it back with [`CachingAllocator::free`] (which consumes it, so it cannot be freed twice).
-/// Dropping it without freeing keeps the memory allocated for the allocator's lifetime; to manage the
-/// memory by pointer instead, use [`Allocation::into_ptr`] and [`CachingAllocator::raw_free`].
+/// It must be freed (or given up with [`Allocation::into_ptr`], to manage the memory by pointer with
+/// [`CachingAllocator::raw_free`]): dropping it keeps the memory allocated until the allocator is
+/// dropped (which returns everything to the device); debug builds report the first such drop (a
+/// `tracing` warning). For a handle that frees itself, see the CUDA backend's `CachedSlice`.
 #[must_use = "dropping an Allocation leaks the memory; pass it to CachingAllocator::free"]
 #[derive(Debug, PartialEq, Eq)]
 pub struct Allocation {
@@ -135,7 +137,26 @@ impl Allocation {
     /// [`CachingAllocator::raw_free`].
     #[must_use]
     pub fn into_ptr(self) -> DevicePtr {
-        self.ptr
+        std::mem::ManuallyDrop::new(self).ptr
+    }
+}
+
+/// The debug-build check that every handle is freed or given up (see [`Allocation`]): the first
+/// handle dropped unfreed in the process is reported (a `tracing` warning; the memory is not lost, it
+/// returns to the device when the allocator is dropped).
+#[cfg(debug_assertions)]
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        static REPORTED: AtomicBool = AtomicBool::new(false);
+        if self.shard != Self::EMPTY && !REPORTED.swap(true, Relaxed) {
+            tracing::warn!(
+                ptr = %self.ptr,
+                size = self.size,
+                "an Allocation was dropped without being freed: its memory stays allocated until the \
+                 allocator is dropped; pass it to CachingAllocator::free, or give up the handle with \
+                 Allocation::into_ptr (reported once, in debug builds)"
+            );
+        }
     }
 }
 

@@ -31,6 +31,7 @@
 //! driver already reports it current (one cheap `cuCtxGetCurrent`). The context is not cached on our side:
 //! other code in the process (the CUDA runtime, PyTorch) may switch it at any time.
 
+mod cached_slice;
 mod context;
 mod driver;
 mod event;
@@ -49,6 +50,7 @@ use crate::device::{
     CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, MemInfo, StreamId,
 };
 
+pub use cached_slice::CachedSlice;
 use context::PrimaryContext;
 pub use driver::{device_count, init};
 pub use event::{CudaEvent, IPC_HANDLE_SIZE};
