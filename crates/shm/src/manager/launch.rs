@@ -180,6 +180,9 @@ fn serve_logged(config: &ManagerConfig, detached: bool) -> ManagerResult<()> {
         }
         // Do not keep the caller's working directory (and its filesystem) busy.
         let _ = std::env::set_current_dir("/");
+        // Started from an embedding program's image, `ps` would show that program's name: name
+        // the process for what it is (`comm`, 15 bytes at most).
+        let _ = rustix::thread::set_name(c"tm-shm-manager");
     }
     let mut reported = false;
     let result = serve(config, |startup| {
