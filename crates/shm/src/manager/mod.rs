@@ -51,8 +51,8 @@ mod registry;
 
 pub use client::{Manager, ManagerStatus};
 pub use config::{
-    ManagerConfig, BINARY_NAME, DEFAULT_CONNECT_TIMEOUT, DEFAULT_QUIET_PERIOD, ENV_BINARY, ENV_DIR,
-    ENV_LOG, ENV_QUIET_MS, LOCK_NAME, SOCKET_NAME,
+    ManagerConfig, StartMethod, BINARY_NAME, DEFAULT_CONNECT_TIMEOUT, DEFAULT_QUIET_PERIOD,
+    ENV_BINARY, ENV_DIR, ENV_LOG, ENV_QUIET_MS, LOCK_NAME, SOCKET_NAME,
 };
 pub use daemon::{serve, Startup};
 pub use error::ManagerError;
