@@ -356,7 +356,9 @@ impl Mapping {
     }
 
     /// An atomic integer living at `offset` in the region, for words several processes update
-    /// concurrently (refcounts, flags, sequence numbers):
+    /// concurrently (refcounts, flags, sequence numbers). Sound under any concurrent access;
+    /// on a [truncatable](Self::is_truncatable) region a peer's `ftruncate` below `offset` makes
+    /// the next access through it fault (`SIGBUS`), which no check here can prevent:
     ///
     /// ```
     /// use std::sync::atomic::{AtomicU64, Ordering};

@@ -618,6 +618,8 @@ fn with_no_binary_configured_the_daemon_runs_from_this_programs_image() {
     let (ppid, sid): (u32, u32) = (fields[1].parse().unwrap(), fields[3].parse().unwrap());
     assert_ne!(ppid, std::process::id());
     assert_eq!(sid, daemon, "the daemon leads its own session");
+    let comm = fs::read_to_string(format!("/proc/{daemon}/comm")).unwrap();
+    assert_eq!(comm.trim_end(), "tm-shm-manager", "named for ps");
     // It works like the binary: a region, shared and released.
     let names = NameGenerator::with_prefix(&world.prefix).unwrap();
     let region = ManagedRegion::create_with(&manager, &names, 4096).unwrap();

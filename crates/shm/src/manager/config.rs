@@ -45,6 +45,23 @@ pub struct ManagerConfig {
     connect_timeout: Duration,
     binary: Option<PathBuf>,
     log_file: Option<PathBuf>,
+    start: StartMethod,
+}
+
+/// How a client that finds no daemon starts one (see `docs/shm-manager.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum StartMethod {
+    /// The configured binary; else this program's own image (when the library is linked into
+    /// its main executable); else, in a process with a single thread, a forked grandchild
+    /// running the daemon loop; else a `tensormem-shm-manager` found next to the executable or
+    /// in `PATH`.
+    #[default]
+    Auto,
+    /// Only the forked grandchild, which requires this process to have a single thread
+    /// ([`ManagerError::Usage`] otherwise). For programs that know they are single-threaded
+    /// when they first connect, and for tests of that path.
+    Fork,
 }
 
 impl ManagerConfig {
@@ -61,6 +78,7 @@ impl ManagerConfig {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             binary: None,
             log_file: None,
+            start: StartMethod::Auto,
         }
     }
 
@@ -114,6 +132,18 @@ impl ManagerConfig {
     pub fn with_binary(mut self, binary: impl Into<PathBuf>) -> Self {
         self.binary = Some(binary.into());
         self
+    }
+
+    /// Chooses how a missing daemon is started (default [`StartMethod::Auto`]).
+    #[must_use]
+    pub fn with_start(mut self, start: StartMethod) -> Self {
+        self.start = start;
+        self
+    }
+
+    /// How a missing daemon is started.
+    pub fn start_method(&self) -> StartMethod {
+        self.start
     }
 
     /// Makes a daemon started through this config append its log to `path`.

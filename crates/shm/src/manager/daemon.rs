@@ -244,11 +244,16 @@ fn admit(stream: UnixStream, shared: &SharedState, daemon_pid: u32) {
     };
     tracing::info!(client = id, peer_pid, "client connected");
     let thread_shared = Arc::clone(shared);
+    let dispatch = tracing::dispatcher::get_default(Clone::clone);
     let spawned = thread::Builder::new()
         .name(format!("shm-client-{id}"))
         .spawn(move || {
-            let outcome = converse(&stream, id, &thread_shared, daemon_pid);
-            disconnect(id, peer_pid, &thread_shared, outcome);
+            // The accept loop's subscriber (a daemon forked from a client sets one for its own
+            // threads only, leaving the client's global one alone).
+            tracing::dispatcher::with_default(&dispatch, || {
+                let outcome = converse(&stream, id, &thread_shared, daemon_pid);
+                disconnect(id, peer_pid, &thread_shared, outcome);
+            });
         });
     if let Err(e) = spawned {
         tracing::warn!(client = id, error = %e, "cannot start a client thread; dropping connection");

@@ -28,17 +28,22 @@
 //!    replaced or deleted since. The client uses this only after checking that the hook ran in
 //!    its own process and that the hook lives in the main executable (not in a shared library
 //!    loaded into some other program, whose `main` the hook could not intercept);
-//! 3. a `tensormem-shm-manager` binary next to the current executable or in `PATH`.
+//! 3. when option 2 is unavailable and this process has a single thread, a forked grandchild
+//!    that runs the daemon loop without `exec` ([`fork_daemon`]: sound because no other thread
+//!    can hold a lock at the `fork`);
+//! 4. a `tensormem-shm-manager` binary next to the current executable or in `PATH`.
 //!
 //! A program that embeds tensormem-shm therefore needs no extra binary, no `main` cooperation
-//! and no configuration. Where option 2 is unavailable (the library lives in a shared object,
-//! e.g. a Python extension), install the binary and point `TENSORMEM_SHM_MANAGER` at it.
+//! and no configuration. Only a multithreaded program with the library in a shared object (e.g.
+//! a Python extension) needs the binary: point `TENSORMEM_SHM_MANAGER` at it.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
+
+use rustix::fd::AsFd;
 
 use super::config::{ManagerConfig, ENV_DIR, ENV_LOG, ENV_QUIET_MS};
 use super::daemon::{serve, Startup};
@@ -172,6 +177,19 @@ fn role_env(config: &ManagerConfig, role: &str) -> Vec<(&'static str, OsString)>
 /// startup on stdout as one line (`ready <pid>`, `running`, or `error <message>`).
 fn serve_logged(config: &ManagerConfig, detached: bool) -> ManagerResult<()> {
     DaemonLog::from_env(!detached).install();
+    serve_reporting(config, detached, &mut |line| {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{line}");
+        let _ = out.flush();
+    })
+}
+
+/// [`serve`], reporting startup (or an error before it) through `report` as one line.
+fn serve_reporting(
+    config: &ManagerConfig,
+    detached: bool,
+    report: &mut dyn FnMut(&str),
+) -> ManagerResult<()> {
     if detached {
         // A new session: no controlling terminal, so no SIGHUP or terminal signals meant for
         // the process group that started us.
@@ -180,27 +198,188 @@ fn serve_logged(config: &ManagerConfig, detached: bool) -> ManagerResult<()> {
         }
         // Do not keep the caller's working directory (and its filesystem) busy.
         let _ = std::env::set_current_dir("/");
+        // Started from an embedding program's image, `ps` would show that program's name: name
+        // the process for what it is (`comm`, 15 bytes at most).
+        let _ = rustix::thread::set_name(c"tm-shm-manager");
     }
     let mut reported = false;
     let result = serve(config, |startup| {
         reported = true;
-        let line = match startup {
-            Startup::Listening { pid } => format!("ready {pid}"),
-            Startup::AlreadyRunning => "running".to_owned(),
-        };
-        let mut out = std::io::stdout().lock();
-        let _ = writeln!(out, "{line}");
-        let _ = out.flush();
+        match startup {
+            Startup::Listening { pid } => report(&format!("ready {pid}")),
+            Startup::AlreadyRunning => report("running"),
+        }
     });
     if let Err(e) = &result {
         tracing::error!(error = %e, "shm manager stopped");
         if detached && !reported {
             // One line: the launcher relays it to the client.
-            let message = e.to_string().replace('\n', " ");
-            let _ = writeln!(std::io::stdout(), "error {message}");
+            report(&format!("error {}", e.to_string().replace('\n', " ")));
         }
     }
     result
+}
+
+/// Starts the daemon in a grandchild of this process that runs the daemon loop from the library,
+/// without `exec`, and returns the first line it reported (`ready <pid>`, `running`,
+/// `error <message>`, or empty if it died first).
+///
+/// Sound only because this process has a single thread when it forks: the child's copy of the
+/// allocator, of std's and `tracing`'s locks and of everything else was not caught half-way by
+/// another thread. With more threads it returns `Ok(None)` (or, when `required`, a usage error)
+/// and forks nothing. The grandchild then makes itself independent of the client: a new
+/// session, stdin `/dev/null`, stdout the pipe to the client, stderr the log file (or
+/// `/dev/null`), every other descriptor closed (the client's sockets and files), every shared
+/// mapping unmapped (the client's shared memory must not stay alive in the daemon), `/` as its
+/// directory, its own `tracing` subscriber for its threads, and `_exit` at the end (no `atexit`
+/// handler or destructor of the client runs in it).
+pub(crate) fn fork_daemon(config: &ManagerConfig, required: bool) -> ManagerResult<Option<String>> {
+    match thread_count() {
+        Some(1) => {}
+        other => {
+            if required {
+                return Err(ManagerError::Usage(format!(
+                    "StartMethod::Fork needs a single-threaded process; this one has {}",
+                    other.map_or_else(|| "an unknown number of".to_owned(), |n| n.to_string())
+                )));
+            }
+            return Ok(None);
+        }
+    }
+    let io = |what: &str| {
+        let what = what.to_owned();
+        move |e: rustix::io::Errno| ManagerError::io(what, e)
+    };
+    let log = config.log_file().map(open_log_file).transpose()?;
+    let null = rustix::fs::open(
+        "/dev/null",
+        rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .map_err(io("cannot open /dev/null"))?;
+    let (read_end, write_end) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+        .map_err(io("cannot create a pipe to the daemon"))?;
+    let dispatch = tracing::Dispatch::new(DaemonLog::from_env(false));
+    // SAFETY: this process has exactly one thread (checked above; only this thread could have
+    // started another since), so the child starts with consistent memory and locks. The child
+    // never returns into the caller's code: it ends in `_exit`.
+    let child = unsafe { libc::fork() };
+    if child == 0 {
+        // SAFETY: as above; still one thread.
+        if unsafe { libc::setsid() } < 0 || unsafe { libc::fork() } != 0 {
+            // The first child (or a failed second fork): done; the client reaps it.
+            // SAFETY: `_exit` ends the process without running the caller's handlers.
+            unsafe { libc::_exit(0) };
+        }
+        let log_fd = log.as_ref().map_or_else(|| null.as_fd(), AsFd::as_fd);
+        let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            daemon_grandchild(config, &dispatch, null.as_fd(), write_end.as_fd(), log_fd)
+        }))
+        .unwrap_or(101);
+        // SAFETY: ends the daemon without running the client's atexit handlers or destructors.
+        unsafe { libc::_exit(code) };
+    }
+    if child < 0 {
+        return Err(ManagerError::io(
+            "cannot fork the shm manager",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    drop(write_end);
+    let mut status = 0;
+    // SAFETY: `child` is our child; `status` is a valid out-pointer.
+    while unsafe { libc::waitpid(child, &mut status, 0) } < 0
+        && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR)
+    {}
+    let mut line = String::new();
+    let _ = BufReader::new(std::fs::File::from(read_end)).read_line(&mut line);
+    Ok(Some(line.trim_end().to_owned()))
+}
+
+/// The forked daemon: takes its descriptors, drops the client's, serves, returns the exit code.
+fn daemon_grandchild(
+    config: &ManagerConfig,
+    dispatch: &tracing::Dispatch,
+    null: rustix::fd::BorrowedFd<'_>,
+    report: rustix::fd::BorrowedFd<'_>,
+    log: rustix::fd::BorrowedFd<'_>,
+) -> i32 {
+    use rustix::fd::AsRawFd;
+    // SAFETY: plain descriptor calls on descriptors this process owns; 0, 1 and 2 are replaced.
+    unsafe {
+        libc::dup2(null.as_raw_fd(), 0);
+        libc::dup2(report.as_raw_fd(), 1);
+        libc::dup2(log.as_raw_fd(), 2);
+    }
+    close_from(3);
+    unmap_shared_mappings();
+    tracing::dispatcher::with_default(dispatch, || {
+        // Raw writes to fd 1: std's stdout may hold bytes the client buffered before the fork.
+        let mut report = |line: &str| {
+            let _ = rustix::io::write(
+                // SAFETY: fd 1 is the pipe to the client, open for the whole process.
+                unsafe { rustix::fd::BorrowedFd::borrow_raw(1) },
+                format!("{line}\n").as_bytes(),
+            );
+        };
+        match serve_reporting(config, true, &mut report) {
+            Ok(()) => 0,
+            Err(_) => 1,
+        }
+    })
+}
+
+/// Closes every descriptor from `first` up (`close_range`, or one by one from `/proc/self/fd`).
+fn close_from(first: u32) {
+    // SAFETY: closing descriptors this process owns; nothing in it uses them afterwards (the
+    // daemon opens its own).
+    if unsafe { libc::syscall(libc::SYS_close_range, first, u32::MAX, 0u32) } == 0 {
+        return;
+    }
+    let fds: Vec<i32> = std::fs::read_dir("/proc/self/fd")
+        .map(|dir| {
+            dir.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    for fd in fds.into_iter().filter(|&fd| fd >= first as i32) {
+        // SAFETY: as above.
+        unsafe { libc::close(fd) };
+    }
+}
+
+/// Unmaps every `MAP_SHARED` mapping this process inherited (the client's shared memory).
+fn unmap_shared_mappings() {
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return;
+    };
+    for line in maps.lines() {
+        let mut fields = line.split_whitespace();
+        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        if perms.as_bytes().get(3) != Some(&b's') {
+            continue;
+        }
+        let Some((start, end)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(start), Ok(end)) = (
+            usize::from_str_radix(start, 16),
+            usize::from_str_radix(end, 16),
+        ) else {
+            continue;
+        };
+        // SAFETY: the range is a shared mapping inherited from the client; this process never
+        // returns into the client's code that refers to it.
+        unsafe { libc::munmap(start as *mut libc::c_void, end - start) };
+    }
+}
+
+/// Threads of this process (`/proc/self/task`).
+fn thread_count() -> Option<usize> {
+    Some(std::fs::read_dir("/proc/self/task").ok()?.count())
 }
 
 /// Set by [`self_start_hook`] in every process whose start-up ran it.
