@@ -30,8 +30,9 @@ pub(crate) struct ReplayArgs {
     #[arg(long = "config", value_name = "STR")]
     configs: Vec<String>,
 
-    /// Print {"trace", "events", "runs": [{"config", "stats", "seconds"}]} as JSON on stdout, and
-    /// nothing else there.
+    /// Print {"trace", "events", "runs": [{"config", "stats", "devices": {"D": {"stats"}},
+    /// "seconds"}]} as JSON on stdout, and nothing else there ("stats" is device 0's, as
+    /// memory_stats() with no argument).
     #[arg(long)]
     json: bool,
 
@@ -228,11 +229,33 @@ fn json_report(trace: &str, events: u64, runs: &[ReplayRun]) -> serde_json::Valu
         .iter()
         .map(|run| {
             let stats: BTreeMap<String, i64> = run.flat_stats();
-            serde_json::json!({
+            let devices: BTreeMap<String, serde_json::Value> = run
+                .devices
+                .iter()
+                .map(|d| {
+                    let mut entry = serde_json::json!({
+                        "stats": d.stats.to_flat(),
+                        "capacity": d.capacity,
+                    });
+                    if let Some(check) = &d.check {
+                        entry["matches_record"] = serde_json::Value::Bool(check.matches());
+                    }
+                    (d.device.to_string(), entry)
+                })
+                .collect();
+            let mut entry = serde_json::json!({
                 "config": run.config.to_string(),
                 "stats": stats,
+                "devices": devices,
                 "seconds": run.seconds,
-            })
+            });
+            if run.devices.len() > 1 {
+                entry["total_stats"] = serde_json::json!(run.total_stats());
+            }
+            if let Some(matches) = run.matches_record() {
+                entry["matches_record"] = serde_json::Value::Bool(matches);
+            }
+            entry
         })
         .collect();
     serde_json::json!({ "trace": trace, "events": events, "runs": runs })

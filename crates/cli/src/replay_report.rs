@@ -4,7 +4,7 @@
 use std::io::{self, Write};
 
 use tensormem_cuda_alloc::size::format_size;
-use tensormem_replay::{Check, ReplayRun};
+use tensormem_replay::{Check, DeviceRun, ReplayRun};
 
 /// What the report says about the trace.
 pub(crate) struct Header<'a> {
@@ -41,7 +41,19 @@ pub(crate) fn print(
         "matches record",
         "events/s",
     ];
-    let rows: Vec<Vec<String>> = runs.iter().map(row).collect();
+    let rows: Vec<Vec<String>> = runs
+        .iter()
+        .flat_map(|run| {
+            if run.devices.len() > 1 {
+                run.devices
+                    .iter()
+                    .map(|d| row(run, Some(d)))
+                    .collect::<Vec<_>>()
+            } else {
+                vec![row(run, None)]
+            }
+        })
+        .collect();
     let widths: Vec<usize> = (0..titles.len())
         .map(|c| {
             rows.iter()
@@ -79,8 +91,13 @@ pub(crate) fn print(
     Ok(())
 }
 
-fn row(run: &ReplayRun) -> Vec<String> {
-    let stats = run.flat_stats();
+/// One table row: the run's figures, or one device's when `device` is given (traces of several
+/// devices get a row per device).
+fn row(run: &ReplayRun, device: Option<&DeviceRun>) -> Vec<String> {
+    let stats = match device {
+        Some(d) => d.stats.to_flat(),
+        None => run.flat_stats(),
+    };
     let figure = |key: &str| stats.get(key).copied().unwrap_or(0);
     let allocated = figure("allocated_bytes.all.peak");
     let reserved = figure("reserved_bytes.all.peak");
@@ -89,12 +106,18 @@ fn row(run: &ReplayRun) -> Vec<String> {
     } else {
         "-".to_owned()
     };
-    let label = if run.recorded {
-        format!("{} [recorded]", run.label())
-    } else {
-        run.label()
+    let mut label = run.label();
+    if run.recorded {
+        label.push_str(" [recorded]");
+    }
+    if let Some(d) = device {
+        label.push_str(&format!(" cuda:{}", d.device));
+    }
+    let matched = match device {
+        Some(d) => d.check.as_ref().map(Check::matches),
+        None => run.matches_record(),
     };
-    let matches = match run.matches_record() {
+    let matches = match matched {
         Some(true) => "yes",
         Some(false) => "NO",
         None => "-",
@@ -148,18 +171,30 @@ fn details(out: &mut impl Write, header: &Header<'_>, run: &ReplayRun) -> io::Re
         ),
         format!("{segments} segments and {blocks} blocks (the snapshot's final state)"),
     ];
-    let stats = checks.iter().find_map(|c| c.stats.as_ref());
-    match (stats, header.expected_from) {
-        (Some(stats), Some(from)) => {
-            against.push(format!(
-                "{} figures of memory_stats() ({from})",
-                stats.compared
-            ));
+    let stats: Vec<(usize, usize)> = run
+        .devices
+        .iter()
+        .filter_map(|d| Some((d.device, d.check.as_ref()?.stats.as_ref()?.compared)))
+        .collect();
+    match (stats.as_slice(), header.expected_from) {
+        ([(_, compared)], Some(from)) if run.devices.len() == 1 => {
+            against.push(format!("{compared} figures of memory_stats() ({from})"));
+        }
+        ([_, ..], Some(from)) => {
+            let per: Vec<String> = stats
+                .iter()
+                .map(|(d, n)| format!("{n} of memory_stats({d})"))
+                .collect();
+            against.push(format!("figures {} ({from})", per.join(", ")));
         }
         _ => against.push("no memory_stats() record (none saved as NAME.stats.json)".to_owned()),
     }
     writeln!(out, "checked against the record: {}", against.join("; "))?;
-    for check in &checks {
+    for (device, check) in run
+        .devices
+        .iter()
+        .filter_map(|d| Some((d.device, d.check.as_ref()?)))
+    {
         if let Some(divergence) = &check.divergence {
             writeln!(
                 out,
@@ -176,7 +211,7 @@ fn details(out: &mut impl Write, header: &Header<'_>, run: &ReplayRun) -> io::Re
             for m in stats.mismatches.iter().take(10) {
                 writeln!(
                     out,
-                    "  {}: replay {}, PyTorch {}",
+                    "  device {device}: {}: replay {}, PyTorch {}",
                     m.key, m.replayed, m.recorded
                 )?;
             }

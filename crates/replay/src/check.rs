@@ -21,10 +21,17 @@ use tensormem_cuda_alloc::snapshot::{BlockState, Segment};
 
 /// `torch.cuda.memory_stats()` as saved by the recording script: flat key names and values (only
 /// the integer figures are kept; other entries, such as the device name, are ignored).
+///
+/// The top level is `memory_stats()` with no argument (the current device, 0). A `"devices"` map
+/// beside it (`{"0": {...}, "1": {...}}`, `memory_stats(d)` for every device `d`) gives each
+/// device's figures; a device it does not list is checked against the top level only if it is
+/// device 0.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ExpectedStats {
     /// The figures by flat key (`"reserved_bytes.all.peak"`, ...).
     pub figures: BTreeMap<String, i64>,
+    /// Per device, when the file has a `"devices"` map.
+    pub devices: BTreeMap<usize, BTreeMap<String, i64>>,
 }
 
 impl ExpectedStats {
@@ -42,11 +49,36 @@ impl ExpectedStats {
             .ok_or_else(|| ReplayError::ExpectedStats {
                 reason: "expected a JSON object of memory_stats() keys".to_owned(),
             })?;
-        let figures = object
-            .iter()
-            .filter_map(|(key, value)| value.as_i64().map(|v| (key.clone(), v)))
-            .collect();
-        Ok(ExpectedStats { figures })
+        let figures = integer_figures(object);
+        let mut devices = BTreeMap::new();
+        if let Some(map) = object.get("devices") {
+            let map = map.as_object().ok_or_else(|| ReplayError::ExpectedStats {
+                reason: "\"devices\" must map device indices to memory_stats(d) objects".to_owned(),
+            })?;
+            for (key, value) in map {
+                let device: usize = key.parse().map_err(|_| ReplayError::ExpectedStats {
+                    reason: format!("\"devices\" has key '{key}', not a device index"),
+                })?;
+                let stats = value
+                    .as_object()
+                    .ok_or_else(|| ReplayError::ExpectedStats {
+                        reason: format!("\"devices\".\"{key}\" is not a memory_stats() object"),
+                    })?;
+                devices.insert(device, integer_figures(stats));
+            }
+        }
+        Ok(ExpectedStats { figures, devices })
+    }
+
+    /// The figures to check device `device` against: its entry of the `"devices"` map, else the top
+    /// level for device 0 (what `memory_stats()` with no argument reports), else nothing.
+    #[must_use]
+    pub fn for_device(&self, device: usize) -> Option<&BTreeMap<String, i64>> {
+        match self.devices.get(&device) {
+            Some(figures) => Some(figures),
+            None if device == 0 && !self.figures.is_empty() => Some(&self.figures),
+            None => None,
+        }
     }
 
     /// Reads a `*.stats.json` file (see [`from_json`](Self::from_json)).
@@ -65,6 +97,13 @@ impl ExpectedStats {
             other => other,
         })
     }
+}
+
+fn integer_figures(object: &serde_json::Map<String, serde_json::Value>) -> BTreeMap<String, i64> {
+    object
+        .iter()
+        .filter_map(|(key, value)| value.as_i64().map(|v| (key.clone(), v)))
+        .collect()
 }
 
 /// A statistic whose replayed value differs from the recorded one.
@@ -88,9 +127,12 @@ pub struct StatsCheck {
 }
 
 impl StatsCheck {
-    pub(crate) fn compare(replayed: &BTreeMap<String, i64>, expected: &ExpectedStats) -> Self {
+    pub(crate) fn compare(
+        replayed: &BTreeMap<String, i64>,
+        expected: &BTreeMap<String, i64>,
+    ) -> Self {
         let mut check = StatsCheck::default();
-        for (key, &recorded) in &expected.figures {
+        for (key, &recorded) in expected {
             if let Some(&value) = replayed.get(key) {
                 check.compared += 1;
                 if value != recorded {

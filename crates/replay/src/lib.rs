@@ -260,8 +260,9 @@ impl Replay {
         })
     }
 
-    /// Adds the statistics PyTorch reported after the recorded run (for device 0, or the only
-    /// device traced), for [`Check::stats`].
+    /// Adds the statistics PyTorch reported after the recorded run, for [`Check::stats`]: each
+    /// device is checked against its entry of the file's `"devices"` map, device 0 against the top
+    /// level when the map does not list it.
     #[must_use]
     pub fn with_expected_stats(mut self, expected: ExpectedStats) -> Self {
         self.expected = Some(expected);
@@ -348,12 +349,11 @@ impl Replay {
     pub fn run(&self, options: &RunOptions<'_>) -> ReplayResult<ReplayRun> {
         let mut devices = Vec::with_capacity(self.plans.len());
         let mut events_before = 0u64;
-        let first = self.plans.first().map(|p| p.device);
         for plan in &self.plans {
             let expected = self
                 .expected
                 .as_ref()
-                .filter(|_| Some(plan.device) == first);
+                .and_then(|e| e.for_device(plan.device));
             let default = plan.capacity_bound.unwrap_or(DEFAULT_CAPACITY);
             devices.push(run::run_device(
                 plan,
@@ -420,10 +420,23 @@ impl ReplayRun {
         }
     }
 
-    /// The final statistics under `torch.cuda.memory_stats()`'s flat keys. With several devices,
-    /// each figure is the sum over devices (peaks: the sum of each device's peak).
+    /// The final statistics under `torch.cuda.memory_stats()`'s flat keys, for device 0 (as
+    /// `memory_stats()` with no argument; the first device traced when device 0 has no events).
+    /// Each device's are in [`devices`](Self::devices); [`total_stats`](Self::total_stats) sums
+    /// them.
     #[must_use]
     pub fn flat_stats(&self) -> BTreeMap<String, i64> {
+        self.devices
+            .iter()
+            .find(|d| d.device == 0)
+            .or_else(|| self.devices.first())
+            .map(|d| d.stats.to_flat())
+            .unwrap_or_default()
+    }
+
+    /// The final statistics summed over devices (peaks: the sum of each device's peak).
+    #[must_use]
+    pub fn total_stats(&self) -> BTreeMap<String, i64> {
         let mut total: BTreeMap<String, i64> = BTreeMap::new();
         for device in &self.devices {
             for (key, value) in device.stats.to_flat() {

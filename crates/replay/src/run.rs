@@ -1,9 +1,9 @@
 //! Running one device's plan through a fresh allocator.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
-use super::check::{Check, DivergenceKind, ExpectedStats, SegmentCheck, StatsCheck};
+use super::check::{Check, DivergenceKind, SegmentCheck, StatsCheck};
 use super::device::{AddressUse, ReplayDevice};
 use super::plan::{DevicePlan, Op, ReleaseRun};
 use super::timeline::{Sampler, Timeline};
@@ -96,7 +96,7 @@ pub(crate) fn run_device(
     options: &RunOptions<'_>,
     default_capacity: u64,
     events_before: u64,
-    expected: Option<&ExpectedStats>,
+    expected: Option<&BTreeMap<String, i64>>,
 ) -> ReplayResult<DeviceRun> {
     let device_index = plan.device;
     let capacity = options.capacity.unwrap_or(default_capacity);
