@@ -134,6 +134,12 @@ fn print_report(
                 events: replay.events(),
                 devices: replay.devices().len(),
                 expected_from: source.expected_from.as_deref(),
+                capacity: replay
+                    .devices()
+                    .into_iter()
+                    .filter_map(|d| Some((d, replay.capacity_inference(d)?)))
+                    .collect(),
+                capacity_given: args.capacity.is_some(),
             },
             runs,
         )?;

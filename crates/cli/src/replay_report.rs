@@ -4,7 +4,7 @@
 use std::io::{self, Write};
 
 use tensormem_cuda_alloc::size::format_size;
-use tensormem_replay::{Check, DeviceRun, ReplayRun};
+use tensormem_replay::{CapacityInference, Check, DeviceRun, ReplayRun};
 
 /// What the report says about the trace.
 pub(crate) struct Header<'a> {
@@ -13,6 +13,10 @@ pub(crate) struct Header<'a> {
     pub(crate) devices: usize,
     /// Where the expected statistics came from, if any.
     pub(crate) expected_from: Option<&'a str>,
+    /// Per device, what the trace says about the memory the allocator could obtain.
+    pub(crate) capacity: Vec<(usize, &'a CapacityInference)>,
+    /// Whether `--capacity` set the device's memory.
+    pub(crate) capacity_given: bool,
 }
 
 /// Writes the report.
@@ -85,6 +89,9 @@ pub(crate) fn print(
     for r in &rows {
         writeln!(out, "{}", line(r))?;
     }
+    for (device, inference) in &header.capacity {
+        capacity_line(out, *device, inference, header.capacity_given)?;
+    }
     for run in runs.iter().filter(|r| r.recorded) {
         details(out, header, run)?;
     }
@@ -134,6 +141,60 @@ fn row(run: &ReplayRun, device: Option<&DeviceRun>) -> Vec<String> {
         matches.to_owned(),
         rate(run.events_per_second()),
     ]
+}
+
+/// What the trace says about the device's memory, when it says anything.
+fn capacity_line(
+    out: &mut impl Write,
+    device: usize,
+    inference: &CapacityInference,
+    given: bool,
+) -> io::Result<()> {
+    let bounded = inference.upper.is_some() || inference.layout_bound.is_some();
+    if !bounded && inference.capacity.is_none() {
+        return Ok(());
+    }
+    let what = match inference.fraction {
+        Some(f) => format!("per_process_memory_fraction {f} x device memory"),
+        None => "the memory the allocator could obtain".to_owned(),
+    };
+    let upper = inference
+        .upper
+        .map_or_else(|| "-".to_owned(), |u| format_size(u));
+    let mut reasons = Vec::new();
+    if inference.oom_bounds > 0 {
+        reasons.push(format!("{} OOMs", inference.oom_bounds));
+    }
+    if inference.retry_bounds > 0 {
+        reasons.push(format!(
+            "{} cache release{} before a new segment",
+            inference.retry_bounds,
+            if inference.retry_bounds == 1 { "" } else { "s" }
+        ));
+    }
+    if let Some(layout) = inference.layout_bound {
+        reasons.push(format!(
+            "expandable reservations: at most {}",
+            format_size(layout)
+        ));
+    }
+    let picked = inference.capacity.map_or_else(
+        || "the default".to_owned(),
+        |c| format!("{c} bytes ({})", format_size(c)),
+    );
+    let verdict = if given {
+        "--capacity overrides it".to_owned()
+    } else if inference.consistent {
+        format!("device memory {picked}")
+    } else {
+        format!("NO value fits every recorded decision; device memory {picked} (the upper end)")
+    };
+    writeln!(
+        out,
+        "device {device}: {what} in [{}, {upper}] ({}; the least is the most the trace reserved): {verdict}",
+        format_size(inference.lower),
+        if reasons.is_empty() { "nothing bounds it above".to_owned() } else { reasons.join(", ") },
+    )
 }
 
 /// Events per second with a unit prefix: `12.3 M`.

@@ -47,6 +47,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod capacity;
 mod check;
 mod device;
 mod plan;
@@ -55,6 +56,7 @@ mod timeline;
 
 use std::collections::BTreeMap;
 
+pub use capacity::CapacityInference;
 pub use check::{
     Check, Divergence, DivergenceKind, ExpectedStats, SegmentCheck, StatMismatch, StatsCheck,
 };
@@ -190,6 +192,8 @@ impl RunOptions<'_> {
 #[derive(Debug)]
 pub struct Replay {
     plans: Vec<DevicePlan>,
+    /// Per plan, the device memory its trace implies.
+    capacities: Vec<CapacityInference>,
     recorded: AllocatorConfig,
     settings_recorded: bool,
     expected: Option<ExpectedStats>,
@@ -248,11 +252,13 @@ impl Replay {
             }
             plans.push(plan);
         }
-        for plan in &mut plans {
-            plan.capacity_bound = inferred_capacity(plan, &recorded);
-        }
+        let capacities = plans
+            .iter()
+            .map(|plan| CapacityInference::infer(&plan.capacity, &recorded))
+            .collect();
         Ok(Replay {
             plans,
+            capacities,
             recorded,
             settings_recorded,
             expected: None,
@@ -293,16 +299,28 @@ impl Replay {
         self.plans.iter().map(|p| p.device).collect()
     }
 
-    /// The memory the simulated device gets when [`RunOptions::capacity`] is `None`: the most the
-    /// recorded expandable reservations allow and the trace's cache releases imply (a release that
-    /// made room for a new segment shows the device was full), else [`DEFAULT_CAPACITY`].
+    /// The memory the simulated device gets when [`RunOptions::capacity`] is `None`: inside the
+    /// interval the recorded decisions allow (see [`capacity_inference`](Self::capacity_inference)),
+    /// else [`DEFAULT_CAPACITY`].
     #[must_use]
     pub fn default_capacity(&self, device: usize) -> u64 {
         self.plans
             .iter()
-            .find(|p| p.device == device)
-            .and_then(|p| p.capacity_bound)
+            .zip(&self.capacities)
+            .find(|(p, _)| p.device == device)
+            .and_then(|(_, c)| c.capacity)
             .unwrap_or(DEFAULT_CAPACITY)
+    }
+
+    /// What the trace of `device` says about the memory the allocator could obtain: the interval
+    /// every recorded decision allows, and the value picked inside it.
+    #[must_use]
+    pub fn capacity_inference(&self, device: usize) -> Option<&CapacityInference> {
+        self.plans
+            .iter()
+            .zip(&self.capacities)
+            .find(|(p, _)| p.device == device)
+            .map(|(_, c)| c)
     }
 
     /// The recorded configuration with `config` applied over it, the way
@@ -349,12 +367,12 @@ impl Replay {
     pub fn run(&self, options: &RunOptions<'_>) -> ReplayResult<ReplayRun> {
         let mut devices = Vec::with_capacity(self.plans.len());
         let mut events_before = 0u64;
-        for plan in &self.plans {
+        for (plan, inference) in self.plans.iter().zip(&self.capacities) {
             let expected = self
                 .expected
                 .as_ref()
                 .and_then(|e| e.for_device(plan.device));
-            let default = plan.capacity_bound.unwrap_or(DEFAULT_CAPACITY);
+            let default = inference.capacity.unwrap_or(DEFAULT_CAPACITY);
             devices.push(run::run_device(
                 plan,
                 options,
@@ -371,25 +389,6 @@ impl Replay {
             devices,
             events: self.events,
         })
-    }
-}
-
-/// The device memory a plan implies: the least of what the recorded expandable reservations allow
-/// and of what the trace's cache releases show (the bytes the allocator could obtain, scaled up by
-/// the recorded memory fraction; not when garbage collection made releases of its own).
-fn inferred_capacity(plan: &DevicePlan, recorded: &AllocatorConfig) -> Option<u64> {
-    let fraction = recorded.per_process_memory_fraction;
-    let collects = recorded.garbage_collection_threshold > 0.0 && fraction < 1.0;
-    let pressure = plan.pressure_bound.filter(|_| !collects).map(|bytes| {
-        if fraction < 1.0 && fraction > 0.0 {
-            (bytes as f64 / fraction) as u64
-        } else {
-            bytes
-        }
-    });
-    match (plan.capacity_bound, pressure) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
     }
 }
 

@@ -16,6 +16,7 @@
 
 use std::collections::HashMap;
 
+use crate::capacity::{CapacityFacts, OomFact};
 use tensormem_cuda_alloc::device::StreamId;
 use tensormem_cuda_alloc::size::{LARGE_BUFFER, SMALL_BUFFER};
 use tensormem_cuda_alloc::snapshot::{Segment, TraceAction, TraceEntry};
@@ -45,6 +46,9 @@ pub(crate) enum Op {
         size: u64,
         stream: StreamId,
         capacity: u64,
+        /// The device had room for the segment the request needed: the failure was the memory
+        /// fraction's, and says nothing about the device's size.
+        device_had_room: bool,
     },
     /// A run of segment releases (`segment_free`, `segment_unmap`) that did not end in an `oom`;
     /// `run` indexes [`DevicePlan::releases`].
@@ -91,11 +95,8 @@ pub(crate) struct DevicePlan {
     pub(crate) malloc_addrs: Vec<u64>,
     /// Start addresses of expandable reservations (the first `segment_map` of each), in order.
     pub(crate) reserve_addrs: Vec<u64>,
-    /// The most device memory consistent with the recorded reservations, when they bound it.
-    pub(crate) capacity_bound: Option<u64>,
-    /// The most memory the allocator could have obtained from the device, when the trace shows it
-    /// short of memory without running out (see [`pressure_bound`]).
-    pub(crate) pressure_bound: Option<u64>,
+    /// The recorded decisions that bound the device's memory.
+    pub(crate) capacity: CapacityFacts,
     /// Distinct streams the trace allocates on.
     pub(crate) streams: usize,
     /// Trace events of this device.
@@ -168,10 +169,9 @@ impl DevicePlan {
         let mut held: HashMap<u64, StreamId> = HashMap::new();
         let mut reservations: Vec<Reservation> = Vec::new();
         let mut reserved: u64 = 0;
-        // The most bytes reserved right after a new segment made without releasing first, and the
-        // release runs that may have made room for a new segment: (bytes reserved before, size).
-        let mut reached: u64 = 0;
-        let mut pressure: Vec<(u64, u64)> = Vec::new();
+        // The most bytes reserved right after a new segment, the release runs that may have made
+        // room for a new segment, the out-of-memory errors.
+        let mut facts = CapacityFacts::default();
         let mut never_completed = 0u64;
         // Completions PyTorch saw by synchronizing, inside the allocation that follows.
         let mut synced: Vec<Op> = Vec::new();
@@ -241,15 +241,11 @@ impl DevicePlan {
                 TraceAction::SegmentAlloc => {
                     plan.malloc_addrs.push(e.addr);
                     reserved += e.size;
-                    if !follows_release(trace, i) {
-                        reached = reached.max(reserved);
-                    }
+                    facts.reached = facts.reached.max(reserved);
                 }
                 TraceAction::SegmentMap => {
                     reserved += e.size;
-                    if !follows_release(trace, i) {
-                        reached = reached.max(reserved);
-                    }
+                    facts.reached = facts.reached.max(reserved);
                     let end = e.addr + e.size;
                     match reservations
                         .iter_mut()
@@ -273,7 +269,7 @@ impl DevicePlan {
                         let next_segment = match release_run_end(trace, i) {
                             RunEnd::Oom => continue,
                             RunEnd::Segment(size) => {
-                                pressure.push((before, size));
+                                facts.retries.push((before, size));
                                 Some(size)
                             }
                             RunEnd::Other => None,
@@ -291,12 +287,19 @@ impl DevicePlan {
                     }
                 }
                 TraceAction::Oom => {
+                    let fact = OomFact {
+                        reserved,
+                        size: e.size,
+                        device_free: e.addr,
+                    };
+                    facts.ooms.push(fact);
                     plan.push(
                         event,
                         Op::Oom {
                             size: e.size,
                             stream: e.stream_id(),
                             capacity: reserved + e.addr,
+                            device_had_room: fact.device_had_room(),
                         },
                     );
                     plan.flush(event, &mut synced);
@@ -305,8 +308,8 @@ impl DevicePlan {
             }
         }
         plan.flush(trace.len().saturating_sub(1) as u32, &mut synced);
-        plan.capacity_bound = capacity_bound(&reservations, &plan.malloc_addrs);
-        plan.pressure_bound = pressure_bound(reached, &pressure);
+        facts.layout_bound = capacity_bound(&reservations, &plan.malloc_addrs);
+        plan.capacity = facts;
         Ok(plan)
     }
 
@@ -407,32 +410,6 @@ fn release_run_end(trace: &[TraceEntry], i: usize) -> RunEnd {
         }
         _ => RunEnd::Other,
     }
-}
-
-/// Whether the new segment at event `i` follows a run of releases (made inside the same allocation).
-fn follows_release(trace: &[TraceEntry], i: usize) -> bool {
-    trace[..i]
-        .iter()
-        .rev()
-        .find(|e| !is_note(&e.action))
-        .is_some_and(|e| is_release(&e.action))
-}
-
-/// The memory the allocator could obtain, as far as the trace shows it was short of it.
-///
-/// A run of releases followed by a new segment of `size` bytes, with `before` bytes reserved, was
-/// the allocator's own (the device refused the segment, the cache was released, the retry
-/// succeeded) only if the device had less than `before + size` bytes for it; a new segment made
-/// without releasing shows the device had at least the bytes reserved after it (`reached`). Runs
-/// that fit under `reached` were `empty_cache()` calls; the others bound the memory: the largest
-/// value consistent with all of them is returned (`None` when no run bounds it).
-fn pressure_bound(reached: u64, pressure: &[(u64, u64)]) -> Option<u64> {
-    pressure
-        .iter()
-        .map(|&(before, size)| before + size)
-        .filter(|&needed| needed > reached)
-        .map(|needed| needed - 1)
-        .min()
 }
 
 /// The chunk size of an expandable segment, judged from its first mapping: large-pool mappings are
@@ -578,7 +555,7 @@ mod tests {
         ];
         let plan = DevicePlan::build(0, &trace, Vec::new()).unwrap();
         assert_eq!(plan.reserve_addrs, vec![large, small]);
-        let bound = plan.capacity_bound.unwrap();
+        let bound = plan.capacity.layout_bound.unwrap();
         let chunk = LARGE_BUFFER as u64;
         let reservation = (bound + bound / 8).div_ceil(chunk) * chunk;
         assert!(reservation <= small - large);
@@ -601,7 +578,8 @@ mod tests {
             vec![Op::Oom {
                 size: 64 << 20,
                 stream: StreamId(0),
-                capacity: (20 << 20) + (1 << 20)
+                capacity: (20 << 20) + (1 << 20),
+                device_had_room: false,
             }]
         );
     }

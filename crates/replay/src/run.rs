@@ -203,8 +203,13 @@ pub(crate) fn run_device(
                 size,
                 stream,
                 capacity: recorded_capacity,
+                device_had_room,
             } => {
-                if options.capacity.is_none() {
+                // Under a memory fraction, a failure the device had room for was the fraction's:
+                // the device's size is the inferred one, not what was free at that moment.
+                let fraction_failure =
+                    device_had_room && options.config.per_process_memory_fraction < 1.0;
+                if options.capacity.is_none() && !fraction_failure {
                     allocator.device().sim().set_capacity(recorded_capacity);
                 }
                 let bytes = usize::try_from(size).unwrap_or(usize::MAX);
