@@ -123,7 +123,8 @@ fn print_report(
 ) -> std::io::Result<()> {
     let mut stdout = std::io::stdout().lock();
     if args.json {
-        let json = json_report(&source.name, replay.events(), runs);
+        let mut json = json_report(&source.name, replay.events(), runs);
+        json["pools"] = pools_json(replay);
         serde_json::to_writer_pretty(&mut stdout, &json)?;
         writeln!(stdout)?;
     } else {
@@ -140,6 +141,11 @@ fn print_report(
                     .filter_map(|d| Some((d, replay.capacity_inference(d)?)))
                     .collect(),
                 capacity_given: args.capacity.is_some(),
+                pools: replay
+                    .devices()
+                    .into_iter()
+                    .filter_map(|d| Some((d, replay.pool_attribution(d)?)))
+                    .collect(),
             },
             runs,
         )?;
@@ -265,6 +271,56 @@ fn json_report(trace: &str, events: u64, runs: &[ReplayRun]) -> serde_json::Valu
         })
         .collect();
     serde_json::json!({ "trace": trace, "events": events, "runs": runs })
+}
+
+/// Per device, which allocations the replay attributed to which pool, and the undecided ones.
+fn pools_json(replay: &Replay) -> serde_json::Value {
+    let devices: BTreeMap<String, serde_json::Value> = replay
+        .devices()
+        .into_iter()
+        .filter_map(|d| {
+            let a = replay.pool_attribution(d)?;
+            let pools: Vec<serde_json::Value> = a
+                .pools
+                .iter()
+                .map(|p| {
+                    let evidence: BTreeMap<String, u64> = p
+                        .by_evidence
+                        .iter()
+                        .map(|(e, n)| (format!("{e:?}"), *n))
+                        .collect();
+                    serde_json::json!({
+                        "pool": [p.pool.0, p.pool.1],
+                        "allocations": p.allocations,
+                        "segments": p.segments,
+                        "evidence": evidence,
+                    })
+                })
+                .collect();
+            let undecided: Vec<serde_json::Value> = a
+                .undecided
+                .iter()
+                .map(|u| {
+                    serde_json::json!({
+                        "event": u.event,
+                        "size": u.size,
+                        "stream": u.stream.0,
+                        "assumed": [u.assumed.0, u.assumed.1],
+                    })
+                })
+                .collect();
+            Some((
+                d.to_string(),
+                serde_json::json!({
+                    "pools": pools,
+                    "undecided": undecided,
+                    "flips": a.flips,
+                    "gave_up": a.gave_up,
+                }),
+            ))
+        })
+        .collect();
+    serde_json::json!(devices)
 }
 
 /// Parses a byte count: a number with an optional unit (`B`, `K`/`KB`/`KiB`, `M`..., `G`...,

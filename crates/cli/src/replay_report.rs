@@ -4,7 +4,9 @@
 use std::io::{self, Write};
 
 use tensormem_cuda_alloc::size::format_size;
-use tensormem_replay::{CapacityInference, Check, DeviceRun, ReplayRun};
+use tensormem_replay::{
+    CapacityInference, Check, DeviceRun, PoolAttribution, PoolEvidence, ReplayRun,
+};
 
 /// What the report says about the trace.
 pub(crate) struct Header<'a> {
@@ -17,6 +19,8 @@ pub(crate) struct Header<'a> {
     pub(crate) capacity: Vec<(usize, &'a CapacityInference)>,
     /// Whether `--capacity` set the device's memory.
     pub(crate) capacity_given: bool,
+    /// Per device, which allocations went to which pool.
+    pub(crate) pools: Vec<(usize, &'a PoolAttribution)>,
 }
 
 /// Writes the report.
@@ -91,6 +95,9 @@ pub(crate) fn print(
     }
     for (device, inference) in &header.capacity {
         capacity_line(out, *device, inference, header.capacity_given)?;
+    }
+    for (device, attribution) in &header.pools {
+        pools_lines(out, *device, attribution)?;
     }
     for run in runs.iter().filter(|r| r.recorded) {
         details(out, header, run)?;
@@ -195,6 +202,81 @@ fn capacity_line(
         format_size(inference.lower),
         if reasons.is_empty() { "nothing bounds it above".to_owned() } else { reasons.join(", ") },
     )
+}
+
+/// Which allocations went to which pool, when any went to a private pool or any is undecided.
+fn pools_lines(
+    out: &mut impl Write,
+    device: usize,
+    attribution: &PoolAttribution,
+) -> io::Result<()> {
+    if !attribution.has_private() && attribution.undecided.is_empty() {
+        return Ok(());
+    }
+    let shares: Vec<String> = attribution
+        .pools
+        .iter()
+        .map(|share| {
+            let name = if share.pool.is_default() {
+                "default pools".to_owned()
+            } else if share.pool.0 >= tensormem_replay::UNNAMED_POOL_BASE {
+                format!(
+                    "unnamed private pool {}",
+                    share.pool.0 - tensormem_replay::UNNAMED_POOL_BASE
+                )
+            } else {
+                format!("private pool {}", share.pool)
+            };
+            let why: Vec<String> = share
+                .by_evidence
+                .iter()
+                .map(|(evidence, n)| {
+                    let what = match evidence {
+                        PoolEvidence::FinalSegments => "final segments",
+                        PoolEvidence::DefaultCouldServe => "default pool could have served",
+                        PoolEvidence::Contradiction => "other pool contradicted",
+                        PoolEvidence::Assumed => "assumed",
+                    };
+                    format!("{n} {what}")
+                })
+                .collect();
+            format!(
+                "{name}: {} allocations in {} segments ({})",
+                share.allocations,
+                share.segments,
+                why.join(", ")
+            )
+        })
+        .collect();
+    writeln!(
+        out,
+        "device {device} pools (inferred): {}",
+        shares.join("; ")
+    )?;
+    if attribution.flips > 0 || attribution.gave_up {
+        writeln!(
+            out,
+            "  {} assumptions flipped by the record{}",
+            attribution.flips,
+            if attribution.gave_up {
+                "; gave up: the record contradicts every assignment tried"
+            } else {
+                ""
+            }
+        )?;
+    }
+    if let Some(first) = attribution.undecided.first() {
+        writeln!(
+            out,
+            "  {} allocations whose pool the trace does not decide (replayed in the assumed pool); first: event {}, {} bytes on stream {}, assumed {}",
+            attribution.undecided.len(),
+            first.event,
+            first.size,
+            first.stream,
+            first.assumed
+        )?;
+    }
+    Ok(())
 }
 
 /// Events per second with a unit prefix: `12.3 M`.

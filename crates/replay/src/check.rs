@@ -202,12 +202,13 @@ impl SegmentCheck {
                     s.is_expandable,
                     s.allocated_size,
                     s.active_size,
+                    s.segment_pool_id,
                 )
             };
             if shape(have) != shape(want) {
                 note(format!(
-                    "segment {:#x}: replayed (size, stream, pool, expandable, allocated, active) {:?}, \
-                     recorded {:?}",
+                    "segment {:#x}: replayed (size, stream, pool, expandable, allocated, active, \
+                     pool id) {:?}, recorded {:?}",
                     want.address,
                     shape(have),
                     shape(want)

@@ -51,6 +51,7 @@ mod capacity;
 mod check;
 mod device;
 mod plan;
+mod pools;
 mod run;
 mod timeline;
 
@@ -61,10 +62,14 @@ pub use check::{
     Check, Divergence, DivergenceKind, ExpectedStats, SegmentCheck, StatMismatch, StatsCheck,
 };
 pub use device::{AddressUse, ReplayDevice};
+pub use pools::{
+    PoolAttribution, PoolEvidence, PoolShare, UndecidedAllocation, MAX_FLIPS, UNNAMED_POOL_BASE,
+};
 pub use run::DeviceRun;
 pub use timeline::{Timeline, TimelinePoint};
 
 use plan::{DevicePlan, PlanError};
+use pools::{PoolOf, PoolRun};
 use tensormem_cuda_alloc::config::{AllocatorConfig, ConfigError};
 use tensormem_cuda_alloc::snapshot::{Snapshot, SnapshotError};
 use tensormem_cuda_alloc::InvariantViolation;
@@ -194,6 +199,10 @@ pub struct Replay {
     plans: Vec<DevicePlan>,
     /// Per plan, the device memory its trace implies.
     capacities: Vec<CapacityInference>,
+    /// Per plan, the pool of each recorded segment.
+    pools: Vec<Vec<Option<PoolOf>>>,
+    /// Per plan, which allocations went to which pool.
+    attributions: Vec<PoolAttribution>,
     recorded: AllocatorConfig,
     settings_recorded: bool,
     expected: Option<ExpectedStats>,
@@ -256,9 +265,18 @@ impl Replay {
             .iter()
             .map(|plan| CapacityInference::infer(&plan.capacity, &recorded))
             .collect();
+        let mut pools = Vec::with_capacity(plans.len());
+        let mut attributions = Vec::with_capacity(plans.len());
+        for (plan, capacity) in plans.iter().zip(&capacities) {
+            let (of, attribution) = infer_pools(plan, &recorded, capacity)?;
+            pools.push(of);
+            attributions.push(attribution);
+        }
         Ok(Replay {
             plans,
             capacities,
+            pools,
+            attributions,
             recorded,
             settings_recorded,
             expected: None,
@@ -310,6 +328,17 @@ impl Replay {
             .find(|(p, _)| p.device == device)
             .and_then(|(_, c)| c.capacity)
             .unwrap_or(DEFAULT_CAPACITY)
+    }
+
+    /// Which of `device`'s allocations the replay attributes to which pool (private pools of CUDA
+    /// graphs and `MemPool`s, inferred; see [`PoolAttribution`]).
+    #[must_use]
+    pub fn pool_attribution(&self, device: usize) -> Option<&PoolAttribution> {
+        self.plans
+            .iter()
+            .zip(&self.attributions)
+            .find(|(p, _)| p.device == device)
+            .map(|(_, a)| a)
     }
 
     /// What the trace of `device` says about the memory the allocator could obtain: the interval
@@ -367,7 +396,7 @@ impl Replay {
     pub fn run(&self, options: &RunOptions<'_>) -> ReplayResult<ReplayRun> {
         let mut devices = Vec::with_capacity(self.plans.len());
         let mut events_before = 0u64;
-        for (plan, inference) in self.plans.iter().zip(&self.capacities) {
+        for ((plan, inference), pools) in self.plans.iter().zip(&self.capacities).zip(&self.pools) {
             let expected = self
                 .expected
                 .as_ref()
@@ -379,6 +408,7 @@ impl Replay {
                 default,
                 events_before,
                 expected,
+                &mut PoolRun::fixed(pools.clone()),
             )?);
             events_before += plan.events as u64;
         }
@@ -389,6 +419,52 @@ impl Replay {
             devices,
             events: self.events,
         })
+    }
+}
+
+/// Infers the pool of every recorded segment of `plan` by replaying it under the recorded
+/// configuration, flipping assumptions the record contradicts (see [`pools`]).
+fn infer_pools(
+    plan: &DevicePlan,
+    recorded: &AllocatorConfig,
+    capacity: &CapacityInference,
+) -> ReplayResult<(Vec<Option<PoolOf>>, PoolAttribution)> {
+    let mut options = RunOptions::new(recorded.clone());
+    options.timeline_points = 1;
+    let default = capacity.capacity.unwrap_or(DEFAULT_CAPACITY);
+    let mut forced = std::collections::HashMap::new();
+    let mut flips = 0;
+    loop {
+        let mut pass = PoolRun::inferring(plan.instances.len(), forced.clone());
+        run::run_device(plan, &options, default, 0, None, &mut pass)?;
+        let stop = match pass.contradiction {
+            Some((instance, pool)) if flips < pools::MAX_FLIPS => {
+                flips += 1;
+                forced.insert(instance, pool);
+                None
+            }
+            Some(_) => Some(true),
+            None => Some(false),
+        };
+        if let Some(gave_up) = stop {
+            let (shares, undecided) = PoolAttribution::build(plan, &pass.of);
+            if gave_up {
+                tracing::warn!(
+                    device = plan.device,
+                    flips,
+                    "pool inference gave up: the record contradicts every assignment tried"
+                );
+            }
+            return Ok((
+                pass.of,
+                PoolAttribution {
+                    pools: shares,
+                    undecided,
+                    flips,
+                    gave_up,
+                },
+            ));
+        }
     }
 }
 

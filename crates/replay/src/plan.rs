@@ -14,21 +14,24 @@
 //! Allocations and frees are matched by address while the trace is read, so that the replay keeps
 //! live allocations in a plain vector indexed by *slot* instead of a map.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::capacity::{CapacityFacts, OomFact};
 use tensormem_cuda_alloc::device::StreamId;
 use tensormem_cuda_alloc::size::{LARGE_BUFFER, SMALL_BUFFER};
 use tensormem_cuda_alloc::snapshot::{Segment, TraceAction, TraceEntry};
+use tensormem_cuda_alloc::MempoolId;
 
 /// One call of the replay.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Op {
-    /// `allocate(size, stream)`; the allocation is kept in `slot`.
+    /// `allocate(size, stream)`; the allocation is kept in `slot`. `instance` indexes
+    /// [`DevicePlan::instances`]: the recorded segment it landed in ([`NO_INSTANCE`] if none).
     Alloc {
         size: u64,
         stream: StreamId,
         slot: u32,
+        instance: u32,
     },
     /// Free the allocation in `slot`. With `held_on`, the block is first recorded as used on that
     /// synthetic stream, whose work completes at the matching [`Op::Complete`].
@@ -53,6 +56,10 @@ pub(crate) enum Op {
     /// A run of segment releases (`segment_free`, `segment_unmap`) that did not end in an `oom`;
     /// `run` indexes [`DevicePlan::releases`].
     Release { run: u32 },
+    /// A run of segment releases starts: the segments it releases are
+    /// [`DevicePlan::release_sets`]`[set]` (private pools they belong to were released by their
+    /// users before).
+    ReleaseStarts { set: u32 },
 }
 
 /// A run of segment releases that did not end in an `oom`.
@@ -68,6 +75,26 @@ pub(crate) struct ReleaseRun {
     pub(crate) next_segment: Option<u64>,
     /// The next allocation after the run: size asked for and stream.
     pub(crate) next_alloc: Option<(u64, StreamId)>,
+    /// The segments it releases: [`DevicePlan::release_sets`]`[set]`.
+    pub(crate) set: u32,
+}
+
+/// No recorded segment (an allocation outside every segment the trace shows).
+pub(crate) const NO_INSTANCE: u32 = u32::MAX;
+
+/// One recorded segment (or expandable reservation), from its creation to its release.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Instance {
+    /// Its address.
+    pub(crate) addr: u64,
+    /// Its size (for an expandable reservation: the extent its mappings reached).
+    pub(crate) size: u64,
+    /// The index of the allocation that made it (the first one landing in it), if any.
+    pub(crate) first_alloc: Option<u32>,
+    /// The pool the snapshot's final segments give it (`segment_pool_id`), when it lives to the end.
+    pub(crate) final_pool: Option<MempoolId>,
+    /// Whether the trace releases it.
+    pub(crate) released: bool,
 }
 
 /// What the trace says about one allocation: where it landed and the bytes reserved afterwards.
@@ -87,6 +114,10 @@ pub(crate) struct DevicePlan {
     pub(crate) op_events: Vec<u32>,
     /// The release runs [`Op::Release`] refers to.
     pub(crate) releases: Vec<ReleaseRun>,
+    /// The recorded segments (and expandable reservations), in order of creation.
+    pub(crate) instances: Vec<Instance>,
+    /// For each run of releases, the instances it releases.
+    pub(crate) release_sets: Vec<Vec<u32>>,
     /// For each [`Op::Alloc`], in order, what the trace recorded.
     pub(crate) expected: Vec<Expected>,
     /// Slots needed (the most allocations live at once).
@@ -123,6 +154,63 @@ struct Reservation {
     extent: u64,
     /// Chunk size of its pool (from the size of its first mapping).
     chunk: u64,
+    /// Bytes mapped in it now.
+    mapped: u64,
+    /// Everything was unmapped: the reservation was released.
+    retired: bool,
+}
+
+/// The recorded segments live at a point of the trace, by address.
+#[derive(Default)]
+struct LiveSegments {
+    /// Start address -> (end, instance).
+    by_addr: BTreeMap<u64, (u64, u32)>,
+}
+
+impl LiveSegments {
+    fn open(&mut self, instances: &mut Vec<Instance>, addr: u64, size: u64) {
+        self.by_addr
+            .insert(addr, (addr + size, instances.len() as u32));
+        instances.push(Instance {
+            addr,
+            size,
+            first_alloc: None,
+            final_pool: None,
+            released: false,
+        });
+    }
+
+    fn grow(&mut self, instances: &mut [Instance], addr: u64, end: u64) {
+        if let Some((e, id)) = self.by_addr.get_mut(&addr) {
+            *e = (*e).max(end);
+            instances[*id as usize].size = *e - addr;
+        }
+    }
+
+    fn close(&mut self, instances: &mut [Instance], addr: u64) {
+        if let Some((_, id)) = self.by_addr.remove(&addr) {
+            instances[id as usize].released = true;
+        }
+    }
+
+    /// The live instance containing `addr`.
+    fn find(&self, addr: u64) -> u32 {
+        match self.by_addr.range(..=addr).next_back() {
+            Some((_, &(end, id))) if addr < end => id,
+            _ => NO_INSTANCE,
+        }
+    }
+
+    /// Gives the instances alive at the end the pool of the snapshot's segment at their address.
+    fn finish(&self, instances: &mut [Instance], segments: &[Segment]) {
+        for s in segments {
+            let id = self.find(s.address);
+            if let Some(i) = instances.get_mut(id as usize) {
+                let (a, b) = s.segment_pool_id;
+                i.final_pool = Some(MempoolId(a, b));
+            }
+        }
+    }
 }
 
 impl DevicePlan {
@@ -168,6 +256,7 @@ impl DevicePlan {
         let mut spare_slots: Vec<u32> = Vec::new();
         let mut held: HashMap<u64, StreamId> = HashMap::new();
         let mut reservations: Vec<Reservation> = Vec::new();
+        let mut segments_live = LiveSegments::default();
         let mut reserved: u64 = 0;
         // The most bytes reserved right after a new segment, the release runs that may have made
         // room for a new segment, the out-of-memory errors.
@@ -184,12 +273,19 @@ impl DevicePlan {
                         (plan.slots - 1) as u32
                     });
                     live.insert(e.addr, slot);
+                    let instance = segments_live.find(e.addr);
+                    if let Some(i) = plan.instances.get_mut(instance as usize) {
+                        if i.first_alloc.is_none() {
+                            i.first_alloc = Some(plan.expected.len() as u32);
+                        }
+                    }
                     plan.push(
                         event,
                         Op::Alloc {
                             size: e.size,
                             stream: e.stream_id(),
                             slot,
+                            instance,
                         },
                     );
                     plan.expected.push(Expected {
@@ -240,6 +336,7 @@ impl DevicePlan {
                 }
                 TraceAction::SegmentAlloc => {
                     plan.malloc_addrs.push(e.addr);
+                    segments_live.open(&mut plan.instances, e.addr, e.size);
                     reserved += e.size;
                     facts.reached = facts.reached.max(reserved);
                 }
@@ -249,23 +346,57 @@ impl DevicePlan {
                     let end = e.addr + e.size;
                     match reservations
                         .iter_mut()
-                        .find(|r| e.addr >= r.base && e.addr <= r.extent)
+                        .find(|r| !r.retired && e.addr >= r.base && e.addr <= r.extent)
                     {
-                        Some(r) => r.extent = r.extent.max(end),
+                        Some(r) => {
+                            r.extent = r.extent.max(end);
+                            r.mapped += e.size;
+                            segments_live.grow(&mut plan.instances, r.base, r.extent);
+                        }
                         None => {
                             plan.reserve_addrs.push(e.addr);
                             reservations.push(Reservation {
                                 base: e.addr,
                                 extent: end,
                                 chunk: chunk_of_first_map(e.size),
+                                mapped: e.size,
+                                retired: false,
                             });
+                            segments_live.open(&mut plan.instances, e.addr, e.size);
                         }
                     }
                 }
                 TraceAction::SegmentFree | TraceAction::SegmentUnmap => {
                     let before = reserved;
                     reserved = reserved.saturating_sub(e.size);
-                    if release_run_starts(trace, i) {
+                    let starts = release_run_starts(trace, i);
+                    if starts {
+                        let set = plan.release_sets.len() as u32;
+                        plan.release_sets.push(Vec::new());
+                        plan.push(event, Op::ReleaseStarts { set });
+                    }
+                    let instance = segments_live.find(e.addr);
+                    if let Some(set) = plan.release_sets.last_mut() {
+                        if instance != NO_INSTANCE && !set.contains(&instance) {
+                            set.push(instance);
+                        }
+                    }
+                    if e.action == TraceAction::SegmentFree {
+                        segments_live.close(&mut plan.instances, e.addr);
+                    } else if let Some(r) = reservations
+                        .iter_mut()
+                        .find(|r| !r.retired && e.addr >= r.base && e.addr < r.extent)
+                    {
+                        // A reservation left with nothing mapped is released with its last
+                        // mapping: a later mapping at its address starts a new one.
+                        r.mapped = r.mapped.saturating_sub(e.size);
+                        if r.mapped == 0 {
+                            r.retired = true;
+                            segments_live.close(&mut plan.instances, r.base);
+                        }
+                    }
+                    if starts {
+                        let set = plan.release_sets.len() as u32 - 1;
                         let next_segment = match release_run_end(trace, i) {
                             RunEnd::Oom => continue,
                             RunEnd::Segment(size) => {
@@ -282,6 +413,7 @@ impl DevicePlan {
                         plan.releases.push(ReleaseRun {
                             next_segment,
                             next_alloc,
+                            set,
                         });
                         plan.push(event, Op::Release { run });
                     }
@@ -309,6 +441,7 @@ impl DevicePlan {
         }
         plan.flush(trace.len().saturating_sub(1) as u32, &mut synced);
         facts.layout_bound = capacity_bound(&reservations, &plan.malloc_addrs);
+        segments_live.finish(&mut plan.instances, &plan.segments);
         plan.capacity = facts;
         Ok(plan)
     }
