@@ -208,3 +208,35 @@ fn default_only_traces_have_nothing_undecided() {
     assert_eq!(attribution.flips, 0);
     drop(live);
 }
+
+/// An expandable segment whose reservation was released (everything unmapped by `empty_cache`) and a
+/// new one reserved at the same address later: the replay sees two reservations, and places both
+/// where the trace recorded them.
+#[test]
+fn an_expandable_reservation_released_and_reused_at_the_same_address_is_new() {
+    let device = SimDevice::new(8 << 30);
+    let base = 0x7f00_0000_0000u64;
+    let elsewhere = base + (1 << 40);
+    device.push_addresses([base, elsewhere, base]);
+    let mut config = tensormem_cuda_alloc::config::AllocatorConfig::default();
+    config.apply("expandable_segments:True").unwrap();
+    let allocator = CachingAllocator::with_config(device, config);
+    allocator.record_history(true, 1 << 16);
+    let stream = StreamId(0);
+    let first = allocator.allocate(30 << 20, stream).unwrap();
+    assert_eq!(first.ptr().0, base);
+    allocator.free(first).unwrap();
+    allocator.empty_cache().unwrap();
+    let small = allocator.allocate(4096, stream).unwrap();
+    assert_eq!(small.ptr().0, elsewhere);
+    let again = allocator.allocate(50 << 20, stream).unwrap();
+    assert_eq!(
+        again.ptr().0,
+        base,
+        "the reservation was made again at the same address"
+    );
+    let replay = replay_exactly(&allocator);
+    let run = replay.run_recorded().unwrap();
+    assert_eq!(run.devices[0].addresses.invented, 0);
+    drop((again, small));
+}
