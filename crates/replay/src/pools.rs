@@ -10,13 +10,15 @@
 //!    that would have served the request (same stream, best fit) was not made for the default pool:
 //!    it belongs to a private pool (the one in use on that stream, else the one in use last, else
 //!    the one the final segments name, else an unnamed one);
-//! 3. **consistency**: otherwise the segment is assumed to belong to the pool the stream used last
-//!    (default when that pool was released), and the replay checks the assumption: when a later
-//!    allocation lands in it although PyTorch put that allocation elsewhere, the assumption was
-//!    wrong, it is flipped, and the inference starts again (at most [`MAX_FLIPS`] times).
+//! 3. **consistency**: otherwise the segment is assumed to belong to the pool most of the stream's
+//!    allocations went to so far (among the default pools and private pools not yet released; the
+//!    last one on ties), and the replay checks the assumption: when a later allocation lands in it
+//!    although PyTorch put that allocation elsewhere, the assumption was wrong, it is flipped, and
+//!    the inference starts again (at most [`MAX_FLIPS`] times).
 //!
-//! Allocations whose pool rests on an assumption that a live private pool used on the same stream
-//! made doubtful are reported as undecided ([`PoolAttribution::undecided`]).
+//! Allocations whose pool rests on an assumption, on a stream that some private pool served, are
+//! reported as undecided ([`PoolAttribution::undecided`]): either pool would have produced the same
+//! record.
 //!
 //! Replaying into a private pool is what PyTorch's capture does: the allocation is made while a
 //! capture routes its stream to the pool (`begin_allocate_to_pool` / `end_allocate_to_pool` around
@@ -54,8 +56,6 @@ pub enum PoolEvidence {
 pub(crate) struct PoolOf {
     pub(crate) pool: MempoolId,
     pub(crate) evidence: PoolEvidence,
-    /// A live private pool used on the same stream could have owned it instead.
-    pub(crate) doubtful: bool,
 }
 
 /// One pool's share of a device's allocations.
@@ -123,6 +123,24 @@ impl PoolAttribution {
                 s.segments += 1;
             }
         }
+        // Streams some private pool served: a segment of theirs whose pool was only assumed could
+        // have been either.
+        let mut private_streams = HashSet::new();
+        for op in &plan.ops {
+            if let crate::plan::Op::Alloc {
+                stream, instance, ..
+            } = *op
+            {
+                if of
+                    .get(instance as usize)
+                    .copied()
+                    .flatten()
+                    .is_some_and(|p| !p.pool.is_default())
+                {
+                    private_streams.insert(stream);
+                }
+            }
+        }
         let mut undecided = Vec::new();
         let mut allocs = 0usize;
         for (op, &event) in plan.ops.iter().zip(&plan.op_events) {
@@ -146,7 +164,9 @@ impl PoolAttribution {
                 s.allocations += 1;
                 *s.by_evidence.entry(evidence).or_default() += 1;
             }
-            if assigned.is_some_and(|p| p.doubtful && p.evidence == PoolEvidence::Assumed) {
+            if assigned.is_some_and(|p| p.evidence == PoolEvidence::Assumed)
+                && private_streams.contains(&stream)
+            {
                 undecided.push(UndecidedAllocation {
                     event: event as usize,
                     size,
@@ -177,6 +197,8 @@ pub(crate) struct PoolRun {
     released: HashSet<MempoolId>,
     /// The pool each stream used last.
     last_on_stream: HashMap<StreamId, MempoolId>,
+    /// Allocations per stream and pool so far.
+    counts: HashMap<StreamId, HashMap<MempoolId, u64>>,
     /// Private pools used on each stream, most recent last.
     private_on_stream: HashMap<StreamId, Vec<MempoolId>>,
     /// The private pool used last.
@@ -288,11 +310,7 @@ impl PoolRun {
         size: u64,
         stream: StreamId,
     ) -> PoolOf {
-        let decided = |pool, evidence| PoolOf {
-            pool,
-            evidence,
-            doubtful: false,
-        };
+        let decided = |pool, evidence| PoolOf { pool, evidence };
         if let Some(&pool) = self.forced.get(&instance) {
             return decided(pool, PoolEvidence::Contradiction);
         }
@@ -305,27 +323,35 @@ impl PoolRun {
             let pool = self.some_private(plan, stream, None);
             return decided(pool, PoolEvidence::DefaultCouldServe);
         }
-        let last = self
-            .last_on_stream
+        // The pool most of the stream's allocations went to (among the default and live private
+        // pools), the last one used on ties.
+        let last = self.last_on_stream.get(&stream).copied();
+        let pool = self
+            .counts
             .get(&stream)
-            .copied()
-            .filter(|p| self.live_private(*p))
+            .and_then(|counts| {
+                counts
+                    .iter()
+                    .filter(|(p, _)| p.is_default() || self.live_private(**p))
+                    .max_by_key(|(p, n)| (**n, Some(**p) == last, **p))
+                    .map(|(p, _)| *p)
+            })
             .unwrap_or(MempoolId::DEFAULT);
-        let doubtful = self
-            .private_on_stream
-            .get(&stream)
-            .is_some_and(|v| v.iter().any(|p| self.live_private(*p) && *p != last))
-            || !last.is_default();
         PoolOf {
-            pool: last,
+            pool,
             evidence: PoolEvidence::Assumed,
-            doubtful,
         }
     }
 
     /// Notes that an allocation on `stream` went to `pool`.
     fn used(&mut self, stream: StreamId, pool: MempoolId) {
         self.last_on_stream.insert(stream, pool);
+        *self
+            .counts
+            .entry(stream)
+            .or_default()
+            .entry(pool)
+            .or_default() += 1;
         if !pool.is_default() {
             self.last_private = Some(pool);
             let list = self.private_on_stream.entry(stream).or_default();
