@@ -435,7 +435,7 @@ fn infer_pools(
     let mut forced = std::collections::HashMap::new();
     let mut flips = 0;
     loop {
-        let mut pass = PoolRun::inferring(plan.instances.len(), forced.clone());
+        let mut pass = PoolRun::inferring(plan, forced.clone());
         run::run_device(plan, &options, default, 0, None, &mut pass)?;
         let stop = match pass.contradiction {
             Some((instance, pool)) if flips < pools::MAX_FLIPS => {

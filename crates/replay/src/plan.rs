@@ -666,14 +666,23 @@ mod tests {
                 _ => None,
             })
             .collect();
-        let run = |next_segment, size| ReleaseRun {
+        let run = |next_segment, size, set| ReleaseRun {
             next_segment,
             next_alloc: Some((size, StreamId(0))),
+            set,
         };
         assert_eq!(
             releases,
-            vec![(4, run(Some(40 << 20), 30 << 20)), (7, run(None, 4096))]
+            vec![
+                (4, run(Some(40 << 20), 30 << 20, 0)),
+                (7, run(None, 4096, 1))
+            ]
         );
+        // Every run's segments, the out-of-memory one's too; segments the trace never showed made
+        // are not among them.
+        assert_eq!(plan.release_sets, vec![vec![0], vec![1], vec![]]);
+        assert!(plan.instances.iter().all(|i| i.released));
+        assert_eq!(plan.instances[1].first_alloc, Some(1));
     }
 
     #[test]
@@ -708,12 +717,15 @@ mod tests {
         let plan = DevicePlan::build(0, &trace, Vec::new()).unwrap();
         assert_eq!(
             plan.ops,
-            vec![Op::Oom {
-                size: 64 << 20,
-                stream: StreamId(0),
-                capacity: (20 << 20) + (1 << 20),
-                device_had_room: false,
-            }]
+            vec![
+                Op::ReleaseStarts { set: 0 },
+                Op::Oom {
+                    size: 64 << 20,
+                    stream: StreamId(0),
+                    capacity: (20 << 20) + (1 << 20),
+                    device_had_room: false,
+                },
+            ]
         );
     }
 }

@@ -56,7 +56,13 @@ pub enum PoolEvidence {
 pub(crate) struct PoolOf {
     pub(crate) pool: MempoolId,
     pub(crate) evidence: PoolEvidence,
+    /// The pool was chosen among private pools that all fit the evidence (the record may still
+    /// show it was one too many: the segment then gets a pool of its own).
+    pub(crate) chosen: bool,
 }
+
+/// A forced assignment meaning "a private pool, chosen when the segment is made".
+const FORCE_PRIVATE: MempoolId = MempoolId(u64::MAX, u64::MAX);
 
 /// One pool's share of a device's allocations.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -201,10 +207,10 @@ pub(crate) struct PoolRun {
     counts: HashMap<StreamId, HashMap<MempoolId, u64>>,
     /// Private pools used on each stream, most recent last.
     private_on_stream: HashMap<StreamId, Vec<MempoolId>>,
-    /// The private pool used last.
-    last_private: Option<MempoolId>,
     /// Unnamed pools made so far.
     unnamed: u64,
+    /// The private pools the snapshot's final segments name.
+    named: Vec<MempoolId>,
     /// Recorded instances alive in the replay (start -> (end, instance)).
     live: BTreeMap<u64, (u64, u32)>,
 }
@@ -219,9 +225,18 @@ impl PoolRun {
     }
 
     /// An inference pass over `instances`, with the pools of `forced` imposed.
-    pub(crate) fn inferring(instances: usize, forced: HashMap<u32, MempoolId>) -> Self {
+    pub(crate) fn inferring(plan: &DevicePlan, forced: HashMap<u32, MempoolId>) -> Self {
+        let mut named: Vec<MempoolId> = plan
+            .instances
+            .iter()
+            .filter_map(|i| i.final_pool)
+            .filter(|p| !p.is_default())
+            .collect();
+        named.sort_unstable();
+        named.dedup();
         PoolRun {
-            of: vec![None; instances],
+            of: vec![None; plan.instances.len()],
+            named,
             infer: true,
             forced,
             ..PoolRun::default()
@@ -237,37 +252,71 @@ impl PoolRun {
         !pool.is_default() && !self.released.contains(&pool)
     }
 
-    /// A private pool for a segment on `stream` that is not the default's: the one in use on the
-    /// stream, else the one used last, else one the final segments name, else a new unnamed one.
-    fn some_private(
+    /// A private pool for a new segment on `stream` that the default pool could have spared: the
+    /// private pool used on the stream most recently that could not have served the request either
+    /// (a pool that could have, would have: the segment is another one's), else a pool the final
+    /// segments name that could not have, else a new unnamed pool.
+    ///
+    /// Choosing a pool of its own for a segment is always consistent with the record: a block is
+    /// the best fit over its real pool, so it is over any part of it. Merging two real pools is
+    /// not, and the replay's check finds it (see [`landed_elsewhere`](Self::landed_elsewhere)).
+    fn some_private<D: Device>(
         &mut self,
-        plan: &DevicePlan,
+        allocator: &CachingAllocator<D>,
+        size: usize,
         stream: StreamId,
-        not: Option<MempoolId>,
     ) -> MempoolId {
-        let ok = |p: &MempoolId| Some(*p) != not;
-        let on_stream = self.private_on_stream.get(&stream).and_then(|v| {
-            v.iter()
-                .rev()
-                .copied()
-                .find(|p| self.live_private(*p) && ok(p))
-        });
-        if let Some(p) = on_stream {
-            return p;
+        let recent: Vec<MempoolId> = self
+            .private_on_stream
+            .get(&stream)
+            .map(|v| {
+                v.iter()
+                    .rev()
+                    .copied()
+                    .filter(|p| self.live_private(*p))
+                    .collect()
+            })
+            .unwrap_or_default();
+        for pool in recent {
+            if !self.pool_could_serve(allocator, pool, size, stream) {
+                return pool;
+            }
         }
-        if let Some(p) = self.last_private.filter(|p| self.live_private(*p) && ok(p)) {
-            return p;
-        }
-        let named = plan
-            .instances
+        let named: Vec<MempoolId> = self
+            .named
             .iter()
-            .filter_map(|i| i.final_pool)
-            .find(|p| !p.is_default() && !self.released.contains(p) && ok(p));
-        if let Some(p) = named {
-            return p;
+            .copied()
+            .filter(|p| self.live_private(*p))
+            .collect();
+        for pool in named {
+            if !self.pool_could_serve(allocator, pool, size, stream) {
+                return pool;
+            }
         }
         self.unnamed += 1;
         MempoolId(UNNAMED_POOL_BASE + self.unnamed, 0)
+    }
+
+    /// Whether private pool `pool` holds a cached block that would serve `size` bytes on `stream`.
+    fn pool_could_serve<D: Device>(
+        &mut self,
+        allocator: &CachingAllocator<D>,
+        pool: MempoolId,
+        size: usize,
+        stream: StreamId,
+    ) -> bool {
+        if allocator
+            .begin_allocate_to_pool(pool, move |s| s == stream)
+            .is_err()
+        {
+            return false;
+        }
+        *self.begun.entry(pool).or_default() += 1;
+        let serves = allocator.would_serve_from_cache(size, stream);
+        if let Err(e) = allocator.end_allocate_to_pool(pool) {
+            tracing::debug!(%pool, error = %e, "ending a replayed capture failed");
+        }
+        serves
     }
 
     /// The pool of the allocation `index` (of [`DevicePlan::expected`]) landing in recorded
@@ -290,7 +339,7 @@ impl PoolRun {
         if !self.infer {
             return MempoolId::DEFAULT;
         }
-        let decided = self.decide(plan, allocator, instance, recorded, index, size, stream);
+        let decided = self.decide(allocator, instance, recorded, index, size, stream);
         self.of[instance as usize] = Some(decided);
         if recorded.first_alloc == Some(index as u32) {
             self.live
@@ -302,7 +351,6 @@ impl PoolRun {
     #[allow(clippy::too_many_arguments)]
     fn decide<D: Device>(
         &mut self,
-        plan: &DevicePlan,
         allocator: &CachingAllocator<D>,
         instance: u32,
         recorded: &Instance,
@@ -310,18 +358,32 @@ impl PoolRun {
         size: u64,
         stream: StreamId,
     ) -> PoolOf {
-        let decided = |pool, evidence| PoolOf { pool, evidence };
+        let decided = |pool, evidence| PoolOf {
+            pool,
+            evidence,
+            chosen: false,
+        };
+        let bytes = usize::try_from(size).unwrap_or(usize::MAX);
         if let Some(&pool) = self.forced.get(&instance) {
+            if pool == FORCE_PRIVATE {
+                return PoolOf {
+                    pool: self.some_private(allocator, bytes, stream),
+                    evidence: PoolEvidence::Contradiction,
+                    chosen: true,
+                };
+            }
             return decided(pool, PoolEvidence::Contradiction);
         }
         if let Some(pool) = recorded.final_pool {
             return decided(pool, PoolEvidence::FinalSegments);
         }
         let made_here = recorded.first_alloc == Some(index as u32);
-        let bytes = usize::try_from(size).unwrap_or(usize::MAX);
         if made_here && allocator.would_serve_from_cache(bytes, stream) {
-            let pool = self.some_private(plan, stream, None);
-            return decided(pool, PoolEvidence::DefaultCouldServe);
+            return PoolOf {
+                pool: self.some_private(allocator, bytes, stream),
+                evidence: PoolEvidence::DefaultCouldServe,
+                chosen: true,
+            };
         }
         // The pool most of the stream's allocations went to (among the default and live private
         // pools), the last one used on ties.
@@ -340,6 +402,7 @@ impl PoolRun {
         PoolOf {
             pool,
             evidence: PoolEvidence::Assumed,
+            chosen: false,
         }
     }
 
@@ -353,7 +416,6 @@ impl PoolRun {
             .entry(pool)
             .or_default() += 1;
         if !pool.is_default() {
-            self.last_private = Some(pool);
             let list = self.private_on_stream.entry(stream).or_default();
             list.retain(|p| *p != pool);
             list.push(pool);
@@ -437,13 +499,7 @@ impl PoolRun {
     /// While inferring: the allocation of recorded pool `pool` landed at `landed` instead of the
     /// recorded address. If it landed in a segment whose pool was only assumed, the assumption was
     /// wrong: the segment belongs to another pool than this allocation's.
-    pub(crate) fn landed_elsewhere(
-        &mut self,
-        plan: &DevicePlan,
-        pool: MempoolId,
-        stream: StreamId,
-        landed: u64,
-    ) {
+    pub(crate) fn landed_elsewhere(&mut self, pool: MempoolId, landed: u64) {
         if !self.infer || self.contradiction.is_some() {
             return;
         }
@@ -456,17 +512,16 @@ impl PoolRun {
         let Some(p) = self.of[id as usize] else {
             return;
         };
-        if p.evidence != PoolEvidence::Assumed {
-            return;
-        }
-        let other = if pool.is_default() {
-            self.some_private(plan, stream, None)
-        } else {
-            MempoolId::DEFAULT
+        // The segment's pool is this allocation's in the replay, not in the record. An assumed
+        // pool was wrong; a private pool chosen among several was one too many: the segment gets
+        // a pool of its own (or the default pool, when this allocation's was private).
+        let own = MempoolId(UNNAMED_POOL_BASE + (1 << 40) + u64::from(id), 0);
+        let other = match p.evidence {
+            PoolEvidence::Assumed if pool.is_default() => FORCE_PRIVATE,
+            PoolEvidence::Assumed => MempoolId::DEFAULT,
+            _ if p.chosen && !pool.is_default() && p.pool == pool => own,
+            _ => return,
         };
-        if self.forced.get(&id) == Some(&other) || other == p.pool {
-            return;
-        }
         self.contradiction = Some((id, other));
     }
 }

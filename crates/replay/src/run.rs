@@ -158,7 +158,7 @@ pub(crate) fn run_device(
                     Err(e) => return Err(fail(event, e)),
                 };
                 if landed != expected.addr && landed != 0 {
-                    pools.landed_elsewhere(plan, pool, stream, landed);
+                    pools.landed_elsewhere(pool, landed);
                     if pools.stopped() {
                         break;
                     }
