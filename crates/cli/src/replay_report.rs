@@ -167,7 +167,7 @@ fn capacity_line(
     };
     let upper = inference
         .upper
-        .map_or_else(|| "-".to_owned(), |u| format_size(u));
+        .map_or_else(|| "-".to_owned(), format_size);
     let mut reasons = Vec::new();
     if inference.oom_bounds > 0 {
         reasons.push(format!("{} OOMs", inference.oom_bounds));
