@@ -165,9 +165,7 @@ fn capacity_line(
         Some(f) => format!("per_process_memory_fraction {f} x device memory"),
         None => "the memory the allocator could obtain".to_owned(),
     };
-    let upper = inference
-        .upper
-        .map_or_else(|| "-".to_owned(), format_size);
+    let upper = inference.upper.map_or_else(|| "-".to_owned(), format_size);
     let mut reasons = Vec::new();
     if inference.oom_bounds > 0 {
         reasons.push(format!("{} OOMs", inference.oom_bounds));

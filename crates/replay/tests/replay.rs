@@ -9,7 +9,7 @@ use tensormem_cuda_alloc::snapshot::{Snapshot, TraceAction, TraceEntry};
 use tensormem_cuda_alloc::{CachingAllocator, StreamId};
 use tensormem_replay::{ExpectedStats, Replay, RunOptions};
 
-const TRACES: [&str; 7] = [
+const TRACES: [&str; 9] = [
     "gpt2_train",
     "gpt2_train__expandable_segments-True",
     "multistream",
@@ -17,6 +17,8 @@ const TRACES: [&str; 7] = [
     "cudagraph_train",
     "two_gpu",
     "varlen_pressure__per_process_memory_fraction-0.019",
+    "mempool",
+    "varlen_pressure__per_process_memory_fraction-0.025_garbage_collection_threshold-0.6",
 ];
 
 fn traces_dir() -> PathBuf {
@@ -207,6 +209,31 @@ fn varlen_pressure_under_a_fraction_replays_exactly_with_no_flag() {
     assert!(inference.lower <= upper);
     let allowed = (0.019 * replay.default_capacity(0) as f64) as u64;
     assert!((inference.lower..=upper).contains(&allowed), "{allowed}");
+}
+
+/// `torch.cuda.use_mem_pool` around every third allocation on the one stream the program uses: the
+/// pool's allocations are told from the default pool's by the segments they land in.
+#[test]
+fn mempool_replays_exactly() {
+    exact("mempool");
+    let (snapshot, _) = load("mempool");
+    let replay = Replay::new(&snapshot).unwrap();
+    let attribution = replay.pool_attribution(0).unwrap();
+    let pooled: u64 = attribution
+        .pools
+        .iter()
+        .filter(|p| !p.pool.is_default())
+        .map(|p| p.allocations)
+        .sum();
+    // Every third of the 400 allocations.
+    assert_eq!(pooled, 134);
+    assert!(attribution.undecided.is_empty());
+}
+
+/// A memory fraction with garbage collection: OOMs bound the allowed bytes, releases do not.
+#[test]
+fn varlen_pressure_with_garbage_collection_replays_exactly_with_no_flag() {
+    exact("varlen_pressure__per_process_memory_fraction-0.025_garbage_collection_threshold-0.6");
 }
 
 #[test]
