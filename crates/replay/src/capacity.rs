@@ -62,7 +62,7 @@ pub(crate) struct CapacityFacts {
     pub(crate) layout_bound: Option<u64>,
 }
 
-/// The device memory a replay infers from a trace, and why. See the [module documentation](self).
+/// The device memory a replay infers from a trace, and why. How: `docs/replay.md`, "Device size".
 #[derive(Clone, Debug, PartialEq)]
 pub struct CapacityInference {
     /// The memory fraction the interval is under (`None`: the interval is the device's memory).

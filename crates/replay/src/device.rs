@@ -40,7 +40,7 @@ struct Queues {
 }
 
 /// The simulated device of a replay: a [`SimDevice`] whose new segments get the trace's addresses
-/// while they fit. See the [module documentation](self).
+/// while they fit. See the crate documentation.
 #[derive(Debug)]
 pub struct ReplayDevice {
     sim: SimDevice,

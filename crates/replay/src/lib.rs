@@ -27,7 +27,17 @@
 //! - a run of `segment_free` events ending in an `oom`, or in a new segment the device had no room
 //!   for, happened inside an allocation (the replayed allocator makes those releases itself); any
 //!   other run was an `empty_cache()` call. An `oom` event is the failed request, replayed on a
-//!   device as large as the record shows it was.
+//!   device as large as the record shows it was;
+//! - the device's memory is not in the trace: every recorded decision that depended on it (new
+//!   segments, `oom` events with their `device_free`, releases that made room) bounds it, and the
+//!   replay picks a value inside the interval they allow ([`CapacityInference`]);
+//! - private pools (CUDA graph capture, `torch.cuda.MemPool`) are not named by the events either:
+//!   the pool of each recorded segment is inferred (the snapshot's final `segment_pool_id`, whether
+//!   the default pool could have served the request that made it, and assumptions checked against
+//!   the record), and private allocations are replayed into private pools
+//!   ([`PoolAttribution`]);
+//! - every device has its own allocator; [`ReplayRun::flat_stats`] is device 0's, as
+//!   `torch.cuda.memory_stats()` with no argument.
 //!
 //! ```no_run
 //! use tensormem_replay::{ExpectedStats, Replay};

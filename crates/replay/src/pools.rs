@@ -95,7 +95,7 @@ pub struct UndecidedAllocation {
 pub struct PoolAttribution {
     /// Per pool, in id order (the default pools first).
     pub pools: Vec<PoolShare>,
-    /// Allocations whose pool rests on an assumption (see the [module documentation](self)).
+    /// Allocations whose pool rests on an assumption (see `docs/replay.md`, "Private pools").
     pub undecided: Vec<UndecidedAllocation>,
     /// Assumptions flipped because they contradicted the record.
     pub flips: usize,
