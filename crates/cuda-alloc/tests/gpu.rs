@@ -13,6 +13,8 @@
 mod allocator;
 #[path = "gpu/backend.rs"]
 mod backend;
+#[path = "gpu/bridge.rs"]
+mod bridge;
 #[path = "gpu/harness.rs"]
 mod harness;
 #[cfg(feature = "snapshot-io")]
@@ -24,5 +26,3 @@ mod multi_gpu;
 mod streams;
 #[path = "gpu/teardown.rs"]
 mod teardown;
-#[path = "gpu/bridge.rs"]
-mod bridge;

@@ -130,7 +130,11 @@ impl CudaDevice {
             what: "device ordinals past u32::MAX",
         })?;
         let primary = PrimaryContext::get(ordinal)?;
-        debug_assert_eq!(primary.raw(), ctx.cu_ctx(), "one primary context per device");
+        debug_assert_eq!(
+            primary.raw(),
+            ctx.cu_ctx(),
+            "one primary context per device"
+        );
         Ok(Self {
             ordinal,
             ctx: primary,
@@ -352,7 +356,8 @@ unsafe impl Device for CudaDevice {
         tracing::warn!(%error, device = self.ordinal, "device error met while dropping an allocator");
         if let DeviceError::Driver { code, .. } = &error {
             if let Some(result) = driver::result_of(*code) {
-                self.cudarc.record_err(Err::<(), _>(cudarc::driver::DriverError(result)));
+                self.cudarc
+                    .record_err(Err::<(), _>(cudarc::driver::DriverError(result)));
             }
         }
         self.kept_error.lock().get_or_insert(error);
