@@ -12,7 +12,7 @@ fn hostile(live: DevicePtr) -> Vec<DevicePtr> {
     vec![
         DevicePtr(u64::MAX),
         DevicePtr(u64::MAX - 511),
-        DevicePtr(u64::MAX & !511),
+        DevicePtr(!511),
         DevicePtr(1),
         DevicePtr(live.0 + 1),
         DevicePtr(live.0 + 512),

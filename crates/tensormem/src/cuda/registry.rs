@@ -1,9 +1,9 @@
-//! The process-wide table of devices: one lazily opened [`CudaDevice`] and caching allocator per device
+//! The process-wide table of devices: one lazily opened [`CudaBackend`] and caching allocator per device
 //! ordinal, created on first use, never dropped (like PyTorch's per-device allocators).
 
 use std::sync::{Mutex, OnceLock, PoisonError};
 
-use tensormem_cuda_alloc::backend::cuda::{self as backend, CudaDevice};
+use tensormem_cuda_alloc::backend::cuda::{self as backend, CudaBackend};
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::CachingAllocator;
 
@@ -17,10 +17,10 @@ pub(crate) struct Registry {
     devices: Box<[OnceLock<DeviceState>]>,
 }
 
-/// What the device API keeps per device: its caching allocator, which owns the [`CudaDevice`].
+/// What the device API keeps per device: its caching allocator, which owns the [`CudaBackend`].
 #[derive(Debug)]
 pub(crate) struct DeviceState {
-    allocator: CachingAllocator<CudaDevice>,
+    allocator: CachingAllocator<CudaBackend>,
 }
 
 /// Settings made for all devices, including those not opened yet (PyTorch's allocator settings and
@@ -52,7 +52,7 @@ impl DeviceState {
         for applied in &process.applied {
             config.apply(applied)?;
         }
-        let allocator = CachingAllocator::with_config(CudaDevice::new(ordinal)?, config);
+        let allocator = CachingAllocator::with_config(CudaBackend::new(ordinal)?, config);
         if let Some((enabled, max_entries)) = process.history {
             allocator.record_history(enabled, max_entries);
         }
@@ -60,12 +60,12 @@ impl DeviceState {
     }
 
     /// The device.
-    pub(crate) fn device(&self) -> &CudaDevice {
+    pub(crate) fn device(&self) -> &CudaBackend {
         self.allocator.device()
     }
 
     /// The device's caching allocator.
-    pub(crate) fn allocator(&self) -> &CachingAllocator<CudaDevice> {
+    pub(crate) fn allocator(&self) -> &CachingAllocator<CudaBackend> {
         &self.allocator
     }
 }
