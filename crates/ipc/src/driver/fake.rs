@@ -1,8 +1,8 @@
 //! [`FakeDriver`]: the IPC driver calls without a GPU, for tests and examples.
 //!
 //! Memory handles encode the base address and size of the allocation they name, so a handle made in
-//! one process opens in another (both see the "same" device addresses, as the simulated device hands
-//! them out). Every call is counted, so tests can check that a handle was opened once, that every
+//! one process opens in another; an opened handle is "mapped" at the producer's address plus
+//! [`FAKE_MAPPING_OFFSET`] (no memory is behind either address). Every call is counted, so tests can check that a handle was opened once, that every
 //! open was closed, that streams were synchronized before slots were released, and that no event is
 //! left alive.
 
@@ -14,6 +14,10 @@ use parking_lot::Mutex;
 use tensormem_cuda_alloc::{DeviceError, DevicePtr, DeviceResult, StreamId};
 
 use super::{EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
+
+/// Where the fake maps an opened handle: the producer's address plus this, so that, as in a real
+/// second process, received memory never has the address of one of this process's allocations.
+pub const FAKE_MAPPING_OFFSET: u64 = 1 << 62;
 
 const MEM_MAGIC: &[u8; 8] = b"FAKEMEM\0";
 const EVENT_MAGIC: &[u8; 8] = b"FAKEEVT\0";
@@ -177,13 +181,14 @@ impl IpcDriver for FakeDriver {
                 format!("handle of device {made_on} opened on device {device}"),
             ));
         }
+        let mapped = base.wrapping_add(FAKE_MAPPING_OFFSET);
         let mut open = self.open.lock();
-        let entry = open.entry((device, base)).or_insert((size, 0));
+        let entry = open.entry((device, mapped)).or_insert((size, 0));
         if entry.1 == 0 {
             self.counts.opens.fetch_add(1, Ordering::Relaxed);
         }
         entry.1 += 1;
-        Ok(DevicePtr(base))
+        Ok(DevicePtr(mapped))
     }
 
     fn address_range(&self, device: u32, ptr: DevicePtr) -> DeviceResult<(DevicePtr, usize)> {
