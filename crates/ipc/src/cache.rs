@@ -237,7 +237,9 @@ mod tests {
         let closes = Arc::new(AtomicUsize::new(0));
         let open = |k: u32| {
             let closes = Arc::clone(&closes);
-            cache.acquire(&k, move || Ok(Counted(Arc::clone(&closes)))).unwrap()
+            cache
+                .acquire(&k, move || Ok(Counted(Arc::clone(&closes))))
+                .unwrap()
         };
         let (a, b, c) = (open(1), open(2), open(3));
         drop(a);

@@ -6,7 +6,8 @@ use tensormem_cuda_alloc::DeviceError;
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// PyTorch's message for sending memory that was itself received from another process.
-pub const RECEIVED_MEMORY_MESSAGE: &str = "Attempted to send CUDA tensor received from another process; \
+pub const RECEIVED_MEMORY_MESSAGE: &str =
+    "Attempted to send CUDA tensor received from another process; \
 this is not currently supported. Consider cloning before sending.";
 
 /// Everything that can go wrong while sharing or opening CUDA memory between processes.
@@ -40,7 +41,9 @@ pub enum Error {
     },
 
     /// Encoded handle bytes were malformed.
-    #[error("malformed IPC handle: {problem}; pass the bytes IpcHandle::encode produced, unchanged")]
+    #[error(
+        "malformed IPC handle: {problem}; pass the bytes IpcHandle::encode produced, unchanged"
+    )]
     MalformedHandle {
         /// What was wrong.
         problem: String,

@@ -348,13 +348,21 @@ mod tests {
         t.handle.pop();
         assert!(matches!(
             IpcHandle::from_torch(&t),
-            Err(Error::HandleLength { field: "handle", len: 63, .. })
+            Err(Error::HandleLength {
+                field: "handle",
+                len: 63,
+                ..
+            })
         ));
         let mut t = sample(true).to_torch();
         t.event_handle.push(0);
         assert!(matches!(
             IpcHandle::from_torch(&t),
-            Err(Error::HandleLength { field: "event_handle", len: 65, .. })
+            Err(Error::HandleLength {
+                field: "event_handle",
+                len: 65,
+                ..
+            })
         ));
         // Not required: PyTorch's event bytes are then meaningless and not checked.
         let mut t = sample(false).to_torch();
@@ -362,12 +370,21 @@ mod tests {
         assert!(IpcHandle::from_torch(&t).is_ok());
         let mut t = sample(false).to_torch();
         t.device = -1;
-        assert!(matches!(IpcHandle::from_torch(&t), Err(Error::InvalidTuple { .. })));
+        assert!(matches!(
+            IpcHandle::from_torch(&t),
+            Err(Error::InvalidTuple { .. })
+        ));
         let mut t = sample(false).to_torch();
         t.ref_counter = b"no-slash".to_vec();
-        assert!(matches!(IpcHandle::from_torch(&t), Err(Error::InvalidTuple { .. })));
+        assert!(matches!(
+            IpcHandle::from_torch(&t),
+            Err(Error::InvalidTuple { .. })
+        ));
         assert!(TorchShareTuple::from_line("1 2 3").is_err());
-        assert!(TorchShareTuple::from_line(&sample(true).to_torch().to_line().replace(" 1", " 2")).is_err());
+        assert!(
+            TorchShareTuple::from_line(&sample(true).to_torch().to_line().replace(" 1", " 2"))
+                .is_err()
+        );
     }
 
     proptest! {

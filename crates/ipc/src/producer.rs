@@ -32,7 +32,8 @@ pub const MAXIMUM_EVENTS_TO_USE: usize = 1000;
 pub const WARN_AFTER_X_BLOCKS_IN_LIMBO: usize = 1000;
 
 /// The warning PyTorch prints when a producer ends while consumers still hold its memory.
-pub const PRODUCER_TERMINATED_WARNING: &str = "Producer process has been terminated before all shared \
+pub const PRODUCER_TERMINATED_WARNING: &str =
+    "Producer process has been terminated before all shared \
 CUDA tensors released. See Note [Sharing CUDA tensors]";
 
 /// Limits of an [`IpcProducer`]; the defaults are PyTorch's.
@@ -102,6 +103,14 @@ struct Counters {
     reclaimed: AtomicUsize,
 }
 
+/// A memory handle, valid while the allocation at its base has this buffer id and size.
+#[derive(Debug, Clone, Copy)]
+struct CachedHandle {
+    buffer_id: u64,
+    size: usize,
+    handle: MemHandle,
+}
+
 pub(crate) struct ProducerInner<D: Device, B: IpcDriver> {
     driver: Arc<B>,
     config: ProducerConfig,
@@ -112,8 +121,8 @@ pub(crate) struct ProducerInner<D: Device, B: IpcDriver> {
     limbo_warned: AtomicBool,
     shutdown_warned: AtomicBool,
     events_in_use: Arc<AtomicUsize>,
-    /// Memory handles by (device, base): (buffer id, size, handle).
-    handles: Mutex<HashMap<(u32, u64), (u64, usize, MemHandle)>>,
+    /// Memory handles by (device, base address).
+    handles: Mutex<HashMap<(u32, u64), CachedHandle>>,
     /// Allocators whose free-memory callback is registered (by address).
     registered: Mutex<Vec<usize>>,
     counters: Counters,
@@ -244,9 +253,9 @@ impl<D: Device, B: IpcDriver> ProducerInner<D, B> {
     /// The handle of the base allocation, from the cache while the allocation there is the same one.
     fn mem_handle(&self, device: u32, base: DevicePtr, size: usize) -> Result<MemHandle> {
         let id = self.driver.buffer_id(device, base)?;
-        if let Some(&(cached_id, cached_size, handle)) = self.handles.lock().get(&(device, base.0)) {
-            if cached_id == id && cached_size == size {
-                return Ok(handle);
+        if let Some(cached) = self.handles.lock().get(&(device, base.0)) {
+            if cached.buffer_id == id && cached.size == size {
+                return Ok(cached.handle);
             }
         }
         let handle = self.driver.mem_handle(device, base, size)?;
@@ -254,7 +263,14 @@ impl<D: Device, B: IpcDriver> ProducerInner<D, B> {
         if handles.len() >= 4096 {
             handles.clear();
         }
-        handles.insert((device, base.0), (id, size, handle));
+        handles.insert(
+            (device, base.0),
+            CachedHandle {
+                buffer_id: id,
+                size,
+                handle,
+            },
+        );
         Ok(handle)
     }
 
@@ -290,7 +306,9 @@ impl<D: Device, B: IpcDriver> ProducerInner<D, B> {
         let budget = self.config.max_events;
         let taken = self
             .events_in_use
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < budget).then_some(n + 1))
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < budget).then_some(n + 1)
+            })
             .is_ok();
         if !taken {
             self.driver.synchronize_stream(device, stream)?;
@@ -476,7 +494,9 @@ impl<D: Device, B: IpcDriver> std::fmt::Debug for SharedAllocation<D, B> {
 impl<D: Device, B: IpcDriver> SharedAllocation<D, B> {
     fn sent(&self) -> &Sent<D, B> {
         // Invariant: `sent` is `Some` until `drop`.
-        self.sent.as_ref().expect("a SharedAllocation holds its allocation until dropped")
+        self.sent
+            .as_ref()
+            .expect("a SharedAllocation holds its allocation until dropped")
     }
 
     /// The device address.
@@ -516,7 +536,10 @@ impl<D: Device, B: IpcDriver> SharedAllocation<D, B> {
     /// call fails. Nothing is handed out then, and the allocation stays owned here.
     pub fn share(&mut self, stream: StreamId) -> Result<IpcHandle> {
         let producer = Arc::clone(&self.producer);
-        let sent = self.sent.as_mut().expect("a SharedAllocation holds its allocation until dropped");
+        let sent = self
+            .sent
+            .as_mut()
+            .expect("a SharedAllocation holds its allocation until dropped");
         let device = sent.allocator.device().index();
         let ptr = sent.allocation.ptr();
         if sent.allocation.size() == 0 {

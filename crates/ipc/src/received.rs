@@ -208,9 +208,9 @@ impl<B: IpcDriver> IpcConsumer<B> {
                 count,
             });
         }
-        let file = inner
-            .files
-            .acquire(&handle.ref_counter, || MappedCounterFile::open(&handle.ref_counter))?;
+        let file = inner.files.acquire(&handle.ref_counter, || {
+            MappedCounterFile::open(&handle.ref_counter)
+        })?;
         let table = file.get().table();
         let slot = usize::try_from(handle.slot)
             .ok()
@@ -357,7 +357,9 @@ impl<B: IpcDriver> Drop for ReceivedMemory<B> {
             Ok(counter) => {
                 counter.fetch_sub(1, Ordering::AcqRel);
             }
-            Err(err) => tracing::error!(target: "tensormem_ipc", %err, "releasing a ref-counter slot failed"),
+            Err(err) => {
+                tracing::error!(target: "tensormem_ipc", %err, "releasing a ref-counter slot failed")
+            }
         }
         let _ = file.table().unclaim(file.mapping(), self.slot);
         // The leases (file mapping, opened memory handle) are released after this, in field order.

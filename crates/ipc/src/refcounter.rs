@@ -21,7 +21,9 @@
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
-use tensormem_shm::{Mapping, MapOptions, RefcountedRegion, SharedRegion, ShmName, REFCOUNT_HEADER_LEN};
+use tensormem_shm::{
+    MapOptions, Mapping, RefcountedRegion, SharedRegion, ShmName, REFCOUNT_HEADER_LEN,
+};
 
 use crate::error::{Error, Result};
 use crate::process::{Liveness, ProcessIdentity};
@@ -131,7 +133,8 @@ impl SlotTable {
     fn reset_owner(&self, map: &Mapping, slot: usize) -> Result<()> {
         if self.owners {
             for word in [1, 2, 0] {
-                self.owner_word(map, slot, word)?.store(0, Ordering::Release);
+                self.owner_word(map, slot, word)?
+                    .store(0, Ordering::Release);
             }
         }
         Ok(())
@@ -156,8 +159,13 @@ impl SlotTable {
         if data >= TRAILER_LEN {
             let at = base + data - TRAILER_LEN;
             let magic = map.atomic::<AtomicU64>(at).ok()?.load(Ordering::Acquire);
-            let slots = map.atomic::<AtomicU64>(at + 8).ok()?.load(Ordering::Acquire) as usize;
-            if magic == TRAILER_MAGIC && slots.checked_mul(8 + OWNER_LEN).map(|n| n + TRAILER_LEN) == Some(data) {
+            let slots = map
+                .atomic::<AtomicU64>(at + 8)
+                .ok()?
+                .load(Ordering::Acquire) as usize;
+            if magic == TRAILER_MAGIC
+                && slots.checked_mul(8 + OWNER_LEN).map(|n| n + TRAILER_LEN) == Some(data)
+            {
                 return Some(Self {
                     base,
                     slots,
@@ -185,8 +193,8 @@ pub(crate) struct RefCounterFile {
 impl RefCounterFile {
     /// Creates a file of `slots` slots named `name`.
     pub(crate) fn create(name: &ShmName, slots: usize) -> Result<Self> {
-        let region =
-            RefcountedRegion::create(name, data_len(slots) as u64).map_err(|e| Error::file(name, e))?;
+        let region = RefcountedRegion::create(name, data_len(slots) as u64)
+            .map_err(|e| Error::file(name, e))?;
         let table = SlotTable {
             base: 0,
             slots,
@@ -201,7 +209,9 @@ impl RefCounterFile {
             me.pid_namespace,
         ];
         for (i, value) in words.into_iter().enumerate().rev() {
-            table.trailer_word(&region, i)?.store(value, Ordering::Release);
+            table
+                .trailer_word(&region, i)?
+                .store(value, Ordering::Release);
         }
         tracing::debug!(target: "tensormem_ipc", name = %name, slots, "created ref-counter file");
         Ok(Self {
@@ -222,7 +232,9 @@ impl RefCounterFile {
             return Ok(None);
         }
         self.table.reset_owner(&self.region, slot)?;
-        self.table.counter(&self.region, slot)?.store(1, Ordering::Release);
+        self.table
+            .counter(&self.region, slot)?
+            .store(1, Ordering::Release);
         self.next.store(slot as u64 + 1, Ordering::Relaxed);
         Ok(Some(slot))
     }
@@ -254,7 +266,11 @@ impl RefCounterFile {
         }
         let counter = self.table.counter(&self.region, slot).ok()?;
         let value = counter.load(Ordering::Acquire);
-        if value > 0 && counter.compare_exchange(value, 0, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+        if value > 0
+            && counter
+                .compare_exchange(value, 0, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
             Some(owner)
         } else {
             None
@@ -280,16 +296,17 @@ impl MappedCounterFile {
         let region = MapOptions::new()
             .map_shm(name)
             .map_err(|e| Error::file(name, e))?;
-        let table = SlotTable::recognise(region.mapping(), REFCOUNT_HEADER_LEN).ok_or_else(|| {
-            Error::file(
-                name,
-                tensormem_shm::Error::OutOfBounds {
-                    offset: 0,
-                    len: REFCOUNT_HEADER_LEN + 8,
-                    region_len: region.mapping().len(),
-                },
-            )
-        })?;
+        let table =
+            SlotTable::recognise(region.mapping(), REFCOUNT_HEADER_LEN).ok_or_else(|| {
+                Error::file(
+                    name,
+                    tensormem_shm::Error::OutOfBounds {
+                        offset: 0,
+                        len: REFCOUNT_HEADER_LEN + 8,
+                        region_len: region.mapping().len(),
+                    },
+                )
+            })?;
         Ok(Self {
             region,
             name: name.clone(),
@@ -364,7 +381,10 @@ mod tests {
             Some(ProcessIdentity::current())
         );
         drop(mapped);
-        assert!(name.path().exists(), "a live creator's file is not removed by a consumer");
+        assert!(
+            name.path().exists(),
+            "a live creator's file is not removed by a consumer"
+        );
         drop(file);
         assert!(!name.path().exists());
     }

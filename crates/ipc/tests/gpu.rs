@@ -82,7 +82,9 @@ fn current() {
 fn fill(ptr: DevicePtr, value: u8, len: usize) {
     current();
     // SAFETY: `ptr..ptr+len` is device memory of device 0 this test owns or received.
-    check("cuMemsetD8", unsafe { sys::cuMemsetD8_v2(ptr.0, value, len) });
+    check("cuMemsetD8", unsafe {
+        sys::cuMemsetD8_v2(ptr.0, value, len)
+    });
 }
 
 fn read(ptr: DevicePtr, len: usize) -> Vec<u8> {
@@ -123,7 +125,8 @@ impl Peer {
     }
 
     fn python(args: &[&str]) -> Self {
-        let script = std::env::temp_dir().join(format!("tensormem_ipc_interop_{}.py", std::process::id()));
+        let script =
+            std::env::temp_dir().join(format!("tensormem_ipc_interop_{}.py", std::process::id()));
         std::fs::write(&script, SCRIPT).unwrap();
         let mut cmd = Command::new("python3");
         cmd.arg(&script).args(args);
@@ -131,7 +134,11 @@ impl Peer {
     }
 
     fn spawn(mut cmd: Command) -> Self {
-        let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
         let input = child.stdin.take().unwrap();
         let output = BufReader::new(child.stdout.take().unwrap());
         Self {
@@ -142,7 +149,10 @@ impl Peer {
     }
 
     fn send(&mut self, line: &str) {
-        let input = self.input.as_mut().expect("the peer's input is open until finish");
+        let input = self
+            .input
+            .as_mut()
+            .expect("the peer's input is open until finish");
         writeln!(input, "{line}").unwrap();
         input.flush().unwrap();
     }
@@ -152,7 +162,10 @@ impl Peer {
         let mut line = String::new();
         loop {
             line.clear();
-            assert!(self.output.read_line(&mut line).unwrap() > 0, "peer ended before @@{what}");
+            assert!(
+                self.output.read_line(&mut line).unwrap() > 0,
+                "peer ended before @@{what}"
+            );
             if let Some(at) = line.find("@@") {
                 let mut fields = line[at + 2..].split_whitespace().map(str::to_owned);
                 let tag = fields.next().unwrap_or_default();
@@ -185,7 +198,13 @@ impl Drop for Peer {
 fn consumer_role() {
     let driver = Arc::new(CudaIpcDriver::new().unwrap());
     let idle = std::env::var("TENSORMEM_IPC_IDLE").map_or(0, |v| v.parse().unwrap());
-    let consumer = IpcConsumer::with_config(driver, ConsumerConfig { idle_mem_handles: idle, ..ConsumerConfig::default() });
+    let consumer = IpcConsumer::with_config(
+        driver,
+        ConsumerConfig {
+            idle_mem_handles: idle,
+            ..ConsumerConfig::default()
+        },
+    );
     let mut held = Vec::new();
     for line in std::io::stdin().lock().lines() {
         let line = line.unwrap();
@@ -195,10 +214,17 @@ fn consumer_role() {
                 let handle = IpcHandle::decode(&unhex(handle)).unwrap();
                 let received = consumer.open(&handle, S).unwrap();
                 let len = received.size() as usize;
-                let ends = [read(received.ptr(), 1)[0], read(received.ptr().offset(len - 1), 1)[0]];
+                let ends = [
+                    read(received.ptr(), 1)[0],
+                    read(received.ptr().offset(len - 1), 1)[0],
+                ];
                 let expect: u8 = expect.parse().unwrap();
                 assert_eq!(ends, [expect, expect], "the producer's bytes");
-                fill(received.ptr().offset(len / 2), write.parse().unwrap(), len - len / 2);
+                fill(
+                    received.ptr().offset(len / 2),
+                    write.parse().unwrap(),
+                    len - len / 2,
+                );
                 drop(received);
                 println!("@@ok");
             }
@@ -225,8 +251,13 @@ fn a_consumer_process_reads_and_writes_the_producers_memory() {
     if role().is_some() {
         return consumer_role();
     }
-    let Some((allocator, producer, _lock)) = gpu() else { return };
-    let mut peer = Peer::this("a_consumer_process_reads_and_writes_the_producers_memory", "consumer");
+    let Some((allocator, producer, _lock)) = gpu() else {
+        return;
+    };
+    let mut peer = Peer::this(
+        "a_consumer_process_reads_and_writes_the_producers_memory",
+        "consumer",
+    );
     for size in [4096usize, 1 << 20, 64 << 20] {
         let allocation = allocator.allocate(size, S).unwrap();
         fill(allocation.ptr(), 0x11, size);
@@ -236,7 +267,10 @@ fn a_consumer_process_reads_and_writes_the_producers_memory() {
         peer.expect("ok");
         let back = read(shared.ptr(), size);
         assert!(back[..size / 2].iter().all(|&b| b == 0x11));
-        assert!(back[size / 2..].iter().all(|&b| b == 34), "the consumer's writes are visible");
+        assert!(
+            back[size / 2..].iter().all(|&b| b == 34),
+            "the consumer's writes are visible"
+        );
         assert_eq!(shared.outstanding(), 0, "the consumer released its slot");
         drop(shared);
         assert_eq!(producer.stats().limbo, 0);
@@ -251,8 +285,13 @@ fn ten_thousand_shares_rotate_files_between_processes() {
     if role().is_some() {
         return consumer_role();
     }
-    let Some((allocator, producer, _lock)) = gpu() else { return };
-    let mut peer = Peer::this("ten_thousand_shares_rotate_files_between_processes", "consumer");
+    let Some((allocator, producer, _lock)) = gpu() else {
+        return;
+    };
+    let mut peer = Peer::this(
+        "ten_thousand_shares_rotate_files_between_processes",
+        "consumer",
+    );
     let allocation = allocator.allocate(4096, S).unwrap();
     fill(allocation.ptr(), 5, 4096);
     let mut shared = producer.adopt(&allocator, allocation);
@@ -278,8 +317,13 @@ fn threads_share_at_once_with_one_consumer_process() {
     if role().is_some() {
         return consumer_role();
     }
-    let Some((allocator, producer, _lock)) = gpu() else { return };
-    let peer = Mutex::new(Peer::this("threads_share_at_once_with_one_consumer_process", "consumer"));
+    let Some((allocator, producer, _lock)) = gpu() else {
+        return;
+    };
+    let peer = Mutex::new(Peer::this(
+        "threads_share_at_once_with_one_consumer_process",
+        "consumer",
+    ));
     std::thread::scope(|s| {
         for t in 0..8u8 {
             let (allocator, producer, peer) = (&allocator, &producer, &peer);
@@ -303,7 +347,10 @@ fn threads_share_at_once_with_one_consumer_process() {
     peer.into_inner().unwrap().finish();
     producer.collect();
     let stats = producer.stats();
-    assert_eq!((stats.shares, stats.limbo, stats.events_in_use), (200, 0, 0));
+    assert_eq!(
+        (stats.shares, stats.limbo, stats.events_in_use),
+        (200, 0, 0)
+    );
     assert_eq!(allocator.memory_stats().active_bytes.all.current, 0);
 }
 
@@ -312,7 +359,9 @@ fn kill9_of_the_consumer_frees_its_memory() {
     if role().is_some() {
         return consumer_role();
     }
-    let Some((allocator, producer, _lock)) = gpu() else { return };
+    let Some((allocator, producer, _lock)) = gpu() else {
+        return;
+    };
     let mut peer = Peer::this("kill9_of_the_consumer_frees_its_memory", "consumer");
     let (shared, handle) = producer
         .share(&allocator, allocator.allocate(1 << 20, S).unwrap(), S)
@@ -340,7 +389,9 @@ fn kill9_of_the_producer_leaves_nothing_behind() {
         std::thread::sleep(std::time::Duration::from_secs(600));
         return;
     }
-    let Some((_allocator, _producer, _lock)) = gpu() else { return };
+    let Some((_allocator, _producer, _lock)) = gpu() else {
+        return;
+    };
     let mut peer = Peer::this("kill9_of_the_producer_leaves_nothing_behind", "producer");
     let handle = IpcHandle::decode(&unhex(&peer.expect("handle")[0])).unwrap();
     let consumer = IpcConsumer::new(Arc::new(CudaIpcDriver::new().unwrap()));
@@ -348,7 +399,10 @@ fn kill9_of_the_producer_leaves_nothing_behind() {
     peer.kill9();
     drop(received);
     drop(consumer);
-    assert!(!handle.ref_counter.path().exists(), "the dead producer's file was removed");
+    assert!(
+        !handle.ref_counter.path().exists(),
+        "the dead producer's file was removed"
+    );
 }
 
 #[test]
@@ -356,7 +410,9 @@ fn a_pytorch_consumer_opens_tensormem_memory() {
     if role().is_some() {
         return;
     }
-    let Some((allocator, producer, _lock)) = gpu() else { return };
+    let Some((allocator, producer, _lock)) = gpu() else {
+        return;
+    };
     if !torch() {
         return;
     }
@@ -370,9 +426,17 @@ fn a_pytorch_consumer_opens_tensormem_memory() {
     assert_eq!(refused, RECEIVED_MEMORY_MESSAGE, "our message is PyTorch's");
     peer.expect("released");
     peer.finish();
-    assert_eq!(read(shared.ptr().offset(size - 1), 1)[0], 77, "PyTorch's writes are visible");
+    assert_eq!(
+        read(shared.ptr().offset(size - 1), 1)[0],
+        77,
+        "PyTorch's writes are visible"
+    );
     assert_eq!(read(shared.ptr(), 1)[0], 9);
-    assert_eq!(shared.outstanding(), 0, "PyTorch's release set the slot back to 0");
+    assert_eq!(
+        shared.outstanding(),
+        0,
+        "PyTorch's release set the slot back to 0"
+    );
     drop(shared);
     assert_eq!(producer.stats().limbo, 0);
     assert_eq!(allocator.memory_stats().active_bytes.all.current, 0);
@@ -383,7 +447,9 @@ fn tensormem_opens_a_pytorch_share() {
     if role().is_some() {
         return;
     }
-    let Some((_allocator, _producer, _lock)) = gpu() else { return };
+    let Some((_allocator, _producer, _lock)) = gpu() else {
+        return;
+    };
     if !torch() {
         return;
     }
@@ -394,11 +460,16 @@ fn tensormem_opens_a_pytorch_share() {
     let consumer = IpcConsumer::new(Arc::new(CudaIpcDriver::new().unwrap()));
     let received = consumer.open(&handle, S).unwrap();
     assert_eq!(received.size(), size as u64);
-    assert!(read(received.ptr(), size).iter().all(|&b| b == 7), "PyTorch's bytes");
+    assert!(
+        read(received.ptr(), size).iter().all(|&b| b == 7),
+        "PyTorch's bytes"
+    );
     fill(received.ptr().offset(size - 1), 0x33, 1);
     drop(received);
     // The slot in PyTorch's own ref-counter file is back to 0.
-    let file = tensormem_shm::MapOptions::new().map_shm(&handle.ref_counter).unwrap();
+    let file = tensormem_shm::MapOptions::new()
+        .map_shm(&handle.ref_counter)
+        .unwrap();
     let slot: &std::sync::atomic::AtomicI64 = file
         .mapping()
         .atomic(tensormem_shm::REFCOUNT_HEADER_LEN + 8 * handle.slot as usize)
@@ -408,6 +479,9 @@ fn tensormem_opens_a_pytorch_share() {
     peer.send("released");
     let done = peer.expect("done");
     assert_eq!(done[0], "51", "PyTorch sees our write (0x33)");
-    assert_eq!(done[2], "0", "PyTorch freed its memory: nothing left in its limbo");
+    assert_eq!(
+        done[2], "0",
+        "PyTorch freed its memory: nothing left in its limbo"
+    );
     peer.finish();
 }

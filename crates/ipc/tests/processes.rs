@@ -68,7 +68,10 @@ fn expect(out: &mut BufReader<ChildStdout>, prefix: &str) -> String {
     let mut line = String::new();
     loop {
         line.clear();
-        assert!(out.read_line(&mut line).unwrap() > 0, "child ended before printing {prefix}");
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "child ended before printing {prefix}"
+        );
         // libtest may print "test NAME ... " before the child's own output on the same line.
         if let Some(at) = line.find(&format!("@@{prefix}")) {
             return line[at + 2 + prefix.len()..].trim().to_owned();
@@ -108,12 +111,20 @@ fn a_consumer_process_releases_its_slot() {
     let (shared, handle) = producer
         .share(&allocator, allocator.allocate(1 << 20, S).unwrap(), S)
         .unwrap();
-    let (mut child, mut out) = spawn("a_consumer_process_releases_its_slot", "consumer", Some(&handle));
+    let (mut child, mut out) = spawn(
+        "a_consumer_process_releases_its_slot",
+        "consumer",
+        Some(&handle),
+    );
     assert_eq!(expect(&mut out, "opened"), (1 << 20).to_string());
     expect(&mut out, "released");
     assert!(child.wait().unwrap().success());
     drop(shared);
-    assert_eq!(producer.stats().limbo, 0, "released before the producer freed");
+    assert_eq!(
+        producer.stats().limbo,
+        0,
+        "released before the producer freed"
+    );
     assert_eq!(allocator.memory_stats().active_bytes.all.current, 0);
     producer.collect();
     assert!(!handle.ref_counter.path().exists());
@@ -140,13 +151,19 @@ fn a_consumer_killed_holding_memory_does_not_pin_it() {
     expect(&mut out, "opened");
     drop(shared);
     assert_eq!(producer.stats().limbo, 1);
-    assert!(!producer.collect(), "a live consumer's memory is not reclaimed");
+    assert!(
+        !producer.collect(),
+        "a live consumer's memory is not reclaimed"
+    );
     kill9(&mut child);
     assert!(producer.collect(), "the dead consumer's slot is reclaimed");
     let stats = producer.stats();
     assert_eq!((stats.limbo, stats.slots_reclaimed), (0, 1));
     assert_eq!(allocator.memory_stats().active_bytes.all.current, 0);
-    assert!(!handle.ref_counter.path().exists(), "nothing left in /dev/shm");
+    assert!(
+        !handle.ref_counter.path().exists(),
+        "nothing left in /dev/shm"
+    );
 }
 
 #[test]
@@ -170,7 +187,10 @@ fn a_producer_killed_while_shared_leaves_nothing_behind() {
     let consumer = IpcConsumer::new(Arc::clone(&driver));
     let received = consumer.open(&handle, S).unwrap();
     kill9(&mut child);
-    assert!(handle.ref_counter.path().exists(), "the dead producer's file is still there");
+    assert!(
+        handle.ref_counter.path().exists(),
+        "the dead producer's file is still there"
+    );
     drop(received);
     drop(consumer);
     assert!(

@@ -38,14 +38,24 @@ fn limbo_holds_memory_until_the_consumer_releases_it() {
     let (shared, handle) = producer
         .share(&allocator, allocator.allocate(MIB, S).unwrap(), S)
         .unwrap();
-    assert!(handle.event.is_some(), "an event is recorded while the budget lasts");
+    assert!(
+        handle.event.is_some(),
+        "an event is recorded while the budget lasts"
+    );
     let received = consumer.open(&handle, S).unwrap();
     assert_eq!(received.size(), MIB as u64);
 
     drop(shared);
     assert_eq!(producer.stats().limbo, 1);
-    assert_eq!(active(&allocator), MIB as i64, "still allocated while the consumer holds it");
-    assert!(!producer.collect(), "nothing to free while the slot is held");
+    assert_eq!(
+        active(&allocator),
+        MIB as i64,
+        "still allocated while the consumer holds it"
+    );
+    assert!(
+        !producer.collect(),
+        "nothing to free while the slot is held"
+    );
 
     let syncs = driver.counts.stream_syncs.load(Ordering::Relaxed);
     drop(received);
@@ -117,26 +127,45 @@ fn slots_rotate_across_files_and_files_go_when_their_slots_return() {
         .iter()
         .map(|h| (h.ref_counter.to_string(), h.slot))
         .collect();
-    assert_eq!(places.iter().map(|p| p.1).collect::<Vec<_>>(), [0, 1, 2, 0, 1, 2, 0]);
+    assert_eq!(
+        places.iter().map(|p| p.1).collect::<Vec<_>>(),
+        [0, 1, 2, 0, 1, 2, 0]
+    );
     let files: Vec<&String> = places.iter().map(|p| &p.0).collect();
-    assert!(files[0] == files[2] && files[2] != files[3] && files[3] == files[5] && files[5] != files[6]);
+    assert!(
+        files[0] == files[2]
+            && files[2] != files[3]
+            && files[3] == files[5]
+            && files[5] != files[6]
+    );
     assert_eq!(producer.stats().files_created, 3);
     let first_file = ShmName::new(files[0].clone()).unwrap();
     assert!(first_file.path().exists());
 
-    let received: Vec<_> = handles.iter().map(|h| consumer.open(h, S).unwrap()).collect();
+    let received: Vec<_> = handles
+        .iter()
+        .map(|h| consumer.open(h, S).unwrap())
+        .collect();
     drop(received);
     consumer.trim();
     assert_eq!(shared.outstanding(), 0);
-    assert!(!first_file.path().exists(), "a used-up file goes when its last slot returns");
+    assert!(
+        !first_file.path().exists(),
+        "a used-up file goes when its last slot returns"
+    );
     drop(shared);
     assert_eq!(active(&allocator), 0);
     assert_eq!(producer.stats().limbo, 0);
-    assert!(files[6].starts_with('/') && ShmName::new(files[6].clone()).unwrap().path().exists(),
-        "the current file stays for the next share");
+    assert!(
+        files[6].starts_with('/') && ShmName::new(files[6].clone()).unwrap().path().exists(),
+        "the current file stays for the next share"
+    );
     producer.collect(); // and goes when collected with no slot out (CudaIPCCollect)
     for (name, _) in &places {
-        assert!(!ShmName::new(name.clone()).unwrap().path().exists(), "{name} left behind");
+        assert!(
+            !ShmName::new(name.clone()).unwrap().path().exists(),
+            "{name} left behind"
+        );
     }
 }
 
@@ -162,15 +191,26 @@ fn ten_thousand_and_more_shares_rotate_through_full_size_files() {
     assert_eq!(names.len(), 2);
     assert_eq!(producer.stats().files_created, 2);
     assert_eq!(producer.stats().shares, total);
-    assert_eq!(driver.counts.opens.load(Ordering::Relaxed), 1, "the idle handle stays open");
-    assert_eq!(driver.counts.handles_exported.load(Ordering::Relaxed), 1, "cached per base allocation");
+    assert_eq!(
+        driver.counts.opens.load(Ordering::Relaxed),
+        1,
+        "the idle handle stays open"
+    );
+    assert_eq!(
+        driver.counts.handles_exported.load(Ordering::Relaxed),
+        1,
+        "cached per base allocation"
+    );
     assert_eq!(shared.outstanding(), 0);
     drop(shared);
     consumer.trim();
     assert_eq!(driver.open_mappings(), 0);
     producer.collect();
     for name in names {
-        assert!(!ShmName::new(name.clone()).unwrap().path().exists(), "{name} left behind");
+        assert!(
+            !ShmName::new(name.clone()).unwrap().path().exists(),
+            "{name} left behind"
+        );
     }
 }
 
@@ -243,7 +283,10 @@ fn many_threads_share_and_open_at_once() {
                 })
             })
             .collect();
-        workers.into_iter().flat_map(|w| w.join().unwrap()).collect()
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().unwrap())
+            .collect()
     });
     let unique: HashSet<_> = places.iter().collect();
     assert_eq!(unique.len(), places.len(), "no slot handed out twice");
@@ -267,24 +310,73 @@ fn every_bad_handle_is_refused_before_anything_is_opened_or_written() {
         assert!(what(&err), "unexpected error: {err}");
         assert_eq!(driver.open_mappings(), 0, "nothing left open after: {err}");
     };
-    check(IpcHandle { device: 1, ..good.clone() }, |e| {
-        matches!(e, Error::InvalidDevice { device: 1, count: 1 })
-    });
-    check(IpcHandle { slot: REF_COUNTER_FILE_SIZE as u64, ..good.clone() }, |e| {
-        matches!(e, Error::SlotOutOfRange { slots: REF_COUNTER_FILE_SIZE, .. })
-    });
-    check(IpcHandle { slot: 1, ..good.clone() }, |e| {
-        matches!(e, Error::SlotNotHeld { slot: 1, value: 0, .. })
-    });
-    check(IpcHandle { size: base_size - good.offset + 1, ..good.clone() }, |e| {
-        matches!(e, Error::OutOfBounds { .. })
-    });
-    check(IpcHandle { offset: u64::MAX, ..good.clone() }, |e| {
-        matches!(e, Error::OutOfBounds { .. })
-    });
-    check(IpcHandle { mem_handle: MemHandle([3; 64]), ..good.clone() }, |e| {
-        matches!(e, Error::Driver(_))
-    });
+    check(
+        IpcHandle {
+            device: 1,
+            ..good.clone()
+        },
+        |e| {
+            matches!(
+                e,
+                Error::InvalidDevice {
+                    device: 1,
+                    count: 1
+                }
+            )
+        },
+    );
+    check(
+        IpcHandle {
+            slot: REF_COUNTER_FILE_SIZE as u64,
+            ..good.clone()
+        },
+        |e| {
+            matches!(
+                e,
+                Error::SlotOutOfRange {
+                    slots: REF_COUNTER_FILE_SIZE,
+                    ..
+                }
+            )
+        },
+    );
+    check(
+        IpcHandle {
+            slot: 1,
+            ..good.clone()
+        },
+        |e| {
+            matches!(
+                e,
+                Error::SlotNotHeld {
+                    slot: 1,
+                    value: 0,
+                    ..
+                }
+            )
+        },
+    );
+    check(
+        IpcHandle {
+            size: base_size - good.offset + 1,
+            ..good.clone()
+        },
+        |e| matches!(e, Error::OutOfBounds { .. }),
+    );
+    check(
+        IpcHandle {
+            offset: u64::MAX,
+            ..good.clone()
+        },
+        |e| matches!(e, Error::OutOfBounds { .. }),
+    );
+    check(
+        IpcHandle {
+            mem_handle: MemHandle([3; 64]),
+            ..good.clone()
+        },
+        |e| matches!(e, Error::Driver(_)),
+    );
     check(
         IpcHandle {
             ref_counter: ShmName::new("/tensormem_0_0_missing").unwrap(),
@@ -296,7 +388,10 @@ fn every_bad_handle_is_refused_before_anything_is_opened_or_written() {
     let received = consumer.open(&good, S).unwrap();
     // Each share is for one consumer: a second open of the same handle is refused.
     let err = consumer.open(&good, S).unwrap_err();
-    assert!(matches!(err, Error::SlotClaimed { pid, .. } if pid == std::process::id()), "{err}");
+    assert!(
+        matches!(err, Error::SlotClaimed { pid, .. } if pid == std::process::id()),
+        "{err}"
+    );
     drop(received);
     let err = consumer.open(&good, S).unwrap_err();
     assert!(matches!(err, Error::SlotNotHeld { value: 0, .. }), "{err}");
@@ -320,7 +415,10 @@ fn received_memory_cannot_be_shared_again() {
     );
     let ptr = received.ptr();
     drop(received);
-    assert!(check_shareable(0, ptr).is_ok(), "closed: no longer received memory");
+    assert!(
+        check_shareable(0, ptr).is_ok(),
+        "closed: no longer received memory"
+    );
 }
 
 #[test]
@@ -354,10 +452,18 @@ fn one_open_per_base_allocation_and_idle_handles_stay_warm() {
     let mut a = a;
     drop(warm.open(&a.share(S).unwrap(), S).unwrap());
     drop(warm.open(&a.share(S).unwrap(), S).unwrap());
-    assert_eq!(driver.counts.opens.load(Ordering::Relaxed), 2, "opened once, then warm");
+    assert_eq!(
+        driver.counts.opens.load(Ordering::Relaxed),
+        2,
+        "opened once, then warm"
+    );
     assert_eq!(driver.open_mappings(), 1);
     drop(warm);
-    assert_eq!(driver.open_mappings(), 0, "dropping the consumer closes its idle handles");
+    assert_eq!(
+        driver.open_mappings(),
+        0,
+        "dropping the consumer closes its idle handles"
+    );
     drop((a, b));
 }
 
@@ -370,7 +476,8 @@ fn the_torch_tuple_opens_like_the_handle() {
     let tuple = handle.to_torch();
     assert_eq!(tuple.ref_counter_offset, handle.slot);
     let line = tuple.to_line();
-    let back = IpcHandle::from_torch(&tensormem_ipc::TorchShareTuple::from_line(&line).unwrap()).unwrap();
+    let back =
+        IpcHandle::from_torch(&tensormem_ipc::TorchShareTuple::from_line(&line).unwrap()).unwrap();
     let consumer = IpcConsumer::new(Arc::clone(&driver));
     let received = consumer.open(&back, S).unwrap();
     assert_eq!(received.view::<u64>().unwrap().len(), 1024);
@@ -378,10 +485,20 @@ fn the_torch_tuple_opens_like_the_handle() {
     // A view must fit the memory: 1001 bytes are not u32s.
     let odd = producer.adopt(&allocator, allocator.allocate(4096, S).unwrap());
     let mut odd = odd;
-    let h = IpcHandle { size: 1001, ..odd.share(S).unwrap() };
+    let h = IpcHandle {
+        size: 1001,
+        ..odd.share(S).unwrap()
+    };
     let received = consumer.open(&h, S).unwrap();
     assert_eq!(received.view::<u8>().unwrap().len(), 1001);
-    assert!(matches!(received.view::<u32>(), Err(Error::BadView { bytes: 1001, elem_size: 4, .. })));
+    assert!(matches!(
+        received.view::<u32>(),
+        Err(Error::BadView {
+            bytes: 1001,
+            elem_size: 4,
+            ..
+        })
+    ));
     drop(received);
     drop(odd);
     drop(shared);

@@ -104,7 +104,10 @@ impl FakeDriver {
     fn decode(handle: &MemHandle) -> DeviceResult<(u32, u64, usize)> {
         let b = &handle.0;
         if &b[..8] != MEM_MAGIC {
-            return Err(invalid("cuIpcOpenMemHandle", "not a handle of the fake driver".into()));
+            return Err(invalid(
+                "cuIpcOpenMemHandle",
+                "not a handle of the fake driver".into(),
+            ));
         }
         let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
         Ok((word(8) as u32, word(16), word(24) as usize))
