@@ -5,19 +5,25 @@
 //! the timer, as the anchor's `del t` does.
 //!
 //! ```text
-//! ipc_roundtrip [--iters N]
+//! ipc_roundtrip [--iters N] [--spin-us N]
 //! ```
 //!
 //! Prints `strategy,device,bytes,median_us_per_roundtrip` rows (the anchor's header):
 //! `tensormem_ipc_warm` (the consumer keeps opened handles: a repeat share opens nothing),
 //! `tensormem_ipc_cold` (handles closed after each use, as PyTorch does: every round trip opens and
-//! closes), and `tensormem_ipc_first_open` (the warm consumer's first round trip, which opens).
+//! closes), `tensormem_ipc_first_open` (the warm consumer's first round trip, which opens),
+//! `tensormem_ipc_share_only` (the producer's `share` call alone, warm), and
+//! `tensormem_ipc_warm_spin`: warm, both sides polling their pipe for up to `--spin-us` (default
+//! 200) before blocking, which takes the two cross-process wake-ups off the round trip.
 //! Re-executes itself as the consumer (`TENSORMEM_IPC_BENCH_ROLE=consumer`).
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::AsFd;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+use rustix::fs::{fcntl_getfl, fcntl_setfl, OFlags};
 
 use cudarc::driver::sys;
 use tensormem_cuda_alloc::backend::cuda::CudaDevice;
@@ -27,6 +33,7 @@ use tensormem_ipc::{ConsumerConfig, IpcConsumer, IpcHandle, IpcProducer};
 
 const ROLE: &str = "TENSORMEM_IPC_BENCH_ROLE";
 const IDLE: &str = "TENSORMEM_IPC_BENCH_IDLE";
+const SPIN: &str = "TENSORMEM_IPC_BENCH_SPIN_US";
 const S: StreamId = StreamId::DEFAULT;
 
 type BoxError = Box<dyn std::error::Error>;
@@ -39,8 +46,56 @@ fn check(call: &str, result: sys::CUresult) -> Result<(), BoxError> {
     }
 }
 
+/// Reads exactly `buf.len()` bytes; with a non-zero `spin`, polls the (non-blocking) pipe for up to
+/// that long before falling back to a blocking read. `Ok(false)` at end of input.
+fn read_exact_spin<R: Read + AsFd>(
+    input: &mut R,
+    buf: &mut [u8],
+    spin: Duration,
+) -> std::io::Result<bool> {
+    if spin.is_zero() {
+        return match input.read_exact(buf) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == ErrorKind::UnexpectedEof => Ok(false),
+            Err(e) => Err(e),
+        };
+    }
+    // Blocking flags (an earlier call leaves the pipe non-blocking).
+    let flags = fcntl_getfl(input.as_fd())? & !OFlags::NONBLOCK;
+    let mut filled = 0;
+    let mut started = Instant::now();
+    fcntl_setfl(input.as_fd(), flags | OFlags::NONBLOCK)?;
+    while filled < buf.len() {
+        match input.read(&mut buf[filled..]) {
+            Ok(0) => return Ok(false),
+            Ok(n) => {
+                filled += n;
+                started = Instant::now();
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                if started.elapsed() < spin {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                fcntl_setfl(input.as_fd(), flags)?;
+                let blocking = input.read(&mut buf[filled..]);
+                fcntl_setfl(input.as_fd(), flags | OFlags::NONBLOCK)?;
+                match blocking {
+                    Ok(0) => return Ok(false),
+                    Ok(n) => filled += n,
+                    Err(e) => return Err(e),
+                }
+                started = Instant::now();
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
 fn consumer() -> Result<(), BoxError> {
     let idle = std::env::var(IDLE)?.parse()?;
+    let spin = Duration::from_micros(std::env::var(SPIN)?.parse()?);
     let driver = Arc::new(CudaIpcDriver::new()?);
     let consumer = IpcConsumer::with_config(
         driver,
@@ -53,9 +108,9 @@ fn consumer() -> Result<(), BoxError> {
     let (mut input, mut output) = (std::io::stdin().lock(), std::io::stdout().lock());
     let mut len = [0u8; 4];
     let mut buf = Vec::new();
-    while input.read_exact(&mut len).is_ok() {
+    while read_exact_spin(&mut input, &mut len, spin)? {
         buf.resize(u32::from_le_bytes(len) as usize, 0);
-        input.read_exact(&mut buf)?;
+        read_exact_spin(&mut input, &mut buf, spin)?;
         let handle = IpcHandle::decode(&buf)?;
         let received = consumer.open(&handle, S)?;
         let mut first = 0u8;
@@ -75,20 +130,33 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Round trips of `size` bytes against a consumer keeping `idle` handles; (first, median) in µs.
-fn run(size: usize, idle: usize, iters: usize) -> Result<(f64, f64), BoxError> {
+/// Medians of one configuration, µs.
+struct Figures {
+    /// The first round trip (opens).
+    first: f64,
+    /// The median round trip.
+    round_trip: f64,
+    /// The median of the producer's `share` alone.
+    share: f64,
+}
+
+/// Round trips of `size` bytes against a consumer keeping `idle` handles, both sides spinning for
+/// `spin` before blocking.
+fn run(size: usize, idle: usize, spin: Duration, iters: usize) -> Result<Figures, BoxError> {
     let device = CudaDevice::new(0)?;
     let allocator = Arc::new(CachingAllocator::new(device));
     let producer = IpcProducer::new(Arc::new(CudaIpcDriver::new()?));
     let mut child = Command::new(std::env::current_exe()?)
         .env(ROLE, "consumer")
         .env(IDLE, idle.to_string())
+        .env(SPIN, spin.as_micros().to_string())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()?;
     let mut to = child.stdin.take().ok_or("no stdin")?;
     let mut from = child.stdout.take().ok_or("no stdout")?;
     let mut times = Vec::with_capacity(iters);
+    let mut shares = Vec::with_capacity(iters);
     let mut first = 0.0;
     for i in 0..iters + 10 {
         let allocation = allocator.allocate(size, S)?;
@@ -100,12 +168,15 @@ fn run(size: usize, idle: usize, iters: usize) -> Result<(f64, f64), BoxError> {
         })?;
         let t0 = Instant::now();
         let (shared, handle) = producer.share(&allocator, allocation, S)?;
+        let share = t0.elapsed().as_secs_f64() * 1e6;
         let bytes = handle.encode();
         to.write_all(&(bytes.len() as u32).to_le_bytes())?;
         to.write_all(&bytes)?;
         to.flush()?;
         let mut answer = [0u8];
-        from.read_exact(&mut answer)?;
+        if !read_exact_spin(&mut from, &mut answer, spin)? {
+            return Err("the consumer ended early".into());
+        }
         let dt = t0.elapsed().as_secs_f64() * 1e6;
         if answer[0] != value {
             return Err(format!("consumer read {} instead of {value}", answer[0]).into());
@@ -116,11 +187,16 @@ fn run(size: usize, idle: usize, iters: usize) -> Result<(f64, f64), BoxError> {
         }
         if i >= 10 {
             times.push(dt);
+            shares.push(share);
         }
     }
     drop(to);
     child.wait()?;
-    Ok((first, median(times)))
+    Ok(Figures {
+        first,
+        round_trip: median(times),
+        share: median(shares),
+    })
 }
 
 fn main() -> Result<(), BoxError> {
@@ -133,13 +209,25 @@ fn main() -> Result<(), BoxError> {
         .position(|a| a == "--iters")
         .and_then(|i| args.get(i + 1))
         .map_or(Ok(200), |n| n.parse())?;
+    let spin_us: u64 = args
+        .iter()
+        .position(|a| a == "--spin-us")
+        .and_then(|i| args.get(i + 1))
+        .map_or(Ok(200), |n| n.parse())?;
+    let (block, spin) = (Duration::ZERO, Duration::from_micros(spin_us));
     println!("strategy,device,bytes,median_us_per_roundtrip");
     for size in [4096usize, 1 << 20, 64 << 20] {
-        let (first, warm) = run(size, 16, iters)?;
-        println!("tensormem_ipc_warm,cuda,{size},{warm:.1}");
-        println!("tensormem_ipc_first_open,cuda,{size},{first:.1}");
-        let (_, cold) = run(size, 0, iters)?;
-        println!("tensormem_ipc_cold,cuda,{size},{cold:.1}");
+        let warm = run(size, 16, block, iters)?;
+        println!("tensormem_ipc_warm,cuda,{size},{:.1}", warm.round_trip);
+        println!("tensormem_ipc_first_open,cuda,{size},{:.1}", warm.first);
+        println!("tensormem_ipc_share_only,cuda,{size},{:.1}", warm.share);
+        let warm_spin = run(size, 16, spin, iters)?;
+        println!(
+            "tensormem_ipc_warm_spin,cuda,{size},{:.1}",
+            warm_spin.round_trip
+        );
+        let cold = run(size, 0, block, iters)?;
+        println!("tensormem_ipc_cold,cuda,{size},{:.1}", cold.round_trip);
     }
     Ok(())
 }

@@ -41,6 +41,8 @@ fn hex(bytes: &[u8]) -> String {
 pub trait IpcDriver: Send + Sync + 'static {
     /// An interprocess event owned by the producer (destroyed on drop).
     type Event: Send + Sync + 'static;
+    /// An event another process exported, opened here (destroyed on drop).
+    type ImportedEvent: Send + Sync + 'static;
 
     /// How many devices this process sees.
     fn device_count(&self) -> DeviceResult<u32>;
@@ -79,12 +81,19 @@ pub trait IpcDriver: Send + Sync + 'static {
     /// work of this process uses it any more.
     unsafe fn close_mem_handle(&self, device: u32, ptr: DevicePtr) -> DeviceResult<()>;
 
-    /// Makes `stream` of `device` wait for the event another process exported as `handle`
-    /// (`cuIpcOpenEventHandle`, `cuStreamWaitEvent`, then the opened event is destroyed).
-    fn wait_event_handle(
+    /// Opens the event another process exported as `handle` (`cuIpcOpenEventHandle`).
+    fn open_event_handle(
         &self,
         device: u32,
         handle: &EventHandle,
+    ) -> DeviceResult<Self::ImportedEvent>;
+
+    /// Makes `stream` of `device` wait for the work captured by the event's last record, whichever
+    /// process recorded it (`cuStreamWaitEvent`).
+    fn wait_event(
+        &self,
+        device: u32,
+        event: &Self::ImportedEvent,
         stream: StreamId,
     ) -> DeviceResult<()>;
 }

@@ -3,7 +3,7 @@
 //!
 //! # Binary encoding (version 1)
 //!
-//! All integers little-endian; 172 bytes plus the name.
+//! All integers little-endian; 174 bytes plus the name.
 //!
 //! | bytes | field |
 //! | --- | --- |
@@ -16,8 +16,9 @@
 //! | 28..36 | ref-counter slot |
 //! | 36..100 | memory handle of the base allocation |
 //! | 100..164 | event handle (zeros when flag 0 is clear) |
-//! | 164..166 | length of the ref-counter file name |
-//! | 166.. | the name (`/tensormem_...`, valid shm name) |
+//! | 164..172 | producer id (0: unknown) |
+//! | 172..174 | length of the ref-counter file name |
+//! | 174.. | the name (`/tensormem_...`, valid shm name) |
 //!
 //! Decoding checks the magic, version, known flags, exact length and the name's validity.
 
@@ -30,7 +31,14 @@ const MAGIC: &[u8; 4] = b"TMIH";
 /// The encoding version this crate writes and reads.
 pub const ENCODING_VERSION: u16 = 1;
 const FLAG_EVENT: u16 = 1;
-const FIXED_LEN: usize = 166;
+const FIXED_LEN: usize = 174;
+
+/// PyTorch 2.x's versioned memory handle: a version byte, a type byte, then the CUDA handle.
+const TORCH_HANDLE_LEN: usize = 2 + IPC_HANDLE_SIZE;
+/// The type byte of a `cudaMalloc` allocation's handle (`SHAREABLE_CUDA_MALLOC`).
+const TORCH_CUDA_MALLOC: u8 = b'c';
+/// The type byte of an expandable segment's handle (`SHAREABLE_CUDA_EXPANDABLE_SEGMENT`).
+const TORCH_EXPANDABLE: u8 = b'e';
 
 /// Everything a consumer needs to open memory another process shared (the content of PyTorch's
 /// `_share_cuda_` tuple).
@@ -51,6 +59,10 @@ pub struct IpcHandle {
     /// The event the consumer's stream must wait for before using the memory, if any
     /// (`event_sync_required`).
     pub event: Option<EventHandle>,
+    /// A random id of the producer (one per `IpcProducer`), 0 when unknown (PyTorch's tuples). A
+    /// consumer keeps the events of a known producer open between shares: that producer reuses
+    /// each event only after the share it served was released, and never destroys one while it lives.
+    pub producer: u64,
 }
 
 impl IpcHandle {
@@ -69,6 +81,7 @@ impl IpcHandle {
         out.extend_from_slice(&self.slot.to_le_bytes());
         out.extend_from_slice(&self.mem_handle.0);
         out.extend_from_slice(&self.event.map_or([0; IPC_HANDLE_SIZE], |e| e.0));
+        out.extend_from_slice(&self.producer.to_le_bytes());
         out.extend_from_slice(&(name.len() as u16).to_le_bytes());
         out.extend_from_slice(name);
         out
@@ -105,7 +118,7 @@ impl IpcHandle {
         if flags & !FLAG_EVENT != 0 {
             return Err(bad(format!("unknown flags {flags:#x}")));
         }
-        let name_len = usize::from(u16_at(164));
+        let name_len = usize::from(u16_at(172));
         if bytes.len() != FIXED_LEN + name_len {
             return Err(bad(format!(
                 "{} bytes, but the header says {}",
@@ -122,6 +135,7 @@ impl IpcHandle {
             slot: u64_at(28),
             mem_handle: MemHandle(array(&bytes[36..100])),
             event: (flags & FLAG_EVENT != 0).then(|| EventHandle(array(&bytes[100..164]))),
+            producer: u64_at(164),
             ref_counter,
         })
     }
@@ -145,13 +159,37 @@ impl IpcHandle {
     ///
     /// # Errors
     ///
-    /// [`Error::HandleLength`] for a memory handle (or a required event handle) that is not 64 bytes;
-    /// [`Error::InvalidTuple`] for a negative or too large device, or an invalid file name.
+    /// The memory handle may be the raw 64-byte CUDA handle (PyTorch 1.x, and what
+    /// [`to_torch`](Self::to_torch) sends, which PyTorch 2.x accepts) or PyTorch 2.x's 66-byte
+    /// versioned one (version byte, type `'c'`, the CUDA handle).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::HandleLength`] for a memory handle of another length (or a required event handle
+    /// that is not 64 bytes); [`Error::InvalidTuple`] for an expandable segment's handle (not
+    /// supported: PyTorch shares those through fds), an unknown handle type, a negative or too large
+    /// device, or an invalid file name.
     pub fn from_torch(tuple: &TorchShareTuple) -> Result<Self> {
         let device = u32::try_from(tuple.device).map_err(|_| Error::InvalidTuple {
             problem: format!("device {} is not a device ordinal", tuple.device),
         })?;
-        let mem_handle = MemHandle(fixed("handle", &tuple.handle)?);
+        let mem_handle = MemHandle(match tuple.handle.len() {
+            TORCH_HANDLE_LEN => match tuple.handle[1] {
+                TORCH_CUDA_MALLOC => array(&tuple.handle[2..]),
+                TORCH_EXPANDABLE => {
+                    return Err(Error::InvalidTuple {
+                        problem: "the handle is an expandable segment's, which tensormem-ipc cannot                                   open; share from an allocator with expandable_segments:False"
+                            .into(),
+                    })
+                }
+                other => {
+                    return Err(Error::InvalidTuple {
+                        problem: format!("unknown handle type {other:#04x} (version {})", tuple.handle[0]),
+                    })
+                }
+            },
+            _ => fixed("handle", &tuple.handle)?,
+        });
         let event = if tuple.event_sync_required {
             Some(EventHandle(fixed("event_handle", &tuple.event_handle)?))
         } else {
@@ -169,6 +207,7 @@ impl IpcHandle {
             ref_counter,
             slot: tuple.ref_counter_offset,
             event,
+            producer: 0,
         })
     }
 }
@@ -296,13 +335,17 @@ mod tests {
             ref_counter: ShmName::new("/tensormem_1_2_3").unwrap(),
             slot: 9999,
             event: event.then_some(EventHandle([9; 64])),
+            producer: 0,
         }
     }
 
     #[test]
     fn encoding_round_trips_and_checks_every_field() {
         for event in [false, true] {
-            let h = sample(event);
+            let h = IpcHandle {
+                producer: 0x1234_5678_9abc,
+                ..sample(event)
+            };
             let bytes = h.encode();
             assert_eq!(bytes.len(), FIXED_LEN + "/tensormem_1_2_3".len());
             assert_eq!(IpcHandle::decode(&bytes).unwrap(), h);
@@ -364,6 +407,23 @@ mod tests {
                 ..
             })
         ));
+        // PyTorch 2.x's versioned handle: version, 'c', the CUDA handle.
+        let mut t = sample(true).to_torch();
+        t.handle = [&[2u8, b'c'][..], &[7u8; 64][..]].concat();
+        assert_eq!(IpcHandle::from_torch(&t).unwrap(), sample(true));
+        t.handle[1] = b'e';
+        let err = IpcHandle::from_torch(&t).unwrap_err().to_string();
+        assert!(err.contains("expandable"), "{err}");
+        t.handle[1] = b'x';
+        assert!(matches!(
+            IpcHandle::from_torch(&t),
+            Err(Error::InvalidTuple { .. })
+        ));
+        t.handle.push(0);
+        assert!(matches!(
+            IpcHandle::from_torch(&t),
+            Err(Error::HandleLength { len: 67, .. })
+        ));
         // Not required: PyTorch's event bytes are then meaningless and not checked.
         let mut t = sample(false).to_torch();
         t.event_handle.clear();
@@ -403,6 +463,7 @@ mod tests {
                 mem_handle: MemHandle(m),
                 ref_counter: ShmName::new("/tensormem_5_6_7").unwrap(),
                 event: event.then_some(EventHandle(m)),
+                producer: slot ^ size,
             };
             prop_assert_eq!(IpcHandle::decode(&h.encode()).unwrap(), h);
         }

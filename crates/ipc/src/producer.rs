@@ -17,7 +17,7 @@ use parking_lot::Mutex;
 use tensormem_cuda_alloc::{Allocation, CachingAllocator, Device, DevicePtr, StreamId};
 use tensormem_shm::NameGenerator;
 
-use crate::driver::{IpcDriver, MemHandle};
+use crate::driver::{EventHandle, IpcDriver, MemHandle};
 use crate::error::{Error, Result};
 use crate::handle::IpcHandle;
 use crate::received::check_shareable;
@@ -120,7 +120,9 @@ pub(crate) struct ProducerInner<D: Device, B: IpcDriver> {
     limbo: Mutex<Vec<Sent<D, B>>>,
     limbo_warned: AtomicBool,
     shutdown_warned: AtomicBool,
-    events_in_use: Arc<AtomicUsize>,
+    events: Arc<EventPool<B>>,
+    /// Sent in every handle: lets consumers keep this producer's events open.
+    id: u64,
     /// Memory handles by (device, base address).
     handles: Mutex<HashMap<(u32, u64), CachedHandle>>,
     /// Allocators whose free-memory callback is registered (by address).
@@ -157,7 +159,12 @@ impl<D: Device, B: IpcDriver> IpcProducer<D, B> {
                 limbo: Mutex::new(Vec::new()),
                 limbo_warned: AtomicBool::new(false),
                 shutdown_warned: AtomicBool::new(false),
-                events_in_use: Arc::new(AtomicUsize::new(0)),
+                events: Arc::new(EventPool {
+                    idle: Mutex::new(Vec::new()),
+                    live: AtomicUsize::new(0),
+                    lent: AtomicUsize::new(0),
+                }),
+                id: random_id(),
                 handles: Mutex::new(HashMap::new()),
                 registered: Mutex::new(Vec::new()),
                 counters: Counters::default(),
@@ -227,7 +234,7 @@ impl<D: Device, B: IpcDriver> IpcProducer<D, B> {
             shares: c.shares.load(Ordering::Relaxed),
             limbo: self.inner.limbo.lock().len(),
             limbo_warned: self.inner.limbo_warned.load(Ordering::Relaxed),
-            events_in_use: self.inner.events_in_use.load(Ordering::Relaxed),
+            events_in_use: self.inner.events.lent.load(Ordering::Relaxed),
             synchronized_shares: c.synchronized.load(Ordering::Relaxed),
             files_created: c.files.load(Ordering::Relaxed),
             slots_reclaimed: c.reclaimed.load(Ordering::Relaxed),
@@ -301,28 +308,57 @@ impl<D: Device, B: IpcDriver> ProducerInner<D, B> {
         Ok((file, slot))
     }
 
-    /// An event recorded on `stream`, or `None` after synchronizing it when the budget is spent.
+    /// An event recorded on `stream` (from the pool, or new while fewer than the budget exist), or
+    /// `None` after synchronizing the stream when every event is in use.
     fn event(&self, device: u32, stream: StreamId) -> Result<Option<EventGuard<B>>> {
-        let budget = self.config.max_events;
-        let taken = self
-            .events_in_use
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < budget).then_some(n + 1)
-            })
-            .is_ok();
-        if !taken {
-            self.driver.synchronize_stream(device, stream)?;
-            self.counters.synchronized.fetch_add(1, Ordering::Relaxed);
-            return Ok(None);
-        }
-        // The guard gives the budget back if creating or recording fails.
-        let mut guard = EventGuard {
-            event: None,
-            in_use: Arc::clone(&self.events_in_use),
+        let pool = &self.events;
+        let pooled = {
+            let mut idle = pool.idle.lock();
+            idle.iter()
+                .position(|e| e.device == device)
+                .map(|i| idle.swap_remove(i))
         };
-        let event = self.driver.create_event(device)?;
-        self.driver.record_event(device, &event, stream)?;
-        guard.event = Some(event);
+        let pooled = match pooled {
+            Some(pooled) => pooled,
+            None => {
+                let budget = self.config.max_events;
+                if pool
+                    .live
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                        (n < budget).then_some(n + 1)
+                    })
+                    .is_err()
+                {
+                    self.driver.synchronize_stream(device, stream)?;
+                    self.counters.synchronized.fetch_add(1, Ordering::Relaxed);
+                    return Ok(None);
+                }
+                let made = self.driver.create_event(device).and_then(|event| {
+                    let handle = self.driver.event_handle(&event)?;
+                    Ok(PooledEvent {
+                        device,
+                        event,
+                        handle,
+                    })
+                });
+                match made {
+                    Ok(pooled) => pooled,
+                    Err(err) => {
+                        pool.live.fetch_sub(1, Ordering::AcqRel);
+                        return Err(err.into());
+                    }
+                }
+            }
+        };
+        pool.lent.fetch_add(1, Ordering::AcqRel);
+        // From here the guard gives the event back to the pool, also if recording fails.
+        let guard = EventGuard {
+            pooled: Some(pooled),
+            pool: Arc::clone(pool),
+        };
+        if let Some(pooled) = &guard.pooled {
+            self.driver.record_event(device, &pooled.event, stream)?;
+        }
         Ok(Some(guard))
     }
 
@@ -407,16 +443,42 @@ impl<D: Device, B: IpcDriver> Drop for ProducerInner<D, B> {
     }
 }
 
-/// An interprocess event counted against the budget while it lives.
+/// A random producer id (never 0), from the standard library's randomly seeded hasher.
+fn random_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    hasher.finish().max(1)
+}
+
+/// An interprocess event with its exported handle (taken once).
+struct PooledEvent<B: IpcDriver> {
+    device: u32,
+    event: B::Event,
+    handle: EventHandle,
+}
+
+/// The producer's interprocess events: idle ones ready for the next share, and how many exist and
+/// are lent out. An event is reused only after the share it served was released (its slot back to
+/// 0), when the consumer has waited on it already; events are destroyed with the producer.
+struct EventPool<B: IpcDriver> {
+    idle: Mutex<Vec<PooledEvent<B>>>,
+    live: AtomicUsize,
+    lent: AtomicUsize,
+}
+
+/// An event lent to one share; returns to the pool when the share goes.
 struct EventGuard<B: IpcDriver> {
-    event: Option<B::Event>,
-    in_use: Arc<AtomicUsize>,
+    pooled: Option<PooledEvent<B>>,
+    pool: Arc<EventPool<B>>,
 }
 
 impl<B: IpcDriver> Drop for EventGuard<B> {
     fn drop(&mut self) {
-        drop(self.event.take());
-        self.in_use.fetch_sub(1, Ordering::AcqRel);
+        if let Some(pooled) = self.pooled.take() {
+            self.pool.idle.lock().push(pooled);
+        }
+        self.pool.lent.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -564,16 +626,10 @@ impl<D: Device, B: IpcDriver> SharedAllocation<D, B> {
                 return Err(err);
             }
         };
-        let event_handle = match event.as_ref().and_then(|g| g.event.as_ref()) {
-            Some(e) => match producer.driver.event_handle(e) {
-                Ok(h) => Some(h),
-                Err(err) => {
-                    file.release_unsent(slot);
-                    return Err(err.into());
-                }
-            },
-            None => None,
-        };
+        let event_handle = event
+            .as_ref()
+            .and_then(|g| g.pooled.as_ref())
+            .map(|p| p.handle);
         let handle = IpcHandle {
             device,
             mem_handle,
@@ -582,6 +638,7 @@ impl<D: Device, B: IpcDriver> SharedAllocation<D, B> {
             ref_counter: file.name().clone(),
             slot: slot as u64,
             event: event_handle,
+            producer: producer.id,
         };
         sent.slots.push(SentSlot {
             file,

@@ -21,7 +21,7 @@ use tensormem_cuda_alloc::{DevicePtr, StreamId};
 use tensormem_shm::ShmName;
 
 use crate::cache::{Lease, LeaseCache};
-use crate::driver::{IpcDriver, MemHandle};
+use crate::driver::{EventHandle, IpcDriver, MemHandle};
 use crate::error::{Error, Result};
 use crate::handle::IpcHandle;
 use crate::refcounter::MappedCounterFile;
@@ -59,6 +59,11 @@ pub struct ConsumerConfig {
     /// Mapped ref-counter files kept after their last use (default 8; a file is 400 KB of address
     /// space and at most a few pages of memory).
     pub idle_counter_files: usize,
+    /// Opened events of tensormem producers kept open between shares (default 1024, the producer's
+    /// event budget): such a producer reuses an event only for a later share and never destroys one
+    /// while it lives, so waiting on the kept event waits on the new record. Events of producers
+    /// that do not say who they are (PyTorch's tuples) are opened and closed per share.
+    pub idle_events: usize,
 }
 
 impl Default for ConsumerConfig {
@@ -66,6 +71,7 @@ impl Default for ConsumerConfig {
         Self {
             idle_mem_handles: 0,
             idle_counter_files: 8,
+            idle_events: 1024,
         }
     }
 }
@@ -125,10 +131,31 @@ impl<B: IpcDriver> Drop for OpenedBase<B> {
     }
 }
 
+/// Key of an opened event: producer id, device, handle.
+type EventKey = (u64, u32, EventHandle);
+
 struct ConsumerInner<B: IpcDriver> {
     driver: Arc<B>,
     mems: Arc<LeaseCache<(u32, MemHandle), OpenedBase<B>>>,
     files: Arc<LeaseCache<ShmName, MappedCounterFile>>,
+    events: Arc<LeaseCache<EventKey, B::ImportedEvent>>,
+}
+
+impl<B: IpcDriver> ConsumerInner<B> {
+    /// Makes `stream` wait for the producer's event, through the cache for known producers.
+    fn wait(&self, handle: &IpcHandle, event: &EventHandle, stream: StreamId) -> Result<()> {
+        let device = handle.device;
+        if handle.producer == 0 {
+            let opened = self.driver.open_event_handle(device, event)?;
+            return Ok(self.driver.wait_event(device, &opened, stream)?);
+        }
+        let opened = self
+            .events
+            .acquire(&(handle.producer, device, *event), || {
+                Ok(self.driver.open_event_handle(device, event)?)
+            })?;
+        Ok(self.driver.wait_event(device, opened.get(), stream)?)
+    }
 }
 
 /// Opens memory other processes shared (see the [module docs](self)). Cheap to clone.
@@ -166,6 +193,7 @@ impl<B: IpcDriver> IpcConsumer<B> {
                 driver,
                 mems: LeaseCache::new(config.idle_mem_handles),
                 files: LeaseCache::new(config.idle_counter_files),
+                events: LeaseCache::new(config.idle_events),
             }),
         }
     }
@@ -181,10 +209,11 @@ impl<B: IpcDriver> IpcConsumer<B> {
         self.inner.mems.len()
     }
 
-    /// Closes the idle memory handles and unmaps the idle ref-counter files.
+    /// Closes the idle memory handles and events, and unmaps the idle ref-counter files.
     pub fn trim(&self) {
         self.inner.mems.clear_idle();
         self.inner.files.clear_idle();
+        self.inner.events.clear_idle();
     }
 
     /// Opens shared memory: checks the handle, makes `stream` wait for the producer's event, opens the
@@ -251,9 +280,9 @@ impl<B: IpcDriver> IpcConsumer<B> {
             });
         }
         if let Some(event) = &handle.event {
-            if let Err(err) = inner.driver.wait_event_handle(device, event, stream) {
+            if let Err(err) = inner.wait(handle, event, stream) {
                 let _ = table.unclaim(file.get().mapping(), slot);
-                return Err(err.into());
+                return Err(err);
             }
         }
         Ok(ReceivedMemory {

@@ -69,7 +69,17 @@ fn limbo_holds_memory_until_the_consumer_releases_it() {
     assert_eq!(producer.stats().limbo, 0);
     assert_eq!(active(&allocator), 0);
     assert_eq!(producer.stats().events_in_use, 0);
-    assert_eq!(driver.counts.events_alive.load(Ordering::Relaxed), 0);
+    assert_eq!(
+        driver.counts.events_alive.load(Ordering::Relaxed),
+        1,
+        "pooled for the next share"
+    );
+    drop(producer);
+    assert_eq!(
+        driver.counts.events_alive.load(Ordering::Relaxed),
+        0,
+        "destroyed with the producer"
+    );
 }
 
 #[test]
@@ -228,11 +238,23 @@ fn past_the_event_budget_shares_synchronize_instead() {
     let stats = producer.stats();
     assert_eq!((stats.events_in_use, stats.synchronized_shares), (5, 3));
     assert_eq!(driver.counts.stream_syncs.load(Ordering::Relaxed), 3);
-    // Consumers release the first share: its event is given back at the next share.
+    // Consumers release the first share: its event is reused by the next share.
     let consumer = IpcConsumer::new(Arc::clone(&driver));
     drop(consumer.open(&handles[0], S).unwrap());
-    assert!(shared.share(S).unwrap().event.is_some());
+    let next = shared.share(S).unwrap();
+    assert_eq!(
+        next.event, handles[0].event,
+        "the released share's event, recorded again"
+    );
     assert_eq!(producer.stats().events_in_use, 5);
+    assert_eq!(driver.counts.events_created.load(Ordering::Relaxed), 5);
+    drop(consumer.open(&next, S).unwrap());
+    assert_eq!(
+        driver.counts.events_opened.load(Ordering::Relaxed),
+        1,
+        "the consumer kept the producer's event open"
+    );
+    assert_eq!(driver.counts.event_waits.load(Ordering::Relaxed), 2);
     for h in &handles[1..] {
         drop(consumer.open(h, S).unwrap());
     }
@@ -481,6 +503,7 @@ fn the_torch_tuple_opens_like_the_handle() {
     let consumer = IpcConsumer::new(Arc::clone(&driver));
     let received = consumer.open(&back, S).unwrap();
     assert_eq!(received.view::<u64>().unwrap().len(), 1024);
+    assert_eq!(consumer.open_mem_handles(), 1);
     drop(received);
     // A view must fit the memory: 1001 bytes are not u32s.
     let odd = producer.adopt(&allocator, allocator.allocate(4096, S).unwrap());

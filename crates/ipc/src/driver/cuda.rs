@@ -87,6 +87,7 @@ fn check(call: &'static str, result: sys::CUresult) -> DeviceResult<()> {
 
 impl IpcDriver for CudaIpcDriver {
     type Event = CudaEvent;
+    type ImportedEvent = CudaEvent;
 
     fn device_count(&self) -> DeviceResult<u32> {
         Ok(self.devices.len() as u32)
@@ -189,18 +190,17 @@ impl IpcDriver for CudaIpcDriver {
         })
     }
 
-    fn wait_event_handle(
-        &self,
-        device: u32,
-        handle: &EventHandle,
-        stream: StreamId,
-    ) -> DeviceResult<()> {
+    fn open_event_handle(&self, device: u32, handle: &EventHandle) -> DeviceResult<CudaEvent> {
         self.current(device)?;
         // SAFETY: the context of the device the event was made on is current (the handle names the
         // same device as the memory, and this thread made that device's context current above).
-        let event = unsafe { CudaEvent::open_ipc_handle(&handle.0)? };
-        // SAFETY: the event is live until the end of this function; the stream is the current
-        // context's default stream or a live stream of the device (the caller's obligation).
+        unsafe { CudaEvent::open_ipc_handle(&handle.0) }
+    }
+
+    fn wait_event(&self, device: u32, event: &CudaEvent, stream: StreamId) -> DeviceResult<()> {
+        self.current(device)?;
+        // SAFETY: the event is live (borrowed); the stream is the current context's default stream
+        // or a live stream of the device (the caller's obligation, as for every StreamId).
         check("cuStreamWaitEvent", unsafe {
             sys::cuStreamWaitEvent(stream.0 as sys::CUstream, event.as_raw(), 0)
         })

@@ -39,6 +39,8 @@ pub struct FakeCounts {
     pub events_alive: Arc<AtomicUsize>,
     /// Event records.
     pub records: AtomicUsize,
+    /// Imported events opened.
+    pub events_opened: AtomicUsize,
     /// Waits on imported events.
     pub event_waits: AtomicUsize,
     /// Stream synchronizations.
@@ -124,6 +126,7 @@ fn invalid(call: &'static str, message: String) -> DeviceError {
 
 impl IpcDriver for FakeDriver {
     type Event = FakeEvent;
+    type ImportedEvent = EventHandle;
 
     fn device_count(&self) -> DeviceResult<u32> {
         Ok(self.devices)
@@ -217,12 +220,7 @@ impl IpcDriver for FakeDriver {
         Ok(())
     }
 
-    fn wait_event_handle(
-        &self,
-        device: u32,
-        handle: &EventHandle,
-        _stream: StreamId,
-    ) -> DeviceResult<()> {
+    fn open_event_handle(&self, device: u32, handle: &EventHandle) -> DeviceResult<EventHandle> {
         self.check_device(device)?;
         if &handle.0[..8] != EVENT_MAGIC {
             return Err(invalid(
@@ -230,6 +228,12 @@ impl IpcDriver for FakeDriver {
                 "not an event handle of the fake driver".into(),
             ));
         }
+        self.counts.events_opened.fetch_add(1, Ordering::Relaxed);
+        Ok(*handle)
+    }
+
+    fn wait_event(&self, device: u32, _event: &EventHandle, _stream: StreamId) -> DeviceResult<()> {
+        self.check_device(device)?;
         self.counts.event_waits.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
