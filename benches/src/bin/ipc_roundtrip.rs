@@ -2,7 +2,8 @@
 //! the producer's buffer is allocated (from the cache) and filled before the timer; timed are the
 //! share, the message to the consumer, the consumer's open, its read of one byte (`.item()`), its
 //! release (stream synchronize + slot decrement) and its one-byte answer. The producer frees after
-//! the timer, as the anchor's `del t` does.
+//! the timer, as the anchor's `del t` does. As in the anchor (`torch.cuda.synchronize()` before the
+//! timer), the producer's stream is idle at share time, so by default no event is sent.
 //!
 //! ```text
 //! ipc_roundtrip [--iters N] [--spin-us N]
@@ -12,7 +13,9 @@
 //! `tensormem_ipc_warm` (the consumer keeps opened handles: a repeat share opens nothing),
 //! `tensormem_ipc_cold` (handles closed after each use, as PyTorch does: every round trip opens and
 //! closes), `tensormem_ipc_first_open` (the warm consumer's first round trip, which opens),
-//! `tensormem_ipc_share_only` (the producer's `share` call alone, warm), and
+//! `tensormem_ipc_share_only` (the producer's `share` call alone, warm),
+//! `tensormem_ipc_warm_event` (warm, with an interprocess event recorded although the stream is
+//! idle, as PyTorch always does: `skip_event_when_idle` off), and
 //! `tensormem_ipc_warm_spin`: warm, both sides polling their pipe for up to `--spin-us` (default
 //! 200) before blocking, which takes the two cross-process wake-ups off the round trip.
 //! Re-executes itself as the consumer (`TENSORMEM_IPC_BENCH_ROLE=consumer`).
@@ -29,7 +32,7 @@ use cudarc::driver::sys;
 use tensormem_cuda_alloc::backend::cuda::CudaDevice;
 use tensormem_cuda_alloc::{CachingAllocator, StreamId};
 use tensormem_ipc::driver::cuda::CudaIpcDriver;
-use tensormem_ipc::{ConsumerConfig, IpcConsumer, IpcHandle, IpcProducer};
+use tensormem_ipc::{ConsumerConfig, IpcConsumer, IpcHandle, IpcProducer, ProducerConfig};
 
 const ROLE: &str = "TENSORMEM_IPC_BENCH_ROLE";
 const IDLE: &str = "TENSORMEM_IPC_BENCH_IDLE";
@@ -108,19 +111,33 @@ fn consumer() -> Result<(), BoxError> {
     let (mut input, mut output) = (std::io::stdin().lock(), std::io::stdout().lock());
     let mut len = [0u8; 4];
     let mut buf = Vec::new();
+    let mut phases: [Vec<f64>; 3] = Default::default();
     while read_exact_spin(&mut input, &mut len, spin)? {
         buf.resize(u32::from_le_bytes(len) as usize, 0);
         read_exact_spin(&mut input, &mut buf, spin)?;
+        let t0 = Instant::now();
         let handle = IpcHandle::decode(&buf)?;
         let received = consumer.open(&handle, S)?;
+        let t1 = Instant::now();
         let mut first = 0u8;
         // SAFETY: one byte of received device memory into a local byte; device 0's context is current.
         check("cuMemcpyDtoH", unsafe {
             sys::cuMemcpyDtoH_v2((&mut first as *mut u8).cast(), received.ptr().0, 1)
         })?;
+        let t2 = Instant::now();
         drop(received);
+        let t3 = Instant::now();
         output.write_all(&[first])?;
         output.flush()?;
+        for (phase, (a, b)) in phases.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3)]) {
+            phase.push((b - a).as_secs_f64() * 1e6);
+        }
+    }
+    if !phases[0].is_empty() {
+        let [open, read, release] = phases.map(median);
+        eprintln!(
+            "# consumer medians, us: open {open:.1}, read 1 byte {read:.1}, release {release:.1}"
+        );
     }
     Ok(())
 }
@@ -141,11 +158,21 @@ struct Figures {
 }
 
 /// Round trips of `size` bytes against a consumer keeping `idle` handles, both sides spinning for
-/// `spin` before blocking.
-fn run(size: usize, idle: usize, spin: Duration, iters: usize) -> Result<Figures, BoxError> {
+/// `spin` before blocking; with `events`, an event is sent even though the stream is idle.
+fn run(
+    size: usize,
+    idle: usize,
+    spin: Duration,
+    events: bool,
+    iters: usize,
+) -> Result<Figures, BoxError> {
     let device = CudaDevice::new(0)?;
     let allocator = Arc::new(CachingAllocator::new(device));
-    let producer = IpcProducer::new(Arc::new(CudaIpcDriver::new()?));
+    let config = ProducerConfig {
+        skip_event_when_idle: !events,
+        ..ProducerConfig::default()
+    };
+    let producer = IpcProducer::with_config(Arc::new(CudaIpcDriver::new()?), config);
     let mut child = Command::new(std::env::current_exe()?)
         .env(ROLE, "consumer")
         .env(IDLE, idle.to_string())
@@ -217,16 +244,21 @@ fn main() -> Result<(), BoxError> {
     let (block, spin) = (Duration::ZERO, Duration::from_micros(spin_us));
     println!("strategy,device,bytes,median_us_per_roundtrip");
     for size in [4096usize, 1 << 20, 64 << 20] {
-        let warm = run(size, 16, block, iters)?;
+        let warm = run(size, 16, block, false, iters)?;
         println!("tensormem_ipc_warm,cuda,{size},{:.1}", warm.round_trip);
         println!("tensormem_ipc_first_open,cuda,{size},{:.1}", warm.first);
         println!("tensormem_ipc_share_only,cuda,{size},{:.1}", warm.share);
-        let warm_spin = run(size, 16, spin, iters)?;
+        let warm_spin = run(size, 16, spin, false, iters)?;
         println!(
             "tensormem_ipc_warm_spin,cuda,{size},{:.1}",
             warm_spin.round_trip
         );
-        let cold = run(size, 0, block, iters)?;
+        let event = run(size, 16, block, true, iters)?;
+        println!(
+            "tensormem_ipc_warm_event,cuda,{size},{:.1}",
+            event.round_trip
+        );
+        let cold = run(size, 0, block, false, iters)?;
         println!("tensormem_ipc_cold,cuda,{size},{:.1}", cold.round_trip);
     }
     Ok(())

@@ -63,6 +63,10 @@ pub trait IpcDriver: Send + Sync + 'static {
     /// The IPC handle of `event` (`cuIpcGetEventHandle`).
     fn event_handle(&self, event: &Self::Event) -> DeviceResult<EventHandle>;
 
+    /// Whether every piece of work queued on `stream` of `device` has finished (`cuStreamQuery`),
+    /// without blocking.
+    fn stream_idle(&self, device: u32, stream: StreamId) -> DeviceResult<bool>;
+
     /// Blocks until the work queued on `stream` of `device` has finished (`cuStreamSynchronize`).
     fn synchronize_stream(&self, device: u32, stream: StreamId) -> DeviceResult<()>;
 

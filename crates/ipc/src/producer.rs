@@ -45,6 +45,10 @@ pub struct ProducerConfig {
     pub max_events: usize,
     /// Limbo size past which it warns ([`WARN_AFTER_X_BLOCKS_IN_LIMBO`]).
     pub warn_after_blocks_in_limbo: usize,
+    /// Share without an event when the stream has no pending work (default `true`; PyTorch always
+    /// records one). Waiting on an interprocess event costs the consumer's next stream operation
+    /// about 0.27 ms on an H100, a wait for nothing when every write has completed.
+    pub skip_event_when_idle: bool,
 }
 
 impl Default for ProducerConfig {
@@ -53,6 +57,7 @@ impl Default for ProducerConfig {
             slots_per_file: REF_COUNTER_FILE_SIZE,
             max_events: MAXIMUM_EVENTS_TO_USE,
             warn_after_blocks_in_limbo: WARN_AFTER_X_BLOCKS_IN_LIMBO,
+            skip_event_when_idle: true,
         }
     }
 }
@@ -70,6 +75,8 @@ pub struct ProducerStats {
     pub events_in_use: usize,
     /// Shares that synchronized the stream because the event budget was spent.
     pub synchronized_shares: usize,
+    /// Shares made while the stream had no pending work: no event needed.
+    pub idle_stream_shares: usize,
     /// Ref-counter files created.
     pub files_created: usize,
     /// Slots reclaimed from consumers that died holding them.
@@ -99,6 +106,7 @@ impl<D: Device, B: IpcDriver> Clone for IpcProducer<D, B> {
 struct Counters {
     shares: AtomicUsize,
     synchronized: AtomicUsize,
+    idle_stream: AtomicUsize,
     files: AtomicUsize,
     reclaimed: AtomicUsize,
 }
@@ -236,6 +244,7 @@ impl<D: Device, B: IpcDriver> IpcProducer<D, B> {
             limbo_warned: self.inner.limbo_warned.load(Ordering::Relaxed),
             events_in_use: self.inner.events.lent.load(Ordering::Relaxed),
             synchronized_shares: c.synchronized.load(Ordering::Relaxed),
+            idle_stream_shares: c.idle_stream.load(Ordering::Relaxed),
             files_created: c.files.load(Ordering::Relaxed),
             slots_reclaimed: c.reclaimed.load(Ordering::Relaxed),
             shutdown_warned: self.inner.shutdown_warned.load(Ordering::Relaxed),
@@ -309,8 +318,14 @@ impl<D: Device, B: IpcDriver> ProducerInner<D, B> {
     }
 
     /// An event recorded on `stream` (from the pool, or new while fewer than the budget exist), or
-    /// `None` after synchronizing the stream when every event is in use.
+    /// `None` when the stream has no pending work (nothing to wait for), or `None` after
+    /// synchronizing the stream when every event is in use.
     fn event(&self, device: u32, stream: StreamId) -> Result<Option<EventGuard<B>>> {
+        // An idle stream needs no event: every write queued on it has completed.
+        if self.config.skip_event_when_idle && self.driver.stream_idle(device, stream)? {
+            self.counters.idle_stream.fetch_add(1, Ordering::Relaxed);
+            return Ok(None);
+        }
         let pool = &self.events;
         let pooled = {
             let mut idle = pool.idle.lock();

@@ -254,27 +254,52 @@ fn a_consumer_process_reads_and_writes_the_producers_memory() {
     let Some((allocator, producer, _lock)) = gpu() else {
         return;
     };
+    let stream = allocator.device().create_stream().unwrap();
     let mut peer = Peer::this(
         "a_consumer_process_reads_and_writes_the_producers_memory",
         "consumer",
     );
     for size in [4096usize, 1 << 20, 64 << 20] {
-        let allocation = allocator.allocate(size, S).unwrap();
+        let allocation = allocator.allocate(size, stream.id()).unwrap();
         fill(allocation.ptr(), 0x11, size);
-        let (mut shared, handle) = producer.share(&allocator, allocation, S).unwrap();
-        assert!(handle.event.is_some());
-        peer.send(&format!("open {} 17 34", hex(&handle.encode())));
+        // The producer's stream is busy (held by a host function, then a fill): the share records
+        // an event, and the consumer must wait for it to see the fill.
+        // SAFETY: the host function makes no CUDA call; the fill writes memory this test owns.
+        unsafe {
+            stream
+                .launch_host_fn(|| std::thread::sleep(std::time::Duration::from_millis(50)))
+                .unwrap();
+            stream.memset_d8(allocation.ptr(), 0x22, size).unwrap();
+        }
+        let (mut shared, handle) = producer.share(&allocator, allocation, stream.id()).unwrap();
+        assert!(
+            handle.event.is_some(),
+            "a busy stream is shared with an event"
+        );
+        peer.send(&format!("open {} 34 51", hex(&handle.encode())));
         peer.expect("ok");
         let back = read(shared.ptr(), size);
-        assert!(back[..size / 2].iter().all(|&b| b == 0x11));
+        assert!(back[..size / 2].iter().all(|&b| b == 0x22));
         assert!(
-            back[size / 2..].iter().all(|&b| b == 34),
+            back[size / 2..].iter().all(|&b| b == 51),
             "the consumer's writes are visible"
         );
         assert_eq!(shared.outstanding(), 0, "the consumer released its slot");
+        // An idle stream needs no event.
+        fill(shared.ptr(), 0x22, size);
+        stream.synchronize().unwrap();
+        let again = shared.share(stream.id()).unwrap();
+        assert!(
+            again.event.is_none(),
+            "an idle stream is shared without an event"
+        );
+        peer.send(&format!("open {} 34 68", hex(&again.encode())));
+        peer.expect("ok");
         drop(shared);
         assert_eq!(producer.stats().limbo, 0);
     }
+    let stats = producer.stats();
+    assert_eq!((stats.idle_stream_shares, stats.events_in_use), (3, 0));
     peer.finish();
     assert_eq!(allocator.memory_stats().active_bytes.all.current, 0);
     producer.collect();

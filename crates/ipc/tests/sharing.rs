@@ -261,6 +261,24 @@ fn past_the_event_budget_shares_synchronize_instead() {
 }
 
 #[test]
+fn an_idle_stream_is_shared_without_an_event() {
+    let (driver, allocator, producer) = setup(ProducerConfig::default());
+    driver.set_streams_idle(true);
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let (shared, handle) = producer
+        .share(&allocator, allocator.allocate(4096, S).unwrap(), S)
+        .unwrap();
+    assert_eq!(handle.event, None);
+    assert!(!handle.to_torch().event_sync_required);
+    drop(consumer.open(&handle, S).unwrap());
+    assert_eq!(driver.counts.events_created.load(Ordering::Relaxed), 0);
+    assert_eq!(driver.counts.event_waits.load(Ordering::Relaxed), 0);
+    assert_eq!(producer.stats().idle_stream_shares, 1);
+    drop(shared);
+    assert_eq!(active(&allocator), 0);
+}
+
+#[test]
 fn the_default_budget_is_pytorchs() {
     let (_driver, allocator, producer) = setup(ProducerConfig::default());
     let mut shared = producer.adopt(&allocator, allocator.allocate(512, S).unwrap());

@@ -145,6 +145,16 @@ impl IpcDriver for CudaIpcDriver {
         event.ipc_handle().map(EventHandle)
     }
 
+    fn stream_idle(&self, device: u32, stream: StreamId) -> DeviceResult<bool> {
+        self.current(device)?;
+        // SAFETY: as in `record_event`.
+        match unsafe { sys::cuStreamQuery(stream.0 as sys::CUstream) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => check("cuStreamQuery", other).map(|()| false),
+        }
+    }
+
     fn synchronize_stream(&self, device: u32, stream: StreamId) -> DeviceResult<()> {
         self.current(device)?;
         // SAFETY: as in `record_event`.

@@ -7,7 +7,7 @@
 //! left alive.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -67,6 +67,8 @@ pub struct FakeDriver {
     /// Open mappings of this process: base address -> (size, references).
     open: Mutex<HashMap<(u32, u64), (usize, usize)>>,
     next_event: AtomicU64,
+    /// What `stream_idle` answers (default: work pending, so shares record events).
+    streams_idle: AtomicBool,
     /// Call counts.
     pub counts: FakeCounts,
 }
@@ -85,8 +87,14 @@ impl FakeDriver {
             devices,
             open: Mutex::new(HashMap::new()),
             next_event: AtomicU64::new(1),
+            streams_idle: AtomicBool::new(false),
             counts: FakeCounts::default(),
         }
+    }
+
+    /// Makes `stream_idle` report every stream idle (`true`) or busy (`false`, the default).
+    pub fn set_streams_idle(&self, idle: bool) {
+        self.streams_idle.store(idle, Ordering::Relaxed);
     }
 
     /// How many distinct handles are open in this process now.
@@ -170,6 +178,11 @@ impl IpcDriver for FakeDriver {
         b[8..16].copy_from_slice(&u64::from(std::process::id()).to_le_bytes());
         b[16..24].copy_from_slice(&event.id.to_le_bytes());
         Ok(EventHandle(b))
+    }
+
+    fn stream_idle(&self, device: u32, _stream: StreamId) -> DeviceResult<bool> {
+        self.check_device(device)?;
+        Ok(self.streams_idle.load(Ordering::Relaxed))
     }
 
     fn synchronize_stream(&self, device: u32, _stream: StreamId) -> DeviceResult<()> {
