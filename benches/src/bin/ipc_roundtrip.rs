@@ -30,7 +30,7 @@ use rustix::fs::{fcntl_getfl, fcntl_setfl, OFlags};
 
 use cudarc::driver::sys;
 use tensormem_cuda_alloc::backend::cuda::CudaDevice;
-use tensormem_cuda_alloc::{CachingAllocator, StreamId};
+use tensormem_cuda_alloc::{CachingAllocator, Device, StreamId};
 use tensormem_ipc::driver::cuda::CudaIpcDriver;
 use tensormem_ipc::{ConsumerConfig, IpcConsumer, IpcHandle, IpcProducer, ProducerConfig};
 
@@ -189,10 +189,13 @@ fn run(
         let allocation = allocator.allocate(size, S)?;
         let value = (i % 251) as u8;
         allocator.device().make_current()?;
-        // SAFETY: the allocation is `size` bytes of device 0, owned here; synchronous memset.
+        // SAFETY: the allocation is `size` bytes of device 0, owned here.
         check("cuMemsetD8", unsafe {
             sys::cuMemsetD8_v2(allocation.ptr().0, value, size)
         })?;
+        // The anchor calls torch.cuda.synchronize() before its timer (cuMemsetD8 may return before
+        // the fill is done).
+        allocator.device().synchronize()?;
         let t0 = Instant::now();
         let (shared, handle) = producer.share(&allocator, allocation, S)?;
         let share = t0.elapsed().as_secs_f64() * 1e6;
