@@ -65,6 +65,19 @@
 //!
 //! On a GPU, use `driver::cuda::CudaIpcDriver` (feature `cuda`, on by default) and an allocator on
 //! `tensormem_cuda_alloc::backend::cuda::CudaDevice`.
+//!
+//! # Features
+//!
+//! - `cuda` (default): `driver::cuda::CudaIpcDriver`, the driver calls through `cudarc` with the
+//!   driver loaded at run time (no CUDA toolkit needed to build). Without it the crate has no CUDA
+//!   code and no `cudarc` in its dependency tree; [`driver::fake::FakeDriver`] and any other
+//!   [`IpcDriver`] still work.
+//!
+//! # Beyond PyTorch, in numbers
+//!
+//! On an H100 the round trip of `torch_sharing_bench.py`'s `cuda_ipc` rows takes PyTorch 594 to 825 µs;
+//! with the consumer's handle cache warm and an idle producer stream (no event needed) tensormem takes
+//! 24 to 45 µs, 12 to 15 µs with both sides spinning on their pipe (`docs/performance.md`).
 
 mod cache;
 pub mod driver;
