@@ -570,3 +570,30 @@ fn limbo_and_shutdown_warn_once() {
     assert_eq!(producer.shutdown(), 0);
     assert_eq!(active(&allocator), 0);
 }
+
+#[test]
+fn threads_opening_one_base_allocation_at_once_open_it_once() {
+    let (driver, allocator, producer) = setup(ProducerConfig::default());
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let mut shared = producer.adopt(&allocator, allocator.allocate(4096, S).unwrap());
+    let handles: Vec<IpcHandle> = (0..16).map(|_| shared.share(S).unwrap()).collect();
+    let barrier = std::sync::Barrier::new(handles.len());
+    let received: Vec<_> = std::thread::scope(|s| {
+        let workers: Vec<_> = handles
+            .iter()
+            .map(|h| {
+                let (consumer, barrier) = (&consumer, &barrier);
+                s.spawn(move || {
+                    barrier.wait();
+                    consumer.open(h, S).unwrap()
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).collect()
+    });
+    assert_eq!(driver.counts.opens.load(Ordering::Relaxed), 1);
+    assert!(received.windows(2).all(|w| w[0].ptr() == w[1].ptr()));
+    drop(received);
+    assert_eq!(driver.counts.closes.load(Ordering::Relaxed), 1);
+    assert_eq!(shared.outstanding(), 0);
+}
