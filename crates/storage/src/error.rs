@@ -116,6 +116,16 @@ pub enum Error {
     )]
     ReceivedCuda,
 
+    /// PyTorch's `torch_shm_manager` (named by the manager handle of a PyTorch tuple) could
+    /// not be reached or did not follow its protocol.
+    #[error("PyTorch's shm manager at {}: {problem}", socket.display())]
+    TorchManager {
+        /// The manager's socket (the tuple's manager handle).
+        socket: std::path::PathBuf,
+        /// What went wrong.
+        problem: String,
+    },
+
     /// The CUDA layer (allocator, driver or IPC) failed.
     #[error("{op}: {message}")]
     Cuda {
@@ -141,7 +151,7 @@ impl Error {
             | Self::ReceivedCuda => K::InvalidInput,
             Self::Expired => K::NotFound,
             Self::RefcountUnderflow { .. } => K::InvalidData,
-            Self::Cuda { .. } => K::Other,
+            Self::Cuda { .. } | Self::TorchManager { .. } => K::Other,
         }
     }
 }

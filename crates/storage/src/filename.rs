@@ -11,13 +11,33 @@
 //! it has opened the name, as `torch.multiprocessing` does), so the name survives its creator
 //! dropping the storage before the receiver got there.
 //!
-//! The manager daemon (`tensormem_shm::manager`) is the backstop for processes that die without
-//! closing: each process registers every name it creates or opens. When a process closes a
-//! storage and the count reaches zero, it unlinks the name and tells the daemon to forget it;
-//! when the count stays above zero (others, or a name in transit, still count), the process keeps
-//! its hold until it exits, and the daemon unlinks the name once no live process holds it. So a
-//! name shared by a process that exits survives while another live process holds it (PyTorch:
-//! while `torch_shm_manager` has clients), and nothing outlives all of them.
+//! A manager is the backstop for processes that die without closing. Which one depends on who
+//! shared the name:
+//!
+//! - **Names tensormem creates** (empty manager handle) are registered with tensormem's daemon
+//!   (`tensormem_shm::manager`) before the object exists; every tensormem process that opens
+//!   one registers too. When a process closes a storage and the count reaches zero, it unlinks
+//!   the name and tells the daemon to forget it; when the count stays above zero (others, or a
+//!   name in transit, still count), the process keeps its hold until it exits, and the daemon
+//!   unlinks the name once no live process holds it. So a name survives its creator exiting
+//!   while another live tensormem process holds it, and nothing outlives all of them.
+//! - **Names a PyTorch process shared** carry the socket of its `torch_shm_manager` as manager
+//!   handle; opening one speaks that manager's protocol (`AllocInfo` records, see the
+//!   `torch_manager` module) exactly as a PyTorch consumer does: register before mapping,
+//!   deregister after closing. PyTorch's manager keeps the name until all its clients are gone.
+//!
+//! # PyTorch opening tensormem's names
+//!
+//! [`FilenameHandle::manager_handle`] is empty for names tensormem created: tensormem's daemon
+//! speaks its own protocol (per-client holds, release and forget requests, uid checks), which
+//! PyTorch's client cannot talk to, and tensormem does not start `torch_shm_manager` (a Rust
+//! deployment has no PyTorch installation to take it from). Given an empty handle, PyTorch's
+//! `_new_shared_filename_cpu(b"", name, size)` starts a manager of its own and registers the
+//! name there, which works. One consequence to plan for: tensormem's daemon does not know about
+//! PyTorch's users of a name, so when the last tensormem process holding it exits, the daemon
+//! unlinks it, and a PyTorch process whose close later brings the count to zero fails to unlink
+//! it ("could not unlink the shared memory file"). Keep a tensormem process holding the storage
+//! until PyTorch is done with it, or share with PyTorch by descriptor.
 
 use std::fmt;
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -30,6 +50,7 @@ use crate::error::{Error, Result};
 use crate::fd::check_size;
 use crate::owner::Owner;
 use crate::storage::Storage;
+use crate::torch_manager::TorchManager;
 
 /// What a consumer needs to open a storage shared by name: PyTorch's
 /// `(manager_handle, storage_handle, size)` tuple from `_share_filename_cpu_()`.
@@ -61,12 +82,23 @@ impl FilenameHandle {
     }
 }
 
-/// A refcounted named region held at the manager daemon (PyTorch's `THManagedMapAllocator`).
+/// Who keeps a name from leaking when its users die.
+#[derive(Debug)]
+enum Holder {
+    /// tensormem's manager daemon (names tensormem created, or opened from a tensormem handle).
+    Tensormem(Arc<Manager>),
+    /// PyTorch's `torch_shm_manager` named by the tuple (names a PyTorch process shared).
+    Torch(Arc<TorchManager>),
+    /// Nobody: the name was unlinked before this process could register it.
+    Unregistered,
+}
+
+/// A refcounted named region held at a manager (PyTorch's `THManagedMapAllocator`).
 pub(crate) struct NamedRegion {
     /// The region; `None` only while dropping.
     region: Option<RefcountedRegion>,
-    /// The connection the name is registered with.
-    manager: Arc<Manager>,
+    /// Where the name is registered.
+    holder: Holder,
     /// The manager handle to hand on when sharing again.
     manager_handle: Vec<u8>,
     /// A second mapping of the object's first bytes, made on the first incref/decref, through
@@ -85,15 +117,22 @@ impl NamedRegion {
             .register_new(name.as_str())
             .map_err(tensormem_shm::Error::from)?;
         match RefcountedRegion::create(&name, size) {
-            Ok(region) => Ok(Self::held(region, manager, Vec::new())),
+            Ok(region) => Ok(Self::held(region, Holder::Tensormem(manager), Vec::new())),
             Err(err) => {
-                release_quietly(&manager, &name);
+                if matches!(err, tensormem_shm::Error::AlreadyExists { .. }) {
+                    // Not ours: drop the registration without unlinking it.
+                    let _ = manager.forget(name.as_str());
+                } else if let Err(e) = manager.release(name.as_str()) {
+                    tracing::warn!(name = %name, error = %e, "cannot release a failed creation");
+                }
                 Err(err.into())
             }
         }
     }
 
-    /// Opens the name of `handle` (registered first: the daemon refuses names that are gone).
+    /// Opens the name of `handle` and registers this process as a holder: with tensormem's
+    /// daemon for tensormem handles (empty manager handle), with the PyTorch manager the handle
+    /// names otherwise.
     pub(crate) fn open(handle: &FilenameHandle) -> Result<Self> {
         if handle.size == 0 {
             return Err(Error::Empty {
@@ -101,30 +140,43 @@ impl NamedRegion {
             });
         }
         check_size(handle.size, "new_shared_filename")?;
-        let manager = Manager::global().map_err(tensormem_shm::Error::from)?;
         let name = &handle.name;
-        match manager.register_existing(name.as_str()) {
-            Ok(()) => {}
+        let options = MapOptions::new().len(handle.size);
+        if !handle.manager_handle.is_empty() {
+            // PyTorch's order: register with its manager, then map.
+            let torch = TorchManager::for_handle(&handle.manager_handle)?;
+            torch.register(name)?;
+            return match RefcountedRegion::open_with(name, options) {
+                Ok(region) => Ok(Self::held(
+                    region,
+                    Holder::Torch(torch),
+                    handle.manager_handle.clone(),
+                )),
+                Err(err) => {
+                    let _ = torch.deregister(name);
+                    Err(err.into())
+                }
+            };
+        }
+        let manager = Manager::global().map_err(tensormem_shm::Error::from)?;
+        // Map (and count) first: a failed open then leaves no registration behind, and the
+        // registration never makes the daemon unlink an object this process did not join.
+        let region = RefcountedRegion::open_with(name, options)?;
+        let holder = match manager.register_existing(name.as_str()) {
+            Ok(()) => Holder::Tensormem(manager),
             Err(ManagerError::Refused { .. }) => {
-                return Err(Error::Shm(tensormem_shm::Error::NotFound {
-                    object: format!("shm {:?}", name.as_str()),
-                }))
+                tracing::warn!(name = %name, "name unlinked while opening; the mapping stays valid");
+                Holder::Unregistered
             }
             Err(e) => return Err(Error::Shm(e.into())),
-        }
-        match RefcountedRegion::open_with(name, MapOptions::new().len(handle.size)) {
-            Ok(region) => Ok(Self::held(region, manager, handle.manager_handle.clone())),
-            Err(err) => {
-                release_quietly(&manager, name);
-                Err(err.into())
-            }
-        }
+        };
+        Ok(Self::held(region, holder, Vec::new()))
     }
 
-    fn held(region: RefcountedRegion, manager: Arc<Manager>, manager_handle: Vec<u8>) -> Self {
+    fn held(region: RefcountedRegion, holder: Holder, manager_handle: Vec<u8>) -> Self {
         Self {
             region: Some(region),
-            manager,
+            holder,
             manager_handle,
             header: OnceLock::new(),
         }
@@ -201,13 +253,6 @@ impl NamedRegion {
     }
 }
 
-/// Drops a registration after a failed create/open; the daemon unlinks at exit anyway.
-fn release_quietly(manager: &Manager, name: &ShmName) {
-    if let Err(e) = manager.release(name.as_str()) {
-        tracing::warn!(name = %name, error = %e, "cannot release a failed registration");
-    }
-}
-
 impl Drop for NamedRegion {
     fn drop(&mut self) {
         self.header.take();
@@ -224,14 +269,23 @@ impl Drop for NamedRegion {
                 false
             }
         };
-        if unlinked {
-            if let Err(e) = self.manager.forget(name.as_str()) {
-                tracing::warn!(name = %name, error = %e, "cannot tell the shm manager");
+        match &self.holder {
+            Holder::Tensormem(manager) if unlinked => {
+                if let Err(e) = manager.forget(name.as_str()) {
+                    tracing::warn!(name = %name, error = %e, "cannot tell the shm manager");
+                }
             }
-        } else {
             // Others still count: keep the hold, so the daemon unlinks the name only once no
             // live process holds it (see the module docs).
-            tracing::trace!(name = %name, "named storage closed; the name lives on");
+            Holder::Tensormem(_) => {
+                tracing::trace!(name = %name, "named storage closed; the name lives on");
+            }
+            Holder::Torch(torch) => {
+                if let Err(e) = torch.deregister(&name) {
+                    tracing::warn!(name = %name, error = %e, "cannot tell torch_shm_manager");
+                }
+            }
+            Holder::Unregistered => {}
         }
     }
 }
@@ -240,6 +294,7 @@ impl fmt::Debug for NamedRegion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NamedRegion")
             .field("region", &self.region)
+            .field("holder", &self.holder)
             .field("manager_handle", &String::from_utf8_lossy(&self.manager_handle))
             .finish()
     }

@@ -86,6 +86,7 @@ mod file;
 mod filename;
 mod owner;
 mod storage;
+mod torch_manager;
 
 pub use copy::storage_copy;
 pub use device::Device;
