@@ -17,8 +17,11 @@ use anyhow::{bail, Context, Result};
 
 use crate::gpu_tests::{cargo, GPU_TEST_TARGETS};
 
-/// The benchmark binary copied beside the tests: (package, binary).
-const BENCH_BIN: (&str, &str) = ("tensormem-benches", "alloc_patterns");
+/// The benchmark binaries copied beside the tests: (package, binary).
+const BENCH_BINS: &[(&str, &str)] = &[
+    ("tensormem-benches", "alloc_patterns"),
+    ("tensormem-benches", "ipc_roundtrip"),
+];
 
 /// Builds the bundle into `dir` (created if missing; files of an earlier bundle are replaced).
 pub(crate) fn build(dir: &Path) -> Result<()> {
@@ -47,14 +50,15 @@ pub(crate) fn build(dir: &Path) -> Result<()> {
         copy_executable(&exe, &dest)?;
         files.push(dest);
     }
-    let (package, bin) = BENCH_BIN;
-    let exe = build_one(&["build", "-p", package, "--bin", bin], |artifact| {
-        target_name(artifact) == Some(bin)
-    })
-    .with_context(|| format!("building {bin}"))?;
-    let dest = dir.join(bin);
-    copy_executable(&exe, &dest)?;
-    files.push(dest);
+    for &(package, bin) in BENCH_BINS {
+        let exe = build_one(&["build", "-p", package, "--bin", bin], |artifact| {
+            target_name(artifact) == Some(bin)
+        })
+        .with_context(|| format!("building {bin}"))?;
+        let dest = dir.join(bin);
+        copy_executable(&exe, &dest)?;
+        files.push(dest);
+    }
 
     let run_sh = dir.join("run.sh");
     fs::write(&run_sh, RUN_SH).with_context(|| format!("could not write {}", run_sh.display()))?;
@@ -173,7 +177,9 @@ fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
          The allocator benchmark against PyTorch (from the repository root, with the anchors of\n\
          ../shared/anchors):\n\n    bash ../shared/anchors/compare_alloc.sh gpu-bundle/alloc_patterns\n\n\
          alloc_patterns --sim runs the same patterns on the simulated device; --raw uses the pointer API\n\
-         (raw_alloc/raw_free) instead of Allocation handles.\n\n",
+         (raw_alloc/raw_free) instead of Allocation handles.\n\n\
+         The CUDA IPC round trip against PyTorch's (same call, same machine):\n\n    \
+         gpu-bundle/ipc_roundtrip; python3 ../shared/anchors/torch_sharing_bench.py\n\n",
     );
     let name = dir.file_name().map_or_else(
         || dir.display().to_string(),

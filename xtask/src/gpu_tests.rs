@@ -8,8 +8,11 @@ use anyhow::{bail, Context, Result};
 /// The integration-test targets that hold GPU tests: (package, test target). Each GPU test checks for a
 /// driver and device itself and skips with a message on stderr when there is none, unless
 /// [`REQUIRE_GPU`] is set.
-pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] =
-    &[("tensormem-cuda-alloc", "gpu"), ("tensormem", "gpu")];
+pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] = &[
+    ("tensormem-cuda-alloc", "gpu"),
+    ("tensormem", "gpu"),
+    ("tensormem-ipc", "gpu"),
+];
 
 /// Set to `1`, a GPU test fails instead of skipping when no driver or device is found.
 pub(crate) const REQUIRE_GPU: &str = "TENSORMEM_REQUIRE_GPU";
