@@ -53,7 +53,10 @@
 //! | `from_file(filename, shared, nbytes)` | [`Storage::from_file`] |
 //! | `share_memory_()`, `at::share_memory_` | [`Storage::share_memory_`] |
 //! | `at::storage_copy(dst, src, non_blocking)` | [`storage_copy`] |
-//! | `_share_cuda_()`, `_new_shared_cuda(*tuple)`, `_release_ipc_counter_cuda` | `Storage::share_cuda`, `Storage::new_shared_cuda`, `release_ipc_counter` (feature `cuda`) |
+//! | `UntypedStorage(n, device="cuda")` | `Storage::new_cuda` (feature `cuda`, with a `CudaContext` per device) |
+//! | `_share_cuda_()` → 8-tuple | `Storage::share_cuda` → `IpcHandle` (`to_torch()` gives the tuple) |
+//! | `_new_shared_cuda(*tuple)` | `Storage::new_shared_cuda` |
+//! | `_release_ipc_counter_cuda(ref_counter, offset)` | `release_ipc_counter` |
 //!
 //! # Same rules as PyTorch, and where tensormem is stricter
 //!
@@ -76,9 +79,13 @@
 //! writes and the sharing operations that replace the owner take it exclusively. Shared bytes
 //! are reached by copies ([`Storage::read_at`], [`Storage::write_at`], [`Storage::to_vec`]),
 //! never by references, because other processes may write them at any time.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(unsafe_code)]
 
 mod copy;
+#[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
+pub mod cuda;
 mod device;
 mod error;
 mod fd;
@@ -98,3 +105,10 @@ pub use storage::{Storage, WeakStorage};
 
 #[doc(no_inline)]
 pub use tensormem_shm::ShmName;
+
+#[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
+pub use cuda::{release_ipc_counter, CudaContext};
+#[cfg(feature = "cuda")]
+#[doc(no_inline)]
+pub use tensormem_ipc::{IpcHandle, TorchShareTuple};

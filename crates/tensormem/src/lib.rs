@@ -49,9 +49,35 @@
 //! ```
 //!
 //! **CUDA memory** (CUDA IPC, feature `cuda`): a storage from the caching allocator is shared by
-//! an IPC handle with PyTorch's reference counting; see `storage::Storage::share_cuda` and the
-//! `share_cuda` example (`cargo run -p tensormem --example share_cuda`, which does nothing where
-//! there is no GPU).
+//! an IPC handle carrying a slot of a ref-counter file, so the producer frees the memory only once
+//! every consumer let go (PyTorch's `_share_cuda_` / `_new_shared_cuda`). Handles cannot be opened
+//! by the process that made them, so this sketch's two halves run in two processes:
+//!
+//! ```no_run
+//! # #[cfg(feature = "cuda")]
+//! # fn main() -> Result<(), tensormem::storage::Error> {
+//! use tensormem::storage::{CudaContext, IpcHandle, Storage};
+//!
+//! // producer
+//! let ctx = CudaContext::new(0)?; // device 0: allocator, stream, IPC producer and consumer
+//! let weights = Storage::new_cuda(&ctx, 1 << 20)?;
+//! weights.fill(7)?;
+//! let wire: Vec<u8> = weights.share_cuda()?.encode(); // or .to_torch() for PyTorch's 8-tuple
+//!
+//! // consumer (another process, its own CudaContext)
+//! let handle = IpcHandle::decode(&wire).map_err(|e| tensormem::storage::Error::Cuda {
+//!     op: "decode",
+//!     message: e.to_string(),
+//! })?;
+//! let received = Storage::new_shared_cuda(&ctx, &handle)?;
+//! let mut first = [0u8; 1];
+//! received.read_at(0, &mut first)?;
+//! assert_eq!(first, [7]);
+//! # Ok(())
+//! # }
+//! # #[cfg(not(feature = "cuda"))]
+//! # fn main() {}
+//! ```
 //!
 //! Runnable producer/consumer programs, each a producer that starts itself again as the
 //! consumer: `cargo run -p tensormem --example share_fd`, `--example share_filename`,
@@ -61,7 +87,7 @@
 //!
 //! | feature | default | what it adds |
 //! | --- | --- | --- |
-//! | `cuda` | yes | [`cuda`]: the device API (devices, streams, per-device caching allocators, memory statistics and snapshots) and [`cuda_alloc`], the allocator crate; CUDA storages in [`storage`]. Loads `libcuda.so` at run time; building needs no CUDA toolkit. Turn it off to embed only the CPU layer: no CUDA code (and no `cudarc`) is compiled then. |
+//! | `cuda` | yes | [`cuda`]: the device API (devices, streams, per-device caching allocators, memory statistics and snapshots), [`cuda_alloc`], the allocator crate, [`ipc`], CUDA IPC with PyTorch's reference counting, and CUDA storages in [`storage`]. Loads `libcuda.so` at run time; building needs no CUDA toolkit. Turn it off to embed only the CPU layer: no CUDA code (and no `cudarc`) is compiled then. |
 //!
 //! Always there: [`shm`], CPU shared memory (PyTorch's `file_descriptor` and `file_system` sharing), and
 //! [`storage`], the storage facade over it.
@@ -100,6 +126,11 @@ pub use tensormem_storage::{storage_copy, Storage};
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 #[doc(inline)]
 pub use tensormem_cuda_alloc as cuda_alloc;
+
+#[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
+#[doc(inline)]
+pub use tensormem_ipc as ipc;
 
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
