@@ -12,6 +12,8 @@ pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] = &[
     ("tensormem-cuda-alloc", "gpu"),
     ("tensormem", "gpu"),
     ("tensormem-ipc", "gpu"),
+    ("tensormem", "storage_gpu"),
+    ("tensormem-storage", "torch_interop"),
 ];
 
 /// Set to `1`, a GPU test fails instead of skipping when no driver or device is found.
