@@ -67,7 +67,9 @@ impl CudaContext {
     /// # Errors
     ///
     /// [`Error::Cuda`] when the stream or the IPC driver cannot be made.
-    pub fn with_allocator(allocator: Arc<CachingAllocator<CudaDevice>>) -> Result<Arc<CudaContext>> {
+    pub fn with_allocator(
+        allocator: Arc<CachingAllocator<CudaDevice>>,
+    ) -> Result<Arc<CudaContext>> {
         let device = allocator.device().ordinal();
         let stream = cuda!("CudaContext::new", CudaStream::new(allocator.device()))?;
         let driver = Arc::new(cuda!("CudaContext::new", CudaIpcDriver::new())?);
@@ -190,7 +192,9 @@ impl CudaOwner {
         // SAFETY: as in `read_at`; the storage's memory is writable device memory of this
         // context's device, and the copy completes before the call returns.
         cuda!("write_at", unsafe {
-            self.ctx.stream.copy_from_host(self.ptr().offset(offset), data)
+            self.ctx
+                .stream
+                .copy_from_host(self.ptr().offset(offset), data)
         })
     }
 
@@ -215,10 +219,7 @@ impl Storage {
     ///
     /// [`Error::Cuda`] when the allocator fails (out of memory: PyTorch's message).
     pub fn new_cuda(ctx: &Arc<CudaContext>, nbytes: usize) -> Result<Storage> {
-        let allocation = cuda!(
-            "new_cuda",
-            ctx.allocator.allocate(nbytes, ctx.stream.id())
-        )?;
+        let allocation = cuda!("new_cuda", ctx.allocator.allocate(nbytes, ctx.stream.id()))?;
         let shared = ctx.producer.adopt(&ctx.allocator, allocation);
         Ok(Storage::with_owner(
             nbytes,

@@ -68,11 +68,9 @@ fn read_private(path: &Path, size: Option<u64>) -> Result<Vec<u8>> {
         move |source: std::io::Error| {
             Error::Shm(match source.kind() {
                 std::io::ErrorKind::NotFound => tensormem_shm::Error::NotFound { object },
-                std::io::ErrorKind::PermissionDenied => tensormem_shm::Error::PermissionDenied {
-                    object,
-                    op,
-                    source,
-                },
+                std::io::ErrorKind::PermissionDenied => {
+                    tensormem_shm::Error::PermissionDenied { object, op, source }
+                }
                 _ => tensormem_shm::Error::Os { object, op, source },
             })
         }

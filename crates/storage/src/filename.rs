@@ -44,7 +44,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use tensormem_shm::manager::{Manager, ManagerError};
-use tensormem_shm::{MapOptions, Mapping, NameGenerator, RefcountedRegion, ShmName, SharedRegion};
+use tensormem_shm::{MapOptions, Mapping, NameGenerator, RefcountedRegion, SharedRegion, ShmName};
 
 use crate::error::{Error, Result};
 use crate::fd::check_size;
@@ -295,7 +295,10 @@ impl fmt::Debug for NamedRegion {
         f.debug_struct("NamedRegion")
             .field("region", &self.region)
             .field("holder", &self.holder)
-            .field("manager_handle", &String::from_utf8_lossy(&self.manager_handle))
+            .field(
+                "manager_handle",
+                &String::from_utf8_lossy(&self.manager_handle),
+            )
             .finish()
     }
 }
@@ -365,7 +368,10 @@ impl Storage {
     pub fn new_shared_filename(handle: &FilenameHandle) -> Result<Storage> {
         let named = NamedRegion::open(handle)?;
         tracing::debug!(name = %handle.name, size = handle.size, "opened a storage shared by name");
-        Ok(Self::with_owner(handle.size as usize, Owner::Filename(named)))
+        Ok(Self::with_owner(
+            handle.size as usize,
+            Owner::Filename(named),
+        ))
     }
 
     /// Adds one to the shared refcount of a storage shared by name (PyTorch: `_shared_incref`),

@@ -1,7 +1,7 @@
 //! [`Owner`]: who owns a storage's bytes and how they are reached (PyTorch's `DataPtr` and its
 //! deleter context), and [`StorageKind`], its public description.
 
-use tensormem_shm::{Backing, ShmName, SharedRegion};
+use tensormem_shm::{Backing, SharedRegion, ShmName};
 
 use crate::error::{Error, Result};
 use crate::filename::NamedRegion;

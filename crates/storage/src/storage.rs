@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::{Arc, Weak};
 
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
-use tensormem_shm::{ShmName, SharedRegion};
+use tensormem_shm::{SharedRegion, ShmName};
 
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -200,7 +200,11 @@ impl Storage {
                 SharedRegion::copy_from_bytes(&bytes)?
             }
         };
-        tracing::debug!(op, nbytes = self.nbytes(), "storage moved into fd-backed shared memory");
+        tracing::debug!(
+            op,
+            nbytes = self.nbytes(),
+            "storage moved into fd-backed shared memory"
+        );
         // The old owner (heap bytes, or a named region whose hold is released) drops here.
         *owner = Owner::Fd(region);
         Ok(())

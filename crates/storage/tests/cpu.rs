@@ -33,7 +33,11 @@ fn a_private_storage_reads_writes_and_checks_ranges() {
     assert_eq!(two, [1, 2]);
     assert!(matches!(
         s.write_at(15, &[1, 2]),
-        Err(Error::OutOfBounds { offset: 15, len: 2, nbytes: 16 })
+        Err(Error::OutOfBounds {
+            offset: 15,
+            len: 2,
+            nbytes: 16
+        })
     ));
     assert!(matches!(
         s.read_at(usize::MAX, &mut two),
@@ -205,7 +209,10 @@ fn share_fd_of_a_named_storage_moves_it_to_an_fd_and_releases_the_name() {
     assert_eq!(s.to_vec().unwrap(), pattern(777));
     assert!(!handle.name.path().exists(), "the only user moved away");
     assert_eq!(
-        Storage::new_shared_fd(fd.fd(), 777).unwrap().to_vec().unwrap(),
+        Storage::new_shared_fd(fd.fd(), 777)
+            .unwrap()
+            .to_vec()
+            .unwrap(),
         pattern(777)
     );
     // share_memory_ of a named storage leaves it alone (it is shared already).

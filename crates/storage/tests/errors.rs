@@ -86,7 +86,8 @@ fn a_file_truncated_after_sharing_is_refused_not_a_sigbus() {
 #[test]
 fn missing_and_malformed_names_are_refused() {
     common::manager();
-    let missing = FilenameHandle::from_torch(b"", b"/tensormem_storage_test_missing_0", 10).unwrap();
+    let missing =
+        FilenameHandle::from_torch(b"", b"/tensormem_storage_test_missing_0", 10).unwrap();
     let err = Storage::new_shared_filename(&missing).unwrap_err();
     assert!(matches!(shm(err), ShmError::NotFound { .. }));
     for bad in [&b"no_slash"[..], b"/a/b", b"/", b"/with\0nul"] {
@@ -135,7 +136,10 @@ fn a_plain_shm_object_is_not_a_named_storage() {
         size: 16,
     };
     let err = Storage::new_shared_filename(&handle).unwrap_err();
-    assert!(matches!(shm(err), ShmError::RefcountGone { refcount: 0, .. }));
+    assert!(matches!(
+        shm(err),
+        ShmError::RefcountGone { refcount: 0, .. }
+    ));
     plain.unlink().unwrap();
 }
 
@@ -145,12 +149,17 @@ fn from_file_errors() {
     let missing = dir.path().join("missing");
     for shared in [false, true] {
         let err = Storage::from_file(&missing, shared, None).unwrap_err();
-        assert!(matches!(shm(err), ShmError::NotFound { .. }), "shared={shared}");
+        assert!(
+            matches!(shm(err), ShmError::NotFound { .. }),
+            "shared={shared}"
+        );
         let err = Storage::from_file(dir.path(), shared, Some(10)).unwrap_err();
         assert!(
             matches!(
                 shm(err),
-                ShmError::WrongKind { .. } | ShmError::Os { .. } | ShmError::PermissionDenied { .. }
+                ShmError::WrongKind { .. }
+                    | ShmError::Os { .. }
+                    | ShmError::PermissionDenied { .. }
             ),
             "a directory, shared={shared}"
         );

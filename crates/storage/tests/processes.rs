@@ -23,7 +23,10 @@ fn pattern(n: usize) -> Vec<u8> {
 
 /// The role this process plays, if it is a child.
 fn role() -> Option<(String, String)> {
-    Some((std::env::var(ROLE).ok()?, std::env::var(ARG).unwrap_or_default()))
+    Some((
+        std::env::var(ROLE).ok()?,
+        std::env::var(ARG).unwrap_or_default(),
+    ))
 }
 
 fn report(line: &str) {
@@ -55,7 +58,10 @@ fn next_report(out: &mut BufReader<ChildStdout>) -> String {
     let mut line = String::new();
     loop {
         line.clear();
-        assert!(out.read_line(&mut line).unwrap() > 0, "the child exited early");
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "the child exited early"
+        );
         // libtest prints "test NAME ... " before the test runs, on the same line.
         if let Some(at) = line.find(MARK) {
             return line[at + MARK.len()..].trim_end().to_owned();

@@ -135,7 +135,11 @@ del storage
     assert_eq!(storage.shared_refcount(), Some(2), "PyTorch counts itself");
     finish(child);
     assert_eq!(storage.to_vec().unwrap()[4095], 0x5A);
-    assert_eq!(storage.shared_refcount(), Some(1), "PyTorch closed its mapping");
+    assert_eq!(
+        storage.shared_refcount(),
+        Some(1),
+        "PyTorch closed its mapping"
+    );
 }
 
 const PY_SHARE: &str = r#"
@@ -208,7 +212,10 @@ print(storage[1], flush=True)
         parts[2].parse().unwrap(),
     )
     .unwrap();
-    assert!(!handle.manager_handle.is_empty(), "PyTorch names its manager");
+    assert!(
+        !handle.manager_handle.is_empty(),
+        "PyTorch names its manager"
+    );
     let storage = Storage::new_shared_filename(&handle).unwrap();
     assert_eq!(storage.kind(), StorageKind::CpuFilename);
     assert_eq!(storage.shared_refcount(), Some(2));

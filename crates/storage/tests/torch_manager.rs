@@ -24,7 +24,11 @@ fn decode(record: &[u8; 68]) -> Record {
 }
 
 /// A manager that answers "OK" to registrations and reports every record.
-fn fake_manager() -> (tempfile::TempDir, std::path::PathBuf, mpsc::Receiver<Record>) {
+fn fake_manager() -> (
+    tempfile::TempDir,
+    std::path::PathBuf,
+    mpsc::Receiver<Record>,
+) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("manager.sock");
     let listener = UnixListener::bind(&path).unwrap();
@@ -49,7 +53,9 @@ fn fake_manager() -> (tempfile::TempDir, std::path::PathBuf, mpsc::Receiver<Reco
 fn opening_a_pytorch_name_registers_with_its_manager_and_closing_deregisters() {
     let (_dir, socket, records) = fake_manager();
     // What a PyTorch process would have made: a refcounted region named like PyTorch's.
-    let name = NameGenerator::with_prefix(TORCH_PREFIX).unwrap().next_name();
+    let name = NameGenerator::with_prefix(TORCH_PREFIX)
+        .unwrap()
+        .next_name();
     let mut region = RefcountedRegion::create(&name, 256).unwrap();
     region.write_at(0, b"from torch").unwrap();
 
@@ -61,7 +67,10 @@ fn opening_a_pytorch_name_registers_with_its_manager_and_closing_deregisters() {
     .unwrap();
     let storage = Storage::new_shared_filename(&handle).unwrap();
     let pid = std::process::id() as i32;
-    assert_eq!(records.recv().unwrap(), (pid, false, name.as_str().to_owned()));
+    assert_eq!(
+        records.recv().unwrap(),
+        (pid, false, name.as_str().to_owned())
+    );
     let mut text = [0; 10];
     storage.read_at(0, &mut text).unwrap();
     assert_eq!(&text, b"from torch");
@@ -70,14 +79,19 @@ fn opening_a_pytorch_name_registers_with_its_manager_and_closing_deregisters() {
     assert_eq!(storage.share_filename().unwrap(), handle);
 
     drop(storage);
-    assert_eq!(records.recv().unwrap(), (pid, true, name.as_str().to_owned()));
+    assert_eq!(
+        records.recv().unwrap(),
+        (pid, true, name.as_str().to_owned())
+    );
     assert_eq!(region.refcount(), 1);
     assert!(region.close().unwrap());
 }
 
 #[test]
 fn an_unreachable_pytorch_manager_is_a_typed_error() {
-    let name = NameGenerator::with_prefix(TORCH_PREFIX).unwrap().next_name();
+    let name = NameGenerator::with_prefix(TORCH_PREFIX)
+        .unwrap()
+        .next_name();
     let region = RefcountedRegion::create(&name, 16).unwrap();
     let handle = FilenameHandle::from_torch(
         b"/nonexistent/torch-shm-dir-x/manager.sock",

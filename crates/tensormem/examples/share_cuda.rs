@@ -38,7 +38,10 @@ fn producer() -> Result<(), Box<dyn std::error::Error>> {
     storage_copy(&storage, &Storage::from_vec(vec![5u8; SIZE]), false)?;
     let handle = storage.share_cuda()?; // _share_cuda_
     let wire: String = handle.encode().iter().map(|b| format!("{b:02x}")).collect();
-    println!("producer: shared {SIZE} bytes of cuda:0 (slot {} of {})", handle.slot, handle.ref_counter);
+    println!(
+        "producer: shared {SIZE} bytes of cuda:0 (slot {} of {})",
+        handle.slot, handle.ref_counter
+    );
     let status = Command::new(std::env::current_exe()?)
         .args(["consumer", &wire])
         .status()?;
@@ -46,7 +49,10 @@ fn producer() -> Result<(), Box<dyn std::error::Error>> {
     let mut first = [0u8; 1];
     storage.read_at(0, &mut first)?;
     assert_eq!(first, [6], "the consumer's write is visible here");
-    println!("producer: the consumer wrote {} into the shared memory", first[0]);
+    println!(
+        "producer: the consumer wrote {} into the shared memory",
+        first[0]
+    );
     Ok(())
 }
 
@@ -62,6 +68,10 @@ fn consumer(wire: &str) -> Result<(), Box<dyn std::error::Error>> {
     storage.read_at(SIZE - 1, &mut last)?;
     assert_eq!(last, [5]);
     storage.write_at(0, &[6])?;
-    println!("consumer: opened {} bytes, last byte {}", storage.nbytes(), last[0]);
+    println!(
+        "consumer: opened {} bytes, last byte {}",
+        storage.nbytes(),
+        last[0]
+    );
     Ok(()) // dropping the storage releases the producer's counter
 }

@@ -62,7 +62,11 @@ fn consumer(socket_path: &str) -> Result<(), Box<dyn std::error::Error>> {
     storage.read_at(storage.nbytes() - 1, &mut last)?;
     let ok = storage.nbytes() == SIZE && last[0] == ((SIZE - 1) % 256) as u8;
     storage.write_at(0, &[0xFF])?;
-    println!("consumer: received {} bytes, last byte {}", storage.nbytes(), last[0]);
+    println!(
+        "consumer: received {} bytes, last byte {}",
+        storage.nbytes(),
+        last[0]
+    );
     socket.write_all(&[u8::from(ok)])?;
     Ok(())
 }

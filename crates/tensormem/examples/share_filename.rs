@@ -50,12 +50,19 @@ fn producer() -> Result<(), Box<dyn std::error::Error>> {
     drop(storage); // the producer lets go first; the consumer still holds the name
     assert!(handle.name.path().exists());
 
-    consumer.stdin.take().ok_or("no stdin")?.write_all(b"done\n")?;
+    consumer
+        .stdin
+        .take()
+        .ok_or("no stdin")?
+        .write_all(b"done\n")?;
     for line in lines {
         println!("{}", line?);
     }
     assert!(consumer.wait()?.success());
-    assert!(!handle.name.path().exists(), "the last user removed the name");
+    assert!(
+        !handle.name.path().exists(),
+        "the last user removed the name"
+    );
     println!("producer: the name is gone");
     Ok(())
 }

@@ -35,7 +35,9 @@ fn gpus() -> Option<u32> {
 }
 
 fn pattern(n: usize, seed: u8) -> Vec<u8> {
-    (0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
 }
 
 fn host(bytes: Vec<u8>) -> Storage {
@@ -47,7 +49,10 @@ fn host_storages_refuse_cuda_operations() {
     let s = Storage::new(16);
     assert!(matches!(
         s.share_cuda(),
-        Err(Error::WrongDevice { expected: "CUDA", .. })
+        Err(Error::WrongDevice {
+            expected: "CUDA",
+            ..
+        })
     ));
 }
 
@@ -155,7 +160,10 @@ fn cuda_storages_shared_with_another_process() {
         received.write_at(0, &[0xAB]).unwrap();
         assert!(matches!(received.share_cuda(), Err(Error::ReceivedCuda)));
         // A second handle to the same memory, released without being kept.
-        let second = IpcHandle::decode(&unhex(&std::env::var("TENSORMEM_STORAGE_GPU_ARG2").unwrap())).unwrap();
+        let second = IpcHandle::decode(&unhex(
+            &std::env::var("TENSORMEM_STORAGE_GPU_ARG2").unwrap(),
+        ))
+        .unwrap();
         release_ipc_counter(&ctx, &second).unwrap();
         drop(received);
         println!("@@consumer done");
@@ -189,7 +197,11 @@ fn cuda_storages_shared_with_another_process() {
     assert!(stdout.contains("@@consumer done"), "{stdout}");
     let mut byte = [0u8; 1];
     storage.read_at(0, &mut byte).unwrap();
-    assert_eq!(byte, [0xAB], "the consumer's write is visible to the producer");
+    assert_eq!(
+        byte,
+        [0xAB],
+        "the consumer's write is visible to the producer"
+    );
     drop(storage); // both handles were released: the memory goes back at once
     assert!(ctx.producer().collect() || ctx.producer().stats().limbo == 0);
 }
