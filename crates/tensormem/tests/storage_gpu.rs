@@ -205,3 +205,124 @@ fn cuda_storages_shared_with_another_process() {
     drop(storage); // both handles were released: the memory goes back at once
     assert!(ctx.producer().collect() || ctx.producer().stats().limbo == 0);
 }
+
+/// Whether `python3 -c 'import torch'` works (and torch sees a GPU); says why not otherwise.
+fn torch_cuda() -> bool {
+    let ok = Command::new("python3")
+        .args([
+            "-c",
+            "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)",
+        ])
+        .output()
+        .is_ok_and(|out| out.status.success());
+    if !ok {
+        assert!(
+            std::env::var("TENSORMEM_REQUIRE_TORCH").as_deref() != Ok("1"),
+            "TENSORMEM_REQUIRE_TORCH=1 but python3 cannot use torch with CUDA"
+        );
+        eprintln!("skipped: python3 with a CUDA-enabled torch is not available here");
+    }
+    ok
+}
+
+const PY_VIEW: &str = r#"
+import sys, torch
+def view(storage, size, device):
+    t = torch.empty(0, dtype=torch.uint8, device=device)
+    try:
+        t.set_(storage, 0, (size,), (1,))
+    except TypeError:
+        typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=torch.uint8, _internal=True)
+        t.set_(typed, 0, (size,), (1,))
+    return t
+"#;
+
+#[test]
+fn pytorch_opens_a_cuda_storage_rust_shared() {
+    let Some(_) = gpus() else { return };
+    if !torch_cuda() {
+        return;
+    }
+    let script = format!(
+        "{PY_VIEW}\n{}",
+        r#"
+f = sys.stdin.readline().split()
+dev, size = int(f[0]), int(f[2])
+torch.cuda.set_device(dev)
+s = torch.UntypedStorage._new_shared_cuda(dev, bytes.fromhex(f[1]), size, int(f[3]),
+    bytes.fromhex(f[4]), int(f[5]), bytes.fromhex(f[6]), f[7] == "1")
+t = view(s, size, f"cuda:{dev}")
+print(int(t[0].item()), int(t[-1].item()), flush=True)
+t[0] = 0x77
+torch.cuda.synchronize()
+del t, s
+"#
+    );
+    let ctx = CudaContext::new(0).unwrap();
+    let storage = Storage::new_cuda(&ctx, MIB).unwrap();
+    storage.fill(0x21).unwrap();
+    let line = storage.share_cuda().unwrap().to_torch().to_line();
+    let mut child = Command::new("python3")
+        .args(["-c", &script])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().unwrap();
+        writeln!(stdin, "{line}").unwrap();
+    }
+    let output = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "python failed:\n{stdout}");
+    assert_eq!(stdout.trim(), "33 33", "PyTorch read Rust's bytes");
+    let mut first = [0u8; 1];
+    storage.read_at(0, &mut first).unwrap();
+    assert_eq!(first, [0x77], "Rust sees PyTorch's write");
+}
+
+#[test]
+fn rust_opens_a_cuda_storage_pytorch_shared() {
+    let Some(_) = gpus() else { return };
+    if !torch_cuda() {
+        return;
+    }
+    let script = r#"
+import sys, torch
+torch.cuda.set_device(0)
+t = torch.full((4096,), 9, dtype=torch.uint8, device="cuda:0")
+dev, h, size, off, rc, slot, ev, sync = t.untyped_storage()._share_cuda_()
+print(dev, h.hex(), size, off, rc.hex(), slot, ev.hex(), int(sync), flush=True)
+sys.stdin.readline()
+torch.cuda.synchronize()
+print(int(t[1].item()), flush=True)
+"#;
+    let mut child = Command::new("python3")
+        .args(["-c", script])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    let tuple = tensormem::ipc::TorchShareTuple::from_line(line.trim()).unwrap();
+    let handle = IpcHandle::from_torch(&tuple).unwrap();
+    let ctx = CudaContext::new(handle.device).unwrap();
+    let received = Storage::new_shared_cuda(&ctx, &handle).unwrap();
+    assert_eq!(received.kind(), StorageKind::CudaReceived);
+    assert_eq!(received.to_vec().unwrap(), vec![9u8; 4096]);
+    received.write_at(1, &[0x42]).unwrap();
+    assert!(matches!(received.share_cuda(), Err(Error::ReceivedCuda)));
+    drop(received); // releases PyTorch's ref counter
+    {
+        use std::io::Write;
+        child.stdin.as_mut().unwrap().write_all(b"go\n").unwrap();
+    }
+    let mut answer = String::new();
+    std::io::BufRead::read_line(&mut out, &mut answer).unwrap();
+    assert_eq!(answer.trim(), "66", "PyTorch sees Rust's write");
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
+}
