@@ -235,3 +235,37 @@ fn errors_convert_to_io_errors_with_a_kind() {
     assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
     assert!(err.to_string().contains("share_fd()"), "{err}");
 }
+
+#[test]
+fn objects_of_another_user_are_refused() {
+    common::manager();
+    let name = tensormem_shm::NameGenerator::default().next_name();
+    let region = tensormem_shm::RefcountedRegion::create(&name, 64).unwrap();
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(name.path())
+        .unwrap();
+    // Only root can give an object away; elsewhere there is nothing foreign to test with.
+    if std::os::unix::fs::fchown(&file, Some(12345), Some(12345)).is_err() {
+        eprintln!("skipped: not allowed to chown (run as root to test foreign owners)");
+        return;
+    }
+    let handle = FilenameHandle {
+        manager_handle: Vec::new(),
+        name: name.clone(),
+        size: 64,
+    };
+    let err = Storage::new_shared_filename(&handle).unwrap_err();
+    assert!(matches!(
+        shm(err),
+        ShmError::ForeignOwner { owner: 12345, .. }
+    ));
+    let err = Storage::new_shared_fd(&file, 64).unwrap_err();
+    assert!(matches!(
+        shm(err),
+        ShmError::ForeignOwner { owner: 12345, .. }
+    ));
+    assert_eq!(region.refcount(), 1, "the refused opens counted nothing");
+    assert!(region.close().unwrap());
+}
