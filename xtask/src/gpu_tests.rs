@@ -12,6 +12,8 @@ pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] = &[
     ("tensormem-cuda-alloc", "gpu"),
     ("tensormem", "gpu"),
     ("tensormem-ipc", "gpu"),
+    ("tensormem", "storage_gpu"),
+    ("tensormem-storage", "torch_interop"),
 ];
 
 /// Examples that run on a GPU as checks: (package, example). Each skips with a message when there is
