@@ -205,6 +205,11 @@ impl PoolReceiver {
         }
     }
 
+    /// Changes how [`recv`](Self::recv) waits from now on.
+    pub fn set_recv(&mut self, recv: RecvOptions) {
+        self.options.recv = recv;
+    }
+
     /// Regions whose mappings are cached now.
     pub fn cached_regions(&self) -> usize {
         self.cache.len()
