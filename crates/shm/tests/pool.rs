@@ -175,7 +175,10 @@ fn a_full_cache_of_leased_regions_sends_transient_regions() {
     assert_eq!(sender.stats().sent_transient, 1);
     assert_eq!(receiver.cached_regions(), 1);
     drop((lease_a, lease_b));
-    assert_eq!(sender.wait_release(None).unwrap() + sender.poll_releases().unwrap(), 2);
+    assert_eq!(
+        sender.wait_release(None).unwrap() + sender.poll_releases().unwrap(),
+        2
+    );
     // b was not cached: sending it again carries its fd again, and now evicts a.
     sender.send(&b, &[]).unwrap();
     drop(receiver.recv().unwrap());
@@ -240,7 +243,11 @@ fn a_consumer_that_hangs_up_gives_back_its_leases() {
     }
     let leases: Vec<_> = (0..3).map(|_| receiver.recv().unwrap()).collect();
     drop(receiver);
-    assert_eq!(sender.poll_releases().unwrap(), 0, "leases keep the socket open");
+    assert_eq!(
+        sender.poll_releases().unwrap(),
+        0,
+        "leases keep the socket open"
+    );
     assert!(sender.is_connected());
     drop(leases);
     drop(buffer);
@@ -313,7 +320,9 @@ fn idle_release_drops_regions_left_unused() {
 #[test]
 fn copies_and_zeroed_buffers_hold_the_right_bytes_cold_and_warm() {
     let pool = small_pool();
-    let src: Vec<u8> = (0..(9 << 20) + 4321).map(|i| (i * 31 % 253) as u8).collect();
+    let src: Vec<u8> = (0..(9 << 20) + 4321)
+        .map(|i| (i * 31 % 253) as u8)
+        .collect();
     let cold = pool.copy_from_bytes(&src).unwrap();
     assert_eq!(cold.to_vec().unwrap(), src);
     let id = cold.id();
@@ -343,7 +352,10 @@ fn regions_are_sealed_and_a_read_only_consumer_cannot_write() {
     let (mut sender, mut receiver) = connect(&pool, options);
     let buffer = pool.alloc(MIB).unwrap();
     let fd = buffer.fd().unwrap();
-    assert!(rustix::fs::ftruncate(fd, 4096).is_err(), "sealed against shrinking");
+    assert!(
+        rustix::fs::ftruncate(fd, 4096).is_err(),
+        "sealed against shrinking"
+    );
     sender.send(&buffer, &[]).unwrap();
     let lease = receiver.recv().unwrap();
     assert!(matches!(lease.write_at(0, &[1]), Err(Error::ReadOnly)));
@@ -362,7 +374,10 @@ fn buffers_of_another_pool_and_oversized_user_data_are_refused() {
     ));
     let mine = pool.alloc(4096).unwrap();
     let big = [0u8; tensormem_shm::pool::MAX_POOL_USER_DATA + 1];
-    assert!(matches!(sender.send(&mine, &big), Err(Error::Protocol { .. })));
+    assert!(matches!(
+        sender.send(&mine, &big),
+        Err(Error::Protocol { .. })
+    ));
     assert_eq!(sender.outstanding(), 0, "nothing lent when sending fails");
     drop(mine);
     assert_eq!(pool.stats().in_use_bytes.current, 0);

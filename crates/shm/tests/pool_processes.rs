@@ -252,7 +252,11 @@ fn producer_killed_leaves_readable_leases_and_no_objects() {
     let pid = child.pid();
     child.kill_9();
     assert!(matches!(receiver.recv(), Err(Error::Disconnected)));
-    assert_eq!(receiver.cached_regions(), 0, "mappings of a dead producer are dropped");
+    assert_eq!(
+        receiver.cached_regions(),
+        0,
+        "mappings of a dead producer are dropped"
+    );
     // What the consumer holds stays readable: the memory lives while mapped.
     assert!(first.to_vec().unwrap().iter().all(|&b| b == 5));
     assert!(second.to_vec().unwrap().iter().all(|&b| b == 6));
