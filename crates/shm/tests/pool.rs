@@ -382,3 +382,35 @@ fn buffers_of_another_pool_and_oversized_user_data_are_refused() {
     drop(mine);
     assert_eq!(pool.stats().in_use_bytes.current, 0);
 }
+
+#[test]
+fn the_idle_trimmer_releases_unused_regions_and_ends_with_the_pool() {
+    let pool = ShmPool::new(PoolConfig {
+        idle_release: Some(std::time::Duration::from_millis(20)),
+        threads: 1,
+        ..PoolConfig::default()
+    });
+    drop(pool.alloc(MIB).unwrap());
+    assert_eq!(pool.stats().cached_bytes.current, MIB);
+    let trimmer = pool
+        .start_idle_trimmer()
+        .unwrap()
+        .expect("idle_release is set");
+    // No timing asserted: wait (up to a generous bound) for the behaviour.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while pool.stats().reserved_bytes.current > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "idle region never released"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(pool.stats().trimmed, 1);
+    drop(pool);
+    trimmer.join().unwrap();
+    let never = ShmPool::new(PoolConfig {
+        idle_release: None,
+        ..PoolConfig::default()
+    });
+    assert!(never.start_idle_trimmer().unwrap().is_none());
+}

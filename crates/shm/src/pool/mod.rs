@@ -314,6 +314,42 @@ impl ShmPool {
         })
     }
 
+    /// Starts a thread that releases cached regions idle longer than
+    /// [`PoolConfig::idle_release`], checking every quarter of it, so a producer that stops
+    /// sharing gives its memory back without calling the pool again. The thread holds no
+    /// reference to the pool and ends once the pool and all its buffers and senders are gone.
+    /// Without it, idle regions are released only when the pool is next used, or by
+    /// [`trim_idle`](Self::trim_idle).
+    ///
+    /// Returns `None` if the configuration has no `idle_release`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] if the thread cannot be started.
+    pub fn start_idle_trimmer(&self) -> Result<Option<std::thread::JoinHandle<()>>> {
+        let Some(idle) = self.inner.config.idle_release else {
+            return Ok(None);
+        };
+        let period = (idle / 4).max(Duration::from_millis(1));
+        let pool = Arc::downgrade(&self.inner);
+        std::thread::Builder::new()
+            .name("tensormem-shm-pool-trim".into())
+            .spawn(move || loop {
+                std::thread::sleep(period);
+                let Some(inner) = pool.upgrade() else { return };
+                let released = ShmPool { inner }.trim_idle(idle);
+                if released > 0 {
+                    tracing::debug!(bytes = released, "released idle pooled regions");
+                }
+            })
+            .map(Some)
+            .map_err(|source| Error::Os {
+                object: "shared-memory pool".into(),
+                op: "spawn idle trimmer",
+                source,
+            })
+    }
+
     fn class(&self, len: u64) -> Result<(u64, usize)> {
         let object = "pooled region";
         let len_usize = object::check_len(len, object)?;

@@ -119,7 +119,11 @@ impl PoolSender {
                 problem: "this buffer belongs to another pool than the sender's".into(),
             });
         }
-        self.poll_releases()?;
+        // With no lease open there is nothing to read but an end of file, which the send
+        // itself reports (EPIPE): save the system call on the round-trip path.
+        if self.outstanding > 0 {
+            self.poll_releases()?;
+        }
         if self.gone {
             return Err(Error::Disconnected);
         }
@@ -219,8 +223,9 @@ impl PoolSender {
     }
 
     /// Waits, as `recv` says (blocking, or spinning first), until at least one release arrives
-    /// or the consumer's end closes; then reads whatever else has arrived. Returns how many
-    /// leases came back; 0 at once if none is open.
+    /// or the consumer's end closes, reading what has arrived by then (up to 64 records; later
+    /// ones are read by the next call). Returns how many leases came back; 0 at once if none is
+    /// open.
     ///
     /// # Errors
     ///
@@ -232,7 +237,7 @@ impl PoolSender {
             let flags = RecvFlags::empty();
             count += self.read_records_waiting(flags, recv)?;
         }
-        Ok(count + self.poll_releases()?)
+        Ok(count)
     }
 
     /// [`wait_release`](Self::wait_release) giving up after `timeout` (returns 0 then).
