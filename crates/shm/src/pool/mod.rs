@@ -25,13 +25,13 @@
 //!
 //! A region returns to the cache only when nobody can still read it: the producer's
 //! [`PoolBuffer`] is gone and every lease a consumer took is released. A consumer releases a
-//! lease by writing a 24-byte record on its connection (done when the [`Lease`] drops). A consumer
+//! lease by writing a 24-byte record on its connection (done when the [`Lease`](crate::mapping_cache::Lease) drops). A consumer
 //! killed with `kill -9` cannot write anything, so the pool does not rely on it: every lease is
 //! bound to the connection it was sent over, and when the connection's consumer end is closed
 //! (the kernel closes every descriptor of a dying process; the [`PoolSender`] then reads
 //! end-of-file) all leases still open on it are released at once. This is sound because:
 //!
-//! - the consumer end of the socket stays open while any lease lives (each [`Lease`] holds a
+//! - the consumer end of the socket stays open while any lease lives (each [`Lease`](crate::mapping_cache::Lease) holds a
 //!   reference to it, so dropping the receiver early does not count as "done");
 //! - a process's memory mappings are torn down before its descriptors are closed (`exit_mm`
 //!   precedes `exit_files` in the kernel's `do_exit`), and a dead process reads nothing anyway;
