@@ -69,6 +69,8 @@ pub struct ReceiverStats {
 /// regions it has seen (see the [module docs](self)).
 pub struct PoolReceiver {
     socket: Arc<OwnedFd>,
+    /// A region message read by [`poll`](PoolReceiver::poll), for the next `recv`.
+    stashed: Option<wire::Message>,
     cache: HashMap<u64, Arc<SharedRegion>>,
     cached_bytes: u64,
     options: ReceiverOptions,
@@ -91,6 +93,7 @@ impl PoolReceiver {
         wire::send_record(socket.as_fd(), hello)?;
         Ok(Self {
             socket,
+            stashed: None,
             cache: HashMap::new(),
             cached_bytes: 0,
             options,
@@ -109,7 +112,11 @@ impl PoolReceiver {
     /// [`Error::TooSmall`], [`Error::ForeignOwner`]).
     pub fn recv(&mut self) -> Result<Lease> {
         loop {
-            let (fd, message) = match wire::recv_message(self.socket.as_fd(), self.options.recv) {
+            let got = match self.stashed.take() {
+                Some(message) => Ok(message),
+                None => wire::recv_message(self.socket.as_fd(), self.options.recv),
+            };
+            let (fd, message) = match got {
                 Ok(got) => got,
                 Err(Error::Disconnected) => {
                     self.clear();
@@ -120,10 +127,7 @@ impl PoolReceiver {
             let header = wire::decode(&message)?;
             let region = match (header.kind, fd) {
                 (Kind::Forget, None) => {
-                    if let Some(region) = self.cache.remove(&header.id) {
-                        self.cached_bytes -= region.len() as u64;
-                        self.stats.forgotten += 1;
-                    }
+                    self.forget(header.id);
                     continue;
                 }
                 (Kind::Known, None) => {
@@ -205,6 +209,39 @@ impl PoolReceiver {
         }
     }
 
+    /// Applies the producer's `FORGET` messages that have arrived, without waiting, and returns
+    /// how many mappings it dropped. A consumer blocked in [`recv`](Self::recv) applies them as
+    /// they come; one that is busy elsewhere calls this now and then so that regions the
+    /// producer's pool released (trim, limits, idle release) are unmapped here too. A region
+    /// message met on the way is kept for the next `recv`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Protocol`] for a malformed message; [`Error::Os`] for socket failures. The
+    /// producer's end closing is not an error here: every cached mapping is dropped, and the next
+    /// `recv` reports [`Error::Disconnected`].
+    pub fn poll(&mut self) -> Result<usize> {
+        let before = self.stats.forgotten;
+        while self.stashed.is_none() {
+            let (fd, message) = match wire::recv_message_with(self.socket.as_fd(), None) {
+                Ok(Some(got)) => got,
+                Ok(None) => break,
+                Err(Error::Disconnected) => {
+                    self.clear();
+                    break;
+                }
+                Err(err) => return Err(err),
+            };
+            let header = wire::decode(&message)?;
+            if header.kind == Kind::Forget && fd.is_none() {
+                self.forget(header.id);
+            } else {
+                self.stashed = Some((fd, message));
+            }
+        }
+        Ok((self.stats.forgotten - before) as usize)
+    }
+
     /// Changes how [`recv`](Self::recv) waits from now on.
     pub fn set_recv(&mut self, recv: RecvOptions) {
         self.options.recv = recv;
@@ -235,6 +272,13 @@ impl PoolReceiver {
     /// A lease this end cannot honour: give it back at once so the producer's count stays true.
     fn refuse(&self, id: u64) {
         let _ = wire::send_record(self.socket.as_fd(), Record::Release { id });
+    }
+
+    fn forget(&mut self, id: u64) {
+        if let Some(region) = self.cache.remove(&id) {
+            self.cached_bytes -= region.len() as u64;
+            self.stats.forgotten += 1;
+        }
     }
 
     fn clear(&mut self) {

@@ -199,14 +199,42 @@ fn regions_the_pool_releases_are_forgotten_by_the_consumer() {
     assert_eq!(pool.trim(), MIB);
     assert_eq!(pool.stats().reserved_bytes.current, 0);
     assert_eq!(pool.stats().trimmed, 1);
-    sender.flush().unwrap();
-    // The next message comes after the FORGET: the receiver applies it on the way.
+    // The pool told the consumer at once, without the producer sending anything.
+    assert_eq!(sender.known_regions(), 0);
+    assert_eq!(sender.stats().forgotten, 1);
+    assert_eq!(receiver.poll().unwrap(), 1);
+    assert_eq!(receiver.cached_regions(), 0);
+    assert_eq!(receiver.stats().forgotten, 1);
+    assert_eq!(receiver.poll().unwrap(), 0);
+
+    // A region message met by poll is kept for the next recv.
     let next = pool.alloc(2 * MIB).unwrap();
     sender.send(&next, &[]).unwrap();
+    assert_eq!(receiver.poll().unwrap(), 0);
     let lease = receiver.recv().unwrap();
-    assert_eq!(receiver.stats().forgotten, 1);
     assert_eq!(receiver.cached_regions(), 1);
     assert_eq!(lease.len(), 2 * MIB as usize);
+    drop(lease);
+    drop(next);
+    sender.wait_release(None).unwrap();
+
+    // Eviction by the cache limit is a release too.
+    let small = ShmPool::new(PoolConfig {
+        max_cached_bytes: 0,
+        idle_release: None,
+        threads: 1,
+        ..PoolConfig::default()
+    });
+    let (mut sender, mut receiver) = connect(&small, ReceiverOptions::default());
+    let buffer = small.alloc(MIB).unwrap();
+    sender.send(&buffer, &[]).unwrap();
+    drop(buffer);
+    drop(receiver.recv().unwrap());
+    sender.wait_release(None).unwrap();
+    assert_eq!(small.stats().evictions, 1);
+    assert_eq!(receiver.poll().unwrap(), 1);
+    assert_eq!(receiver.cached_regions(), 0);
+    sender.flush().unwrap();
 }
 
 #[test]
@@ -413,4 +441,45 @@ fn the_idle_trimmer_releases_unused_regions_and_ends_with_the_pool() {
         ..PoolConfig::default()
     });
     assert!(never.start_idle_trimmer().unwrap().is_none());
+}
+
+#[test]
+fn trimming_from_another_thread_while_sending_keeps_both_ends_in_agreement() {
+    let pool = small_pool();
+    let (mut sender, mut receiver) = connect(&pool, ReceiverOptions::default());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let trimmer = {
+        let pool = pool.clone();
+        let stop = std::sync::Arc::clone(&stop);
+        std::thread::spawn(move || {
+            let mut trims = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                pool.trim();
+                trims += 1;
+                std::thread::yield_now();
+            }
+            trims
+        })
+    };
+    for step in 0..300u32 {
+        let mut buffer = pool.alloc(64 << 10).unwrap();
+        buffer.write_at(0, &step.to_le_bytes()).unwrap();
+        sender.send(&buffer, &[]).unwrap();
+        drop(buffer);
+        // Never an unknown id, never a stale mapping: the bytes are this step's.
+        let lease = receiver.recv().unwrap();
+        let mut got = [0u8; 4];
+        lease.read_at(0, &mut got).unwrap();
+        assert_eq!(u32::from_le_bytes(got), step);
+        drop(lease);
+        sender.wait_release(None).unwrap();
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(trimmer.join().unwrap() > 0);
+    pool.trim();
+    sender.flush().unwrap();
+    receiver.poll().unwrap();
+    assert_eq!(receiver.cached_regions(), sender.known_regions());
+    assert_eq!(receiver.cached_regions(), 0);
+    assert_eq!(pool.stats().reserved_bytes.current, 0);
 }

@@ -87,6 +87,7 @@
 //! ```
 
 mod buffer;
+mod link;
 mod sender;
 pub mod size_class;
 mod stats;
@@ -97,6 +98,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 pub use buffer::PoolBuffer;
+use link::Link;
 pub use sender::{PoolSender, SenderStats};
 pub use stats::{PoolStats, Stat};
 pub use wire::MAX_POOL_USER_DATA;
@@ -150,9 +152,26 @@ pub(crate) struct Inner {
     state: Mutex<State>,
 }
 
-/// A queue of region ids the pool released, drained by each [`PoolSender`] (which tells its
-/// consumer to drop its mapping).
-pub(crate) type ForgetQueue = Mutex<Vec<u64>>;
+/// What a pool operation released, dealt with once the pool's lock is dropped: the producer's
+/// mappings are unmapped (a large `munmap` takes a while) and every connection tells its
+/// consumer to drop its mappings of the released regions.
+#[derive(Default)]
+struct Released {
+    regions: Vec<SharedRegion>,
+    ids: Vec<u64>,
+    links: Vec<Arc<Link>>,
+}
+
+impl Drop for Released {
+    fn drop(&mut self) {
+        self.regions.clear();
+        if !self.ids.is_empty() {
+            for link in &self.links {
+                link.forget_released(&self.ids);
+            }
+        }
+    }
+}
 
 struct State {
     entries: HashMap<u64, Entry>,
@@ -160,7 +179,7 @@ struct State {
     free: BTreeMap<u64, Vec<u64>>,
     next_id: u64,
     stats: PoolStats,
-    forget: Vec<Weak<ForgetQueue>>,
+    links: Vec<Weak<Link>>,
     last_idle_scan: Instant,
 }
 
@@ -192,7 +211,7 @@ impl ShmPool {
                     free: BTreeMap::new(),
                     next_id: 1,
                     stats: PoolStats::default(),
-                    forget: Vec::new(),
+                    links: Vec::new(),
                     last_idle_scan: Instant::now(),
                 }),
             }),
@@ -393,10 +412,12 @@ impl State {
             .copied()
     }
 
-    /// Removes `id` from the pool, queueing it for every connection to forget; returns the region
-    /// (to drop outside the lock: `munmap` of a large region takes a while).
-    fn destroy(&mut self, id: u64) -> Option<SharedRegion> {
-        let entry = self.entries.remove(&id)?;
+    /// Removes `id` from the pool into `out` (its region, and its id for every connection to
+    /// forget), to be dealt with outside the lock.
+    fn destroy(&mut self, id: u64, out: &mut Released) {
+        let Some(entry) = self.entries.remove(&id) else {
+            return;
+        };
         if entry.cached {
             if let Some(ids) = self.free.get_mut(&entry.capacity) {
                 ids.retain(|&other| other != id);
@@ -408,22 +429,17 @@ impl State {
         }
         self.stats.reserved_bytes.sub(entry.capacity);
         self.stats.regions.sub(1);
-        self.forget.retain(|queue| match queue.upgrade() {
-            Some(queue) => {
-                queue
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .push(id);
-                true
-            }
-            None => false,
-        });
+        if out.ids.is_empty() {
+            self.links.retain(|link| link.strong_count() > 0);
+            out.links = self.links.iter().filter_map(Weak::upgrade).collect();
+        }
+        out.ids.push(id);
+        out.regions.extend(entry.region);
         tracing::trace!(id, capacity = entry.capacity, "released pooled region");
-        entry.region
     }
 
     /// Releases cached regions idle longer than `idle`, at most every `idle / 4`.
-    fn release_idle(&mut self, idle: Option<Duration>, now: Instant, out: &mut Vec<SharedRegion>) {
+    fn release_idle(&mut self, idle: Option<Duration>, now: Instant, out: &mut Released) {
         let Some(idle) = idle else { return };
         if now.duration_since(self.last_idle_scan) < idle / 4 {
             return;
@@ -434,7 +450,7 @@ impl State {
             .filter(|id| now.duration_since(self.entries[id].idle_since) >= idle)
         {
             self.stats.trimmed += 1;
-            out.extend(self.destroy(id));
+            self.destroy(id, out);
         }
     }
 }
@@ -446,7 +462,7 @@ impl Inner {
 
     /// A cached region of exactly `capacity` bytes, if there is one, lent as a buffer of `len`.
     fn take_cached(self: &Arc<Self>, capacity: u64, len: usize) -> Option<PoolBuffer> {
-        let mut released = Vec::new();
+        let mut released = Released::default();
         let taken = {
             let mut state = self.lock();
             state.stats.requests += 1;
@@ -509,7 +525,7 @@ impl Inner {
 
     /// The producer's buffer is dropped: its region goes back into the entry.
     pub(crate) fn put_back(&self, id: u64, region: SharedRegion) {
-        let mut released = Vec::new();
+        let mut released = Released::default();
         {
             let mut state = self.lock();
             if let Some(entry) = state.entries.get_mut(&id) {
@@ -530,7 +546,7 @@ impl Inner {
 
     /// `count` holders let go (consumer leases released, or their consumer died).
     pub(crate) fn release(&self, id: u64, count: usize) {
-        let mut released = Vec::new();
+        let mut released = Released::default();
         {
             let mut state = self.lock();
             self.release_in(&mut state, id, count, false, &mut released);
@@ -541,7 +557,7 @@ impl Inner {
     /// `count` holders are lost track of (their connection was dropped while the consumer still
     /// held them): the region is never reused.
     pub(crate) fn abandon(&self, id: u64, count: usize) {
-        let mut released = Vec::new();
+        let mut released = Released::default();
         {
             let mut state = self.lock();
             if let Some(entry) = state.entries.get_mut(&id) {
@@ -561,7 +577,7 @@ impl Inner {
         id: u64,
         count: usize,
         abandoned: bool,
-        released: &mut Vec<SharedRegion>,
+        released: &mut Released,
     ) {
         let Some(entry) = state.entries.get_mut(&id) else {
             return;
@@ -578,12 +594,12 @@ impl Inner {
             if abandoned {
                 tracing::debug!(id, "abandoned pooled region released");
             }
-            released.extend(state.destroy(id));
+            state.destroy(id, released);
             return;
         }
         if capacity > self.config.max_cached_bytes {
             state.stats.evictions += 1;
-            released.extend(state.destroy(id));
+            state.destroy(id, released);
             return;
         }
         while state.stats.cached_bytes.current + capacity > self.config.max_cached_bytes {
@@ -591,7 +607,7 @@ impl Inner {
                 break;
             };
             state.stats.evictions += 1;
-            released.extend(state.destroy(victim));
+            state.destroy(victim, released);
         }
         let now = Instant::now();
         let entry = state.entries.get_mut(&id).expect("entry checked above");
@@ -603,24 +619,24 @@ impl Inner {
     }
 
     fn trim_where(&self, mut next: impl FnMut(&State) -> Option<u64>) -> u64 {
-        let mut released = Vec::new();
+        let mut released = Released::default();
         let mut bytes = 0;
         {
             let mut state = self.lock();
             while let Some(id) = next(&state) {
                 bytes += state.entries[&id].capacity;
                 state.stats.trimmed += 1;
-                released.extend(state.destroy(id));
+                state.destroy(id, &mut released);
             }
         }
         drop(released);
         bytes
     }
 
-    /// A queue that receives the id of every region the pool releases from now on.
-    pub(crate) fn forget_queue(&self) -> Arc<ForgetQueue> {
-        let queue = Arc::new(ForgetQueue::default());
-        self.lock().forget.push(Arc::downgrade(&queue));
-        queue
+    /// Registers a connection, to be told about every region the pool releases from now on.
+    pub(crate) fn register_link(&self, link: &Arc<Link>) {
+        let mut state = self.lock();
+        state.links.retain(|link| link.strong_count() > 0);
+        state.links.push(Arc::downgrade(link));
     }
 }

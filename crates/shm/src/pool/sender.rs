@@ -2,15 +2,16 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rustix::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use rustix::io::Errno;
 use rustix::net::RecvFlags;
 
+use super::link::{Link, Mirror};
 use super::wire::{self, Header, Kind, Record, RECORD_LEN};
-use super::{ForgetQueue, Inner, PoolBuffer, ShmPool};
+use super::{Inner, PoolBuffer, ShmPool};
 use crate::error::{Error, Result};
 use crate::transfer::{self, RecvOptions};
 
@@ -21,8 +22,10 @@ use crate::transfer::{self, RecvOptions};
 ///
 /// The sender mirrors the consumer's mapping cache: the consumer announced its limits when it
 /// connected, and the sender decides what it evicts (a `FORGET` message), so both ends always
-/// agree on which ids are known without a round trip. Regions the pool releases are forgotten at
-/// the next [`send`](Self::send) or [`flush`](Self::flush).
+/// agree on which ids are known without a round trip. When the pool releases a region (trim,
+/// limits, idle release), the consumer is told at once to drop its mapping (or, if this sender
+/// is writing at that moment or the socket is full, before the next [`send`](Self::send) or
+/// [`flush`](Self::flush)).
 ///
 /// Releases arrive as records on the socket; they are read at every `send`, by
 /// [`poll_releases`](Self::poll_releases) (non-blocking) and by
@@ -30,17 +33,13 @@ use crate::transfer::{self, RecvOptions};
 /// every lease still open on this connection is released.
 pub struct PoolSender {
     pool: Arc<Inner>,
-    socket: OwnedFd,
-    /// Ids the consumer caches, with their capacity and last use (for least-recently-used
-    /// eviction).
-    known: HashMap<u64, (u64, u64)>,
-    known_bytes: u64,
+    /// The socket and the consumer's cache as this end accounts it, shared with the pool.
+    link: Arc<Link>,
     max_entries: u64,
     max_bytes: u64,
     /// Open leases per region id.
     leases: HashMap<u64, usize>,
     outstanding: usize,
-    forget: Arc<ForgetQueue>,
     partial: Vec<u8>,
     gone: bool,
     tick: u64,
@@ -85,17 +84,15 @@ impl PoolSender {
             });
         };
         let pool = Arc::clone(pool.inner());
-        let forget = pool.forget_queue();
+        let link = Arc::new(Link::new(socket));
+        pool.register_link(&link);
         Ok(Self {
             pool,
-            socket,
-            known: HashMap::new(),
-            known_bytes: 0,
+            link,
             max_entries: entries,
             max_bytes: bytes,
             leases: HashMap::new(),
             outstanding: 0,
-            forget,
             partial: Vec::new(),
             gone: false,
             tick: 0,
@@ -127,7 +124,9 @@ impl PoolSender {
         if self.gone {
             return Err(Error::Disconnected);
         }
-        self.flush()?;
+        let link = Arc::clone(&self.link);
+        let mut mirror = link.lock();
+        link.flush_pending(&mut mirror)?;
         let id = buffer.id();
         let capacity = buffer.capacity() as u64;
         self.tick += 1;
@@ -140,13 +139,12 @@ impl PoolSender {
             user_len: 0,
         };
         let mut newly_known = false;
-        if let Some(known) = self.known.get_mut(&id) {
+        if let Some(known) = mirror.known.get_mut(&id) {
             known.1 = self.tick;
         } else {
             header.kind = Kind::New;
-            if self.make_room(capacity)? {
-                self.known.insert(id, (capacity, self.tick));
-                self.known_bytes += capacity;
+            if self.make_room(&mut mirror, capacity)? {
+                mirror.insert(id, capacity, self.tick);
                 newly_known = true;
             } else {
                 header.transient = true;
@@ -163,15 +161,16 @@ impl PoolSender {
             })?),
             _ => None,
         };
-        if let Err(err) = wire::send_message(self.socket.as_fd(), &message, fd) {
+        if let Err(err) = wire::send_message(link.socket.as_fd(), &message, fd) {
+            if newly_known {
+                mirror.remove(id);
+            }
+            drop(mirror);
             self.drop_lease(id);
             self.pool.release(id, 1);
-            if newly_known {
-                self.known.remove(&id);
-                self.known_bytes -= capacity;
-            }
             return Err(err);
         }
+        drop(mirror);
         match (header.kind, header.transient) {
             (Kind::Known, _) => self.stats.sent_id += 1,
             (_, true) => {
@@ -190,17 +189,8 @@ impl PoolSender {
     ///
     /// As [`send`](Self::send).
     pub fn flush(&mut self) -> Result<()> {
-        let released: Vec<u64> =
-            std::mem::take(&mut *self.forget.lock().unwrap_or_else(PoisonError::into_inner));
-        for id in released {
-            if let Some((capacity, _)) = self.known.remove(&id) {
-                self.known_bytes -= capacity;
-                if !self.gone {
-                    self.send_forget(id)?;
-                }
-            }
-        }
-        Ok(())
+        let mut mirror = self.link.lock();
+        self.link.flush_pending(&mut mirror)
     }
 
     /// Reads every release the consumer has sent so far, without waiting. Returns how many
@@ -256,7 +246,7 @@ impl PoolSender {
             if left.is_zero() {
                 return Ok(0);
             }
-            wait_readable(self.socket.as_fd(), left)?;
+            wait_readable(self.link.socket.as_fd(), left)?;
         }
     }
 
@@ -272,51 +262,39 @@ impl PoolSender {
 
     /// Regions the consumer caches, as this end accounts them.
     pub fn known_regions(&self) -> usize {
-        self.known.len()
+        self.link.lock().known.len()
     }
 
     /// What this sender has done.
     pub fn stats(&self) -> SenderStats {
-        self.stats
+        SenderStats {
+            forgotten: self.link.forgotten(),
+            ..self.stats
+        }
     }
 
     /// Evicts least recently used known regions (not leased now) until one of `capacity` bytes
     /// fits the consumer's limits; `false` if it cannot fit.
-    fn make_room(&mut self, capacity: u64) -> Result<bool> {
+    fn make_room(&self, mirror: &mut Mirror, capacity: u64) -> Result<bool> {
         if capacity > self.max_bytes || self.max_entries == 0 {
             return Ok(false);
         }
-        while self.known.len() as u64 + 1 > self.max_entries
-            || self.known_bytes + capacity > self.max_bytes
+        while mirror.known.len() as u64 + 1 > self.max_entries
+            || mirror.known_bytes + capacity > self.max_bytes
         {
-            let victim = self
+            let victim = mirror
                 .known
                 .iter()
                 .filter(|(id, _)| !self.leases.contains_key(id))
                 .min_by_key(|(_, &(_, tick))| tick)
-                .map(|(&id, &(cap, _))| (id, cap));
-            let Some((id, cap)) = victim else {
+                .map(|(&id, _)| id);
+            let Some(id) = victim else {
                 return Ok(false);
             };
-            self.known.remove(&id);
-            self.known_bytes -= cap;
-            self.send_forget(id)?;
+            mirror.remove(id);
+            self.link.send_forget(id, false)?;
         }
         Ok(true)
-    }
-
-    fn send_forget(&mut self, id: u64) -> Result<()> {
-        let header = Header {
-            kind: Kind::Forget,
-            transient: false,
-            id,
-            len: 0,
-            map_len: 0,
-            user_len: 0,
-        };
-        wire::send_message(self.socket.as_fd(), &wire::encode(&header, &[])?, None)?;
-        self.stats.forgotten += 1;
-        Ok(())
     }
 
     fn drop_lease(&mut self, id: u64) -> bool {
@@ -335,7 +313,7 @@ impl PoolSender {
 
     fn read_records_waiting(&mut self, flags: RecvFlags, recv: RecvOptions) -> Result<usize> {
         let mut buf = [0u8; RECORD_LEN * 64];
-        let socket = self.socket.as_fd();
+        let socket = self.link.socket.as_fd();
         let got = transfer::wait_and(recv.spin, |extra| {
             rustix::net::recv(socket, &mut buf, flags | extra).map(|(n, _)| n)
         });
@@ -346,7 +324,7 @@ impl PoolSender {
     fn read_records(&mut self, flags: RecvFlags) -> Result<Option<usize>> {
         let mut buf = [0u8; RECORD_LEN * 64];
         let got = loop {
-            match rustix::net::recv(&self.socket, &mut buf, flags) {
+            match rustix::net::recv(&self.link.socket, &mut buf, flags) {
                 Err(Errno::INTR) => {}
                 Err(Errno::AGAIN) => return Ok(None),
                 other => break other.map(|(n, _)| n),
@@ -392,13 +370,17 @@ impl PoolSender {
     /// The consumer's end closed: every lease on this connection comes back.
     fn consumer_gone(&mut self) -> usize {
         self.gone = true;
+        {
+            let mut mirror = self.link.lock();
+            mirror.closed = true;
+            mirror.known.clear();
+            mirror.known_bytes = 0;
+        }
         let count = self.outstanding;
         for (id, n) in self.leases.drain() {
             self.pool.release(id, n);
         }
         self.outstanding = 0;
-        self.known.clear();
-        self.known_bytes = 0;
         self.stats.reclaimed += count as u64;
         if count > 0 {
             tracing::info!(
@@ -436,7 +418,7 @@ fn wait_readable(fd: BorrowedFd<'_>, timeout: Duration) -> Result<()> {
 impl AsFd for PoolSender {
     /// The socket, for `poll`/`epoll` over several connections (readable = releases arrived).
     fn as_fd(&self) -> BorrowedFd<'_> {
-        self.socket.as_fd()
+        self.link.socket.as_fd()
     }
 }
 
@@ -455,7 +437,7 @@ impl Drop for PoolSender {
 impl fmt::Debug for PoolSender {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PoolSender")
-            .field("known", &self.known.len())
+            .field("known", &self.known_regions())
             .field("outstanding", &self.outstanding)
             .field("connected", &!self.gone)
             .field("stats", &self.stats)

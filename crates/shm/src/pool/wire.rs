@@ -192,6 +192,18 @@ pub(crate) fn send_message(
     message: &[u8; MESSAGE_LEN],
     fd: Option<BorrowedFd<'_>>,
 ) -> Result<()> {
+    send_message_with(socket, message, fd, false).map(|_| ())
+}
+
+/// [`send_message`]; with `nowait`, gives up (returning `false`, nothing sent) where the socket's
+/// buffer has no room for the start of the message. Once part of it went, the rest is sent
+/// blocking, so framing holds.
+pub(crate) fn send_message_with(
+    socket: BorrowedFd<'_>,
+    message: &[u8; MESSAGE_LEN],
+    fd: Option<BorrowedFd<'_>>,
+    nowait: bool,
+) -> Result<bool> {
     use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
     use std::io::IoSlice;
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
@@ -202,15 +214,16 @@ pub(crate) fn send_message(
         let pushed = control.push(SendAncillaryMessage::ScmRights(&fds));
         debug_assert!(pushed, "cmsg_space!(ScmRights(1)) holds one fd");
     }
+    let flags = if nowait {
+        SendFlags::NOSIGNAL | SendFlags::DONTWAIT
+    } else {
+        SendFlags::NOSIGNAL
+    };
     let mut sent = loop {
-        match rustix::net::sendmsg(
-            socket,
-            &[IoSlice::new(message)],
-            &mut control,
-            SendFlags::NOSIGNAL,
-        ) {
+        match rustix::net::sendmsg(socket, &[IoSlice::new(message)], &mut control, flags) {
             Ok(n) => break n,
             Err(rustix::io::Errno::INTR) => continue,
+            Err(rustix::io::Errno::AGAIN) if nowait => return Ok(false),
             Err(errno) => return Err(transfer::socket_error(errno, "sendmsg")),
         }
     };
@@ -221,25 +234,49 @@ pub(crate) fn send_message(
             Err(errno) => return Err(transfer::socket_error(errno, "send")),
         }
     }
-    Ok(())
+    Ok(true)
 }
 
 /// Receives one message and the fd it may carry, waiting as `recv` says.
-pub(crate) fn recv_message(
+pub(crate) fn recv_message(socket: BorrowedFd<'_>, recv: RecvOptions) -> Result<Message> {
+    match recv_message_with(socket, Some(recv))? {
+        Some(message) => Ok(message),
+        None => Err(Error::Protocol {
+            problem: "no pool message where one was waited for".into(),
+        }),
+    }
+}
+
+/// A received message and the fd it carried, if any.
+pub(crate) type Message = (Option<OwnedFd>, [u8; MESSAGE_LEN]);
+
+/// [`recv_message`]; with `recv` = `None`, does not wait: `None` if no message has started to
+/// arrive (a message that has started is read to its end).
+pub(crate) fn recv_message_with(
     socket: BorrowedFd<'_>,
-    recv: RecvOptions,
-) -> Result<(Option<OwnedFd>, [u8; MESSAGE_LEN])> {
+    recv: Option<RecvOptions>,
+) -> Result<Option<Message>> {
     let mut message = [0u8; MESSAGE_LEN];
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
-    let received = transfer::wait_and(recv.spin, |flags| {
+    let mut call = |flags| {
         rustix::net::recvmsg(
             socket,
             &mut [IoSliceMut::new(&mut message)],
             &mut control,
             RecvFlags::CMSG_CLOEXEC | flags,
         )
-    })
+    };
+    let received = match recv {
+        Some(recv) => transfer::wait_and(recv.spin, call),
+        None => loop {
+            match call(RecvFlags::DONTWAIT) {
+                Err(rustix::io::Errno::INTR) => {}
+                Err(rustix::io::Errno::AGAIN) => return Ok(None),
+                done => break done,
+            }
+        },
+    }
     .map_err(|errno| transfer::socket_error(errno, "recvmsg"))?;
     if received.bytes == 0 {
         return Err(Error::Disconnected);
@@ -269,7 +306,8 @@ pub(crate) fn recv_message(
                 ),
             });
         }
-        transfer::recv_exact(socket, &mut message[received.bytes..], recv)?;
+        let rest = recv.unwrap_or(RecvOptions::BLOCKING);
+        transfer::recv_exact(socket, &mut message[received.bytes..], rest)?;
     }
     if fds.len() > 1 {
         return Err(Error::Protocol {
@@ -279,7 +317,7 @@ pub(crate) fn recv_message(
             ),
         });
     }
-    Ok((fds.pop(), message))
+    Ok(Some((fds.pop(), message)))
 }
 
 /// Writes one record (blocking; 24 bytes always fit a socket's buffer unless the peer stopped
