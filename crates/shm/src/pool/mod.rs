@@ -305,8 +305,8 @@ impl ShmPool {
     }
 
     /// Releases every cached region (PyTorch's `empty_cache`); regions in use are untouched.
-    /// Consumers drop their mappings of them when their [`PoolSender`] next sends or is
-    /// [`flush`](PoolSender::flush)ed; the memory is freed once the last mapping is gone.
+    /// Every connected consumer that caches one is told at once to drop its mapping (see
+    /// [`PoolSender`]); the memory is freed once the last mapping is gone.
     /// Returns the bytes released.
     pub fn trim(&self) -> u64 {
         self.trim_to(0)
