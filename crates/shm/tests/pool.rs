@@ -486,3 +486,34 @@ fn trimming_from_another_thread_while_sending_keeps_both_ends_in_agreement() {
     assert_eq!(receiver.cached_regions(), 0);
     assert_eq!(pool.stats().reserved_bytes.current, 0);
 }
+
+#[test]
+fn a_consumer_releasing_what_it_does_not_hold_is_a_protocol_error_and_loses_nothing() {
+    use std::io::Write;
+    let pool = small_pool();
+    let (producer, mut consumer) = UnixStream::pair().unwrap();
+    // A hand-made consumer: hello, then a bogus release before a real one.
+    let record = |kind: u32, a: u64, b: u64| {
+        let mut r = Vec::from(*b"TMRL");
+        r.extend_from_slice(&kind.to_le_bytes());
+        r.extend_from_slice(&a.to_le_bytes());
+        r.extend_from_slice(&b.to_le_bytes());
+        r
+    };
+    consumer.write_all(&record(1, 16, 1 << 30)).unwrap();
+    let mut sender = PoolSender::new(&pool, producer).unwrap();
+    let buffer = pool.alloc(4096).unwrap();
+    sender.send(&buffer, &[]).unwrap();
+    let id = buffer.id();
+    drop(buffer);
+    let mut bytes = record(2, id + 1000, 0);
+    bytes.extend(record(2, id, 0));
+    consumer.write_all(&bytes).unwrap();
+    assert!(matches!(
+        sender.wait_release(None),
+        Err(Error::Protocol { .. })
+    ));
+    // The real release was applied all the same.
+    assert_eq!(sender.outstanding(), 0);
+    assert_eq!(pool.stats().in_use_bytes.current, 0);
+}

@@ -343,28 +343,31 @@ impl PoolSender {
         let whole = self.partial.len() / RECORD_LEN * RECORD_LEN;
         let records: Vec<u8> = self.partial.drain(..whole).collect();
         let mut count = 0;
+        // Every well-formed release is applied even if a bad record comes first: a misbehaving
+        // consumer must not make the producer lose track of the leases it did give back.
+        let mut first_error = None;
         for chunk in records.chunks_exact(RECORD_LEN) {
-            match Record::decode(chunk)? {
-                Record::Release { id } => {
-                    if !self.drop_lease(id) {
-                        return Err(Error::Protocol {
-                            problem: format!(
-                                "the consumer released region {id}, which it did not hold"
-                            ),
-                        });
-                    }
+            let problem = match Record::decode(chunk) {
+                Ok(Record::Release { id }) if self.drop_lease(id) => {
                     self.pool.release(id, 1);
                     self.stats.released += 1;
                     count += 1;
+                    continue;
                 }
-                Record::Hello { .. } => {
-                    return Err(Error::Protocol {
-                        problem: "a second hello from the consumer".into(),
-                    })
-                }
-            }
+                Ok(Record::Release { id }) => Error::Protocol {
+                    problem: format!("the consumer released region {id}, which it did not hold"),
+                },
+                Ok(Record::Hello { .. }) => Error::Protocol {
+                    problem: "a second hello from the consumer".into(),
+                },
+                Err(err) => err,
+            };
+            first_error.get_or_insert(problem);
         }
-        Ok(count)
+        match first_error {
+            Some(err) => Err(err),
+            None => Ok(count),
+        }
     }
 
     /// The consumer's end closed: every lease on this connection comes back.
