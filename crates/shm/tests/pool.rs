@@ -517,3 +517,74 @@ fn a_consumer_releasing_what_it_does_not_hold_is_a_protocol_error_and_loses_noth
     assert_eq!(sender.outstanding(), 0);
     assert_eq!(pool.stats().in_use_bytes.current, 0);
 }
+
+/// A hand-made producer: writes raw pool messages (the layout of `pool::wire`).
+fn raw_message(kind: u8, id: u64, len: u64, map_len: u64) -> [u8; 256] {
+    let mut m = [0u8; 256];
+    m[0..4].copy_from_slice(b"TMPL");
+    m[4..6].copy_from_slice(&1u16.to_le_bytes());
+    m[6] = kind;
+    m[8..16].copy_from_slice(&id.to_le_bytes());
+    m[16..24].copy_from_slice(&len.to_le_bytes());
+    m[24..32].copy_from_slice(&map_len.to_le_bytes());
+    m
+}
+
+#[test]
+fn a_lying_producer_gets_protocol_errors_and_its_leases_back() {
+    use std::io::{Read, Write};
+    let (mut producer, consumer) = UnixStream::pair().unwrap();
+    let mut receiver = PoolReceiver::new(consumer, ReceiverOptions::default()).unwrap();
+    let mut hello = [0u8; 24];
+    producer.read_exact(&mut hello).unwrap();
+    assert_eq!(&hello[0..4], b"TMRL");
+
+    // An id this end never received.
+    producer.write_all(&raw_message(2, 77, 4096, 4096)).unwrap();
+    assert!(matches!(receiver.recv(), Err(Error::Protocol { .. })));
+    let mut release = [0u8; 24];
+    producer.read_exact(&mut release).unwrap();
+    assert_eq!(u32::from_le_bytes(release[4..8].try_into().unwrap()), 2);
+    assert_eq!(u64::from_le_bytes(release[8..16].try_into().unwrap()), 77);
+
+    // A NEW message without its fd, and garbage.
+    producer.write_all(&raw_message(1, 78, 4096, 4096)).unwrap();
+    assert!(matches!(receiver.recv(), Err(Error::Protocol { .. })));
+    producer.read_exact(&mut release).unwrap();
+    assert_eq!(u64::from_le_bytes(release[8..16].try_into().unwrap()), 78);
+    producer.write_all(&[0xAB; 256]).unwrap();
+    assert!(matches!(receiver.recv(), Err(Error::Protocol { .. })));
+    assert_eq!(receiver.cached_regions(), 0);
+}
+
+#[test]
+fn an_unsealed_region_from_a_producer_is_read_through_the_kernel() {
+    use std::io::Read;
+    use std::os::fd::AsFd;
+    // A producer that sends a plain file it could truncate (not a pool region).
+    let (mut producer, consumer) = UnixStream::pair().unwrap();
+    let mut receiver = PoolReceiver::new(consumer, ReceiverOptions::default()).unwrap();
+    let mut hello = [0u8; 24];
+    producer.read_exact(&mut hello).unwrap();
+    let file = tempfile::tempfile().unwrap();
+    file.set_len(8192).unwrap();
+    let message = raw_message(1, 5, 8192, 8192);
+    let fds = [file.as_fd()];
+    let mut space = [std::mem::MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = rustix::net::SendAncillaryBuffer::new(&mut space);
+    assert!(control.push(rustix::net::SendAncillaryMessage::ScmRights(&fds)));
+    rustix::net::sendmsg(
+        &producer,
+        &[std::io::IoSlice::new(&message)],
+        &mut control,
+        rustix::net::SendFlags::empty(),
+    )
+    .unwrap();
+    let lease = receiver.recv().unwrap();
+    assert!(lease.mapping().is_truncatable());
+    file.set_len(0).unwrap();
+    assert!(matches!(
+        lease.read_volatile(4096),
+        Err(Error::Truncated { .. })
+    ));
+}
