@@ -588,3 +588,24 @@ fn an_unsealed_region_from_a_producer_is_read_through_the_kernel() {
         Err(Error::Truncated { .. })
     ));
 }
+
+#[test]
+fn a_request_the_cache_cannot_serve_takes_releases_no_sender_has_read_yet() {
+    let pool = small_pool();
+    let (mut sender, mut receiver) = connect(&pool, ReceiverOptions::default());
+    let buffer = pool.alloc(MIB).unwrap();
+    let id = buffer.id();
+    sender.send(&buffer, &[]).unwrap();
+    drop(buffer);
+    drop(receiver.recv().unwrap()); // the release record now waits in the producer's socket
+    assert_eq!(sender.outstanding(), 1, "nobody has read it yet");
+    // The producer never polls: the pool reads the release itself on its cache miss.
+    let again = pool.alloc(MIB).unwrap();
+    assert_eq!(again.id(), id);
+    assert_eq!(sender.outstanding(), 0);
+    assert_eq!(sender.stats().released, 1);
+    let stats = pool.stats();
+    assert_eq!(stats.regions.allocated, 1);
+    assert_eq!(stats.cache_hits, 1);
+    assert_eq!(stats.requests, 2);
+}

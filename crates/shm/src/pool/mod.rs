@@ -233,7 +233,7 @@ impl ShmPool {
     /// be made (`ENOMEM`, `EMFILE`, ...).
     pub fn alloc(&self, len: u64) -> Result<PoolBuffer> {
         let (capacity, len) = self.class(len)?;
-        if let Some(buffer) = self.inner.take_cached(capacity, len) {
+        if let Some(buffer) = self.inner.take_cached_or_drain(capacity, len) {
             return Ok(buffer);
         }
         let mut region = self.inner.new_region(capacity)?;
@@ -250,7 +250,7 @@ impl ShmPool {
     /// As [`alloc`](Self::alloc).
     pub fn alloc_zeroed(&self, len: u64) -> Result<PoolBuffer> {
         let (capacity, len) = self.class(len)?;
-        if let Some(mut buffer) = self.inner.take_cached(capacity, len) {
+        if let Some(mut buffer) = self.inner.take_cached_or_drain(capacity, len) {
             buffer.fill(0)?;
             return Ok(buffer);
         }
@@ -272,7 +272,7 @@ impl ShmPool {
     #[doc(alias = "share_memory_")]
     pub fn copy_from_bytes(&self, src: &[u8]) -> Result<PoolBuffer> {
         let (capacity, len) = self.class(src.len() as u64)?;
-        if let Some(mut buffer) = self.inner.take_cached(capacity, len) {
+        if let Some(mut buffer) = self.inner.take_cached_or_drain(capacity, len) {
             buffer.copy_from(src)?;
             return Ok(buffer);
         }
@@ -460,12 +460,29 @@ impl Inner {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// A cached region of `capacity` bytes lent as a buffer of `len`; if none is cached, the
+    /// releases that consumers have sent but no sender has read yet are applied first (never
+    /// waiting: a connection whose sender is busy is skipped).
+    fn take_cached_or_drain(self: &Arc<Self>, capacity: u64, len: usize) -> Option<PoolBuffer> {
+        if let Some(buffer) = self.take_cached(capacity, len, true) {
+            return Some(buffer);
+        }
+        let links: Vec<Arc<Link>> = self.lock().links.iter().filter_map(Weak::upgrade).collect();
+        let returned: usize = links.iter().map(|link| link.drain_for_pool(self)).sum();
+        if returned == 0 {
+            return None;
+        }
+        self.take_cached(capacity, len, false)
+    }
+
     /// A cached region of exactly `capacity` bytes, if there is one, lent as a buffer of `len`.
-    fn take_cached(self: &Arc<Self>, capacity: u64, len: usize) -> Option<PoolBuffer> {
+    fn take_cached(self: &Arc<Self>, capacity: u64, len: usize, count: bool) -> Option<PoolBuffer> {
         let mut released = Released::default();
         let taken = {
             let mut state = self.lock();
-            state.stats.requests += 1;
+            if count {
+                state.stats.requests += 1;
+            }
             state.release_idle(self.config.idle_release, Instant::now(), &mut released);
             let ids = state.free.get_mut(&capacity)?;
             let id = ids.pop()?;

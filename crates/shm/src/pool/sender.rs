@@ -1,15 +1,13 @@
 //! [`PoolSender`]: the producer's end of one connection to one consumer.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rustix::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use rustix::io::Errno;
 use rustix::net::RecvFlags;
 
-use super::link::{Link, Mirror};
+use super::link::{Leases, Link, Mirror};
 use super::wire::{self, Header, Kind, Record, RECORD_LEN};
 use super::{Inner, PoolBuffer, ShmPool};
 use crate::error::{Error, Result};
@@ -28,20 +26,17 @@ use crate::transfer::{self, RecvOptions};
 /// [`flush`](Self::flush)).
 ///
 /// Releases arrive as records on the socket; they are read at every `send`, by
-/// [`poll_releases`](Self::poll_releases) (non-blocking) and by
-/// [`wait_release`](Self::wait_release). If the consumer's end closes (it exited or was killed),
+/// [`poll_releases`](Self::poll_releases) (non-blocking), by
+/// [`wait_release`](Self::wait_release), and by the pool itself when a request finds no cached
+/// region of its size (without waiting: a connection whose sender is busy is skipped). If the consumer's end closes (it exited or was killed),
 /// every lease still open on this connection is released.
 pub struct PoolSender {
     pool: Arc<Inner>,
-    /// The socket and the consumer's cache as this end accounts it, shared with the pool.
+    /// The socket, the consumer's cache as this end accounts it and the open leases, shared
+    /// with the pool.
     link: Arc<Link>,
     max_entries: u64,
     max_bytes: u64,
-    /// Open leases per region id.
-    leases: HashMap<u64, usize>,
-    outstanding: usize,
-    partial: Vec<u8>,
-    gone: bool,
     tick: u64,
     stats: SenderStats,
 }
@@ -91,10 +86,6 @@ impl PoolSender {
             link,
             max_entries: entries,
             max_bytes: bytes,
-            leases: HashMap::new(),
-            outstanding: 0,
-            partial: Vec::new(),
-            gone: false,
             tick: 0,
             stats: SenderStats::default(),
         })
@@ -116,16 +107,18 @@ impl PoolSender {
                 problem: "this buffer belongs to another pool than the sender's".into(),
             });
         }
+        let link = Arc::clone(&self.link);
+        let mut mirror = link.mirror();
+        let mut leases = link.leases();
         // With no lease open there is nothing to read but an end of file, which the send
         // itself reports (EPIPE): save the system call on the round-trip path.
-        if self.outstanding > 0 {
-            self.poll_releases()?;
+        if leases.outstanding > 0 || leases.deferred.is_some() {
+            self.poll_locked(&mut leases)?;
         }
-        if self.gone {
+        if leases.gone {
+            mirror.clear();
             return Err(Error::Disconnected);
         }
-        let link = Arc::clone(&self.link);
-        let mut mirror = link.lock();
         link.flush_pending(&mut mirror)?;
         let id = buffer.id();
         let capacity = buffer.capacity() as u64;
@@ -143,7 +136,7 @@ impl PoolSender {
             known.1 = self.tick;
         } else {
             header.kind = Kind::New;
-            if self.make_room(&mut mirror, capacity)? {
+            if self.make_room(&mut mirror, &leases, capacity)? {
                 mirror.insert(id, capacity, self.tick);
                 newly_known = true;
             } else {
@@ -151,26 +144,25 @@ impl PoolSender {
             }
         }
         let message = wire::encode(&header, user)?;
-        // Count the lease before the consumer can possibly release it.
-        self.pool.acquire(id);
-        *self.leases.entry(id).or_default() += 1;
-        self.outstanding += 1;
         let fd = match header.kind {
             Kind::New => Some(buffer.fd().ok_or_else(|| Error::NoFd {
                 object: format!("pooled region {id}"),
             })?),
             _ => None,
         };
+        // Count the lease before the consumer can possibly release it.
+        self.pool.acquire(id);
+        leases.add(id);
         if let Err(err) = wire::send_message(link.socket.as_fd(), &message, fd) {
             if newly_known {
                 mirror.remove(id);
             }
-            drop(mirror);
-            self.drop_lease(id);
+            leases.remove_one(id);
+            drop((mirror, leases));
             self.pool.release(id, 1);
             return Err(err);
         }
-        drop(mirror);
+        drop((mirror, leases));
         match (header.kind, header.transient) {
             (Kind::Known, _) => self.stats.sent_id += 1,
             (_, true) => {
@@ -189,7 +181,7 @@ impl PoolSender {
     ///
     /// As [`send`](Self::send).
     pub fn flush(&mut self) -> Result<()> {
-        let mut mirror = self.link.lock();
+        let mut mirror = self.link.mirror();
         self.link.flush_pending(&mut mirror)
     }
 
@@ -202,14 +194,9 @@ impl PoolSender {
     /// [`Error::Os`] for socket failures. A closed consumer end is not an error here:
     /// [`is_connected`](Self::is_connected) turns `false`.
     pub fn poll_releases(&mut self) -> Result<usize> {
-        let mut count = 0;
-        while !self.gone {
-            match self.read_records(RecvFlags::DONTWAIT)? {
-                Some(n) => count += n,
-                None => break,
-            }
-        }
-        Ok(count)
+        let link = Arc::clone(&self.link);
+        let mut leases = link.leases();
+        self.poll_locked(&mut leases)
     }
 
     /// Waits, as `recv` says (blocking, or spinning first), until at least one release arrives
@@ -222,10 +209,15 @@ impl PoolSender {
     /// As [`poll_releases`](Self::poll_releases).
     pub fn wait_release(&mut self, recv: Option<RecvOptions>) -> Result<usize> {
         let recv = recv.unwrap_or(RecvOptions::BLOCKING);
+        let link = Arc::clone(&self.link);
+        let mut leases = link.leases();
+        if let Some(err) = leases.deferred.take() {
+            return Err(err);
+        }
         let mut count = 0;
-        while count == 0 && self.outstanding > 0 && !self.gone {
-            let flags = RecvFlags::empty();
-            count += self.read_records_waiting(flags, recv)?;
+        while count == 0 && leases.outstanding > 0 && !leases.gone {
+            let got = link.read(&mut leases, &self.pool, RecvFlags::empty(), recv.spin)?;
+            count += got.unwrap_or(0);
         }
         Ok(count)
     }
@@ -239,9 +231,11 @@ impl PoolSender {
         let deadline = Instant::now() + timeout;
         loop {
             let count = self.poll_releases()?;
-            if count > 0 || self.outstanding == 0 || self.gone {
+            let leases = self.link.leases();
+            if count > 0 || leases.outstanding == 0 || leases.gone {
                 return Ok(count);
             }
+            drop(leases);
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Ok(0);
@@ -252,30 +246,54 @@ impl PoolSender {
 
     /// Leases open on this connection.
     pub fn outstanding(&self) -> usize {
-        self.outstanding
+        self.link.leases().outstanding
     }
 
     /// `false` once the consumer's end has closed (every lease on it was then released).
     pub fn is_connected(&self) -> bool {
-        !self.gone
+        !self.link.is_closed()
     }
 
-    /// Regions the consumer caches, as this end accounts them.
+    /// Regions the consumer caches, as this end accounts it (0 once the consumer is gone).
     pub fn known_regions(&self) -> usize {
-        self.link.lock().known.len()
+        if self.link.is_closed() {
+            return 0;
+        }
+        self.link.mirror().known.len()
     }
 
     /// What this sender has done.
     pub fn stats(&self) -> SenderStats {
+        let leases = self.link.leases();
         SenderStats {
             forgotten: self.link.forgotten(),
+            released: leases.released,
+            reclaimed: leases.reclaimed,
             ..self.stats
         }
     }
 
+    /// Reads every record that has arrived; the caller holds the leases.
+    fn poll_locked(&self, leases: &mut Leases) -> Result<usize> {
+        if let Some(err) = leases.deferred.take() {
+            return Err(err);
+        }
+        let mut count = 0;
+        while !leases.gone {
+            match self
+                .link
+                .read(leases, &self.pool, RecvFlags::DONTWAIT, Duration::ZERO)?
+            {
+                Some(n) => count += n,
+                None => break,
+            }
+        }
+        Ok(count)
+    }
+
     /// Evicts least recently used known regions (not leased now) until one of `capacity` bytes
     /// fits the consumer's limits; `false` if it cannot fit.
-    fn make_room(&self, mirror: &mut Mirror, capacity: u64) -> Result<bool> {
+    fn make_room(&self, mirror: &mut Mirror, leases: &Leases, capacity: u64) -> Result<bool> {
         if capacity > self.max_bytes || self.max_entries == 0 {
             return Ok(false);
         }
@@ -285,7 +303,7 @@ impl PoolSender {
             let victim = mirror
                 .known
                 .iter()
-                .filter(|(id, _)| !self.leases.contains_key(id))
+                .filter(|(id, _)| !leases.open.contains_key(id))
                 .min_by_key(|(_, &(_, tick))| tick)
                 .map(|(&id, _)| id);
             let Some(id) = victim else {
@@ -295,103 +313,6 @@ impl PoolSender {
             self.link.send_forget(id, false)?;
         }
         Ok(true)
-    }
-
-    fn drop_lease(&mut self, id: u64) -> bool {
-        match self.leases.get_mut(&id) {
-            Some(n) => {
-                *n -= 1;
-                if *n == 0 {
-                    self.leases.remove(&id);
-                }
-                self.outstanding -= 1;
-                true
-            }
-            None => false,
-        }
-    }
-
-    fn read_records_waiting(&mut self, flags: RecvFlags, recv: RecvOptions) -> Result<usize> {
-        let mut buf = [0u8; RECORD_LEN * 64];
-        let socket = self.link.socket.as_fd();
-        let got = transfer::wait_and(recv.spin, |extra| {
-            rustix::net::recv(socket, &mut buf, flags | extra).map(|(n, _)| n)
-        });
-        self.take_bytes(got, &buf)
-    }
-
-    /// One `recv` with `flags`; `None` if nothing was there (`EAGAIN`).
-    fn read_records(&mut self, flags: RecvFlags) -> Result<Option<usize>> {
-        let mut buf = [0u8; RECORD_LEN * 64];
-        let got = loop {
-            match rustix::net::recv(&self.link.socket, &mut buf, flags) {
-                Err(Errno::INTR) => {}
-                Err(Errno::AGAIN) => return Ok(None),
-                other => break other.map(|(n, _)| n),
-            }
-        };
-        self.take_bytes(got, &buf).map(Some)
-    }
-
-    fn take_bytes(&mut self, got: rustix::io::Result<usize>, buf: &[u8]) -> Result<usize> {
-        let n = match got {
-            Ok(0) | Err(Errno::CONNRESET | Errno::PIPE) => return Ok(self.consumer_gone()),
-            Ok(n) => n,
-            Err(errno) => return Err(transfer::socket_error(errno, "recv")),
-        };
-        self.partial.extend_from_slice(&buf[..n]);
-        let whole = self.partial.len() / RECORD_LEN * RECORD_LEN;
-        let records: Vec<u8> = self.partial.drain(..whole).collect();
-        let mut count = 0;
-        // Every well-formed release is applied even if a bad record comes first: a misbehaving
-        // consumer must not make the producer lose track of the leases it did give back.
-        let mut first_error = None;
-        for chunk in records.chunks_exact(RECORD_LEN) {
-            let problem = match Record::decode(chunk) {
-                Ok(Record::Release { id }) if self.drop_lease(id) => {
-                    self.pool.release(id, 1);
-                    self.stats.released += 1;
-                    count += 1;
-                    continue;
-                }
-                Ok(Record::Release { id }) => Error::Protocol {
-                    problem: format!("the consumer released region {id}, which it did not hold"),
-                },
-                Ok(Record::Hello { .. }) => Error::Protocol {
-                    problem: "a second hello from the consumer".into(),
-                },
-                Err(err) => err,
-            };
-            first_error.get_or_insert(problem);
-        }
-        match first_error {
-            Some(err) => Err(err),
-            None => Ok(count),
-        }
-    }
-
-    /// The consumer's end closed: every lease on this connection comes back.
-    fn consumer_gone(&mut self) -> usize {
-        self.gone = true;
-        {
-            let mut mirror = self.link.lock();
-            mirror.closed = true;
-            mirror.known.clear();
-            mirror.known_bytes = 0;
-        }
-        let count = self.outstanding;
-        for (id, n) in self.leases.drain() {
-            self.pool.release(id, n);
-        }
-        self.outstanding = 0;
-        self.stats.reclaimed += count as u64;
-        if count > 0 {
-            tracing::info!(
-                leases = count,
-                "consumer gone; its open leases were released"
-            );
-        }
-        count
     }
 }
 
@@ -427,11 +348,15 @@ impl AsFd for PoolSender {
 
 impl Drop for PoolSender {
     fn drop(&mut self) {
-        if !self.gone {
-            let _ = self.poll_releases();
+        let link = Arc::clone(&self.link);
+        let mut leases = link.leases();
+        if !leases.gone {
+            let _ = self.poll_locked(&mut leases);
         }
         // Leases still open belong to a consumer that may still read: never reuse those regions.
-        for (id, n) in self.leases.drain() {
+        leases.gone = true;
+        leases.outstanding = 0;
+        for (id, n) in leases.open.drain() {
             self.pool.abandon(id, n);
         }
     }
@@ -441,8 +366,8 @@ impl fmt::Debug for PoolSender {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PoolSender")
             .field("known", &self.known_regions())
-            .field("outstanding", &self.outstanding)
-            .field("connected", &!self.gone)
+            .field("outstanding", &self.outstanding())
+            .field("connected", &self.is_connected())
             .field("stats", &self.stats)
             .finish()
     }
