@@ -609,3 +609,14 @@ fn a_request_the_cache_cannot_serve_takes_releases_no_sender_has_read_yet() {
     assert_eq!(stats.cache_hits, 1);
     assert_eq!(stats.requests, 2);
 }
+
+#[test]
+fn the_handles_cross_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+    send_sync::<ShmPool>();
+    send_sync::<tensormem_shm::PoolBuffer>();
+    send::<PoolSender>();
+    send::<PoolReceiver>();
+    send_sync::<tensormem_shm::mapping_cache::Lease>();
+}
