@@ -1,5 +1,6 @@
 //! `cargo xtask test-gpu --bundle DIR`: the GPU test executables, the GPU examples, the
-//! `alloc_patterns` benchmark and a `run.sh`, built here for a GPU host that has no Rust toolchain.
+//! benchmark binaries (`alloc_patterns`, `shm_bench`, `shm_pool_bench`, `shm_loader_bench`) and a
+//! `run.sh`, built here for a GPU host that has no Rust toolchain.
 //!
 //! The executables are built in release without debug info and stripped (through `CARGO_PROFILE_*`
 //! variables, so the workspace's profiles stay as they are), found through cargo's JSON messages, and
@@ -17,10 +18,14 @@ use anyhow::{bail, Context, Result};
 
 use crate::gpu_tests::{cargo, GPU_EXAMPLES, GPU_TEST_TARGETS};
 
-/// The benchmark binaries copied beside the tests: (package, binary).
+/// The benchmark binaries copied beside the tests: (package, binary). Each is self-contained (the
+/// sharing benchmarks re-execute themselves as their consumer processes).
 const BENCH_BINS: &[(&str, &str)] = &[
     ("tensormem-benches", "alloc_patterns"),
     ("tensormem-benches", "ipc_roundtrip"),
+    ("tensormem-benches", "shm_bench"),
+    ("tensormem-benches", "shm_pool_bench"),
+    ("tensormem-benches", "shm_loader_bench"),
 ];
 
 /// Builds the bundle into `dir` (created if missing; files of an earlier bundle are replaced).
@@ -197,7 +202,12 @@ fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
          alloc_patterns --sim runs the same patterns on the simulated device; --raw uses the pointer API\n\
          (raw_alloc/raw_free) instead of Allocation handles.\n\n\
          The CUDA IPC round trip against PyTorch's (same call, same machine):\n\n    \
-         gpu-bundle/ipc_roundtrip; python3 ../shared/anchors/torch_sharing_bench.py\n\n",
+         gpu-bundle/ipc_roundtrip; python3 ../shared/anchors/torch_sharing_bench.py\n\n\
+         The sharing benchmarks, each beside its PyTorch anchor in the same call:\n\n    \
+         gpu-bundle/shm_pool_bench; python3 ../shared/anchors/torch_sharing_bench.py\n    \
+         gpu-bundle/shm_loader_bench 67108864 200 4; python3 ../shared/anchors/torch_loader_bench.py 67108864 200 4\n    \
+         gpu-bundle/shm_loader_bench 1048576 100 2; python3 ../shared/anchors/torch_loader_bench.py 1048576 100 2\n\n\
+         (shm_bench prints the non-pooled round trips, copy plans and the machine's huge-page settings.)\n\n",
     );
     let name = dir.file_name().map_or_else(
         || dir.display().to_string(),
