@@ -1,5 +1,6 @@
 //! `cargo xtask test-gpu --bundle DIR`: the GPU test executables, the GPU examples, the
-//! `alloc_patterns` benchmark and a `run.sh`, built here for a GPU host that has no Rust toolchain.
+//! benchmark binaries (`alloc_patterns`, `shm_bench`, `shm_pool_bench`, `shm_loader_bench`) and a
+//! `run.sh`, built here for a GPU host that has no Rust toolchain.
 //!
 //! The executables are built in release without debug info and stripped (through `CARGO_PROFILE_*`
 //! variables, so the workspace's profiles stay as they are), found through cargo's JSON messages, and
@@ -17,8 +18,15 @@ use anyhow::{bail, Context, Result};
 
 use crate::gpu_tests::{cargo, GPU_EXAMPLES, GPU_TEST_TARGETS};
 
-/// The benchmark binary copied beside the tests: (package, binary).
-const BENCH_BIN: (&str, &str) = ("tensormem-benches", "alloc_patterns");
+/// The benchmark binaries copied beside the tests: (package, binary). Each is self-contained (the
+/// sharing benchmarks re-execute themselves as their consumer processes).
+const BENCH_BINS: &[(&str, &str)] = &[
+    ("tensormem-benches", "alloc_patterns"),
+    ("tensormem-benches", "ipc_roundtrip"),
+    ("tensormem-benches", "shm_bench"),
+    ("tensormem-benches", "shm_pool_bench"),
+    ("tensormem-benches", "shm_loader_bench"),
+];
 
 /// PyTorch's pluggable allocator library: (package, library target name, file name), copied into
 /// `DIR/torch/` with the crate's Python scripts.
@@ -75,14 +83,15 @@ pub(crate) fn build(dir: &Path) -> Result<()> {
         copy_executable(&exe, &dest)?;
         files.push(dest);
     }
-    let (package, bin) = BENCH_BIN;
-    let exe = build_one(&["build", "-p", package, "--bin", bin], |artifact| {
-        target_name(artifact) == Some(bin)
-    })
-    .with_context(|| format!("building {bin}"))?;
-    let dest = dir.join(bin);
-    copy_executable(&exe, &dest)?;
-    files.push(dest);
+    for &(package, bin) in BENCH_BINS {
+        let exe = build_one(&["build", "-p", package, "--bin", bin], |artifact| {
+            target_name(artifact) == Some(bin)
+        })
+        .with_context(|| format!("building {bin}"))?;
+        let dest = dir.join(bin);
+        copy_executable(&exe, &dest)?;
+        files.push(dest);
+    }
 
     files.push(bundle_torch_plugin(dir)?);
 
@@ -259,6 +268,13 @@ fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
          ../shared/anchors):\n\n    bash ../shared/anchors/compare_alloc.sh gpu-bundle/alloc_patterns\n\n\
          alloc_patterns --sim runs the same patterns on the simulated device; --raw uses the pointer API\n\
          (raw_alloc/raw_free) instead of Allocation handles.\n\n\
+         The CUDA IPC round trip against PyTorch's (same call, same machine):\n\n    \
+         gpu-bundle/ipc_roundtrip; python3 ../shared/anchors/torch_sharing_bench.py\n\n\
+         The sharing benchmarks, each beside its PyTorch anchor in the same call:\n\n    \
+         gpu-bundle/shm_pool_bench; python3 ../shared/anchors/torch_sharing_bench.py\n    \
+         gpu-bundle/shm_loader_bench 67108864 200 4; python3 ../shared/anchors/torch_loader_bench.py 67108864 200 4\n    \
+         gpu-bundle/shm_loader_bench 1048576 100 2; python3 ../shared/anchors/torch_loader_bench.py 1048576 100 2\n\n\
+         (shm_bench prints the non-pooled round trips, copy plans and the machine's huge-page settings.)\n\n\
          torch/ holds PyTorch's pluggable allocator on tensormem (libtensormem_torch.so) and its Python\n\
          scripts; run.sh runs the real-client checks (GPT-2 and CUDA-graph training, losses against the\n\
          native allocator). The benchmark against PyTorch's native allocator, in one call:\n\n\

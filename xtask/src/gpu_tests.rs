@@ -11,6 +11,9 @@ use anyhow::{bail, Context, Result};
 pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] = &[
     ("tensormem-cuda-alloc", "gpu"),
     ("tensormem", "gpu"),
+    ("tensormem-ipc", "gpu"),
+    ("tensormem", "storage_gpu"),
+    ("tensormem-storage", "torch_interop"),
     ("tensormem-torch", "gpu"),
     ("tensormem-torch", "torch_client"),
 ];

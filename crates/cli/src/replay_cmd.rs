@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, Context, Result};
 use clap::Args;
-use tensormem_cuda_alloc::snapshot::Snapshot;
+use tensormem_cuda_alloc::snapshot::{ReadLimits, Snapshot, SnapshotError};
 use tensormem_replay::{ExpectedStats, Replay, ReplayRun, RunOptions};
 
 use crate::embedded;
@@ -30,8 +30,9 @@ pub(crate) struct ReplayArgs {
     #[arg(long = "config", value_name = "STR")]
     configs: Vec<String>,
 
-    /// Print {"trace", "events", "runs": [{"config", "stats", "seconds"}]} as JSON on stdout, and
-    /// nothing else there.
+    /// Print {"trace", "events", "runs": [{"config", "stats", "devices": {"D": {"stats"}},
+    /// "seconds"}]} as JSON on stdout, and nothing else there ("stats" is device 0's, as
+    /// memory_stats() with no argument).
     #[arg(long)]
     json: bool,
 
@@ -48,6 +49,32 @@ pub(crate) struct ReplayArgs {
     /// what the trace implies (its expandable reservations, its out-of-memory events), else 1 TiB.
     #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
     capacity: Option<u64>,
+
+    /// The most bytes read from TRACE, and the most a gzip-compressed TRACE may expand to (default
+    /// 1GiB): a guard against files that are not snapshots. Raise it only for a trace you trust.
+    #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
+    max_trace_bytes: Option<u64>,
+
+    /// The most values TRACE's pickle may build (default 33554432, about 2 GiB of memory at worst):
+    /// a guard against pickle bombs. Raise it only for a trace you trust.
+    #[arg(long, value_name = "N")]
+    max_trace_values: Option<u64>,
+}
+
+impl ReplayArgs {
+    /// The limits on reading the trace.
+    fn read_limits(&self) -> ReadLimits {
+        let mut limits = ReadLimits::DEFAULT;
+        if let Some(bytes) = self.max_trace_bytes {
+            limits = limits
+                .with_max_input_bytes(bytes)
+                .with_max_decompressed_bytes(bytes);
+        }
+        if let Some(values) = self.max_trace_values {
+            limits = limits.with_max_values(values);
+        }
+        limits
+    }
 }
 
 /// Where the trace came from.
@@ -62,7 +89,7 @@ struct Source {
 
 /// Runs `tensormem replay`.
 pub(crate) fn run(args: ReplayArgs) -> Result<()> {
-    let source = load(args.trace.as_deref())?;
+    let source = load(args.trace.as_deref(), &args.read_limits())?;
     let mut replay = Replay::new(&source.snapshot).map_err(flat)?;
     if let Some(expected) = source.expected.clone() {
         replay = replay.with_expected_stats(expected);
@@ -122,7 +149,8 @@ fn print_report(
 ) -> std::io::Result<()> {
     let mut stdout = std::io::stdout().lock();
     if args.json {
-        let json = json_report(&source.name, replay.events(), runs);
+        let mut json = json_report(&source.name, replay.events(), runs);
+        json["pools"] = pools_json(replay);
         serde_json::to_writer_pretty(&mut stdout, &json)?;
         writeln!(stdout)?;
     } else {
@@ -133,6 +161,17 @@ fn print_report(
                 events: replay.events(),
                 devices: replay.devices().len(),
                 expected_from: source.expected_from.as_deref(),
+                capacity: replay
+                    .devices()
+                    .into_iter()
+                    .filter_map(|d| Some((d, replay.capacity_inference(d)?)))
+                    .collect(),
+                capacity_given: args.capacity.is_some(),
+                pools: replay
+                    .devices()
+                    .into_iter()
+                    .filter_map(|d| Some((d, replay.pool_attribution(d)?)))
+                    .collect(),
             },
             runs,
         )?;
@@ -151,7 +190,17 @@ fn flat(error: impl std::fmt::Display) -> anyhow::Error {
     anyhow!("{error}")
 }
 
-fn load(path: Option<&Path>) -> Result<Source> {
+/// A trace-reading error, naming the option that raises the limit it hit.
+fn read_error(error: SnapshotError) -> anyhow::Error {
+    let option = match &error {
+        SnapshotError::TooLarge { limit, .. } if *limit == "max_values" => "--max-trace-values",
+        SnapshotError::TooLarge { .. } => "--max-trace-bytes",
+        _ => return flat(error),
+    };
+    anyhow!("{error} (here: {option})")
+}
+
+fn load(path: Option<&Path>, limits: &ReadLimits) -> Result<Source> {
     let Some(path) = path else {
         let snapshot = embedded::gpt2_train().map_err(flat)?;
         return Ok(Source {
@@ -161,7 +210,7 @@ fn load(path: Option<&Path>) -> Result<Source> {
             expected_from: Some(format!("built-in {}", embedded::STATS_NAME)),
         });
     };
-    let snapshot = Snapshot::read_file(path).map_err(flat)?;
+    let snapshot = Snapshot::read_file_with_limits(path, limits).map_err(read_error)?;
     let beside = stats_beside(path);
     let expected =
         beside
@@ -228,14 +277,86 @@ fn json_report(trace: &str, events: u64, runs: &[ReplayRun]) -> serde_json::Valu
         .iter()
         .map(|run| {
             let stats: BTreeMap<String, i64> = run.flat_stats();
-            serde_json::json!({
+            let devices: BTreeMap<String, serde_json::Value> = run
+                .devices
+                .iter()
+                .map(|d| {
+                    let mut entry = serde_json::json!({
+                        "stats": d.stats.to_flat(),
+                        "capacity": d.capacity,
+                    });
+                    if let Some(check) = &d.check {
+                        entry["matches_record"] = serde_json::Value::Bool(check.matches());
+                    }
+                    (d.device.to_string(), entry)
+                })
+                .collect();
+            let mut entry = serde_json::json!({
                 "config": run.config.to_string(),
                 "stats": stats,
+                "devices": devices,
                 "seconds": run.seconds,
-            })
+            });
+            if run.devices.len() > 1 {
+                entry["total_stats"] = serde_json::json!(run.total_stats());
+            }
+            if let Some(matches) = run.matches_record() {
+                entry["matches_record"] = serde_json::Value::Bool(matches);
+            }
+            entry
         })
         .collect();
     serde_json::json!({ "trace": trace, "events": events, "runs": runs })
+}
+
+/// Per device, which allocations the replay attributed to which pool, and the undecided ones.
+fn pools_json(replay: &Replay) -> serde_json::Value {
+    let devices: BTreeMap<String, serde_json::Value> = replay
+        .devices()
+        .into_iter()
+        .filter_map(|d| {
+            let a = replay.pool_attribution(d)?;
+            let pools: Vec<serde_json::Value> = a
+                .pools
+                .iter()
+                .map(|p| {
+                    let evidence: BTreeMap<String, u64> = p
+                        .by_evidence
+                        .iter()
+                        .map(|(e, n)| (format!("{e:?}"), *n))
+                        .collect();
+                    serde_json::json!({
+                        "pool": [p.pool.0, p.pool.1],
+                        "allocations": p.allocations,
+                        "segments": p.segments,
+                        "evidence": evidence,
+                    })
+                })
+                .collect();
+            let undecided: Vec<serde_json::Value> = a
+                .undecided
+                .iter()
+                .map(|u| {
+                    serde_json::json!({
+                        "event": u.event,
+                        "size": u.size,
+                        "stream": u.stream.0,
+                        "assumed": [u.assumed.0, u.assumed.1],
+                    })
+                })
+                .collect();
+            Some((
+                d.to_string(),
+                serde_json::json!({
+                    "pools": pools,
+                    "undecided": undecided,
+                    "flips": a.flips,
+                    "gave_up": a.gave_up,
+                }),
+            ))
+        })
+        .collect();
+    serde_json::json!(devices)
 }
 
 /// Parses a byte count: a number with an optional unit (`B`, `K`/`KB`/`KiB`, `M`..., `G`...,

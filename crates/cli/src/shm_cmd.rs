@@ -125,8 +125,26 @@ fn human_size(bytes: u64) -> String {
 fn owner(object: &ShmObject) -> String {
     object
         .owner
-        .clone()
-        .unwrap_or_else(|| object.owner_uid.to_string())
+        .as_deref()
+        .map_or_else(|| object.owner_uid.to_string(), printable)
+}
+
+/// `text` safe to print on a terminal: control characters (escape sequences, newlines, carriage
+/// returns, backspaces) and the Unicode direction overrides become Rust escapes (`\u{1b}`, `\n`),
+/// so an object name in `/dev/shm`, which any local user can choose, cannot move the cursor,
+/// clear the screen, forge extra lines or reorder what follows it. Backslashes are doubled, so
+/// the output stays unambiguous.
+fn printable(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        let bidi = matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+        if c.is_control() || bidi || c == '\\' {
+            out.extend(c.escape_debug());
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 fn object_json(object: &ShmObject) -> Value {
@@ -161,7 +179,7 @@ fn list_table(objects: &[ShmObject], prefixes: &[String]) -> String {
         .iter()
         .map(|o| {
             [
-                o.name.to_string(),
+                printable(o.name.as_str()),
                 human_size(o.size),
                 owner(o),
                 o.creator
@@ -258,13 +276,17 @@ fn gc_text(report: &GcReport) -> String {
     for object in &report.removed {
         out.push_str(&format!(
             "{verb} {} ({}, creator {} dead)\n",
-            object.name,
+            printable(object.name.as_str()),
             human_size(object.size),
             object.creator.map_or(0, |c| c.pid)
         ));
     }
     for (object, error) in &report.failed {
-        out.push_str(&format!("could not remove {}: {error}\n", object.name));
+        out.push_str(&format!(
+            "could not remove {}: {}\n",
+            printable(object.name.as_str()),
+            printable(&error.to_string())
+        ));
     }
     let freed: u64 = report.removed.iter().map(|o| o.size).sum();
     out.push_str(&format!(
@@ -315,6 +337,25 @@ mod tests {
             creator: creator.map(|(pid, alive)| Creator { pid, alive }),
             users,
         }
+    }
+
+    #[test]
+    fn names_cannot_reach_the_terminal_raw() {
+        assert_eq!(printable("a\u{1b}[2Jb"), "a\\u{1b}[2Jb");
+        assert_eq!(printable("x\ny\rz\u{8}"), "x\\ny\\rz\\u{8}");
+        assert_eq!(printable("evil\u{202e}txt"), "evil\\u{202e}txt");
+        assert_eq!(printable("a\\b"), "a\\\\b");
+        assert_eq!(printable("torch_1_2_3 ü"), "torch_1_2_3 ü");
+        let table = list_table(
+            &[object("/a_\u{1b}[2J\nfake_line", 1, None, vec![])],
+            &["a".to_owned()],
+        );
+        assert!(!table.contains('\u{1b}'), "{table}");
+        assert_eq!(
+            table.lines().count(),
+            3,
+            "header, one row, summary: {table}"
+        );
     }
 
     #[test]

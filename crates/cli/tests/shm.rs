@@ -171,3 +171,19 @@ fn bad_arguments_fail_with_one_line() {
     let output = tensormem(&["shm", "frobnicate"]);
     assert_eq!(output.status.code(), Some(2));
 }
+
+/// Issue 9 item 11: names with escape sequences or newlines reached the terminal raw.
+#[test]
+fn list_and_gc_escape_hostile_names() {
+    let prefix = prefix("esc");
+    let path = std::path::PathBuf::from(format!("/dev/shm/{prefix}_a\u{1b}[2Jb\nforged line"));
+    File::create(&path).unwrap();
+    let list = stdout_of(&["shm", "list", "--prefix", &prefix]);
+    let gc = stdout_of(&["shm", "gc", "--dry-run", "--prefix", &prefix]);
+    let _ = std::fs::remove_file(&path);
+    for out in [&list, &gc] {
+        assert!(!out.contains('\u{1b}'), "{out:?}");
+        assert!(!out.contains("\nforged line"), "{out:?}");
+    }
+    assert!(list.contains("a\\u{1b}[2Jb\\nforged line"), "{list}");
+}

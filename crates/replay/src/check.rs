@@ -12,6 +12,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::io::Read;
 use std::path::Path;
 
 use super::{ReplayError, ReplayResult};
@@ -20,18 +21,46 @@ use tensormem_cuda_alloc::size::format_size;
 use tensormem_cuda_alloc::snapshot::{BlockState, Segment};
 
 /// `torch.cuda.memory_stats()` as saved by the recording script: flat key names and values (only
-/// the integer figures are kept; other entries, such as the device name, are ignored).
+/// numbers are kept; entries of other types, such as the device name, are ignored).
+///
+/// The top level is `memory_stats()` with no argument (the current device, 0). A `"devices"` map
+/// beside it (`{"0": {...}, "1": {...}}`, `memory_stats(d)` for every device `d`) gives each
+/// device's figures; a device it does not list is checked against the top level only if it is
+/// device 0.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ExpectedStats {
     /// The figures by flat key (`"reserved_bytes.all.peak"`, ...).
     pub figures: BTreeMap<String, i64>,
+    /// Numbers that are not whole numbers in `i64`'s range (`1e30`, `0.117`), as JSON writes them
+    /// (`1e+30`), by key.
+    /// `memory_stats()` figures never are: one the replay produces is reported as a mismatch
+    /// ([`StatsCheck::unreadable`]); others (a recording script's `wall_s`) are ignored like any
+    /// key the replay does not produce.
+    pub unreadable: BTreeMap<String, String>,
+    /// Per device, when the file has a `"devices"` map: each entry is that device's
+    /// `memory_stats(d)` (its own `devices` map is empty).
+    pub devices: BTreeMap<usize, ExpectedStats>,
 }
 
 impl ExpectedStats {
+    /// Expected figures given directly (from another allocator's [`to_flat`] statistics, say).
+    ///
+    /// [`to_flat`]: tensormem_cuda_alloc::stats::MemoryStats::to_flat
+    #[must_use]
+    pub fn from_figures(figures: BTreeMap<String, i64>) -> ExpectedStats {
+        ExpectedStats {
+            figures,
+            ..ExpectedStats::default()
+        }
+    }
+
+    /// The largest `*.stats.json` read (PyTorch's are about 2 kB).
+    pub const MAX_FILE_BYTES: u64 = 16 << 20;
+
     /// Reads the JSON object `json.dumps(torch.cuda.memory_stats())` writes.
     ///
     /// # Errors
-    /// [`ReplayError::ExpectedStats`] when the text is not a JSON object.
+    /// [`ReplayError::ExpectedStats`] when the text is not a JSON object, or holds no number at all.
     pub fn from_json(text: &str) -> ReplayResult<ExpectedStats> {
         let value: serde_json::Value =
             serde_json::from_str(text).map_err(|e| ReplayError::ExpectedStats {
@@ -42,22 +71,97 @@ impl ExpectedStats {
             .ok_or_else(|| ReplayError::ExpectedStats {
                 reason: "expected a JSON object of memory_stats() keys".to_owned(),
             })?;
-        let figures = object
-            .iter()
-            .filter_map(|(key, value)| value.as_i64().map(|v| (key.clone(), v)))
-            .collect();
-        Ok(ExpectedStats { figures })
+        let expected = ExpectedStats::from_object(object)?;
+        if expected.figures.is_empty()
+            && expected.unreadable.is_empty()
+            && expected.devices.is_empty()
+        {
+            return Err(ReplayError::ExpectedStats {
+                reason: "no memory_stats() figure in it (expected what \
+                         json.dumps(torch.cuda.memory_stats()) writes)"
+                    .to_owned(),
+            });
+        }
+        Ok(expected)
+    }
+
+    /// The numbers of one `memory_stats()` object, and its `"devices"` map if it has one.
+    fn from_object(
+        object: &serde_json::Map<String, serde_json::Value>,
+    ) -> ReplayResult<ExpectedStats> {
+        let mut expected = ExpectedStats::default();
+        for (key, value) in object {
+            let serde_json::Value::Number(number) = value else {
+                continue;
+            };
+            if let Some(figure) = number.as_i64() {
+                expected.figures.insert(key.clone(), figure);
+            } else {
+                expected.unreadable.insert(key.clone(), number.to_string());
+            }
+        }
+        if let Some(map) = object.get("devices") {
+            let map = map.as_object().ok_or_else(|| ReplayError::ExpectedStats {
+                reason: "\"devices\" must map device indices to memory_stats(d) objects".to_owned(),
+            })?;
+            for (key, value) in map {
+                let device: usize = key.parse().map_err(|_| ReplayError::ExpectedStats {
+                    reason: format!("\"devices\" has key '{key}', not a device index"),
+                })?;
+                let stats = value
+                    .as_object()
+                    .filter(|stats| !stats.contains_key("devices"))
+                    .ok_or_else(|| ReplayError::ExpectedStats {
+                        reason: format!("\"devices\".\"{key}\" is not a memory_stats() object"),
+                    })?;
+                expected
+                    .devices
+                    .insert(device, ExpectedStats::from_object(stats)?);
+            }
+        }
+        Ok(expected)
+    }
+
+    /// The figures to check device `device` against: its entry of the `"devices"` map, else the top
+    /// level for device 0 (what `memory_stats()` with no argument reports), else nothing.
+    #[must_use]
+    pub fn for_device(&self, device: usize) -> Option<&ExpectedStats> {
+        match self.devices.get(&device) {
+            Some(figures) => Some(figures),
+            None if device == 0 && !(self.figures.is_empty() && self.unreadable.is_empty()) => {
+                Some(self)
+            }
+            None => None,
+        }
     }
 
     /// Reads a `*.stats.json` file (see [`from_json`](Self::from_json)).
     ///
     /// # Errors
-    /// [`ReplayError::ExpectedStats`] when the file cannot be read or is not a JSON object.
+    /// [`ReplayError::ExpectedStats`] when the file cannot be read, is larger than
+    /// [`MAX_FILE_BYTES`](Self::MAX_FILE_BYTES) (a file that never ends, such as `/dev/zero`, is
+    /// refused, not read forever), or as [`from_json`](Self::from_json).
     pub fn read_file(path: impl AsRef<Path>) -> ReplayResult<ExpectedStats> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| ReplayError::ExpectedStats {
+        let cannot_read = |e: std::io::Error| ReplayError::ExpectedStats {
             reason: format!("cannot read {}: {e}", path.display()),
-        })?;
+        };
+        let mut text = String::new();
+        std::fs::File::open(path)
+            .and_then(|file| {
+                file.take(Self::MAX_FILE_BYTES + 1)
+                    .read_to_string(&mut text)
+            })
+            .map_err(cannot_read)?;
+        if text.len() as u64 > Self::MAX_FILE_BYTES {
+            return Err(ReplayError::ExpectedStats {
+                reason: format!(
+                    "{} is larger than {} MiB; memory_stats() files are a few kB",
+                    path.display(),
+                    Self::MAX_FILE_BYTES >> 20
+                ),
+            });
+        }
         Self::from_json(&text).map_err(|e| match e {
             ReplayError::ExpectedStats { reason } => ReplayError::ExpectedStats {
                 reason: format!("{}: {reason}", path.display()),
@@ -81,15 +185,30 @@ pub struct StatMismatch {
 /// The comparison of the final statistics with [`ExpectedStats`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StatsCheck {
-    /// Figures compared (those both sides have).
+    /// Figures in the record.
+    pub recorded: usize,
+    /// Figures compared (those both sides have). Zero means the record confirmed nothing: the
+    /// check then fails (see [`Check::matches`]).
     pub compared: usize,
     /// Figures that differ, by key.
     pub mismatches: Vec<StatMismatch>,
+    /// Figures the replay produces whose recorded value is not a whole number in `i64`'s range:
+    /// `(key, recorded value as written)`. They cannot match.
+    pub unreadable: Vec<(String, String)>,
 }
 
 impl StatsCheck {
     pub(crate) fn compare(replayed: &BTreeMap<String, i64>, expected: &ExpectedStats) -> Self {
-        let mut check = StatsCheck::default();
+        let mut check = StatsCheck {
+            recorded: expected.figures.len() + expected.unreadable.len(),
+            ..StatsCheck::default()
+        };
+        for (key, written) in &expected.unreadable {
+            if replayed.contains_key(key) {
+                check.compared += 1;
+                check.unreadable.push((key.clone(), written.clone()));
+            }
+        }
         for (key, &recorded) in &expected.figures {
             if let Some(&value) = replayed.get(key) {
                 check.compared += 1;
@@ -160,12 +279,13 @@ impl SegmentCheck {
                     s.is_expandable,
                     s.allocated_size,
                     s.active_size,
+                    s.segment_pool_id,
                 )
             };
             if shape(have) != shape(want) {
                 note(format!(
-                    "segment {:#x}: replayed (size, stream, pool, expandable, allocated, active) {:?}, \
-                     recorded {:?}",
+                    "segment {:#x}: replayed (size, stream, pool, expandable, allocated, active, \
+                     pool id) {:?}, recorded {:?}",
                     want.address,
                     shape(have),
                     shape(want)
@@ -284,7 +404,8 @@ pub struct Check {
 }
 
 impl Check {
-    /// Whether everything compared matched.
+    /// Whether everything compared matched. Statistics that were given but of which no figure
+    /// could be compared do not match: a record that confirms nothing is not a match.
     #[must_use]
     pub fn matches(&self) -> bool {
         self.divergence.is_none()
@@ -292,7 +413,9 @@ impl Check {
                 .segments
                 .as_ref()
                 .is_none_or(|s| s.mismatches.is_empty())
-            && self.stats.as_ref().is_none_or(|s| s.mismatches.is_empty())
+            && self.stats.as_ref().is_none_or(|s| {
+                s.mismatches.is_empty() && s.unreadable.is_empty() && s.compared > 0
+            })
     }
 
     pub(crate) fn diverged(&mut self, device: usize, event: usize, kind: DivergenceKind) {

@@ -40,7 +40,9 @@ struct Queues {
 }
 
 /// The simulated device of a replay: a [`SimDevice`] whose new segments get the trace's addresses
-/// while they fit. See the [module documentation](self).
+/// while they fit. The allocator breaks ties by address, so the layout must be the real one for its
+/// decisions to be; a recorded address that would overlap a live segment (under a what-if
+/// configuration) is replaced by an invented one and counted in [`AddressUse`].
 #[derive(Debug)]
 pub struct ReplayDevice {
     sim: SimDevice,

@@ -101,12 +101,29 @@ fn memfd(len: u64) -> rustix::io::Result<OwnedFd> {
     Ok(fd)
 }
 
-/// The fallback: an exclusively created shm object, unlinked at once.
+/// The fallback: a shm object that never has a name, `open("/dev/shm", O_TMPFILE | O_RDWR, 0600)`
+/// (tmpfs supports `O_TMPFILE` since Linux 3.11), so no crash can leave it behind. Where
+/// `O_TMPFILE` is refused, an exclusively created name unlinked at once (PyTorch's way), which a
+/// process killed between the two calls leaks (`tensormem shm gc` removes such objects: the
+/// name carries the dead creator's pid).
 pub(crate) fn unlinked_shm(len: u64) -> Result<OwnedFd> {
-    let name = NameGenerator::default().next_name();
-    let fd = object::shm_open(&name, CreateMode::CreateExclusive, Access::ReadWrite)?;
-    object::unlink_shm(&name)?;
-    rustix::fs::ftruncate(&fd, len).map_err(Error::os("ftruncate", &name.describe()))?;
+    let object = "anonymous shm object";
+    let tmpfile = rustix::fs::open(
+        crate::name::SHM_DIR,
+        rustix::fs::OFlags::TMPFILE | rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::from_raw_mode(object::CREATE_MODE),
+    );
+    let fd = match tmpfile {
+        Ok(fd) => fd,
+        Err(Errno::OPNOTSUPP | Errno::ISDIR | Errno::INVAL | Errno::NOENT) => {
+            let name = NameGenerator::default().next_name();
+            let fd = object::shm_open(&name, CreateMode::CreateExclusive, Access::ReadWrite)?;
+            object::unlink_shm(&name)?;
+            fd
+        }
+        Err(errno) => return Err(Error::from_errno(errno, "open(O_TMPFILE)", object)),
+    };
+    rustix::fs::ftruncate(&fd, len).map_err(Error::os("ftruncate", object))?;
     Ok(fd)
 }
 

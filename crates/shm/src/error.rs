@@ -206,6 +206,19 @@ pub enum Error {
         align: usize,
     },
 
+    /// Another process truncated the object under the mapping: the bytes asked for are gone.
+    #[error(
+        "bytes {offset}..{offset}+{len} of the region are gone: another process truncated the \
+         shared object under this mapping; share objects that can shrink (named, file-backed) \
+         only with processes you trust, or use sealed anonymous regions"
+    )]
+    Truncated {
+        /// First byte that could not be copied.
+        offset: usize,
+        /// Bytes not copied.
+        len: usize,
+    },
+
     /// A write was attempted through a read-only mapping.
     #[error("the region is mapped read-only; map it with Access::ReadWrite to write to it")]
     ReadOnly,
@@ -342,9 +355,10 @@ impl Error {
             Self::AlreadyExists { .. } => K::AlreadyExists,
             Self::NotFound { .. } | Self::RefcountGone { .. } => K::NotFound,
             Self::ForeignOwner { .. } | Self::ReadOnly => K::PermissionDenied,
-            Self::WrongKind { .. } | Self::TooSmall { .. } | Self::Protocol { .. } => {
-                K::InvalidData
-            }
+            Self::WrongKind { .. }
+            | Self::TooSmall { .. }
+            | Self::Protocol { .. }
+            | Self::Truncated { .. } => K::InvalidData,
             Self::Disconnected => K::UnexpectedEof,
             Self::InvalidFd { source, .. }
             | Self::PermissionDenied { source, .. }

@@ -24,13 +24,14 @@
 //! | `NewProcessWideShmHandle` (`/torch_<pid>_<random>_<counter>`) | [`NameGenerator`] (prefix `tensormem`, or `torch`) |
 //! | `share_memory_` / `storage_copy` | [`SharedRegion::copy_from_bytes`] (pre-faulted, huge pages, threads) |
 //! | `THManagedMapAllocator` + `torch_shm_manager` (file_system strategy) | the [`manager`] module and the `tensormem-shm-manager` daemon |
+//! | (none: every share makes and maps a fresh object) | [`pool`]: cached, pre-faulted regions lent over a connection; [`mapping_cache`]: the consumer keeps its mappings, a known region travels as an id |
 //! | (none: leaked objects stay in `/dev/shm` until reboot) | [`housekeeping`]: list objects, unlink those whose creator died (`tensormem shm list/gc`) |
 //!
 //! Where this crate is stricter than PyTorch: names are validated ([`ShmName`]); objects are
 //! created `0600` with `O_EXCL` and objects owned by another user are refused unless asked for
 //! ([`MapOptions::allow_foreign_owner`]); a received descriptor is `fstat`ed before mapping, so a
-//! truncated object or a descriptor of the wrong kind is an [`Error`], never a `SIGBUS`;
-//! anonymous regions are sealed so no peer can shrink them; every failure is a typed [`Error`]
+//! truncated object or a descriptor of the wrong kind is an [`Error`] at attach;
+//! anonymous regions are sealed so no peer can shrink them (see "Truncation and `SIGBUS`"); every failure is a typed [`Error`]
 //! naming the object and saying what to do. Creating, attaching and unlinking emit `tracing`
 //! events (target `tensormem_shm`, level `debug`).
 //!
@@ -69,6 +70,26 @@
 //! `# Safety` sections state the obligation (no concurrent writer, no truncation while the slice
 //! lives). The [`mapping`] module explains the split.
 //!
+//! # Truncation and `SIGBUS`
+//!
+//! Touching a page of a mapping beyond the end of its object raises `SIGBUS`, and any process
+//! holding a writable descriptor of an unsealed object can `ftruncate` it at any time. What each
+//! access does then:
+//!
+//! | region | can a peer shrink it? | `read_at` / `write_at` / `to_vec` / `fill` / volatile | `atomic`, `unsafe` slices, raw pointers |
+//! | --- | --- | --- | --- |
+//! | anonymous memfd ([`SharedRegion::create_anonymous`], `copy_from_bytes`), sealed fds received | no (`F_SEAL_SHRINK`) | plain copies, never fault | never fault |
+//! | named ([`MapOptions::map_shm`]), refcounted, managed, file-backed, unsealed fds, the unlinked-shm fallback | yes | copied through the kernel (`process_vm_readv`/`writev` on this process): lost pages give [`Error::Truncated`] | fault (`SIGBUS`), as in PyTorch |
+//!
+//! [`Mapping::is_truncatable`] tells which case a region is in. The kernel-mediated copy costs a
+//! system call per access (bulk copies run at memory speed); where seccomp forbids it, copies fall
+//! back to plain ones, which fault like the rest. The refcount word of a [`RefcountedRegion`] is
+//! an atomic in the object's first page: `open`, `close` and `refcount` first check through the
+//! kernel that the header is still there (a truncated header is [`Error::Truncated`] or
+//! [`Error::TooSmall`]), which leaves only a truncation racing that check to fault, as every
+//! access does in PyTorch. Share shrinkable objects only with processes you trust; prefer sealed
+//! anonymous regions where the peer is not trusted.
+//!
 //! Linux only (memfd, `/dev/shm`, `MADV_POPULATE_WRITE`); no CUDA anywhere in the dependency tree.
 
 pub mod anon;
@@ -77,8 +98,10 @@ mod error;
 pub mod housekeeping;
 pub mod manager;
 pub mod mapping;
+pub mod mapping_cache;
 pub mod name;
 mod object;
+pub mod pool;
 pub mod refcounted;
 mod region;
 pub mod transfer;
@@ -89,5 +112,6 @@ pub use error::{Error, NameProblem, ObjectKind, Result, SizeProblem};
 pub use mapping::{Access, Mapping, SharedAtomic};
 pub use name::{GeneratedName, NameGenerator, ShmName, DEFAULT_PREFIX, TORCH_PREFIX};
 pub use object::{unlink_shm, CreateMode};
+pub use pool::{PoolBuffer, PoolConfig, PoolSender, ShmPool};
 pub use refcounted::{RefcountHeader, RefcountedRegion, REFCOUNT_HEADER_LEN};
 pub use region::{Backing, MapOptions, SharedRegion};

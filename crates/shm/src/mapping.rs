@@ -78,6 +78,10 @@ pub struct Mapping {
     offset: usize,
     /// How the range was mapped.
     access: Access,
+    /// Whether another process can truncate the object under the mapping (it is not sealed
+    /// against shrinking); copies then go through the kernel, which reports a lost page as
+    /// an error instead of raising `SIGBUS` (see [`guarded_copy`]).
+    truncatable: bool,
 }
 
 // SAFETY: a `Mapping` owns its address range exclusively within this process (nothing else
@@ -118,6 +122,8 @@ impl Mapping {
             map_len,
             offset,
             access,
+            // Until told otherwise: the safe assumption.
+            truncatable: true,
         })
     }
 
@@ -235,8 +241,18 @@ impl Mapping {
             return Err(Error::ReadOnly);
         }
         let len = self.len();
-        // SAFETY: the whole exposed range lies inside a writable mapping owned by `self`;
-        // `&mut self` excludes other references to it in this process.
+        if self.truncatable {
+            let chunk = vec![value; len.min(1 << 20)];
+            let mut at = 0;
+            while at < len {
+                let n = chunk.len().min(len - at);
+                self.write_at(at, &chunk[..n])?;
+                at += n;
+            }
+            return Ok(());
+        }
+        // SAFETY: the whole exposed range lies inside a writable mapping owned by `self` that no
+        // process can shrink; `&mut self` excludes other references to it in this process.
         unsafe { std::ptr::write_bytes(self.as_mut_ptr(), value, len) };
         Ok(())
     }
@@ -249,8 +265,21 @@ impl Mapping {
     /// [`Error::OutOfBounds`] if the range does not fit in the region.
     pub fn read_at(&self, offset: usize, buf: &mut [u8]) -> Result<()> {
         self.check_range(offset, buf.len())?;
-        // SAFETY: the range was checked to lie inside the mapping; `buf` is private memory that
-        // cannot overlap a shared mapping we own.
+        if self.truncatable {
+            // SAFETY: the range lies inside the mapping (checked above) and `buf` is private
+            // memory of `buf.len()` bytes.
+            return unsafe {
+                guarded_copy(
+                    Direction::Read,
+                    self.as_ptr().add(offset).cast_mut(),
+                    buf.as_mut_ptr(),
+                    buf.len(),
+                    offset,
+                )
+            };
+        }
+        // SAFETY: the range was checked to lie inside the mapping, which no process can shrink
+        // (sealed); `buf` is private memory that cannot overlap a shared mapping we own.
         unsafe {
             std::ptr::copy_nonoverlapping(self.as_ptr().add(offset), buf.as_mut_ptr(), buf.len());
         }
@@ -264,14 +293,37 @@ impl Mapping {
     /// [`Error::ReadOnly`] for read-only mappings, [`Error::OutOfBounds`] if the range does not
     /// fit.
     pub fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<()> {
+        self.write_at_shared(offset, data)
+    }
+
+    /// [`write_at`](Self::write_at) through a shared reference, for handles that share one
+    /// mapping (the pool's consumer leases). No reference to the shared bytes is created, so this
+    /// is no different from a peer process writing them: `as_slice`'s contract (no writer while
+    /// the slice lives) already covers it.
+    pub(crate) fn write_at_shared(&self, offset: usize, data: &[u8]) -> Result<()> {
         if !self.access.is_writable() {
             return Err(Error::ReadOnly);
         }
         self.check_range(offset, data.len())?;
-        // SAFETY: the range was checked to lie inside a writable mapping; `&mut self` excludes
-        // other references in this process and `data` cannot alias a mapping `self` owns mutably.
+        let dst = self.as_ptr().cast_mut();
+        if self.truncatable {
+            // SAFETY: the range lies inside a writable mapping (checked above); `data` is
+            // private memory of `data.len()` bytes.
+            return unsafe {
+                guarded_copy(
+                    Direction::Write,
+                    dst.add(offset),
+                    data.as_ptr().cast_mut(),
+                    data.len(),
+                    offset,
+                )
+            };
+        }
+        // SAFETY: the range was checked to lie inside a writable mapping no process can shrink;
+        // the copy goes through raw pointers (no reference to the shared bytes exists here) and
+        // `data` is private memory, which cannot overlap a shared mapping.
         unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.as_mut_ptr().add(offset), data.len());
+            std::ptr::copy_nonoverlapping(data.as_ptr(), dst.add(offset), data.len());
         }
         Ok(())
     }
@@ -284,6 +336,12 @@ impl Mapping {
     /// [`Error::OutOfBounds`] if `offset >= len()`.
     pub fn read_volatile(&self, offset: usize) -> Result<u8> {
         self.check_range(offset, 1)?;
+        if self.truncatable {
+            // The kernel's copy is a load the compiler cannot elide or cache either.
+            let mut byte = [0u8; 1];
+            self.read_at(offset, &mut byte)?;
+            return Ok(byte[0]);
+        }
         // SAFETY: `offset` is inside the readable mapping.
         Ok(unsafe { self.as_ptr().add(offset).read_volatile() })
     }
@@ -298,13 +356,18 @@ impl Mapping {
             return Err(Error::ReadOnly);
         }
         self.check_range(offset, 1)?;
+        if self.truncatable {
+            return self.write_at(offset, &[value]);
+        }
         // SAFETY: `offset` is inside the writable mapping.
         unsafe { self.as_mut_ptr().add(offset).write_volatile(value) };
         Ok(())
     }
 
     /// An atomic integer living at `offset` in the region, for words several processes update
-    /// concurrently (refcounts, flags, sequence numbers):
+    /// concurrently (refcounts, flags, sequence numbers). Sound under any concurrent access;
+    /// on a [truncatable](Self::is_truncatable) region a peer's `ftruncate` below `offset` makes
+    /// the next access through it fault (`SIGBUS`), which no check here can prevent:
     ///
     /// ```
     /// use std::sync::atomic::{AtomicU64, Ordering};
@@ -351,6 +414,43 @@ impl Mapping {
         }
     }
 
+    /// Whether another process can truncate the object under this mapping (it is not sealed
+    /// against shrinking). Copies from and to such mappings ([`read_at`](Self::read_at),
+    /// [`write_at`](Self::write_at), the volatile and `to_vec`/`fill` forms) go through the
+    /// kernel and return [`Error::Truncated`] for lost pages; atomics, slices and raw pointers
+    /// would fault (`SIGBUS`).
+    pub fn is_truncatable(&self) -> bool {
+        self.truncatable
+    }
+
+    /// Records whether the object can be truncated by others (see [`is_truncatable`]).
+    ///
+    /// [`is_truncatable`]: Self::is_truncatable
+    pub(crate) fn set_truncatable(&mut self, truncatable: bool) {
+        self.truncatable = truncatable;
+    }
+
+    /// Checks, through the kernel, that the first `len` bytes of the whole mapped range (header
+    /// included) are still backed by the object, for callers about to touch them with atomics.
+    /// A truncation after the check still faults: this narrows the window, it cannot close it.
+    pub(crate) fn probe_start(&self, len: usize) -> Result<()> {
+        if !self.truncatable {
+            return Ok(());
+        }
+        let len = len.min(self.map_len);
+        let mut scratch = vec![0u8; len];
+        // SAFETY: `len <= map_len`, so the range lies inside the mapping; `scratch` is private.
+        unsafe {
+            guarded_copy(
+                Direction::Read,
+                self.base.as_ptr(),
+                scratch.as_mut_ptr(),
+                len,
+                0,
+            )
+        }
+    }
+
     /// Start of the whole mapped range, header included.
     pub(crate) fn base_ptr(&self) -> *mut u8 {
         self.base.as_ptr()
@@ -384,8 +484,117 @@ impl fmt::Debug for Mapping {
             .field("len", &self.len())
             .field("offset", &self.offset)
             .field("access", &self.access)
+            .field("truncatable", &self.truncatable)
             .finish()
     }
+}
+
+/// Which way a [`guarded_copy`] moves bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    /// From the shared mapping into private memory.
+    Read,
+    /// From private memory into the shared mapping.
+    Write,
+}
+
+/// Whether `process_vm_readv` works here (seccomp filters may refuse it); cleared on the first
+/// `ENOSYS` / `EPERM`.
+static KERNEL_COPY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Copies `len` bytes between `shared` (inside a mapping of a truncatable object) and `private`
+/// through the kernel: `process_vm_readv` / `process_vm_writev` on this very process. The kernel
+/// resolves the shared pages with `get_user_pages`, which reports a page beyond the object's end
+/// as `EFAULT` (or a short count) instead of raising `SIGBUS`, so a peer's `ftruncate` becomes
+/// [`Error::Truncated`]. Where the calls are unavailable, falls back to a plain copy (which would
+/// fault, as PyTorch's accesses do).
+///
+/// # Safety
+///
+/// `shared` is valid for `len` bytes inside a live mapping (writable for [`Direction::Write`]);
+/// `private` is valid for `len` bytes of memory no other thread accesses meanwhile.
+#[doc(alias = "process_vm_readv")]
+#[doc(alias = "process_vm_writev")]
+unsafe fn guarded_copy(
+    direction: Direction,
+    shared: *mut u8,
+    private: *mut u8,
+    len: usize,
+    offset: usize,
+) -> Result<()> {
+    use std::sync::atomic::Ordering;
+    if len == 0 {
+        return Ok(());
+    }
+    let mut done = 0;
+    while done < len && KERNEL_COPY.load(Ordering::Relaxed) {
+        // SAFETY: `done < len`, so both offsets stay inside the ranges the caller vouches for.
+        let (private_at, shared_at) = unsafe { (private.add(done), shared.add(done)) };
+        let local = libc::iovec {
+            iov_base: private_at.cast(),
+            iov_len: len - done,
+        };
+        let remote = libc::iovec {
+            iov_base: shared_at.cast(),
+            iov_len: len - done,
+        };
+        // SAFETY: both iovecs describe memory valid for their lengths (the caller's contract);
+        // the kernel checks every page of the remote range itself and never faults us.
+        let n = unsafe {
+            match direction {
+                Direction::Read => libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0),
+                Direction::Write => {
+                    libc::process_vm_writev(libc::getpid(), &local, 1, &remote, 1, 0)
+                }
+            }
+        };
+        match n {
+            n if n > 0 => done += n as usize,
+            0 => {
+                return Err(Error::Truncated {
+                    offset: offset + done,
+                    len: len - done,
+                })
+            }
+            _ => match std::io::Error::last_os_error().raw_os_error() {
+                Some(libc::EINTR) => {}
+                Some(libc::EFAULT) => {
+                    return Err(Error::Truncated {
+                        offset: offset + done,
+                        len: len - done,
+                    })
+                }
+                Some(libc::ENOSYS | libc::EPERM) => {
+                    tracing::debug!("process_vm_readv unavailable; copies of truncatable shared memory are unguarded");
+                    KERNEL_COPY.store(false, Ordering::Relaxed);
+                }
+                _ => {
+                    return Err(Error::Os {
+                        object: "shared mapping".to_owned(),
+                        op: match direction {
+                            Direction::Read => "process_vm_readv",
+                            Direction::Write => "process_vm_writev",
+                        },
+                        source: std::io::Error::last_os_error(),
+                    })
+                }
+            },
+        }
+    }
+    if done < len {
+        // SAFETY: the caller's contract; without the kernel's help a truncation faults here.
+        unsafe {
+            match direction {
+                Direction::Read => {
+                    std::ptr::copy_nonoverlapping(shared.add(done), private.add(done), len - done)
+                }
+                Direction::Write => {
+                    std::ptr::copy_nonoverlapping(private.add(done), shared.add(done), len - done)
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 mod sealed {

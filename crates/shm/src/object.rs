@@ -47,16 +47,23 @@ fn access_oflags(access: Access) -> OFlags {
 }
 
 /// `shm_open(name, flags, 0600)`, done as glibc does: `open("/dev/shm/<name>")` with `O_NOFOLLOW`
-/// and `O_CLOEXEC`.
+/// and `O_CLOEXEC`, plus `O_NONBLOCK`: anyone can `mkfifo` in `/dev/shm`, and a read-only open of
+/// a FIFO would otherwise block until a writer comes (the attach checks then refuse it as
+/// [`Error::WrongKind`]). On regular files and shm objects `O_NONBLOCK` changes nothing.
 pub(crate) fn shm_open(name: &ShmName, create: CreateMode, access: Access) -> Result<OwnedFd> {
-    let flags = access_oflags(access) | create.oflags() | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let flags = access_oflags(access)
+        | create.oflags()
+        | OFlags::NOFOLLOW
+        | OFlags::NONBLOCK
+        | OFlags::CLOEXEC;
     rustix::fs::open(name.path(), flags, Mode::from_raw_mode(CREATE_MODE))
         .map_err(Error::os("shm_open", &name.describe()))
 }
 
-/// `open(path, flags, 0600)` for file-backed mappings (PyTorch's `ALLOCATOR_MAPPED_SHARED`).
+/// `open(path, flags, 0600)` for file-backed mappings (PyTorch's `ALLOCATOR_MAPPED_SHARED`),
+/// with `O_NONBLOCK` so a FIFO at the path cannot block the open (see [`shm_open`]).
 pub(crate) fn file_open(path: &Path, create: CreateMode, access: Access) -> Result<OwnedFd> {
-    let flags = access_oflags(access) | create.oflags() | OFlags::CLOEXEC;
+    let flags = access_oflags(access) | create.oflags() | OFlags::NONBLOCK | OFlags::CLOEXEC;
     rustix::fs::open(path, flags, Mode::from_raw_mode(CREATE_MODE))
         .map_err(Error::os("open", &describe_path(path)))
 }
@@ -70,7 +77,9 @@ pub(crate) fn file_open(path: &Path, create: CreateMode, access: Access) -> Resu
 /// owns it (in a sticky `/dev/shm`).
 #[doc(alias = "shm_unlink")]
 pub fn unlink_shm(name: &ShmName) -> Result<()> {
-    rustix::shm::unlink(name.as_str()).map_err(Error::os("shm_unlink", &name.describe()))?;
+    // `unlink("/dev/shm/<name>")`, as glibc's shm_unlink does and as `shm_open` here opens: the
+    // same path both ways, so every name `ShmName` accepts (up to 255 bytes) can be removed.
+    rustix::fs::unlink(name.path()).map_err(Error::os("shm_unlink", &name.describe()))?;
     tracing::debug!(name = %name, "unlinked shared memory object");
     Ok(())
 }

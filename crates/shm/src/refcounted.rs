@@ -146,6 +146,9 @@ impl RefcountedRegion {
             .keep_fd(false)
             .unlink_after_map(false)
             .map_named(name, REFCOUNT_HEADER_LEN)?;
+        // The counter is an atomic in a page a peer could have truncated away: check first (a
+        // truncation in between still faults; see the crate docs).
+        region.mapping().probe_start(REFCOUNT_HEADER_LEN)?;
         let refcount = counter(&region);
         let before = refcount.fetch_add(1, Ordering::AcqRel);
         if before <= 0 {
@@ -167,9 +170,14 @@ impl RefcountedRegion {
         &self.name
     }
 
-    /// The current refcount (a snapshot: other processes may change it at any time).
+    /// The current refcount (a snapshot: other processes may change it at any time); 0 when a
+    /// peer truncated the header away.
     pub fn refcount(&self) -> i32 {
-        counter(self.live()).load(Ordering::Acquire)
+        let region = self.live();
+        if region.mapping().probe_start(REFCOUNT_HEADER_LEN).is_err() {
+            return 0;
+        }
+        counter(region).load(Ordering::Acquire)
     }
 
     /// Drops this process's reference now and reports whether it was the last, in which case the
@@ -178,7 +186,8 @@ impl RefcountedRegion {
     /// # Errors
     ///
     /// [`Error::NotFound`] if the count reached 0 but the name was already gone (someone unlinked
-    /// it behind the region's back); the reference is released regardless.
+    /// it behind the region's back); [`Error::Truncated`] if a peer truncated the object below
+    /// its header (nothing left to decrement). The mapping is released regardless.
     pub fn close(mut self) -> Result<bool> {
         self.release()
     }
@@ -187,6 +196,9 @@ impl RefcountedRegion {
         let Some(region) = self.region.take() else {
             return Ok(false);
         };
+        // A peer truncated the header away: there is no count left to decrement (touching it
+        // would raise SIGBUS), so only unmap.
+        region.mapping().probe_start(REFCOUNT_HEADER_LEN)?;
         let before = counter(&region).fetch_sub(1, Ordering::AcqRel);
         drop(region);
         if before == 1 {

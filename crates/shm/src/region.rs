@@ -58,7 +58,12 @@ pub struct SharedRegion {
 }
 
 impl SharedRegion {
-    pub(crate) fn from_parts(map: Mapping, fd: Option<OwnedFd>, backing: Backing) -> Self {
+    pub(crate) fn from_parts(mut map: Mapping, fd: Option<OwnedFd>, backing: Backing) -> Self {
+        let truncatable = match backing {
+            Backing::Shm { .. } | Backing::File { .. } => true,
+            Backing::Fd { sealed } | Backing::Anonymous { sealed } => !sealed,
+        };
+        map.set_truncatable(truncatable);
         Self { map, fd, backing }
     }
 

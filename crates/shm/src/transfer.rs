@@ -362,7 +362,7 @@ pub fn recv_exact(socket: impl AsFd, buf: &mut [u8], recv: RecvOptions) -> Resul
 
 /// Runs the receiving call `call` with the flags to use: first non-blocking
 /// (`MSG_DONTWAIT`) in a loop for up to `spin`, then blocking. `EINTR` is retried.
-fn wait_and<T>(
+pub(crate) fn wait_and<T>(
     spin: Duration,
     mut call: impl FnMut(RecvFlags) -> rustix::io::Result<T>,
 ) -> rustix::io::Result<T> {
@@ -432,8 +432,22 @@ fn recv_message(socket: BorrowedFd<'_>, recv: RecvOptions) -> Result<(OwnedFd, [
             problem: format!("a packet longer than {MESSAGE_LEN} bytes"),
         });
     }
-    // A stream socket may deliver the message in parts; the fd came with the first.
-    recv_exact(socket, &mut message[received.bytes..], recv)?;
+    if received.bytes < MESSAGE_LEN {
+        // On a packet socket every message is one packet: a short one is malformed, and reading
+        // on would splice the next message (and lose its fd) or block for one that never comes.
+        let packets = rustix::net::sockopt::socket_type(socket)
+            .map_err(|errno| socket_error(errno, "getsockopt(SO_TYPE)"))?;
+        if packets != rustix::net::SocketType::STREAM {
+            return Err(Error::Protocol {
+                problem: format!(
+                    "a packet of {} bytes; region messages are {MESSAGE_LEN} bytes",
+                    received.bytes
+                ),
+            });
+        }
+        // A stream socket may deliver the message in parts; the fd came with the first.
+        recv_exact(socket, &mut message[received.bytes..], recv)?;
+    }
     let count = fds.len();
     match <[OwnedFd; 1]>::try_from(fds) {
         Ok([fd]) => Ok((fd, message)),
@@ -443,7 +457,7 @@ fn recv_message(socket: BorrowedFd<'_>, recv: RecvOptions) -> Result<(OwnedFd, [
     }
 }
 
-fn socket_error(errno: Errno, op: &'static str) -> Error {
+pub(crate) fn socket_error(errno: Errno, op: &'static str) -> Error {
     match errno {
         Errno::PIPE | Errno::CONNRESET => Error::Disconnected,
         _ => Error::from_errno(errno, op, "region socket"),

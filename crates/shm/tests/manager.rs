@@ -125,8 +125,8 @@ impl World {
     }
 
     fn config(&self) -> ManagerConfig {
+        // No binary: the library starts the daemon from this test's own image.
         ManagerConfig::new(self.dir.path())
-            .with_binary(env!("CARGO_BIN_EXE_tensormem-shm-manager"))
             .with_quiet_period(self.quiet)
             .with_log_file(self.dir.path().join("daemon.log"))
     }
@@ -143,10 +143,7 @@ impl World {
             .env(ROLE, role)
             .env(PREFIX, &self.prefix)
             .env("TENSORMEM_SHM_MANAGER_DIR", self.dir.path())
-            .env(
-                "TENSORMEM_SHM_MANAGER",
-                env!("CARGO_BIN_EXE_tensormem-shm-manager"),
-            )
+            .env_remove("TENSORMEM_SHM_MANAGER")
             .env(
                 "TENSORMEM_SHM_MANAGER_QUIET_MS",
                 self.quiet.as_millis().to_string(),
@@ -372,12 +369,16 @@ fn racing_first_clients_leave_exactly_one_daemon() {
         .unwrap()
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| {
-            fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|cmd| {
-                let args: Vec<String> = cmd
+            // A daemon started from this test's image carries its role and directory in its
+            // environment.
+            fs::read(format!("/proc/{pid}/environ")).is_ok_and(|env| {
+                let vars: Vec<String> = env
                     .split(|b| *b == 0)
                     .map(|a| String::from_utf8_lossy(a).into_owned())
                     .collect();
-                args.iter().any(|a| a == "--detached") && args.contains(&dir)
+                vars.iter()
+                    .any(|v| v == "TENSORMEM_SHM_MANAGER_ROLE=daemon")
+                    && vars.contains(&format!("TENSORMEM_SHM_MANAGER_DIR={dir}"))
             })
         })
         .filter(|pid| process_alive(*pid))
@@ -589,4 +590,82 @@ fn a_killed_daemon_is_reported_and_replaced() {
     let again = world.connect();
     assert_ne!(again.daemon_pid(), daemon);
     assert_eq!(again.status().unwrap().clients, 1);
+}
+
+/// The process image a pid runs.
+fn exe_of(pid: u32) -> PathBuf {
+    fs::read_link(format!("/proc/{pid}/exe")).unwrap()
+}
+
+#[test]
+fn with_no_binary_configured_the_daemon_runs_from_this_programs_image() {
+    let world = World::new(
+        "with_no_binary_configured_the_daemon_runs_from_this_programs_image",
+        "selfstart",
+    );
+    let manager = world.connect();
+    let daemon = manager.daemon_pid();
+    assert_ne!(daemon, std::process::id());
+    assert_eq!(exe_of(daemon), std::env::current_exe().unwrap());
+    // Detached: not our child (the launcher was reaped), in a session of its own.
+    let stat = fs::read_to_string(format!("/proc/{daemon}/stat")).unwrap();
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .collect();
+    let (ppid, sid): (u32, u32) = (fields[1].parse().unwrap(), fields[3].parse().unwrap());
+    assert_ne!(ppid, std::process::id());
+    assert_eq!(sid, daemon, "the daemon leads its own session");
+    let comm = fs::read_to_string(format!("/proc/{daemon}/comm")).unwrap();
+    assert_eq!(comm.trim_end(), "tm-shm-manager", "named for ps");
+    // It works like the binary: a region, shared and released.
+    let names = NameGenerator::with_prefix(&world.prefix).unwrap();
+    let region = ManagedRegion::create_with(&manager, &names, 4096).unwrap();
+    let name = region.name().clone();
+    assert!(shm_exists(name.as_str()));
+    assert!(region.close().unwrap());
+    assert!(!shm_exists(name.as_str()));
+    let log = fs::read_to_string(world.dir.path().join("daemon.log")).unwrap();
+    assert!(log.contains("shm manager started"), "{log}");
+}
+
+#[test]
+fn a_configured_binary_is_used() {
+    let world = World::new("a_configured_binary_is_used", "binary");
+    let binary = env!("CARGO_BIN_EXE_tensormem-shm-manager");
+    let manager = Manager::connect(&world.config().with_binary(binary)).unwrap();
+    assert_eq!(exe_of(manager.daemon_pid()), PathBuf::from(binary));
+    let names = NameGenerator::with_prefix(&world.prefix).unwrap();
+    let region = ManagedRegion::create_with(&Arc::new(manager), &names, 4096).unwrap();
+    assert!(region.close().unwrap());
+}
+
+#[test]
+fn a_symlink_planted_at_the_log_path_is_refused_not_followed() {
+    let world = World::new(
+        "a_symlink_planted_at_the_log_path_is_refused_not_followed",
+        "loglink",
+    );
+    let victim = world.dir.path().join("victim");
+    fs::write(&victim, b"").unwrap();
+    let log = world.dir.path().join("planted.log");
+    std::os::unix::fs::symlink(&victim, &log).unwrap();
+    for config in [
+        world.config().with_log_file(&log),
+        world
+            .config()
+            .with_log_file(&log)
+            .with_binary(env!("CARGO_BIN_EXE_tensormem-shm-manager")),
+    ] {
+        let err = Manager::connect(&config).unwrap_err();
+        assert!(matches!(err, ManagerError::StartFailed { .. }), "{err}");
+        assert!(err.to_string().contains("symbolic link"), "{err}");
+    }
+    assert_eq!(
+        fs::read(&victim).unwrap(),
+        b"",
+        "nothing written through the link"
+    );
 }

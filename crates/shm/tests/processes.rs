@@ -38,6 +38,10 @@ const TESTS: &[(&str, fn())] = &[
         "named_region_opened_by_another_process",
         named_region_opened_by_another_process,
     ),
+    (
+        "a_single_threaded_client_forks_a_clean_daemon",
+        a_single_threaded_client_forks_a_clean_daemon,
+    ),
 ];
 
 fn main() {
@@ -375,4 +379,68 @@ fn named_reader() -> RoleResult {
     region.write_at(0, &[9])?;
     say(&format!("len={} last={last}", region.len()));
     Ok(())
+}
+
+/// This harness runs tests on its one thread, so the manager's fork path (for programs whose
+/// image cannot run the daemon) can be exercised here: a daemon forked without `exec` that holds
+/// none of the client's descriptors or shared mappings and serves like any other.
+fn a_single_threaded_client_forks_a_clean_daemon() {
+    use std::sync::Arc;
+    use tensormem_shm::manager::{ManagedRegion, Manager, ManagerConfig, StartMethod};
+
+    let dir = tempfile::Builder::new()
+        .prefix("tmfork")
+        .tempdir_in("/tmp")
+        .unwrap();
+    // Something of the client's the daemon must not keep: a shared mapping and an open file.
+    let client_region = SharedRegion::create_anonymous(1 << 20).unwrap();
+    let marker = dir.path().join("client-file");
+    let _client_file = std::fs::File::create(&marker).unwrap();
+    // Unflushed client output must not reach the daemon's report pipe.
+    print!("unflushed client output ");
+
+    let config = ManagerConfig::new(dir.path())
+        .with_start(StartMethod::Fork)
+        .with_quiet_period(std::time::Duration::from_millis(300))
+        .with_log_file(dir.path().join("daemon.log"));
+    let manager = Arc::new(Manager::connect(&config).unwrap());
+    let daemon = manager.daemon_pid();
+    assert_ne!(daemon, std::process::id());
+    let comm = std::fs::read_to_string(format!("/proc/{daemon}/comm")).unwrap();
+    assert_eq!(comm.trim_end(), "tm-shm-manager");
+    let maps = std::fs::read_to_string(format!("/proc/{daemon}/maps")).unwrap();
+    assert!(
+        !maps.lines().any(|l| l.contains("memfd:tensormem")),
+        "the daemon kept the client's shared memory mapped:\n{maps}"
+    );
+    let fds: Vec<std::path::PathBuf> = std::fs::read_dir(format!("/proc/{daemon}/fd"))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .collect();
+    assert!(
+        !fds.contains(&marker),
+        "the daemon kept the client's file open: {fds:?}"
+    );
+
+    let names = NameGenerator::with_prefix("tmfork").unwrap();
+    let region = ManagedRegion::create_with(&manager, &names, 4096).unwrap();
+    let name = region.name().clone();
+    assert!(name.path().exists());
+    assert!(region.close().unwrap(), "the daemon unlinked the last hold");
+    assert!(!name.path().exists());
+    let log = std::fs::read_to_string(dir.path().join("daemon.log")).unwrap();
+    assert!(log.contains("shm manager started"), "{log}");
+    drop(manager);
+    // It exits after its quiet period, removing its socket.
+    let socket = dir.path().join("manager.sock");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while socket.exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(
+        !socket.exists(),
+        "the forked daemon did not exit after its quiet period"
+    );
+    drop(client_region);
 }

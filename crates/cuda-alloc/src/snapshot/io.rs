@@ -8,62 +8,103 @@ use std::path::Path;
 use super::model::Snapshot;
 #[cfg(doc)]
 use super::MAX_DEPTH;
-use super::{
-    convert, json, pickle, unpickle, SnapshotError, SnapshotResult, MAX_DECOMPRESSED_BYTES,
-};
+use super::{convert, json, pickle, unpickle, ReadLimits, SnapshotError, SnapshotResult};
 
 /// The gzip magic number.
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 
+/// How much of an input is read before its first bytes are judged: data that is neither a pickle,
+/// gzip nor JSON (`/dev/zero`, a binary) is refused without reading the rest.
+const HEAD: u64 = 64 << 10;
+
 impl Snapshot {
-    /// Reads a pickled snapshot (as `_dump_snapshot` writes it), gzip-compressed or not.
+    /// Reads a pickled snapshot (as `_dump_snapshot` writes it), gzip-compressed or not, within the
+    /// default [`ReadLimits`].
     ///
     /// # Errors
-    /// [`SnapshotError`] when the stream fails or does not hold a snapshot.
-    pub fn read_pickle<R: Read>(mut reader: R) -> SnapshotResult<Snapshot> {
-        let mut data = Vec::new();
-        reader
-            .read_to_end(&mut data)
-            .map_err(|source| SnapshotError::Io {
-                action: "reading the snapshot",
-                source,
-            })?;
-        Snapshot::from_pickle_bytes(&data)
+    /// [`SnapshotError`] when the stream fails or does not hold a snapshot;
+    /// [`SnapshotError::TooLarge`] when it exceeds a limit.
+    pub fn read_pickle<R: Read>(reader: R) -> SnapshotResult<Snapshot> {
+        Snapshot::read_pickle_with_limits(reader, &ReadLimits::DEFAULT)
     }
 
-    /// Reads a pickled snapshot from bytes, gzip-compressed or not.
+    /// [`read_pickle`](Self::read_pickle) within the given limits.
+    ///
+    /// # Errors
+    /// As [`read_pickle`](Self::read_pickle).
+    pub fn read_pickle_with_limits<R: Read>(
+        reader: R,
+        limits: &ReadLimits,
+    ) -> SnapshotResult<Snapshot> {
+        let data = read_capped(reader, &INPUT, limits.max_input_bytes, |source| {
+            SnapshotError::Io {
+                action: "reading the snapshot",
+                source,
+            }
+        })?;
+        Snapshot::from_pickle_bytes_with_limits(&data, limits)
+    }
+
+    /// Reads a pickled snapshot from bytes, gzip-compressed or not, within the default
+    /// [`ReadLimits`] (the input's size is the caller's: only decompression and the values built
+    /// are bounded).
     ///
     /// # Errors
     /// As [`read_pickle`](Self::read_pickle).
     pub fn from_pickle_bytes(data: &[u8]) -> SnapshotResult<Snapshot> {
-        if data.starts_with(&GZIP_MAGIC) {
-            let plain = gunzip(data)?;
-            return Snapshot::from_pickle_bytes_uncompressed(&plain);
-        }
-        Snapshot::from_pickle_bytes_uncompressed(data)
+        Snapshot::from_pickle_bytes_with_limits(data, &ReadLimits::DEFAULT)
     }
 
-    fn from_pickle_bytes_uncompressed(data: &[u8]) -> SnapshotResult<Snapshot> {
-        convert::snapshot_from_value(unpickle::unpickle(data)?)
-    }
-
-    /// Reads a snapshot file: a pickle (gzip-compressed or not) or, when it starts with `{`, JSON.
+    /// [`from_pickle_bytes`](Self::from_pickle_bytes) within the given limits.
     ///
     /// # Errors
-    /// [`SnapshotError::File`] when the file cannot be read; otherwise as
-    /// [`read_pickle`](Self::read_pickle) / [`read_json`](Self::read_json).
+    /// As [`read_pickle`](Self::read_pickle).
+    pub fn from_pickle_bytes_with_limits(
+        data: &[u8],
+        limits: &ReadLimits,
+    ) -> SnapshotResult<Snapshot> {
+        if data.starts_with(&GZIP_MAGIC) {
+            let plain = gunzip(data, limits)?;
+            return Snapshot::from_plain_pickle(&plain, limits);
+        }
+        Snapshot::from_plain_pickle(data, limits)
+    }
+
+    fn from_plain_pickle(data: &[u8], limits: &ReadLimits) -> SnapshotResult<Snapshot> {
+        convert::snapshot_from_value(unpickle::unpickle(data, limits.max_values)?)
+    }
+
+    /// Reads a snapshot file: a pickle (gzip-compressed or not) or, when it starts with `{`, JSON,
+    /// within the default [`ReadLimits`].
+    ///
+    /// # Errors
+    /// [`SnapshotError::File`] when the file cannot be read; [`SnapshotError::TooLarge`] when it
+    /// exceeds a limit (a file that never ends, such as `/dev/zero`, is refused, not read forever);
+    /// otherwise as [`read_pickle`](Self::read_pickle) / [`read_json`](Self::read_json).
     pub fn read_file(path: impl AsRef<Path>) -> SnapshotResult<Snapshot> {
+        Snapshot::read_file_with_limits(path, &ReadLimits::DEFAULT)
+    }
+
+    /// [`read_file`](Self::read_file) within the given limits.
+    ///
+    /// # Errors
+    /// As [`read_file`](Self::read_file).
+    pub fn read_file_with_limits(
+        path: impl AsRef<Path>,
+        limits: &ReadLimits,
+    ) -> SnapshotResult<Snapshot> {
         let path = path.as_ref();
-        let data = std::fs::read(path).map_err(|source| SnapshotError::File {
+        let file_error = |source| SnapshotError::File {
             action: "read",
             path: path.to_owned(),
             source,
-        })?;
-        let first = data.iter().find(|b| !b.is_ascii_whitespace());
-        if first == Some(&b'{') {
-            return Snapshot::read_json(data.as_slice());
+        };
+        let file = File::open(path).map_err(file_error)?;
+        let data = read_capped(file, &INPUT, limits.max_input_bytes, file_error)?;
+        if starts_like_json(&data) {
+            return read_json_bytes(&data);
         }
-        Snapshot::from_pickle_bytes(&data)
+        Snapshot::from_pickle_bytes_with_limits(&data, limits)
     }
 
     /// Alias of [`read_file`](Self::read_file), for symmetry with
@@ -123,8 +164,16 @@ impl Snapshot {
     /// [`SnapshotError::Json`] for malformed JSON; as [`read_pickle`](Self::read_pickle) for content that
     /// is not a snapshot.
     pub fn read_json<R: Read>(reader: R) -> SnapshotResult<Snapshot> {
-        let value: serde_json::Value = serde_json::from_reader(BufReader::new(reader))?;
-        convert::snapshot_from_value(json::from_json(&value))
+        let data = read_capped(
+            BufReader::new(reader),
+            &JSON_INPUT,
+            ReadLimits::DEFAULT.max_input_bytes,
+            |source| SnapshotError::Io {
+                action: "reading the snapshot",
+                source,
+            },
+        )?;
+        read_json_bytes(&data)
     }
 
     /// Writes the snapshot as JSON with the pickle's keys (tuples become arrays).
@@ -138,22 +187,86 @@ impl Snapshot {
     }
 }
 
-fn gunzip(data: &[u8]) -> SnapshotResult<Vec<u8>> {
-    let mut plain = Vec::new();
-    let decoder = flate2::read::MultiGzDecoder::new(data);
-    decoder
-        .take(MAX_DECOMPRESSED_BYTES + 1)
-        .read_to_end(&mut plain)
-        .map_err(|e| SnapshotError::Compressed {
-            reason: e.to_string(),
-        })?;
-    if plain.len() as u64 > MAX_DECOMPRESSED_BYTES {
-        return Err(SnapshotError::Compressed {
-            reason: format!(
-                "it expands to more than {} GiB",
-                MAX_DECOMPRESSED_BYTES >> 30
-            ),
+fn read_json_bytes(data: &[u8]) -> SnapshotResult<Snapshot> {
+    let value: serde_json::Value = serde_json::from_slice(data)?;
+    convert::snapshot_from_value(json::from_json(&value))
+}
+
+/// Whether data starts (after whitespace) with `{`, as the JSON form does.
+fn starts_like_json(data: &[u8]) -> bool {
+    data.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{')
+}
+
+/// What a capped read is reading, for its errors and for judging its first bytes.
+struct Stage {
+    /// The start of [`SnapshotError::TooLarge`]'s message.
+    what: &'static str,
+    /// The [`ReadLimits`] field that bounds it.
+    limit: &'static str,
+    /// Judges the first bytes: refuses data that cannot be what this stage reads.
+    judge: fn(&[u8]) -> SnapshotResult<()>,
+}
+
+const INPUT: Stage = Stage {
+    what: "the input holds",
+    limit: "max_input_bytes",
+    judge: |head| {
+        if head.starts_with(&GZIP_MAGIC) || starts_like_json(head) {
+            Ok(())
+        } else {
+            unpickle::check_start(head)
+        }
+    },
+};
+
+const JSON_INPUT: Stage = Stage {
+    what: "the input holds",
+    limit: "max_input_bytes",
+    judge: |_| Ok(()),
+};
+
+const DECOMPRESSED: Stage = Stage {
+    what: "the gzip data expands to",
+    limit: "max_decompressed_bytes",
+    judge: unpickle::check_start,
+};
+
+/// Reads everything `reader` gives, up to `cap` bytes: more is [`SnapshotError::TooLarge`]. The
+/// first [`HEAD`] bytes are judged before the rest is read, so data that is not a snapshot at all
+/// is refused at once.
+fn read_capped<R: Read>(
+    reader: R,
+    stage: &Stage,
+    cap: u64,
+    io_error: impl Fn(std::io::Error) -> SnapshotError,
+) -> SnapshotResult<Vec<u8>> {
+    let mut data = Vec::new();
+    let mut limited = reader.take(cap.saturating_add(1));
+    (&mut limited)
+        .take(HEAD)
+        .read_to_end(&mut data)
+        .map_err(&io_error)?;
+    (stage.judge)(&data)?;
+    limited.read_to_end(&mut data).map_err(io_error)?;
+    if data.len() as u64 > cap {
+        return Err(SnapshotError::TooLarge {
+            what: stage.what,
+            bound: cap,
+            unit: "bytes",
+            limit: stage.limit,
         });
     }
-    Ok(plain)
+    Ok(data)
+}
+
+/// Decompresses gzip data, at most `limits.max_decompressed_bytes` of it.
+fn gunzip(data: &[u8], limits: &ReadLimits) -> SnapshotResult<Vec<u8>> {
+    read_capped(
+        flate2::read::MultiGzDecoder::new(data),
+        &DECOMPRESSED,
+        limits.max_decompressed_bytes,
+        |e| SnapshotError::Compressed {
+            reason: e.to_string(),
+        },
+    )
 }

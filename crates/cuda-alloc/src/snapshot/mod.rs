@@ -30,12 +30,18 @@
 //!
 //! The pickle reader is this module's own: it runs only the opcodes that build plain data, without
 //! recursion, so a file that is not a snapshot (or is hostile) gets a [`SnapshotError`], never a crash.
+//! What reading may take is bounded (`ReadLimits`: bytes read, bytes a gzip layer expands to, values
+//! the pickle builds), so a pickle or gzip bomb, or an input that never ends, gets
+//! [`SnapshotError::TooLarge`] rather than exhausting memory. docs/dependencies.md says why this is
+//! not serde-pickle.
 
 mod convert;
 #[cfg(feature = "snapshot-io")]
 mod io;
 #[cfg(feature = "snapshot-io")]
 mod json;
+#[cfg(feature = "snapshot-io")]
+mod limits;
 mod model;
 #[cfg(feature = "snapshot-io")]
 mod pickle;
@@ -46,6 +52,8 @@ mod unpickle;
 
 use std::path::PathBuf;
 
+#[cfg(feature = "snapshot-io")]
+pub use limits::ReadLimits;
 pub use model::{
     AllocatorSettings, Block, BlockState, ExternalAnnotation, Frame, OtherKeys, Segment,
     SegmentType, Snapshot, TraceAction, TraceEntry,
@@ -54,8 +62,9 @@ pub use pyvalue::{PyValue, MAX_DEPTH};
 
 use crate::config::ConfigError;
 
-/// The most bytes a gzip-compressed snapshot may expand to (a guard against decompression bombs).
-pub const MAX_DECOMPRESSED_BYTES: u64 = 4 << 30;
+/// The most bytes a gzip-compressed snapshot may expand to by default (a guard against
+/// decompression bombs; `ReadLimits::max_decompressed_bytes` sets another).
+pub const MAX_DECOMPRESSED_BYTES: u64 = 1 << 30;
 
 /// Why a snapshot could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -102,6 +111,23 @@ pub enum SnapshotError {
         offset: usize,
         /// What was found.
         reason: String,
+    },
+    /// Reading the snapshot would exceed one of the limits of `ReadLimits` (a file far larger than
+    /// snapshots are, or a hostile one).
+    #[error(
+        "refusing the snapshot: {what} more than {bound} {unit} (ReadLimits::{limit}); raise that \
+         limit only if the file is trusted"
+    )]
+    TooLarge {
+        /// What grew too large: `"the input holds"`, `"the gzip data expands to"`, `"the pickle builds"`.
+        what: &'static str,
+        /// The bound that was exceeded.
+        bound: u64,
+        /// Its unit: `"bytes"` or `"values"`.
+        unit: &'static str,
+        /// The name of the `ReadLimits` field: `"max_input_bytes"`, `"max_decompressed_bytes"`,
+        /// `"max_values"`.
+        limit: &'static str,
     },
     /// The data is plain Python data but not a snapshot.
     #[error(

@@ -1,18 +1,18 @@
 //! `tensormem-shm-manager`: the daemon that unlinks the managed shared-memory names of dead
 //! processes (tensormem's `torch_shm_manager`).
 //!
-//! Clients start it on demand with `--daemonize`; people run it by hand with `--foreground` to
-//! watch what it does. See `docs/shm-manager.md`.
+//! Programs that link `tensormem-shm` start the daemon from their own image and need no binary;
+//! this one is for programs that cannot (the library inside a shared object: point
+//! `TENSORMEM_SHM_MANAGER` at it) and for people who run it by hand with `--foreground` to watch
+//! what it does. The logic is the library's (`tensormem_shm::manager::run`); this file parses the
+//! command line. See `docs/shm-manager.md`.
 
 use std::ffi::OsString;
-use std::fs::OpenOptions;
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
-use std::process::{Command, ExitCode, Stdio};
+use std::process::ExitCode;
 use std::time::Duration;
 
-use tensormem_shm::manager::{serve, ManagerConfig, ManagerError, Startup, ENV_LOG};
+use tensormem_shm::manager::{run, ManagerConfig, ManagerError, RunMode as Mode};
 
 const USAGE: &str = "\
 usage: tensormem-shm-manager [--foreground | --daemonize] [--dir DIR] [--quiet-ms MS] [--log FILE]
@@ -24,14 +24,6 @@ usage: tensormem-shm-manager [--foreground | --daemonize] [--dir DIR] [--quiet-m
   --quiet-ms MS  exit after MS milliseconds without clients (default 5000)
   --log FILE     with --daemonize: append the daemon's log to FILE (default: TENSORMEM_SHM_MANAGER_LOG)
 ";
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Mode {
-    Foreground,
-    Daemonize,
-    /// Internal: the process `--daemonize` starts.
-    Detached,
-}
 
 #[derive(Debug)]
 struct Args {
@@ -95,121 +87,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let result = match args.mode {
-        Mode::Daemonize => daemonize(&args.config),
-        Mode::Foreground => run(&args.config, false),
-        Mode::Detached => run(&args.config, true),
-    };
-    match result {
+    match run(&args.config, args.mode) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tensormem-shm-manager: {e}");
             ExitCode::FAILURE
         }
     }
-}
-
-/// Starts `--detached` with stdout piped back to us, relays its first line, and exits: the
-/// caller reaps us at once and the daemon is re-parented to init (or the subreaper).
-fn daemonize(config: &ManagerConfig) -> Result<(), ManagerError> {
-    let exe = std::env::current_exe().map_err(|e| ManagerError::Io {
-        what: "cannot find this executable to re-run it detached".to_owned(),
-        source: e,
-    })?;
-    let stderr = match config.log_file() {
-        Some(path) => Stdio::from(
-            OpenOptions::new()
-                .create(true)
-                .append(true)
-                .mode(0o600)
-                .open(path)
-                .map_err(|e| ManagerError::Io {
-                    what: format!("cannot open the log file {} ({ENV_LOG})", path.display()),
-                    source: e,
-                })?,
-        ),
-        None => Stdio::null(),
-    };
-    let mut child = Command::new(&exe)
-        .arg("--detached")
-        .args(config.daemon_args())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(stderr)
-        .spawn()
-        .map_err(|e| ManagerError::Io {
-            what: format!("cannot start {}", exe.display()),
-            source: e,
-        })?;
-    let mut line = String::new();
-    if let Some(out) = child.stdout.take() {
-        // Returns when the daemon reports or exits (closing the pipe).
-        let _ = BufReader::new(out).read_line(&mut line);
-    }
-    let line = line.trim_end();
-    let mut stdout = std::io::stdout();
-    if line.starts_with("ready ") {
-        // The daemon keeps running; not waiting for it is the point.
-        let _ = writeln!(stdout, "{line}");
-        return Ok(());
-    }
-    // It is exiting: reap it.
-    let status = child.wait().ok();
-    if line == "running" {
-        let _ = writeln!(stdout, "{line}");
-        return Ok(());
-    }
-    let message = match line.strip_prefix("error ") {
-        Some(message) => message.to_owned(),
-        None => format!(
-            "the daemon exited ({}) before it listened{}",
-            status.map_or_else(|| "status unknown".to_owned(), |s| s.to_string()),
-            config
-                .log_file()
-                .map_or_else(String::new, |log| format!("; see {}", log.display()))
-        ),
-    };
-    Err(ManagerError::Usage(message))
-}
-
-/// Serves until the quiet period ends; `detached` starts a new session first and reports
-/// startup on stdout as one line (`ready <pid>`, `running`, or `error <message>`).
-fn run(config: &ManagerConfig, detached: bool) -> Result<(), ManagerError> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(!detached)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("TENSORMEM_SHM_MANAGER_LOG_LEVEL")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
-    if detached {
-        // A new session: no controlling terminal, so no SIGHUP or terminal signals meant for
-        // the process group that started us.
-        if let Err(e) = rustix::process::setsid() {
-            tracing::warn!(error = %e, "setsid failed; staying in the caller's session");
-        }
-        // Do not keep the caller's working directory (and its filesystem) busy.
-        let _ = std::env::set_current_dir("/");
-    }
-    let mut reported = false;
-    let result = serve(config, |startup| {
-        reported = true;
-        let line = match startup {
-            Startup::Listening { pid } => format!("ready {pid}"),
-            Startup::AlreadyRunning => "running".to_owned(),
-        };
-        let mut out = std::io::stdout().lock();
-        let _ = writeln!(out, "{line}");
-        let _ = out.flush();
-    });
-    if let Err(e) = &result {
-        tracing::error!(error = %e, "shm manager stopped");
-        if detached && !reported {
-            // One line: the launcher relays it to the client.
-            let message = e.to_string().replace('\n', " ");
-            let _ = writeln!(std::io::stdout(), "error {message}");
-        }
-    }
-    result
 }

@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 
 use rustix::net::sockopt;
 
-use super::config::{check_socket_path, prepare_dir, ManagerConfig};
+use super::config::{check_socket_path, prepare_dir, ManagerConfig, StartMethod};
 use super::error::{ManagerError, ManagerResult};
+use super::launch;
 use super::protocol::{Reply, Request, PROTOCOL_VERSION};
 
 /// Clients start a daemon at most this often while one fails to answer.
@@ -336,34 +337,71 @@ fn handshake(socket: &Path, timeout: Duration) -> Result<Manager, Attempt> {
     })
 }
 
-/// Runs `tensormem-shm-manager --daemonize`, which returns once a daemon listens (this one or
-/// a racing one).
+/// Runs a launcher (see [`super::launch`]: the configured binary, this program's own image, or a
+/// binary found next to it or in `PATH`), which returns once a daemon listens (this one or a
+/// racing one).
 fn start_daemon(config: &ManagerConfig) -> ManagerResult<()> {
-    let binary = config.locate_binary()?;
-    let mut command = Command::new(&binary);
+    let forked = |required: bool| -> ManagerResult<Option<(String, String)>> {
+        Ok(launch::fork_daemon(config, required)?.map(|line| (line, String::new())))
+    };
+    let (first, stderr, binary) = if config.start_method() == StartMethod::Fork {
+        let (line, err) = forked(true)?.unwrap_or_default();
+        (line, err, launch::describe_self())
+    } else if let Some(binary) = config.configured_binary() {
+        run_launcher(binary_launcher(config, binary)?, binary)?
+    } else if let Some(command) = launch::self_launcher(config) {
+        run_launcher(command, &launch::describe_self())?
+    } else if let Some((line, err)) = forked(false)? {
+        (line, err, launch::describe_self())
+    } else {
+        let binary = config.locate_binary()?;
+        run_launcher(binary_launcher(config, &binary)?, &binary)?
+    };
+    if first.starts_with("ready") || first == "running" {
+        return Ok(());
+    }
+    let mut message = stderr.trim().to_owned();
+    if message.is_empty() {
+        message = match first.strip_prefix("error ") {
+            Some(error) => error.to_owned(),
+            None if first.is_empty() => "the daemon exited before it listened".to_owned(),
+            None => first,
+        };
+    }
+    Err(ManagerError::StartFailed { binary, message })
+}
+
+/// Runs a launcher and returns the first line of its stdout (or a description of its failure),
+/// its stderr, and the image it ran.
+fn run_launcher(
+    mut command: Command,
+    image: &Path,
+) -> ManagerResult<(String, String, std::path::PathBuf)> {
     command
-        .arg("--daemonize")
-        .args(config.daemon_args())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    if let Some(log) = config.log_file() {
-        command.arg("--log").arg(log);
-    }
-    tracing::debug!(binary = %binary.display(), dir = %config.dir().display(), "starting shm manager");
+    tracing::debug!(image = %image.display(), "starting shm manager");
     let output = command.output().map_err(|source| ManagerError::Spawn {
-        binary: binary.clone(),
+        binary: image.to_owned(),
         source,
     })?;
     let stdout = String::from_utf8_lossy(&output.stdout);
-    let first = stdout.lines().next().unwrap_or("");
-    if output.status.success() && (first.starts_with("ready") || first == "running") {
-        return Ok(());
+    let mut first = stdout.lines().next().unwrap_or("").to_owned();
+    if !output.status.success() && !first.starts_with("error ") {
+        first = format!("{} (exit status {})", stdout.trim(), output.status);
     }
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let mut message = stderr.trim().to_owned();
-    if message.is_empty() {
-        message = format!("{} (exit status {})", stdout.trim(), output.status);
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    Ok((first, stderr, image.to_owned()))
+}
+
+/// `BINARY --daemonize --dir D --quiet-ms MS [--log F]`.
+fn binary_launcher(config: &ManagerConfig, binary: &Path) -> ManagerResult<Command> {
+    let binary = config.check_binary(binary)?;
+    let mut command = Command::new(binary);
+    command.arg("--daemonize").args(config.daemon_args());
+    if let Some(log) = config.log_file() {
+        command.arg("--log").arg(log);
     }
-    Err(ManagerError::StartFailed { binary, message })
+    Ok(command)
 }

@@ -45,6 +45,23 @@ pub struct ManagerConfig {
     connect_timeout: Duration,
     binary: Option<PathBuf>,
     log_file: Option<PathBuf>,
+    start: StartMethod,
+}
+
+/// How a client that finds no daemon starts one (see `docs/shm-manager.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum StartMethod {
+    /// The configured binary; else this program's own image (when the library is linked into
+    /// its main executable); else, in a process with a single thread, a forked grandchild
+    /// running the daemon loop; else a `tensormem-shm-manager` found next to the executable or
+    /// in `PATH`.
+    #[default]
+    Auto,
+    /// Only the forked grandchild, which requires this process to have a single thread
+    /// ([`ManagerError::Usage`] otherwise). For programs that know they are single-threaded
+    /// when they first connect, and for tests of that path.
+    Fork,
 }
 
 impl ManagerConfig {
@@ -61,13 +78,16 @@ impl ManagerConfig {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             binary: None,
             log_file: None,
+            start: StartMethod::Auto,
         }
     }
 
     /// The config the environment describes:
     ///
-    /// - directory: `TENSORMEM_SHM_MANAGER_DIR`, else `$XDG_RUNTIME_DIR/tensormem`, else
-    ///   `/tmp/tensormem-<uid>`;
+    /// - directory: `TENSORMEM_SHM_MANAGER_DIR`, else the first usable of
+    ///   `$XDG_RUNTIME_DIR/tensormem`, `$TMPDIR/tensormem-<uid>` and `$HOME/.cache/tensormem-run`
+    ///   (usable: absent, or a directory of this user; a directory another user planted is
+    ///   skipped);
     /// - quiet period: `TENSORMEM_SHM_MANAGER_QUIET_MS` (milliseconds), else 5 s;
     /// - binary: `TENSORMEM_SHM_MANAGER`, else searched (see [`locate_binary`](Self::locate_binary));
     /// - daemon log: `TENSORMEM_SHM_MANAGER_LOG`, else none.
@@ -112,6 +132,18 @@ impl ManagerConfig {
     pub fn with_binary(mut self, binary: impl Into<PathBuf>) -> Self {
         self.binary = Some(binary.into());
         self
+    }
+
+    /// Chooses how a missing daemon is started (default [`StartMethod::Auto`]).
+    #[must_use]
+    pub fn with_start(mut self, start: StartMethod) -> Self {
+        self.start = start;
+        self
+    }
+
+    /// How a missing daemon is started.
+    pub fn start_method(&self) -> StartMethod {
+        self.start
     }
 
     /// Makes a daemon started through this config append its log to `path`.
@@ -163,26 +195,39 @@ impl ManagerConfig {
         self.log_file.as_deref()
     }
 
-    /// Finds the daemon binary: the configured path (`TENSORMEM_SHM_MANAGER`), else
+    /// The binary set with [`with_binary`](Self::with_binary) or `TENSORMEM_SHM_MANAGER`, if any.
+    pub fn configured_binary(&self) -> Option<&Path> {
+        self.binary.as_deref()
+    }
+
+    /// `binary` if it is an executable file, else [`ManagerError::BinaryNotFound`] naming it.
+    pub(crate) fn check_binary<'a>(&self, binary: &'a Path) -> ManagerResult<&'a Path> {
+        if is_executable(binary) {
+            Ok(binary)
+        } else {
+            Err(ManagerError::BinaryNotFound {
+                searched: format!(
+                    "{ENV_BINARY}={} is not an executable file",
+                    binary.display()
+                ),
+            })
+        }
+    }
+
+    /// Finds a daemon binary: the configured path (`TENSORMEM_SHM_MANAGER`), else
     /// `tensormem-shm-manager` next to the current executable (or one level up when that is
-    /// cargo's `deps/` directory, so tests find it), else the first executable of that name in
-    /// `PATH`.
+    /// cargo's `deps/` directory), else the first executable of that name in `PATH`.
+    ///
+    /// Clients need a binary only when no binary is configured and this program cannot start the
+    /// daemon from its own image (the library lives in a shared object): see
+    /// `docs/shm-manager.md`.
     ///
     /// # Errors
     ///
-    /// [`ManagerError::BinaryNotFound`] naming the three places when none has it.
+    /// [`ManagerError::BinaryNotFound`] naming the places searched when none has it.
     pub fn locate_binary(&self) -> ManagerResult<PathBuf> {
         if let Some(binary) = &self.binary {
-            return if is_executable(binary) {
-                Ok(binary.clone())
-            } else {
-                Err(ManagerError::BinaryNotFound {
-                    searched: format!(
-                        "{ENV_BINARY}={} is not an executable file",
-                        binary.display()
-                    ),
-                })
-            };
+            return self.check_binary(binary).map(Path::to_path_buf);
         }
         let exe_dir = env::current_exe()
             .ok()
@@ -208,24 +253,74 @@ impl ManagerConfig {
         }
         Err(ManagerError::BinaryNotFound {
             searched: format!(
-                "{ENV_BINARY} is not set, it is not next to the current executable ({}), \
-                 and no directory of PATH has it",
+                "{ENV_BINARY} is not set, this program cannot run the daemon from its own image \
+                 (tensormem-shm is not linked into its main executable), the binary is not next \
+                 to the current executable ({}), and no directory of PATH has it",
                 exe_dir.map_or_else(|| "unknown".to_owned(), |d| d.display().to_string())
             ),
         })
     }
 }
 
-/// `$XDG_RUNTIME_DIR/tensormem` when that variable names an absolute directory, else
-/// `/tmp/tensormem-<uid>`.
+/// The first usable of [`default_dir_candidates`]: one that does not exist yet, or is a real
+/// directory (not a symlink) owned by this user. Every process of the user walks the same list
+/// and so meets the same daemon; a directory another user planted at a predictable path
+/// (`/tmp/tensormem-<uid>`) is skipped, with a warning, instead of making every managed region
+/// fail. If none is usable the first is returned, and [`prepare_dir`] explains what is wrong
+/// with it and how to choose another (`TENSORMEM_SHM_MANAGER_DIR`).
 fn default_dir() -> PathBuf {
-    if let Some(runtime) = env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from) {
-        if runtime.is_absolute() && runtime.is_dir() {
-            return runtime.join("tensormem");
+    let uid = rustix::process::getuid().as_raw();
+    let candidates = default_dir_candidates(
+        env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from),
+        env::temp_dir(),
+        env::var_os("HOME").map(PathBuf::from),
+        uid,
+    );
+    choose_dir(&candidates)
+}
+
+/// `$XDG_RUNTIME_DIR/tensormem` when that variable names an absolute directory, then
+/// `$TMPDIR/tensormem-<uid>` (`/tmp` by default), then `$HOME/.cache/tensormem-run` when `HOME`
+/// is absolute.
+fn default_dir_candidates(
+    xdg_runtime: Option<PathBuf>,
+    temp: PathBuf,
+    home: Option<PathBuf>,
+    uid: u32,
+) -> Vec<PathBuf> {
+    let mut candidates = Vec::new();
+    if let Some(runtime) = xdg_runtime.filter(|r| r.is_absolute() && r.is_dir()) {
+        candidates.push(runtime.join("tensormem"));
+    }
+    candidates.push(temp.join(format!("tensormem-{uid}")));
+    if let Some(home) = home.filter(|h| h.is_absolute()) {
+        candidates.push(home.join(".cache").join("tensormem-run"));
+    }
+    candidates
+}
+
+fn choose_dir(candidates: &[PathBuf]) -> PathBuf {
+    let own = rustix::process::getuid().as_raw();
+    for dir in candidates {
+        match fs::symlink_metadata(dir) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return dir.clone(),
+            Ok(meta) if meta.file_type().is_dir() && meta.uid() == own => return dir.clone(),
+            Ok(meta) => tracing::warn!(
+                dir = %dir.display(),
+                owner = meta.uid(),
+                is_dir = meta.file_type().is_dir(),
+                "skipping a runtime directory that is not a directory of ours (planted by \
+                 another user?); set TENSORMEM_SHM_MANAGER_DIR to choose one"
+            ),
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "skipping a runtime directory")
+            }
         }
     }
-    let uid = rustix::process::getuid().as_raw();
-    env::temp_dir().join(format!("tensormem-{uid}"))
+    candidates
+        .first()
+        .cloned()
+        .unwrap_or_else(|| PathBuf::from("/tmp/tensormem"))
 }
 
 pub(crate) fn parse_millis(value: &OsString, what: &str) -> ManagerResult<Duration> {
@@ -252,7 +347,16 @@ pub(crate) fn prepare_dir(dir: &Path) -> ManagerResult<()> {
         .recursive(true)
         .mode(0o700)
         .create(dir)
-        .map_err(|e| ManagerError::io(format!("cannot create {}", dir.display()), e))?;
+        .map_err(|e| {
+            ManagerError::io(
+                format!(
+                    "cannot create the shm manager directory {}; set {ENV_DIR} to a directory \
+                     only you can write",
+                    dir.display()
+                ),
+                e,
+            )
+        })?;
     let insecure = |problem: String| ManagerError::InsecureDir {
         dir: dir.to_owned(),
         problem,
@@ -323,6 +427,49 @@ mod tests {
         let file = tmp.path().join("file");
         fs::write(&file, b"x").unwrap();
         assert!(prepare_dir(&file).is_err());
+    }
+
+    /// Issue 9 item 12: another user pre-creating `/tmp/tensormem-<uid>` made every managed
+    /// region fail.
+    #[test]
+    fn a_planted_default_directory_is_skipped_consistently() {
+        let tmp = tempfile::tempdir().unwrap();
+        let candidates = default_dir_candidates(
+            Some(tmp.path().join("no-such-runtime-dir")),
+            tmp.path().to_owned(),
+            Some(tmp.path().join("home")),
+            4242,
+        );
+        assert_eq!(
+            candidates,
+            vec![
+                tmp.path().join("tensormem-4242"),
+                tmp.path().join("home/.cache/tensormem-run")
+            ]
+        );
+        // Absent: the first is used (and created later, mode 0700).
+        assert_eq!(choose_dir(&candidates), candidates[0]);
+        // A symlink planted there: skipped.
+        let elsewhere = tmp.path().join("elsewhere");
+        fs::create_dir(&elsewhere).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &candidates[0]).unwrap();
+        assert_eq!(choose_dir(&candidates), candidates[1]);
+        // A directory owned by another user (needs root to stage): skipped too.
+        fs::remove_file(&candidates[0]).unwrap();
+        fs::create_dir(&candidates[0]).unwrap();
+        if rustix::process::geteuid().is_root() {
+            std::os::unix::fs::chown(&candidates[0], Some(65534), Some(65534)).unwrap();
+            assert_eq!(choose_dir(&candidates), candidates[1]);
+            prepare_dir(&choose_dir(&candidates)).unwrap();
+        } else {
+            assert_eq!(choose_dir(&candidates), candidates[0], "ours: kept");
+        }
+        // Nothing usable: the first, whose check then explains the way out.
+        let all_bad = vec![elsewhere.join("file")];
+        fs::write(&all_bad[0], b"").unwrap();
+        assert_eq!(choose_dir(&all_bad), all_bad[0]);
+        let err = prepare_dir(&all_bad[0]).unwrap_err().to_string();
+        assert!(err.contains("TENSORMEM_SHM_MANAGER_DIR"), "{err}");
     }
 
     #[test]

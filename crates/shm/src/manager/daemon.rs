@@ -72,7 +72,13 @@ fn lock(shared: &SharedState) -> MutexGuard<'_, Shared> {
 /// Runs the daemon for `config`'s directory until it has had no clients for the quiet period.
 ///
 /// `on_startup` is called once, as soon as it is known whether this process serves (after
-/// the socket listens) or another daemon does; the binary uses it to tell its launcher.
+/// the socket listens) or another daemon does; the launcher protocol uses it.
+///
+/// This is the daemon loop itself, public for programs that host the manager in a process they
+/// supervise (a job launcher that outlives its workers, say), on a thread of their choice:
+/// clients of the same directory reach it as they would a started daemon. The names it tracks
+/// are only as safe as the hosting process: if that process is killed, they stay until
+/// `tensormem shm gc`. Events go to whatever `tracing` subscriber the host installed.
 ///
 /// # Errors
 ///
@@ -238,11 +244,16 @@ fn admit(stream: UnixStream, shared: &SharedState, daemon_pid: u32) {
     };
     tracing::info!(client = id, peer_pid, "client connected");
     let thread_shared = Arc::clone(shared);
+    let dispatch = tracing::dispatcher::get_default(Clone::clone);
     let spawned = thread::Builder::new()
         .name(format!("shm-client-{id}"))
         .spawn(move || {
-            let outcome = converse(&stream, id, &thread_shared, daemon_pid);
-            disconnect(id, peer_pid, &thread_shared, outcome);
+            // The accept loop's subscriber (a daemon forked from a client sets one for its own
+            // threads only, leaving the client's global one alone).
+            tracing::dispatcher::with_default(&dispatch, || {
+                let outcome = converse(&stream, id, &thread_shared, daemon_pid);
+                disconnect(id, peer_pid, &thread_shared, outcome);
+            });
         });
     if let Err(e) = spawned {
         tracing::warn!(client = id, error = %e, "cannot start a client thread; dropping connection");
@@ -368,7 +379,11 @@ fn disconnect(id: ClientId, peer_pid: i32, shared: &SharedState, outcome: io::Re
 
 /// `shm_unlink`s a name nobody holds; returns whether it was removed.
 fn unlink(name: &str, client: ClientId) -> bool {
-    match rustix::shm::unlink(name) {
+    // Names were validated by `check_name` before they were held.
+    let Ok(shm) = ShmName::new(name) else {
+        return false;
+    };
+    match rustix::fs::unlink(shm.path()) {
         Ok(()) => {
             tracing::info!(name, last_holder = client, "unlinked");
             true
@@ -384,13 +399,19 @@ fn unlink(name: &str, client: ClientId) -> bool {
     }
 }
 
+/// Whether `name` is a shared memory object: a regular file in `/dev/shm`, looked at with
+/// `lstat` (never opened: opening a FIFO someone planted there would block the daemon while it
+/// holds its state lock). Symlinks, FIFOs and other kinds are not objects.
 fn object_exists(name: &str) -> bool {
-    match rustix::shm::open(name, rustix::shm::OFlags::RDONLY, Mode::empty()) {
-        Ok(_) => true,
-        // Exists, but not ours to read: still a name to hold.
-        Err(Errno::ACCESS) => true,
-        Err(_) => false,
-    }
+    let Ok(shm) = ShmName::new(name) else {
+        return false;
+    };
+    rustix::fs::statat(
+        rustix::fs::CWD,
+        shm.path(),
+        rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
+    )
+    .is_ok_and(|stat| rustix::fs::FileType::from_raw_mode(stat.st_mode).is_file())
 }
 
 /// The POSIX shared-memory name rules, checked before the daemon holds (and later unlinks) a
@@ -402,6 +423,31 @@ fn check_name(name: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fifo_planted_in_dev_shm_is_not_an_object_and_does_not_block() {
+        let name = format!("/tmtest_fifo_{}", std::process::id());
+        let path = ShmName::new(name.clone()).unwrap().path();
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &path,
+            rustix::fs::FileType::Fifo,
+            Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let probe = name.clone();
+        thread::spawn(move || tx.send(object_exists(&probe)).unwrap());
+        let exists = rx.recv_timeout(Duration::from_secs(5));
+        let _ = fs::remove_file(&path);
+        assert_eq!(
+            exists,
+            Ok(false),
+            "object_exists blocked or took a FIFO for an object"
+        );
+        assert!(!object_exists("/tmtest_no_such_object_at_all"));
+    }
 
     #[test]
     fn names_are_checked_before_the_daemon_holds_them() {

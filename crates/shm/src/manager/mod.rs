@@ -12,8 +12,12 @@
 //! # How tensormem does it
 //!
 //! - The first [`Manager::connect`] (or [`ManagedRegion::create`]) that finds no daemon starts
-//!   `tensormem-shm-manager`, which detaches (`setsid`) and listens on a Unix socket in a
-//!   private runtime directory ([`ManagerConfig`]). Racing starters leave exactly one daemon: the
+//!   one, which detaches (`setsid`) and listens on a Unix socket in a private runtime directory
+//!   ([`ManagerConfig`]). No binary is needed: unless `TENSORMEM_SHM_MANAGER` names one, the
+//!   program re-runs its own image, and a start-up hook of this library turns that process into
+//!   the daemon before the program's `main`; where that is impossible (the library inside a
+//!   shared object) a single-threaded client forks the daemon instead ([`StartMethod`]; details
+//!   and the reasoning in `docs/shm-manager.md`). [`serve`] and [`run`] host the daemon in a process of your own. Racing starters leave exactly one daemon: the
 //!   daemon holds `flock` on a lock file, and losers step back once the winner answers.
 //! - Each client process holds one connection. The daemon records, per connection, the names
 //!   it holds. When a connection closes, which the kernel does for a dead process whatever
@@ -40,15 +44,19 @@ mod client;
 mod config;
 mod daemon;
 mod error;
+mod launch;
+mod log;
 mod protocol;
 mod region;
 mod registry;
 
 pub use client::{Manager, ManagerStatus};
 pub use config::{
-    ManagerConfig, BINARY_NAME, DEFAULT_CONNECT_TIMEOUT, DEFAULT_QUIET_PERIOD, ENV_BINARY, ENV_DIR,
-    ENV_LOG, ENV_QUIET_MS, LOCK_NAME, SOCKET_NAME,
+    ManagerConfig, StartMethod, BINARY_NAME, DEFAULT_CONNECT_TIMEOUT, DEFAULT_QUIET_PERIOD,
+    ENV_BINARY, ENV_DIR, ENV_LOG, ENV_QUIET_MS, LOCK_NAME, SOCKET_NAME,
 };
 pub use daemon::{serve, Startup};
 pub use error::ManagerError;
+pub use launch::{run, RunMode, ENV_ROLE};
+pub use log::ENV_LOG_LEVEL;
 pub use region::ManagedRegion;

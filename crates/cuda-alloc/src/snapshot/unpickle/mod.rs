@@ -6,9 +6,11 @@
 //! objects of classes (`GLOBAL`, `REDUCE`, `BUILD`, ...), which a memory snapshot never holds. Shared
 //! references (the memo) are supported the way Python's pickler uses them: it refers to a container again
 //! only once the container is complete, so a reference copies the value, and a pickle that changes a
-//! container after referring to it again (which would make the copies differ) is refused. Nesting depth
-//! and the total size that references and `DUP` can expand to are bounded, so a hostile file gets an
-//! error, not a stack overflow or an exhausted heap.
+//! container after referring to it again (which would make the copies differ) is refused. Nesting depth,
+//! the total size that references and `DUP` can expand to, and the number of values built (the caller's
+//! `max_values`) are bounded, so a hostile file gets an error, not a stack overflow or an exhausted
+//! heap. Memory stays proportional to the values built: a stack item is 48 bytes (its rarely used
+//! parts, memo bookkeeping and dict key indexes, live in a box only containers that need them get).
 
 use std::collections::HashMap;
 
@@ -18,36 +20,60 @@ use self::opcodes::{malformed, raw_unicode_escape, Decoder, Op, HIGHEST_PROTOCOL
 use super::pyvalue::{PyValue, MAX_DEPTH};
 use super::{SnapshotError, SnapshotResult};
 
-/// A value on the machine's stack.
+/// A value on the machine's stack. Kept small (48 bytes): a pickle of many small values puts them
+/// all on the stack at once.
 struct Item {
     value: PyValue,
-    /// Nesting depth of `value`.
-    depth: usize,
-    /// Memo slots waiting for this (mutable, still being filled) container to be complete.
-    pending_memo: Vec<usize>,
+    /// Nesting depth of `value` (at most [`MAX_DEPTH`]).
+    depth: u32,
     /// Referenced more than once (fetched from the memo, or fetched from it while still here): the
     /// copies must stay equal, so it must not be modified.
     shared: bool,
+    /// Memo and dict bookkeeping, for the few containers that have any.
+    extra: Option<Box<ItemExtra>>,
+}
+
+/// The parts of an [`Item`] that only some containers need.
+#[derive(Default)]
+struct ItemExtra {
+    /// Memo slots waiting for this (mutable, still being filled) container to be complete.
+    pending_memo: Vec<usize>,
     /// For a large dict: where each string or integer key sits.
     key_index: Option<HashMap<KeyIndex, usize>>,
 }
 
 impl Item {
-    fn new(value: PyValue, depth: usize) -> Item {
+    fn new(value: PyValue, depth: u32) -> Item {
         Item {
             value,
             depth,
-            pending_memo: Vec::new(),
             shared: false,
-            key_index: None,
+            extra: None,
         }
+    }
+
+    fn extra(&mut self) -> &mut ItemExtra {
+        self.extra.get_or_insert_with(Box::default)
+    }
+
+    fn waits_for(&self, slot: usize) -> bool {
+        self.extra
+            .as_ref()
+            .is_some_and(|extra| extra.pending_memo.contains(&slot))
+    }
+
+    fn take_pending_memo(&mut self) -> Vec<usize> {
+        self.extra
+            .as_mut()
+            .map(|extra| std::mem::take(&mut extra.pending_memo))
+            .unwrap_or_default()
     }
 }
 
 /// A memo slot.
 enum Memo {
     /// Holds a complete value and its depth.
-    Ready(PyValue, usize),
+    Ready(PyValue, u32),
     /// Bound to a container still being filled on the stack.
     Pending,
 }
@@ -115,10 +141,30 @@ struct Machine {
     memo: MemoTable,
     /// How many more values memo references may copy.
     copy_budget: usize,
+    /// How many more values may be built (the caller's `max_values`, less those built so far).
+    values_left: u64,
+    /// The caller's `max_values`, for the error.
+    max_values: u64,
 }
 
-/// Runs the pickle in `data` and returns the value it builds.
-pub(crate) fn unpickle(data: &[u8]) -> SnapshotResult<PyValue> {
+/// Refuses data whose first opcode shows it is not a pickle at all (`/dev/zero`, a binary), judged
+/// on its first bytes alone so that the rest need not be read; anything else passes.
+pub(crate) fn check_start(head: &[u8]) -> SnapshotResult<()> {
+    if head.is_empty() {
+        return Ok(());
+    }
+    match (Decoder { data: head, pos: 0 }).next() {
+        Err(e) => match not_a_pickle_at_start(head, e) {
+            e @ SnapshotError::NotPickle { .. } => Err(e),
+            _ => Ok(()),
+        },
+        Ok(_) => Ok(()),
+    }
+}
+
+/// Runs the pickle in `data` and returns the value it builds, building at most `max_values` values
+/// (see `ReadLimits::max_values` for how they count).
+pub(crate) fn unpickle(data: &[u8], max_values: u64) -> SnapshotResult<PyValue> {
     if data.is_empty() {
         return Err(SnapshotError::NotPickle {
             reason: "the file is empty".into(),
@@ -138,6 +184,8 @@ pub(crate) fn unpickle(data: &[u8]) -> SnapshotResult<PyValue> {
             limit,
         },
         copy_budget: data.len().saturating_mul(4).saturating_add(1 << 20),
+        values_left: max_values,
+        max_values,
     };
     let mut decoder = Decoder { data, pos: 0 };
     loop {
@@ -199,8 +247,25 @@ impl Machine {
         malformed(at, format!("{what} with too few values on the stack"))
     }
 
-    fn push(&mut self, value: PyValue) {
+    /// Pushes a new value, counting it against the values budget.
+    fn push(&mut self, value: PyValue) -> SnapshotResult<()> {
+        self.build(value_cost(&value))?;
         self.stack.push(Item::new(value, 0));
+        Ok(())
+    }
+
+    /// Counts `cost` new values against the caller's `max_values`.
+    fn build(&mut self, cost: usize) -> SnapshotResult<()> {
+        self.values_left =
+            self.values_left
+                .checked_sub(cost as u64)
+                .ok_or(SnapshotError::TooLarge {
+                    what: "the pickle builds",
+                    bound: self.max_values,
+                    unit: "values",
+                    limit: "max_values",
+                })?;
+        Ok(())
     }
 
     /// Removes the top item, completing its pending memo slots.
@@ -210,7 +275,7 @@ impl Machine {
     }
 
     fn complete(&mut self, at: usize, mut item: Item) -> SnapshotResult<Item> {
-        for slot in std::mem::take(&mut item.pending_memo) {
+        for slot in item.take_pending_memo() {
             self.charge(at, &item.value)?;
             self.memo
                 .set(slot, Memo::Ready(item.value.clone(), item.depth));
@@ -225,6 +290,7 @@ impl Machine {
     }
 
     fn spend(&mut self, at: usize, cost: usize) -> SnapshotResult<()> {
+        self.build(cost)?;
         self.copy_budget =
             self.copy_budget
                 .checked_sub(cost)
@@ -296,9 +362,14 @@ impl Machine {
                         format!("{what} with an odd number of keys and values"),
                     ));
                 }
+                let index = if dict.len() + values.len() / 2 > INDEX_DICTS_FROM {
+                    &mut target.extra.get_or_insert_with(Box::default).key_index
+                } else {
+                    &mut None
+                };
                 let mut pairs = values.into_iter();
                 while let (Some(key), Some(value)) = (pairs.next(), pairs.next()) {
-                    set_item(dict, &mut target.key_index, key, value);
+                    set_item(dict, index, key, value);
                 }
             }
             (other, _) => {
@@ -321,7 +392,7 @@ impl Machine {
             PyValue::List(_) | PyValue::Dict(_) | PyValue::Set(_)
         ) && !top.shared
         {
-            top.pending_memo.push(slot);
+            top.extra().pending_memo.push(slot);
             self.memo.set(slot, Memo::Pending);
         } else {
             let (value, depth) = (top.value.clone(), top.depth);
@@ -361,11 +432,7 @@ impl Machine {
     /// container is complete (it then waits on the stack for its parent), so its value is taken as final
     /// now, and any later change to it is refused.
     fn freeze_pending(&mut self, at: usize, slot: usize) -> SnapshotResult<()> {
-        let Some(index) = self
-            .stack
-            .iter()
-            .rposition(|item| item.pending_memo.contains(&slot))
-        else {
+        let Some(index) = self.stack.iter().rposition(|item| item.waits_for(slot)) else {
             return Err(malformed(
                 at,
                 format!("GET of memo slot {slot}, whose value was dropped"),
@@ -375,7 +442,9 @@ impl Machine {
         self.spend(at, cost)?;
         let item = &mut self.stack[index];
         item.shared = true;
-        item.pending_memo.retain(|&s| s != slot);
+        if let Some(extra) = item.extra.as_mut() {
+            extra.pending_memo.retain(|&s| s != slot);
+        }
         let frozen = Memo::Ready(item.value.clone(), item.depth);
         self.memo.set(slot, frozen);
         Ok(())
@@ -421,28 +490,28 @@ impl Machine {
                 self.charge(at, &value)?;
                 self.stack.push(Item::new(value, depth));
             }
-            Op::None => self.push(PyValue::None),
-            Op::Bool(b) => self.push(PyValue::Bool(b)),
-            Op::Int(i) => self.push(PyValue::Int(i)),
-            Op::Float(x) => self.push(PyValue::Float(x)),
+            Op::None => self.push(PyValue::None)?,
+            Op::Bool(b) => self.push(PyValue::Bool(b))?,
+            Op::Int(i) => self.push(PyValue::Int(i))?,
+            Op::Float(x) => self.push(PyValue::Float(x))?,
             Op::Text(bytes) => {
                 let text = std::str::from_utf8(bytes)
                     .map_err(|_| malformed(at, "string is not valid UTF-8".into()))?;
-                self.push(PyValue::Str(text.to_owned()));
+                self.push(PyValue::Str(text.to_owned()))?;
             }
             Op::EscapedText(bytes) => {
                 let text = raw_unicode_escape(bytes, at)?;
-                self.push(PyValue::Str(text));
+                self.push(PyValue::Str(text))?;
             }
             Op::LegacyString(bytes) => self.push(match std::str::from_utf8(bytes) {
                 Ok(text) => PyValue::Str(text.to_owned()),
                 Err(_) => PyValue::Bytes(bytes.to_vec()),
-            }),
-            Op::Bytes(bytes) => self.push(PyValue::Bytes(bytes.to_vec())),
-            Op::EmptyList => self.push(PyValue::List(Vec::new())),
-            Op::EmptyDict => self.push(PyValue::Dict(Vec::new())),
-            Op::EmptyTuple => self.push(PyValue::Tuple(Vec::new())),
-            Op::EmptySet => self.push(PyValue::Set(Vec::new())),
+            })?,
+            Op::Bytes(bytes) => self.push(PyValue::Bytes(bytes.to_vec()))?,
+            Op::EmptyList => self.push(PyValue::List(Vec::new()))?,
+            Op::EmptyDict => self.push(PyValue::Dict(Vec::new()))?,
+            Op::EmptyTuple => self.push(PyValue::Tuple(Vec::new()))?,
+            Op::EmptySet => self.push(PyValue::Set(Vec::new()))?,
             Op::List | Op::Tuple | Op::FrozenSet | Op::Dict => {
                 let items = self.pop_to_mark(at, "a container opcode")?;
                 let item = match op {
@@ -450,6 +519,7 @@ impl Machine {
                     Op::Tuple => Self::container(at, items, PyValue::Tuple)?,
                     Op::FrozenSet => Self::container(at, items, PyValue::FrozenSet)?,
                     _ => {
+                        self.build(1)?;
                         self.stack.push(Item::new(PyValue::Dict(Vec::new()), 1));
                         self.extend_top(at, "SETITEMS", items)?;
                         return Ok(None);
@@ -512,8 +582,8 @@ impl Machine {
     }
 }
 
-fn check_depth(at: usize, depth: usize) -> SnapshotResult<()> {
-    if depth > MAX_DEPTH {
+fn check_depth(at: usize, depth: u32) -> SnapshotResult<()> {
+    if depth as usize > MAX_DEPTH {
         return Err(SnapshotError::UnsupportedPickle {
             offset: at,
             reason: format!("values nest more than {MAX_DEPTH} levels deep"),
@@ -522,7 +592,21 @@ fn check_depth(at: usize, depth: usize) -> SnapshotResult<()> {
     Ok(())
 }
 
-/// Number of values in `value`, itself included (iteratively), counting no further than `limit + 1`.
+/// What one value costs against the budgets, without its children: one, and for strings and bytes
+/// one more per 32 bytes of content (a copy of a long string costs memory as many values do).
+fn value_cost(value: &PyValue) -> usize {
+    match value {
+        PyValue::Str(s) => 1 + s.len() / CONTENT_PER_VALUE,
+        PyValue::Bytes(b) => 1 + b.len() / CONTENT_PER_VALUE,
+        _ => 1,
+    }
+}
+
+/// Bytes of string content that count as one more value.
+const CONTENT_PER_VALUE: usize = 32;
+
+/// The cost of `value` and everything in it (iteratively, see [`value_cost`]), counting no further
+/// than `limit + 1`.
 fn count_values(value: &PyValue, limit: usize) -> usize {
     if !matches!(
         value,
@@ -532,12 +616,12 @@ fn count_values(value: &PyValue, limit: usize) -> usize {
             | PyValue::Set(_)
             | PyValue::FrozenSet(_)
     ) {
-        return 1;
+        return value_cost(value);
     }
     let mut count = 0;
     let mut pending = vec![value];
     while let Some(v) = pending.pop() {
-        count += 1;
+        count += value_cost(v);
         if count > limit {
             break;
         }
@@ -595,3 +679,6 @@ fn set_item(
         None => dict.push((key, value)),
     }
 }
+
+// A pickle of many small values holds them all on the stack at once: keep an item small.
+const _: () = assert!(std::mem::size_of::<Item>() <= 48);
