@@ -92,6 +92,7 @@ mod fd;
 mod file;
 mod filename;
 mod owner;
+mod pooled;
 mod storage;
 mod torch_manager;
 
@@ -101,8 +102,13 @@ pub use error::{Error, Result};
 pub use fd::FdHandle;
 pub use filename::FilenameHandle;
 pub use owner::StorageKind;
+pub use pooled::{default_pool, set_default_pool, ReceivedStorage};
 pub use storage::{Storage, WeakStorage};
 
+#[doc(no_inline)]
+pub use tensormem_shm::mapping_cache::{Lease, PoolReceiver, ReceiverOptions};
+#[doc(no_inline)]
+pub use tensormem_shm::pool::{PoolConfig, PoolSender, PoolStats, ShmPool};
 #[doc(no_inline)]
 pub use tensormem_shm::ShmName;
 

@@ -382,6 +382,10 @@ impl ShmPool {
         Ok((capacity, len_usize))
     }
 
+    pub(crate) fn from_inner(inner: Arc<Inner>) -> Self {
+        Self { inner }
+    }
+
     pub(crate) fn inner(&self) -> &Arc<Inner> {
         &self.inner
     }
@@ -567,6 +571,21 @@ impl Inner {
         {
             let mut state = self.lock();
             self.release_in(&mut state, id, count, false, &mut released);
+        }
+        drop(released);
+    }
+
+    /// The producer's buffer left the pool for good ([`PoolBuffer::detach`]): the region is
+    /// never reused, and the entry goes once the consumers' leases are released.
+    pub(crate) fn detach(&self, id: u64) {
+        let mut released = Released::default();
+        {
+            let mut state = self.lock();
+            if let Some(entry) = state.entries.get_mut(&id) {
+                entry.doomed = true;
+                state.stats.detached += 1;
+            }
+            self.release_in(&mut state, id, 1, false, &mut released);
         }
         drop(released);
     }

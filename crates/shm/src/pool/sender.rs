@@ -244,6 +244,11 @@ impl PoolSender {
         }
     }
 
+    /// The pool this sender lends from (a clone sharing it).
+    pub fn pool(&self) -> ShmPool {
+        ShmPool::from_inner(Arc::clone(&self.pool))
+    }
+
     /// Leases open on this connection.
     pub fn outstanding(&self) -> usize {
         self.link.leases().outstanding
