@@ -55,9 +55,7 @@ pub fn default_pool() -> &'static ShmPool {
 /// [`Error::DefaultPoolSet`] if the default pool exists already (installed, or made by a
 /// `share_memory_`); `pool` is dropped then.
 pub fn set_default_pool(pool: ShmPool) -> Result<()> {
-    DEFAULT_POOL
-        .set(pool)
-        .map_err(|_| Error::DefaultPoolSet)
+    DEFAULT_POOL.set(pool).map_err(|_| Error::DefaultPoolSet)
 }
 
 fn start_trimmer(pool: &ShmPool) {

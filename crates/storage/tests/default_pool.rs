@@ -20,7 +20,10 @@ fn share_memory_recycles_regions_of_the_process_wide_pool() {
     // Dropped (every clone): the region is cached, not freed.
     let clone = a.clone();
     drop(a);
-    assert_eq!(pool.stats().cached_bytes.current, before.cached_bytes.current);
+    assert_eq!(
+        pool.stats().cached_bytes.current,
+        before.cached_bytes.current
+    );
     drop(clone);
     let cached = pool.stats();
     assert!(cached.cached_bytes.current > before.cached_bytes.current);

@@ -248,7 +248,10 @@ fn bad_input_to_the_pooled_path_is_a_typed_error_and_lends_nothing() {
     // Metadata longer than a message holds.
     let s = Storage::from_vec(pattern(4096, 8));
     let err = s.send_pooled(&mut sender, &[0; 217]).unwrap_err();
-    assert!(matches!(err, Error::Shm(tensormem_shm::Error::Protocol { .. })), "{err}");
+    assert!(
+        matches!(err, Error::Shm(tensormem_shm::Error::Protocol { .. })),
+        "{err}"
+    );
     assert_eq!(sender.outstanding(), 0);
 
     // Zero bytes.
