@@ -26,6 +26,7 @@ const BENCH_BINS: &[(&str, &str)] = &[
     ("tensormem-benches", "shm_bench"),
     ("tensormem-benches", "shm_pool_bench"),
     ("tensormem-benches", "shm_loader_bench"),
+    ("tensormem-benches", "storage_pool_bench"),
 ];
 
 /// Builds the bundle into `dir` (created if missing; files of an earlier bundle are replaced).
