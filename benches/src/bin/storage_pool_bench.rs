@@ -19,7 +19,9 @@
 //!    `storage_share_memory`: `Storage::from_vec(fresh)` (before the timer), then
 //!    `Storage::share_memory_()` on the process-wide pool and `Storage::send_pooled`.
 //!
-//! After each pair a `ratio,...,facade/bare` line. Usage:
+//! The two series of each row are measured interleaved (alternating which goes first), each
+//! against its own consumer process, so machine drift hits both alike. After each pair a
+//! `ratio,...,facade/bare` line. Usage:
 //! `storage_pool_bench [--rounds N] [--spin-us N] [--copies N] [--no-copy]`.
 
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -219,8 +221,28 @@ fn producer(args: &Args) -> BenchResult<()> {
             ("_spin", RecvOptions::spinning(args.spin)),
         ] {
             let spin = u32::try_from(recv.spin.as_micros()).unwrap_or(u32::MAX);
-            let bare_us = round_trips_bare(&mut bare, len, recv, spin, args.rounds)?;
-            let facade_us = round_trips_facade(&mut facade, len, recv, spin, args.rounds)?;
+            // Interleaved round by round, in alternating order, so machine drift hits both.
+            let (mut bare_times, mut facade_times) = (Vec::new(), Vec::new());
+            for i in 0..WARM_UP + args.rounds {
+                let value = (i % 251) as u8;
+                let facade_first = i % 2 == 0;
+                for facade_turn in [facade_first, !facade_first] {
+                    let elapsed = if facade_turn {
+                        round_trip_facade(&mut facade, len, recv, spin, value)?
+                    } else {
+                        round_trip_bare(&mut bare, len, recv, spin, value)?
+                    };
+                    if i >= WARM_UP {
+                        if facade_turn {
+                            facade_times.push(elapsed);
+                        } else {
+                            bare_times.push(elapsed);
+                        }
+                    }
+                }
+            }
+            let bare_us = median_us(&mut bare_times);
+            let facade_us = median_us(&mut facade_times);
             println!("bare_pool{suffix},cpu,{len},{bare_us:.1}");
             println!("storage_pool{suffix},cpu,{len},{facade_us:.1}");
             println!(
@@ -249,54 +271,40 @@ fn producer(args: &Args) -> BenchResult<()> {
     Ok(())
 }
 
-fn round_trips_bare(
+fn round_trip_bare(
     c: &mut Connection,
     len: usize,
     recv: RecvOptions,
     spin: u32,
-    rounds: usize,
-) -> BenchResult<f64> {
-    let mut times = Vec::with_capacity(rounds);
-    for i in 0..WARM_UP + rounds {
-        let value = (i % 251) as u8;
-        let mut buffer = c.pool.alloc_zeroed(len as u64)?;
-        buffer.write_at(0, &[value])?;
-        buffer.write_at(len - 1, &[value])?;
-        let user = user_data(spin, value);
-        let start = Instant::now();
-        c.sender.send(&buffer, &user)?;
-        drop(buffer);
-        c.wait_answer(recv)?;
-        if i >= WARM_UP {
-            times.push(start.elapsed());
-        }
-    }
-    Ok(median_us(&mut times))
+    value: u8,
+) -> BenchResult<Duration> {
+    let mut buffer = c.pool.alloc_zeroed(len as u64)?;
+    buffer.write_at(0, &[value])?;
+    buffer.write_at(len - 1, &[value])?;
+    let user = user_data(spin, value);
+    let start = Instant::now();
+    c.sender.send(&buffer, &user)?;
+    drop(buffer);
+    c.wait_answer(recv)?;
+    Ok(start.elapsed())
 }
 
-fn round_trips_facade(
+fn round_trip_facade(
     c: &mut Connection,
     len: usize,
     recv: RecvOptions,
     spin: u32,
-    rounds: usize,
-) -> BenchResult<f64> {
-    let mut times = Vec::with_capacity(rounds);
-    for i in 0..WARM_UP + rounds {
-        let value = (i % 251) as u8;
-        let storage = Storage::new_pooled(&c.pool, len)?;
-        storage.write_at(0, &[value])?;
-        storage.write_at(len - 1, &[value])?;
-        let user = user_data(spin, value);
-        let start = Instant::now();
-        storage.send_pooled(&mut c.sender, &user)?;
-        drop(storage);
-        c.wait_answer(recv)?;
-        if i >= WARM_UP {
-            times.push(start.elapsed());
-        }
-    }
-    Ok(median_us(&mut times))
+    value: u8,
+) -> BenchResult<Duration> {
+    let storage = Storage::new_pooled(&c.pool, len)?;
+    storage.write_at(0, &[value])?;
+    storage.write_at(len - 1, &[value])?;
+    let user = user_data(spin, value);
+    let start = Instant::now();
+    storage.send_pooled(&mut c.sender, &user)?;
+    drop(storage);
+    c.wait_answer(recv)?;
+    Ok(start.elapsed())
 }
 
 fn share_memory(args: &Args) -> BenchResult<()> {
@@ -312,27 +320,32 @@ fn share_memory(args: &Args) -> BenchResult<()> {
         let mut bare = Connection::open(ShmPool::new(PoolConfig::default()), false)?;
         let mut facade = Connection::open(default_pool().clone(), true)?;
         let (mut bare_times, mut facade_times) = (Vec::new(), Vec::new());
-        // Interleaved, so both see the same machine state; the first (cold) round is dropped.
-        for round in 0..runs + 1 {
-            let fresh = src.clone();
-            let start = Instant::now();
-            let buffer = bare.pool.copy_from_bytes(&fresh)?;
-            drop(fresh);
-            bare.sender.send(&buffer, &user)?;
-            drop(buffer);
-            let elapsed = start.elapsed();
-            if round > 0 {
-                bare_times.push(elapsed);
-            }
-
-            let storage = Storage::from_vec(src.clone());
-            let start = Instant::now();
-            storage.share_memory_()?;
-            storage.send_pooled(&mut facade.sender, &user)?;
-            drop(storage);
-            let elapsed = start.elapsed();
-            if round > 0 {
-                facade_times.push(elapsed);
+        // Interleaved, in alternating order, so both see the same machine state; the first
+        // (cold) round of each is dropped.
+        for round in 0..2 * (runs + 1) {
+            let facade_turn = (round % 2 == 0) == (round / 2 % 2 == 0);
+            let elapsed = if facade_turn {
+                let storage = Storage::from_vec(src.clone());
+                let start = Instant::now();
+                storage.share_memory_()?;
+                storage.send_pooled(&mut facade.sender, &user)?;
+                drop(storage);
+                start.elapsed()
+            } else {
+                let fresh = src.clone();
+                let start = Instant::now();
+                let buffer = bare.pool.copy_from_bytes(&fresh)?;
+                drop(fresh);
+                bare.sender.send(&buffer, &user)?;
+                drop(buffer);
+                start.elapsed()
+            };
+            if round >= 2 {
+                if facade_turn {
+                    facade_times.push(elapsed);
+                } else {
+                    bare_times.push(elapsed);
+                }
             }
         }
         let bare_us = print_copy("bare_share_memory", len, &mut bare_times);

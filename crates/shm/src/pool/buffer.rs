@@ -25,16 +25,25 @@ pub struct PoolBuffer {
     /// `Some` until `Drop` hands it back.
     region: Option<SharedRegion>,
     len: usize,
+    /// The region was made for this buffer (never lent before): past `len` it reads as zeros.
+    fresh: bool,
 }
 
 impl PoolBuffer {
-    pub(crate) fn new(pool: Arc<Inner>, id: u64, region: SharedRegion, len: usize) -> Self {
+    pub(crate) fn new(
+        pool: Arc<Inner>,
+        id: u64,
+        region: SharedRegion,
+        len: usize,
+        fresh: bool,
+    ) -> Self {
         debug_assert!(len <= region.len());
         Self {
             pool,
             id,
             region: Some(region),
             len,
+            fresh,
         }
     }
 
@@ -227,15 +236,18 @@ impl PoolBuffer {
     /// stay valid; consumers caching the region are told to forget it once those are released.
     ///
     /// The bytes past [`len`](Self::len) (the rest of the size class, which may hold what an
-    /// earlier use of the region wrote) are cleared first, so whoever receives the descriptor
-    /// sees nothing of the region's earlier uses. The region returned is
+    /// earlier use of the region wrote) are cleared first if the region was lent before, so
+    /// whoever receives the descriptor sees nothing of the region's earlier uses (a region made
+    /// for this buffer reads as zeros there already, and is not touched). The region returned is
     /// [`capacity`](Self::capacity) bytes long.
     pub fn detach(mut self) -> SharedRegion {
         let mut region = self
             .region
             .take()
             .expect("a PoolBuffer holds its region until dropped");
-        clear_tail(&mut region, self.len);
+        if !self.fresh {
+            clear_tail(&mut region, self.len);
+        }
         self.pool.detach(self.id);
         tracing::debug!(id = self.id, "pooled region detached from its pool");
         region

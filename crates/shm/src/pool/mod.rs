@@ -507,7 +507,7 @@ impl Inner {
         };
         drop(released);
         let (id, region) = taken;
-        Some(PoolBuffer::new(Arc::clone(self), id, region, len))
+        Some(PoolBuffer::new(Arc::clone(self), id, region, len, false))
     }
 
     fn new_region(&self, capacity: u64) -> Result<SharedRegion> {
@@ -541,7 +541,7 @@ impl Inner {
             id
         };
         tracing::debug!(id, capacity, "made a pooled region");
-        PoolBuffer::new(Arc::clone(self), id, region, len)
+        PoolBuffer::new(Arc::clone(self), id, region, len, true)
     }
 
     /// The producer's buffer is dropped: its region goes back into the entry.
