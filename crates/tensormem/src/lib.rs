@@ -114,7 +114,7 @@
 //!
 //! Runnable producer/consumer programs, each a producer that starts itself again as the
 //! consumer: `cargo run -p tensormem --example share_fd`, `--example share_filename`,
-//! `--example share_cuda`.
+//! `--example share_cuda`, `--example share_pooled` (recycled regions).
 //!
 //! # Features
 //!
