@@ -1,5 +1,6 @@
 //! `cargo xtask test-gpu --bundle DIR`: the GPU test executables, the GPU examples, the
-//! benchmark binaries (`alloc_patterns`, `shm_bench`, `shm_pool_bench`, `shm_loader_bench`) and a
+//! benchmark binaries (`alloc_patterns`, `shm_bench`, `shm_pool_bench`, `shm_loader_bench`,
+//! `storage_pool_bench`) and a
 //! `run.sh`, built here for a GPU host that has no Rust toolchain.
 //!
 //! The executables are built in release without debug info and stripped (through `CARGO_PROFILE_*`
@@ -26,6 +27,7 @@ const BENCH_BINS: &[(&str, &str)] = &[
     ("tensormem-benches", "shm_bench"),
     ("tensormem-benches", "shm_pool_bench"),
     ("tensormem-benches", "shm_loader_bench"),
+    ("tensormem-benches", "storage_pool_bench"),
 ];
 
 /// PyTorch's pluggable allocator library: (package, library target name, file name), copied into
@@ -273,7 +275,8 @@ fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
          The sharing benchmarks, each beside its PyTorch anchor in the same call:\n\n    \
          gpu-bundle/shm_pool_bench; python3 ../shared/anchors/torch_sharing_bench.py\n    \
          gpu-bundle/shm_loader_bench 67108864 200 4; python3 ../shared/anchors/torch_loader_bench.py 67108864 200 4\n    \
-         gpu-bundle/shm_loader_bench 1048576 100 2; python3 ../shared/anchors/torch_loader_bench.py 1048576 100 2\n\n\
+         gpu-bundle/shm_loader_bench 1048576 100 2; python3 ../shared/anchors/torch_loader_bench.py 1048576 100 2\n    \
+         gpu-bundle/storage_pool_bench   # the storage facade's pooled paths vs the bare pool (within 10%)\n\n\
          (shm_bench prints the non-pooled round trips, copy plans and the machine's huge-page settings.)\n\n\
          torch/ holds PyTorch's pluggable allocator on tensormem (libtensormem_torch.so) and its Python\n\
          scripts; run.sh runs the real-client checks (GPT-2 and CUDA-graph training, losses against the\n\

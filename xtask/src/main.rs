@@ -6,7 +6,7 @@
 //!   run too.
 //! - `cargo xtask test-gpu --bundle DIR`: builds the same test executables (release, no debug info,
 //!   stripped) and the benchmark binaries (`alloc_patterns`, `shm_bench`, `shm_pool_bench`,
-//!   `shm_loader_bench`) into `DIR` with a `run.sh`, for GPU hosts that have no
+//!   `shm_loader_bench`, `storage_pool_bench`) into `DIR` with a `run.sh`, for GPU hosts that have no
 //!   Rust toolchain. `bash DIR/run.sh` there runs them all and exits non-zero if any failed.
 
 mod bundle;

@@ -6,8 +6,10 @@
 //!   with `send_region`; the consumer `recv_region`s, reads bytes 0 and len-1 with `read_volatile`, drops the region and
 //!   answers one byte.
 //! - `storage`: a private `Storage` (made before the timer) is moved into shared memory by
-//!   `share_memory_` (which also frees its private buffer, as PyTorch's does) and sent with
-//!   `send_shared_fd`; the consumer `Storage::recv_shared_fd`s, reads the two bytes with
+//!   `share_memory_` (which also frees its private buffer, as PyTorch's does; the bytes go into a
+//!   region of the process-wide pool) and sent with `send_shared_fd` (which detaches the region
+//!   from the pool: a raw descriptor's users cannot be accounted for, so every round trip is the
+//!   cold path, a new region each time); the consumer `Storage::recv_shared_fd`s, reads the two bytes with
 //!   `read_at`, drops it and answers.
 //!
 //! The two are measured interleaved (bare, storage, storage, bare, ...), each round trip timed on

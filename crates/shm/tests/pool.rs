@@ -620,3 +620,51 @@ fn the_handles_cross_threads() {
     send::<PoolReceiver>();
     send_sync::<tensormem_shm::mapping_cache::Lease>();
 }
+
+#[test]
+fn a_send_refused_for_oversized_user_data_leaves_the_consumer_cache_as_it_was() {
+    let pool = small_pool();
+    let (mut sender, mut receiver) = connect(&pool, ReceiverOptions::default());
+    let buffer = pool.alloc(MIB).unwrap();
+    assert!(matches!(
+        sender.send(&buffer, &[0; 217]),
+        Err(Error::Protocol { .. })
+    ));
+    assert_eq!(sender.known_regions(), 0);
+    assert_eq!(sender.outstanding(), 0);
+    // The next send of the region carries its fd (the consumer never saw it).
+    sender.send(&buffer, b"ok").unwrap();
+    assert_eq!(sender.stats().sent_fd, 1);
+    let lease = receiver.recv().unwrap();
+    assert_eq!(lease.user_data(), b"ok");
+}
+
+#[test]
+fn a_detached_region_is_never_reused_and_its_reused_tail_is_cleared() {
+    let pool = small_pool();
+    let (mut sender, mut receiver) = connect(&pool, ReceiverOptions::default());
+    let mut first = pool.alloc(3 * MIB).unwrap();
+    first.fill(0xAB).unwrap();
+    drop(first);
+    // The same region, lent again for fewer bytes, then detached with a lease out.
+    let mut second = pool.alloc(3 * MIB - 4096).unwrap();
+    assert_eq!(pool.stats().cache_hits, 1);
+    second.fill(0x11).unwrap();
+    sender.send(&second, b"").unwrap();
+    let lease = receiver.recv().unwrap();
+    let region = second.detach();
+    assert_eq!(pool.stats().detached, 1);
+    let bytes = region.to_vec().unwrap();
+    assert!(bytes[..3 * MIB as usize - 4096].iter().all(|&b| b == 0x11));
+    assert!(bytes[3 * MIB as usize - 4096..].iter().all(|&b| b == 0));
+    assert_eq!(lease.read_volatile(0).unwrap(), 0x11);
+    drop(lease);
+    sender.wait_release(None).unwrap();
+    let stats = pool.stats();
+    assert_eq!(stats.regions.current, 0);
+    assert_eq!(stats.cached_bytes.current, 0);
+    // A new request of that size makes a new region.
+    drop(pool.alloc(3 * MIB).unwrap());
+    assert_eq!(pool.stats().regions.allocated, 2);
+    drop(region);
+}

@@ -126,6 +126,13 @@ pub enum Error {
         problem: String,
     },
 
+    /// [`set_default_pool`](crate::set_default_pool) was called after the process-wide pool
+    /// already existed.
+    #[error(
+        "the process-wide shared-memory pool exists already (installed earlier, or made by a          share_memory_); call set_default_pool before the first share_memory_, or use          Storage::share_memory_in with your pool"
+    )]
+    DefaultPoolSet,
+
     /// The CUDA layer (allocator, driver or IPC) failed.
     #[error("{op}: {message}")]
     Cuda {
@@ -149,6 +156,7 @@ impl Error {
             | Self::InvalidSize { .. }
             | Self::NotShared { .. }
             | Self::ReceivedCuda => K::InvalidInput,
+            Self::DefaultPoolSet => K::AlreadyExists,
             Self::Expired => K::NotFound,
             Self::RefcountUnderflow { .. } => K::InvalidData,
             Self::Cuda { .. } | Self::TorchManager { .. } => K::Other,

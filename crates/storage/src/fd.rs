@@ -107,9 +107,10 @@ impl Storage {
     }
 
     /// Shares the storage by file descriptor (PyTorch: `_share_fd_cpu_`): moves it into
-    /// fd-backed shared memory first unless it already is (private and named storages are
-    /// copied into a new memfd, for every clone), then returns a duplicate of its descriptor
-    /// with its size.
+    /// fd-backed shared memory first unless it already is (private and named storages, and
+    /// leases received from a pool, are copied into a new memfd, for every clone; a pooled
+    /// storage is detached from its pool, keeping its memory, and never reused), then returns a
+    /// duplicate of its descriptor with its size.
     ///
     /// # Errors
     ///
@@ -124,7 +125,8 @@ impl Storage {
     }
 
     /// [`share_fd`](Self::share_fd) and [`FdHandle::send`] in one step, without duplicating the
-    /// descriptor: the storage's own descriptor is sent.
+    /// descriptor: the storage's own descriptor is sent (a pooled storage is detached first, as
+    /// for `share_fd`). For recycled regions, send with [`send_pooled`](Self::send_pooled).
     ///
     /// # Errors
     ///
@@ -181,13 +183,18 @@ impl Storage {
 
     /// A duplicate of the descriptor behind an fd-backed or file-backed storage (PyTorch:
     /// `_get_shared_fd`, which returns the descriptor itself; here the caller owns a duplicate,
-    /// so the storage's cannot be closed behind its back).
+    /// so the storage's cannot be closed behind its back). A pooled storage
+    /// ([`share_memory_`](Self::share_memory_)) is detached from its pool first (it becomes
+    /// `CpuFd`, same memory): whoever holds a raw descriptor can map the region at any time, so
+    /// the pool can never prove it free again and does not reuse it.
     ///
     /// # Errors
     ///
     /// [`Error::NotShared`] for storages without a descriptor (private, named, CUDA);
     /// [`Error::Shm`] when `dup` fails.
     pub fn get_shared_fd(&self) -> Result<OwnedFd> {
+        // The descriptor leaves the facade's accounting: never reuse the region.
+        self.detach_from_pool("get_shared_fd");
         let owner = self.owner();
         let region = fd_region(&owner, "get_shared_fd")?;
         let fd = region_fd(region, "get_shared_fd")?;

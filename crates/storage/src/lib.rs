@@ -23,9 +23,11 @@
 //!
 //! // Producer: a private storage, moved into shared memory in place and sent.
 //! let storage = Storage::from_vec(b"hello, consumer".to_vec());
-//! storage.share_memory_()?; // PyTorch: storage.share_memory_()
-//! assert!(matches!(storage.kind(), StorageKind::CpuFd { sealed: true }));
+//! storage.share_memory_()?; // PyTorch: storage.share_memory_() (a region of the pool)
+//! assert_eq!(storage.kind(), StorageKind::CpuPooled);
 //! storage.share_fd()?.send(&producer_end)?; // PyTorch: storage._share_fd_cpu_()
+//! // A raw descriptor's users cannot be counted: the region left the pool for good.
+//! assert!(matches!(storage.kind(), StorageKind::CpuFd { sealed: true }));
 //!
 //! // Consumer: open it (PyTorch: UntypedStorage._new_shared_fd_cpu(fd, size)) and write back.
 //! let received = Storage::recv_shared_fd(&consumer_end)?;
@@ -35,28 +37,79 @@
 //! # Ok::<(), tensormem_storage::Error>(())
 //! ```
 //!
+//! # Example: recycled regions between a producer and a consumer (the pooled path)
+//!
+//! Sharing buffer after buffer (a data loader), send over a pool connection instead: regions
+//! come back to the pool when the consumer drops its storage (or dies), a region the consumer
+//! has seen travels as an id and is reached through its cached mapping, and the producer's next
+//! `share_memory_in` of the same size reuses the warm region.
+//!
+//! ```
+//! use std::os::unix::net::UnixStream;
+//! use tensormem_storage::{PoolReceiver, PoolSender, ReceiverOptions, ShmPool, Storage, StorageKind};
+//!
+//! let (producer_end, consumer_end) = UnixStream::pair()?;
+//! let mut receiver = PoolReceiver::new(consumer_end, ReceiverOptions::default())?; // consumer
+//! let pool = ShmPool::default();                                                 // producer
+//! let mut sender = PoolSender::new(&pool, producer_end)?;
+//!
+//! for step in 0..3u8 {
+//!     // Producer: a fresh private batch, moved into the pool and lent to the consumer.
+//!     let batch = Storage::from_vec(vec![step; 1 << 20]);
+//!     batch.send_pooled(&mut sender, b"float32 [512, 512]")?; // moves it into `pool` first
+//!     drop(batch);
+//!
+//!     // Consumer: a storage over the producer's region (no copy).
+//!     let received = Storage::recv_pooled(&mut receiver)?;
+//!     assert_eq!(received.storage.kind(), StorageKind::CpuPooledLease);
+//!     assert_eq!(received.metadata, b"float32 [512, 512]");
+//!     assert_eq!(received.storage.to_vec()?[0], step);
+//!     drop(received); // the lease goes back to the producer
+//!     sender.wait_release(None)?; // (the pool would also read it on its own when needed)
+//! }
+//! assert_eq!(pool.stats().regions.allocated, 1); // one region served every step
+//! assert_eq!(receiver.stats().mapped, 1); // mapped once, then reached by id
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! # PyTorch's names and ours
 //!
 //! | PyTorch (`torch.UntypedStorage`, `StorageSharing.cpp`, `StorageUtils.cpp`) | here |
 //! | --- | --- |
 //! | `UntypedStorage(n)`, `nbytes()`, `device`, `fill_`, `copy_` | [`Storage::new`], [`Storage::nbytes`], [`Storage::device`], [`Storage::fill`], [`storage_copy`] |
-//! | `_share_fd_cpu_()` → `(fd, size)` | [`Storage::share_fd`] → [`FdHandle`] (or [`Storage::send_shared_fd`]) |
+//! | `_share_fd_cpu_()` → `(fd, size)` | [`Storage::share_fd`] → [`FdHandle`] (or [`Storage::send_shared_fd`]); a pooled storage is detached from its pool (same memory, never reused) |
 //! | `_new_shared_fd_cpu(fd, size)` | [`Storage::new_shared_fd`] (or [`Storage::recv_shared_fd`]) |
 //! | `_new_using_fd_cpu(size)`, `at::new_shm_fd_storage` | [`Storage::new_shared_fd_storage`] |
-//! | `_get_shared_fd()` | [`Storage::get_shared_fd`] (a duplicate) |
-//! | `_share_filename_cpu_()` → `(manager, name, size)` | [`Storage::share_filename`] → [`FilenameHandle`] |
+//! | `_get_shared_fd()` | [`Storage::get_shared_fd`] (a duplicate; detaches a pooled storage) |
+//! | `_share_filename_cpu_()` → `(manager, name, size)` | [`Storage::share_filename`] → [`FilenameHandle`] (refcounted named regions and the manager, never the pool: a name can be opened by any process, so no connection's close tells the pool that a killed opener is done) |
 //! | `_new_shared_filename_cpu(manager, name, size)` | [`Storage::new_shared_filename`] |
 //! | `_new_using_filename_cpu(size)` | [`Storage::new_shared_filename_storage`] |
 //! | `_shared_incref()`, `_shared_decref()` | [`Storage::shared_incref`], [`Storage::shared_decref`] |
 //! | `_weak_ref()`, `_new_with_weak_ptr(w)`, `_expired(w)`, `_free_weak_ref(w)` | [`Storage::weak_ref`], [`WeakStorage::upgrade`], [`WeakStorage::expired`], dropping the [`WeakStorage`] |
 //! | `is_shared()` | [`Storage::is_shared`] |
 //! | `from_file(filename, shared, nbytes)` | [`Storage::from_file`] |
-//! | `share_memory_()`, `at::share_memory_` | [`Storage::share_memory_`] |
+//! | `share_memory_()`, `at::share_memory_` | [`Storage::share_memory_`] (a region of the process-wide [`ShmPool`], [`default_pool`]; recycled once the storage and every lease are gone), [`Storage::share_memory_in`] (a pool of yours) |
+//! | none (PyTorch makes a new object per share) | [`Storage::send_pooled`] / [`Storage::recv_pooled`] ([`StorageKind::CpuPooledLease`]), [`Storage::new_pooled`]: recycled regions, ids for regions the consumer knows, leases reclaimed from a consumer killed with `kill -9` |
 //! | `at::storage_copy(dst, src, non_blocking)` | [`storage_copy`] |
 //! | `UntypedStorage(n, device="cuda")` | `Storage::new_cuda` (feature `cuda`, with a `CudaContext` per device) |
 //! | `_share_cuda_()` → 8-tuple | `Storage::share_cuda` → `IpcHandle` (`to_torch()` gives the tuple) |
 //! | `_new_shared_cuda(*tuple)` | `Storage::new_shared_cuda` |
 //! | `_release_ipc_counter_cuda(ref_counter, offset)` | `release_ipc_counter` |
+//!
+//! # Pooled regions: when they are reused
+//!
+//! A pooled storage ([`StorageKind::CpuPooled`]) returns its region to the pool only when it
+//! provably has no other user: every clone dropped, and every lease sent with
+//! [`Storage::send_pooled`] released or reclaimed (the consumer's connection closed: a consumer
+//! killed with `kill -9` gives its leases back). A raw descriptor cannot be accounted for, so
+//! [`Storage::share_fd`], [`Storage::get_shared_fd`] and [`Storage::send_shared_fd`] **detach**
+//! a pooled storage: it becomes [`StorageKind::CpuFd`] over the same memory, the pool never lends
+//! the region again, and the memory is freed normally with its last mapping (the region's bytes
+//! past the storage are cleared first). [`Storage::share_filename`] moves the bytes into a named
+//! region, as for any storage not shared by name; the pooled region, never exposed, then returns
+//! to the pool. A storage received from a pool ([`StorageKind::CpuPooledLease`]) releases its
+//! lease when its last clone drops; sharing it again by descriptor or name moves its bytes (as
+//! PyTorch moves any storage that is not of the right kind), and it cannot be sent pooled again.
 //!
 //! # Same rules as PyTorch, and where tensormem is stricter
 //!
@@ -92,6 +145,7 @@ mod fd;
 mod file;
 mod filename;
 mod owner;
+mod pooled;
 mod storage;
 mod torch_manager;
 
@@ -101,8 +155,13 @@ pub use error::{Error, Result};
 pub use fd::FdHandle;
 pub use filename::FilenameHandle;
 pub use owner::StorageKind;
+pub use pooled::{default_pool, set_default_pool, ReceivedStorage};
 pub use storage::{Storage, WeakStorage};
 
+#[doc(no_inline)]
+pub use tensormem_shm::mapping_cache::{Lease, PoolReceiver, ReceiverOptions};
+#[doc(no_inline)]
+pub use tensormem_shm::pool::{PoolConfig, PoolSender, PoolStats, ShmPool};
 #[doc(no_inline)]
 pub use tensormem_shm::ShmName;
 

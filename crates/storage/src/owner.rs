@@ -1,6 +1,8 @@
 //! [`Owner`]: who owns a storage's bytes and how they are reached (PyTorch's `DataPtr` and its
 //! deleter context), and [`StorageKind`], its public description.
 
+use tensormem_shm::mapping_cache::Lease;
+use tensormem_shm::pool::PoolBuffer;
 use tensormem_shm::{Backing, SharedRegion, ShmName};
 
 use crate::error::{Error, Result};
@@ -18,6 +20,17 @@ pub enum StorageKind {
         /// Whether the object is sealed against shrinking, so no peer can truncate it.
         sealed: bool,
     },
+    /// Host shared memory lent by a pool (`tensormem_shm::pool::ShmPool`): what
+    /// [`Storage::share_memory_`](crate::Storage::share_memory_) makes. A sealed memfd whose
+    /// region goes back to its pool for reuse once the storage (every clone) and every consumer
+    /// lease on it are gone. Handing its descriptor out raw
+    /// ([`share_fd`](crate::Storage::share_fd), [`get_shared_fd`](crate::Storage::get_shared_fd))
+    /// detaches it from the pool: it becomes [`CpuFd`](Self::CpuFd) and is never reused.
+    CpuPooled,
+    /// Host shared memory received from another process's pool
+    /// ([`Storage::recv_pooled`](crate::Storage::recv_pooled)): a lease on the producer's region,
+    /// given back to the producer when the storage (every clone) is dropped.
+    CpuPooledLease,
     /// A regular file mapped `MAP_SHARED` ([`Storage::from_file`](crate::Storage::from_file)
     /// with `shared = true`).
     CpuFile,
@@ -48,6 +61,10 @@ pub(crate) enum Owner {
     Fd(SharedRegion),
     /// A regular file mapped shared, fd kept.
     File(SharedRegion),
+    /// A region lent by a pool; back to the pool when dropped (and every lease is released).
+    Pooled(PoolBuffer),
+    /// A lease on another process's pooled region; released when dropped.
+    Lease(Lease),
     /// A refcounted name held at the manager.
     Filename(NamedRegion),
     /// CUDA memory.
@@ -67,6 +84,8 @@ impl Owner {
                 ),
             },
             Self::File(_) => StorageKind::CpuFile,
+            Self::Pooled(_) => StorageKind::CpuPooled,
+            Self::Lease(_) => StorageKind::CpuPooledLease,
             Self::Filename(_) => StorageKind::CpuFilename,
             #[cfg(feature = "cuda")]
             Self::Cuda(cuda) => cuda.kind(),
@@ -89,6 +108,8 @@ impl Owner {
                 Ok(())
             }
             Self::Fd(region) | Self::File(region) => Ok(region.read_at(offset, buf)?),
+            Self::Pooled(buffer) => Ok(buffer.read_at(offset, buf)?),
+            Self::Lease(lease) => Ok(lease.read_at(offset, buf)?),
             Self::Filename(named) => Ok(named.mapping().read_at(offset, buf)?),
             #[cfg(feature = "cuda")]
             Self::Cuda(cuda) => cuda.read_at(offset, buf),
@@ -103,6 +124,8 @@ impl Owner {
                 Ok(())
             }
             Self::Fd(region) | Self::File(region) => Ok(region.write_at(offset, data)?),
+            Self::Pooled(buffer) => Ok(buffer.write_at(offset, data)?),
+            Self::Lease(lease) => Ok(lease.write_at(offset, data)?),
             Self::Filename(named) => Ok(named.mapping_mut().write_at(offset, data)?),
             #[cfg(feature = "cuda")]
             Self::Cuda(cuda) => cuda.write_at(offset, data),
@@ -117,6 +140,17 @@ impl Owner {
                 Ok(())
             }
             Self::Fd(region) | Self::File(region) => Ok(region.fill(value)?),
+            Self::Pooled(buffer) => Ok(buffer.fill(value)?),
+            Self::Lease(lease) => {
+                let chunk = vec![value; lease.len().min(1 << 20)];
+                let mut at = 0;
+                while at < lease.len() {
+                    let n = chunk.len().min(lease.len() - at);
+                    lease.write_at(at, &chunk[..n])?;
+                    at += n;
+                }
+                Ok(())
+            }
             Self::Filename(named) => Ok(named.mapping_mut().fill(value)?),
             #[cfg(feature = "cuda")]
             Self::Cuda(cuda) => cuda.fill(value),

@@ -165,9 +165,20 @@ impl Storage {
     }
 
     /// Moves the bytes into shared memory in place, for every clone (PyTorch: `share_memory_`):
-    /// a private host storage becomes an fd-backed one (a sealed memfd, filled with a pre-faulted
-    /// parallel copy). Nothing happens when the storage is already shared (fd-backed, file-backed
-    /// or named) or on a CUDA device.
+    /// a private host storage becomes a pooled one ([`StorageKind::CpuPooled`]), its bytes
+    /// copied into a region of the process-wide pool ([`default_pool`](crate::default_pool)).
+    /// In steady state (a region of the same size class came back to the pool) that is a
+    /// threaded copy into pages already faulted in, at memory bandwidth; the first region of a
+    /// size is made as a fresh sealed memfd with a pre-faulted parallel copy. Nothing happens
+    /// when the storage is already shared (pooled, fd-backed, file-backed, named, a received
+    /// lease) or on a CUDA device.
+    ///
+    /// The region goes back to the pool only when nothing can reach it any more: every clone
+    /// of the storage is dropped and every lease sent with
+    /// [`send_pooled`](Self::send_pooled) is released (or its consumer died). Handing the
+    /// descriptor out raw ([`share_fd`](Self::share_fd), [`get_shared_fd`](Self::get_shared_fd),
+    /// [`send_shared_fd`](Self::send_shared_fd)) detaches the region from the pool for good.
+    /// [`share_memory_in`](Self::share_memory_in) uses a pool of your choice.
     ///
     /// # Errors
     ///
@@ -177,16 +188,21 @@ impl Storage {
         if self.is_shared() {
             return Ok(());
         }
-        self.move_to_fd("share_memory_")
+        self.share_memory_in(crate::pooled::default_pool())
     }
 
-    /// Replaces a host owner that is not fd-backed by a new memfd holding the same bytes.
-    /// Already fd-backed storages are left alone. PyTorch's `share_fd` rule: a storage that is
-    /// not fd-backed (private, or named) is moved first.
+    /// Gives the storage a descriptor that may be handed out raw: a host owner that is not
+    /// fd-backed moves into a new memfd holding the same bytes (PyTorch's `share_fd` rule: a
+    /// storage that is not fd-backed, private or named, is moved first), and a pooled one is
+    /// detached from its pool (same memory, never reused: a raw descriptor's users cannot be
+    /// accounted for). Already fd-backed storages are left alone.
     pub(crate) fn move_to_fd(&self, op: &'static str) -> Result<()> {
         let mut owner = self.owner_mut();
         owner.require_host(op)?;
         if owner.fd_region().is_some() {
+            return Ok(());
+        }
+        if detach_from_pool(&mut owner, op, self.nbytes()) {
             return Ok(());
         }
         if self.nbytes() == 0 {
@@ -205,9 +221,17 @@ impl Storage {
             nbytes = self.nbytes(),
             "storage moved into fd-backed shared memory"
         );
-        // The old owner (heap bytes, or a named region whose hold is released) drops here.
+        // The old owner (heap bytes, a named region whose hold is released, or a pool lease that
+        // goes back to its producer) drops here.
         *owner = Owner::Fd(region);
         Ok(())
+    }
+
+    /// Detaches a pooled storage from its pool (see [`move_to_fd`](Self::move_to_fd)); other
+    /// owners are left alone.
+    pub(crate) fn detach_from_pool(&self, op: &'static str) {
+        let mut owner = self.owner_mut();
+        detach_from_pool(&mut owner, op, self.nbytes());
     }
 
     /// Checks that `offset..offset + len` lies inside the storage.
@@ -236,6 +260,24 @@ impl Storage {
     pub(crate) fn lock_order(&self) -> usize {
         Arc::as_ptr(&self.inner) as usize
     }
+}
+
+/// Turns a pooled owner into an fd-backed one over the same memory, taken out of its pool for
+/// good; `false` (and nothing done) for other owners.
+fn detach_from_pool(owner: &mut Owner, op: &'static str, nbytes: usize) -> bool {
+    if !matches!(owner, Owner::Pooled(_)) {
+        return false;
+    }
+    let Owner::Pooled(buffer) = std::mem::replace(owner, Owner::Private(Vec::new())) else {
+        unreachable!("matched above")
+    };
+    tracing::debug!(
+        op,
+        nbytes,
+        "pooled storage detached from its pool: its descriptor is handed out"
+    );
+    *owner = Owner::Fd(buffer.detach());
+    true
 }
 
 impl fmt::Debug for Storage {

@@ -54,14 +54,19 @@ fn clones_share_and_share_memory_moves_every_clone_in_place() {
     assert!(a.ptr_eq(&b));
     assert_eq!(a.use_count(), 2);
     a.share_memory_().unwrap();
-    assert!(matches!(b.kind(), StorageKind::CpuFd { sealed: true }));
+    assert_eq!(b.kind(), StorageKind::CpuPooled);
     assert!(b.is_shared());
     assert_eq!(b.to_vec().unwrap(), pattern(10_000));
     b.write_at(0, &[77]).unwrap();
     assert_eq!(a.to_vec().unwrap()[0], 77);
+    let region = a.pooled_region_id().unwrap();
+    a.share_memory_().unwrap(); // already shared: no-op
+    assert_eq!(b.pooled_region_id(), Some(region));
 
-    // Already shared: no-op (the same object stays behind it).
+    // Handing the descriptor out detaches it from the pool, keeping the memory (and bytes).
     let before = inode(a.get_shared_fd().unwrap());
+    assert!(matches!(b.kind(), StorageKind::CpuFd { sealed: true }));
+    assert_eq!(b.to_vec().unwrap()[0], 77);
     a.share_memory_().unwrap();
     assert_eq!(inode(a.get_shared_fd().unwrap()), before);
 }

@@ -31,6 +31,39 @@
 //! # Ok::<(), tensormem::storage::Error>(())
 //! ```
 //!
+//! **Recycled regions** (no PyTorch equivalent: PyTorch makes a new shared object per share). A
+//! producer sharing buffer after buffer (a data loader) sends over a pool connection: the region
+//! of a dropped batch goes back to the pool once the consumer let go (or died: a consumer killed
+//! with `kill -9` gives its leases back), the next batch of that size reuses it warm, and a region
+//! the consumer has seen travels as an id, reached through its cached mapping (no `mmap`, no page
+//! faults). `share_memory_` itself draws from a process-wide pool
+//! ([`storage::default_pool`]); handing a pooled storage's descriptor out raw (`share_fd`)
+//! takes its region out of the pool for good.
+//!
+//! ```
+//! use std::os::unix::net::UnixStream;
+//! use tensormem::storage::{PoolReceiver, PoolSender, ReceiverOptions, ShmPool, Storage};
+//!
+//! let (producer_end, consumer_end) = UnixStream::pair()?; // two processes, normally
+//! let mut receiver = PoolReceiver::new(consumer_end, ReceiverOptions::default())?; // consumer
+//! let pool = ShmPool::default(); // producer: one pool, one sender per consumer
+//! let mut sender = PoolSender::new(&pool, producer_end)?;
+//!
+//! for step in 0..4u8 {
+//!     let batch = Storage::from_vec(vec![step; 1 << 20]); // a fresh private batch
+//!     batch.send_pooled(&mut sender, b"uint8 [1048576]")?; // into the pool, then lent
+//!     drop(batch);
+//!
+//!     let received = Storage::recv_pooled(&mut receiver)?; // consumer: no copy, no mmap after the first
+//!     assert_eq!(received.metadata, b"uint8 [1048576]");
+//!     assert_eq!(received.storage.to_vec()?, vec![step; 1 << 20]);
+//!     drop(received); // the lease goes back to the producer
+//!     sender.wait_release(None)?;
+//! }
+//! assert_eq!(pool.stats().regions.allocated, 1); // one region served all four batches
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! **By name** (PyTorch's `file_system` strategy): the storage moves into a refcounted shm object
 //! laid out as PyTorch's, held through the shm manager daemon (started on demand), so no name
 //! leaks even when processes are killed. The name is a string you can send any way you like.
@@ -81,7 +114,7 @@
 //!
 //! Runnable producer/consumer programs, each a producer that starts itself again as the
 //! consumer: `cargo run -p tensormem --example share_fd`, `--example share_filename`,
-//! `--example share_cuda`.
+//! `--example share_cuda`, `--example share_pooled` (recycled regions).
 //!
 //! # Features
 //!

@@ -25,16 +25,25 @@ pub struct PoolBuffer {
     /// `Some` until `Drop` hands it back.
     region: Option<SharedRegion>,
     len: usize,
+    /// The region was made for this buffer (never lent before): past `len` it reads as zeros.
+    fresh: bool,
 }
 
 impl PoolBuffer {
-    pub(crate) fn new(pool: Arc<Inner>, id: u64, region: SharedRegion, len: usize) -> Self {
+    pub(crate) fn new(
+        pool: Arc<Inner>,
+        id: u64,
+        region: SharedRegion,
+        len: usize,
+        fresh: bool,
+    ) -> Self {
         debug_assert!(len <= region.len());
         Self {
             pool,
             id,
             region: Some(region),
             len,
+            fresh,
         }
     }
 
@@ -212,6 +221,64 @@ impl PoolBuffer {
             }),
         }
     }
+}
+
+impl PoolBuffer {
+    /// Whether this buffer was lent by `pool` (or a clone of it).
+    pub fn is_from(&self, pool: &super::ShmPool) -> bool {
+        Arc::ptr_eq(&self.pool, pool.inner())
+    }
+
+    /// Takes the region out of the pool for good and gives it to the caller, for a region whose
+    /// users can no longer be accounted for (its descriptor is about to be handed out raw, as
+    /// PyTorch's `_share_fd_cpu_` does): the pool never lends it again, and its memory is freed
+    /// normally once the returned region and every mapping of it are gone. Leases already sent
+    /// stay valid; consumers caching the region are told to forget it once those are released.
+    ///
+    /// The bytes past [`len`](Self::len) (the rest of the size class, which may hold what an
+    /// earlier use of the region wrote) are cleared first if the region was lent before, so
+    /// whoever receives the descriptor sees nothing of the region's earlier uses (a region made
+    /// for this buffer reads as zeros there already, and is not touched). The region returned is
+    /// [`capacity`](Self::capacity) bytes long.
+    pub fn detach(mut self) -> SharedRegion {
+        let mut region = self
+            .region
+            .take()
+            .expect("a PoolBuffer holds its region until dropped");
+        if !self.fresh {
+            clear_tail(&mut region, self.len);
+        }
+        self.pool.detach(self.id);
+        tracing::debug!(id = self.id, "pooled region detached from its pool");
+        region
+    }
+}
+
+/// Zeroes `region` from `from` to its end.
+fn clear_tail(region: &mut SharedRegion, from: usize) {
+    let map = region.mapping_mut();
+    let len = map.len();
+    if from >= len {
+        return;
+    }
+    if map.is_truncatable() {
+        let zeros = vec![0u8; (len - from).min(1 << 20)];
+        let mut at = from;
+        while at < len {
+            let n = zeros.len().min(len - at);
+            if let Err(err) = map.write_at(at, &zeros[..n]) {
+                // Truncated by a peer: the pages are gone, so nothing is left to expose.
+                tracing::debug!(error = %err, "could not clear a detached region's tail");
+                return;
+            }
+            at += n;
+        }
+        return;
+    }
+    let base = map.as_mut_ptr() as usize;
+    // SAFETY: `from..len` lies inside the writable mapping, which is sealed against shrinking;
+    // a raw write, no reference to the shared bytes is made.
+    unsafe { std::ptr::write_bytes((base + from) as *mut u8, 0, len - from) };
 }
 
 impl Drop for PoolBuffer {

@@ -382,6 +382,10 @@ impl ShmPool {
         Ok((capacity, len_usize))
     }
 
+    pub(crate) fn from_inner(inner: Arc<Inner>) -> Self {
+        Self { inner }
+    }
+
     pub(crate) fn inner(&self) -> &Arc<Inner> {
         &self.inner
     }
@@ -503,7 +507,7 @@ impl Inner {
         };
         drop(released);
         let (id, region) = taken;
-        Some(PoolBuffer::new(Arc::clone(self), id, region, len))
+        Some(PoolBuffer::new(Arc::clone(self), id, region, len, false))
     }
 
     fn new_region(&self, capacity: u64) -> Result<SharedRegion> {
@@ -537,7 +541,7 @@ impl Inner {
             id
         };
         tracing::debug!(id, capacity, "made a pooled region");
-        PoolBuffer::new(Arc::clone(self), id, region, len)
+        PoolBuffer::new(Arc::clone(self), id, region, len, true)
     }
 
     /// The producer's buffer is dropped: its region goes back into the entry.
@@ -567,6 +571,21 @@ impl Inner {
         {
             let mut state = self.lock();
             self.release_in(&mut state, id, count, false, &mut released);
+        }
+        drop(released);
+    }
+
+    /// The producer's buffer left the pool for good ([`PoolBuffer::detach`]): the region is
+    /// never reused, and the entry goes once the consumers' leases are released.
+    pub(crate) fn detach(&self, id: u64) {
+        let mut released = Released::default();
+        {
+            let mut state = self.lock();
+            if let Some(entry) = state.entries.get_mut(&id) {
+                entry.doomed = true;
+                state.stats.detached += 1;
+            }
+            self.release_in(&mut state, id, 1, false, &mut released);
         }
         drop(released);
     }

@@ -143,7 +143,16 @@ impl PoolSender {
                 header.transient = true;
             }
         }
-        let message = wire::encode(&header, user)?;
+        let message = match wire::encode(&header, user) {
+            Ok(message) => message,
+            Err(err) => {
+                // Nothing was sent: the consumer does not know the region.
+                if newly_known {
+                    mirror.remove(id);
+                }
+                return Err(err);
+            }
+        };
         let fd = match header.kind {
             Kind::New => Some(buffer.fd().ok_or_else(|| Error::NoFd {
                 object: format!("pooled region {id}"),
@@ -242,6 +251,11 @@ impl PoolSender {
             }
             wait_readable(self.link.socket.as_fd(), left)?;
         }
+    }
+
+    /// The pool this sender lends from (a clone sharing it).
+    pub fn pool(&self) -> ShmPool {
+        ShmPool::from_inner(Arc::clone(&self.pool))
     }
 
     /// Leases open on this connection.

@@ -58,6 +58,9 @@ pub struct PoolStats {
     /// Regions never reused because the connection they were lent over was dropped while a
     /// consumer still held them (released once the consumer's mapping goes).
     pub abandoned: u64,
+    /// Regions taken out of the pool by [`PoolBuffer::detach`](super::PoolBuffer::detach)
+    /// (their descriptor was handed out raw): never reused.
+    pub detached: u64,
 }
 
 impl PoolStats {
@@ -85,6 +88,7 @@ impl PoolStats {
         out.push(("num_evictions".to_owned(), self.evictions));
         out.push(("num_trimmed".to_owned(), self.trimmed));
         out.push(("num_abandoned".to_owned(), self.abandoned));
+        out.push(("num_detached".to_owned(), self.detached));
         out
     }
 }

@@ -1,0 +1,384 @@
+//! `storage_pool_bench`: the storage facade's pooled paths against the bare `tensormem-shm` pool,
+//! in one run, so the facade's cost is measured on the same machine at the same moment (issue
+//! 14: within 10%). Self-contained: each consumer is this binary re-executed.
+//!
+//! Sections (each starts with its own CSV header line):
+//! 1. Round trips, `strategy,device,bytes,median_us_per_roundtrip`, blocking (both ends asleep in
+//!    the kernel between messages) and spinning (`--spin-us`): a warm pooled buffer, taken before
+//!    the timer, is sent to a consumer that already caches the region's mapping; the consumer
+//!    reads the first and last byte and lets go, which is the answer the producer waits for.
+//!    Both prepare the buffer alike (zeroed, then the two bytes written) before the timer.
+//!    `bare_pool*`: `ShmPool::alloc_zeroed` + `PoolSender::send` / `PoolReceiver::recv` + `Lease`.
+//!    `storage_pool*`: `Storage::new_pooled` + `Storage::send_pooled` / `Storage::recv_pooled`,
+//!    reading through `Storage::read_at`.
+//! 2. Steady-state `share_memory_`, `strategy,device,bytes,median_us_per_copy  (GB/s)`: a fresh
+//!    private buffer (made before the timer) is moved into shared memory and sent to a consumer
+//!    process that reads a byte and releases it; the copy, freeing the private buffer, the send
+//!    and the handling of releases are inside the timer. `bare_share_memory`:
+//!    `ShmPool::copy_from_bytes(&fresh)`, `drop(fresh)`, `PoolSender::send`.
+//!    `storage_share_memory`: `Storage::from_vec(fresh)` (before the timer), then
+//!    `Storage::share_memory_()` on the process-wide pool and `Storage::send_pooled`.
+//!
+//! The two series of each row are measured interleaved (alternating which goes first), each
+//! against its own consumer process, so machine drift hits both alike. After each pair a
+//! `ratio,...,facade/bare` line. Usage:
+//! `storage_pool_bench [--rounds N] [--spin-us N] [--copies N] [--no-copy]`.
+
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use tensormem_shm::mapping_cache::{PoolReceiver, ReceiverOptions};
+use tensormem_shm::pool::{PoolConfig, PoolSender, ShmPool};
+use tensormem_shm::transfer::RecvOptions;
+use tensormem_storage::{default_pool, set_default_pool, Storage};
+
+const ROUND_TRIP_SIZES: [usize; 3] = [4 << 10, 1 << 20, 64 << 20];
+const COPY_SIZES: [usize; 2] = [64 << 20, 1 << 30];
+const WARM_UP: usize = 50;
+const USAGE: &str = "storage_pool_bench [--rounds N] [--spin-us N] [--copies N] [--no-copy]";
+
+type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+struct Args {
+    rounds: usize,
+    spin: Duration,
+    copies: usize,
+    copy: bool,
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("--bare-consumer") => consumer(&args[1..], false),
+        Some("--storage-consumer") => consumer(&args[1..], true),
+        _ => parse(&args).and_then(|args| producer(&args)),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("storage_pool_bench: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn parse(args: &[String]) -> BenchResult<Args> {
+    let mut parsed = Args {
+        rounds: 1000,
+        spin: Duration::from_micros(200),
+        copies: 10,
+        copy: true,
+    };
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let mut value = || -> BenchResult<u64> {
+            Ok(it
+                .next()
+                .ok_or_else(|| format!("{arg} needs a value; usage: {USAGE}"))?
+                .parse()?)
+        };
+        match arg.as_str() {
+            "--rounds" => parsed.rounds = value()?.max(1) as usize,
+            "--spin-us" => parsed.spin = Duration::from_micros(value()?),
+            "--copies" => parsed.copies = value()?.max(1) as usize,
+            "--no-copy" => parsed.copy = false,
+            _ => return Err(format!("unknown argument {arg}; usage: {USAGE}").into()),
+        }
+    }
+    Ok(parsed)
+}
+
+/// A consumer: receives, checks the first and last byte against byte 4 of the user data, lets
+/// go (the release is the answer). Bytes 0..4 of the user data: how long to spin next (µs).
+fn consumer(args: &[String], facade: bool) -> BenchResult<()> {
+    let path = args.first().ok_or("the consumer needs a socket path")?;
+    let socket = UnixStream::connect(path)?;
+    let mut receiver = PoolReceiver::new(socket, ReceiverOptions::default())?;
+    loop {
+        let (first, last, user) = if facade {
+            let received = match Storage::recv_pooled(&mut receiver) {
+                Ok(received) => received,
+                Err(tensormem_storage::Error::Shm(tensormem_shm::Error::Disconnected)) => {
+                    return Ok(())
+                }
+                Err(err) => return Err(err.into()),
+            };
+            let storage = &received.storage;
+            let (mut first, mut last) = ([0u8], [0u8]);
+            storage.read_at(0, &mut first)?;
+            storage.read_at(storage.nbytes() - 1, &mut last)?;
+            let user: [u8; 5] = received.metadata[..5].try_into()?;
+            drop(received);
+            (first[0], last[0], user)
+        } else {
+            let lease = match receiver.recv() {
+                Ok(lease) => lease,
+                Err(tensormem_shm::Error::Disconnected) => return Ok(()),
+                Err(err) => return Err(err.into()),
+            };
+            let first = lease.read_volatile(0)?;
+            let last = lease.read_volatile(lease.len() - 1)?;
+            let user: [u8; 5] = lease.user_data()[..5].try_into()?;
+            drop(lease);
+            (first, last, user)
+        };
+        if first != user[4] || last != user[4] {
+            return Err(format!("read {first}/{last}, expected {}", user[4]).into());
+        }
+        let spin = u32::from_le_bytes([user[0], user[1], user[2], user[3]]);
+        receiver.set_recv(RecvOptions::spinning(Duration::from_micros(spin.into())));
+    }
+}
+
+struct Peer {
+    child: Child,
+    socket: UnixStream,
+    dir: std::path::PathBuf,
+}
+
+impl Peer {
+    fn spawn(role: &str) -> BenchResult<Self> {
+        let dir = std::env::temp_dir().join(format!(
+            "tensormem-storage-pool-bench-{}-{role}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("s.sock");
+        let _ = std::fs::remove_file(&path);
+        let listener = UnixListener::bind(&path)?;
+        let child = Command::new(std::env::current_exe()?)
+            .arg(role)
+            .arg(&path)
+            .stdin(Stdio::null())
+            .spawn()?;
+        let (socket, _) = listener.accept()?;
+        Ok(Self { child, socket, dir })
+    }
+
+    fn finish(mut self) -> BenchResult<()> {
+        drop(self.socket);
+        let status = self.child.wait()?;
+        let _ = std::fs::remove_dir_all(&self.dir);
+        if !status.success() {
+            return Err(format!("consumer failed: {status}").into());
+        }
+        Ok(())
+    }
+}
+
+/// One connection: a pool, a consumer process and the sender to it.
+struct Connection {
+    pool: ShmPool,
+    sender: PoolSender,
+    peer: Peer,
+}
+
+impl Connection {
+    fn open(pool: ShmPool, facade: bool) -> BenchResult<Self> {
+        let role = if facade {
+            "--storage-consumer"
+        } else {
+            "--bare-consumer"
+        };
+        let peer = Peer::spawn(role)?;
+        let sender = PoolSender::new(&pool, peer.socket.try_clone()?)?;
+        Ok(Self { pool, sender, peer })
+    }
+
+    fn close(mut self) -> BenchResult<()> {
+        while self.sender.outstanding() > 0 {
+            self.sender.wait_release(None)?;
+        }
+        drop(self.sender);
+        self.peer.finish()
+    }
+
+    fn wait_answer(&mut self, recv: RecvOptions) -> BenchResult<()> {
+        if self.sender.wait_release(Some(recv))? != 1 {
+            return Err("the consumer went away".into());
+        }
+        Ok(())
+    }
+}
+
+fn user_data(spin: u32, value: u8) -> [u8; 5] {
+    let mut user = [0u8; 5];
+    user[..4].copy_from_slice(&spin.to_le_bytes());
+    user[4] = value;
+    user
+}
+
+fn producer(args: &Args) -> BenchResult<()> {
+    // The facade's share_memory_ uses the process-wide pool: give it the bare rows' config.
+    set_default_pool(ShmPool::new(PoolConfig::default()))?;
+    println!("strategy,device,bytes,median_us_per_roundtrip");
+    let mut bare = Connection::open(ShmPool::new(PoolConfig::default()), false)?;
+    let mut facade = Connection::open(ShmPool::new(PoolConfig::default()), true)?;
+    for len in ROUND_TRIP_SIZES {
+        for (suffix, recv) in [
+            ("", RecvOptions::BLOCKING),
+            ("_spin", RecvOptions::spinning(args.spin)),
+        ] {
+            let spin = u32::try_from(recv.spin.as_micros()).unwrap_or(u32::MAX);
+            // Interleaved round by round, in alternating order, so machine drift hits both.
+            let (mut bare_times, mut facade_times) = (Vec::new(), Vec::new());
+            for i in 0..WARM_UP + args.rounds {
+                let value = (i % 251) as u8;
+                let facade_first = i % 2 == 0;
+                for facade_turn in [facade_first, !facade_first] {
+                    let elapsed = if facade_turn {
+                        round_trip_facade(&mut facade, len, recv, spin, value)?
+                    } else {
+                        round_trip_bare(&mut bare, len, recv, spin, value)?
+                    };
+                    if i >= WARM_UP {
+                        if facade_turn {
+                            facade_times.push(elapsed);
+                        } else {
+                            bare_times.push(elapsed);
+                        }
+                    }
+                }
+            }
+            let bare_us = median_us(&mut bare_times);
+            let facade_us = median_us(&mut facade_times);
+            println!("bare_pool{suffix},cpu,{len},{bare_us:.1}");
+            println!("storage_pool{suffix},cpu,{len},{facade_us:.1}");
+            println!(
+                "ratio,storage_pool{suffix}/bare_pool{suffix},{len},{:.3}",
+                facade_us / bare_us
+            );
+        }
+    }
+    for (label, c) in [("bare", &bare), ("storage", &facade)] {
+        let stats = c.sender.stats();
+        eprintln!(
+            "storage_pool_bench: {label} round trips sent {} fds and {} ids; pool made {} regions \
+             for {} requests",
+            stats.sent_fd,
+            stats.sent_id,
+            c.pool.stats().regions.allocated,
+            c.pool.stats().requests
+        );
+    }
+    bare.close()?;
+    facade.close()?;
+    if args.copy {
+        println!("strategy,device,bytes,median_us_per_copy  (GB/s)");
+        share_memory(args)?;
+    }
+    Ok(())
+}
+
+fn round_trip_bare(
+    c: &mut Connection,
+    len: usize,
+    recv: RecvOptions,
+    spin: u32,
+    value: u8,
+) -> BenchResult<Duration> {
+    let mut buffer = c.pool.alloc_zeroed(len as u64)?;
+    buffer.write_at(0, &[value])?;
+    buffer.write_at(len - 1, &[value])?;
+    let user = user_data(spin, value);
+    let start = Instant::now();
+    c.sender.send(&buffer, &user)?;
+    drop(buffer);
+    c.wait_answer(recv)?;
+    Ok(start.elapsed())
+}
+
+fn round_trip_facade(
+    c: &mut Connection,
+    len: usize,
+    recv: RecvOptions,
+    spin: u32,
+    value: u8,
+) -> BenchResult<Duration> {
+    let storage = Storage::new_pooled(&c.pool, len)?;
+    storage.write_at(0, &[value])?;
+    storage.write_at(len - 1, &[value])?;
+    let user = user_data(spin, value);
+    let start = Instant::now();
+    storage.send_pooled(&mut c.sender, &user)?;
+    drop(storage);
+    c.wait_answer(recv)?;
+    Ok(start.elapsed())
+}
+
+fn share_memory(args: &Args) -> BenchResult<()> {
+    for len in COPY_SIZES {
+        let src = vec![7u8; len];
+        let runs = if len >= 1 << 30 {
+            args.copies.div_ceil(2).max(3)
+        } else {
+            args.copies
+        };
+        let user = user_data(0, 7);
+
+        let mut bare = Connection::open(ShmPool::new(PoolConfig::default()), false)?;
+        let mut facade = Connection::open(default_pool().clone(), true)?;
+        let (mut bare_times, mut facade_times) = (Vec::new(), Vec::new());
+        // Interleaved, in alternating order, so both see the same machine state; the first
+        // (cold) round of each is dropped.
+        for round in 0..2 * (runs + 1) {
+            let facade_turn = (round % 2 == 0) == (round / 2 % 2 == 0);
+            let elapsed = if facade_turn {
+                let storage = Storage::from_vec(src.clone());
+                let start = Instant::now();
+                storage.share_memory_()?;
+                storage.send_pooled(&mut facade.sender, &user)?;
+                drop(storage);
+                start.elapsed()
+            } else {
+                let fresh = src.clone();
+                let start = Instant::now();
+                let buffer = bare.pool.copy_from_bytes(&fresh)?;
+                drop(fresh);
+                bare.sender.send(&buffer, &user)?;
+                drop(buffer);
+                start.elapsed()
+            };
+            if round >= 2 {
+                if facade_turn {
+                    facade_times.push(elapsed);
+                } else {
+                    bare_times.push(elapsed);
+                }
+            }
+        }
+        let bare_us = print_copy("bare_share_memory", len, &mut bare_times);
+        let facade_us = print_copy("storage_share_memory", len, &mut facade_times);
+        println!(
+            "ratio,storage_share_memory/bare_share_memory,{len},{:.3}",
+            facade_us / bare_us
+        );
+        eprintln!(
+            "storage_pool_bench: {len} B copies: bare pool made {} regions for {} requests, \
+             the process-wide pool {} for {}",
+            bare.pool.stats().regions.allocated,
+            bare.pool.stats().requests,
+            facade.pool.stats().regions.allocated,
+            facade.pool.stats().requests
+        );
+        bare.close()?;
+        facade.close()?;
+        default_pool().trim();
+    }
+    Ok(())
+}
+
+fn print_copy(label: &str, len: usize, times: &mut [Duration]) -> f64 {
+    let us = median_us(times);
+    println!(
+        "{label},cpu,{len},{us:.1}  ({:.2} GB/s)",
+        len as f64 / (us * 1e-6) / 1e9
+    );
+    us
+}
+
+fn median_us(times: &mut [Duration]) -> f64 {
+    times.sort_unstable();
+    times[times.len() / 2].as_secs_f64() * 1e6
+}

@@ -1,0 +1,206 @@
+//! The pooled path between real processes: a consumer process receives storages sent with
+//! `send_pooled`, writes back, releases; a consumer killed with `kill -9` while holding storages
+//! gets its leases reclaimed and the regions reused.
+//!
+//! Children are this test binary run again on one test (`--exact NAME`) with
+//! `TENSORMEM_POOLED_TEST_ROLE` set; each test first asks whether it is a child and if so plays
+//! its role.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::process::{Child, ChildStdout, Command, Stdio};
+
+use tensormem_shm::pool::PoolConfig;
+use tensormem_storage::{PoolReceiver, PoolSender, ReceiverOptions, ShmPool, Storage, StorageKind};
+
+const ROLE: &str = "TENSORMEM_POOLED_TEST_ROLE";
+const ARG: &str = "TENSORMEM_POOLED_TEST_ARG";
+const MARK: &str = "@@";
+const MIB: usize = 1 << 20;
+const BATCHES: u8 = 4;
+
+fn pattern(n: usize, seed: u8) -> Vec<u8> {
+    (0..n).map(|i| (i % 251) as u8 ^ seed).collect()
+}
+
+fn role() -> Option<(String, String)> {
+    Some((
+        std::env::var(ROLE).ok()?,
+        std::env::var(ARG).unwrap_or_default(),
+    ))
+}
+
+fn report(line: &str) {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{MARK}{line}").unwrap();
+    out.flush().unwrap();
+}
+
+fn spawn(test: &str, role: &str, arg: &str) -> (Child, BufReader<ChildStdout>) {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(ROLE, role)
+        .env(ARG, arg)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = BufReader::new(child.stdout.take().unwrap());
+    (child, stdout)
+}
+
+fn next_report(out: &mut BufReader<ChildStdout>) -> String {
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "the child exited early"
+        );
+        if let Some(at) = line.find(MARK) {
+            return line[at + MARK.len()..].trim_end().to_owned();
+        }
+    }
+}
+
+fn pool() -> ShmPool {
+    ShmPool::new(PoolConfig {
+        idle_release: None,
+        threads: 2,
+        ..PoolConfig::default()
+    })
+}
+
+/// The consumer: receives `BATCHES` storages; in mode "release" checks and answers each, then
+/// drops it; in mode "hold" keeps them all and waits to be killed.
+fn consumer(arg: &str) {
+    let (mode, socket) = arg.split_once(':').unwrap();
+    let stream = UnixStream::connect(socket).unwrap();
+    let mut receiver = PoolReceiver::new(stream, ReceiverOptions::default()).unwrap();
+    let mut held = Vec::new();
+    for step in 0..BATCHES {
+        let got = Storage::recv_pooled(&mut receiver).unwrap();
+        assert_eq!(got.storage.kind(), StorageKind::CpuPooledLease);
+        assert_eq!(got.metadata, format!("batch {step}").as_bytes());
+        assert_eq!(got.storage.to_vec().unwrap(), pattern(MIB, step));
+        if mode == "hold" {
+            held.push(got.storage);
+            continue;
+        }
+        got.storage.write_at(0, &[0xF0 | step]).unwrap();
+        report(&format!("read {step}"));
+        drop(got);
+    }
+    let stats = receiver.stats();
+    report(&format!(
+        "mapped {} reused {} held {}",
+        stats.mapped,
+        stats.reused,
+        held.len()
+    ));
+    let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut Vec::new());
+}
+
+/// A consumer child in `mode`, connected to a sender of `pool`.
+fn connect(
+    pool: &ShmPool,
+    test: &str,
+    mode: &str,
+) -> (Child, BufReader<ChildStdout>, PoolSender, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    let (child, out) = spawn(
+        test,
+        "consumer",
+        &format!("{mode}:{}", path.to_str().unwrap()),
+    );
+    let (stream, _) = listener.accept().unwrap();
+    (child, out, PoolSender::new(pool, stream).unwrap(), dir)
+}
+
+#[test]
+fn pooled_storages_travel_between_processes_and_their_regions_are_recycled() {
+    if let Some((_, arg)) = role() {
+        return consumer(&arg);
+    }
+    let pool = pool();
+    let (mut child, mut out, mut sender, _dir) = connect(
+        &pool,
+        "pooled_storages_travel_between_processes_and_their_regions_are_recycled",
+        "release",
+    );
+    for step in 0..BATCHES {
+        let batch = Storage::from_vec(pattern(MIB, step));
+        batch
+            .send_pooled(&mut sender, format!("batch {step}").as_bytes())
+            .unwrap();
+        assert_eq!(next_report(&mut out), format!("read {step}"));
+        assert_eq!(
+            batch.to_vec().unwrap()[0],
+            0xF0 | step,
+            "the consumer's write"
+        );
+        drop(batch);
+        sender.wait_release(None).unwrap();
+    }
+    assert_eq!(
+        next_report(&mut out),
+        format!("mapped 1 reused {} held 0", BATCHES - 1)
+    );
+    let stats = pool.stats();
+    assert_eq!(stats.regions.allocated, 1);
+    assert_eq!(stats.cache_hits, u64::from(BATCHES) - 1);
+    assert_eq!(sender.stats().sent_fd, 1);
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
+}
+
+#[test]
+fn a_consumer_killed_while_holding_pooled_storages_gives_them_back() {
+    if let Some((_, arg)) = role() {
+        return consumer(&arg);
+    }
+    let pool = pool();
+    let (mut child, mut out, mut sender, _dir) = connect(
+        &pool,
+        "a_consumer_killed_while_holding_pooled_storages_gives_them_back",
+        "hold",
+    );
+    let mut regions = Vec::new();
+    for step in 0..BATCHES {
+        let batch = Storage::from_vec(pattern(MIB, step));
+        batch
+            .send_pooled(&mut sender, format!("batch {step}").as_bytes())
+            .unwrap();
+        regions.push(batch.pooled_region_id().unwrap());
+        drop(batch); // the producer's share; the consumer's leases keep the regions
+    }
+    assert_eq!(
+        next_report(&mut out),
+        format!("mapped {BATCHES} reused 0 held {BATCHES}")
+    );
+    assert_eq!(
+        pool.stats().in_use_bytes.current,
+        u64::from(BATCHES) * MIB as u64
+    );
+    assert_eq!(sender.outstanding(), usize::from(BATCHES));
+
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    while sender.is_connected() {
+        sender.wait_release(None).unwrap();
+    }
+    assert_eq!(sender.stats().reclaimed, u64::from(BATCHES));
+    assert_eq!(sender.outstanding(), 0);
+    let stats = pool.stats();
+    assert_eq!(stats.in_use_bytes.current, 0);
+    assert_eq!(stats.cached_bytes.current, u64::from(BATCHES) * MIB as u64);
+
+    // The reclaimed regions serve the next share_memory_ (no new region).
+    let next = Storage::from_vec(pattern(MIB, 9));
+    next.share_memory_in(&pool).unwrap();
+    assert!(regions.contains(&next.pooled_region_id().unwrap()));
+    assert_eq!(pool.stats().regions.allocated, u64::from(BATCHES));
+    assert_eq!(next.to_vec().unwrap(), pattern(MIB, 9));
+}
