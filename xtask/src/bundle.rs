@@ -55,9 +55,10 @@ pub(crate) fn build(dir: &Path) -> Result<()> {
     fs::create_dir_all(&examples_dir)
         .with_context(|| format!("could not create {}", examples_dir.display()))?;
     for &(package, example) in GPU_EXAMPLES {
-        let exe = build_one(&["build", "-p", package, "--example", example], |artifact| {
-            target_name(artifact) == Some(example)
-        })
+        let exe = build_one(
+            &["build", "-p", package, "--example", example],
+            |artifact| target_name(artifact) == Some(example),
+        )
         .with_context(|| format!("building the example {example} of {package}"))?;
         let dest = examples_dir.join(example);
         copy_executable(&exe, &dest)?;

@@ -324,11 +324,21 @@ unsafe impl<D: Device> Device for std::sync::Arc<D> {
     fn create_physical(&self, size: usize) -> DeviceResult<Self::PhysicalChunk> {
         (**self).create_physical(size)
     }
-    unsafe fn map(&self, ptr: DevicePtr, size: usize, chunk: &Self::PhysicalChunk) -> DeviceResult<()> {
+    unsafe fn map(
+        &self,
+        ptr: DevicePtr,
+        size: usize,
+        chunk: &Self::PhysicalChunk,
+    ) -> DeviceResult<()> {
         // SAFETY: the caller's obligations are the shared device's.
         unsafe { (**self).map(ptr, size, chunk) }
     }
-    unsafe fn unmap(&self, ptr: DevicePtr, size: usize, chunk: Self::PhysicalChunk) -> DeviceResult<()> {
+    unsafe fn unmap(
+        &self,
+        ptr: DevicePtr,
+        size: usize,
+        chunk: Self::PhysicalChunk,
+    ) -> DeviceResult<()> {
         // SAFETY: the caller's obligations are the shared device's.
         unsafe { (**self).unmap(ptr, size, chunk) }
     }

@@ -133,7 +133,9 @@ mod tests {
 
     #[test]
     fn io_errors_have_the_closest_kind_and_keep_the_message() {
-        let bad = Error::InvalidPointer { ptr: DevicePtr(0x1234) };
+        let bad = Error::InvalidPointer {
+            ptr: DevicePtr(0x1234),
+        };
         let message = bad.to_string();
         let io = std::io::Error::from(bad);
         assert_eq!(io.kind(), ErrorKind::InvalidInput);
@@ -145,7 +147,10 @@ mod tests {
             stream: StreamId(7),
             device: 0,
         });
-        assert_eq!(std::io::Error::from(unknown).kind(), ErrorKind::InvalidInput);
+        assert_eq!(
+            std::io::Error::from(unknown).kind(),
+            ErrorKind::InvalidInput
+        );
         let large = Error::TooLarge { bytes: usize::MAX };
         assert_eq!(std::io::Error::from(large).kind(), ErrorKind::OutOfMemory);
     }

@@ -13,6 +13,10 @@
 mod allocator;
 #[path = "gpu/backend.rs"]
 mod backend;
+#[path = "gpu/bridge.rs"]
+mod bridge;
+#[path = "gpu/capture.rs"]
+mod capture;
 #[path = "gpu/harness.rs"]
 mod harness;
 #[cfg(feature = "snapshot-io")]
@@ -24,5 +28,3 @@ mod multi_gpu;
 mod streams;
 #[path = "gpu/teardown.rs"]
 mod teardown;
-#[path = "gpu/bridge.rs"]
-mod bridge;

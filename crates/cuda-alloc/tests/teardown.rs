@@ -11,17 +11,18 @@ use tensormem_cuda_alloc::{CachingAllocator, DeviceError};
 
 fn shared(config: &str) -> (Arc<SimDevice>, CachingAllocator<Arc<SimDevice>>) {
     let device = Arc::new(SimDevice::new(8 * GIB as u64));
-    let alloc = CachingAllocator::with_config(
-        Arc::clone(&device),
-        AllocatorConfig::parse(config).unwrap(),
-    );
+    let alloc =
+        CachingAllocator::with_config(Arc::clone(&device), AllocatorConfig::parse(config).unwrap());
     (device, alloc)
 }
 
 /// Live, cached, split and pending blocks on two streams, in the small and large pools.
 fn populate(alloc: &CachingAllocator<Arc<SimDevice>>) -> Vec<tensormem_cuda_alloc::Allocation> {
     let mut live = Vec::new();
-    for (i, size) in [512, 3000, 600_000, 3 * MIB, 12 * MIB, 40 * MIB].into_iter().enumerate() {
+    for (i, size) in [512, 3000, 600_000, 3 * MIB, 12 * MIB, 40 * MIB]
+        .into_iter()
+        .enumerate()
+    {
         let stream = if i % 2 == 0 { S0 } else { S1 };
         live.push(alloc.allocate(size, stream).unwrap());
         let cached = alloc.allocate(size, stream).unwrap();
@@ -49,7 +50,10 @@ fn dropping_an_allocator_returns_every_segment() {
     drop(live); // Handles left unfreed: their memory goes back with the allocator.
     drop(alloc);
     assert_device_empty(&device);
-    assert!(device.counters().device_synchronizes >= 1, "waited for the device");
+    assert!(
+        device.counters().device_synchronizes >= 1,
+        "waited for the device"
+    );
     assert_eq!(device.take_kept_errors(), Vec::new());
 }
 
@@ -82,9 +86,13 @@ fn errors_met_while_dropping_are_kept_and_the_rest_is_released() {
     drop(alloc);
     let errors = device.take_kept_errors();
     assert_eq!(errors.len(), segments, "one error per segment: {errors:?}");
-    assert!(errors
-        .iter()
-        .all(|e| matches!(e, DeviceError::Driver { call: "cuMemFree", .. })));
+    assert!(errors.iter().all(|e| matches!(
+        e,
+        DeviceError::Driver {
+            call: "cuMemFree",
+            ..
+        }
+    )));
     // Nothing was taken back (the device refused), and nothing panicked.
     assert_eq!(device.counters().live_allocations, segments);
 }

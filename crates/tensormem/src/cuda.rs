@@ -12,6 +12,7 @@
 //! | `can_device_access_peer` | [`can_device_access_peer`] (and [`enable_peer_access`]) |
 //! | `get_device_properties`, `get_device_name`, `get_device_capability` | [`get_device_properties`], [`get_device_name`], [`get_device_capability`] |
 //! | `Stream()`, `current_stream`, `default_stream`, `set_stream` | [`Stream::new`], [`current_stream`], [`default_stream`], [`set_stream`] |
+//! | `is_current_stream_capturing` | [`is_current_stream_capturing`] |
 //! | `synchronize`, `mem_get_info` | [`synchronize`], [`mem_get_info`] |
 //! | `memory_stats`, `memory_allocated`, `memory_reserved`, `max_memory_allocated` | [`memory_stats`], [`memory_allocated`], [`memory_reserved`], [`max_memory_allocated`], [`max_memory_reserved`] |
 //! | `reset_peak_memory_stats`, `reset_accumulated_memory_stats` | [`reset_peak_memory_stats`], [`reset_accumulated_memory_stats`] |
@@ -53,6 +54,6 @@ pub use memory::{
     memory_stats, record_memory_history, reset_accumulated_memory_stats, reset_peak_memory_stats,
     set_allocator_settings, set_per_process_memory_fraction,
 };
-pub use stream::{current_stream, default_stream, set_stream, Stream};
+pub use stream::{current_stream, default_stream, is_current_stream_capturing, set_stream, Stream};
 pub use tensormem_cuda_alloc::backend::cuda::{DeviceProperties, DeviceUuid};
 pub use tensormem_cuda_alloc::{DevicePtr, MemInfo, StreamId};

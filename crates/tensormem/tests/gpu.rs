@@ -261,3 +261,42 @@ fn two_devices_have_their_own_allocators_and_can_share_memory() {
         );
     });
 }
+
+#[test]
+fn is_current_stream_capturing_follows_a_capture_of_the_current_stream() {
+    use cudarc::driver::sys;
+    let Some((_, _lock)) = gpus() else { return };
+    on_new_thread(|| {
+        let stream = Stream::new(Some(0)).unwrap();
+        cuda::set_stream(&stream).unwrap();
+        assert!(!cuda::is_current_stream_capturing().unwrap());
+        let raw = stream.as_cuda_stream().unwrap().as_raw();
+        // SAFETY: the stream is live and not capturing.
+        let began = unsafe {
+            sys::cuStreamBeginCapture_v2(
+                raw,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+            )
+        };
+        assert_eq!(began, sys::CUresult::CUDA_SUCCESS);
+        let during = cuda::is_current_stream_capturing();
+        // A new segment for the capturing stream (the device's allocator caches nothing this big).
+        let made = cuda::caching_allocator_alloc(300 * MIB, None);
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: the stream is capturing; `graph` is a valid out-parameter.
+        let ended = unsafe { sys::cuStreamEndCapture(raw, &mut graph) };
+        assert!(during.unwrap(), "the current stream was capturing");
+        let ptr = made.expect("a new segment during a global-mode capture");
+        assert_eq!(
+            ended,
+            sys::CUresult::CUDA_SUCCESS,
+            "the capture stayed valid"
+        );
+        // SAFETY: the graph was never instantiated.
+        let destroyed = unsafe { sys::cuGraphDestroy(graph) };
+        assert_eq!(destroyed, sys::CUresult::CUDA_SUCCESS);
+        assert!(!cuda::is_current_stream_capturing().unwrap());
+        cuda::caching_allocator_delete(ptr).unwrap();
+        cuda::empty_cache().unwrap();
+    });
+}

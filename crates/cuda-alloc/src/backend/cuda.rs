@@ -30,8 +30,16 @@
 //! synchronisation) first make the device's primary context current on the calling thread, unless the
 //! driver already reports it current (one cheap `cuCtxGetCurrent`). The context is not cached on our side:
 //! other code in the process (the CUDA runtime, PyTorch) may switch it at any time.
+//!
+//! # Graph capture
+//!
+//! The calls that create memory (`cuMemAlloc`, `cuMemAddressReserve`, `cuMemCreate`, `cuMemMap` and
+//! `cuMemSetAccess`) run with the calling thread in relaxed capture mode (restored afterwards), so the
+//! cache can grow while a stream is being captured into a graph, even in global mode (PyTorch's
+//! `cudaMallocMaybeCapturing`). [`CudaDevice::is_capturing`] tells whether a stream is capturing.
 
 mod cached_slice;
+mod capture;
 mod context;
 mod driver;
 mod event;
@@ -130,7 +138,11 @@ impl CudaDevice {
             what: "device ordinals past u32::MAX",
         })?;
         let primary = PrimaryContext::get(ordinal)?;
-        debug_assert_eq!(primary.raw(), ctx.cu_ctx(), "one primary context per device");
+        debug_assert_eq!(
+            primary.raw(),
+            ctx.cu_ctx(),
+            "one primary context per device"
+        );
         Ok(Self {
             ordinal,
             ctx: primary,
@@ -206,6 +218,17 @@ impl CudaDevice {
     #[doc(alias = "cuCtxSetCurrent")]
     pub fn make_current(&self) -> DeviceResult<()> {
         self.ctx.make_current()
+    }
+
+    /// Whether `stream` is being captured into a CUDA graph (`cuStreamGetCaptureInfo`): `true` for an
+    /// active capture and for one that was invalidated but not yet ended, like PyTorch's
+    /// `is_current_stream_capturing` on the stream.
+    ///
+    /// # Errors
+    ///
+    /// [`DeviceError::UnknownStream`] for a stream this backend does not know; driver errors.
+    pub fn is_capturing(&self, stream: StreamId) -> DeviceResult<bool> {
+        Ok(self.capture_status(stream)? != CaptureStatus::None)
     }
 
     /// The device's properties (see [`device_properties`]).
@@ -311,9 +334,11 @@ unsafe impl Device for CudaDevice {
     #[doc(alias = "cuMemAlloc")]
     fn malloc(&self, size: usize) -> DeviceResult<DevicePtr> {
         self.ctx.make_current()?;
+        let relaxed = capture::RelaxedCapture::enter()?;
         let mut ptr = 0;
         // SAFETY: this device's context is current; `ptr` is a valid out-parameter.
         let result = unsafe { sys::cuMemAlloc_v2(&mut ptr, size) };
+        drop(relaxed);
         driver::check_alloc("cuMemAlloc", result, size)?;
         if ptr % MIN_ALIGNMENT != 0 {
             // SAFETY: `ptr` was just allocated by `cuMemAlloc` and is unused.
@@ -352,7 +377,8 @@ unsafe impl Device for CudaDevice {
         tracing::warn!(%error, device = self.ordinal, "device error met while dropping an allocator");
         if let DeviceError::Driver { code, .. } = &error {
             if let Some(result) = driver::result_of(*code) {
-                self.cudarc.record_err(Err::<(), _>(cudarc::driver::DriverError(result)));
+                self.cudarc
+                    .record_err(Err::<(), _>(cudarc::driver::DriverError(result)));
             }
         }
         self.kept_error.lock().get_or_insert(error);
@@ -429,6 +455,7 @@ unsafe impl Device for CudaDevice {
     fn reserve_address_range(&self, size: usize) -> DeviceResult<DevicePtr> {
         let granularity = self.vmm_granularity()?;
         self.ctx.make_current()?;
+        let _relaxed = capture::RelaxedCapture::enter()?;
         let mut ptr = 0;
         // SAFETY: this device's context is current; `ptr` is a valid out-parameter; no fixed address is
         // requested (0) and flags must be 0.
@@ -449,12 +476,14 @@ unsafe impl Device for CudaDevice {
     fn create_physical(&self, size: usize) -> DeviceResult<PhysicalChunk> {
         let kind = self.chunk_kind()?;
         self.ctx.make_current()?;
+        let _relaxed = capture::RelaxedCapture::enter()?;
         kind.create(size)
     }
 
     #[doc(alias = "cuMemMap")]
     unsafe fn map(&self, ptr: DevicePtr, size: usize, chunk: &PhysicalChunk) -> DeviceResult<()> {
         debug_assert_eq!(size, chunk.size(), "a chunk is mapped whole");
+        let _relaxed = capture::RelaxedCapture::enter()?;
         let mut vmm = self.vmm.lock();
         // SAFETY: the caller guarantees the range is reserved, unmapped, and `size` is the chunk's size.
         driver::check("cuMemMap", unsafe {

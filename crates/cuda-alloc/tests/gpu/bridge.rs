@@ -25,7 +25,9 @@ fn setup() -> Option<(
 
 #[test]
 fn cached_slices_take_cudarc_copies_and_go_back_to_the_cache() {
-    let Some((ctx, alloc, _gpus)) = setup() else { return };
+    let Some((ctx, alloc, _gpus)) = setup() else {
+        return;
+    };
     let stream = ctx.new_stream().unwrap();
     let host: Vec<u32> = (0..1_000_000).map(|i| i * 7).collect();
     let mut buf = alloc.alloc_zeros::<u32>(host.len(), &stream).unwrap();
@@ -54,10 +56,17 @@ fn cached_slices_take_cudarc_copies_and_go_back_to_the_cache() {
     drop(again);
     let stats = alloc.memory_stats();
     assert_eq!(stats.allocation.all.current, 1, "only `copy` is allocated");
-    assert_eq!(stats.active.all.current, 2, "the source waits for the copy's stream");
+    assert_eq!(
+        stats.active.all.current, 2,
+        "the source waits for the copy's stream"
+    );
     other.synchronize().unwrap();
     let next = alloc.alloc_zeros::<u32>(16, &stream).unwrap();
-    assert_eq!(alloc.memory_stats().active.all.current, 2, "event processed: reusable");
+    assert_eq!(
+        alloc.memory_stats().active.all.current,
+        2,
+        "event processed: reusable"
+    );
     assert_eq!(other.clone_dtoh(&copy).unwrap(), vec![0; host.len()]);
     drop((copy, next));
     ctx.synchronize().unwrap();
@@ -68,7 +77,9 @@ fn cached_slices_take_cudarc_copies_and_go_back_to_the_cache() {
 
 #[test]
 fn cached_slices_are_kernel_arguments() {
-    let Some((ctx, alloc, _gpus)) = setup() else { return };
+    let Some((ctx, alloc, _gpus)) = setup() else {
+        return;
+    };
     let stream = ctx.new_stream().unwrap();
     let fill = ctx
         .load_module(Ptx::from_src(PTX))
@@ -92,7 +103,11 @@ fn cached_slices_are_kernel_arguments() {
     unsafe { launch.launch(LaunchConfig::for_num_elems(n)) }.unwrap();
     buf.record_stream(&other).unwrap();
     drop(buf);
-    assert_eq!(alloc.memory_stats().active.all.current, 1, "pending on `other`");
+    assert_eq!(
+        alloc.memory_stats().active.all.current,
+        1,
+        "pending on `other`"
+    );
     ctx.synchronize().unwrap();
     alloc.empty_cache().unwrap();
     alloc.device().check_err().unwrap();

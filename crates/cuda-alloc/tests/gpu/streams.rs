@@ -7,7 +7,10 @@ use tensormem_cuda_alloc::{CachingAllocator, Device, DeviceError, Error, StreamI
 use crate::harness::gpu;
 
 fn unknown(result: Result<impl std::fmt::Debug, Error>) -> bool {
-    matches!(result, Err(Error::Device(DeviceError::UnknownStream { .. })))
+    matches!(
+        result,
+        Err(Error::Device(DeviceError::UnknownStream { .. }))
+    )
 }
 
 #[test]
@@ -16,10 +19,16 @@ fn stream_ids_the_backend_does_not_know_are_refused() {
     drop(gpus.devices);
     let alloc = CachingAllocator::new(CudaDevice::new(0).unwrap());
     let bogus = StreamId(0xdead_0000);
-    assert!(unknown(alloc.allocate(4096, bogus)), "allocate on a bogus stream");
+    assert!(
+        unknown(alloc.allocate(4096, bogus)),
+        "allocate on a bogus stream"
+    );
     let x = alloc.allocate(4096, StreamId::DEFAULT).unwrap();
     assert!(unknown(alloc.record_stream(&x, bogus)), "record_stream");
-    assert!(unknown(alloc.record_stream_ptr(x.ptr(), bogus)), "record_stream_ptr");
+    assert!(
+        unknown(alloc.record_stream_ptr(x.ptr(), bogus)),
+        "record_stream_ptr"
+    );
     let device = alloc.device();
     let event = device.create_event().unwrap();
     assert!(matches!(
@@ -35,13 +44,19 @@ fn stream_ids_the_backend_does_not_know_are_refused() {
     let gone = device.create_stream().unwrap();
     let gone_id = gone.id();
     drop(gone);
-    assert!(unknown(alloc.record_stream(&x, gone_id)), "a destroyed stream");
+    assert!(
+        unknown(alloc.record_stream(&x, gone_id)),
+        "a destroyed stream"
+    );
 
     // A cudarc stream handed over is accepted, and kept alive after its owner drops it: freeing the
     // block records an event on it.
     let theirs = device.cudarc_context().new_stream().unwrap();
     let id = device.register_stream(&theirs).unwrap();
-    assert_eq!(device.cudarc_stream(id).map(|s| s.cu_stream()), Some(theirs.cu_stream()));
+    assert_eq!(
+        device.cudarc_stream(id).map(|s| s.cu_stream()),
+        Some(theirs.cu_stream())
+    );
     alloc.record_stream(&x, id).unwrap();
     drop(theirs);
     alloc.free(x).unwrap();
@@ -51,7 +66,11 @@ fn stream_ids_the_backend_does_not_know_are_refused() {
     let ours_id = ours.id();
     drop(ours);
     alloc.free(y).unwrap();
-    alloc.allocate(4096, ours_id).map(|z| alloc.free(z)).unwrap().unwrap();
+    alloc
+        .allocate(4096, ours_id)
+        .map(|z| alloc.free(z))
+        .unwrap()
+        .unwrap();
     device.synchronize().unwrap();
     alloc.empty_cache().unwrap();
     assert_eq!(alloc.reserved_bytes(), 0);

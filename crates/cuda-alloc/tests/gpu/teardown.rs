@@ -20,10 +20,8 @@ fn drop_returns_memory(config: &str) {
     let before = probe.mem_info().unwrap().free;
 
     let device = Arc::new(CudaDevice::new(0).unwrap());
-    let alloc = CachingAllocator::with_config(
-        Arc::clone(&device),
-        AllocatorConfig::parse(config).unwrap(),
-    );
+    let alloc =
+        CachingAllocator::with_config(Arc::clone(&device), AllocatorConfig::parse(config).unwrap());
     let stream = device.create_stream().unwrap();
     let mut live = Vec::new();
     for size in [512, 3000, 600_000, 3 * MIB, 12 * MIB, 256 * MIB, 300 * MIB] {

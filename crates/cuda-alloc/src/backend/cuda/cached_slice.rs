@@ -50,7 +50,10 @@ impl<T> std::fmt::Debug for CachedSlice<T> {
         f.debug_struct("CachedSlice")
             .field("ptr", &format_args!("{:#x}", self.ptr))
             .field("len", &self.len)
-            .field("stream", &format_args!("{:#x}", self.stream.cu_stream() as u64))
+            .field(
+                "stream",
+                &format_args!("{:#x}", self.stream.cu_stream() as u64),
+            )
             .finish()
     }
 }
@@ -115,7 +118,6 @@ impl CachingAllocator<CudaDevice> {
 
 impl<T> CachedSlice<T> {
     /// The allocation behind the slice (size, stream, pointer).
-    #[must_use]
     pub fn allocation(&self) -> &Allocation {
         self.allocation.as_ref().expect("live until dropped")
     }
