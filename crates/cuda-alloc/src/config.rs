@@ -91,8 +91,9 @@ pub enum Backend {
     /// The caching allocator (this crate's).
     #[default]
     Native,
-    /// CUDA's stream-ordered allocator (`cudaMallocAsync`). Chosen by the string only: this crate has no
-    /// such backend; the caller decides what to do with a configuration that asks for it.
+    /// CUDA's stream-ordered allocator (`cudaMallocAsync`). The grammar accepts it (PyTorch's snapshots
+    /// record it), but this crate has no such backend: [`AllocatorConfig::check_supported`] refuses it,
+    /// and so do [`AllocatorConfig::from_env`] and the allocator's `apply_settings`.
     CudaMallocAsync,
 }
 
@@ -293,6 +294,17 @@ pub enum ConfigError {
         /// The value given.
         value: String,
     },
+    /// The configuration asks for an allocator backend tensormem does not implement
+    /// (`backend:cudaMallocAsync`).
+    #[error(
+        "backend:{backend} is not supported by tensormem, whose allocator is the native caching \
+         allocator; remove backend:{backend} from the configuration (where PYTORCH_CUDA_ALLOC_CONF must \
+         keep it for PyTorch, give tensormem its own TENSORMEM_ALLOC_CONF, which is read first)"
+    )]
+    UnsupportedBackend {
+        /// The backend asked for.
+        backend: Backend,
+    },
     /// `pinned_num_register_threads` is not a power of two.
     #[error("Number of register threads has to be power of 2, got {value}")]
     RegisterThreadsNotPowerOf2 {
@@ -397,10 +409,12 @@ impl AllocatorConfig {
                     .into_string()
                     .map_err(|_| ConfigError::EnvNotUnicode { var })?;
                 tracing::debug!(var, config = %text, "allocator configuration from the environment");
-                return Self::parse(&text).map_err(|source| ConfigError::Env {
-                    var,
-                    source: Box::new(source),
-                });
+                return Self::parse(&text)
+                    .and_then(|config| config.check_supported().map(|()| config))
+                    .map_err(|source| ConfigError::Env {
+                        var,
+                        source: Box::new(source),
+                    });
             }
         }
         Ok(AllocatorConfig::default())
@@ -412,6 +426,19 @@ impl AllocatorConfig {
     #[must_use]
     pub fn roundup_divisions_for(&self, size: usize) -> usize {
         self.roundup_power2_divisions[roundup_interval(size)]
+    }
+
+    /// Checks that tensormem can serve this configuration: its [`backend`](Self::backend) is
+    /// [`Backend::Native`]. The parser accepts `backend:cudaMallocAsync` (it is PyTorch's grammar, and
+    /// snapshots record it); the places that configure a running allocator refuse it with this check.
+    ///
+    /// # Errors
+    /// [`ConfigError::UnsupportedBackend`] for any other backend.
+    pub fn check_supported(&self) -> ConfigResult<()> {
+        match self.backend {
+            Backend::Native => Ok(()),
+            backend => Err(ConfigError::UnsupportedBackend { backend }),
+        }
     }
 
     /// Whether [`max_split_size`](Self::max_split_size) limits splitting (it is not unlimited).

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 use parking_lot::Mutex;
 
-use crate::config::{roundup_interval, AllocatorConfig, ROUNDUP_POWER2_INTERVALS};
+use crate::config::{roundup_interval, AllocatorConfig, Backend, ROUNDUP_POWER2_INTERVALS};
 
 /// The configuration as the allocator reads it.
 #[derive(Debug)]
@@ -35,7 +35,7 @@ impl Settings {
             any_divisions: AtomicBool::new(false),
             garbage_collection_threshold: AtomicU64::new(0),
             expandable_segments: AtomicBool::new(false),
-            config: Mutex::new(config.clone()),
+            config: Mutex::new(served(config)),
         };
         settings.store(config);
         settings
@@ -44,7 +44,7 @@ impl Settings {
     /// Replaces the configuration.
     pub(crate) fn set(&self, config: &AllocatorConfig) {
         let mut current = self.config.lock();
-        *current = config.clone();
+        *current = served(config);
         self.store(config);
     }
 
@@ -69,7 +69,8 @@ impl Settings {
             .store(config.expandable_segments, Relaxed);
     }
 
-    /// A copy of the whole configuration.
+    /// A copy of the whole configuration (its `backend` is always [`Backend::Native`]: the one that
+    /// serves).
     pub(crate) fn config(&self) -> AllocatorConfig {
         self.config.lock().clone()
     }
@@ -106,4 +107,23 @@ impl Settings {
     pub(crate) fn expandable_segments(&self) -> bool {
         self.expandable_segments.load(Relaxed)
     }
+}
+
+/// `config` as this allocator serves it: with the native backend, whatever it asked for. The fallible
+/// ways in (`from_env`, `apply_settings`) refuse another backend with
+/// [`ConfigError::UnsupportedBackend`](crate::config::ConfigError::UnsupportedBackend); a configuration
+/// built by hand and handed to `with_config` or `set_config` gets a warning, and the settings then say
+/// `native`, which is what runs.
+fn served(config: &AllocatorConfig) -> AllocatorConfig {
+    let mut served = config.clone();
+    if served.backend != Backend::Native {
+        tracing::warn!(
+            backend = %served.backend,
+            "this allocator is the native caching allocator; backend:{} is not implemented, the \
+             native backend serves",
+            served.backend
+        );
+        served.backend = Backend::Native;
+    }
+    served
 }

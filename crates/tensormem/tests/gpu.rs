@@ -300,3 +300,19 @@ fn is_current_stream_capturing_follows_a_capture_of_the_current_stream() {
         cuda::empty_cache().unwrap();
     });
 }
+
+#[test]
+fn cuda_malloc_async_is_refused_and_the_backend_reported_is_native() {
+    use tensormem::cuda_alloc::config::{Backend, ConfigError};
+    let Some((_, _lock)) = gpus() else { return };
+    let before = cuda::allocator_settings(Some(0)).unwrap();
+    match cuda::set_allocator_settings("backend:cudaMallocAsync") {
+        Err(Error::Alloc(tensormem::cuda_alloc::Error::Config(
+            ConfigError::UnsupportedBackend { backend },
+        ))) => assert_eq!(backend, Backend::CudaMallocAsync),
+        other => panic!("backend:cudaMallocAsync gave {other:?}"),
+    }
+    assert_eq!(cuda::allocator_settings(Some(0)).unwrap(), before);
+    assert_eq!(cuda::get_allocator_backend().unwrap(), Backend::Native);
+    assert_eq!(cuda::get_allocator_backend().unwrap().name(), "native");
+}

@@ -261,7 +261,9 @@ impl<D: Device> CachingAllocator<D> {
         Self::with_config(device, AllocatorConfig::default())
     }
 
-    /// An allocator with the given settings.
+    /// An allocator with the given settings. A `backend` other than native is not implemented: the
+    /// native allocator serves, with a warning, and [`config`](Self::config) says `native` (the
+    /// fallible [`from_env`](Self::from_env) and [`apply_settings`](Self::apply_settings) refuse it).
     pub fn with_config(device: D, config: AllocatorConfig) -> Self {
         Self::with_stream_capacity(device, config, DEFAULT_STREAM_CAPACITY)
     }
@@ -270,7 +272,8 @@ impl<D: Device> CachingAllocator<D> {
     /// variables; see [`AllocatorConfig::from_env`]).
     ///
     /// # Errors
-    /// [`Error::Config`] when the variable holds a malformed configuration.
+    /// [`Error::Config`] when the variable holds a malformed configuration, or one asking for a backend
+    /// other than the native one ([`ConfigError::UnsupportedBackend`](crate::config::ConfigError)).
     pub fn from_env(device: D) -> Result<Self> {
         Ok(Self::with_config(device, AllocatorConfig::from_env()?))
     }
@@ -340,7 +343,8 @@ impl<D: Device> CachingAllocator<D> {
         self.settings.config()
     }
 
-    /// Replaces the settings at run time; calls that start afterwards use them.
+    /// Replaces the settings at run time; calls that start afterwards use them. A `backend` other than
+    /// native is ignored with a warning, as in [`with_config`](Self::with_config).
     pub fn set_config(&self, config: &AllocatorConfig) {
         self.settings.set(config);
     }
@@ -349,10 +353,13 @@ impl<D: Device> CachingAllocator<D> {
     /// does (see [`AllocatorConfig::apply`]).
     ///
     /// # Errors
-    /// [`Error::Config`] for a malformed string; the settings are then unchanged.
+    /// [`Error::Config`] for a malformed string, or one asking for a backend other than the native one
+    /// ([`ConfigError::UnsupportedBackend`](crate::config::ConfigError)); the settings are then
+    /// unchanged.
     pub fn apply_settings(&self, config: &str) -> Result<()> {
         let mut next = self.settings.config();
         next.apply(config)?;
+        next.check_supported()?;
         self.settings.set(&next);
         Ok(())
     }

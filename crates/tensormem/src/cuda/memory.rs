@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use tensormem_cuda_alloc::backend::cuda::CudaDevice;
-use tensormem_cuda_alloc::config::AllocatorConfig;
+use tensormem_cuda_alloc::config::{AllocatorConfig, Backend};
 use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_cuda_alloc::stats::MemoryStats;
 use tensormem_cuda_alloc::{CachingAllocator, DevicePtr};
@@ -203,10 +203,22 @@ pub fn empty_cache() -> Result<()> {
 ///
 /// # Errors
 ///
-/// [`Error::Alloc`] with the configuration error (PyTorch's messages) for a malformed string, in which
-/// case nothing changes.
+/// [`Error::Alloc`] with the configuration error (PyTorch's messages) for a malformed string, or
+/// [`UnsupportedBackend`](tensormem_cuda_alloc::config::ConfigError::UnsupportedBackend) for one asking
+/// for `backend:cudaMallocAsync`, in which case nothing changes.
 pub fn set_allocator_settings(config: &str) -> Result<()> {
     registry::apply_settings(config)
+}
+
+/// The name of the allocator backend that serves device memory (`torch.cuda.get_allocator_backend`):
+/// always [`Backend::Native`], tensormem's caching allocator. `backend:cudaMallocAsync` is refused
+/// wherever it can be set (the environment when a device is first used, [`set_allocator_settings`]).
+///
+/// # Errors
+///
+/// As [`caching_allocator`] for the current device.
+pub fn get_allocator_backend() -> Result<Backend> {
+    Ok(caching_allocator(None)?.config().backend)
 }
 
 /// The settings `device`'s allocator runs with, or the current device's.

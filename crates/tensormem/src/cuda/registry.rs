@@ -143,10 +143,13 @@ pub(crate) fn opened() -> Result<impl Iterator<Item = (u32, &'static DeviceState
 }
 
 /// Applies a configuration string to every opened device's allocator and remembers it for devices
-/// opened later. Checked on a copy first, so a malformed string changes nothing.
+/// opened later. Checked on a copy first, so a malformed string (or one asking for
+/// `backend:cudaMallocAsync`) changes nothing.
 pub(crate) fn apply_settings(config: &str) -> Result<()> {
     get()?;
-    AllocatorConfig::default().apply(config)?;
+    let mut probe = AllocatorConfig::default();
+    probe.apply(config)?;
+    probe.check_supported()?;
     let mut process = settings();
     for (_, state) in opened()? {
         state.allocator.apply_settings(config)?;
