@@ -85,6 +85,34 @@ pub const ENV_VARS: [&str; 3] = [
     "PYTORCH_CUDA_ALLOC_CONF",
 ];
 
+/// The variables that turn caching off, for debugging (every allocation straight to the device; see
+/// [`caching_disabled_by_env`]).
+pub const NO_CACHING_ENV_VARS: [&str; 2] = [
+    "TENSORMEM_NO_CUDA_MEMORY_CACHING",
+    "PYTORCH_NO_CUDA_MEMORY_CACHING",
+];
+
+/// Whether the environment turns the caching allocator off: `TENSORMEM_NO_CUDA_MEMORY_CACHING` when it
+/// is set (on unless it is empty or `0`, so that it can also switch PyTorch's variable off for
+/// tensormem), else `PYTORCH_NO_CUDA_MEMORY_CACHING` set to anything (PyTorch's rule: present means on).
+#[must_use]
+pub fn caching_disabled_by_env() -> bool {
+    caching_disabled_by_env_with(std::env::var_os)
+}
+
+/// [`caching_disabled_by_env`] with the environment given as a lookup function.
+#[must_use]
+pub fn caching_disabled_by_env_with<F>(mut lookup: F) -> bool
+where
+    F: FnMut(&'static str) -> Option<std::ffi::OsString>,
+{
+    let [ours, pytorch] = NO_CACHING_ENV_VARS;
+    match lookup(ours) {
+        Some(value) => !(value.is_empty() || value == "0"),
+        None => lookup(pytorch).is_some(),
+    }
+}
+
 /// Which allocator implementation serves device memory (`backend:native|cudaMallocAsync`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Hash)]
 pub enum Backend {

@@ -104,3 +104,4 @@ pub use allocator::{Allocation, CachingAllocator, InvariantViolation, DEFAULT_ST
 pub use device::{CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, MemInfo, StreamId};
 pub use error::{Error, Result};
 pub use pool_id::MempoolId;
+pub use trace::TraceTracker;

@@ -22,6 +22,10 @@ pub(crate) struct Settings {
     /// `garbage_collection_threshold` as `f64` bits.
     garbage_collection_threshold: AtomicU64,
     expandable_segments: AtomicBool,
+    release_lock_on_cudamalloc: AtomicBool,
+    /// Every allocation straight to the device (`PYTORCH_NO_CUDA_MEMORY_CACHING`); not part of the
+    /// configuration string.
+    uncached: AtomicBool,
     /// The configuration these values came from.
     config: Mutex<AllocatorConfig>,
 }
@@ -35,6 +39,8 @@ impl Settings {
             any_divisions: AtomicBool::new(false),
             garbage_collection_threshold: AtomicU64::new(0),
             expandable_segments: AtomicBool::new(false),
+            release_lock_on_cudamalloc: AtomicBool::new(false),
+            uncached: AtomicBool::new(false),
             config: Mutex::new(served(config)),
         };
         settings.store(config);
@@ -67,6 +73,8 @@ impl Settings {
             .store(config.garbage_collection_threshold.to_bits(), Relaxed);
         self.expandable_segments
             .store(config.expandable_segments, Relaxed);
+        self.release_lock_on_cudamalloc
+            .store(config.release_lock_on_cudamalloc, Relaxed);
     }
 
     /// A copy of the whole configuration (its `backend` is always [`Backend::Native`]: the one that
@@ -102,10 +110,29 @@ impl Settings {
         f64::from_bits(self.garbage_collection_threshold.load(Relaxed))
     }
 
-    /// Whether new segments are expandable.
+    /// Whether new segments are expandable (never while caching is off: every allocation is then
+    /// its own device allocation).
     #[inline]
     pub(crate) fn expandable_segments(&self) -> bool {
-        self.expandable_segments.load(Relaxed)
+        self.expandable_segments.load(Relaxed) && !self.uncached()
+    }
+
+    /// Whether the stream's lock is let go while the device allocates a new segment.
+    #[inline]
+    pub(crate) fn release_lock_on_cudamalloc(&self) -> bool {
+        self.release_lock_on_cudamalloc.load(Relaxed)
+    }
+
+    /// Whether caching is off: every allocation is a device allocation of its own, returned to the
+    /// device when freed.
+    #[inline]
+    pub(crate) fn uncached(&self) -> bool {
+        self.uncached.load(Relaxed)
+    }
+
+    /// Turns caching off (`true`) or on.
+    pub(crate) fn set_uncached(&self, uncached: bool) {
+        self.uncached.store(uncached, Relaxed);
     }
 }
 

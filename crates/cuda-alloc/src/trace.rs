@@ -4,11 +4,14 @@
 //! `max_entries` entries (the oldest are overwritten). Snapshots carry the buffer as `device_traces`,
 //! which PyTorch's `_memory_viz` draws and tensormem's replay reads back. Entries are kept compactly and
 //! converted to the snapshot model's [`TraceEntry`] when read.
+//!
+//! Trace trackers (PyTorch's `attachAllocatorTraceTracker`) are told about every entry as it is made,
+//! whether or not the ring buffer is recording.
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use crate::device::StreamId;
 use crate::snapshot::{TraceAction, TraceEntry};
@@ -103,11 +106,31 @@ struct Ring {
     max_entries: usize,
 }
 
-/// The ring buffer with its on/off switch.
-#[derive(Debug)]
+/// A function told about every trace entry as the allocator makes it (PyTorch's
+/// `AllocatorTraceTracker`), registered with
+/// [`CachingAllocator::attach_allocator_trace_tracker`](crate::CachingAllocator::attach_allocator_trace_tracker).
+///
+/// It runs on the thread that made the entry, with that call's allocator locks held (as in PyTorch):
+/// it must be quick and must not call into the same allocator, which would deadlock.
+pub type TraceTracker = Box<dyn Fn(&TraceEntry) + Send + Sync>;
+
+/// The ring buffer with its on/off switch, and the trace trackers.
 pub(crate) struct TraceRecorder {
     enabled: AtomicBool,
     ring: Mutex<Ring>,
+    /// Whether any tracker is attached (checked before building an entry).
+    tracking: AtomicBool,
+    trackers: RwLock<Vec<TraceTracker>>,
+}
+
+impl std::fmt::Debug for TraceRecorder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TraceRecorder")
+            .field("enabled", &self.enabled)
+            .field("ring", &self.ring)
+            .field("trackers", &self.trackers.read().len())
+            .finish()
+    }
 }
 
 impl Default for TraceRecorder {
@@ -119,15 +142,31 @@ impl Default for TraceRecorder {
                 next: 0,
                 max_entries: 1,
             }),
+            tracking: AtomicBool::new(false),
+            trackers: RwLock::new(Vec::new()),
         }
     }
 }
 
 impl TraceRecorder {
-    /// Whether entries are being recorded (checked before building one).
+    /// Whether entries are being recorded in the ring buffer.
     #[inline]
     pub(crate) fn enabled(&self) -> bool {
         self.enabled.load(Relaxed)
+    }
+
+    /// Whether an entry made now goes anywhere (the ring buffer or a tracker): checked before
+    /// building one.
+    #[inline]
+    pub(crate) fn wanted(&self) -> bool {
+        self.enabled.load(Relaxed) || self.tracking.load(Relaxed)
+    }
+
+    /// Adds a tracker, told about every entry from now on.
+    pub(crate) fn attach(&self, tracker: TraceTracker) {
+        let mut trackers = self.trackers.write();
+        trackers.push(tracker);
+        self.tracking.store(true, Relaxed);
     }
 
     /// Turns recording on or off (off clears the buffer, as in PyTorch); `max_entries` is at least 1.
@@ -141,10 +180,10 @@ impl TraceRecorder {
         self.enabled.store(enabled, Relaxed);
     }
 
-    /// Appends an entry if recording is on.
+    /// Appends an entry if recording is on, and tells the trackers.
     #[inline]
     pub(crate) fn record(&self, action: Action, addr: u64, size: u64, stream: StreamId) {
-        if self.enabled() {
+        if self.wanted() {
             self.push(Record {
                 action,
                 addr,
@@ -156,8 +195,20 @@ impl TraceRecorder {
         }
     }
 
+    /// Tells the trackers about `entry`, then appends it to the ring buffer if recording is on.
     #[cold]
     pub(crate) fn push(&self, entry: Record) {
+        if self.tracking.load(Relaxed) {
+            let model = entry.to_entry();
+            // Trackers never call into the allocator (their documented obligation), so none attaches
+            // another while this read lock is held.
+            for tracker in self.trackers.read().iter() {
+                tracker(&model);
+            }
+        }
+        if !self.enabled() {
+            return;
+        }
         let mut ring = self.ring.lock();
         if ring.entries.len() < ring.max_entries {
             ring.entries.push(entry);
@@ -182,6 +233,7 @@ impl TraceRecorder {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     #[test]
     fn ring_keeps_the_newest_entries_in_order() {
@@ -196,5 +248,27 @@ mod tests {
         assert_eq!(addrs, [2, 3, 4]);
         t.configure(false, 3);
         assert!(t.entries().is_empty());
+    }
+
+    #[test]
+    fn trackers_see_every_entry_whether_or_not_the_ring_records() {
+        let t = TraceRecorder::default();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&seen);
+        t.attach(Box::new(move |e| {
+            sink.lock().push((e.action.clone(), e.addr))
+        }));
+        t.record(Action::SegmentAlloc, 7, 512, StreamId(0));
+        t.configure(true, 2);
+        t.record(Action::Alloc, 8, 512, StreamId(0));
+        assert_eq!(
+            *seen.lock(),
+            [(TraceAction::SegmentAlloc, 7), (TraceAction::Alloc, 8)]
+        );
+        assert_eq!(
+            t.entries().len(),
+            1,
+            "the ring holds only what came while on"
+        );
     }
 }

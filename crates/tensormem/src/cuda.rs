@@ -21,6 +21,9 @@
 //! | `memory._set_allocator_settings`, `_get_allocator_backend` | [`set_allocator_settings`], [`allocator_settings`], [`get_allocator_backend`] |
 //! | `caching_allocator_alloc`, `caching_allocator_delete` | [`caching_allocator_alloc`], [`caching_allocator_delete`] |
 //! | `_is_in_bad_fork` | [`is_in_bad_fork`] |
+//! | `_cuda_hasPrimaryContext` | [`has_primary_context`] |
+//! | `_cuda_attach_out_of_memory_observer` | [`attach_out_of_memory_observer`] (every device, including those used later) |
+//! | `PYTORCH_NO_CUDA_MEMORY_CACHING` | read with `TENSORMEM_NO_CUDA_MEMORY_CACHING` when a device is first used (see [`CachingAllocator::set_caching_disabled`](crate::cuda_alloc::CachingAllocator::set_caching_disabled)) |
 //!
 //! Functions that take `device: Option<u32>` act on the calling thread's current device for `None`.
 //!
@@ -42,16 +45,16 @@ mod stream;
 
 pub use device::{
     can_device_access_peer, current_device, device_count, device_guard, enable_peer_access,
-    exchange_device, get_device_capability, get_device_name, get_device_properties, is_available,
-    mem_get_info, set_device, synchronize, DeviceGuard,
+    exchange_device, get_device_capability, get_device_name, get_device_properties,
+    has_primary_context, is_available, mem_get_info, set_device, synchronize, DeviceGuard,
 };
 pub use error::{Error, Result};
 pub use fork::is_in_bad_fork;
 pub use memory::{
-    allocator_settings, caching_allocator, caching_allocator_alloc, caching_allocator_delete,
-    caching_allocator_record_stream, device_memory_stats, dump_snapshot, empty_cache,
-    get_allocator_backend, max_memory_allocated, max_memory_reserved, memory_allocated,
-    memory_reserved, memory_snapshot, memory_stats, record_memory_history,
+    allocator_settings, attach_out_of_memory_observer, caching_allocator, caching_allocator_alloc,
+    caching_allocator_delete, caching_allocator_record_stream, device_memory_stats, dump_snapshot,
+    empty_cache, get_allocator_backend, max_memory_allocated, max_memory_reserved,
+    memory_allocated, memory_reserved, memory_snapshot, memory_stats, record_memory_history,
     reset_accumulated_memory_stats, reset_peak_memory_stats, set_allocator_settings,
     set_per_process_memory_fraction,
 };

@@ -316,3 +316,34 @@ fn cuda_malloc_async_is_refused_and_the_backend_reported_is_native() {
     assert_eq!(cuda::get_allocator_backend().unwrap(), Backend::Native);
     assert_eq!(cuda::get_allocator_backend().unwrap().name(), "native");
 }
+
+#[test]
+fn has_primary_context_is_true_once_a_device_is_used() {
+    let Some((count, _lock)) = gpus() else { return };
+    cuda::caching_allocator(Some(0)).unwrap();
+    assert!(cuda::has_primary_context(0).unwrap());
+    assert!(matches!(
+        cuda::has_primary_context(count),
+        Err(Error::InvalidDevice { .. })
+    ));
+}
+
+#[test]
+fn an_out_of_memory_observer_hears_of_every_devices_errors() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    let Some((_, _lock)) = gpus() else { return };
+    let heard = Arc::new(AtomicU64::new(0));
+    let sink = Arc::clone(&heard);
+    cuda::attach_out_of_memory_observer(move |event| {
+        assert_eq!(event.device, 0);
+        sink.fetch_add(1, Ordering::Relaxed);
+    })
+    .unwrap();
+    let total = cuda::mem_get_info(Some(0)).unwrap().total as usize;
+    on_new_thread(move || {
+        let refused = cuda::caching_allocator_alloc(total + (1 << 30), None);
+        assert!(matches!(refused, Err(Error::Alloc(_))), "{refused:?}");
+    });
+    assert_eq!(heard.load(Ordering::Relaxed), 1);
+}

@@ -17,6 +17,7 @@ use crate::device::{Device, DeviceError, StreamId};
 use crate::error::{Error, Result};
 use crate::oom::{OomEvent, OutOfMemory};
 use crate::pool::PoolOwner;
+use crate::shard::ShardGuard;
 use crate::size::{allocation_size, is_small, round_size, MIN_BLOCK_SIZE, ONE_EXABYTE, SMALL_SIZE};
 use crate::stats::peaks::{Kind, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS};
 use crate::trace::Action;
@@ -60,7 +61,8 @@ impl<D: Device> CachingAllocator<D> {
         let small = is_small(rounded);
         let choice = self.pool_choice(stream);
         let shard = self.shard(stream)?;
-        {
+        let uncached = self.settings.uncached();
+        if !uncached {
             let mut locked = self.lock(shard);
             let pool = locked.pool_index(choice, small);
             if let Some(block) = locked.get_free_block(pool, rounded) {
@@ -70,7 +72,12 @@ impl<D: Device> CachingAllocator<D> {
         self.allocate_slow(Request {
             orig: size,
             size: rounded,
-            alloc_size: allocation_size(rounded),
+            // Without caching, a device allocation of exactly the rounded size, never split.
+            alloc_size: if uncached {
+                rounded
+            } else {
+                allocation_size(rounded)
+            },
             small,
             choice,
             stream,
@@ -108,7 +115,7 @@ impl<D: Device> CachingAllocator<D> {
     #[cold]
     fn allocate_slow(&self, req: Request) -> Result<Allocation> {
         let shard = self.shard(req.stream)?;
-        if self.trigger_free_memory_callbacks() {
+        if self.trigger_free_memory_callbacks() && !self.settings.uncached() {
             let mut locked = self.lock(shard);
             let pool = locked.pool_index(req.choice, req.small);
             if let Some(block) = locked.get_free_block(pool, req.size) {
@@ -437,7 +444,18 @@ impl<D: Device> Locked<'_, D> {
             counters.reserved.fetch_sub(alloc_size as u64, Relaxed);
             return Ok(None);
         }
-        let ptr = match self.a.device.malloc(alloc_size) {
+        let a = self.a;
+        let malloc = || a.device.malloc(alloc_size);
+        let made = if a.settings.release_lock_on_cudamalloc() {
+            // `release_lock_on_cudamalloc`: the stream's lock is let go while the driver allocates, so
+            // that other calls on this stream (frees, cache hits) need not wait for it. Nothing here
+            // depends on the shard's state from before: the new block is inserted after the lock is
+            // taken again, and pool indices never change.
+            ShardGuard::unlocked(&mut self.st, malloc)
+        } else {
+            malloc()
+        };
+        let ptr = match made {
             Ok(ptr) => ptr,
             Err(e) => {
                 counters.reserved.fetch_sub(alloc_size as u64, Relaxed);

@@ -471,6 +471,18 @@ impl<D: Device> Locked<'_, D> {
         self.dec(Kind::Active, small, 1);
         self.dec(Kind::ActiveBytes, small, original_size);
         self.dec(Kind::RequestedBytes, small, requested);
+        if self.a.settings.uncached()
+            && !expandable
+            && !split
+            && self.st.pools[pool as usize].private_id().is_none()
+        {
+            // Caching is off: the segment (one allocation's own) goes back to the device now. On
+            // failure it stays cached, for `empty_cache` to return later. Private pools keep theirs
+            // (a captured graph may still use them).
+            if let Err(error) = self.release_block(index) {
+                tracing::warn!(%error, addr, "returning an uncached allocation to the device failed");
+            }
+        }
     }
 
     /// Merges free neighbour `src` into `dst` when both are free alike (mapped or unmapped);

@@ -275,7 +275,9 @@ impl<D: Device> CachingAllocator<D> {
     /// [`Error::Config`] when the variable holds a malformed configuration, or one asking for a backend
     /// other than the native one ([`ConfigError::UnsupportedBackend`](crate::config::ConfigError)).
     pub fn from_env(device: D) -> Result<Self> {
-        Ok(Self::with_config(device, AllocatorConfig::from_env()?))
+        let allocator = Self::with_config(device, AllocatorConfig::from_env()?);
+        allocator.set_caching_disabled(crate::config::caching_disabled_by_env());
+        Ok(allocator)
     }
 
     /// An allocator with the given settings serving at most `streams` distinct streams.
@@ -364,6 +366,23 @@ impl<D: Device> CachingAllocator<D> {
         Ok(())
     }
 
+    /// Turns caching off (`true`) or back on, for debugging memory errors
+    /// (`PYTORCH_NO_CUDA_MEMORY_CACHING`, read by [`from_env`](Self::from_env)): while off, every
+    /// allocation is a device allocation of its own rounded size (`cuMemAlloc`; never split, never an
+    /// expandable segment), and freeing returns it to the device (`cuMemFree`) as soon as no stream uses
+    /// it any more, so that tools such as compute-sanitizer see each allocation's bounds. Statistics,
+    /// traces and snapshots go on as usual (PyTorch keeps none in this mode). Blocks cached before
+    /// caching was turned off stay until [`empty_cache`](Self::empty_cache).
+    pub fn set_caching_disabled(&self, disabled: bool) {
+        self.settings.set_uncached(disabled);
+    }
+
+    /// Whether caching is off (see [`set_caching_disabled`](Self::set_caching_disabled)).
+    #[must_use]
+    pub fn is_caching_disabled(&self) -> bool {
+        self.settings.uncached()
+    }
+
     /// Limits the memory this allocator reserves to `fraction` of the device's total memory
     /// (`torch.cuda.set_per_process_memory_fraction`).
     ///
@@ -417,9 +436,18 @@ impl<D: Device> CachingAllocator<D> {
         self.trace.enabled()
     }
 
-    /// Adds a user annotation to the trace (when recording).
+    /// Attaches a function told about every trace entry from now on (PyTorch's
+    /// `attachAllocatorTraceTracker`): allocations, frees, segment allocations and releases, mappings,
+    /// out-of-memory errors, annotations; whether or not [`record_history`](Self::record_history) is on.
+    /// The tracker runs with the allocator's locks held and must not call into this allocator (see
+    /// [`TraceTracker`](crate::TraceTracker)).
+    pub fn attach_allocator_trace_tracker(&self, tracker: crate::TraceTracker) {
+        self.trace.attach(tracker);
+    }
+
+    /// Adds a user annotation to the trace (when recording, or when a tracker is attached).
     pub fn record_annotation(&self, name: impl Into<String>) {
-        if self.trace.enabled() {
+        if self.trace.wanted() {
             self.trace.push(Record {
                 action: Action::UserDefined,
                 addr: 0,

@@ -59,6 +59,7 @@ use crate::device::{
 };
 
 pub use cached_slice::CachedSlice;
+pub use context::has_primary_context;
 use context::PrimaryContext;
 pub use driver::{device_count, init};
 pub use event::{CudaEvent, IPC_HANDLE_SIZE};

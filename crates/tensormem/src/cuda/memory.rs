@@ -9,6 +9,7 @@ use std::path::Path;
 
 use tensormem_cuda_alloc::backend::cuda::CudaDevice;
 use tensormem_cuda_alloc::config::{AllocatorConfig, Backend};
+use tensormem_cuda_alloc::oom::OomEvent;
 use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_cuda_alloc::stats::MemoryStats;
 use tensormem_cuda_alloc::{CachingAllocator, DevicePtr};
@@ -228,6 +229,20 @@ pub fn get_allocator_backend() -> Result<Backend> {
 /// As [`caching_allocator`].
 pub fn allocator_settings(device: Option<u32>) -> Result<AllocatorConfig> {
     Ok(caching_allocator(device)?.config())
+}
+
+/// Attaches `observer` to every device's allocator, those used so far and those used later
+/// (`torch._C._cuda_attach_out_of_memory_observer`): it is called after each out-of-memory error, with
+/// no allocator lock held, with the device, the size that could not be allocated, and the device's
+/// total and free memory.
+///
+/// # Errors
+///
+/// The errors of initialising CUDA.
+pub fn attach_out_of_memory_observer(
+    observer: impl Fn(&OomEvent) + Send + Sync + 'static,
+) -> Result<()> {
+    registry::attach_oom_observer(std::sync::Arc::new(observer))
 }
 
 /// Allocates `size` bytes with the caching allocator for use on `stream`, or on the current stream of the

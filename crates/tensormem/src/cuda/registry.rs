@@ -1,10 +1,11 @@
 //! The process-wide table of devices: one lazily opened [`CudaDevice`] and caching allocator per device
 //! ordinal, created on first use, never dropped (like PyTorch's per-device allocators).
 
-use std::sync::{Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use tensormem_cuda_alloc::backend::cuda::{self as backend, CudaDevice};
 use tensormem_cuda_alloc::config::AllocatorConfig;
+use tensormem_cuda_alloc::oom::OomEvent;
 use tensormem_cuda_alloc::CachingAllocator;
 
 use super::error::{Error, Result};
@@ -25,19 +26,35 @@ pub(crate) struct DeviceState {
 
 /// Settings made for all devices, including those not opened yet (PyTorch's allocator settings and
 /// history recording are process-wide).
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct ProcessSettings {
     /// Configuration strings applied with `set_allocator_settings`, in order, after the environment's.
     applied: Vec<String>,
     /// History recording: (enabled, max entries), when set.
     history: Option<(bool, usize)>,
+    /// Out-of-memory observers attached for every device, in order.
+    oom_observers: Vec<SharedOomObserver>,
 }
+
+impl std::fmt::Debug for ProcessSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessSettings")
+            .field("applied", &self.applied)
+            .field("history", &self.history)
+            .field("oom_observers", &self.oom_observers.len())
+            .finish()
+    }
+}
+
+/// An out-of-memory observer shared by every device's allocator.
+pub(crate) type SharedOomObserver = Arc<dyn Fn(&OomEvent) + Send + Sync>;
 
 /// Process-wide settings; also held while a device is opened, so that a device opened concurrently
 /// with a settings change gets the change exactly once.
 static SETTINGS: Mutex<ProcessSettings> = Mutex::new(ProcessSettings {
     applied: Vec::new(),
     history: None,
+    oom_observers: Vec::new(),
 });
 
 fn settings() -> std::sync::MutexGuard<'static, ProcessSettings> {
@@ -53,8 +70,12 @@ impl DeviceState {
             config.apply(applied)?;
         }
         let allocator = CachingAllocator::with_config(CudaDevice::new(ordinal)?, config);
+        allocator.set_caching_disabled(tensormem_cuda_alloc::config::caching_disabled_by_env());
         if let Some((enabled, max_entries)) = process.history {
             allocator.record_history(enabled, max_entries);
+        }
+        for observer in &process.oom_observers {
+            attach_shared(&allocator, observer);
         }
         Ok(Self { allocator })
     }
@@ -166,5 +187,21 @@ pub(crate) fn record_history(enabled: bool, max_entries: usize) -> Result<()> {
         state.allocator.record_history(enabled, max_entries);
     }
     process.history = Some((enabled, max_entries));
+    Ok(())
+}
+
+fn attach_shared(allocator: &CachingAllocator<CudaDevice>, observer: &SharedOomObserver) {
+    let observer = Arc::clone(observer);
+    allocator.attach_oom_observer(Box::new(move |event| observer(event)));
+}
+
+/// Attaches an out-of-memory observer to every opened device's allocator and to those opened later.
+pub(crate) fn attach_oom_observer(observer: SharedOomObserver) -> Result<()> {
+    get()?;
+    let mut process = settings();
+    for (_, state) in opened()? {
+        attach_shared(&state.allocator, &observer);
+    }
+    process.oom_observers.push(observer);
     Ok(())
 }
