@@ -79,6 +79,7 @@
 //! | [`snapshot::Snapshot`] | `torch.cuda.memory._snapshot()` / `_dump_snapshot` pickles |
 //! | [`oom::FreeMemoryCallback`] | `FreeCudaMemoryCallbacksRegistry` |
 //! | [`MempoolId`] | `MempoolId_t` (private pools for CUDA graphs) |
+//! | [`PoolCheckpoint`] | `PrivatePoolState` (`getCheckpointState` / `setCheckpointPoolState`) |
 
 mod allocator;
 pub mod backend;
@@ -100,7 +101,10 @@ pub mod snapshot;
 pub mod stats;
 mod trace;
 
-pub use allocator::{Allocation, CachingAllocator, InvariantViolation, DEFAULT_STREAM_CAPACITY};
+pub use allocator::{
+    Allocation, CachingAllocator, CheckpointDelta, InvariantViolation, PoolCheckpoint,
+    DEFAULT_STREAM_CAPACITY,
+};
 pub use device::{CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, MemInfo, StreamId};
 pub use error::{Error, Result};
 pub use pool_id::MempoolId;

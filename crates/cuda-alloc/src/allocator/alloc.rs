@@ -425,7 +425,9 @@ impl<D: Device> Locked<'_, D> {
         let limited = counters.set_fraction.load(Relaxed);
         let allowed = counters.allowed.load(Relaxed);
         let private = self.st.pools[pool as usize].private_id();
-        if self.a.settings.expandable_segments() {
+        // Like PyTorch, private pools (CUDA graphs) take whole device allocations: checkpoints of a
+        // pool describe segments as blocks of one allocation.
+        if self.a.settings.expandable_segments() && private.is_none() {
             if limited && counters.reserved.load(Relaxed) + alloc_size as u64 > allowed {
                 return Ok(None);
             }

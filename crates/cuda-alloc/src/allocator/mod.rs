@@ -14,6 +14,7 @@
 //! | `inspect` | statistics, snapshots, pointer lookups, the invariant walk |
 
 mod alloc;
+mod checkpoint;
 mod free;
 mod grow;
 mod hint;
@@ -42,6 +43,7 @@ use crate::snapshot::TraceEntry;
 use crate::stats::peaks::{Kind, PeakBook};
 use crate::trace::{Action, Record, TraceRecorder};
 
+pub use checkpoint::{CheckpointDelta, PoolCheckpoint};
 pub use invariants::InvariantViolation;
 pub(crate) use private::PrivatePool;
 
