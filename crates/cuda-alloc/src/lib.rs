@@ -98,6 +98,7 @@ mod settings;
 mod shard;
 pub mod size;
 pub mod snapshot;
+mod stack;
 pub mod stats;
 mod trace;
 
@@ -108,4 +109,5 @@ pub use allocator::{
 pub use device::{CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, MemInfo, StreamId};
 pub use error::{Error, Result};
 pub use pool_id::MempoolId;
+pub use stack::RecordContext;
 pub use trace::TraceTracker;

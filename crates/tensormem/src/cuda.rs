@@ -16,7 +16,7 @@
 //! | `synchronize`, `mem_get_info` | [`synchronize`], [`mem_get_info`] |
 //! | `memory_stats`, `memory_allocated`, `memory_reserved`, `max_memory_allocated` | [`memory_stats`], [`memory_allocated`], [`memory_reserved`], [`max_memory_allocated`], [`max_memory_reserved`] |
 //! | `reset_peak_memory_stats`, `reset_accumulated_memory_stats` | [`reset_peak_memory_stats`], [`reset_accumulated_memory_stats`] |
-//! | `memory_snapshot`, `memory._record_memory_history`, `memory._dump_snapshot` | [`memory_snapshot`], [`record_memory_history`], [`dump_snapshot`] |
+//! | `memory_snapshot`, `memory._record_memory_history`, `memory._dump_snapshot` | [`memory_snapshot`], [`record_memory_history`] / [`record_memory_history_with_context`] (stacks), [`dump_snapshot`] |
 //! | `set_per_process_memory_fraction`, `empty_cache` | [`set_per_process_memory_fraction`], [`empty_cache`] |
 //! | `memory._set_allocator_settings`, `_get_allocator_backend` | [`set_allocator_settings`], [`allocator_settings`], [`get_allocator_backend`] |
 //! | `caching_allocator_alloc`, `caching_allocator_delete` | [`caching_allocator_alloc`], [`caching_allocator_delete`] |
@@ -55,9 +55,9 @@ pub use memory::{
     caching_allocator_delete, caching_allocator_record_stream, device_memory_stats, dump_snapshot,
     empty_cache, get_allocator_backend, max_memory_allocated, max_memory_reserved,
     memory_allocated, memory_reserved, memory_snapshot, memory_stats, record_memory_history,
-    reset_accumulated_memory_stats, reset_peak_memory_stats, set_allocator_settings,
-    set_per_process_memory_fraction,
+    record_memory_history_with_context, reset_accumulated_memory_stats, reset_peak_memory_stats,
+    set_allocator_settings, set_per_process_memory_fraction,
 };
 pub use stream::{current_stream, default_stream, is_current_stream_capturing, set_stream, Stream};
 pub use tensormem_cuda_alloc::backend::cuda::{DeviceProperties, DeviceUuid};
-pub use tensormem_cuda_alloc::{DevicePtr, MemInfo, StreamId};
+pub use tensormem_cuda_alloc::{DevicePtr, MemInfo, RecordContext, StreamId};

@@ -214,7 +214,7 @@ impl<D: Device> CachingAllocator<D> {
                 if self.pointer_index_on() {
                     locked.st.allocated.forget(addr);
                 }
-                locked.free_allocated(index)?;
+                locked.free_allocated(index, None)?;
                 freed.push(DevicePtr(addr));
             }
         }
@@ -353,7 +353,7 @@ impl<D: Device> Locked<'_, D> {
         let mut at = head;
         for (i, state) in segment.blocks.iter().enumerate() {
             let split = i + 1 < segment.blocks.len();
-            let index = self.alloc_found_block(pool, at, state.size, state.size, split, true);
+            let index = self.alloc_found_block(pool, at, state.size, state.size, split, true, None);
             debug_assert_eq!(
                 (self.st.blocks[index].addr, self.st.blocks[index].size),
                 (state.addr, state.size)
@@ -380,7 +380,7 @@ impl<D: Device> Locked<'_, D> {
                     let addr = self.st.blocks[index].addr;
                     self.st.allocated.forget(addr);
                 }
-                self.free_allocated(index)?;
+                self.free_allocated(index, None)?;
             }
         }
         Ok(created)

@@ -168,8 +168,10 @@ impl<D: Device> CachingAllocator<D> {
     #[must_use]
     pub fn snapshot(&self) -> Snapshot {
         let device_traces = vec![self.trace.entries()];
-        let (_guard, locks) = self.lock_all();
+        let (guard, locks) = self.lock_all();
         let mut segments = Vec::new();
+        // Stacks of blocks, symbolized after the locks are released: (segment, block, stack).
+        let mut stacks = Vec::new();
         for locked in &locks {
             let st = &locked.st;
             for (index, head) in st.blocks.iter() {
@@ -211,6 +213,9 @@ impl<D: Device> CachingAllocator<D> {
                         segment.active_size += b.size;
                         segment.requested_size += b.requested;
                     }
+                    if let Some(stack) = st.stacks.get(&u64::from(at)) {
+                        stacks.push((segments.len(), segment.blocks.len(), stack.clone()));
+                    }
                     segment.blocks.push(Block {
                         address: b.addr,
                         size: b.size,
@@ -224,6 +229,10 @@ impl<D: Device> CachingAllocator<D> {
             }
         }
         drop(locks);
+        drop(guard);
+        for (segment, block, stack) in stacks {
+            segments[segment].blocks[block].frames = stack.frames().to_vec();
+        }
         segments.sort_by_key(|s| s.address);
         let total_active = segments.iter().map(|s| s.active_size).sum();
         self.trace

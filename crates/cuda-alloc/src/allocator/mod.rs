@@ -40,6 +40,7 @@ use crate::pool_id::MempoolId;
 use crate::settings::Settings;
 use crate::shard::{Shard, ShardGuard, ShardState, StreamTable};
 use crate::snapshot::TraceEntry;
+use crate::stack::{RecordContext, Stack};
 use crate::stats::peaks::{Kind, PeakBook};
 use crate::trace::{Action, Record, TraceRecorder};
 
@@ -429,7 +430,29 @@ impl<D: Device> CachingAllocator<D> {
     /// Turns the trace ring buffer on or off (`torch.cuda.memory._record_memory_history`); turning it
     /// off clears it. `max_entries` is at least 1.
     pub fn record_history(&self, enabled: bool, max_entries: usize) {
-        self.trace.configure(enabled, max_entries);
+        self.trace
+            .configure(enabled, max_entries, RecordContext::Never);
+    }
+
+    /// [`record_history`](Self::record_history) keeping call stacks as `context` says
+    /// (`torch.cuda.memory._record_memory_history(context=...)`): `State`, the stack of each live
+    /// allocation (snapshot blocks' `frames`); `Alloc`, also on the allocation's trace entries; `All`,
+    /// also the freeing call's stack on free entries. Stacks are captured unresolved (a few
+    /// microseconds per allocation) and symbolized when a snapshot or the trace is read (feature
+    /// `stacks`; without it no frames are recorded).
+    pub fn record_history_with_context(
+        &self,
+        enabled: bool,
+        max_entries: usize,
+        context: RecordContext,
+    ) {
+        self.trace.configure(enabled, max_entries, context);
+    }
+
+    /// The context level history is recorded with (`Never` while it is off).
+    #[must_use]
+    pub fn history_context(&self) -> RecordContext {
+        self.trace.context()
     }
 
     /// Whether the trace ring buffer is recording.
@@ -457,6 +480,7 @@ impl<D: Device> CachingAllocator<D> {
                 stream: StreamId(0),
                 time_us: crate::trace::now_us(),
                 user_metadata: Some(name.into().into_boxed_str()),
+                stack: None,
             });
         }
     }
@@ -566,6 +590,14 @@ impl<D: Device> Locked<'_, D> {
     #[inline]
     pub(crate) fn record(&self, action: Action, addr: u64, size: u64) {
         self.a.trace.record(action, addr, size, self.shard.stream);
+    }
+
+    /// Records a trace entry with its call stack (kept at context level `Alloc` and above).
+    #[inline]
+    pub(crate) fn record_with(&self, action: Action, addr: u64, size: u64, stack: Option<&Stack>) {
+        self.a
+            .trace
+            .record_with(action, addr, size, self.shard.stream, stack);
     }
 
     /// The pool index for a request of the given size class.

@@ -12,7 +12,7 @@ use tensormem_cuda_alloc::config::{AllocatorConfig, Backend};
 use tensormem_cuda_alloc::oom::OomEvent;
 use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_cuda_alloc::stats::MemoryStats;
-use tensormem_cuda_alloc::{CachingAllocator, DevicePtr};
+use tensormem_cuda_alloc::{CachingAllocator, DevicePtr, RecordContext};
 
 use super::device::resolve;
 use super::error::{Error, Result};
@@ -171,7 +171,25 @@ pub fn dump_snapshot(path: impl AsRef<Path>) -> Result<()> {
 ///
 /// The errors of initialising CUDA.
 pub fn record_memory_history(enabled: bool, max_entries: usize) -> Result<()> {
-    registry::record_history(enabled, max_entries.max(1))
+    registry::record_history(enabled, max_entries.max(1), RecordContext::Never)
+}
+
+/// [`record_memory_history`] keeping call stacks as `context` says
+/// (`torch.cuda.memory._record_memory_history(context=...)`): [`RecordContext::State`] the stack of
+/// each live allocation (snapshot blocks' `frames`, shown by `_memory_viz`), [`RecordContext::Alloc`]
+/// also on allocation trace entries, [`RecordContext::All`] also the freeing call's stack. Stacks are
+/// Rust call stacks, captured unresolved and symbolized when a snapshot is taken (file and line need
+/// debug information in the binary).
+///
+/// # Errors
+///
+/// The errors of initialising CUDA.
+pub fn record_memory_history_with_context(
+    enabled: bool,
+    max_entries: usize,
+    context: RecordContext,
+) -> Result<()> {
+    registry::record_history(enabled, max_entries.max(1), context)
 }
 
 /// Limits how much of `device`'s memory its allocator may hold to `fraction` of the total

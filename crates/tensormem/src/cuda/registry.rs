@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use tensormem_cuda_alloc::backend::cuda::{self as backend, CudaDevice};
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::oom::OomEvent;
-use tensormem_cuda_alloc::CachingAllocator;
+use tensormem_cuda_alloc::{CachingAllocator, RecordContext};
 
 use super::error::{Error, Result};
 use super::fork;
@@ -30,8 +30,8 @@ pub(crate) struct DeviceState {
 struct ProcessSettings {
     /// Configuration strings applied with `set_allocator_settings`, in order, after the environment's.
     applied: Vec<String>,
-    /// History recording: (enabled, max entries), when set.
-    history: Option<(bool, usize)>,
+    /// History recording: (enabled, max entries, stack context), when set.
+    history: Option<(bool, usize, RecordContext)>,
     /// Out-of-memory observers attached for every device, in order.
     oom_observers: Vec<SharedOomObserver>,
 }
@@ -71,8 +71,8 @@ impl DeviceState {
         }
         let allocator = CachingAllocator::with_config(CudaDevice::new(ordinal)?, config);
         allocator.set_caching_disabled(tensormem_cuda_alloc::config::caching_disabled_by_env());
-        if let Some((enabled, max_entries)) = process.history {
-            allocator.record_history(enabled, max_entries);
+        if let Some((enabled, max_entries, context)) = process.history {
+            allocator.record_history_with_context(enabled, max_entries, context);
         }
         for observer in &process.oom_observers {
             attach_shared(&allocator, observer);
@@ -180,13 +180,19 @@ pub(crate) fn apply_settings(config: &str) -> Result<()> {
 }
 
 /// Turns history recording on or off on every opened device's allocator and for devices opened later.
-pub(crate) fn record_history(enabled: bool, max_entries: usize) -> Result<()> {
+pub(crate) fn record_history(
+    enabled: bool,
+    max_entries: usize,
+    context: RecordContext,
+) -> Result<()> {
     get()?;
     let mut process = settings();
     for (_, state) in opened()? {
-        state.allocator.record_history(enabled, max_entries);
+        state
+            .allocator
+            .record_history_with_context(enabled, max_entries, context);
     }
-    process.history = Some((enabled, max_entries));
+    process.history = Some((enabled, max_entries, context));
     Ok(())
 }
 
