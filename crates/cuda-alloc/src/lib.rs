@@ -78,6 +78,7 @@
 //! | [`stats::MemoryStats`] | `DeviceStats` / `torch.cuda.memory_stats()` |
 //! | [`snapshot::Snapshot`] | `torch.cuda.memory._snapshot()` / `_dump_snapshot` pickles |
 //! | [`oom::FreeMemoryCallback`] | `FreeCudaMemoryCallbacksRegistry` |
+//! | [`host::HostCachingAllocator`] | `CachingHostAllocator` (pinned host memory, `torch.cuda.host_memory_stats`) |
 //! | [`MempoolId`] | `MempoolId_t` (private pools for CUDA graphs) |
 //! | [`PoolCheckpoint`] | `PrivatePoolState` (`getCheckpointState` / `setCheckpointPoolState`) |
 
@@ -90,6 +91,7 @@ mod error;
 mod events;
 mod expandable;
 mod free_set;
+pub mod host;
 pub mod oom;
 mod pointer_index;
 mod pool;
