@@ -24,6 +24,8 @@ mod harness;
 mod interop;
 #[path = "gpu/multi_gpu.rs"]
 mod multi_gpu;
+#[path = "gpu/pinned.rs"]
+mod pinned;
 #[path = "gpu/streams.rs"]
 mod streams;
 #[path = "gpu/teardown.rs"]

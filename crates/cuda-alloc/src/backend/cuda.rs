@@ -43,6 +43,7 @@ mod capture;
 mod context;
 mod driver;
 mod event;
+mod pinned;
 mod properties;
 mod registry;
 mod stream;
@@ -60,6 +61,7 @@ use crate::device::{
 
 pub use cached_slice::CachedSlice;
 pub use context::has_primary_context;
+pub use pinned::CudaPinnedSource;
 use context::PrimaryContext;
 pub use driver::{device_count, init};
 pub use event::{CudaEvent, IPC_HANDLE_SIZE};
