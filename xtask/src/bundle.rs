@@ -17,8 +17,11 @@ use anyhow::{bail, Context, Result};
 
 use crate::gpu_tests::{cargo, GPU_EXAMPLES, GPU_TEST_TARGETS};
 
-/// The benchmark binary copied beside the tests: (package, binary).
-const BENCH_BIN: (&str, &str) = ("tensormem-benches", "alloc_patterns");
+/// The benchmark binaries copied beside the tests: (package, binary).
+const BENCH_BINS: [(&str, &str); 2] = [
+    ("tensormem-benches", "alloc_patterns"),
+    ("tensormem-benches", "pinned_patterns"),
+];
 
 /// Builds the bundle into `dir` (created if missing; files of an earlier bundle are replaced).
 pub(crate) fn build(dir: &Path) -> Result<()> {
@@ -64,14 +67,15 @@ pub(crate) fn build(dir: &Path) -> Result<()> {
         copy_executable(&exe, &dest)?;
         files.push(dest);
     }
-    let (package, bin) = BENCH_BIN;
-    let exe = build_one(&["build", "-p", package, "--bin", bin], |artifact| {
-        target_name(artifact) == Some(bin)
-    })
-    .with_context(|| format!("building {bin}"))?;
-    let dest = dir.join(bin);
-    copy_executable(&exe, &dest)?;
-    files.push(dest);
+    for (package, bin) in BENCH_BINS {
+        let exe = build_one(&["build", "-p", package, "--bin", bin], |artifact| {
+            target_name(artifact) == Some(bin)
+        })
+        .with_context(|| format!("building {bin}"))?;
+        let dest = dir.join(bin);
+        copy_executable(&exe, &dest)?;
+        files.push(dest);
+    }
 
     let run_sh = dir.join("run.sh");
     fs::write(&run_sh, RUN_SH).with_context(|| format!("could not write {}", run_sh.display()))?;
@@ -191,7 +195,11 @@ fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
          The allocator benchmark against PyTorch (from the repository root, with the anchors of\n\
          ../shared/anchors):\n\n    bash ../shared/anchors/compare_alloc.sh gpu-bundle/alloc_patterns\n\n\
          alloc_patterns --sim runs the same patterns on the simulated device; --raw uses the pointer API\n\
-         (raw_alloc/raw_free) instead of Allocation handles.\n\n",
+         (raw_alloc/raw_free) instead of Allocation handles; --history LEVEL records memory history\n\
+         (none, state, alloc, all) while timing.\n\n\
+         The pinned host allocator against PyTorch's, in one call:\n\n    \
+         gpu-bundle/pinned_patterns; gpu-bundle/pinned_patterns --register 8; \
+         python3 ../shared/anchors/torch_pinned_bench.py\n\n",
     );
     let name = dir.file_name().map_or_else(
         || dir.display().to_string(),

@@ -29,11 +29,18 @@ fn requests_round_to_powers_of_two_and_reuse_their_class() {
     let e = host.allocate(6000).unwrap();
     assert_eq!(e.as_ptr(), pb);
     let f = host.allocate(100).unwrap();
-    assert_ne!(f.as_ptr(), pa, "a 4 KiB block in use is not handed out twice");
+    assert_ne!(
+        f.as_ptr(),
+        pa,
+        "a 4 KiB block in use is not handed out twice"
+    );
     let flat = host.stats().to_flat();
     assert_eq!(flat["num_host_alloc"], 4);
     assert_eq!(flat["allocations.current"], 4);
-    assert_eq!(flat["allocated_bytes.current"], 4096 + 8192 + (1 << 20) + 4096);
+    assert_eq!(
+        flat["allocated_bytes.current"],
+        4096 + 8192 + (1 << 20) + 4096
+    );
     assert_eq!(flat["active_requests.current"], 4);
     for buffer in [c, d, e, f] {
         host.free(buffer).unwrap();
@@ -50,7 +57,11 @@ fn a_block_used_by_streams_is_reused_only_after_their_work_completes() {
     host.record_stream(&a, s1).unwrap();
     host.record_stream(&a, s2).unwrap();
     host.free(a).unwrap();
-    assert_eq!(host.stats().active_requests.current, 1, "still in use by copies");
+    assert_eq!(
+        host.stats().active_requests.current,
+        1,
+        "still in use by copies"
+    );
     let b = host.allocate(4096).unwrap();
     assert_ne!(b.as_ptr(), pa, "not reused while both streams may read it");
     host.device().complete_stream_work(s1);
@@ -81,7 +92,10 @@ fn empty_cache_returns_free_blocks_and_keeps_those_in_use() {
     host.empty_cache().unwrap();
     let stats = host.stats();
     assert_eq!(stats.num_host_free, 1);
-    assert_eq!(stats.allocations.current, 2, "the live and the pending block stay");
+    assert_eq!(
+        stats.allocations.current, 2,
+        "the live and the pending block stay"
+    );
     assert_eq!(stats.allocated_bytes.current, (1 << 16) + (1 << 12));
     host.device().complete_stream_work(StreamId(3));
     host.free(live).unwrap();
@@ -103,7 +117,10 @@ fn empty_cache_returns_free_blocks_and_keeps_those_in_use() {
 fn foreign_and_empty_buffers() {
     let (one, other) = (host(), host());
     let a: PinnedBuffer = one.allocate(10).unwrap();
-    assert!(matches!(other.record_stream(&a, StreamId(0)), Err(Error::InvalidPointer { .. })));
+    assert!(matches!(
+        other.record_stream(&a, StreamId(0)),
+        Err(Error::InvalidPointer { .. })
+    ));
     let empty = one.allocate(0).unwrap();
     assert!(empty.is_empty() && empty.as_slice().is_empty());
     one.free(empty).unwrap();

@@ -61,10 +61,10 @@ use crate::device::{
 
 pub use cached_slice::CachedSlice;
 pub use context::has_primary_context;
-pub use pinned::CudaPinnedSource;
 use context::PrimaryContext;
 pub use driver::{device_count, init};
 pub use event::{CudaEvent, IPC_HANDLE_SIZE};
+pub use pinned::CudaPinnedSource;
 pub use properties::{can_access_peer, device_properties, DeviceProperties, DeviceUuid};
 pub use stream::CudaStream;
 use vmm::ChunkKind;

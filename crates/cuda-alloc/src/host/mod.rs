@@ -235,7 +235,12 @@ impl<D: Device> HostCachingAllocator<D> {
         let started = Instant::now();
         let ptr = self.source.alloc(rounded)?;
         let took = started.elapsed();
-        tracing::debug!(bytes = rounded, source = self.source.name(), ?took, "pinned host block");
+        tracing::debug!(
+            bytes = rounded,
+            source = self.source.name(),
+            ?took,
+            "pinned host block"
+        );
         let addr = ptr.as_ptr() as usize;
         let mut state = self.state.lock();
         state.blocks.insert(
@@ -303,7 +308,10 @@ impl<D: Device> HostCachingAllocator<D> {
         self.check_owner(&buffer)?;
         let addr = buffer.ptr.as_ptr() as usize;
         let mut state = self.state.lock();
-        let block = state.blocks.get_mut(&addr).ok_or_else(|| invalid(&buffer))?;
+        let block = state
+            .blocks
+            .get_mut(&addr)
+            .ok_or_else(|| invalid(&buffer))?;
         block.allocated = false;
         let streams = std::mem::take(&mut block.streams);
         let size = block.size;
@@ -447,7 +455,10 @@ impl<D: Device> HostCachingAllocator<D> {
             }
             let (event, addr) = state.events.pop_front().expect("peeked");
             state.spare_events.push(event);
-            let block = state.blocks.get_mut(&addr).expect("pending blocks are known");
+            let block = state
+                .blocks
+                .get_mut(&addr)
+                .expect("pending blocks are known");
             block.event_count -= 1;
             if block.event_count == 0 {
                 let size = block.size;

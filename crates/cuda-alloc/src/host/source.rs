@@ -65,7 +65,6 @@ unsafe impl PinnedSource for HeapSource {
 
 /// The page-aligned layout of `size` bytes.
 pub(crate) fn layout(size: usize) -> DeviceResult<Layout> {
-    Layout::from_size_align(size.max(1), HOST_ALIGNMENT).map_err(|_| DeviceError::OutOfMemory {
-        bytes: size as u64,
-    })
+    Layout::from_size_align(size.max(1), HOST_ALIGNMENT)
+        .map_err(|_| DeviceError::OutOfMemory { bytes: size as u64 })
 }

@@ -24,7 +24,11 @@ impl DurationStat {
         let us = i64::try_from(took.as_micros()).unwrap_or(i64::MAX);
         self.total = self.total.saturating_add(us);
         self.max = self.max.max(us);
-        self.min = if self.count == 0 { us } else { self.min.min(us) };
+        self.min = if self.count == 0 {
+            us
+        } else {
+            self.min.min(us)
+        };
         self.count += 1;
     }
 

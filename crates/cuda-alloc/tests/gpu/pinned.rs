@@ -91,7 +91,11 @@ fn a_block_a_stream_still_reads_is_not_reused_until_it_completes() {
     host.record_stream(&a, stream.id()).unwrap();
     host.free(a).unwrap(); // its event waits behind the held host function
     let b = host.allocate(MIB).unwrap();
-    assert_ne!(b.as_ptr(), first, "reused while the stream may still read it");
+    assert_ne!(
+        b.as_ptr(),
+        first,
+        "reused while the stream may still read it"
+    );
     open.send(()).unwrap();
     stream.synchronize().unwrap();
     let c = host.allocate(MIB).unwrap();

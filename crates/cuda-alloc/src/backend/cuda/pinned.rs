@@ -106,17 +106,15 @@ unsafe impl PinnedSource for CudaPinnedSource {
                 let result =
                     unsafe { sys::cuMemHostAlloc(&mut ptr, size, sys::CU_MEMHOSTALLOC_PORTABLE) };
                 check_alloc("cuMemHostAlloc", result, size)?;
-                NonNull::new(ptr.cast::<u8>()).ok_or(DeviceError::OutOfMemory {
-                    bytes: size as u64,
-                })
+                NonNull::new(ptr.cast::<u8>())
+                    .ok_or(DeviceError::OutOfMemory { bytes: size as u64 })
             }
             Mode::Register { threads } => {
                 let layout = crate::host::heap_layout(size)?;
                 // SAFETY: the layout's size is non-zero.
                 let raw = unsafe { std::alloc::alloc(layout) };
-                let ptr = NonNull::new(raw).ok_or(DeviceError::OutOfMemory {
-                    bytes: size as u64,
-                })?;
+                let ptr =
+                    NonNull::new(raw).ok_or(DeviceError::OutOfMemory { bytes: size as u64 })?;
                 touch_pages(ptr, size, threads);
                 // SAFETY: `[ptr, ptr + size)` is a live heap allocation, page-aligned, not registered.
                 let result = unsafe {
