@@ -21,6 +21,7 @@
 //! | `memory._set_allocator_settings`, `_get_allocator_backend` | [`set_allocator_settings`], [`allocator_settings`], [`get_allocator_backend`] |
 //! | `caching_allocator_alloc`, `caching_allocator_delete` | [`caching_allocator_alloc`], [`caching_allocator_delete`] |
 //! | `_is_in_bad_fork` | [`is_in_bad_fork`] |
+//! | `_cuda_cudaHostAllocator`, `host_memory_stats`, `_host_emptyCache` | [`host_allocator`], [`alloc_pinned`] / [`free_pinned`] / [`record_pinned_stream`], [`host_memory_stats`], [`host_empty_cache`] |
 //! | `_cuda_hasPrimaryContext` | [`has_primary_context`] |
 //! | `_cuda_attach_out_of_memory_observer` | [`attach_out_of_memory_observer`] (every device, including those used later) |
 //! | `PYTORCH_NO_CUDA_MEMORY_CACHING` | read with `TENSORMEM_NO_CUDA_MEMORY_CACHING` when a device is first used (see [`CachingAllocator::set_caching_disabled`](crate::cuda_alloc::CachingAllocator::set_caching_disabled)) |
@@ -39,6 +40,7 @@
 mod device;
 mod error;
 mod fork;
+mod host;
 mod memory;
 mod registry;
 mod stream;
@@ -50,6 +52,10 @@ pub use device::{
 };
 pub use error::{Error, Result};
 pub use fork::is_in_bad_fork;
+pub use host::{
+    alloc_pinned, free_pinned, host_allocator, host_empty_cache, host_memory_stats, host_stats,
+    record_pinned_stream,
+};
 pub use memory::{
     allocator_settings, attach_out_of_memory_observer, caching_allocator, caching_allocator_alloc,
     caching_allocator_delete, caching_allocator_record_stream, device_memory_stats, dump_snapshot,

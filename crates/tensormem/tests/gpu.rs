@@ -347,3 +347,29 @@ fn an_out_of_memory_observer_hears_of_every_devices_errors() {
     });
     assert_eq!(heard.load(Ordering::Relaxed), 1);
 }
+
+#[test]
+fn pinned_host_memory_is_cached_per_device_with_pytorchs_host_keys() {
+    let Some((_, _lock)) = gpus() else { return };
+    on_new_thread(|| {
+        let stream = Stream::new(Some(0)).unwrap();
+        let mut buffer = cuda::alloc_pinned(3 * MIB).unwrap();
+        buffer.as_mut_slice().fill(9);
+        cuda::record_pinned_stream(&buffer, &stream).unwrap();
+        let first = buffer.as_ptr();
+        cuda::free_pinned(buffer).unwrap();
+        stream.synchronize().unwrap();
+        let again = cuda::alloc_pinned(4 * MIB).unwrap();
+        assert_eq!(
+            again.as_ptr(),
+            first,
+            "the 4 MiB class, reused once the stream is idle"
+        );
+        let stats = cuda::host_memory_stats().unwrap();
+        assert_eq!(stats["active_requests.current"], 1);
+        assert!(stats["allocated_bytes.current"] >= (4 * MIB) as i64);
+        cuda::free_pinned(again).unwrap();
+        cuda::host_empty_cache().unwrap();
+        assert_eq!(cuda::host_memory_stats().unwrap()["allocations.current"], 0);
+    });
+}

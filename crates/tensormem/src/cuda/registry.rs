@@ -3,8 +3,9 @@
 
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use tensormem_cuda_alloc::backend::cuda::{self as backend, CudaDevice};
+use tensormem_cuda_alloc::backend::cuda::{self as backend, CudaDevice, CudaPinnedSource};
 use tensormem_cuda_alloc::config::AllocatorConfig;
+use tensormem_cuda_alloc::host::HostCachingAllocator;
 use tensormem_cuda_alloc::oom::OomEvent;
 use tensormem_cuda_alloc::{CachingAllocator, RecordContext};
 
@@ -22,6 +23,8 @@ pub(crate) struct Registry {
 #[derive(Debug)]
 pub(crate) struct DeviceState {
     allocator: CachingAllocator<CudaDevice>,
+    /// The pinned host allocator whose blocks' reuse waits on this device's streams, made on first use.
+    host: OnceLock<HostCachingAllocator<CudaDevice>>,
 }
 
 /// Settings made for all devices, including those not opened yet (PyTorch's allocator settings and
@@ -77,7 +80,23 @@ impl DeviceState {
         for observer in &process.oom_observers {
             attach_shared(&allocator, observer);
         }
-        Ok(Self { allocator })
+        Ok(Self {
+            allocator,
+            host: OnceLock::new(),
+        })
+    }
+
+    /// The device's pinned host allocator, configured by the allocator's settings
+    /// (`pinned_use_cuda_host_register`, `pinned_num_register_threads`) when first used.
+    pub(crate) fn host(&self, ordinal: u32) -> Result<&HostCachingAllocator<CudaDevice>> {
+        if let Some(host) = self.host.get() {
+            return Ok(host);
+        }
+        let device = CudaDevice::new(ordinal)?;
+        let source = CudaPinnedSource::from_config(&device, &self.allocator.config());
+        Ok(self
+            .host
+            .get_or_init(|| HostCachingAllocator::new(device, source)))
     }
 
     /// The device.
