@@ -117,3 +117,26 @@ fn turning_history_off_drops_the_context() {
     free_here(&alloc, a);
     assert!(alloc.trace().is_empty());
 }
+
+#[test]
+fn a_free_held_back_by_another_stream_keeps_its_stacks_until_it_completes() {
+    let alloc = CachingAllocator::new(SimDevice::new(1 << 30));
+    alloc.record_history_with_context(true, 100, RecordContext::All);
+    let a = allocate_here(&alloc, 4096);
+    alloc.record_stream(&a, StreamId(7)).unwrap();
+    free_here(&alloc, a);
+    alloc.check_invariants().unwrap();
+    let pending = alloc.snapshot();
+    let block = &pending.segments[0].blocks[0];
+    assert!(
+        names(&block.frames, "allocate_here"),
+        "the pending block shows its allocation"
+    );
+    alloc.device().complete_stream_work(StreamId(7));
+    let b = allocate_here(&alloc, 4096); // processes the event: the free completes
+    alloc.check_invariants().unwrap();
+    let completed = frames_of(&alloc.trace(), TraceAction::FreeCompleted);
+    assert!(names(completed[0].as_ref().unwrap(), "free_here"));
+    free_here(&alloc, b);
+    alloc.check_invariants().unwrap();
+}
