@@ -78,6 +78,9 @@ pub(crate) struct ShardState<D: Device> {
     pub(crate) stacks: AddrMap<Stack>,
     /// The freeing call's stack of blocks freed at context level `All` that wait for other streams.
     pub(crate) free_stacks: AddrMap<Stack>,
+    /// The stack that made each segment (not expandable ones), by its address, while history kept
+    /// stacks (snapshot segments' `frames`).
+    pub(crate) segment_stacks: AddrMap<Stack>,
 }
 
 impl<D: Device> ShardState<D> {
@@ -94,6 +97,7 @@ impl<D: Device> ShardState<D> {
             capture_uses: AddrMap::default(),
             stacks: AddrMap::default(),
             free_stacks: AddrMap::default(),
+            segment_stacks: AddrMap::default(),
         }
     }
 

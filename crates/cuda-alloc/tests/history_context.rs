@@ -132,6 +132,10 @@ fn a_free_held_back_by_another_stream_keeps_its_stacks_until_it_completes() {
         names(&block.frames, "allocate_here"),
         "the pending block shows its allocation"
     );
+    assert!(
+        names(&pending.segments[0].frames, "allocate_here"),
+        "the segment shows the allocation that made it"
+    );
     alloc.device().complete_stream_work(StreamId(7));
     let b = allocate_here(&alloc, 4096); // processes the event: the free completes
     alloc.check_invariants().unwrap();

@@ -507,6 +507,9 @@ impl<D: Device> Locked<'_, D> {
             self.inc_figure(OVERSIZE_SEGMENTS, 1);
         }
         counters.num_device_alloc.fetch_add(1, Relaxed);
+        if let Some(stack) = stack {
+            self.st.segment_stacks.insert(ptr.0, stack.clone());
+        }
         self.record_with(Action::SegmentAlloc, ptr.0, alloc_size as u64, stack);
         Ok(Some(block))
     }

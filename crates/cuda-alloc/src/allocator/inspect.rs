@@ -195,6 +195,9 @@ impl<D: Device> CachingAllocator<D> {
                     is_expandable: head.is_expandable(),
                     ..Segment::default()
                 };
+                if let Some(stack) = st.segment_stacks.get(&head.addr) {
+                    stacks.push((segments.len(), usize::MAX, stack.clone()));
+                }
                 let mut at = index;
                 while at != NIL && st.blocks[at].mapped {
                     let b = &st.blocks[at];
@@ -231,7 +234,11 @@ impl<D: Device> CachingAllocator<D> {
         drop(locks);
         drop(guard);
         for (segment, block, stack) in stacks {
-            segments[segment].blocks[block].frames = stack.frames().to_vec();
+            let frames = stack.frames().to_vec();
+            match segments[segment].blocks.get_mut(block) {
+                Some(block) => block.frames = frames,
+                None => segments[segment].frames = frames, // the segment's own (usize::MAX)
+            }
         }
         segments.sort_by_key(|s| s.address);
         let total_active = segments.iter().map(|s| s.active_size).sum();

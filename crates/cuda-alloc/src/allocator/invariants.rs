@@ -69,6 +69,14 @@ fn check_shard<D: Device>(
             );
         }
     }
+    for &addr in st.segment_stacks.keys() {
+        ensure!(
+            st.blocks
+                .iter()
+                .any(|(_, b)| b.addr == addr && b.prev == NIL && !b.is_expandable()),
+            "a segment stack is kept for {addr:#x}, which starts no segment"
+        );
+    }
     let stream = locked.shard.stream;
     let blocks = &st.blocks;
     let mut expected = [0i64; FIGURES];
