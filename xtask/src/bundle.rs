@@ -1,5 +1,6 @@
 //! `cargo xtask test-gpu --bundle DIR`: the GPU test executables, the GPU examples, the
-//! `alloc_patterns` benchmark and a `run.sh`, built here for a GPU host that has no Rust toolchain.
+//! benchmark binaries (`alloc_patterns`, `shm_bench`, `shm_pool_bench`, `shm_loader_bench`) and a
+//! `run.sh`, built here for a GPU host that has no Rust toolchain.
 //!
 //! The executables are built in release without debug info and stripped (through `CARGO_PROFILE_*`
 //! variables, so the workspace's profiles stay as they are), found through cargo's JSON messages, and
@@ -17,11 +18,27 @@ use anyhow::{bail, Context, Result};
 
 use crate::gpu_tests::{cargo, GPU_EXAMPLES, GPU_TEST_TARGETS};
 
-/// The benchmark binaries copied beside the tests: (package, binary).
-const BENCH_BINS: [(&str, &str); 2] = [
+/// The benchmark binaries copied beside the tests: (package, binary). Each is self-contained (the
+/// sharing benchmarks re-execute themselves as their consumer processes).
+const BENCH_BINS: &[(&str, &str)] = &[
     ("tensormem-benches", "alloc_patterns"),
+    ("tensormem-benches", "ipc_roundtrip"),
     ("tensormem-benches", "pinned_patterns"),
+    ("tensormem-benches", "shm_bench"),
+    ("tensormem-benches", "shm_pool_bench"),
+    ("tensormem-benches", "shm_loader_bench"),
 ];
+
+/// PyTorch's pluggable allocator library: (package, library target name, file name), copied into
+/// `DIR/torch/` with the crate's Python scripts.
+const TORCH_PLUGIN: (&str, &str, &str) = (
+    "tensormem-torch",
+    "tensormem_torch",
+    "libtensormem_torch.so",
+);
+
+/// The Python scripts of the plugin crate, relative to the workspace root.
+const TORCH_PYTHON_DIR: &str = "crates/torch-plugin/python";
 
 /// Builds the bundle into `dir` (created if missing; files of an earlier bundle are replaced).
 pub(crate) fn build(dir: &Path) -> Result<()> {
@@ -67,7 +84,7 @@ pub(crate) fn build(dir: &Path) -> Result<()> {
         copy_executable(&exe, &dest)?;
         files.push(dest);
     }
-    for (package, bin) in BENCH_BINS {
+    for &(package, bin) in BENCH_BINS {
         let exe = build_one(&["build", "-p", package, "--bin", bin], |artifact| {
             target_name(artifact) == Some(bin)
         })
@@ -76,6 +93,8 @@ pub(crate) fn build(dir: &Path) -> Result<()> {
         copy_executable(&exe, &dest)?;
         files.push(dest);
     }
+
+    files.push(bundle_torch_plugin(dir)?);
 
     let run_sh = dir.join("run.sh");
     fs::write(&run_sh, RUN_SH).with_context(|| format!("could not write {}", run_sh.display()))?;
@@ -101,9 +120,63 @@ pub(crate) fn build(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Builds the PyTorch plugin library into `DIR/torch/` beside its Python scripts; returns the library's
+/// path there.
+fn bundle_torch_plugin(dir: &Path) -> Result<PathBuf> {
+    let (package, target, file) = TORCH_PLUGIN;
+    let torch_dir = dir.join("torch");
+    if torch_dir.exists() {
+        fs::remove_dir_all(&torch_dir)
+            .with_context(|| format!("could not clear {}", torch_dir.display()))?;
+    }
+    fs::create_dir_all(&torch_dir)
+        .with_context(|| format!("could not create {}", torch_dir.display()))?;
+    let lib = build_artifact(
+        &["build", "-p", package, "--lib"],
+        |artifact| target_name(artifact) == Some(target),
+        |artifact| {
+            artifact["filenames"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(serde_json::Value::as_str)
+                .find(|f| f.ends_with(".so"))
+                .map(PathBuf::from)
+        },
+    )
+    .with_context(|| format!("building {package}"))?;
+    let dest = torch_dir.join(file);
+    fs::copy(&lib, &dest)
+        .with_context(|| format!("could not copy {} to {}", lib.display(), dest.display()))?;
+    let python = crate::gpu_tests::workspace_root().join(TORCH_PYTHON_DIR);
+    for entry in
+        fs::read_dir(&python).with_context(|| format!("could not read {}", python.display()))?
+    {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "py") {
+            let to = torch_dir.join(path.file_name().unwrap_or_default());
+            fs::copy(&path, &to).with_context(|| {
+                format!("could not copy {} to {}", path.display(), to.display())
+            })?;
+        }
+    }
+    Ok(dest)
+}
+
 /// Runs `cargo <args> --release --message-format=json` with debug info off and stripping on, and returns
 /// the one executable whose artifact message `wanted` accepts.
 fn build_one(args: &[&str], wanted: impl Fn(&serde_json::Value) -> bool) -> Result<PathBuf> {
+    build_artifact(args, wanted, |artifact| {
+        artifact["executable"].as_str().map(PathBuf::from)
+    })
+}
+
+/// As [`build_one`], with `file` picking the wanted file out of an accepted artifact message.
+fn build_artifact(
+    args: &[&str],
+    wanted: impl Fn(&serde_json::Value) -> bool,
+    file: impl Fn(&serde_json::Value) -> Option<PathBuf>,
+) -> Result<PathBuf> {
     let mut cmd = cargo();
     cmd.args(args)
         .args(["--release", "--message-format=json-render-diagnostics"])
@@ -125,8 +198,8 @@ fn build_one(args: &[&str], wanted: impl Fn(&serde_json::Value) -> bool) -> Resu
         if msg["reason"] != "compiler-artifact" || !wanted(&msg) {
             continue;
         }
-        if let Some(exe) = msg["executable"].as_str() {
-            found.push(PathBuf::from(exe));
+        if let Some(path) = file(&msg) {
+            found.push(path);
         }
     }
     let status = child.wait().context("waiting for cargo")?;
@@ -199,7 +272,18 @@ fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
          (none, state, alloc, all) while timing.\n\n\
          The pinned host allocator against PyTorch's, in one call:\n\n    \
          gpu-bundle/pinned_patterns; gpu-bundle/pinned_patterns --register 8; \
-         python3 ../shared/anchors/torch_pinned_bench.py\n\n",
+         python3 ../shared/anchors/torch_pinned_bench.py\n\n\
+         The CUDA IPC round trip against PyTorch's (same call, same machine):\n\n    \
+         gpu-bundle/ipc_roundtrip; python3 ../shared/anchors/torch_sharing_bench.py\n\n\
+         The sharing benchmarks, each beside its PyTorch anchor in the same call:\n\n    \
+         gpu-bundle/shm_pool_bench; python3 ../shared/anchors/torch_sharing_bench.py\n    \
+         gpu-bundle/shm_loader_bench 67108864 200 4; python3 ../shared/anchors/torch_loader_bench.py 67108864 200 4\n    \
+         gpu-bundle/shm_loader_bench 1048576 100 2; python3 ../shared/anchors/torch_loader_bench.py 1048576 100 2\n\n\
+         (shm_bench prints the non-pooled round trips, copy plans and the machine's huge-page settings.)\n\n\
+         torch/ holds PyTorch's pluggable allocator on tensormem (libtensormem_torch.so) and its Python\n\
+         scripts; run.sh runs the real-client checks (GPT-2 and CUDA-graph training, losses against the\n\
+         native allocator). The benchmark against PyTorch's native allocator, in one call:\n\n\
+         \x20   python3 gpu-bundle/torch/step_bench.py --lib gpu-bundle/torch/libtensormem_torch.so\n\n",
     );
     let name = dir.file_name().map_or_else(
         || dir.display().to_string(),
@@ -224,6 +308,9 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 export TENSORMEM_REQUIRE_GPU=1
+# PyTorch's pluggable allocator on tensormem and its scripts, for the real-client tests.
+export TENSORMEM_TORCH_LIB="$here/torch/libtensormem_torch.so"
+export TENSORMEM_TORCH_PYTHON="$here/torch"
 if python3 -c 'import torch' >/dev/null 2>&1; then
   export TENSORMEM_REQUIRE_TORCH=1
   echo "run.sh: python3 has torch: PyTorch interop checks are required"
@@ -260,6 +347,12 @@ mod tests {
     fn run_sh_names_the_variables_the_tests_read() {
         assert!(RUN_SH.contains(&format!("export {REQUIRE_GPU}=1")));
         assert!(RUN_SH.contains(&format!("export {REQUIRE_TORCH}=1")));
+        // The names tensormem-torch's tests read.
+        assert!(RUN_SH.contains(&format!(
+            "export TENSORMEM_TORCH_LIB=\"$here/torch/{}\"",
+            super::TORCH_PLUGIN.2
+        )));
+        assert!(RUN_SH.contains("export TENSORMEM_TORCH_PYTHON=\"$here/torch\""));
     }
 
     #[test]

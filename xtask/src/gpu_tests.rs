@@ -8,8 +8,15 @@ use anyhow::{bail, Context, Result};
 /// The integration-test targets that hold GPU tests: (package, test target). Each GPU test checks for a
 /// driver and device itself and skips with a message on stderr when there is none, unless
 /// [`REQUIRE_GPU`] is set.
-pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] =
-    &[("tensormem-cuda-alloc", "gpu"), ("tensormem", "gpu")];
+pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] = &[
+    ("tensormem-cuda-alloc", "gpu"),
+    ("tensormem", "gpu"),
+    ("tensormem-ipc", "gpu"),
+    ("tensormem", "storage_gpu"),
+    ("tensormem-storage", "torch_interop"),
+    ("tensormem-torch", "gpu"),
+    ("tensormem-torch", "torch_client"),
+];
 
 /// Examples that run on a GPU as checks: (package, example). Each skips with a message when there is
 /// no driver or device, unless [`REQUIRE_GPU`] is set, and exits non-zero when something is wrong.

@@ -5,7 +5,8 @@
 //!   `TENSORMEM_REQUIRE_TORCH=1` when `python3 -c 'import torch'` works, so that the PyTorch interop checks
 //!   run too.
 //! - `cargo xtask test-gpu --bundle DIR`: builds the same test executables (release, no debug info,
-//!   stripped) and the `alloc_patterns` benchmark into `DIR` with a `run.sh`, for GPU hosts that have no
+//!   stripped) and the benchmark binaries (`alloc_patterns`, `shm_bench`, `shm_pool_bench`,
+//!   `shm_loader_bench`) into `DIR` with a `run.sh`, for GPU hosts that have no
 //!   Rust toolchain. `bash DIR/run.sh` there runs them all and exits non-zero if any failed.
 
 mod bundle;
@@ -30,7 +31,7 @@ enum Task {
     /// Run all GPU tests here (failing where no GPU is found), or build them into a bundle to run on a
     /// GPU host without a Rust toolchain.
     TestGpu {
-        /// Build the GPU test executables, `alloc_patterns` and a `run.sh` into this folder instead of
+        /// Build the GPU test executables, the benchmark binaries and a `run.sh` into this folder instead of
         /// running them.
         #[arg(long, value_name = "DIR")]
         bundle: Option<PathBuf>,

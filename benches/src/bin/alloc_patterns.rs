@@ -22,7 +22,7 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use tensormem_cuda_alloc::backend::cuda::{CudaDevice, CudaStream};
+use tensormem_cuda_alloc::backend::cuda::{BackendStream, CudaBackend};
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::{
@@ -202,16 +202,16 @@ fn mixed_op_ns<D: Device, A: Api<D>>(a: &CachingAllocator<D>, stream: StreamId) 
 
 /// A stream for one thread of the benchmark, kept alive for as long as the thread uses it.
 trait StreamSource: Sync {
-    fn stream(&self, thread: usize) -> RunResult<(StreamId, Option<CudaStream>)>;
+    fn stream(&self, thread: usize) -> RunResult<(StreamId, Option<BackendStream>)>;
 }
 
 /// Non-blocking streams of a real device.
-struct CudaStreams<'a>(&'a CudaDevice);
+struct CudaStreams<'a>(&'a CudaBackend);
 /// Made-up stream ids for the simulated device.
 struct SimStreams;
 
 impl StreamSource for CudaStreams<'_> {
-    fn stream(&self, _thread: usize) -> RunResult<(StreamId, Option<CudaStream>)> {
+    fn stream(&self, _thread: usize) -> RunResult<(StreamId, Option<BackendStream>)> {
         let stream = self
             .0
             .create_stream()
@@ -221,7 +221,7 @@ impl StreamSource for CudaStreams<'_> {
 }
 
 impl StreamSource for SimStreams {
-    fn stream(&self, thread: usize) -> RunResult<(StreamId, Option<CudaStream>)> {
+    fn stream(&self, thread: usize) -> RunResult<(StreamId, Option<BackendStream>)> {
         Ok((StreamId(0x5000 + thread as u64), None))
     }
 }
@@ -379,7 +379,7 @@ fn run(options: &Options) -> RunResult<()> {
             run_patterns::<_, HandleApi>(&a, backend, &SimStreams)
         }
     } else {
-        let device = CudaDevice::new(options.device)
+        let device = CudaBackend::new(options.device)
             .map_err(|e| format!("opening CUDA device {}: {e}", options.device))?;
         let a = CachingAllocator::with_config(device, config);
         start_history(&a, options);

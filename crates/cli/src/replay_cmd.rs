@@ -30,8 +30,9 @@ pub(crate) struct ReplayArgs {
     #[arg(long = "config", value_name = "STR")]
     configs: Vec<String>,
 
-    /// Print {"trace", "events", "runs": [{"config", "stats", "seconds"}]} as JSON on stdout, and
-    /// nothing else there.
+    /// Print {"trace", "events", "runs": [{"config", "stats", "devices": {"D": {"stats"}},
+    /// "seconds"}]} as JSON on stdout, and nothing else there ("stats" is device 0's, as
+    /// memory_stats() with no argument).
     #[arg(long)]
     json: bool,
 
@@ -148,7 +149,8 @@ fn print_report(
 ) -> std::io::Result<()> {
     let mut stdout = std::io::stdout().lock();
     if args.json {
-        let json = json_report(&source.name, replay.events(), runs);
+        let mut json = json_report(&source.name, replay.events(), runs);
+        json["pools"] = pools_json(replay);
         serde_json::to_writer_pretty(&mut stdout, &json)?;
         writeln!(stdout)?;
     } else {
@@ -159,6 +161,17 @@ fn print_report(
                 events: replay.events(),
                 devices: replay.devices().len(),
                 expected_from: source.expected_from.as_deref(),
+                capacity: replay
+                    .devices()
+                    .into_iter()
+                    .filter_map(|d| Some((d, replay.capacity_inference(d)?)))
+                    .collect(),
+                capacity_given: args.capacity.is_some(),
+                pools: replay
+                    .devices()
+                    .into_iter()
+                    .filter_map(|d| Some((d, replay.pool_attribution(d)?)))
+                    .collect(),
             },
             runs,
         )?;
@@ -264,14 +277,86 @@ fn json_report(trace: &str, events: u64, runs: &[ReplayRun]) -> serde_json::Valu
         .iter()
         .map(|run| {
             let stats: BTreeMap<String, i64> = run.flat_stats();
-            serde_json::json!({
+            let devices: BTreeMap<String, serde_json::Value> = run
+                .devices
+                .iter()
+                .map(|d| {
+                    let mut entry = serde_json::json!({
+                        "stats": d.stats.to_flat(),
+                        "capacity": d.capacity,
+                    });
+                    if let Some(check) = &d.check {
+                        entry["matches_record"] = serde_json::Value::Bool(check.matches());
+                    }
+                    (d.device.to_string(), entry)
+                })
+                .collect();
+            let mut entry = serde_json::json!({
                 "config": run.config.to_string(),
                 "stats": stats,
+                "devices": devices,
                 "seconds": run.seconds,
-            })
+            });
+            if run.devices.len() > 1 {
+                entry["total_stats"] = serde_json::json!(run.total_stats());
+            }
+            if let Some(matches) = run.matches_record() {
+                entry["matches_record"] = serde_json::Value::Bool(matches);
+            }
+            entry
         })
         .collect();
     serde_json::json!({ "trace": trace, "events": events, "runs": runs })
+}
+
+/// Per device, which allocations the replay attributed to which pool, and the undecided ones.
+fn pools_json(replay: &Replay) -> serde_json::Value {
+    let devices: BTreeMap<String, serde_json::Value> = replay
+        .devices()
+        .into_iter()
+        .filter_map(|d| {
+            let a = replay.pool_attribution(d)?;
+            let pools: Vec<serde_json::Value> = a
+                .pools
+                .iter()
+                .map(|p| {
+                    let evidence: BTreeMap<String, u64> = p
+                        .by_evidence
+                        .iter()
+                        .map(|(e, n)| (format!("{e:?}"), *n))
+                        .collect();
+                    serde_json::json!({
+                        "pool": [p.pool.0, p.pool.1],
+                        "allocations": p.allocations,
+                        "segments": p.segments,
+                        "evidence": evidence,
+                    })
+                })
+                .collect();
+            let undecided: Vec<serde_json::Value> = a
+                .undecided
+                .iter()
+                .map(|u| {
+                    serde_json::json!({
+                        "event": u.event,
+                        "size": u.size,
+                        "stream": u.stream.0,
+                        "assumed": [u.assumed.0, u.assumed.1],
+                    })
+                })
+                .collect();
+            Some((
+                d.to_string(),
+                serde_json::json!({
+                    "pools": pools,
+                    "undecided": undecided,
+                    "flips": a.flips,
+                    "gave_up": a.gave_up,
+                }),
+            ))
+        })
+        .collect();
+    serde_json::json!(devices)
 }
 
 /// Parses a byte count: a number with an optional unit (`B`, `K`/`KB`/`KiB`, `M`..., `G`...,

@@ -4,7 +4,9 @@
 use std::io::{self, Write};
 
 use tensormem_cuda_alloc::size::format_size;
-use tensormem_replay::{Check, ReplayRun};
+use tensormem_replay::{
+    CapacityInference, Check, DeviceRun, PoolAttribution, PoolEvidence, ReplayRun,
+};
 
 /// What the report says about the trace.
 pub(crate) struct Header<'a> {
@@ -13,6 +15,12 @@ pub(crate) struct Header<'a> {
     pub(crate) devices: usize,
     /// Where the expected statistics came from, if any.
     pub(crate) expected_from: Option<&'a str>,
+    /// Per device, what the trace says about the memory the allocator could obtain.
+    pub(crate) capacity: Vec<(usize, &'a CapacityInference)>,
+    /// Whether `--capacity` set the device's memory.
+    pub(crate) capacity_given: bool,
+    /// Per device, which allocations went to which pool.
+    pub(crate) pools: Vec<(usize, &'a PoolAttribution)>,
 }
 
 /// Writes the report.
@@ -41,7 +49,19 @@ pub(crate) fn print(
         "matches record",
         "events/s",
     ];
-    let rows: Vec<Vec<String>> = runs.iter().map(row).collect();
+    let rows: Vec<Vec<String>> = runs
+        .iter()
+        .flat_map(|run| {
+            if run.devices.len() > 1 {
+                run.devices
+                    .iter()
+                    .map(|d| row(run, Some(d)))
+                    .collect::<Vec<_>>()
+            } else {
+                vec![row(run, None)]
+            }
+        })
+        .collect();
     let widths: Vec<usize> = (0..titles.len())
         .map(|c| {
             rows.iter()
@@ -73,14 +93,25 @@ pub(crate) fn print(
     for r in &rows {
         writeln!(out, "{}", line(r))?;
     }
+    for (device, inference) in &header.capacity {
+        capacity_line(out, *device, inference, header.capacity_given)?;
+    }
+    for (device, attribution) in &header.pools {
+        pools_lines(out, *device, attribution)?;
+    }
     for run in runs.iter().filter(|r| r.recorded) {
         details(out, header, run)?;
     }
     Ok(())
 }
 
-fn row(run: &ReplayRun) -> Vec<String> {
-    let stats = run.flat_stats();
+/// One table row: the run's figures, or one device's when `device` is given (traces of several
+/// devices get a row per device).
+fn row(run: &ReplayRun, device: Option<&DeviceRun>) -> Vec<String> {
+    let stats = match device {
+        Some(d) => d.stats.to_flat(),
+        None => run.flat_stats(),
+    };
     let figure = |key: &str| stats.get(key).copied().unwrap_or(0);
     let allocated = figure("allocated_bytes.all.peak");
     let reserved = figure("reserved_bytes.all.peak");
@@ -89,12 +120,18 @@ fn row(run: &ReplayRun) -> Vec<String> {
     } else {
         "-".to_owned()
     };
-    let label = if run.recorded {
-        format!("{} [recorded]", run.label())
-    } else {
-        run.label()
+    let mut label = run.label();
+    if run.recorded {
+        label.push_str(" [recorded]");
+    }
+    if let Some(d) = device {
+        label.push_str(&format!(" cuda:{}", d.device));
+    }
+    let matched = match device {
+        Some(d) => d.check.as_ref().map(Check::matches),
+        None => run.matches_record(),
     };
-    let matches = match run.matches_record() {
+    let matches = match matched {
         Some(true) => "yes",
         Some(false) => "NO",
         None => "-",
@@ -111,6 +148,133 @@ fn row(run: &ReplayRun) -> Vec<String> {
         matches.to_owned(),
         rate(run.events_per_second()),
     ]
+}
+
+/// What the trace says about the device's memory, when it says anything.
+fn capacity_line(
+    out: &mut impl Write,
+    device: usize,
+    inference: &CapacityInference,
+    given: bool,
+) -> io::Result<()> {
+    let bounded = inference.upper.is_some() || inference.layout_bound.is_some();
+    if !bounded && inference.capacity.is_none() {
+        return Ok(());
+    }
+    let what = match inference.fraction {
+        Some(f) => format!("per_process_memory_fraction {f} x device memory"),
+        None => "the memory the allocator could obtain".to_owned(),
+    };
+    let upper = inference.upper.map_or_else(|| "-".to_owned(), format_size);
+    let mut reasons = Vec::new();
+    if inference.oom_bounds > 0 {
+        reasons.push(format!("{} OOMs", inference.oom_bounds));
+    }
+    if inference.retry_bounds > 0 {
+        reasons.push(format!(
+            "{} cache release{} before a new segment",
+            inference.retry_bounds,
+            if inference.retry_bounds == 1 { "" } else { "s" }
+        ));
+    }
+    if let Some(layout) = inference.layout_bound {
+        reasons.push(format!(
+            "expandable reservations: at most {}",
+            format_size(layout)
+        ));
+    }
+    let picked = inference.capacity.map_or_else(
+        || "the default".to_owned(),
+        |c| format!("{c} bytes ({})", format_size(c)),
+    );
+    let verdict = if given {
+        "--capacity overrides it".to_owned()
+    } else if inference.consistent {
+        format!("device memory {picked}")
+    } else {
+        format!("NO value fits every recorded decision; device memory {picked} (the upper end)")
+    };
+    writeln!(
+        out,
+        "device {device}: {what} in [{}, {upper}] ({}; the least is the most the trace reserved): {verdict}",
+        format_size(inference.lower),
+        if reasons.is_empty() { "nothing bounds it above".to_owned() } else { reasons.join(", ") },
+    )
+}
+
+/// Which allocations went to which pool, when any went to a private pool or any is undecided.
+fn pools_lines(
+    out: &mut impl Write,
+    device: usize,
+    attribution: &PoolAttribution,
+) -> io::Result<()> {
+    if !attribution.has_private() && attribution.undecided.is_empty() {
+        return Ok(());
+    }
+    let shares: Vec<String> = attribution
+        .pools
+        .iter()
+        .map(|share| {
+            let name = if share.pool.is_default() {
+                "default pools".to_owned()
+            } else if share.pool.0 >= tensormem_replay::UNNAMED_POOL_BASE {
+                format!(
+                    "unnamed private pool {}",
+                    share.pool.0 - tensormem_replay::UNNAMED_POOL_BASE
+                )
+            } else {
+                format!("private pool {}", share.pool)
+            };
+            let why: Vec<String> = share
+                .by_evidence
+                .iter()
+                .map(|(evidence, n)| {
+                    let what = match evidence {
+                        PoolEvidence::FinalSegments => "final segments",
+                        PoolEvidence::DefaultCouldServe => "default pool could have served",
+                        PoolEvidence::Contradiction => "other pool contradicted",
+                        PoolEvidence::Assumed => "assumed",
+                    };
+                    format!("{n} {what}")
+                })
+                .collect();
+            format!(
+                "{name}: {} allocations in {} segments ({})",
+                share.allocations,
+                share.segments,
+                why.join(", ")
+            )
+        })
+        .collect();
+    writeln!(
+        out,
+        "device {device} pools (inferred): {}",
+        shares.join("; ")
+    )?;
+    if attribution.flips > 0 || attribution.gave_up {
+        writeln!(
+            out,
+            "  {} assumptions flipped by the record{}",
+            attribution.flips,
+            if attribution.gave_up {
+                "; gave up: the record contradicts every assignment tried"
+            } else {
+                ""
+            }
+        )?;
+    }
+    if let Some(first) = attribution.undecided.first() {
+        writeln!(
+            out,
+            "  {} allocations whose pool the trace does not decide (replayed in the assumed pool); first: event {}, {} bytes on stream {}, assumed {}",
+            attribution.undecided.len(),
+            first.event,
+            first.size,
+            first.stream,
+            first.assumed
+        )?;
+    }
+    Ok(())
 }
 
 /// Events per second with a unit prefix: `12.3 M`.
@@ -148,18 +312,30 @@ fn details(out: &mut impl Write, header: &Header<'_>, run: &ReplayRun) -> io::Re
         ),
         format!("{segments} segments and {blocks} blocks (the snapshot's final state)"),
     ];
-    let stats = checks.iter().find_map(|c| c.stats.as_ref());
-    match (stats, header.expected_from) {
-        (Some(stats), Some(from)) => {
-            against.push(format!(
-                "{} figures of memory_stats() ({from})",
-                stats.compared
-            ));
+    let stats: Vec<(usize, usize)> = run
+        .devices
+        .iter()
+        .filter_map(|d| Some((d.device, d.check.as_ref()?.stats.as_ref()?.compared)))
+        .collect();
+    match (stats.as_slice(), header.expected_from) {
+        ([(_, compared)], Some(from)) if run.devices.len() == 1 => {
+            against.push(format!("{compared} figures of memory_stats() ({from})"));
+        }
+        ([_, ..], Some(from)) => {
+            let per: Vec<String> = stats
+                .iter()
+                .map(|(d, n)| format!("{n} of memory_stats({d})"))
+                .collect();
+            against.push(format!("figures {} ({from})", per.join(", ")));
         }
         _ => against.push("no memory_stats() record (none saved as NAME.stats.json)".to_owned()),
     }
     writeln!(out, "checked against the record: {}", against.join("; "))?;
-    for check in &checks {
+    for (device, check) in run
+        .devices
+        .iter()
+        .filter_map(|d| Some((d.device, d.check.as_ref()?)))
+    {
         if let Some(divergence) = &check.divergence {
             writeln!(
                 out,
@@ -190,7 +366,7 @@ fn details(out: &mut impl Write, header: &Header<'_>, run: &ReplayRun) -> io::Re
             for m in stats.mismatches.iter().take(10) {
                 writeln!(
                     out,
-                    "  {}: replay {}, PyTorch {}",
+                    "  device {device}: {}: replay {}, PyTorch {}",
                     m.key, m.replayed, m.recorded
                 )?;
             }

@@ -72,7 +72,7 @@ fn json_output_is_the_documented_object_and_nothing_else() {
     let object = value.as_object().unwrap();
     let mut keys: Vec<&str> = object.keys().map(String::as_str).collect();
     keys.sort_unstable();
-    assert_eq!(keys, ["events", "runs", "trace"]);
+    assert_eq!(keys, ["events", "pools", "runs", "trace"]);
     assert_eq!(value["events"], 1207);
     assert!(value["trace"]
         .as_str()
@@ -80,7 +80,7 @@ fn json_output_is_the_documented_object_and_nothing_else() {
         .ends_with("multistream.pickle"));
     let runs = value["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 2);
-    for run in runs {
+    for (i, run) in runs.iter().enumerate() {
         let mut keys: Vec<&str> = run
             .as_object()
             .unwrap()
@@ -88,8 +88,19 @@ fn json_output_is_the_documented_object_and_nothing_else() {
             .map(String::as_str)
             .collect();
         keys.sort_unstable();
-        assert_eq!(keys, ["config", "seconds", "stats"]);
+        if i == 0 {
+            // The recorded configuration is checked against the record.
+            assert_eq!(
+                keys,
+                ["config", "devices", "matches_record", "seconds", "stats"]
+            );
+            assert_eq!(run["matches_record"], true);
+        } else {
+            assert_eq!(keys, ["config", "devices", "seconds", "stats"]);
+        }
         assert!(run["seconds"].as_f64().unwrap() > 0.0);
+        // One device: its section holds the top-level figures.
+        assert_eq!(run["devices"]["0"]["stats"], run["stats"]);
     }
     assert_eq!(runs[0]["config"], "");
     assert_eq!(runs[1]["config"], "expandable_segments:True");
@@ -261,4 +272,96 @@ fn replay_limits_name_their_option_and_can_be_raised() {
     fails_with_one_line(&output, "--max-trace-bytes");
     let output = tensormem(&["replay", &trace, "--max-trace-values", "100000000"]);
     assert!(output.status.success(), "{}", stderr(&output));
+}
+
+/// Two devices: one table row each, `--json` with each device's statistics, checked against the
+/// stats file's `"devices"` map; the top level is device 0's.
+#[test]
+fn a_two_device_trace_has_a_row_and_a_json_section_per_device() {
+    let path = trace("two_gpu.pickle");
+    let output = tensormem(&["replay", &path]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let text = stdout(&output);
+    for device in ["cuda:0", "cuda:1"] {
+        let row = text
+            .lines()
+            .find(|l| l.contains("[recorded]") && l.contains(device))
+            .unwrap_or_else(|| panic!("no row for {device} in:\n{text}"));
+        assert!(row.contains(" yes "), "{row}");
+    }
+    assert!(text.contains("41 of memory_stats(1)"), "{text}");
+
+    let output = tensormem(&["replay", &path, "--json"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let value: serde_json::Value = serde_json::from_str(&stdout(&output)).unwrap();
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(trace("two_gpu.stats.json")).unwrap())
+            .unwrap();
+    let run = &value["runs"][0];
+    assert_eq!(run["matches_record"], true);
+    for device in ["0", "1"] {
+        let stats = &run["devices"][device]["stats"];
+        for key in [
+            "reserved_bytes.all.peak",
+            "num_device_alloc",
+            "allocation.all.allocated",
+        ] {
+            assert_eq!(
+                stats[key], expected["devices"][device][key],
+                "{device} {key}"
+            );
+        }
+    }
+    assert_eq!(
+        run["stats"]["reserved_bytes.all.peak"],
+        expected["reserved_bytes.all.peak"]
+    );
+    let total = run["total_stats"]["num_device_alloc"].as_i64().unwrap();
+    assert_eq!(
+        total,
+        expected["devices"]["0"]["num_device_alloc"]
+            .as_i64()
+            .unwrap()
+            + expected["devices"]["1"]["num_device_alloc"]
+                .as_i64()
+                .unwrap()
+    );
+}
+
+/// A run under a memory fraction with out-of-memory errors matches with no flag, and says which
+/// interval the allowed memory was inferred from.
+#[test]
+fn a_pressure_trace_reports_the_inferred_capacity_interval() {
+    let output = tensormem(&[
+        "replay",
+        &trace("varlen_pressure__per_process_memory_fraction-0.019.pickle.gz"),
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let text = stdout(&output);
+    let row = text.lines().find(|l| l.contains("[recorded]")).unwrap();
+    assert!(row.contains(" yes "), "{text}");
+    assert!(
+        text.contains("per_process_memory_fraction 0.019 x device memory in [2.63 GiB, 2.74 GiB]"),
+        "{text}"
+    );
+    assert!(text.contains("6 OOMs"), "{text}");
+}
+
+/// A CUDA graph capture: the attribution to the graph's private pool is reported.
+#[test]
+fn a_graph_capture_trace_reports_its_private_pool() {
+    let output = tensormem(&["replay", &trace("cudagraph_train.pickle")]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let text = stdout(&output);
+    let row = text.lines().find(|l| l.contains("[recorded]")).unwrap();
+    assert!(row.contains(" yes "), "{text}");
+    assert!(
+        text.contains("private pool (1, 0): 22 allocations in 6 segments"),
+        "{text}"
+    );
+    let output = tensormem(&["replay", &trace("cudagraph_train.pickle"), "--json"]);
+    let value: serde_json::Value = serde_json::from_str(&stdout(&output)).unwrap();
+    let pools = value["pools"]["0"]["pools"].as_array().unwrap();
+    assert!(pools.iter().any(|p| p["pool"] == serde_json::json!([1, 0])));
+    assert_eq!(value["pools"]["0"]["undecided"], serde_json::json!([]));
 }

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
-use tensormem_cuda_alloc::backend::cuda::{self, CudaDevice};
+use tensormem_cuda_alloc::backend::cuda::{self, CudaBackend};
 use tensormem_cuda_alloc::CachingAllocator;
 
 const PTX: &str = include_str!("fill.ptx");
@@ -48,7 +48,7 @@ fn main() -> ExitCode {
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     // One context (the primary one) and cudarc streams, shared by cudarc and the allocator.
     let ctx = CudaContext::new(0)?;
-    let alloc = Arc::new(CachingAllocator::from_env(CudaDevice::from_context(
+    let alloc = Arc::new(CachingAllocator::from_env(CudaBackend::from_context(
         Arc::clone(&ctx),
     )?)?);
     let stream = ctx.new_stream()?;

@@ -118,7 +118,7 @@ pub enum DeviceError {
     /// number anyone can write; the CUDA backend accepts only streams it made or was handed).
     #[error(
         "stream {stream} is not a live stream of device {device} known to this backend; use streams \
-         made by the backend (CudaDevice::create_stream) or handed to it (CudaDevice::register_stream), \
+         made by the backend (CudaBackend::create_stream) or handed to it (CudaBackend::register_stream), \
          or the default stream 0"
     )]
     UnknownStream {

@@ -59,6 +59,13 @@
 //! # Ok::<(), tensormem_cuda_alloc::Error>(())
 //! ```
 //!
+//! # With cudarc
+//!
+//! The CUDA backend shares cudarc's context and streams (`CudaBackend::from_context`,
+//! `CudaBackend::register_stream`), and `CachedSlice<T>` is a buffer from the cache that cudarc's
+//! copies and kernels take and that frees itself to the cache when dropped (example:
+//! `examples/cudarc_kernel.rs`).
+//!
 //! # Features
 //!
 //! - `cuda` (default): the CUDA backend, `backend::cuda`, through `cudarc` with the driver loaded at

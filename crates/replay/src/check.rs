@@ -21,7 +21,12 @@ use tensormem_cuda_alloc::size::format_size;
 use tensormem_cuda_alloc::snapshot::{BlockState, Segment};
 
 /// `torch.cuda.memory_stats()` as saved by the recording script: flat key names and values (only
-/// the numbers are kept; entries of other types, such as the device name, are ignored).
+/// numbers are kept; entries of other types, such as the device name, are ignored).
+///
+/// The top level is `memory_stats()` with no argument (the current device, 0). A `"devices"` map
+/// beside it (`{"0": {...}, "1": {...}}`, `memory_stats(d)` for every device `d`) gives each
+/// device's figures; a device it does not list is checked against the top level only if it is
+/// device 0.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ExpectedStats {
     /// The figures by flat key (`"reserved_bytes.all.peak"`, ...).
@@ -32,6 +37,9 @@ pub struct ExpectedStats {
     /// ([`StatsCheck::unreadable`]); others (a recording script's `wall_s`) are ignored like any
     /// key the replay does not produce.
     pub unreadable: BTreeMap<String, String>,
+    /// Per device, when the file has a `"devices"` map: each entry is that device's
+    /// `memory_stats(d)` (its own `devices` map is empty).
+    pub devices: BTreeMap<usize, ExpectedStats>,
 }
 
 impl ExpectedStats {
@@ -42,7 +50,7 @@ impl ExpectedStats {
     pub fn from_figures(figures: BTreeMap<String, i64>) -> ExpectedStats {
         ExpectedStats {
             figures,
-            unreadable: BTreeMap::new(),
+            ..ExpectedStats::default()
         }
     }
 
@@ -63,6 +71,24 @@ impl ExpectedStats {
             .ok_or_else(|| ReplayError::ExpectedStats {
                 reason: "expected a JSON object of memory_stats() keys".to_owned(),
             })?;
+        let expected = ExpectedStats::from_object(object)?;
+        if expected.figures.is_empty()
+            && expected.unreadable.is_empty()
+            && expected.devices.is_empty()
+        {
+            return Err(ReplayError::ExpectedStats {
+                reason: "no memory_stats() figure in it (expected what \
+                         json.dumps(torch.cuda.memory_stats()) writes)"
+                    .to_owned(),
+            });
+        }
+        Ok(expected)
+    }
+
+    /// The numbers of one `memory_stats()` object, and its `"devices"` map if it has one.
+    fn from_object(
+        object: &serde_json::Map<String, serde_json::Value>,
+    ) -> ReplayResult<ExpectedStats> {
         let mut expected = ExpectedStats::default();
         for (key, value) in object {
             let serde_json::Value::Number(number) = value else {
@@ -74,14 +100,39 @@ impl ExpectedStats {
                 expected.unreadable.insert(key.clone(), number.to_string());
             }
         }
-        if expected.figures.is_empty() && expected.unreadable.is_empty() {
-            return Err(ReplayError::ExpectedStats {
-                reason: "no memory_stats() figure in it (expected what \
-                         json.dumps(torch.cuda.memory_stats()) writes)"
-                    .to_owned(),
-            });
+        if let Some(map) = object.get("devices") {
+            let map = map.as_object().ok_or_else(|| ReplayError::ExpectedStats {
+                reason: "\"devices\" must map device indices to memory_stats(d) objects".to_owned(),
+            })?;
+            for (key, value) in map {
+                let device: usize = key.parse().map_err(|_| ReplayError::ExpectedStats {
+                    reason: format!("\"devices\" has key '{key}', not a device index"),
+                })?;
+                let stats = value
+                    .as_object()
+                    .filter(|stats| !stats.contains_key("devices"))
+                    .ok_or_else(|| ReplayError::ExpectedStats {
+                        reason: format!("\"devices\".\"{key}\" is not a memory_stats() object"),
+                    })?;
+                expected
+                    .devices
+                    .insert(device, ExpectedStats::from_object(stats)?);
+            }
         }
         Ok(expected)
+    }
+
+    /// The figures to check device `device` against: its entry of the `"devices"` map, else the top
+    /// level for device 0 (what `memory_stats()` with no argument reports), else nothing.
+    #[must_use]
+    pub fn for_device(&self, device: usize) -> Option<&ExpectedStats> {
+        match self.devices.get(&device) {
+            Some(figures) => Some(figures),
+            None if device == 0 && !(self.figures.is_empty() && self.unreadable.is_empty()) => {
+                Some(self)
+            }
+            None => None,
+        }
     }
 
     /// Reads a `*.stats.json` file (see [`from_json`](Self::from_json)).
@@ -228,12 +279,13 @@ impl SegmentCheck {
                     s.is_expandable,
                     s.allocated_size,
                     s.active_size,
+                    s.segment_pool_id,
                 )
             };
             if shape(have) != shape(want) {
                 note(format!(
-                    "segment {:#x}: replayed (size, stream, pool, expandable, allocated, active) {:?}, \
-                     recorded {:?}",
+                    "segment {:#x}: replayed (size, stream, pool, expandable, allocated, active, \
+                     pool id) {:?}, recorded {:?}",
                     want.address,
                     shape(have),
                     shape(want)

@@ -57,7 +57,17 @@
 //! - a run of `segment_free` events ending in an `oom`, or in a new segment the device had no room
 //!   for, happened inside an allocation (the replayed allocator makes those releases itself); any
 //!   other run was an `empty_cache()` call. An `oom` event is the failed request, replayed on a
-//!   device as large as the record shows it was.
+//!   device as large as the record shows it was;
+//! - the device's memory is not in the trace: every recorded decision that depended on it (new
+//!   segments, `oom` events with their `device_free`, releases that made room) bounds it, and the
+//!   replay picks a value inside the interval they allow ([`CapacityInference`]);
+//! - private pools (CUDA graph capture, `torch.cuda.MemPool`) are not named by the events either:
+//!   the pool of each recorded segment is inferred (the snapshot's final `segment_pool_id`, whether
+//!   the default pool could have served the request that made it, and assumptions checked against
+//!   the record), and private allocations are replayed into private pools
+//!   ([`PoolAttribution`]);
+//! - every device has its own allocator; [`ReplayRun::flat_stats`] is device 0's, as
+//!   `torch.cuda.memory_stats()` with no argument.
 //!
 //! Reading PyTorch's files:
 //!
@@ -79,22 +89,29 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod capacity;
 mod check;
 mod device;
 mod plan;
+mod pools;
 mod run;
 mod timeline;
 
 use std::collections::BTreeMap;
 
+pub use capacity::CapacityInference;
 pub use check::{
     Check, Divergence, DivergenceKind, ExpectedStats, SegmentCheck, StatMismatch, StatsCheck,
 };
 pub use device::{AddressUse, ReplayDevice};
+pub use pools::{
+    PoolAttribution, PoolEvidence, PoolShare, UndecidedAllocation, MAX_FLIPS, UNNAMED_POOL_BASE,
+};
 pub use run::DeviceRun;
 pub use timeline::{Timeline, TimelinePoint};
 
 use plan::{DevicePlan, PlanError};
+use pools::{PoolOf, PoolRun};
 use tensormem_cuda_alloc::config::{AllocatorConfig, ConfigError};
 use tensormem_cuda_alloc::snapshot::{Snapshot, SnapshotError};
 use tensormem_cuda_alloc::InvariantViolation;
@@ -234,6 +251,12 @@ impl RunOptions<'_> {
 #[derive(Debug)]
 pub struct Replay {
     plans: Vec<DevicePlan>,
+    /// Per plan, the device memory its trace implies.
+    capacities: Vec<CapacityInference>,
+    /// Per plan, the pool of each recorded segment.
+    pools: Vec<Vec<Option<PoolOf>>>,
+    /// Per plan, which allocations went to which pool.
+    attributions: Vec<PoolAttribution>,
     recorded: AllocatorConfig,
     settings_recorded: bool,
     expected: Option<ExpectedStats>,
@@ -294,11 +317,22 @@ impl Replay {
             }
             plans.push(plan);
         }
-        for plan in &mut plans {
-            plan.capacity_bound = inferred_capacity(plan, &recorded);
+        let capacities = plans
+            .iter()
+            .map(|plan| CapacityInference::infer(&plan.capacity, &recorded))
+            .collect();
+        let mut pools = Vec::with_capacity(plans.len());
+        let mut attributions = Vec::with_capacity(plans.len());
+        for (plan, capacity) in plans.iter().zip(&capacities) {
+            let (of, attribution) = infer_pools(plan, &recorded, capacity)?;
+            pools.push(of);
+            attributions.push(attribution);
         }
         Ok(Replay {
             plans,
+            capacities,
+            pools,
+            attributions,
             recorded,
             settings_recorded,
             expected: None,
@@ -306,8 +340,9 @@ impl Replay {
         })
     }
 
-    /// Adds the statistics PyTorch reported after the recorded run (for device 0, or the only
-    /// device traced), for [`Check::stats`].
+    /// Adds the statistics PyTorch reported after the recorded run, for [`Check::stats`]: each
+    /// device is checked against its entry of the file's `"devices"` map, device 0 against the top
+    /// level when the map does not list it.
     #[must_use]
     pub fn with_expected_stats(mut self, expected: ExpectedStats) -> Self {
         self.expected = Some(expected);
@@ -338,16 +373,39 @@ impl Replay {
         self.plans.iter().map(|p| p.device).collect()
     }
 
-    /// The memory the simulated device gets when [`RunOptions::capacity`] is `None`: the most the
-    /// recorded expandable reservations allow and the trace's cache releases imply (a release that
-    /// made room for a new segment shows the device was full), else [`DEFAULT_CAPACITY`].
+    /// The memory the simulated device gets when [`RunOptions::capacity`] is `None`: inside the
+    /// interval the recorded decisions allow (see [`capacity_inference`](Self::capacity_inference)),
+    /// else [`DEFAULT_CAPACITY`].
     #[must_use]
     pub fn default_capacity(&self, device: usize) -> u64 {
         self.plans
             .iter()
-            .find(|p| p.device == device)
-            .and_then(|p| p.capacity_bound)
+            .zip(&self.capacities)
+            .find(|(p, _)| p.device == device)
+            .and_then(|(_, c)| c.capacity)
             .unwrap_or(DEFAULT_CAPACITY)
+    }
+
+    /// Which of `device`'s allocations the replay attributes to which pool (private pools of CUDA
+    /// graphs and `MemPool`s, inferred; see [`PoolAttribution`]).
+    #[must_use]
+    pub fn pool_attribution(&self, device: usize) -> Option<&PoolAttribution> {
+        self.plans
+            .iter()
+            .zip(&self.attributions)
+            .find(|(p, _)| p.device == device)
+            .map(|(_, a)| a)
+    }
+
+    /// What the trace of `device` says about the memory the allocator could obtain: the interval
+    /// every recorded decision allows, and the value picked inside it.
+    #[must_use]
+    pub fn capacity_inference(&self, device: usize) -> Option<&CapacityInference> {
+        self.plans
+            .iter()
+            .zip(&self.capacities)
+            .find(|(p, _)| p.device == device)
+            .map(|(_, c)| c)
     }
 
     /// The recorded configuration with `config` applied over it, the way
@@ -398,19 +456,19 @@ impl Replay {
         supported(&options.config)?;
         let mut devices = Vec::with_capacity(self.plans.len());
         let mut events_before = 0u64;
-        let first = self.plans.first().map(|p| p.device);
-        for plan in &self.plans {
+        for ((plan, inference), pools) in self.plans.iter().zip(&self.capacities).zip(&self.pools) {
             let expected = self
                 .expected
                 .as_ref()
-                .filter(|_| Some(plan.device) == first);
-            let default = plan.capacity_bound.unwrap_or(DEFAULT_CAPACITY);
+                .and_then(|e| e.for_device(plan.device));
+            let default = inference.capacity.unwrap_or(DEFAULT_CAPACITY);
             devices.push(run::run_device(
                 plan,
                 options,
                 default,
                 events_before,
                 expected,
+                &mut PoolRun::fixed(pools.clone()),
             )?);
             events_before += plan.events as u64;
         }
@@ -424,22 +482,49 @@ impl Replay {
     }
 }
 
-/// The device memory a plan implies: the least of what the recorded expandable reservations allow
-/// and of what the trace's cache releases show (the bytes the allocator could obtain, scaled up by
-/// the recorded memory fraction; not when garbage collection made releases of its own).
-fn inferred_capacity(plan: &DevicePlan, recorded: &AllocatorConfig) -> Option<u64> {
-    let fraction = recorded.per_process_memory_fraction;
-    let collects = recorded.garbage_collection_threshold > 0.0 && fraction < 1.0;
-    let pressure = plan.pressure_bound.filter(|_| !collects).map(|bytes| {
-        if fraction < 1.0 && fraction > 0.0 {
-            (bytes as f64 / fraction) as u64
-        } else {
-            bytes
+/// Infers the pool of every recorded segment of `plan` by replaying it under the recorded
+/// configuration, flipping assumptions the record contradicts (see [`pools`]).
+fn infer_pools(
+    plan: &DevicePlan,
+    recorded: &AllocatorConfig,
+    capacity: &CapacityInference,
+) -> ReplayResult<(Vec<Option<PoolOf>>, PoolAttribution)> {
+    let mut options = RunOptions::new(recorded.clone());
+    options.timeline_points = 1;
+    let default = capacity.capacity.unwrap_or(DEFAULT_CAPACITY);
+    let mut forced = std::collections::HashMap::new();
+    let mut flips = 0;
+    loop {
+        let mut pass = PoolRun::inferring(plan, forced.clone());
+        run::run_device(plan, &options, default, 0, None, &mut pass)?;
+        let stop = match pass.contradiction {
+            Some((instance, pool)) if flips < pools::MAX_FLIPS => {
+                flips += 1;
+                forced.insert(instance, pool);
+                None
+            }
+            Some(_) => Some(true),
+            None => Some(false),
+        };
+        if let Some(gave_up) = stop {
+            let (shares, undecided) = PoolAttribution::build(plan, &pass.of);
+            if gave_up {
+                tracing::warn!(
+                    device = plan.device,
+                    flips,
+                    "pool inference gave up: the record contradicts every assignment tried"
+                );
+            }
+            return Ok((
+                pass.of,
+                PoolAttribution {
+                    pools: shares,
+                    undecided,
+                    flips,
+                    gave_up,
+                },
+            ));
         }
-    });
-    match (plan.capacity_bound, pressure) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
     }
 }
 
@@ -470,10 +555,23 @@ impl ReplayRun {
         }
     }
 
-    /// The final statistics under `torch.cuda.memory_stats()`'s flat keys. With several devices,
-    /// each figure is the sum over devices (peaks: the sum of each device's peak).
+    /// The final statistics under `torch.cuda.memory_stats()`'s flat keys, for device 0 (as
+    /// `memory_stats()` with no argument; the first device traced when device 0 has no events).
+    /// Each device's are in [`devices`](Self::devices); [`total_stats`](Self::total_stats) sums
+    /// them.
     #[must_use]
     pub fn flat_stats(&self) -> BTreeMap<String, i64> {
+        self.devices
+            .iter()
+            .find(|d| d.device == 0)
+            .or_else(|| self.devices.first())
+            .map(|d| d.stats.to_flat())
+            .unwrap_or_default()
+    }
+
+    /// The final statistics summed over devices (peaks: the sum of each device's peak).
+    #[must_use]
+    pub fn total_stats(&self) -> BTreeMap<String, i64> {
         let mut total: BTreeMap<String, i64> = BTreeMap::new();
         for device in &self.devices {
             for (key, value) in device.stats.to_flat() {

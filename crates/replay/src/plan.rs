@@ -14,20 +14,24 @@
 //! Allocations and frees are matched by address while the trace is read, so that the replay keeps
 //! live allocations in a plain vector indexed by *slot* instead of a map.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
+use crate::capacity::{CapacityFacts, OomFact};
 use tensormem_cuda_alloc::device::StreamId;
 use tensormem_cuda_alloc::size::{LARGE_BUFFER, SMALL_BUFFER};
 use tensormem_cuda_alloc::snapshot::{Segment, TraceAction, TraceEntry};
+use tensormem_cuda_alloc::MempoolId;
 
 /// One call of the replay.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Op {
-    /// `allocate(size, stream)`; the allocation is kept in `slot`.
+    /// `allocate(size, stream)`; the allocation is kept in `slot`. `instance` indexes
+    /// [`DevicePlan::instances`]: the recorded segment it landed in ([`NO_INSTANCE`] if none).
     Alloc {
         size: u64,
         stream: StreamId,
         slot: u32,
+        instance: u32,
     },
     /// Free the allocation in `slot`. With `held_on`, the block is first recorded as used on that
     /// synthetic stream, whose work completes at the matching [`Op::Complete`].
@@ -45,10 +49,17 @@ pub(crate) enum Op {
         size: u64,
         stream: StreamId,
         capacity: u64,
+        /// The device had room for the segment the request needed: the failure was the memory
+        /// fraction's, and says nothing about the device's size.
+        device_had_room: bool,
     },
     /// A run of segment releases (`segment_free`, `segment_unmap`) that did not end in an `oom`;
     /// `run` indexes [`DevicePlan::releases`].
     Release { run: u32 },
+    /// A run of segment releases starts: the segments it releases are
+    /// [`DevicePlan::release_sets`]`[set]` (private pools they belong to were released by their
+    /// users before).
+    ReleaseStarts { set: u32 },
 }
 
 /// A run of segment releases that did not end in an `oom`.
@@ -64,6 +75,26 @@ pub(crate) struct ReleaseRun {
     pub(crate) next_segment: Option<u64>,
     /// The next allocation after the run: size asked for and stream.
     pub(crate) next_alloc: Option<(u64, StreamId)>,
+    /// The segments it releases: [`DevicePlan::release_sets`]`[set]`.
+    pub(crate) set: u32,
+}
+
+/// No recorded segment (an allocation outside every segment the trace shows).
+pub(crate) const NO_INSTANCE: u32 = u32::MAX;
+
+/// One recorded segment (or expandable reservation), from its creation to its release.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Instance {
+    /// Its address.
+    pub(crate) addr: u64,
+    /// Its size (for an expandable reservation: the extent its mappings reached).
+    pub(crate) size: u64,
+    /// The index of the allocation that made it (the first one landing in it), if any.
+    pub(crate) first_alloc: Option<u32>,
+    /// The pool the snapshot's final segments give it (`segment_pool_id`), when it lives to the end.
+    pub(crate) final_pool: Option<MempoolId>,
+    /// Whether the trace releases it.
+    pub(crate) released: bool,
 }
 
 /// What the trace says about one allocation: where it landed and the bytes reserved afterwards.
@@ -83,6 +114,10 @@ pub(crate) struct DevicePlan {
     pub(crate) op_events: Vec<u32>,
     /// The release runs [`Op::Release`] refers to.
     pub(crate) releases: Vec<ReleaseRun>,
+    /// The recorded segments (and expandable reservations), in order of creation.
+    pub(crate) instances: Vec<Instance>,
+    /// For each run of releases, the instances it releases.
+    pub(crate) release_sets: Vec<Vec<u32>>,
     /// For each [`Op::Alloc`], in order, what the trace recorded.
     pub(crate) expected: Vec<Expected>,
     /// Slots needed (the most allocations live at once).
@@ -91,11 +126,8 @@ pub(crate) struct DevicePlan {
     pub(crate) malloc_addrs: Vec<u64>,
     /// Start addresses of expandable reservations (the first `segment_map` of each), in order.
     pub(crate) reserve_addrs: Vec<u64>,
-    /// The most device memory consistent with the recorded reservations, when they bound it.
-    pub(crate) capacity_bound: Option<u64>,
-    /// The most memory the allocator could have obtained from the device, when the trace shows it
-    /// short of memory without running out (see [`pressure_bound`]).
-    pub(crate) pressure_bound: Option<u64>,
+    /// The recorded decisions that bound the device's memory.
+    pub(crate) capacity: CapacityFacts,
     /// Distinct streams the trace allocates on.
     pub(crate) streams: usize,
     /// Trace events of this device.
@@ -122,6 +154,63 @@ struct Reservation {
     extent: u64,
     /// Chunk size of its pool (from the size of its first mapping).
     chunk: u64,
+    /// Bytes mapped in it now.
+    mapped: u64,
+    /// Everything was unmapped: the reservation was released.
+    retired: bool,
+}
+
+/// The recorded segments live at a point of the trace, by address.
+#[derive(Default)]
+struct LiveSegments {
+    /// Start address -> (end, instance).
+    by_addr: BTreeMap<u64, (u64, u32)>,
+}
+
+impl LiveSegments {
+    fn open(&mut self, instances: &mut Vec<Instance>, addr: u64, size: u64) {
+        self.by_addr
+            .insert(addr, (addr + size, instances.len() as u32));
+        instances.push(Instance {
+            addr,
+            size,
+            first_alloc: None,
+            final_pool: None,
+            released: false,
+        });
+    }
+
+    fn grow(&mut self, instances: &mut [Instance], addr: u64, end: u64) {
+        if let Some((e, id)) = self.by_addr.get_mut(&addr) {
+            *e = (*e).max(end);
+            instances[*id as usize].size = *e - addr;
+        }
+    }
+
+    fn close(&mut self, instances: &mut [Instance], addr: u64) {
+        if let Some((_, id)) = self.by_addr.remove(&addr) {
+            instances[id as usize].released = true;
+        }
+    }
+
+    /// The live instance containing `addr`.
+    fn find(&self, addr: u64) -> u32 {
+        match self.by_addr.range(..=addr).next_back() {
+            Some((_, &(end, id))) if addr < end => id,
+            _ => NO_INSTANCE,
+        }
+    }
+
+    /// Gives the instances alive at the end the pool of the snapshot's segment at their address.
+    fn finish(&self, instances: &mut [Instance], segments: &[Segment]) {
+        for s in segments {
+            let id = self.find(s.address);
+            if let Some(i) = instances.get_mut(id as usize) {
+                let (a, b) = s.segment_pool_id;
+                i.final_pool = Some(MempoolId(a, b));
+            }
+        }
+    }
 }
 
 impl DevicePlan {
@@ -167,11 +256,11 @@ impl DevicePlan {
         let mut spare_slots: Vec<u32> = Vec::new();
         let mut held: HashMap<u64, StreamId> = HashMap::new();
         let mut reservations: Vec<Reservation> = Vec::new();
+        let mut segments_live = LiveSegments::default();
         let mut reserved: u64 = 0;
-        // The most bytes reserved right after a new segment made without releasing first, and the
-        // release runs that may have made room for a new segment: (bytes reserved before, size).
-        let mut reached: u64 = 0;
-        let mut pressure: Vec<(u64, u64)> = Vec::new();
+        // The most bytes reserved right after a new segment, the release runs that may have made
+        // room for a new segment, the out-of-memory errors.
+        let mut facts = CapacityFacts::default();
         let mut never_completed = 0u64;
         // Completions PyTorch saw by synchronizing, inside the allocation that follows.
         let mut synced: Vec<Op> = Vec::new();
@@ -184,12 +273,19 @@ impl DevicePlan {
                         (plan.slots - 1) as u32
                     });
                     live.insert(e.addr, slot);
+                    let instance = segments_live.find(e.addr);
+                    if let Some(i) = plan.instances.get_mut(instance as usize) {
+                        if i.first_alloc.is_none() {
+                            i.first_alloc = Some(plan.expected.len() as u32);
+                        }
+                    }
                     plan.push(
                         event,
                         Op::Alloc {
                             size: e.size,
                             stream: e.stream_id(),
                             slot,
+                            instance,
                         },
                     );
                     plan.expected.push(Expected {
@@ -240,40 +336,71 @@ impl DevicePlan {
                 }
                 TraceAction::SegmentAlloc => {
                     plan.malloc_addrs.push(e.addr);
+                    segments_live.open(&mut plan.instances, e.addr, e.size);
                     reserved += e.size;
-                    if !follows_release(trace, i) {
-                        reached = reached.max(reserved);
-                    }
+                    facts.reached = facts.reached.max(reserved);
                 }
                 TraceAction::SegmentMap => {
                     reserved += e.size;
-                    if !follows_release(trace, i) {
-                        reached = reached.max(reserved);
-                    }
+                    facts.reached = facts.reached.max(reserved);
                     let end = e.addr + e.size;
                     match reservations
                         .iter_mut()
-                        .find(|r| e.addr >= r.base && e.addr <= r.extent)
+                        .find(|r| !r.retired && e.addr >= r.base && e.addr <= r.extent)
                     {
-                        Some(r) => r.extent = r.extent.max(end),
+                        Some(r) => {
+                            r.extent = r.extent.max(end);
+                            r.mapped += e.size;
+                            segments_live.grow(&mut plan.instances, r.base, r.extent);
+                        }
                         None => {
                             plan.reserve_addrs.push(e.addr);
                             reservations.push(Reservation {
                                 base: e.addr,
                                 extent: end,
                                 chunk: chunk_of_first_map(e.size),
+                                mapped: e.size,
+                                retired: false,
                             });
+                            segments_live.open(&mut plan.instances, e.addr, e.size);
                         }
                     }
                 }
                 TraceAction::SegmentFree | TraceAction::SegmentUnmap => {
                     let before = reserved;
                     reserved = reserved.saturating_sub(e.size);
-                    if release_run_starts(trace, i) {
+                    let starts = release_run_starts(trace, i);
+                    if starts {
+                        let set = plan.release_sets.len() as u32;
+                        plan.release_sets.push(Vec::new());
+                        plan.push(event, Op::ReleaseStarts { set });
+                    }
+                    let instance = segments_live.find(e.addr);
+                    if let Some(set) = plan.release_sets.last_mut() {
+                        if instance != NO_INSTANCE && !set.contains(&instance) {
+                            set.push(instance);
+                        }
+                    }
+                    if e.action == TraceAction::SegmentFree {
+                        segments_live.close(&mut plan.instances, e.addr);
+                    } else if let Some(r) = reservations
+                        .iter_mut()
+                        .find(|r| !r.retired && e.addr >= r.base && e.addr < r.extent)
+                    {
+                        // A reservation left with nothing mapped is released with its last
+                        // mapping: a later mapping at its address starts a new one.
+                        r.mapped = r.mapped.saturating_sub(e.size);
+                        if r.mapped == 0 {
+                            r.retired = true;
+                            segments_live.close(&mut plan.instances, r.base);
+                        }
+                    }
+                    if starts {
+                        let set = plan.release_sets.len() as u32 - 1;
                         let next_segment = match release_run_end(trace, i) {
                             RunEnd::Oom => continue,
                             RunEnd::Segment(size) => {
-                                pressure.push((before, size));
+                                facts.retries.push((before, size));
                                 Some(size)
                             }
                             RunEnd::Other => None,
@@ -286,17 +413,25 @@ impl DevicePlan {
                         plan.releases.push(ReleaseRun {
                             next_segment,
                             next_alloc,
+                            set,
                         });
                         plan.push(event, Op::Release { run });
                     }
                 }
                 TraceAction::Oom => {
+                    let fact = OomFact {
+                        reserved,
+                        size: e.size,
+                        device_free: e.addr,
+                    };
+                    facts.ooms.push(fact);
                     plan.push(
                         event,
                         Op::Oom {
                             size: e.size,
                             stream: e.stream_id(),
                             capacity: reserved + e.addr,
+                            device_had_room: fact.device_had_room(),
                         },
                     );
                     plan.flush(event, &mut synced);
@@ -305,8 +440,9 @@ impl DevicePlan {
             }
         }
         plan.flush(trace.len().saturating_sub(1) as u32, &mut synced);
-        plan.capacity_bound = capacity_bound(&reservations, &plan.malloc_addrs);
-        plan.pressure_bound = pressure_bound(reached, &pressure);
+        facts.layout_bound = capacity_bound(&reservations, &plan.malloc_addrs);
+        segments_live.finish(&mut plan.instances, &plan.segments);
+        plan.capacity = facts;
         Ok(plan)
     }
 
@@ -407,32 +543,6 @@ fn release_run_end(trace: &[TraceEntry], i: usize) -> RunEnd {
         }
         _ => RunEnd::Other,
     }
-}
-
-/// Whether the new segment at event `i` follows a run of releases (made inside the same allocation).
-fn follows_release(trace: &[TraceEntry], i: usize) -> bool {
-    trace[..i]
-        .iter()
-        .rev()
-        .find(|e| !is_note(&e.action))
-        .is_some_and(|e| is_release(&e.action))
-}
-
-/// The memory the allocator could obtain, as far as the trace shows it was short of it.
-///
-/// A run of releases followed by a new segment of `size` bytes, with `before` bytes reserved, was
-/// the allocator's own (the device refused the segment, the cache was released, the retry
-/// succeeded) only if the device had less than `before + size` bytes for it; a new segment made
-/// without releasing shows the device had at least the bytes reserved after it (`reached`). Runs
-/// that fit under `reached` were `empty_cache()` calls; the others bound the memory: the largest
-/// value consistent with all of them is returned (`None` when no run bounds it).
-fn pressure_bound(reached: u64, pressure: &[(u64, u64)]) -> Option<u64> {
-    pressure
-        .iter()
-        .map(|&(before, size)| before + size)
-        .filter(|&needed| needed > reached)
-        .map(|needed| needed - 1)
-        .min()
 }
 
 /// The chunk size of an expandable segment, judged from its first mapping: large-pool mappings are
@@ -556,14 +666,23 @@ mod tests {
                 _ => None,
             })
             .collect();
-        let run = |next_segment, size| ReleaseRun {
+        let run = |next_segment, size, set| ReleaseRun {
             next_segment,
             next_alloc: Some((size, StreamId(0))),
+            set,
         };
         assert_eq!(
             releases,
-            vec![(4, run(Some(40 << 20), 30 << 20)), (7, run(None, 4096))]
+            vec![
+                (4, run(Some(40 << 20), 30 << 20, 0)),
+                (7, run(None, 4096, 1))
+            ]
         );
+        // Every run's segments, the out-of-memory one's too; segments the trace never showed made
+        // are not among them.
+        assert_eq!(plan.release_sets, vec![vec![0], vec![1], vec![]]);
+        assert!(plan.instances.iter().all(|i| i.released));
+        assert_eq!(plan.instances[1].first_alloc, Some(1));
     }
 
     #[test]
@@ -578,7 +697,7 @@ mod tests {
         ];
         let plan = DevicePlan::build(0, &trace, Vec::new()).unwrap();
         assert_eq!(plan.reserve_addrs, vec![large, small]);
-        let bound = plan.capacity_bound.unwrap();
+        let bound = plan.capacity.layout_bound.unwrap();
         let chunk = LARGE_BUFFER as u64;
         let reservation = (bound + bound / 8).div_ceil(chunk) * chunk;
         assert!(reservation <= small - large);
@@ -598,11 +717,15 @@ mod tests {
         let plan = DevicePlan::build(0, &trace, Vec::new()).unwrap();
         assert_eq!(
             plan.ops,
-            vec![Op::Oom {
-                size: 64 << 20,
-                stream: StreamId(0),
-                capacity: (20 << 20) + (1 << 20)
-            }]
+            vec![
+                Op::ReleaseStarts { set: 0 },
+                Op::Oom {
+                    size: 64 << 20,
+                    stream: StreamId(0),
+                    capacity: (20 << 20) + (1 << 20),
+                    device_had_room: false,
+                },
+            ]
         );
     }
 }

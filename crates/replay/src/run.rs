@@ -6,6 +6,7 @@ use std::time::Instant;
 use super::check::{Check, DivergenceKind, ExpectedStats, SegmentCheck, StatsCheck};
 use super::device::{AddressUse, ReplayDevice};
 use super::plan::{DevicePlan, Op, ReleaseRun};
+use super::pools::PoolRun;
 use super::timeline::{Sampler, Timeline};
 use super::{ReplayError, ReplayResult, RunOptions};
 use tensormem_cuda_alloc::config::AllocatorConfig;
@@ -97,6 +98,7 @@ pub(crate) fn run_device(
     default_capacity: u64,
     events_before: u64,
     expected: Option<&ExpectedStats>,
+    pools: &mut PoolRun,
 ) -> ReplayResult<DeviceRun> {
     let device_index = plan.device;
     let capacity = options.capacity.unwrap_or(default_capacity);
@@ -131,11 +133,17 @@ pub(crate) fn run_device(
     let started = Instant::now();
     for (i, (op, &event)) in plan.ops.iter().zip(&plan.op_events).enumerate() {
         match *op {
-            Op::Alloc { size, stream, slot } => {
+            Op::Alloc {
+                size,
+                stream,
+                slot,
+                instance,
+            } => {
                 let expected = plan.expected[allocs];
+                let pool = pools.pool_for(plan, &allocator, instance, allocs, size, stream);
                 allocs += 1;
                 let bytes = usize::try_from(size).unwrap_or(usize::MAX);
-                let landed = match allocator.allocate(bytes, stream) {
+                let landed = match pools.allocate(&allocator, pool, bytes, stream) {
                     Ok(a) => {
                         figures.allocated += a.size() as u64;
                         figures.requested += a.requested_size() as u64;
@@ -149,6 +157,12 @@ pub(crate) fn run_device(
                     }
                     Err(e) => return Err(fail(event, e)),
                 };
+                if landed != expected.addr && landed != 0 {
+                    pools.landed_elsewhere(pool, landed);
+                    if pools.stopped() {
+                        break;
+                    }
+                }
                 if let Some(check) = &mut check {
                     check.allocations += 1;
                     if landed != expected.addr {
@@ -203,8 +217,13 @@ pub(crate) fn run_device(
                 size,
                 stream,
                 capacity: recorded_capacity,
+                device_had_room,
             } => {
-                if options.capacity.is_none() {
+                // Under a memory fraction, a failure the device had room for was the fraction's:
+                // the device's size is the inferred one, not what was free at that moment.
+                let fraction_failure =
+                    device_had_room && options.config.per_process_memory_fraction < 1.0;
+                if options.capacity.is_none() && !fraction_failure {
                     allocator.device().sim().set_capacity(recorded_capacity);
                 }
                 let bytes = usize::try_from(size).unwrap_or(usize::MAX);
@@ -224,9 +243,24 @@ pub(crate) fn run_device(
                     Err(e) => return Err(fail(event, e)),
                 }
             }
+            Op::ReleaseStarts { set } => {
+                pools.release_starts(plan, &allocator, &plan.release_sets[set as usize]);
+            }
             Op::Release { run } => {
-                if release_was_external(&allocator, &options.config, plan.releases[run as usize]) {
-                    allocator.empty_cache().map_err(|e| fail(event, e))?;
+                let run = plan.releases[run as usize];
+                if release_was_external(&allocator, &options.config, run) {
+                    match pools.only_private(&plan.release_sets[run.set as usize]) {
+                        // Only private pools' segments: `empty_cache` of those pools (a
+                        // `MemPool` emptied or destroyed).
+                        Some(private) => {
+                            for pool in private {
+                                allocator
+                                    .empty_pool_cache(pool)
+                                    .map_err(|e| fail(event, e))?;
+                            }
+                        }
+                        None => allocator.empty_cache().map_err(|e| fail(event, e))?,
+                    }
                 }
             }
         }
@@ -259,6 +293,11 @@ pub(crate) fn run_device(
             device: device_index,
             source,
         })?;
+    // Blocks the trace never freed were live when it ended; the allocator (dropped with this
+    // function) returns their memory, so their handles are given up rather than freed.
+    for allocation in slots.into_iter().flatten() {
+        let _ = allocation.into_ptr();
+    }
     Ok(DeviceRun {
         device: device_index,
         stats,

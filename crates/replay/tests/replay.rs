@@ -9,11 +9,16 @@ use tensormem_cuda_alloc::snapshot::{Snapshot, TraceAction, TraceEntry};
 use tensormem_cuda_alloc::{CachingAllocator, StreamId};
 use tensormem_replay::{ExpectedStats, Replay, RunOptions};
 
-const TRACES: [&str; 4] = [
+const TRACES: [&str; 9] = [
     "gpt2_train",
     "gpt2_train__expandable_segments-True",
     "multistream",
     "oom_pressure",
+    "cudagraph_train",
+    "two_gpu",
+    "varlen_pressure__per_process_memory_fraction-0.019",
+    "mempool",
+    "varlen_pressure__per_process_memory_fraction-0.025_garbage_collection_threshold-0.6",
 ];
 
 fn traces_dir() -> PathBuf {
@@ -25,7 +30,14 @@ fn traces_dir() -> PathBuf {
 
 fn load(name: &str) -> (Snapshot, ExpectedStats) {
     let dir = traces_dir();
-    let snapshot = Snapshot::read_file(dir.join(format!("{name}.pickle"))).unwrap();
+    // Large traces are kept gzip-compressed.
+    let plain = dir.join(format!("{name}.pickle"));
+    let path = if plain.is_file() {
+        plain
+    } else {
+        dir.join(format!("{name}.pickle.gz"))
+    };
+    let snapshot = Snapshot::read_file(path).unwrap();
     let expected = ExpectedStats::read_file(dir.join(format!("{name}.stats.json"))).unwrap();
     (snapshot, expected)
 }
@@ -79,14 +91,28 @@ fn exact(name: &str) {
             wrong.push(format!("{key}: replay {have}, PyTorch {want}"));
         }
     }
-    let device = &run.devices[0];
-    let check = device.check.as_ref().expect("recorded runs are checked");
     assert!(
         wrong.is_empty(),
         "{name}: {}\nfirst divergence: {:?}",
         wrong.join("; "),
-        check.divergence
+        run.devices[0].check.as_ref().map(|c| &c.divergence)
     );
+    for device in &run.devices {
+        let figures = expected.for_device(device.device).unwrap_or_else(|| {
+            panic!(
+                "{name}.stats.json has no figures for device {}",
+                device.device
+            )
+        });
+        exact_device(name, device, figures);
+    }
+    assert_eq!(run.matches_record(), Some(true));
+    assert_eq!(run.events, snapshot.event_count() as u64);
+}
+
+/// One device of a recorded run against its `memory_stats(d)`.
+fn exact_device(name: &str, device: &tensormem_replay::DeviceRun, expected: &ExpectedStats) {
+    let check = device.check.as_ref().expect("recorded runs are checked");
     // Every allocation landed where PyTorch put it, with the same bytes reserved.
     assert_eq!(check.divergence, None, "{name}");
     assert_eq!(
@@ -106,10 +132,10 @@ fn exact(name: &str) {
     assert!(stats.compared >= tracked_keys().len());
     assert!(
         stats.mismatches.is_empty(),
-        "{name}: {:?}",
+        "{name} device {}: {:?}",
+        device.device,
         stats.mismatches
     );
-    assert_eq!(run.matches_record(), Some(true));
     // New segments were all placed at the recorded addresses.
     assert_eq!(device.addresses.invented, 0, "{name}");
     assert!(device.addresses.recorded > 0);
@@ -118,7 +144,6 @@ fn exact(name: &str) {
         device.refused as i64, expected.figures["num_ooms"],
         "{name}"
     );
-    assert_eq!(run.events, snapshot.event_count() as u64);
 }
 
 #[test]
@@ -144,6 +169,70 @@ fn oom_pressure_replays_exactly() {
     assert!(expected.figures["num_ooms"] > 0 && expected.figures["num_alloc_retries"] > 0);
     assert!(expected.figures["num_device_free"] > 0);
     exact("oom_pressure");
+}
+
+/// A training step captured as a CUDA graph (its own stream, a private pool), replayed, the graph
+/// destroyed, then eager allocations: the private pool's allocations are inferred and replayed in a
+/// private pool.
+#[test]
+fn cudagraph_train_replays_exactly() {
+    exact("cudagraph_train");
+    let (snapshot, _) = load("cudagraph_train");
+    let replay = Replay::new(&snapshot).unwrap();
+    let attribution = replay.pool_attribution(0).unwrap();
+    assert!(attribution.has_private());
+    assert!(attribution.undecided.is_empty());
+}
+
+/// Two devices, one allocator each, each checked against its own `memory_stats(d)`.
+#[test]
+fn two_gpu_replays_exactly_per_device() {
+    let (_, expected) = load("two_gpu");
+    assert_eq!(expected.devices.len(), 2);
+    exact("two_gpu");
+}
+
+/// A memory fraction with out-of-memory errors: the allowed bytes are inferred from the recorded
+/// decisions, with no flag.
+#[test]
+fn varlen_pressure_under_a_fraction_replays_exactly_with_no_flag() {
+    let name = "varlen_pressure__per_process_memory_fraction-0.019";
+    let (snapshot, expected) = load(name);
+    assert!(expected.figures["num_ooms"] > 0);
+    exact(name);
+    let replay = Replay::new(&snapshot).unwrap();
+    let inference = replay.capacity_inference(0).unwrap();
+    assert!(inference.consistent);
+    assert!(inference.oom_bounds > 0);
+    let upper = inference.upper.unwrap();
+    assert!(inference.lower <= upper);
+    let allowed = (0.019 * replay.default_capacity(0) as f64) as u64;
+    assert!((inference.lower..=upper).contains(&allowed), "{allowed}");
+}
+
+/// `torch.cuda.use_mem_pool` around every third allocation on the one stream the program uses: the
+/// pool's allocations are told from the default pool's by the segments they land in.
+#[test]
+fn mempool_replays_exactly() {
+    exact("mempool");
+    let (snapshot, _) = load("mempool");
+    let replay = Replay::new(&snapshot).unwrap();
+    let attribution = replay.pool_attribution(0).unwrap();
+    let pooled: u64 = attribution
+        .pools
+        .iter()
+        .filter(|p| !p.pool.is_default())
+        .map(|p| p.allocations)
+        .sum();
+    // Every third of the 400 allocations.
+    assert_eq!(pooled, 134);
+    assert!(attribution.undecided.is_empty());
+}
+
+/// A memory fraction with garbage collection: OOMs bound the allowed bytes, releases do not.
+#[test]
+fn varlen_pressure_with_garbage_collection_replays_exactly_with_no_flag() {
+    exact("varlen_pressure__per_process_memory_fraction-0.025_garbage_collection_threshold-0.6");
 }
 
 #[test]
@@ -376,7 +465,8 @@ fn every_device_of_a_snapshot_is_replayed_with_its_own_allocator() {
     assert_eq!(run.matches_record(), Some(true));
     let alone = |s: &Snapshot| Replay::new(s).unwrap().run_recorded().unwrap().flat_stats();
     let (a, b) = (alone(&gpt2), alone(&multi));
-    let sum = run.flat_stats();
+    let sum = run.total_stats();
+    assert_eq!(run.flat_stats(), a, "the top level is device 0's");
     for key in [
         "reserved_bytes.all.peak",
         "allocation.all.allocated",

@@ -189,31 +189,49 @@ impl SharedRegion {
         if plan.huge_pages {
             object::advise_huge_pages(region.mapping());
         }
-        let threads = plan.threads_for(src.len());
-        let (fd, map) = region.fd_and_mapping_mut();
-        let fd = fd.ok_or_else(|| Error::NoFd {
-            object: "new anonymous region".to_owned(),
-        })?;
-        // SAFETY: the region was created by this call and its fd has not left this function, so
-        // no other process can reach the object (a memfd has no name; the shm fallback was
-        // unlinked at once): nobody else reads, writes or truncates it while `dst` lives.
-        let dst = unsafe { map.try_as_mut_slice()? };
-        match plan.method {
-            CopyMethod::PrefaultSplit => copy_split(dst, src, threads)?,
-            CopyMethod::Pwrite => pwrite_all(fd, src, 0)?,
-            CopyMethod::PwriteAndMap => copy_queue(Some(fd), dst, src, threads)?,
-            CopyMethod::FallocateSplit => {
-                fallocate(fd, src.len())?;
-                copy_split(dst, src, threads)?;
-            }
-        }
-        tracing::debug!(
-            len = src.len(),
-            ?plan,
-            "copied a buffer into a new shared region"
-        );
+        fill_fresh_region(&mut region, src, plan)?;
         Ok(region)
     }
+}
+
+/// Copies `src` into the start of `region`, an anonymous region just created by the caller whose
+/// fd has not been shared yet and whose pages were never touched, the way `plan` says (its
+/// `object` and `huge_pages` are the caller's business). The pool's cold path uses it too.
+pub(crate) fn fill_fresh_region(
+    region: &mut SharedRegion,
+    src: &[u8],
+    plan: &CopyPlan,
+) -> Result<()> {
+    let threads = plan.threads_for(src.len());
+    let (fd, map) = region.fd_and_mapping_mut();
+    let fd = fd.ok_or_else(|| Error::NoFd {
+        object: "new anonymous region".to_owned(),
+    })?;
+    let region_len = map.len();
+    // SAFETY: the caller just created the region and its fd has not left this process, so
+    // no other process can reach the object (a memfd has no name; the shm fallback was
+    // unlinked at once): nobody else reads, writes or truncates it while `dst` lives.
+    let all = unsafe { map.try_as_mut_slice()? };
+    let dst = all.get_mut(..src.len()).ok_or(Error::OutOfBounds {
+        offset: 0,
+        len: src.len(),
+        region_len,
+    })?;
+    match plan.method {
+        CopyMethod::PrefaultSplit => copy_split(dst, src, threads)?,
+        CopyMethod::Pwrite => pwrite_all(fd, src, 0)?,
+        CopyMethod::PwriteAndMap => copy_queue(Some(fd), dst, src, threads)?,
+        CopyMethod::FallocateSplit => {
+            fallocate(fd, src.len())?;
+            copy_split(dst, src, threads)?;
+        }
+    }
+    tracing::debug!(
+        len = src.len(),
+        ?plan,
+        "copied a buffer into a new shared region"
+    );
+    Ok(())
 }
 
 /// Copies `src` into `dst` (same length) with up to `threads` threads, each pre-faulting and
@@ -371,7 +389,7 @@ fn pwrite_all(fd: BorrowedFd<'_>, mut data: &[u8], mut offset: u64) -> Result<()
 
 /// Faults in every page of `buf` for writing: `MADV_POPULATE_WRITE` on the page-aligned part, or
 /// a write to each page where the kernel lacks it.
-fn prefault_write(buf: &mut [u8]) -> Result<()> {
+pub(crate) fn prefault_write(buf: &mut [u8]) -> Result<()> {
     let start = buf.as_mut_ptr() as usize;
     let aligned = start.next_multiple_of(PAGE);
     let end = start + buf.len();

@@ -24,6 +24,7 @@
 //! | `NewProcessWideShmHandle` (`/torch_<pid>_<random>_<counter>`) | [`NameGenerator`] (prefix `tensormem`, or `torch`) |
 //! | `share_memory_` / `storage_copy` | [`SharedRegion::copy_from_bytes`] (pre-faulted, huge pages, threads) |
 //! | `THManagedMapAllocator` + `torch_shm_manager` (file_system strategy) | the [`manager`] module and the `tensormem-shm-manager` daemon |
+//! | (none: every share makes and maps a fresh object) | [`pool`]: cached, pre-faulted regions lent over a connection; [`mapping_cache`]: the consumer keeps its mappings, a known region travels as an id |
 //! | (none: leaked objects stay in `/dev/shm` until reboot) | [`housekeeping`]: list objects, unlink those whose creator died (`tensormem shm list/gc`) |
 //!
 //! Where this crate is stricter than PyTorch: names are validated ([`ShmName`]); objects are
@@ -97,8 +98,10 @@ mod error;
 pub mod housekeeping;
 pub mod manager;
 pub mod mapping;
+pub mod mapping_cache;
 pub mod name;
 mod object;
+pub mod pool;
 pub mod refcounted;
 mod region;
 pub mod transfer;
@@ -109,5 +112,6 @@ pub use error::{Error, NameProblem, ObjectKind, Result, SizeProblem};
 pub use mapping::{Access, Mapping, SharedAtomic};
 pub use name::{GeneratedName, NameGenerator, ShmName, DEFAULT_PREFIX, TORCH_PREFIX};
 pub use object::{unlink_shm, CreateMode};
+pub use pool::{PoolBuffer, PoolConfig, PoolSender, ShmPool};
 pub use refcounted::{RefcountHeader, RefcountedRegion, REFCOUNT_HEADER_LEN};
 pub use region::{Backing, MapOptions, SharedRegion};

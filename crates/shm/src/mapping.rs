@@ -293,17 +293,26 @@ impl Mapping {
     /// [`Error::ReadOnly`] for read-only mappings, [`Error::OutOfBounds`] if the range does not
     /// fit.
     pub fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<()> {
+        self.write_at_shared(offset, data)
+    }
+
+    /// [`write_at`](Self::write_at) through a shared reference, for handles that share one
+    /// mapping (the pool's consumer leases). No reference to the shared bytes is created, so this
+    /// is no different from a peer process writing them: `as_slice`'s contract (no writer while
+    /// the slice lives) already covers it.
+    pub(crate) fn write_at_shared(&self, offset: usize, data: &[u8]) -> Result<()> {
         if !self.access.is_writable() {
             return Err(Error::ReadOnly);
         }
         self.check_range(offset, data.len())?;
+        let dst = self.as_ptr().cast_mut();
         if self.truncatable {
             // SAFETY: the range lies inside a writable mapping (checked above); `data` is
             // private memory of `data.len()` bytes.
             return unsafe {
                 guarded_copy(
                     Direction::Write,
-                    self.as_mut_ptr().add(offset),
+                    dst.add(offset),
                     data.as_ptr().cast_mut(),
                     data.len(),
                     offset,
@@ -311,10 +320,10 @@ impl Mapping {
             };
         }
         // SAFETY: the range was checked to lie inside a writable mapping no process can shrink;
-        // `&mut self` excludes other references in this process and `data` cannot alias a
-        // mapping `self` owns mutably.
+        // the copy goes through raw pointers (no reference to the shared bytes exists here) and
+        // `data` is private memory, which cannot overlap a shared mapping.
         unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.as_mut_ptr().add(offset), data.len());
+            std::ptr::copy_nonoverlapping(data.as_ptr(), dst.add(offset), data.len());
         }
         Ok(())
     }

@@ -362,7 +362,7 @@ pub fn recv_exact(socket: impl AsFd, buf: &mut [u8], recv: RecvOptions) -> Resul
 
 /// Runs the receiving call `call` with the flags to use: first non-blocking
 /// (`MSG_DONTWAIT`) in a loop for up to `spin`, then blocking. `EINTR` is retried.
-fn wait_and<T>(
+pub(crate) fn wait_and<T>(
     spin: Duration,
     mut call: impl FnMut(RecvFlags) -> rustix::io::Result<T>,
 ) -> rustix::io::Result<T> {
@@ -457,7 +457,7 @@ fn recv_message(socket: BorrowedFd<'_>, recv: RecvOptions) -> Result<(OwnedFd, [
     }
 }
 
-fn socket_error(errno: Errno, op: &'static str) -> Error {
+pub(crate) fn socket_error(errno: Errno, op: &'static str) -> Error {
     match errno {
         Errno::PIPE | Errno::CONNRESET => Error::Disconnected,
         _ => Error::from_errno(errno, op, "region socket"),

@@ -6,11 +6,93 @@
 //! PyTorch's formats and numbers (so the two can share memory and read each other's snapshots). This crate
 //! is the umbrella: it re-exports them behind features and adds the `torch.cuda`-like device API.
 //!
+//! # Sharing a storage, one example per strategy
+//!
+//! A [`Storage`] is PyTorch's `UntypedStorage`: bytes on a device and how they are owned
+//! ([`storage`] has the full API and the table of PyTorch names).
+//!
+//! **By file descriptor** (PyTorch's `file_descriptor` strategy): the storage moves into a sealed
+//! memfd and its descriptor travels over a Unix socket. Nothing to clean up: the memory goes when
+//! the last process closes it.
+//!
+//! ```
+//! use std::os::unix::net::UnixStream;
+//! use tensormem::Storage;
+//!
+//! let (producer_end, consumer_end) = UnixStream::pair().unwrap(); // two processes, normally
+//!
+//! let weights = Storage::from_vec(vec![7u8; 1 << 20]);
+//! weights.send_shared_fd(&producer_end)?; // share_memory_ + _share_fd_cpu_ + send
+//!
+//! let received = Storage::recv_shared_fd(&consumer_end)?; // _new_shared_fd_cpu
+//! assert_eq!(received.nbytes(), 1 << 20);
+//! received.write_at(0, &[1])?;
+//! assert_eq!(weights.to_vec()?[0], 1); // one memory
+//! # Ok::<(), tensormem::storage::Error>(())
+//! ```
+//!
+//! **By name** (PyTorch's `file_system` strategy): the storage moves into a refcounted shm object
+//! laid out as PyTorch's, held through the shm manager daemon (started on demand), so no name
+//! leaks even when processes are killed. The name is a string you can send any way you like.
+//!
+//! ```no_run
+//! use tensormem::storage::{FilenameHandle, Storage};
+//!
+//! let weights = Storage::from_vec(vec![7u8; 1 << 20]);
+//! let handle: FilenameHandle = weights.share_filename()?; // _share_filename_cpu_
+//! weights.shared_incref()?; // keep it alive while the name is in transit
+//! // ... send handle.name and handle.size to the consumer, which does:
+//! let received = Storage::new_shared_filename(&handle)?; // _new_shared_filename_cpu
+//! received.shared_decref()?; // it took over the sender's reference
+//! assert_eq!(received.to_vec()?, vec![7u8; 1 << 20]);
+//! # Ok::<(), tensormem::storage::Error>(())
+//! ```
+//!
+//! **CUDA memory** (CUDA IPC, feature `cuda`): a storage from the caching allocator is shared by
+//! an IPC handle carrying a slot of a ref-counter file, so the producer frees the memory only once
+//! every consumer let go (PyTorch's `_share_cuda_` / `_new_shared_cuda`). Handles cannot be opened
+//! by the process that made them, so this sketch's two halves run in two processes:
+//!
+//! ```no_run
+//! # #[cfg(feature = "cuda")]
+//! # fn main() -> Result<(), tensormem::storage::Error> {
+//! use tensormem::storage::{CudaContext, IpcHandle, Storage};
+//!
+//! // producer
+//! let ctx = CudaContext::new(0)?; // device 0: allocator, stream, IPC producer and consumer
+//! let weights = Storage::new_cuda(&ctx, 1 << 20)?;
+//! weights.fill(7)?;
+//! let wire: Vec<u8> = weights.share_cuda()?.encode(); // or .to_torch() for PyTorch's 8-tuple
+//!
+//! // consumer (another process, its own CudaContext)
+//! let handle = IpcHandle::decode(&wire).map_err(|e| tensormem::storage::Error::Cuda {
+//!     op: "decode",
+//!     message: e.to_string(),
+//! })?;
+//! let received = Storage::new_shared_cuda(&ctx, &handle)?;
+//! let mut first = [0u8; 1];
+//! received.read_at(0, &mut first)?;
+//! assert_eq!(first, [7]);
+//! # Ok(())
+//! # }
+//! # #[cfg(not(feature = "cuda"))]
+//! # fn main() {}
+//! ```
+//!
+//! Runnable producer/consumer programs, each a producer that starts itself again as the
+//! consumer: `cargo run -p tensormem --example share_fd`, `--example share_filename`,
+//! `--example share_cuda`.
+//!
+//! # Features
+//!
 //! | feature | default | what it adds |
 //! | --- | --- | --- |
-//! | `cuda` | yes | [`cuda`]: the device API (devices, streams, per-device caching allocators, memory statistics and snapshots) and [`cuda_alloc`], the allocator crate. Loads `libcuda.so` at run time; building needs no CUDA toolkit. Turn it off to embed only the CPU layer: no CUDA code (and no `cudarc`) is compiled then. |
+//! | `cuda` | yes | [`cuda`]: the device API (devices, streams, per-device caching allocators, memory statistics and snapshots), [`cuda_alloc`], the allocator crate, [`ipc`], CUDA IPC with PyTorch's reference counting, and CUDA storages in [`storage`]. Loads `libcuda.so` at run time; building needs no CUDA toolkit. Turn it off to embed only the CPU layer: no CUDA code (and no `cudarc`) is compiled then. |
 //!
-//! Always there: [`shm`], CPU shared memory (PyTorch's `file_descriptor` and `file_system` sharing).
+//! Always there: [`shm`], CPU shared memory (PyTorch's `file_descriptor` and `file_system` sharing), and
+//! [`storage`], the storage facade over it.
+//!
+//! # The device API
 //!
 //! ```
 //! # #[cfg(feature = "cuda")]
@@ -34,10 +116,21 @@
 #[doc(inline)]
 pub use tensormem_shm as shm;
 
+#[doc(inline)]
+pub use tensormem_storage as storage;
+
+#[doc(no_inline)]
+pub use tensormem_storage::{storage_copy, Storage};
+
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 #[doc(inline)]
 pub use tensormem_cuda_alloc as cuda_alloc;
+
+#[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
+#[doc(inline)]
+pub use tensormem_ipc as ipc;
 
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]

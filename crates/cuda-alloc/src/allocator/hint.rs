@@ -14,16 +14,16 @@ use crate::device::Device;
 use crate::shard::Shard;
 
 thread_local! {
-    /// `(allocator address, shard index)` of this thread's last pointer-based allocation.
-    static LAST_SHARD: Cell<(usize, u32)> = const { Cell::new((0, u32::MAX)) };
+    /// `(allocator id, shard index)` of this thread's last pointer-based allocation (allocator ids
+    /// start at 1).
+    static LAST_SHARD: Cell<(u32, u32)> = const { Cell::new((0, u32::MAX)) };
 }
 
 impl<D: Device> CachingAllocator<D> {
-    /// An identity for this allocator in the thread-local hint (its address; an allocator at a
-    /// reused address inherits a stale hint, which is harmless).
+    /// This allocator's identity in the thread-local hint (its process-unique id).
     #[inline]
-    fn hint_id(&self) -> usize {
-        std::ptr::from_ref(self) as usize
+    fn hint_id(&self) -> u32 {
+        self.id
     }
 
     /// Remembers shard `index` as this thread's last one.

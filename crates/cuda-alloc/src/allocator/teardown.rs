@@ -10,7 +10,7 @@ impl<D: Device> Drop for CachingAllocator<D> {
     /// Waits for the device, then returns every device allocation and expandable segment (chunks
     /// unmapped, address ranges released) and destroys every event. Errors met on the way cannot be
     /// returned: each goes to [`Device::record_error`] for a later check (the CUDA backend keeps it
-    /// for `CudaDevice::check_err` and in the cudarc context's error slot), and the rest is still
+    /// for `CudaBackend::check_err` and in the cudarc context's error slot), and the rest is still
     /// released. An allocator that never reserved memory makes no device call.
     fn drop(&mut self) {
         let holds_memory = self.streams.iter().any(|shard| {

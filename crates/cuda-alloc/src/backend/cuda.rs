@@ -10,17 +10,17 @@
 //!
 //! | CUDA concept | here |
 //! | --- | --- |
-//! | device ordinal + primary context | [`CudaDevice`] (one per ordinal; the context is retained for the process) |
-//! | `cudaStream_t` created non-blocking | [`CudaStream`] (a cudarc stream); its [`StreamId`] is the handle value |
-//! | cudarc's `Arc<CudaContext>` / `Arc<CudaStream>` | [`CudaDevice::from_context`] / [`CudaDevice::register_stream`] |
-//! | `cudaEvent_t` (timing disabled, optionally interprocess) | [`CudaEvent`] |
+//! | device ordinal + primary context | [`CudaBackend`] (one per ordinal; the context is retained for the process) |
+//! | `cudaStream_t` created non-blocking | [`BackendStream`] (a cudarc stream); its [`StreamId`] is the handle value |
+//! | cudarc's `Arc<CudaContext>` / `Arc<CudaStream>` | [`CudaBackend::from_context`] / [`CudaBackend::register_stream`] |
+//! | `cudaEvent_t` (timing disabled, optionally interprocess) | [`BackendEvent`] |
 //! | `CUmemGenericAllocationHandle` | [`PhysicalChunk`] |
 //! | `cudaGetDeviceProperties` | [`device_properties`] |
 //!
 //! # Without a driver or a device
 //!
 //! cudarc panics when `libcuda.so` is missing; this backend probes for the library first and calls
-//! `cuInit` under `catch_unwind`, so [`CudaDevice::new`], [`device_count`] and friends return
+//! `cuInit` under `catch_unwind`, so [`CudaBackend::new`], [`device_count`] and friends return
 //! [`DeviceError::Driver`] with code 100 (`CUDA_ERROR_NO_DEVICE`) and a message saying what is missing.
 //! [`init`] tells whether CUDA is usable at all.
 //!
@@ -63,30 +63,41 @@ pub use cached_slice::CachedSlice;
 pub use context::has_primary_context;
 use context::PrimaryContext;
 pub use driver::{device_count, init};
-pub use event::{CudaEvent, IPC_HANDLE_SIZE};
+pub use event::{BackendEvent, IPC_HANDLE_SIZE};
 pub use pinned::CudaPinnedSource;
 pub use properties::{can_access_peer, device_properties, DeviceProperties, DeviceUuid};
-pub use stream::CudaStream;
+pub use stream::BackendStream;
 use vmm::ChunkKind;
 pub use vmm::PhysicalChunk;
+
+/// The former name of [`CudaBackend`] (renamed: cudarc names its own types `Cuda*`); kept so that code
+/// written against it still builds.
+#[doc(hidden)]
+pub type CudaDevice = CudaBackend;
+/// The former name of [`BackendStream`] (cudarc has a `CudaStream`).
+#[doc(hidden)]
+pub type CudaStream = BackendStream;
+/// The former name of [`BackendEvent`] (cudarc has a `CudaEvent`).
+#[doc(hidden)]
+pub type CudaEvent = BackendEvent;
 
 /// The minimum alignment the allocator relies on (trait obligation 1).
 const MIN_ALIGNMENT: u64 = 512;
 
 /// One CUDA device as the allocator's memory provider.
 ///
-/// Create one per device ordinal with [`CudaDevice::new`] and hand it to the allocator. It uses the
+/// Create one per device ordinal with [`CudaBackend::new`] and hand it to the allocator. It uses the
 /// device's primary context (the one the CUDA runtime and PyTorch use), so pointers and streams are
 /// interchangeable with runtime-API code in the same process.
 #[derive(Debug)]
-pub struct CudaDevice {
+pub struct CudaBackend {
     /// The device ordinal.
     ordinal: u32,
     /// The primary context, retained for the rest of the process.
     ctx: &'static PrimaryContext,
     /// The same context as cudarc's handle (streams are made through it).
     cudarc: Arc<CudaContext>,
-    /// The first error kept by [`Device::record_error`], for [`CudaDevice::check_err`].
+    /// The first error kept by [`Device::record_error`], for [`CudaBackend::check_err`].
     kept_error: Mutex<Option<DeviceError>>,
     /// How physical chunks are created; read on first virtual-memory use.
     chunk_kind: OnceLock<DeviceResult<ChunkKind>>,
@@ -96,7 +107,7 @@ pub struct CudaDevice {
     vmm: Mutex<VmmAccess>,
 }
 
-/// The state behind [`CudaDevice::enable_peer_access`] for virtual memory: unlike `cuMemAlloc` memory,
+/// The state behind [`CudaBackend::enable_peer_access`] for virtual memory: unlike `cuMemAlloc` memory,
 /// mapped chunks are accessible only to devices named in `cuMemSetAccess`, so a peer granted access later
 /// must be given access to every live mapping too.
 #[derive(Debug, Default)]
@@ -107,7 +118,7 @@ struct VmmAccess {
     mapped: BTreeMap<u64, usize>,
 }
 
-impl CudaDevice {
+impl CudaBackend {
     /// Opens device `ordinal`: loads and initialises the driver if needed and retains the device's
     /// primary context.
     ///
@@ -240,16 +251,16 @@ impl CudaDevice {
     }
 
     /// Creates an interprocess-capable event (`cuEventCreate` with `CU_EVENT_DISABLE_TIMING |
-    /// CU_EVENT_INTERPROCESS`), for the CUDA IPC layer: export it with [`CudaEvent::ipc_handle`].
+    /// CU_EVENT_INTERPROCESS`), for the CUDA IPC layer: export it with [`BackendEvent::ipc_handle`].
     #[doc(alias = "cuEventCreate")]
-    pub fn create_interprocess_event(&self) -> DeviceResult<CudaEvent> {
+    pub fn create_interprocess_event(&self) -> DeviceResult<BackendEvent> {
         self.ctx.make_current()?;
-        CudaEvent::create_in_current_context(true)
+        BackendEvent::create_in_current_context(true)
     }
 
-    /// Creates a non-blocking stream on this device (see [`CudaStream::new`]).
-    pub fn create_stream(&self) -> DeviceResult<CudaStream> {
-        CudaStream::new(self)
+    /// Creates a non-blocking stream on this device (see [`BackendStream::new`]).
+    pub fn create_stream(&self) -> DeviceResult<BackendStream> {
+        BackendStream::new(self)
     }
 
     /// Lets kernels and copies running on this device access memory of `peer` directly
@@ -262,7 +273,7 @@ impl CudaDevice {
     /// [`DeviceError::Unsupported`] if the hardware cannot (see [`can_access_peer`]) or `peer` is this
     /// device; the driver's errors otherwise.
     #[doc(alias = "cuCtxEnablePeerAccess")]
-    pub fn enable_peer_access(&self, peer: &CudaDevice) -> DeviceResult<()> {
+    pub fn enable_peer_access(&self, peer: &CudaBackend) -> DeviceResult<()> {
         if !can_access_peer(self.ordinal, peer.ordinal)? {
             return Err(DeviceError::Unsupported {
                 what: "peer access between these two devices (cuDeviceCanAccessPeer says no)",
@@ -311,8 +322,8 @@ impl CudaDevice {
 //    these methods.
 // 5. `check_stream`, `record_event` and `capture_status` accept only the default streams and streams of
 //    this device in the registry, which pins them (keeps them alive) once checked.
-unsafe impl Device for CudaDevice {
-    type Event = CudaEvent;
+unsafe impl Device for CudaBackend {
+    type Event = BackendEvent;
     type PhysicalChunk = PhysicalChunk;
 
     #[inline]
@@ -367,9 +378,9 @@ unsafe impl Device for CudaDevice {
         driver::check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr.0) })
     }
 
-    fn create_event(&self) -> DeviceResult<CudaEvent> {
+    fn create_event(&self) -> DeviceResult<BackendEvent> {
         self.ctx.make_current()?;
-        CudaEvent::create_in_current_context(false)
+        BackendEvent::create_in_current_context(false)
     }
 
     fn check_stream(&self, stream: StreamId) -> DeviceResult<()> {
@@ -388,7 +399,7 @@ unsafe impl Device for CudaDevice {
     }
 
     #[inline]
-    fn record_event(&self, event: &CudaEvent, stream: StreamId) -> DeviceResult<()> {
+    fn record_event(&self, event: &BackendEvent, stream: StreamId) -> DeviceResult<()> {
         registry::check_and_pin(self.ordinal, stream)?;
         if stream == StreamId::DEFAULT || stream.0 == registry::PER_THREAD_STREAM {
             // The default streams are the current context's: make sure it is this device's.
@@ -400,11 +411,11 @@ unsafe impl Device for CudaDevice {
     }
 
     #[inline]
-    fn query_event(&self, event: &CudaEvent) -> DeviceResult<bool> {
+    fn query_event(&self, event: &BackendEvent) -> DeviceResult<bool> {
         event.query()
     }
 
-    fn synchronize_event(&self, event: &CudaEvent) -> DeviceResult<()> {
+    fn synchronize_event(&self, event: &BackendEvent) -> DeviceResult<()> {
         event.synchronize()
     }
 

@@ -5,7 +5,7 @@
 use std::sync::mpsc;
 use std::time::Duration;
 
-use tensormem_cuda_alloc::backend::cuda::{CudaDevice, CudaStream};
+use tensormem_cuda_alloc::backend::cuda::{BackendStream, CudaBackend};
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::size::format_size;
 use tensormem_cuda_alloc::snapshot::BlockState;
@@ -15,13 +15,13 @@ use crate::harness::{gpu, mib};
 
 const MIB: usize = 1 << 20;
 
-fn allocator(config: &str) -> CachingAllocator<CudaDevice> {
+fn allocator(config: &str) -> CachingAllocator<CudaBackend> {
     let config = AllocatorConfig::parse(config).unwrap();
-    CachingAllocator::with_config(CudaDevice::new(0).unwrap(), config)
+    CachingAllocator::with_config(CudaBackend::new(0).unwrap(), config)
 }
 
 /// Frees what is left and returns every cached byte to the device, checking nothing stays reserved.
-fn release_all(alloc: &CachingAllocator<CudaDevice>, live: Vec<Allocation>) {
+fn release_all(alloc: &CachingAllocator<CudaBackend>, live: Vec<Allocation>) {
     for a in live {
         alloc.free(a).unwrap();
     }
@@ -34,7 +34,7 @@ fn release_all(alloc: &CachingAllocator<CudaDevice>, live: Vec<Allocation>) {
     );
 }
 
-fn read_back(stream: &CudaStream, ptr: DevicePtr, len: usize) -> Vec<u8> {
+fn read_back(stream: &BackendStream, ptr: DevicePtr, len: usize) -> Vec<u8> {
     let mut back = vec![0u8; len];
     // SAFETY: the callers pass live allocations of at least `len` bytes, idle once the copy synchronises.
     unsafe { stream.copy_to_host(&mut back, ptr).unwrap() };

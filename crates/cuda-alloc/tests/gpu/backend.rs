@@ -3,7 +3,7 @@
 use std::sync::mpsc;
 use std::time::Duration;
 
-use tensormem_cuda_alloc::backend::cuda::{self, CudaDevice, CudaStream};
+use tensormem_cuda_alloc::backend::cuda::{self, BackendStream, CudaBackend};
 use tensormem_cuda_alloc::{CaptureStatus, Device, DeviceError, StreamId};
 
 use crate::harness::gpu;
@@ -12,7 +12,7 @@ const MIB: usize = 1 << 20;
 
 /// Fills `[ptr, ptr+len)` with a pattern from the host, reads it back, checks it.
 fn write_and_read_back(
-    stream: &CudaStream,
+    stream: &BackendStream,
     ptr: tensormem_cuda_alloc::DevicePtr,
     len: usize,
     seed: u8,
@@ -243,7 +243,7 @@ fn properties_and_errors_carry_the_drivers_facts() {
     );
 
     let count = cuda::device_count().unwrap();
-    match CudaDevice::new(count) {
+    match CudaBackend::new(count) {
         Err(DeviceError::Driver { code, message, .. }) => {
             assert_eq!(code, 101, "CUDA_ERROR_INVALID_DEVICE");
             assert!(

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, DeviceSlice, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
-use tensormem_cuda_alloc::backend::cuda::CudaDevice;
+use tensormem_cuda_alloc::backend::cuda::CudaBackend;
 use tensormem_cuda_alloc::CachingAllocator;
 
 use crate::harness::gpu;
@@ -14,12 +14,12 @@ const PTX: &str = include_str!("../../examples/fill.ptx");
 
 fn setup() -> Option<(
     Arc<CudaContext>,
-    Arc<CachingAllocator<CudaDevice>>,
+    Arc<CachingAllocator<CudaBackend>>,
     crate::harness::Gpus,
 )> {
     let gpus = gpu()?;
     let ctx = CudaContext::new(0).unwrap();
-    let device = CudaDevice::from_context(Arc::clone(&ctx)).unwrap();
+    let device = CudaBackend::from_context(Arc::clone(&ctx)).unwrap();
     Some((ctx, Arc::new(CachingAllocator::new(device)), gpus))
 }
 

@@ -2,7 +2,7 @@
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use tensormem_cuda_alloc::backend::cuda::{self, CudaDevice};
+use tensormem_cuda_alloc::backend::cuda::{self, CudaBackend};
 
 /// Set to `1`, a missing driver or device fails the tests instead of skipping them.
 pub(crate) const REQUIRE_GPU: &str = "TENSORMEM_REQUIRE_GPU";
@@ -13,13 +13,13 @@ static GPU_LOCK: Mutex<()> = Mutex::new(());
 /// The GPUs a test runs on, and the lock held while it runs.
 pub(crate) struct Gpus {
     /// Devices 0, 1, ... as many as the test asked for.
-    pub(crate) devices: Vec<CudaDevice>,
+    pub(crate) devices: Vec<CudaBackend>,
     _lock: MutexGuard<'static, ()>,
 }
 
 impl Gpus {
     /// Device 0.
-    pub(crate) fn first(&self) -> &CudaDevice {
+    pub(crate) fn first(&self) -> &CudaBackend {
         &self.devices[0]
     }
 }
@@ -56,7 +56,7 @@ pub(crate) fn gpus(count: u32) -> Option<Gpus> {
         return None;
     }
     let devices = (0..count)
-        .map(|i| CudaDevice::new(i).unwrap_or_else(|e| panic!("opening CUDA device {i}: {e}")))
+        .map(|i| CudaBackend::new(i).unwrap_or_else(|e| panic!("opening CUDA device {i}: {e}")))
         .collect();
     Some(Gpus {
         devices,

@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::Command;
 
-use tensormem_cuda_alloc::backend::cuda::CudaDevice;
+use tensormem_cuda_alloc::backend::cuda::CudaBackend;
 use tensormem_cuda_alloc::snapshot::{Snapshot, TraceAction};
 use tensormem_cuda_alloc::CachingAllocator;
 
@@ -78,7 +78,7 @@ fn path_str(path: &Path) -> &str {
 #[test]
 fn pytorch_memory_viz_reads_a_tensormem_snapshot() {
     let Some(_gpus) = gpu_and_torch() else { return };
-    let alloc = CachingAllocator::new(CudaDevice::new(0).unwrap());
+    let alloc = CachingAllocator::new(CudaBackend::new(0).unwrap());
     alloc.record_history(true, 10_000);
     let stream = alloc.device().create_stream().unwrap();
     let kept: Vec<_> = [512, 1 << 20, 3 << 20, 30 << 20]
@@ -165,7 +165,7 @@ fn memory_stats_have_pytorchs_keys() {
          print('\\n'.join(sorted(torch.cuda.memory_stats(0).keys())))\n",
     ]);
     let torch_keys: BTreeSet<&str> = printed.lines().filter(|l| !l.is_empty()).collect();
-    let alloc = CachingAllocator::new(CudaDevice::new(0).unwrap());
+    let alloc = CachingAllocator::new(CudaBackend::new(0).unwrap());
     let ours = alloc.memory_stats().to_flat();
     let our_keys: BTreeSet<&str> = ours.keys().map(String::as_str).collect();
     let missing: Vec<_> = torch_keys.difference(&our_keys).collect();

@@ -1,14 +1,14 @@
 //! Two GPUs: peer access, copies between devices, virtual memory shared with a peer, one allocator per
 //! device. Skipped on machines with one GPU.
 
-use tensormem_cuda_alloc::backend::cuda::{self, CudaDevice};
+use tensormem_cuda_alloc::backend::cuda::{self, CudaBackend};
 use tensormem_cuda_alloc::{Device, DevicePtr};
 
 use crate::harness::gpus;
 
 const MIB: usize = 1 << 20;
 
-fn fill_and_check(dev: &CudaDevice, ptr: DevicePtr, len: usize, value: u8) {
+fn fill_and_check(dev: &CudaBackend, ptr: DevicePtr, len: usize, value: u8) {
     let stream = dev.create_stream().unwrap();
     let mut back = vec![0u8; len];
     // SAFETY: `[ptr, ptr+len)` is memory the test owns and nothing else uses meanwhile.
@@ -81,8 +81,8 @@ fn each_device_has_its_own_allocator_and_blocks_move_between_them() {
     let Some(gpus) = gpus(2) else { return };
     drop(gpus.devices);
     let expandable = AllocatorConfig::parse("expandable_segments:True").unwrap();
-    let a0 = CachingAllocator::with_config(CudaDevice::new(0).unwrap(), expandable);
-    let a1 = CachingAllocator::new(CudaDevice::new(1).unwrap());
+    let a0 = CachingAllocator::with_config(CudaBackend::new(0).unwrap(), expandable);
+    let a1 = CachingAllocator::new(CudaBackend::new(1).unwrap());
     let (d0, d1) = (a0.device(), a1.device());
     let (s0, s1) = (d0.create_stream().unwrap(), d1.create_stream().unwrap());
 

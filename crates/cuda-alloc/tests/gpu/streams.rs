@@ -1,7 +1,7 @@
 //! Stream ids are numbers anyone can write: the CUDA backend accepts only streams it made or was
 //! handed (cudarc streams included), and keeps those the allocator used alive.
 
-use tensormem_cuda_alloc::backend::cuda::CudaDevice;
+use tensormem_cuda_alloc::backend::cuda::CudaBackend;
 use tensormem_cuda_alloc::{CachingAllocator, Device, DeviceError, Error, StreamId};
 
 use crate::harness::gpu;
@@ -17,7 +17,7 @@ fn unknown(result: Result<impl std::fmt::Debug, Error>) -> bool {
 fn stream_ids_the_backend_does_not_know_are_refused() {
     let Some(gpus) = gpu() else { return };
     drop(gpus.devices);
-    let alloc = CachingAllocator::new(CudaDevice::new(0).unwrap());
+    let alloc = CachingAllocator::new(CudaBackend::new(0).unwrap());
     let bogus = StreamId(0xdead_0000);
     assert!(
         unknown(alloc.allocate(4096, bogus)),

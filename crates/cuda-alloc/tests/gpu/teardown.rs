@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use tensormem_cuda_alloc::backend::cuda::CudaDevice;
+use tensormem_cuda_alloc::backend::cuda::CudaBackend;
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::{CachingAllocator, Device};
 
@@ -19,7 +19,7 @@ fn drop_returns_memory(config: &str) {
     probe.synchronize().unwrap();
     let before = probe.mem_info().unwrap().free;
 
-    let device = Arc::new(CudaDevice::new(0).unwrap());
+    let device = Arc::new(CudaBackend::new(0).unwrap());
     let alloc =
         CachingAllocator::with_config(Arc::clone(&device), AllocatorConfig::parse(config).unwrap());
     let stream = device.create_stream().unwrap();

@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 
-use tensormem_cuda_alloc::backend::cuda::CudaDevice;
+use tensormem_cuda_alloc::backend::cuda::CudaBackend;
 use tensormem_cuda_alloc::host::{HostCachingAllocator, HostStats, PinnedBuffer};
 
 use super::device::resolve;
@@ -22,7 +22,7 @@ use super::stream::Stream;
 /// # Errors
 ///
 /// As [`caching_allocator`](super::caching_allocator).
-pub fn host_allocator(device: Option<u32>) -> Result<&'static HostCachingAllocator<CudaDevice>> {
+pub fn host_allocator(device: Option<u32>) -> Result<&'static HostCachingAllocator<CudaBackend>> {
     let ordinal = resolve(device)?;
     registry::device(ordinal)?.host(ordinal)
 }

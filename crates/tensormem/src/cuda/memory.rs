@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use tensormem_cuda_alloc::backend::cuda::CudaDevice;
+use tensormem_cuda_alloc::backend::cuda::CudaBackend;
 use tensormem_cuda_alloc::config::{AllocatorConfig, Backend};
 use tensormem_cuda_alloc::oom::OomEvent;
 use tensormem_cuda_alloc::snapshot::Snapshot;
@@ -27,7 +27,7 @@ use super::stream::{current_stream, Stream};
 ///
 /// [`Error::InvalidDevice`]; the errors of opening the device; [`Error::Alloc`] when the configuration
 /// in the environment is malformed.
-pub fn caching_allocator(device: Option<u32>) -> Result<&'static CachingAllocator<CudaDevice>> {
+pub fn caching_allocator(device: Option<u32>) -> Result<&'static CachingAllocator<CudaBackend>> {
     Ok(registry::device(resolve(device)?)?.allocator())
 }
 

@@ -1,9 +1,9 @@
-//! The process-wide table of devices: one lazily opened [`CudaDevice`] and caching allocator per device
+//! The process-wide table of devices: one lazily opened [`CudaBackend`] and caching allocator per device
 //! ordinal, created on first use, never dropped (like PyTorch's per-device allocators).
 
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use tensormem_cuda_alloc::backend::cuda::{self as backend, CudaDevice, CudaPinnedSource};
+use tensormem_cuda_alloc::backend::cuda::{self as backend, CudaBackend, CudaPinnedSource};
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::host::HostCachingAllocator;
 use tensormem_cuda_alloc::oom::OomEvent;
@@ -19,12 +19,12 @@ pub(crate) struct Registry {
     devices: Box<[OnceLock<DeviceState>]>,
 }
 
-/// What the device API keeps per device: its caching allocator, which owns the [`CudaDevice`].
+/// What the device API keeps per device: its caching allocator, which owns the [`CudaBackend`].
 #[derive(Debug)]
 pub(crate) struct DeviceState {
-    allocator: CachingAllocator<CudaDevice>,
+    allocator: CachingAllocator<CudaBackend>,
     /// The pinned host allocator whose blocks' reuse waits on this device's streams, made on first use.
-    host: OnceLock<HostCachingAllocator<CudaDevice>>,
+    host: OnceLock<HostCachingAllocator<CudaBackend>>,
 }
 
 /// Settings made for all devices, including those not opened yet (PyTorch's allocator settings and
@@ -72,7 +72,7 @@ impl DeviceState {
         for applied in &process.applied {
             config.apply(applied)?;
         }
-        let allocator = CachingAllocator::with_config(CudaDevice::new(ordinal)?, config);
+        let allocator = CachingAllocator::with_config(CudaBackend::new(ordinal)?, config);
         allocator.set_caching_disabled(tensormem_cuda_alloc::config::caching_disabled_by_env());
         if let Some((enabled, max_entries, context)) = process.history {
             allocator.record_history_with_context(enabled, max_entries, context);
@@ -88,11 +88,11 @@ impl DeviceState {
 
     /// The device's pinned host allocator, configured by the allocator's settings
     /// (`pinned_use_cuda_host_register`, `pinned_num_register_threads`) when first used.
-    pub(crate) fn host(&self, ordinal: u32) -> Result<&HostCachingAllocator<CudaDevice>> {
+    pub(crate) fn host(&self, ordinal: u32) -> Result<&HostCachingAllocator<CudaBackend>> {
         if let Some(host) = self.host.get() {
             return Ok(host);
         }
-        let device = CudaDevice::new(ordinal)?;
+        let device = CudaBackend::new(ordinal)?;
         let source = CudaPinnedSource::from_config(&device, &self.allocator.config());
         Ok(self
             .host
@@ -100,12 +100,12 @@ impl DeviceState {
     }
 
     /// The device.
-    pub(crate) fn device(&self) -> &CudaDevice {
+    pub(crate) fn device(&self) -> &CudaBackend {
         self.allocator.device()
     }
 
     /// The device's caching allocator.
-    pub(crate) fn allocator(&self) -> &CachingAllocator<CudaDevice> {
+    pub(crate) fn allocator(&self) -> &CachingAllocator<CudaBackend> {
         &self.allocator
     }
 }
@@ -215,7 +215,7 @@ pub(crate) fn record_history(
     Ok(())
 }
 
-fn attach_shared(allocator: &CachingAllocator<CudaDevice>, observer: &SharedOomObserver) {
+fn attach_shared(allocator: &CachingAllocator<CudaBackend>, observer: &SharedOomObserver) {
     let observer = Arc::clone(observer);
     allocator.attach_oom_observer(Box::new(move |event| observer(event)));
 }

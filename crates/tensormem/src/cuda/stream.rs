@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::fmt;
 use std::sync::Arc;
 
-use tensormem_cuda_alloc::backend::cuda::CudaStream;
+use tensormem_cuda_alloc::backend::cuda::BackendStream;
 use tensormem_cuda_alloc::{Device, StreamId};
 
 use super::device::resolve;
@@ -19,7 +19,7 @@ use super::registry;
 pub struct Stream {
     device: u32,
     /// `None` for the legacy default stream.
-    owned: Option<Arc<CudaStream>>,
+    owned: Option<Arc<BackendStream>>,
 }
 
 impl Stream {
@@ -67,7 +67,7 @@ impl Stream {
     /// The owned stream, for its operations (copies, host functions, events); `None` for the default
     /// stream.
     #[must_use]
-    pub fn as_cuda_stream(&self) -> Option<&CudaStream> {
+    pub fn as_cuda_stream(&self) -> Option<&BackendStream> {
         self.owned.as_deref()
     }
 

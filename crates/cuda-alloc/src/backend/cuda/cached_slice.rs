@@ -9,7 +9,7 @@ use cudarc::driver::{
     PushKernelArg, SyncOnDrop, ValidAsZeroBits,
 };
 
-use super::CudaDevice;
+use super::CudaBackend;
 use crate::allocator::{Allocation, CachingAllocator};
 use crate::device::{Device, StreamId};
 use crate::error::{Error, Result};
@@ -30,12 +30,12 @@ use crate::error::{Error, Result};
 /// `record_stream`):
 ///
 /// - cudarc's copies on another stream do it themselves: when the stream is registered with the
-///   backend (see [`CudaDevice::register_stream`]) the use is recorded; otherwise the copy call waits
+///   backend (see [`CudaBackend::register_stream`]) the use is recorded; otherwise the copy call waits
 ///   for the stream before returning.
 /// - kernels launched on another stream do not (cudarc does not tell which stream a launch uses): call
 ///   [`record_stream`](Self::record_stream) for that stream before dropping the slice.
 pub struct CachedSlice<T> {
-    allocator: Arc<CachingAllocator<CudaDevice>>,
+    allocator: Arc<CachingAllocator<CudaBackend>>,
     /// `None` only while dropping.
     allocation: Option<Allocation>,
     /// The device address, as kernels take it (0 for an empty slice).
@@ -64,7 +64,7 @@ unsafe impl<T> Send for CachedSlice<T> {}
 // SAFETY: as above; `&CachedSlice` only hands out the address for reads (`DevicePtr`).
 unsafe impl<T> Sync for CachedSlice<T> {}
 
-impl CachingAllocator<CudaDevice> {
+impl CachingAllocator<CudaBackend> {
     /// `len` zeroed values of `T` on `stream` (a cudarc stream of this device, registered with the
     /// backend on first use), zeroed by a fill queued on `stream`.
     ///
@@ -124,7 +124,7 @@ impl<T> CachedSlice<T> {
 
     /// The allocator the memory goes back to.
     #[must_use]
-    pub fn allocator(&self) -> &Arc<CachingAllocator<CudaDevice>> {
+    pub fn allocator(&self) -> &Arc<CachingAllocator<CudaBackend>> {
         &self.allocator
     }
 

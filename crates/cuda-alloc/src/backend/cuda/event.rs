@@ -11,13 +11,13 @@ pub const IPC_HANDLE_SIZE: usize = 64;
 /// An owned CUDA event (`CUevent`), created with timing disabled, destroyed on drop.
 ///
 /// The allocator records one on every stream a freed block was used on and reuses the block once all of
-/// them have completed. An *interprocess* event ([`CudaDevice::create_interprocess_event`]) can also be
-/// exported with [`CudaEvent::ipc_handle`] and opened in another process with
-/// [`CudaEvent::open_ipc_handle`] (what PyTorch's CUDA IPC sends beside a tensor).
+/// them have completed. An *interprocess* event ([`CudaBackend::create_interprocess_event`]) can also be
+/// exported with [`BackendEvent::ipc_handle`] and opened in another process with
+/// [`BackendEvent::open_ipc_handle`] (what PyTorch's CUDA IPC sends beside a tensor).
 ///
-/// [`CudaDevice::create_interprocess_event`]: super::CudaDevice::create_interprocess_event
+/// [`CudaBackend::create_interprocess_event`]: super::CudaBackend::create_interprocess_event
 #[derive(Debug)]
-pub struct CudaEvent {
+pub struct BackendEvent {
     /// Non-null, owned by this value, destroyed in `drop`.
     raw: sys::CUevent,
     /// Created with `CU_EVENT_INTERPROCESS`.
@@ -26,11 +26,11 @@ pub struct CudaEvent {
 
 // SAFETY: CUDA event handles may be used from any thread; this type only passes the handle to driver
 // calls, which synchronise internally.
-unsafe impl Send for CudaEvent {}
+unsafe impl Send for BackendEvent {}
 // SAFETY: as above; no method takes `&mut self` except `drop`.
-unsafe impl Sync for CudaEvent {}
+unsafe impl Sync for BackendEvent {}
 
-impl CudaEvent {
+impl BackendEvent {
     /// Creates an event in the current context (`cuEventCreate`). The caller made the right context current.
     pub(crate) fn create_in_current_context(interprocess: bool) -> DeviceResult<Self> {
         let mut flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
@@ -124,7 +124,7 @@ impl CudaEvent {
     /// # Safety
     ///
     /// A context of the device the event was created on is current on this thread (make one current with
-    /// [`CudaDevice::make_current`](super::CudaDevice::make_current)).
+    /// [`CudaBackend::make_current`](super::CudaBackend::make_current)).
     #[doc(alias = "cuIpcOpenEventHandle")]
     pub unsafe fn open_ipc_handle(handle: &[u8; IPC_HANDLE_SIZE]) -> DeviceResult<Self> {
         let handle = sys::CUipcEventHandle {
@@ -143,7 +143,7 @@ impl CudaEvent {
     }
 }
 
-impl Drop for CudaEvent {
+impl Drop for BackendEvent {
     fn drop(&mut self) {
         // SAFETY: the event is owned by this value and destroyed exactly once. The driver defers the
         // destruction of an event that is still pending until it completes.

@@ -1,8 +1,8 @@
 //! The streams the CUDA backend accepts: a [`StreamId`] is a number anyone can write, but the driver
 //! must only ever see handles of live streams.
 //!
-//! Every stream made by [`CudaDevice::create_stream`](super::CudaDevice::create_stream) or handed
-//! over with [`CudaDevice::register_stream`](super::CudaDevice::register_stream) is entered here,
+//! Every stream made by [`CudaBackend::create_stream`](super::CudaBackend::create_stream) or handed
+//! over with [`CudaBackend::register_stream`](super::CudaBackend::register_stream) is entered here,
 //! process-wide, under its handle value. An entry holds the stream weakly until the allocator first
 //! uses it (a block allocated on it, a `record_stream`), and from then on strongly ("pinned"): a
 //! stream the allocator may record an event on stays alive for the rest of the process, as PyTorch's

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaStream as CudarcStream};
 
 use super::driver::check;
-use super::CudaDevice;
+use super::CudaBackend;
 use crate::device::{DevicePtr, DeviceResult, StreamId};
 
 /// A non-blocking CUDA stream of one device: a [cudarc stream](cudarc::driver::CudaStream) made in the
@@ -21,7 +21,7 @@ use crate::device::{DevicePtr, DeviceResult, StreamId};
 /// destroyed), so the allocator can always record events on it. Dropping a stream with work still
 /// queued is allowed: the driver finishes the work first.
 #[derive(Debug, Clone)]
-pub struct CudaStream {
+pub struct BackendStream {
     inner: Arc<CudarcStream>,
     /// The device ordinal.
     ordinal: u32,
@@ -42,17 +42,17 @@ unsafe extern "C" fn run_host_fn(data: *mut c_void) {
     }
 }
 
-impl CudaStream {
+impl BackendStream {
     /// Creates a non-blocking stream on `device` (`cuStreamCreate` with `CU_STREAM_NON_BLOCKING`).
     #[doc(alias = "cuStreamCreate")]
-    pub fn new(device: &CudaDevice) -> DeviceResult<Self> {
+    pub fn new(device: &CudaBackend) -> DeviceResult<Self> {
         Self::with_priority(device, 0)
     }
 
     /// Creates a non-blocking stream with a priority (`cuStreamCreateWithPriority`; lower numbers are
     /// higher priority, `0` is the default).
     #[doc(alias = "cuStreamCreateWithPriority")]
-    pub fn with_priority(device: &CudaDevice, priority: i32) -> DeviceResult<Self> {
+    pub fn with_priority(device: &CudaBackend, priority: i32) -> DeviceResult<Self> {
         device.make_current()?;
         let inner = device
             .cudarc_context()
@@ -115,7 +115,7 @@ impl CudaStream {
 
     /// Makes later work on this stream wait for `event` (`cuStreamWaitEvent`).
     #[doc(alias = "cuStreamWaitEvent")]
-    pub fn wait_event(&self, event: &super::CudaEvent) -> DeviceResult<()> {
+    pub fn wait_event(&self, event: &super::BackendEvent) -> DeviceResult<()> {
         // SAFETY: the stream and the event are live.
         check("cuStreamWaitEvent", unsafe {
             sys::cuStreamWaitEvent(self.as_raw(), event.as_raw(), 0)
@@ -124,7 +124,7 @@ impl CudaStream {
 
     /// Records `event` on this stream (`cuEventRecord`): it completes once the work queued so far has.
     #[doc(alias = "cuEventRecord")]
-    pub fn record(&self, event: &super::CudaEvent) -> DeviceResult<()> {
+    pub fn record(&self, event: &super::BackendEvent) -> DeviceResult<()> {
         // SAFETY: the stream is live and non-null (so the current context does not matter).
         unsafe { event.record_raw(self.as_raw()) }
     }
@@ -208,9 +208,9 @@ impl CudaStream {
     pub unsafe fn copy_peer(
         &self,
         dst: DevicePtr,
-        dst_device: &CudaDevice,
+        dst_device: &CudaBackend,
         src: DevicePtr,
-        src_device: &CudaDevice,
+        src_device: &CudaBackend,
         len: usize,
     ) -> DeviceResult<()> {
         // SAFETY: the stream and both contexts are live; the ranges are the caller's obligation.

@@ -1,0 +1,312 @@
+//! `shm_pool_bench`: the shared-memory pool's steady state against the non-pooled path, in one
+//! run, as CSV rows shaped like those of the anchor `torch_sharing_bench.py` (run it beside that
+//! script in one call). Self-contained: the consumer is this binary re-executed.
+//!
+//! Sections (each starts with its own CSV header line):
+//! 1. Round trips, `strategy,device,bytes,median_us_per_roundtrip`: `tensormem_pool`: a buffer
+//!    from a warm pool (taken before the timer, as the anchor makes its tensor before the timer)
+//!    is sent to a consumer that already caches the region's mapping (the message carries an
+//!    id), the consumer reads the first and last byte and drops its lease, which is the answer
+//!    the producer waits for; both ends blocking in the kernel. `tensormem_pool_spin`: the same,
+//!    both ends spinning up to `--spin-us` first. `tensormem_fd`: today's non-pooled path in the
+//!    same run (`send_region` of a region made before the timer; the consumer receives, maps,
+//!    reads the two bytes, unmaps and answers one byte; blocking).
+//! 2. `share_memory_` in a loop, `share_memory_*,cpu,BYTES,US  (GB/s)`, median per iteration:
+//!    `share_memory_`: `SharedRegion::copy_from_bytes` (today's path: a new region every time,
+//!    dropped after); `share_memory_pooled`: `ShmPool::copy_from_bytes`, the buffer sent to a
+//!    consumer process which reads a byte and releases it (the copy, the send and the handling of
+//!    releases are all inside the timer; a region the consumer has not released yet is not reused,
+//!    so the pool holds two or three). `share_memory_pooled_first`: the first (cold) iteration.
+//!
+//! Usage: `shm_pool_bench [--rounds N] [--spin-us N] [--copies N] [--no-copy]`.
+
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use tensormem_shm::copy::parallelism;
+use tensormem_shm::mapping_cache::{PoolReceiver, ReceiverOptions};
+use tensormem_shm::pool::{PoolConfig, PoolSender, ShmPool};
+use tensormem_shm::transfer::{recv_exact, recv_region, send_region, RecvOptions, SendOptions};
+use tensormem_shm::{Error, MapOptions, SharedRegion};
+
+const ROUND_TRIP_SIZES: [u64; 3] = [4 << 10, 1 << 20, 64 << 20];
+const COPY_SIZES: [usize; 2] = [64 << 20, 1 << 30];
+const WARM_UP: usize = 50;
+const USAGE: &str = "shm_pool_bench [--rounds N] [--spin-us N] [--copies N] [--no-copy]";
+
+type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+struct Args {
+    rounds: usize,
+    spin: Duration,
+    copies: usize,
+    copy: bool,
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("--pool-consumer") => pool_consumer(&args[1..]),
+        Some("--fd-consumer") => fd_consumer(&args[1..]),
+        _ => parse(&args).and_then(|args| producer(&args)),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("shm_pool_bench: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn parse(args: &[String]) -> BenchResult<Args> {
+    let mut parsed = Args {
+        rounds: 1000,
+        spin: Duration::from_micros(200),
+        copies: 12,
+        copy: true,
+    };
+    let mut iter = args.iter();
+    while let Some(arg) = iter.next() {
+        let mut value = || -> BenchResult<u64> {
+            Ok(iter
+                .next()
+                .ok_or_else(|| format!("{arg} needs a value; usage: {USAGE}"))?
+                .parse()?)
+        };
+        match arg.as_str() {
+            "--rounds" => parsed.rounds = value()?.max(1) as usize,
+            "--spin-us" => parsed.spin = Duration::from_micros(value()?),
+            "--copies" => parsed.copies = value()?.max(2) as usize,
+            "--no-copy" => parsed.copy = false,
+            other => return Err(format!("unknown argument {other}; usage: {USAGE}").into()),
+        }
+    }
+    Ok(parsed)
+}
+
+/// The consumer of the pooled rows: takes leases, checks the first and last byte against the
+/// value sent with them, drops them (the release is the answer). The first message's user data
+/// says how long to spin (µs, 4 bytes), byte 4 the expected value.
+fn pool_consumer(args: &[String]) -> BenchResult<()> {
+    let path = args.first().ok_or("--pool-consumer needs a socket path")?;
+    let socket = UnixStream::connect(path)?;
+    let mut receiver = PoolReceiver::new(socket, ReceiverOptions::default())?;
+    loop {
+        let lease = match receiver.recv() {
+            Ok(lease) => lease,
+            Err(Error::Disconnected) => return Ok(()),
+            Err(err) => return Err(err.into()),
+        };
+        let user = lease.user_data();
+        let expected = user[4];
+        let first = lease.read_volatile(0)?;
+        let last = lease.read_volatile(lease.len() - 1)?;
+        if first != expected || last != expected {
+            return Err(format!("read {first}/{last}, expected {expected}").into());
+        }
+        let spin = u32::from_le_bytes([user[0], user[1], user[2], user[3]]);
+        drop(lease);
+        receiver.set_recv(RecvOptions::spinning(Duration::from_micros(spin.into())));
+    }
+}
+
+/// The consumer of the non-pooled rows: attach, read the two bytes, unmap, answer their sum.
+fn fd_consumer(args: &[String]) -> BenchResult<()> {
+    let path = args.first().ok_or("--fd-consumer needs a socket path")?;
+    let socket = UnixStream::connect(path)?;
+    while let Ok(received) = recv_region(&socket, &MapOptions::new()) {
+        let region = &received.region;
+        let answer = region
+            .read_volatile(0)?
+            .wrapping_add(region.read_volatile(region.len() - 1)?);
+        drop(received);
+        rustix::net::send(&socket, &[answer], rustix::net::SendFlags::NOSIGNAL)?;
+    }
+    Ok(())
+}
+
+struct Peer {
+    child: Child,
+    socket: UnixStream,
+    dir: std::path::PathBuf,
+}
+
+impl Peer {
+    fn spawn(role: &str) -> BenchResult<Self> {
+        let dir = std::env::temp_dir().join(format!(
+            "tensormem-pool-bench-{}-{role}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("s.sock");
+        let _ = std::fs::remove_file(&path);
+        let listener = UnixListener::bind(&path)?;
+        let child = Command::new(std::env::current_exe()?)
+            .arg(role)
+            .arg(&path)
+            .stdin(Stdio::null())
+            .spawn()?;
+        let (socket, _) = listener.accept()?;
+        Ok(Self { child, socket, dir })
+    }
+
+    fn finish(mut self) -> BenchResult<()> {
+        drop(self.socket);
+        let status = self.child.wait()?;
+        let _ = std::fs::remove_dir_all(&self.dir);
+        if !status.success() {
+            return Err(format!("consumer failed: {status}").into());
+        }
+        Ok(())
+    }
+}
+
+fn producer(args: &Args) -> BenchResult<()> {
+    eprintln!(
+        "shm_pool_bench: {} threads available for copies",
+        parallelism()
+    );
+    println!("strategy,device,bytes,median_us_per_roundtrip");
+    round_trips_pooled(args)?;
+    round_trips_fd(args)?;
+    if args.copy {
+        println!("strategy,device,bytes,median_us_per_copy  (GB/s)");
+        share_memory(args)?;
+    }
+    Ok(())
+}
+
+fn round_trips_pooled(args: &Args) -> BenchResult<()> {
+    let pool = ShmPool::new(PoolConfig::default());
+    let peer = Peer::spawn("--pool-consumer")?;
+    let mut sender = PoolSender::new(&pool, peer.socket.try_clone()?)?;
+    for len in ROUND_TRIP_SIZES {
+        for (label, recv) in [
+            ("tensormem_pool", RecvOptions::BLOCKING),
+            ("tensormem_pool_spin", RecvOptions::spinning(args.spin)),
+        ] {
+            let spin = u32::try_from(recv.spin.as_micros()).unwrap_or(u32::MAX);
+            let mut times = Vec::with_capacity(args.rounds);
+            for i in 0..WARM_UP + args.rounds {
+                let value = (i % 251) as u8;
+                let mut buffer = pool.alloc(len)?;
+                buffer.write_at(0, &[value])?;
+                buffer.write_at(len as usize - 1, &[value])?;
+                let mut user = [0u8; 5];
+                user[..4].copy_from_slice(&spin.to_le_bytes());
+                user[4] = value;
+                let start = Instant::now();
+                sender.send(&buffer, &user)?;
+                drop(buffer);
+                if sender.wait_release(Some(recv))? != 1 {
+                    return Err("the consumer went away".into());
+                }
+                if i >= WARM_UP {
+                    times.push(start.elapsed());
+                }
+            }
+            println!("{label},cpu,{len},{:.1}", median_us(&mut times));
+        }
+    }
+    let stats = sender.stats();
+    eprintln!(
+        "shm_pool_bench: round trips sent {} fds and {} ids; pool made {} regions for {} requests",
+        stats.sent_fd,
+        stats.sent_id,
+        pool.stats().regions.allocated,
+        pool.stats().requests
+    );
+    drop(sender);
+    peer.finish()
+}
+
+fn round_trips_fd(args: &Args) -> BenchResult<()> {
+    let peer = Peer::spawn("--fd-consumer")?;
+    for len in ROUND_TRIP_SIZES {
+        let mut region = SharedRegion::create_anonymous(len)?;
+        region.fill(1)?;
+        region.write_at(len as usize - 1, &[2])?;
+        let mut times = Vec::with_capacity(args.rounds);
+        for i in 0..WARM_UP + args.rounds {
+            let start = Instant::now();
+            send_region(&peer.socket, &region, SendOptions::default())?;
+            let mut answer = [0u8; 1];
+            recv_exact(&peer.socket, &mut answer, RecvOptions::BLOCKING)?;
+            let elapsed = start.elapsed();
+            if answer[0] != 3 {
+                return Err(format!("consumer answered {}", answer[0]).into());
+            }
+            if i >= WARM_UP {
+                times.push(elapsed);
+            }
+        }
+        println!("tensormem_fd,cpu,{len},{:.1}", median_us(&mut times));
+    }
+    peer.finish()
+}
+
+fn share_memory(args: &Args) -> BenchResult<()> {
+    for len in COPY_SIZES {
+        let src = vec![7u8; len];
+        let runs = if len >= 1 << 30 {
+            args.copies.div_ceil(2).max(3)
+        } else {
+            args.copies
+        };
+
+        // Today's path: a new region per copy, dropped outside the timer.
+        let mut times = Vec::with_capacity(runs);
+        for _ in 0..runs {
+            let start = Instant::now();
+            let region = SharedRegion::copy_from_bytes(&src)?;
+            times.push(start.elapsed());
+            drop(region);
+        }
+        print_copy("share_memory_", len, &mut times);
+
+        // The pool, a consumer releasing each buffer.
+        let pool = ShmPool::new(PoolConfig::default());
+        let peer = Peer::spawn("--pool-consumer")?;
+        let mut sender = PoolSender::new(&pool, peer.socket.try_clone()?)?;
+        let mut user = [0u8; 5];
+        user[4] = 7;
+        let mut times = Vec::with_capacity(runs);
+        for _ in 0..runs + 1 {
+            let start = Instant::now();
+            let buffer = pool.copy_from_bytes(&src)?;
+            sender.send(&buffer, &user)?;
+            drop(buffer);
+            times.push(start.elapsed());
+        }
+        while sender.outstanding() > 0 {
+            sender.wait_release(None)?;
+        }
+        let first = times.remove(0);
+        print_copy("share_memory_pooled_first", len, &mut [first]);
+        print_copy("share_memory_pooled", len, &mut times);
+        eprintln!(
+            "shm_pool_bench: {len} B pooled copies: {} regions made for {} requests",
+            pool.stats().regions.allocated,
+            pool.stats().requests
+        );
+        drop(sender);
+        drop(pool);
+        peer.finish()?;
+    }
+    Ok(())
+}
+
+fn print_copy(label: &str, len: usize, times: &mut [Duration]) {
+    let us = median_us(times);
+    println!(
+        "{label},cpu,{len},{us:.1}  ({:.2} GB/s)",
+        len as f64 / (us * 1e-6) / 1e9
+    );
+}
+
+fn median_us(times: &mut [Duration]) -> f64 {
+    times.sort_unstable();
+    times[times.len() / 2].as_secs_f64() * 1e6
+}

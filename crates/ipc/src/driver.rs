@@ -1,0 +1,103 @@
+//! The few driver calls CUDA IPC needs, behind a trait: the CUDA implementation
+//! (`driver::cuda`, feature `cuda`) and an in-process [fake](fake::FakeDriver) that lets everything
+//! else (ref counting, limbo, bounds checks, handle caches, wire formats) be tested without a GPU.
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod fake;
+
+use tensormem_cuda_alloc::{DevicePtr, DeviceResult, StreamId};
+
+/// Bytes in a CUDA IPC memory or event handle (`CU_IPC_HANDLE_SIZE`).
+pub const IPC_HANDLE_SIZE: usize = 64;
+
+/// A CUDA IPC memory handle (`CUipcMemHandle`): names one device allocation across processes.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MemHandle(pub [u8; IPC_HANDLE_SIZE]);
+
+/// A CUDA IPC event handle (`CUipcEventHandle`): names one interprocess event across processes.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct EventHandle(pub [u8; IPC_HANDLE_SIZE]);
+
+impl std::fmt::Debug for MemHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MemHandle({})", hex(&self.0[..16]))
+    }
+}
+
+impl std::fmt::Debug for EventHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "EventHandle({})", hex(&self.0[..16]))
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The driver calls of CUDA IPC, per device ordinal.
+///
+/// Every method makes the device's context current itself where the call needs one.
+pub trait IpcDriver: Send + Sync + 'static {
+    /// An interprocess event owned by the producer (destroyed on drop).
+    type Event: Send + Sync + 'static;
+    /// An event another process exported, opened here (destroyed on drop).
+    type ImportedEvent: Send + Sync + 'static;
+
+    /// How many devices this process sees.
+    fn device_count(&self) -> DeviceResult<u32>;
+
+    /// A process-wide unique id of the physical allocation at `base` (`CU_POINTER_ATTRIBUTE_BUFFER_ID`):
+    /// changes when the address is freed and allocated again, so cached memory handles can be checked.
+    fn buffer_id(&self, device: u32, base: DevicePtr) -> DeviceResult<u64>;
+
+    /// The IPC handle of the allocation starting at `base` of `size` bytes (`cuIpcGetMemHandle`).
+    fn mem_handle(&self, device: u32, base: DevicePtr, size: usize) -> DeviceResult<MemHandle>;
+
+    /// Creates an interprocess event (`CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`).
+    fn create_event(&self, device: u32) -> DeviceResult<Self::Event>;
+
+    /// Records `event` on `stream` of `device` (`cuEventRecord`).
+    fn record_event(&self, device: u32, event: &Self::Event, stream: StreamId) -> DeviceResult<()>;
+
+    /// The IPC handle of `event` (`cuIpcGetEventHandle`).
+    fn event_handle(&self, event: &Self::Event) -> DeviceResult<EventHandle>;
+
+    /// Whether every piece of work queued on `stream` of `device` has finished (`cuStreamQuery`),
+    /// without blocking.
+    fn stream_idle(&self, device: u32, stream: StreamId) -> DeviceResult<bool>;
+
+    /// Blocks until the work queued on `stream` of `device` has finished (`cuStreamSynchronize`).
+    fn synchronize_stream(&self, device: u32, stream: StreamId) -> DeviceResult<()>;
+
+    /// Opens another process's allocation (`cuIpcOpenMemHandle`, lazy peer access); returns where it is
+    /// mapped in this process. Opening a handle that is already open in this context adds a reference.
+    fn open_mem_handle(&self, device: u32, handle: &MemHandle) -> DeviceResult<DevicePtr>;
+
+    /// The allocation containing `ptr`: its base and size (`cuMemGetAddressRange`).
+    fn address_range(&self, device: u32, ptr: DevicePtr) -> DeviceResult<(DevicePtr, usize)>;
+
+    /// Closes a mapping from [`open_mem_handle`](Self::open_mem_handle) (`cuIpcCloseMemHandle`).
+    ///
+    /// # Safety
+    ///
+    /// `ptr` was returned by `open_mem_handle` on `device`, is closed once per open, and no queued
+    /// work of this process uses it any more.
+    unsafe fn close_mem_handle(&self, device: u32, ptr: DevicePtr) -> DeviceResult<()>;
+
+    /// Opens the event another process exported as `handle` (`cuIpcOpenEventHandle`).
+    fn open_event_handle(
+        &self,
+        device: u32,
+        handle: &EventHandle,
+    ) -> DeviceResult<Self::ImportedEvent>;
+
+    /// Makes `stream` of `device` wait for the work captured by the event's last record, whichever
+    /// process recorded it (`cuStreamWaitEvent`).
+    fn wait_event(
+        &self,
+        device: u32,
+        event: &Self::ImportedEvent,
+        stream: StreamId,
+    ) -> DeviceResult<()>;
+}

@@ -1,0 +1,218 @@
+//! [`CudaIpcDriver`]: the IPC driver calls on a real GPU (raw `cudarc::driver::sys` calls, the driver
+//! loaded at run time).
+
+use std::ffi::CStr;
+use std::sync::OnceLock;
+
+use cudarc::driver::sys;
+use tensormem_cuda_alloc::backend::cuda::{self, CudaDevice, CudaEvent};
+use tensormem_cuda_alloc::{DeviceError, DevicePtr, DeviceResult, StreamId};
+
+use super::{EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
+
+/// The CUDA IPC driver calls, through the primary context of each device (the one the CUDA runtime
+/// and PyTorch use, so pointers and streams are interchangeable with theirs).
+#[derive(Debug)]
+pub struct CudaIpcDriver {
+    /// One opened device per ordinal, opened on first use.
+    devices: Vec<OnceLock<CudaDevice>>,
+}
+
+impl CudaIpcDriver {
+    /// Loads and initialises the driver.
+    ///
+    /// # Errors
+    ///
+    /// [`DeviceError::Driver`] with `CUDA_ERROR_NO_DEVICE` (100) when there is no driver or device.
+    pub fn new() -> DeviceResult<Self> {
+        cuda::init()?;
+        let count = cuda::device_count()?;
+        Ok(Self {
+            devices: (0..count).map(|_| OnceLock::new()).collect(),
+        })
+    }
+
+    /// Device `ordinal`, its primary context made current on this thread.
+    fn current(&self, ordinal: u32) -> DeviceResult<&CudaDevice> {
+        let slot = self
+            .devices
+            .get(ordinal as usize)
+            .ok_or_else(|| DeviceError::Driver {
+                call: "cuDeviceGet",
+                code: sys::CUresult::CUDA_ERROR_INVALID_DEVICE as i32,
+                message: format!(
+                    "CUDA_ERROR_INVALID_DEVICE: no device {ordinal} ({} visible)",
+                    self.devices.len()
+                ),
+            })?;
+        let device = match slot.get() {
+            Some(device) => device,
+            None => {
+                let opened = CudaDevice::new(ordinal)?;
+                slot.get_or_init(|| opened)
+            }
+        };
+        device.make_current()?;
+        Ok(device)
+    }
+}
+
+/// `Ok(())` or the driver's error for `call`.
+fn check(call: &'static str, result: sys::CUresult) -> DeviceResult<()> {
+    if result == sys::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    let mut text: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: the driver was loaded by `CudaIpcDriver::new`; both out-parameters are valid and the
+    // driver returns pointers to static strings (or leaves them null for unknown codes).
+    let message = unsafe {
+        let _ = sys::cuGetErrorName(result, &mut name);
+        let _ = sys::cuGetErrorString(result, &mut text);
+        let part = |p: *const std::ffi::c_char| {
+            if p.is_null() {
+                "unknown".to_owned()
+            } else {
+                CStr::from_ptr(p).to_string_lossy().into_owned()
+            }
+        };
+        format!("{}: {}", part(name), part(text))
+    };
+    Err(DeviceError::Driver {
+        call,
+        code: result as i32,
+        message,
+    })
+}
+
+impl IpcDriver for CudaIpcDriver {
+    type Event = CudaEvent;
+    type ImportedEvent = CudaEvent;
+
+    fn device_count(&self) -> DeviceResult<u32> {
+        Ok(self.devices.len() as u32)
+    }
+
+    fn buffer_id(&self, device: u32, base: DevicePtr) -> DeviceResult<u64> {
+        self.current(device)?;
+        let mut id = 0u64;
+        // SAFETY: BUFFER_ID writes one unsigned long long into `id`; the driver validates `base`.
+        check("cuPointerGetAttribute", unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut id as *mut u64).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                base.0,
+            )
+        })?;
+        Ok(id)
+    }
+
+    fn mem_handle(&self, device: u32, base: DevicePtr, size: usize) -> DeviceResult<MemHandle> {
+        let (real_base, real_size) = self.address_range(device, base)?;
+        if real_base != base || real_size != size {
+            return Err(DeviceError::Driver {
+                call: "cuMemGetAddressRange",
+                code: sys::CUresult::CUDA_ERROR_INVALID_VALUE as i32,
+                message: format!(
+                    "the allocator's base allocation {base} ({size} bytes) is not the driver's \
+                     allocation {real_base} ({real_size} bytes)"
+                ),
+            });
+        }
+        let mut handle = sys::CUipcMemHandle {
+            reserved: [0; IPC_HANDLE_SIZE],
+        };
+        // SAFETY: the context of `device` is current (address_range made it so); `handle` is a valid
+        // out-parameter; `base` is the start of a live allocation (checked just above).
+        check("cuIpcGetMemHandle", unsafe {
+            sys::cuIpcGetMemHandle(&mut handle, base.0)
+        })?;
+        Ok(MemHandle(handle.reserved.map(|b| b as u8)))
+    }
+
+    fn create_event(&self, device: u32) -> DeviceResult<CudaEvent> {
+        self.current(device)?.create_interprocess_event()
+    }
+
+    fn record_event(&self, device: u32, event: &CudaEvent, stream: StreamId) -> DeviceResult<()> {
+        self.current(device)?;
+        // SAFETY: the stream is the default stream of the device's context (current now) or a live
+        // stream of that device, which is the caller's obligation as for every StreamId.
+        unsafe { event.record_raw(stream.0 as sys::CUstream) }
+    }
+
+    fn event_handle(&self, event: &CudaEvent) -> DeviceResult<EventHandle> {
+        event.ipc_handle().map(EventHandle)
+    }
+
+    fn stream_idle(&self, device: u32, stream: StreamId) -> DeviceResult<bool> {
+        self.current(device)?;
+        // SAFETY: as in `record_event`.
+        match unsafe { sys::cuStreamQuery(stream.0 as sys::CUstream) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => check("cuStreamQuery", other).map(|()| false),
+        }
+    }
+
+    fn synchronize_stream(&self, device: u32, stream: StreamId) -> DeviceResult<()> {
+        self.current(device)?;
+        // SAFETY: as in `record_event`.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(stream.0 as sys::CUstream)
+        })
+    }
+
+    fn open_mem_handle(&self, device: u32, handle: &MemHandle) -> DeviceResult<DevicePtr> {
+        self.current(device)?;
+        let raw = sys::CUipcMemHandle {
+            reserved: handle.0.map(|b| b as std::ffi::c_char),
+        };
+        let mut ptr = 0;
+        // SAFETY: the device's context is current; `ptr` is a valid out-parameter; the handle is plain
+        // bytes the driver validates.
+        check("cuIpcOpenMemHandle", unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                raw,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        })?;
+        Ok(DevicePtr(ptr))
+    }
+
+    fn address_range(&self, device: u32, ptr: DevicePtr) -> DeviceResult<(DevicePtr, usize)> {
+        self.current(device)?;
+        let (mut base, mut size) = (0, 0usize);
+        // SAFETY: both out-parameters are valid; the driver validates `ptr`.
+        check("cuMemGetAddressRange", unsafe {
+            sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr.0)
+        })?;
+        Ok((DevicePtr(base), size))
+    }
+
+    unsafe fn close_mem_handle(&self, device: u32, ptr: DevicePtr) -> DeviceResult<()> {
+        self.current(device)?;
+        // SAFETY: the caller guarantees `ptr` came from `open_mem_handle` on this device, is closed
+        // once per open, and is idle.
+        check("cuIpcCloseMemHandle", unsafe {
+            sys::cuIpcCloseMemHandle(ptr.0)
+        })
+    }
+
+    fn open_event_handle(&self, device: u32, handle: &EventHandle) -> DeviceResult<CudaEvent> {
+        self.current(device)?;
+        // SAFETY: the context of the device the event was made on is current (the handle names the
+        // same device as the memory, and this thread made that device's context current above).
+        unsafe { CudaEvent::open_ipc_handle(&handle.0) }
+    }
+
+    fn wait_event(&self, device: u32, event: &CudaEvent, stream: StreamId) -> DeviceResult<()> {
+        self.current(device)?;
+        // SAFETY: the event is live (borrowed); the stream is the current context's default stream
+        // or a live stream of the device (the caller's obligation, as for every StreamId).
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(stream.0 as sys::CUstream, event.as_raw(), 0)
+        })
+    }
+}

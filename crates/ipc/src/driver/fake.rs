@@ -1,0 +1,253 @@
+//! [`FakeDriver`]: the IPC driver calls without a GPU, for tests and examples.
+//!
+//! Memory handles encode the base address and size of the allocation they name, so a handle made in
+//! one process opens in another; an opened handle is "mapped" at the producer's address plus
+//! [`FAKE_MAPPING_OFFSET`] (no memory is behind either address). Every call is counted, so tests can check that a handle was opened once, that every
+//! open was closed, that streams were synchronized before slots were released, and that no event is
+//! left alive.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use tensormem_cuda_alloc::{DeviceError, DevicePtr, DeviceResult, StreamId};
+
+use super::{EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
+
+/// Where the fake maps an opened handle: the producer's address plus this, so that, as in a real
+/// second process, received memory never has the address of one of this process's allocations.
+pub const FAKE_MAPPING_OFFSET: u64 = 1 << 62;
+
+const MEM_MAGIC: &[u8; 8] = b"FAKEMEM\0";
+const EVENT_MAGIC: &[u8; 8] = b"FAKEEVT\0";
+/// `CUDA_ERROR_INVALID_VALUE`, as the fake reports bad handles.
+const INVALID_VALUE: i32 = 1;
+
+/// Call counts of a [`FakeDriver`].
+#[derive(Debug, Default)]
+pub struct FakeCounts {
+    /// `open_mem_handle` calls that mapped a handle not open yet (the real opens).
+    pub opens: AtomicUsize,
+    /// `close_mem_handle` calls that unmapped a handle (its last reference).
+    pub closes: AtomicUsize,
+    /// `mem_handle` calls.
+    pub handles_exported: AtomicUsize,
+    /// Events created.
+    pub events_created: AtomicUsize,
+    /// Events alive now.
+    pub events_alive: Arc<AtomicUsize>,
+    /// Event records.
+    pub records: AtomicUsize,
+    /// Imported events opened.
+    pub events_opened: AtomicUsize,
+    /// Waits on imported events.
+    pub event_waits: AtomicUsize,
+    /// Stream synchronizations.
+    pub stream_syncs: AtomicUsize,
+}
+
+/// An event of the fake driver.
+#[derive(Debug)]
+pub struct FakeEvent {
+    id: u64,
+    alive: Arc<AtomicUsize>,
+}
+
+impl Drop for FakeEvent {
+    fn drop(&mut self) {
+        self.alive.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// IPC driver calls without a GPU (see the [module docs](self)).
+#[derive(Debug)]
+pub struct FakeDriver {
+    devices: u32,
+    /// Open mappings of this process: base address -> (size, references).
+    open: Mutex<HashMap<(u32, u64), (usize, usize)>>,
+    next_event: AtomicU64,
+    /// What `stream_idle` answers (default: work pending, so shares record events).
+    streams_idle: AtomicBool,
+    /// Call counts.
+    pub counts: FakeCounts,
+}
+
+impl Default for FakeDriver {
+    fn default() -> Self {
+        Self::new(1)
+    }
+}
+
+impl FakeDriver {
+    /// A fake driver that sees `devices` devices.
+    #[must_use]
+    pub fn new(devices: u32) -> Self {
+        Self {
+            devices,
+            open: Mutex::new(HashMap::new()),
+            next_event: AtomicU64::new(1),
+            streams_idle: AtomicBool::new(false),
+            counts: FakeCounts::default(),
+        }
+    }
+
+    /// Makes `stream_idle` report every stream idle (`true`) or busy (`false`, the default).
+    pub fn set_streams_idle(&self, idle: bool) {
+        self.streams_idle.store(idle, Ordering::Relaxed);
+    }
+
+    /// How many distinct handles are open in this process now.
+    #[must_use]
+    pub fn open_mappings(&self) -> usize {
+        self.open.lock().len()
+    }
+
+    fn check_device(&self, device: u32) -> DeviceResult<()> {
+        if device < self.devices {
+            Ok(())
+        } else {
+            Err(invalid("fake device", format!("no device {device}")))
+        }
+    }
+
+    fn decode(handle: &MemHandle) -> DeviceResult<(u32, u64, usize)> {
+        let b = &handle.0;
+        if &b[..8] != MEM_MAGIC {
+            return Err(invalid(
+                "cuIpcOpenMemHandle",
+                "not a handle of the fake driver".into(),
+            ));
+        }
+        let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
+        Ok((word(8) as u32, word(16), word(24) as usize))
+    }
+}
+
+fn invalid(call: &'static str, message: String) -> DeviceError {
+    DeviceError::Driver {
+        call,
+        code: INVALID_VALUE,
+        message,
+    }
+}
+
+impl IpcDriver for FakeDriver {
+    type Event = FakeEvent;
+    type ImportedEvent = EventHandle;
+
+    fn device_count(&self) -> DeviceResult<u32> {
+        Ok(self.devices)
+    }
+
+    fn buffer_id(&self, device: u32, base: DevicePtr) -> DeviceResult<u64> {
+        self.check_device(device)?;
+        Ok(base.0 ^ (u64::from(device) << 56))
+    }
+
+    fn mem_handle(&self, device: u32, base: DevicePtr, size: usize) -> DeviceResult<MemHandle> {
+        self.check_device(device)?;
+        self.counts.handles_exported.fetch_add(1, Ordering::Relaxed);
+        let mut b = [0u8; IPC_HANDLE_SIZE];
+        b[..8].copy_from_slice(MEM_MAGIC);
+        b[8..16].copy_from_slice(&u64::from(device).to_le_bytes());
+        b[16..24].copy_from_slice(&base.0.to_le_bytes());
+        b[24..32].copy_from_slice(&(size as u64).to_le_bytes());
+        Ok(MemHandle(b))
+    }
+
+    fn create_event(&self, device: u32) -> DeviceResult<FakeEvent> {
+        self.check_device(device)?;
+        self.counts.events_created.fetch_add(1, Ordering::Relaxed);
+        self.counts.events_alive.fetch_add(1, Ordering::Relaxed);
+        Ok(FakeEvent {
+            id: self.next_event.fetch_add(1, Ordering::Relaxed),
+            alive: Arc::clone(&self.counts.events_alive),
+        })
+    }
+
+    fn record_event(&self, device: u32, _event: &FakeEvent, _stream: StreamId) -> DeviceResult<()> {
+        self.check_device(device)?;
+        self.counts.records.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn event_handle(&self, event: &FakeEvent) -> DeviceResult<EventHandle> {
+        let mut b = [0u8; IPC_HANDLE_SIZE];
+        b[..8].copy_from_slice(EVENT_MAGIC);
+        b[8..16].copy_from_slice(&u64::from(std::process::id()).to_le_bytes());
+        b[16..24].copy_from_slice(&event.id.to_le_bytes());
+        Ok(EventHandle(b))
+    }
+
+    fn stream_idle(&self, device: u32, _stream: StreamId) -> DeviceResult<bool> {
+        self.check_device(device)?;
+        Ok(self.streams_idle.load(Ordering::Relaxed))
+    }
+
+    fn synchronize_stream(&self, device: u32, _stream: StreamId) -> DeviceResult<()> {
+        self.check_device(device)?;
+        self.counts.stream_syncs.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn open_mem_handle(&self, device: u32, handle: &MemHandle) -> DeviceResult<DevicePtr> {
+        self.check_device(device)?;
+        let (made_on, base, size) = Self::decode(handle)?;
+        if made_on != device {
+            return Err(invalid(
+                "cuIpcOpenMemHandle",
+                format!("handle of device {made_on} opened on device {device}"),
+            ));
+        }
+        let mapped = base.wrapping_add(FAKE_MAPPING_OFFSET);
+        let mut open = self.open.lock();
+        let entry = open.entry((device, mapped)).or_insert((size, 0));
+        if entry.1 == 0 {
+            self.counts.opens.fetch_add(1, Ordering::Relaxed);
+        }
+        entry.1 += 1;
+        Ok(DevicePtr(mapped))
+    }
+
+    fn address_range(&self, device: u32, ptr: DevicePtr) -> DeviceResult<(DevicePtr, usize)> {
+        let open = self.open.lock();
+        open.iter()
+            .find(|(&(d, base), &(size, _))| {
+                d == device && ptr.0 >= base && ptr.0 < base + size as u64
+            })
+            .map(|(&(_, base), &(size, _))| (DevicePtr(base), size))
+            .ok_or_else(|| invalid("cuMemGetAddressRange", format!("{ptr} is not mapped")))
+    }
+
+    unsafe fn close_mem_handle(&self, device: u32, ptr: DevicePtr) -> DeviceResult<()> {
+        let mut open = self.open.lock();
+        let Some(entry) = open.get_mut(&(device, ptr.0)) else {
+            return Err(invalid("cuIpcCloseMemHandle", format!("{ptr} is not open")));
+        };
+        entry.1 -= 1;
+        if entry.1 == 0 {
+            open.remove(&(device, ptr.0));
+            self.counts.closes.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    fn open_event_handle(&self, device: u32, handle: &EventHandle) -> DeviceResult<EventHandle> {
+        self.check_device(device)?;
+        if &handle.0[..8] != EVENT_MAGIC {
+            return Err(invalid(
+                "cuIpcOpenEventHandle",
+                "not an event handle of the fake driver".into(),
+            ));
+        }
+        self.counts.events_opened.fetch_add(1, Ordering::Relaxed);
+        Ok(*handle)
+    }
+
+    fn wait_event(&self, device: u32, _event: &EventHandle, _stream: StreamId) -> DeviceResult<()> {
+        self.check_device(device)?;
+        self.counts.event_waits.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}

@@ -1,0 +1,165 @@
+//! The crate's error type: what was wrong with a handle, a file or a driver call, and what to do.
+
+use tensormem_cuda_alloc::DeviceError;
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// PyTorch's message for sending memory that was itself received from another process.
+pub const RECEIVED_MEMORY_MESSAGE: &str =
+    "Attempted to send CUDA tensor received from another process; \
+this is not currently supported. Consider cloning before sending.";
+
+/// Everything that can go wrong while sharing or opening CUDA memory between processes.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The memory to share was itself received from another process (PyTorch's message).
+    #[error("{}", RECEIVED_MEMORY_MESSAGE)]
+    ReceivedMemory,
+
+    /// A zero-byte allocation has no device memory to share.
+    #[error("cannot share a zero-byte allocation: it has no device memory; send its size instead")]
+    EmptyAllocation,
+
+    /// A driver call failed (the call, the driver's code and its description).
+    #[error(transparent)]
+    Driver(#[from] DeviceError),
+
+    /// The caching allocator refused a lookup (not a live allocation, expandable segment, ...).
+    #[error(transparent)]
+    Allocator(#[from] tensormem_cuda_alloc::Error),
+
+    /// A ref-counter file could not be created, opened or accessed.
+    #[error("ref-counter file {name}: {source}")]
+    RefCounterFile {
+        /// The file's shared memory name.
+        name: String,
+        /// What the shared memory layer reported.
+        #[source]
+        source: tensormem_shm::Error,
+    },
+
+    /// Encoded handle bytes were malformed.
+    #[error(
+        "malformed IPC handle: {problem}; pass the bytes IpcHandle::encode produced, unchanged"
+    )]
+    MalformedHandle {
+        /// What was wrong.
+        problem: String,
+    },
+
+    /// A handle field (in bytes) had the wrong length.
+    #[error(
+        "{field} is {len} bytes, but a CUDA IPC handle is {expected} bytes; pass the bytes \
+         cuIpcGetMemHandle / cuIpcGetEventHandle (or PyTorch's _share_cuda_) produced"
+    )]
+    HandleLength {
+        /// Which field.
+        field: &'static str,
+        /// Its length.
+        len: usize,
+        /// The length required.
+        expected: usize,
+    },
+
+    /// The handle names a device this process does not have.
+    #[error(
+        "the handle names CUDA device {device}, but this process sees {count} device(s); open it in a \
+         process that sees the producer's device (check CUDA_VISIBLE_DEVICES)"
+    )]
+    InvalidDevice {
+        /// The device in the handle.
+        device: i64,
+        /// How many devices this process sees.
+        count: u32,
+    },
+
+    /// `offset + size` lies outside the base allocation the memory handle opened.
+    #[error(
+        "the handle claims {size} bytes at offset {offset} of a device allocation of {base_size} bytes; \
+         the handle does not describe the memory it names (corrupted or forged)"
+    )]
+    OutOfBounds {
+        /// The offset in the base allocation.
+        offset: u64,
+        /// The size claimed.
+        size: u64,
+        /// The real size of the opened base allocation.
+        base_size: u64,
+    },
+
+    /// The slot offset is past the end of the ref-counter file.
+    #[error(
+        "ref-counter slot {slot} is outside the file {name}, which has {slots} slots; the handle is \
+         corrupted or names another file"
+    )]
+    SlotOutOfRange {
+        /// The slot in the handle.
+        slot: u64,
+        /// The file.
+        name: String,
+        /// How many slots the file holds.
+        slots: usize,
+    },
+
+    /// The slot does not hold a reference any more (released twice, reclaimed, or never set).
+    #[error(
+        "ref-counter slot {slot} of {name} reads {value}, so no reference is left to take over; each \
+         handle may be opened once (it was already released, or its producer reclaimed it)"
+    )]
+    SlotNotHeld {
+        /// The slot.
+        slot: u64,
+        /// The file.
+        name: String,
+        /// What it read.
+        value: i64,
+    },
+
+    /// Another live process already opened this handle (each share is meant for one consumer).
+    #[error(
+        "ref-counter slot {slot} of {name} is already held by process {pid}; share the memory once per \
+         consumer (call share again for another consumer)"
+    )]
+    SlotClaimed {
+        /// The slot.
+        slot: u64,
+        /// The file.
+        name: String,
+        /// The process holding it.
+        pid: u32,
+    },
+
+    /// A typed view does not fit the memory (size not a multiple of the element, or misaligned).
+    #[error(
+        "cannot view {bytes} bytes at {addr:#x} as elements of {elem_size} bytes (alignment \
+         {align}); the size must be a multiple of the element size and the address aligned to it"
+    )]
+    BadView {
+        /// The memory's size.
+        bytes: u64,
+        /// Its address.
+        addr: u64,
+        /// The element size.
+        elem_size: usize,
+        /// The element alignment.
+        align: usize,
+    },
+
+    /// A PyTorch share tuple could not be converted.
+    #[error("invalid PyTorch share tuple: {problem}")]
+    InvalidTuple {
+        /// What was wrong.
+        problem: String,
+    },
+}
+
+impl Error {
+    pub(crate) fn file(name: &impl ToString, source: tensormem_shm::Error) -> Self {
+        Self::RefCounterFile {
+            name: name.to_string(),
+            source,
+        }
+    }
+}

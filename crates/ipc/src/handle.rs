@@ -1,0 +1,471 @@
+//! [`IpcHandle`]: what a consumer needs to open shared CUDA memory, with a compact versioned binary
+//! encoding and a conversion to and from PyTorch's 8-tuple ([`TorchShareTuple`]).
+//!
+//! # Binary encoding (version 1)
+//!
+//! All integers little-endian; 174 bytes plus the name.
+//!
+//! | bytes | field |
+//! | --- | --- |
+//! | 0..4 | magic `TMIH` |
+//! | 4..6 | version (1) |
+//! | 6..8 | flags: bit 0 = an event must be waited on |
+//! | 8..12 | device ordinal |
+//! | 12..20 | size in bytes |
+//! | 20..28 | offset in the base allocation |
+//! | 28..36 | ref-counter slot |
+//! | 36..100 | memory handle of the base allocation |
+//! | 100..164 | event handle (zeros when flag 0 is clear) |
+//! | 164..172 | producer id (0: unknown) |
+//! | 172..174 | length of the ref-counter file name |
+//! | 174.. | the name (`/tensormem_...`, valid shm name) |
+//!
+//! Decoding checks the magic, version, known flags, exact length and the name's validity.
+
+use tensormem_shm::ShmName;
+
+use crate::driver::{EventHandle, MemHandle, IPC_HANDLE_SIZE};
+use crate::error::{Error, Result};
+
+const MAGIC: &[u8; 4] = b"TMIH";
+/// The encoding version this crate writes and reads.
+pub const ENCODING_VERSION: u16 = 1;
+const FLAG_EVENT: u16 = 1;
+const FIXED_LEN: usize = 174;
+
+/// PyTorch 2.x's versioned memory handle: a version byte, a type byte, then the CUDA handle.
+const TORCH_HANDLE_LEN: usize = 2 + IPC_HANDLE_SIZE;
+/// The type byte of a `cudaMalloc` allocation's handle (`SHAREABLE_CUDA_MALLOC`).
+const TORCH_CUDA_MALLOC: u8 = b'c';
+/// The type byte of an expandable segment's handle (`SHAREABLE_CUDA_EXPANDABLE_SEGMENT`).
+const TORCH_EXPANDABLE: u8 = b'e';
+
+/// Everything a consumer needs to open memory another process shared (the content of PyTorch's
+/// `_share_cuda_` tuple).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IpcHandle {
+    /// The device ordinal.
+    pub device: u32,
+    /// The IPC handle of the whole device allocation (the base allocation) the memory lies in.
+    pub mem_handle: MemHandle,
+    /// The shared memory's size in bytes.
+    pub size: u64,
+    /// Where the shared memory starts in the base allocation.
+    pub offset: u64,
+    /// The ref-counter file.
+    pub ref_counter: ShmName,
+    /// The slot (index of the `int64` counter) in the ref-counter file.
+    pub slot: u64,
+    /// The event the consumer's stream must wait for before using the memory, if any
+    /// (`event_sync_required`).
+    pub event: Option<EventHandle>,
+    /// A random id of the producer (one per `IpcProducer`), 0 when unknown (PyTorch's tuples). A
+    /// consumer keeps the events of a known producer open between shares: that producer reuses
+    /// each event only after the share it served was released, and never destroys one while it lives.
+    pub producer: u64,
+}
+
+impl IpcHandle {
+    /// The binary encoding (see the [module docs](self)).
+    #[must_use]
+    pub fn encode(&self) -> Vec<u8> {
+        let name = self.ref_counter.as_str().as_bytes();
+        let mut out = Vec::with_capacity(FIXED_LEN + name.len());
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&ENCODING_VERSION.to_le_bytes());
+        let flags = if self.event.is_some() { FLAG_EVENT } else { 0 };
+        out.extend_from_slice(&flags.to_le_bytes());
+        out.extend_from_slice(&self.device.to_le_bytes());
+        out.extend_from_slice(&self.size.to_le_bytes());
+        out.extend_from_slice(&self.offset.to_le_bytes());
+        out.extend_from_slice(&self.slot.to_le_bytes());
+        out.extend_from_slice(&self.mem_handle.0);
+        out.extend_from_slice(&self.event.map_or([0; IPC_HANDLE_SIZE], |e| e.0));
+        out.extend_from_slice(&self.producer.to_le_bytes());
+        out.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        out.extend_from_slice(name);
+        out
+    }
+
+    /// Decodes [`encode`](Self::encode)'s bytes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::MalformedHandle`] for a wrong magic, an unknown version or flag, a length that does not
+    /// match, or an invalid file name.
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        let bad = |problem: String| Error::MalformedHandle { problem };
+        if bytes.len() < FIXED_LEN {
+            return Err(bad(format!(
+                "{} bytes, shorter than the {FIXED_LEN}-byte fixed part",
+                bytes.len()
+            )));
+        }
+        if &bytes[..4] != MAGIC {
+            return Err(bad("wrong magic (not an IPC handle)".into()));
+        }
+        let u16_at = |i: usize| u16::from_le_bytes([bytes[i], bytes[i + 1]]);
+        let u32_at = |i: usize| u32::from_le_bytes(array(&bytes[i..i + 4]));
+        let u64_at = |i: usize| u64::from_le_bytes(array(&bytes[i..i + 8]));
+        let version = u16_at(4);
+        if version != ENCODING_VERSION {
+            return Err(bad(format!(
+                "encoding version {version}, this build reads version {ENCODING_VERSION}; use the \
+                 same tensormem-ipc version on both sides"
+            )));
+        }
+        let flags = u16_at(6);
+        if flags & !FLAG_EVENT != 0 {
+            return Err(bad(format!("unknown flags {flags:#x}")));
+        }
+        let name_len = usize::from(u16_at(172));
+        if bytes.len() != FIXED_LEN + name_len {
+            return Err(bad(format!(
+                "{} bytes, but the header says {}",
+                bytes.len(),
+                FIXED_LEN + name_len
+            )));
+        }
+        let ref_counter = ShmName::from_bytes(&bytes[FIXED_LEN..])
+            .map_err(|e| bad(format!("ref-counter file name: {e}")))?;
+        Ok(Self {
+            device: u32_at(8),
+            size: u64_at(12),
+            offset: u64_at(20),
+            slot: u64_at(28),
+            mem_handle: MemHandle(array(&bytes[36..100])),
+            event: (flags & FLAG_EVENT != 0).then(|| EventHandle(array(&bytes[100..164]))),
+            producer: u64_at(164),
+            ref_counter,
+        })
+    }
+
+    /// The same content as PyTorch's `_share_cuda_` tuple.
+    #[must_use]
+    pub fn to_torch(&self) -> TorchShareTuple {
+        TorchShareTuple {
+            device: i64::from(self.device),
+            handle: self.mem_handle.0.to_vec(),
+            size: self.size,
+            offset: self.offset,
+            ref_counter: self.ref_counter.as_str().as_bytes().to_vec(),
+            ref_counter_offset: self.slot,
+            event_handle: self.event.map_or([0; IPC_HANDLE_SIZE], |e| e.0).to_vec(),
+            event_sync_required: self.event.is_some(),
+        }
+    }
+
+    /// A handle from PyTorch's tuple, every field checked.
+    ///
+    /// # Errors
+    ///
+    /// The memory handle may be the raw 64-byte CUDA handle (PyTorch 1.x, and what
+    /// [`to_torch`](Self::to_torch) sends, which PyTorch 2.x accepts) or PyTorch 2.x's 66-byte
+    /// versioned one (version byte, type `'c'`, the CUDA handle).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::HandleLength`] for a memory handle of another length (or a required event handle
+    /// that is not 64 bytes); [`Error::InvalidTuple`] for an expandable segment's handle (not
+    /// supported: PyTorch shares those through fds), an unknown handle type, a negative or too large
+    /// device, or an invalid file name.
+    pub fn from_torch(tuple: &TorchShareTuple) -> Result<Self> {
+        let device = u32::try_from(tuple.device).map_err(|_| Error::InvalidTuple {
+            problem: format!("device {} is not a device ordinal", tuple.device),
+        })?;
+        let mem_handle = MemHandle(match tuple.handle.len() {
+            TORCH_HANDLE_LEN => match tuple.handle[1] {
+                TORCH_CUDA_MALLOC => array(&tuple.handle[2..]),
+                TORCH_EXPANDABLE => {
+                    return Err(Error::InvalidTuple {
+                        problem: "the handle is an expandable segment's, which tensormem-ipc cannot                                   open; share from an allocator with expandable_segments:False"
+                            .into(),
+                    })
+                }
+                other => {
+                    return Err(Error::InvalidTuple {
+                        problem: format!("unknown handle type {other:#04x} (version {})", tuple.handle[0]),
+                    })
+                }
+            },
+            _ => fixed("handle", &tuple.handle)?,
+        });
+        let event = if tuple.event_sync_required {
+            Some(EventHandle(fixed("event_handle", &tuple.event_handle)?))
+        } else {
+            None
+        };
+        let ref_counter =
+            ShmName::from_bytes(&tuple.ref_counter).map_err(|e| Error::InvalidTuple {
+                problem: format!("ref_counter: {e}"),
+            })?;
+        Ok(Self {
+            device,
+            mem_handle,
+            size: tuple.size,
+            offset: tuple.offset,
+            ref_counter,
+            slot: tuple.ref_counter_offset,
+            event,
+            producer: 0,
+        })
+    }
+}
+
+fn array<const N: usize>(bytes: &[u8]) -> [u8; N] {
+    let mut out = [0; N];
+    out.copy_from_slice(bytes);
+    out
+}
+
+fn fixed(field: &'static str, bytes: &[u8]) -> Result<[u8; IPC_HANDLE_SIZE]> {
+    if bytes.len() == IPC_HANDLE_SIZE {
+        Ok(array(bytes))
+    } else {
+        Err(Error::HandleLength {
+            field,
+            len: bytes.len(),
+            expected: IPC_HANDLE_SIZE,
+        })
+    }
+}
+
+/// PyTorch's `_share_cuda_()` tuple, field for field: `(device, handle, size_bytes, offset_bytes,
+/// ref_counter, ref_counter_offset, event_handle, event_sync_required)`, what
+/// `torch.UntypedStorage._new_shared_cuda(*tuple)` takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TorchShareTuple {
+    /// `device`: the device ordinal.
+    pub device: i64,
+    /// `handle`: the 64-byte `cudaIpcMemHandle_t` of the base allocation.
+    pub handle: Vec<u8>,
+    /// `size_bytes`: the storage's size.
+    pub size: u64,
+    /// `offset_bytes`: the storage's offset in the base allocation.
+    pub offset: u64,
+    /// `ref_counter`: the ref-counter file name, as bytes.
+    pub ref_counter: Vec<u8>,
+    /// `ref_counter_offset`: the slot in the file.
+    pub ref_counter_offset: u64,
+    /// `event_handle`: the 64-byte `cudaIpcEventHandle_t` (meaningless when not required).
+    pub event_handle: Vec<u8>,
+    /// `event_sync_required`: whether the consumer must wait for the event.
+    pub event_sync_required: bool,
+}
+
+impl TorchShareTuple {
+    /// One line of text, fields separated by spaces, bytes in hex, the flag as `0`/`1`:
+    /// what the interop scripts exchange (`bytes.fromhex` on the Python side).
+    #[must_use]
+    pub fn to_line(&self) -> String {
+        format!(
+            "{} {} {} {} {} {} {} {}",
+            self.device,
+            to_hex(&self.handle),
+            self.size,
+            self.offset,
+            to_hex(&self.ref_counter),
+            self.ref_counter_offset,
+            to_hex(&self.event_handle),
+            u8::from(self.event_sync_required)
+        )
+    }
+
+    /// Parses [`to_line`](Self::to_line)'s format.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidTuple`] naming the field that does not parse.
+    pub fn from_line(line: &str) -> Result<Self> {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let bad = |problem: String| Error::InvalidTuple { problem };
+        if fields.len() != 8 {
+            return Err(bad(format!("{} fields, expected 8", fields.len())));
+        }
+        let int = |i: usize, name: &str| {
+            fields[i]
+                .parse::<u64>()
+                .map_err(|e| bad(format!("{name} {:?}: {e}", fields[i])))
+        };
+        Ok(Self {
+            device: fields[0]
+                .parse()
+                .map_err(|e| bad(format!("device {:?}: {e}", fields[0])))?,
+            handle: from_hex(fields[1]).ok_or_else(|| bad("handle is not hex".into()))?,
+            size: int(2, "size")?,
+            offset: int(3, "offset")?,
+            ref_counter: from_hex(fields[4]).ok_or_else(|| bad("ref_counter is not hex".into()))?,
+            ref_counter_offset: int(5, "ref_counter_offset")?,
+            event_handle: from_hex(fields[6])
+                .ok_or_else(|| bad("event_handle is not hex".into()))?,
+            event_sync_required: match fields[7] {
+                "0" => false,
+                "1" => true,
+                other => return Err(bad(format!("event_sync_required {other:?}"))),
+            },
+        })
+    }
+}
+
+fn to_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn from_hex(text: &str) -> Option<Vec<u8>> {
+    if text.len() % 2 != 0 {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sample(event: bool) -> IpcHandle {
+        IpcHandle {
+            device: 3,
+            mem_handle: MemHandle([7; 64]),
+            size: 4096,
+            offset: 512,
+            ref_counter: ShmName::new("/tensormem_1_2_3").unwrap(),
+            slot: 9999,
+            event: event.then_some(EventHandle([9; 64])),
+            producer: 0,
+        }
+    }
+
+    #[test]
+    fn encoding_round_trips_and_checks_every_field() {
+        for event in [false, true] {
+            let h = IpcHandle {
+                producer: 0x1234_5678_9abc,
+                ..sample(event)
+            };
+            let bytes = h.encode();
+            assert_eq!(bytes.len(), FIXED_LEN + "/tensormem_1_2_3".len());
+            assert_eq!(IpcHandle::decode(&bytes).unwrap(), h);
+        }
+        let bytes = sample(true).encode();
+        for cut in [0, 10, FIXED_LEN - 1, bytes.len() - 1] {
+            assert!(matches!(
+                IpcHandle::decode(&bytes[..cut]),
+                Err(Error::MalformedHandle { .. })
+            ));
+        }
+        let mut longer = bytes.clone();
+        longer.push(b'x');
+        assert!(IpcHandle::decode(&longer).is_err());
+        let mut wrong = bytes.clone();
+        wrong[0] = b'X';
+        assert!(IpcHandle::decode(&wrong).is_err());
+        let mut version = bytes.clone();
+        version[4] = 2;
+        let err = IpcHandle::decode(&version).unwrap_err().to_string();
+        assert!(err.contains("version 2"), "{err}");
+        let mut flags = bytes.clone();
+        flags[6] = 0x82;
+        assert!(IpcHandle::decode(&flags).is_err());
+        let mut name = bytes;
+        let at = FIXED_LEN + 5;
+        name[at] = b'/';
+        assert!(IpcHandle::decode(&name).is_err());
+    }
+
+    #[test]
+    fn torch_tuple_round_trips_and_checks_lengths() {
+        for event in [false, true] {
+            let h = sample(event);
+            let t = h.to_torch();
+            assert_eq!(t.handle.len(), 64);
+            assert_eq!(t.event_handle.len(), 64);
+            assert_eq!(t.event_sync_required, event);
+            assert_eq!(IpcHandle::from_torch(&t).unwrap(), h);
+            assert_eq!(TorchShareTuple::from_line(&t.to_line()).unwrap(), t);
+        }
+        let mut t = sample(true).to_torch();
+        t.handle.pop();
+        assert!(matches!(
+            IpcHandle::from_torch(&t),
+            Err(Error::HandleLength {
+                field: "handle",
+                len: 63,
+                ..
+            })
+        ));
+        let mut t = sample(true).to_torch();
+        t.event_handle.push(0);
+        assert!(matches!(
+            IpcHandle::from_torch(&t),
+            Err(Error::HandleLength {
+                field: "event_handle",
+                len: 65,
+                ..
+            })
+        ));
+        // PyTorch 2.x's versioned handle: version, 'c', the CUDA handle.
+        let mut t = sample(true).to_torch();
+        t.handle = [&[2u8, b'c'][..], &[7u8; 64][..]].concat();
+        assert_eq!(IpcHandle::from_torch(&t).unwrap(), sample(true));
+        t.handle[1] = b'e';
+        let err = IpcHandle::from_torch(&t).unwrap_err().to_string();
+        assert!(err.contains("expandable"), "{err}");
+        t.handle[1] = b'x';
+        assert!(matches!(
+            IpcHandle::from_torch(&t),
+            Err(Error::InvalidTuple { .. })
+        ));
+        t.handle.push(0);
+        assert!(matches!(
+            IpcHandle::from_torch(&t),
+            Err(Error::HandleLength { len: 67, .. })
+        ));
+        // Not required: PyTorch's event bytes are then meaningless and not checked.
+        let mut t = sample(false).to_torch();
+        t.event_handle.clear();
+        assert!(IpcHandle::from_torch(&t).is_ok());
+        let mut t = sample(false).to_torch();
+        t.device = -1;
+        assert!(matches!(
+            IpcHandle::from_torch(&t),
+            Err(Error::InvalidTuple { .. })
+        ));
+        let mut t = sample(false).to_torch();
+        t.ref_counter = b"no-slash".to_vec();
+        assert!(matches!(
+            IpcHandle::from_torch(&t),
+            Err(Error::InvalidTuple { .. })
+        ));
+        assert!(TorchShareTuple::from_line("1 2 3").is_err());
+        assert!(
+            TorchShareTuple::from_line(&sample(true).to_torch().to_line().replace(" 1", " 2"))
+                .is_err()
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let _ = IpcHandle::decode(&bytes);
+        }
+
+        #[test]
+        fn any_handle_round_trips(device in any::<u32>(), size in any::<u64>(), offset in any::<u64>(),
+                                  slot in any::<u64>(), mem in any::<[u8; 32]>(), event in any::<bool>()) {
+            let mut m = [0u8; 64];
+            m[..32].copy_from_slice(&mem);
+            let h = IpcHandle {
+                device, size, offset, slot,
+                mem_handle: MemHandle(m),
+                ref_counter: ShmName::new("/tensormem_5_6_7").unwrap(),
+                event: event.then_some(EventHandle(m)),
+                producer: slot ^ size,
+            };
+            prop_assert_eq!(IpcHandle::decode(&h.encode()).unwrap(), h);
+        }
+    }
+}

@@ -1,0 +1,445 @@
+//! The consumer side: [`IpcConsumer`] opens memory another process shared (PyTorch's
+//! `_new_shared_cuda`, `getIpcDevPtr` and the deleter that calls `_release_ipc_counter`).
+//!
+//! Opening checks everything PyTorch takes on trust before anything is mapped or written: the device
+//! index, the slot against the file's real size, that the slot still holds a reference, and, once the
+//! base allocation is open, that `offset + size` lies inside its real size. Memory handles are opened
+//! once per base allocation and device in the process (threads opening the same handle at once share
+//! one `cuIpcOpenMemHandle`) and closed when the last [`ReceivedMemory`] of that allocation goes (or
+//! kept open for the next share, see [`ConsumerConfig::idle_mem_handles`]).
+//!
+//! Dropping a [`ReceivedMemory`] synchronizes the streams it was used on, then decrements its slot:
+//! from then on the producer may hand the memory out again.
+
+use std::collections::BTreeMap;
+use std::marker::PhantomData;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use tensormem_cuda_alloc::{DevicePtr, StreamId};
+use tensormem_shm::ShmName;
+
+use crate::cache::{Lease, LeaseCache};
+use crate::driver::{EventHandle, IpcDriver, MemHandle};
+use crate::error::{Error, Result};
+use crate::handle::IpcHandle;
+use crate::refcounter::MappedCounterFile;
+
+/// Device ranges opened from other processes: (device, start) -> (end, opens).
+static RECEIVED: Mutex<BTreeMap<(u32, u64), (u64, usize)>> = Mutex::new(BTreeMap::new());
+
+/// Refuses memory that was received from another process (PyTorch's `received_cuda` check): sharing it
+/// on is not supported.
+///
+/// # Errors
+///
+/// [`Error::ReceivedMemory`] (PyTorch's message) if `ptr` lies in memory this process opened with
+/// [`IpcConsumer::open`].
+pub fn check_shareable(device: u32, ptr: DevicePtr) -> Result<()> {
+    let received = RECEIVED.lock();
+    let inside = received
+        .range(..=(device, ptr.0))
+        .next_back()
+        .is_some_and(|(&(d, start), &(end, _))| d == device && ptr.0 >= start && ptr.0 < end);
+    if inside {
+        Err(Error::ReceivedMemory)
+    } else {
+        Ok(())
+    }
+}
+
+/// How long a consumer keeps what it opened; see [`IpcConsumer::with_config`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConsumerConfig {
+    /// Opened memory handles kept open after their last user let go, so that the next share of the
+    /// same base allocation opens nothing (default 0: closed at once, as PyTorch does). Each one keeps
+    /// the producer's allocation mapped here, and so alive on the device, until it is evicted.
+    pub idle_mem_handles: usize,
+    /// Mapped ref-counter files kept after their last use (default 8; a file is 400 KB of address
+    /// space and at most a few pages of memory).
+    pub idle_counter_files: usize,
+    /// Opened events of tensormem producers kept open between shares (default 1024, the producer's
+    /// event budget): such a producer reuses an event only for a later share and never destroys one
+    /// while it lives, so waiting on the kept event waits on the new record. Events of producers
+    /// that do not say who they are (PyTorch's tuples) are opened and closed per share.
+    pub idle_events: usize,
+}
+
+impl Default for ConsumerConfig {
+    fn default() -> Self {
+        Self {
+            idle_mem_handles: 0,
+            idle_counter_files: 8,
+            idle_events: 1024,
+        }
+    }
+}
+
+/// A base allocation of another process, opened here.
+#[derive(Debug)]
+struct OpenedBase<B: IpcDriver> {
+    driver: Arc<B>,
+    device: u32,
+    ptr: DevicePtr,
+    size: usize,
+}
+
+impl<B: IpcDriver> OpenedBase<B> {
+    fn open(driver: &Arc<B>, device: u32, handle: &MemHandle) -> Result<Self> {
+        let ptr = driver.open_mem_handle(device, handle)?;
+        // Closes the mapping if the query below fails.
+        let mut opened = Self {
+            driver: Arc::clone(driver),
+            device,
+            ptr,
+            size: 0,
+        };
+        // The mapping's real extent, not what the handle claims.
+        let (base, size) = driver.address_range(device, ptr)?;
+        // `ptr` is the start of the mapping (what cuIpcOpenMemHandle returns); the usable extent is
+        // what lies after it.
+        opened.size = (base.0 + size as u64).saturating_sub(ptr.0) as usize;
+        let base = ptr;
+        let mut received = RECEIVED.lock();
+        let entry = received
+            .entry((device, base.0))
+            .or_insert((base.0 + size as u64, 0));
+        entry.1 += 1;
+        tracing::debug!(target: "tensormem_ipc", device, %base, size, "opened an IPC memory handle");
+        Ok(opened)
+    }
+}
+
+impl<B: IpcDriver> Drop for OpenedBase<B> {
+    fn drop(&mut self) {
+        if self.size > 0 {
+            let mut received = RECEIVED.lock();
+            if let Some(entry) = received.get_mut(&(self.device, self.ptr.0)) {
+                entry.1 -= 1;
+                if entry.1 == 0 {
+                    received.remove(&(self.device, self.ptr.0));
+                }
+            }
+        }
+        // SAFETY: `ptr` was returned by `open_mem_handle` on this device (an opened base starts where
+        // the mapping starts), this value closes it once, and every user synchronized its streams
+        // before letting go of its lease (`ReceivedMemory::drop`).
+        if let Err(err) = unsafe { self.driver.close_mem_handle(self.device, self.ptr) } {
+            tracing::warn!(target: "tensormem_ipc", %err, ptr = %self.ptr, "closing an IPC memory handle failed");
+        }
+    }
+}
+
+/// Key of an opened event: producer id, device, handle.
+type EventKey = (u64, u32, EventHandle);
+
+struct ConsumerInner<B: IpcDriver> {
+    driver: Arc<B>,
+    mems: Arc<LeaseCache<(u32, MemHandle), OpenedBase<B>>>,
+    files: Arc<LeaseCache<ShmName, MappedCounterFile>>,
+    events: Arc<LeaseCache<EventKey, B::ImportedEvent>>,
+}
+
+impl<B: IpcDriver> ConsumerInner<B> {
+    /// Makes `stream` wait for the producer's event, through the cache for known producers.
+    fn wait(&self, handle: &IpcHandle, event: &EventHandle, stream: StreamId) -> Result<()> {
+        let device = handle.device;
+        if handle.producer == 0 {
+            let opened = self.driver.open_event_handle(device, event)?;
+            return Ok(self.driver.wait_event(device, &opened, stream)?);
+        }
+        let opened = self
+            .events
+            .acquire(&(handle.producer, device, *event), || {
+                Ok(self.driver.open_event_handle(device, event)?)
+            })?;
+        Ok(self.driver.wait_event(device, opened.get(), stream)?)
+    }
+}
+
+/// Opens memory other processes shared (see the [module docs](self)). Cheap to clone.
+pub struct IpcConsumer<B: IpcDriver> {
+    inner: Arc<ConsumerInner<B>>,
+}
+
+impl<B: IpcDriver> Clone for IpcConsumer<B> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<B: IpcDriver> std::fmt::Debug for IpcConsumer<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IpcConsumer")
+            .field("open_mem_handles", &self.inner.mems.len())
+            .field("mapped_files", &self.inner.files.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: IpcDriver> IpcConsumer<B> {
+    /// A consumer with the default [`ConsumerConfig`].
+    pub fn new(driver: Arc<B>) -> Self {
+        Self::with_config(driver, ConsumerConfig::default())
+    }
+
+    /// A consumer keeping idle handles and files as `config` says.
+    pub fn with_config(driver: Arc<B>, config: ConsumerConfig) -> Self {
+        Self {
+            inner: Arc::new(ConsumerInner {
+                driver,
+                mems: LeaseCache::new(config.idle_mem_handles),
+                files: LeaseCache::new(config.idle_counter_files),
+                events: LeaseCache::new(config.idle_events),
+            }),
+        }
+    }
+
+    /// The driver calls in use.
+    pub fn driver(&self) -> &Arc<B> {
+        &self.inner.driver
+    }
+
+    /// Memory handles open now (used or idle).
+    #[must_use]
+    pub fn open_mem_handles(&self) -> usize {
+        self.inner.mems.len()
+    }
+
+    /// Closes the idle memory handles and events, and unmaps the idle ref-counter files.
+    pub fn trim(&self) {
+        self.inner.mems.clear_idle();
+        self.inner.files.clear_idle();
+        self.inner.events.clear_idle();
+    }
+
+    /// Opens shared memory: checks the handle, makes `stream` wait for the producer's event, opens the
+    /// base allocation (through the process's cache) and records this process as the slot's holder.
+    ///
+    /// `stream` must be the default stream (0) or a live stream of the handle's device; it is
+    /// synchronized when the returned memory is dropped.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidDevice`], [`Error::RefCounterFile`] (the file is gone: the producer ended),
+    /// [`Error::SlotOutOfRange`], [`Error::SlotNotHeld`] (released already, or opened twice),
+    /// [`Error::SlotClaimed`], [`Error::OutOfBounds`], [`Error::Driver`]. Nothing is left open or
+    /// changed then.
+    pub fn open(&self, handle: &IpcHandle, stream: StreamId) -> Result<ReceivedMemory<B>> {
+        let inner = &self.inner;
+        let count = inner.driver.device_count()?;
+        if handle.device >= count {
+            return Err(Error::InvalidDevice {
+                device: i64::from(handle.device),
+                count,
+            });
+        }
+        let file = inner.files.acquire(&handle.ref_counter, || {
+            MappedCounterFile::open(&handle.ref_counter)
+        })?;
+        let table = file.get().table();
+        let slot = usize::try_from(handle.slot)
+            .ok()
+            .filter(|&s| s < table.slots())
+            .ok_or_else(|| Error::SlotOutOfRange {
+                slot: handle.slot,
+                name: handle.ref_counter.to_string(),
+                slots: table.slots(),
+            })?;
+        let value = table
+            .counter(file.get().mapping(), slot)?
+            .load(Ordering::Acquire);
+        if value <= 0 {
+            return Err(Error::SlotNotHeld {
+                slot: handle.slot,
+                name: handle.ref_counter.to_string(),
+                value,
+            });
+        }
+        let device = handle.device;
+        let mem = inner.mems.acquire(&(device, handle.mem_handle), || {
+            OpenedBase::open(&inner.driver, device, &handle.mem_handle)
+        })?;
+        let base = mem.get();
+        let end = handle.offset.checked_add(handle.size);
+        if end.is_none_or(|end| end > base.size as u64) {
+            return Err(Error::OutOfBounds {
+                offset: handle.offset,
+                size: handle.size,
+                base_size: base.size as u64,
+            });
+        }
+        if let Err(pid) = table.claim(file.get().mapping(), slot)? {
+            return Err(Error::SlotClaimed {
+                slot: handle.slot,
+                name: handle.ref_counter.to_string(),
+                pid,
+            });
+        }
+        if let Some(event) = &handle.event {
+            if let Err(err) = inner.wait(handle, event, stream) {
+                let _ = table.unclaim(file.get().mapping(), slot);
+                return Err(err);
+            }
+        }
+        Ok(ReceivedMemory {
+            driver: Arc::clone(&inner.driver),
+            device,
+            ptr: base.ptr.offset(handle.offset as usize),
+            size: handle.size,
+            streams: vec![stream],
+            slot,
+            file,
+            _mem: mem,
+        })
+    }
+}
+
+/// Memory another process shared, open in this one. Dropping it synchronizes its streams and releases
+/// the producer's reference (see the [module docs](self)).
+pub struct ReceivedMemory<B: IpcDriver> {
+    driver: Arc<B>,
+    device: u32,
+    ptr: DevicePtr,
+    size: u64,
+    streams: Vec<StreamId>,
+    slot: usize,
+    file: Lease<ShmName, MappedCounterFile>,
+    _mem: Lease<(u32, MemHandle), OpenedBase<B>>,
+}
+
+impl<B: IpcDriver> std::fmt::Debug for ReceivedMemory<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReceivedMemory")
+            .field("device", &self.device)
+            .field("ptr", &self.ptr)
+            .field("size", &self.size)
+            .field("file", self.file.get().name())
+            .field("slot", &self.slot)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: IpcDriver> ReceivedMemory<B> {
+    /// The device address in this process.
+    #[must_use]
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// The size in bytes.
+    #[must_use]
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// The device ordinal.
+    #[must_use]
+    pub fn device(&self) -> u32 {
+        self.device
+    }
+
+    /// Records that work on `stream` uses the memory: it is synchronized too before the reference is
+    /// released.
+    pub fn use_on(&mut self, stream: StreamId) {
+        if !self.streams.contains(&stream) {
+            self.streams.push(stream);
+        }
+    }
+
+    /// The memory as `len` elements of `T`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadView`] if the size is not a multiple of `T`'s or the address not aligned to it.
+    pub fn view<T: DeviceElement>(&self) -> Result<DeviceView<'_, T>> {
+        let elem = std::mem::size_of::<T>();
+        let align = std::mem::align_of::<T>();
+        if self.size % elem as u64 != 0 || self.ptr.0 % align as u64 != 0 {
+            return Err(Error::BadView {
+                bytes: self.size,
+                addr: self.ptr.0,
+                elem_size: elem,
+                align,
+            });
+        }
+        Ok(DeviceView {
+            ptr: self.ptr,
+            len: (self.size / elem as u64) as usize,
+            _memory: PhantomData,
+        })
+    }
+}
+
+impl<B: IpcDriver> Drop for ReceivedMemory<B> {
+    fn drop(&mut self) {
+        for &stream in &self.streams {
+            if let Err(err) = self.driver.synchronize_stream(self.device, stream) {
+                tracing::error!(target: "tensormem_ipc", %err, %stream, "synchronizing before releasing shared memory failed");
+            }
+        }
+        let file = self.file.get();
+        match file.table().counter(file.mapping(), self.slot) {
+            Ok(counter) => {
+                counter.fetch_sub(1, Ordering::AcqRel);
+            }
+            Err(err) => {
+                tracing::error!(target: "tensormem_ipc", %err, "releasing a ref-counter slot failed")
+            }
+        }
+        let _ = file.table().unclaim(file.mapping(), self.slot);
+        // The leases (file mapping, opened memory handle) are released after this, in field order.
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// Plain numeric types a [`DeviceView`] can hold (every bit pattern valid).
+pub trait DeviceElement: sealed::Sealed + Copy + 'static {}
+
+macro_rules! device_element {
+    ($($t:ty),*) => {$(
+        impl sealed::Sealed for $t {}
+        impl DeviceElement for $t {}
+    )*};
+}
+device_element!(u8, i8, u16, i16, u32, i32, u64, i64, f32, f64);
+
+/// Received device memory seen as `len` elements of `T`; borrows the [`ReceivedMemory`].
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceView<'a, T: DeviceElement> {
+    ptr: DevicePtr,
+    len: usize,
+    _memory: PhantomData<&'a [T]>,
+}
+
+impl<T: DeviceElement> DeviceView<'_, T> {
+    /// The device address of the first element.
+    #[must_use]
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// The number of elements.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are no elements.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address of element `index`, if in range.
+    #[must_use]
+    pub fn element_ptr(&self, index: usize) -> Option<DevicePtr> {
+        (index < self.len).then(|| self.ptr.offset(index * std::mem::size_of::<T>()))
+    }
+}

@@ -1,0 +1,422 @@
+//! Ref-counter files: PyTorch's `CudaIPCRefCountersFile`, plus who holds each slot.
+//!
+//! A ref-counter file is a refcounted shared memory object laid out as PyTorch's
+//! `RefcountedMapAllocator` (64-byte header with the open count, data after it) whose data starts with
+//! an array of `int64` counters, one *slot* per share: the producer sets a slot to 1 when it shares,
+//! the consumer subtracts 1 when it is done. PyTorch consumers open the file by name and decrement
+//! the slot at `ref_counter_offset` exactly as they do with PyTorch's own files.
+//!
+//! After the counters, tensormem's files carry what PyTorch's do not (PyTorch maps only the counters,
+//! so it never sees it):
+//!
+//! ```text
+//! data offset 0          n x i64       the counters (PyTorch's layout)
+//!             8n         n x 32 bytes  owner of each slot: pid, start time + 1, pid namespace, 0
+//!             40n        64 bytes      trailer: magic "TMIPCRC1", n, creator pid, start, namespace
+//! ```
+//!
+//! A consumer records itself as the owner of the slot it opened; the producer's `collect` reclaims
+//! slots whose owner died without releasing them (PyTorch leaks those forever), and a consumer that
+//! finds the file's creator dead unlinks the name when it is done with it.
+
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+
+use tensormem_shm::{
+    MapOptions, Mapping, RefcountedRegion, SharedRegion, ShmName, REFCOUNT_HEADER_LEN,
+};
+
+use crate::error::{Error, Result};
+use crate::process::{Liveness, ProcessIdentity};
+
+/// Slots per ref-counter file (PyTorch's `CUDA_IPC_REF_COUNTER_FILE_SIZE`).
+pub const REF_COUNTER_FILE_SIZE: usize = 10_000;
+
+const OWNER_LEN: usize = 32;
+const TRAILER_LEN: usize = 64;
+const TRAILER_MAGIC: u64 = u64::from_le_bytes(*b"TMIPCRC1");
+
+/// Data bytes of a tensormem ref-counter file of `slots` slots.
+pub(crate) fn data_len(slots: usize) -> usize {
+    slots * (8 + OWNER_LEN) + TRAILER_LEN
+}
+
+/// The slots of a mapped ref-counter file: counters, and owners where the file has them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SlotTable {
+    /// Offset of the data (0 for a `RefcountedRegion`'s mapping, 64 for a whole-object mapping).
+    base: usize,
+    /// Number of slots.
+    slots: usize,
+    /// Whether the owner table and trailer are there (tensormem's files, not PyTorch's).
+    owners: bool,
+}
+
+impl SlotTable {
+    pub(crate) fn slots(&self) -> usize {
+        self.slots
+    }
+
+    #[cfg(test)]
+    pub(crate) fn has_owners(&self) -> bool {
+        self.owners
+    }
+
+    /// The counter of `slot` (`slot < slots`).
+    pub(crate) fn counter<'m>(&self, map: &'m Mapping, slot: usize) -> Result<&'m AtomicI64> {
+        map.atomic::<AtomicI64>(self.base + slot * 8)
+            .map_err(|e| Error::file(&"(mapped)", e))
+    }
+
+    fn owner_word<'m>(&self, map: &'m Mapping, slot: usize, word: usize) -> Result<&'m AtomicU64> {
+        map.atomic::<AtomicU64>(self.base + self.slots * 8 + slot * OWNER_LEN + word * 8)
+            .map_err(|e| Error::file(&"(mapped)", e))
+    }
+
+    fn trailer_word<'m>(&self, map: &'m Mapping, word: usize) -> Result<&'m AtomicU64> {
+        map.atomic::<AtomicU64>(self.base + self.slots * (8 + OWNER_LEN) + word * 8)
+            .map_err(|e| Error::file(&"(mapped)", e))
+    }
+
+    /// The owner recorded for `slot`, if any (and fully written).
+    pub(crate) fn owner(&self, map: &Mapping, slot: usize) -> Result<Option<ProcessIdentity>> {
+        if !self.owners {
+            return Ok(None);
+        }
+        let pid = self.owner_word(map, slot, 0)?.load(Ordering::Acquire);
+        let start = self.owner_word(map, slot, 1)?.load(Ordering::Acquire);
+        if pid == 0 || start == 0 {
+            return Ok(None);
+        }
+        Ok(Some(ProcessIdentity {
+            pid: pid as u32,
+            start_time: start - 1,
+            pid_namespace: self.owner_word(map, slot, 2)?.load(Ordering::Acquire),
+        }))
+    }
+
+    /// Records this process as the owner of `slot`. `Err(pid)` if another owner is recorded.
+    pub(crate) fn claim(&self, map: &Mapping, slot: usize) -> Result<Result<(), u32>> {
+        if !self.owners {
+            return Ok(Ok(()));
+        }
+        let me = ProcessIdentity::current();
+        let pid = self.owner_word(map, slot, 0)?;
+        if let Err(holder) =
+            pid.compare_exchange(0, u64::from(me.pid), Ordering::AcqRel, Ordering::Acquire)
+        {
+            return Ok(Err(holder as u32));
+        }
+        self.owner_word(map, slot, 2)?
+            .store(me.pid_namespace, Ordering::Release);
+        self.owner_word(map, slot, 1)?
+            .store(me.start_time + 1, Ordering::Release);
+        Ok(Ok(()))
+    }
+
+    /// Clears this process's ownership of `slot` (after releasing it).
+    pub(crate) fn unclaim(&self, map: &Mapping, slot: usize) -> Result<()> {
+        if !self.owners {
+            return Ok(());
+        }
+        let me = u64::from(ProcessIdentity::current().pid);
+        self.owner_word(map, slot, 1)?.store(0, Ordering::Release);
+        let _ = self.owner_word(map, slot, 0)?.compare_exchange(
+            me,
+            0,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        Ok(())
+    }
+
+    /// Clears any owner of `slot` (the producer, handing the slot out).
+    fn reset_owner(&self, map: &Mapping, slot: usize) -> Result<()> {
+        if self.owners {
+            for word in [1, 2, 0] {
+                self.owner_word(map, slot, word)?
+                    .store(0, Ordering::Release);
+            }
+        }
+        Ok(())
+    }
+
+    /// The creator recorded in the trailer.
+    pub(crate) fn creator(&self, map: &Mapping) -> Result<Option<ProcessIdentity>> {
+        if !self.owners {
+            return Ok(None);
+        }
+        Ok(Some(ProcessIdentity {
+            pid: self.trailer_word(map, 2)?.load(Ordering::Acquire) as u32,
+            start_time: self.trailer_word(map, 3)?.load(Ordering::Acquire),
+            pid_namespace: self.trailer_word(map, 4)?.load(Ordering::Acquire),
+        }))
+    }
+
+    /// Recognises a mapped file from its data length: a tensormem file (trailer with the magic and a
+    /// matching slot count) or a PyTorch file (counters only).
+    fn recognise(map: &Mapping, base: usize) -> Option<Self> {
+        let data = map.len().checked_sub(base)?;
+        if data >= TRAILER_LEN {
+            let at = base + data - TRAILER_LEN;
+            let magic = map.atomic::<AtomicU64>(at).ok()?.load(Ordering::Acquire);
+            let slots = map
+                .atomic::<AtomicU64>(at + 8)
+                .ok()?
+                .load(Ordering::Acquire) as usize;
+            if magic == TRAILER_MAGIC
+                && slots.checked_mul(8 + OWNER_LEN).map(|n| n + TRAILER_LEN) == Some(data)
+            {
+                return Some(Self {
+                    base,
+                    slots,
+                    owners: true,
+                });
+            }
+        }
+        (data % 8 == 0 && data > 0).then_some(Self {
+            base,
+            slots: data / 8,
+            owners: false,
+        })
+    }
+}
+
+/// A ref-counter file this process created (the producer side): hands out its slots in order.
+#[derive(Debug)]
+pub(crate) struct RefCounterFile {
+    region: RefcountedRegion,
+    table: SlotTable,
+    /// The next slot to hand out (under the producer's file lock).
+    next: AtomicU64,
+}
+
+impl RefCounterFile {
+    /// Creates a file of `slots` slots named `name`.
+    pub(crate) fn create(name: &ShmName, slots: usize) -> Result<Self> {
+        let region = RefcountedRegion::create(name, data_len(slots) as u64)
+            .map_err(|e| Error::file(name, e))?;
+        let table = SlotTable {
+            base: 0,
+            slots,
+            owners: true,
+        };
+        let me = ProcessIdentity::current();
+        let words = [
+            TRAILER_MAGIC,
+            slots as u64,
+            u64::from(me.pid),
+            me.start_time,
+            me.pid_namespace,
+        ];
+        for (i, value) in words.into_iter().enumerate().rev() {
+            table
+                .trailer_word(&region, i)?
+                .store(value, Ordering::Release);
+        }
+        tracing::debug!(target: "tensormem_ipc", name = %name, slots, "created ref-counter file");
+        Ok(Self {
+            region,
+            table,
+            next: AtomicU64::new(0),
+        })
+    }
+
+    pub(crate) fn name(&self) -> &ShmName {
+        self.region.name()
+    }
+
+    /// Hands out the next slot with its counter set to 1, or `None` when every slot was handed out.
+    pub(crate) fn take_slot(&self) -> Result<Option<usize>> {
+        let slot = self.next.load(Ordering::Relaxed) as usize;
+        if slot >= self.table.slots {
+            return Ok(None);
+        }
+        self.table.reset_owner(&self.region, slot)?;
+        self.table
+            .counter(&self.region, slot)?
+            .store(1, Ordering::Release);
+        self.next.store(slot as u64 + 1, Ordering::Relaxed);
+        Ok(Some(slot))
+    }
+
+    /// Sets a slot handed out by [`take_slot`](Self::take_slot) but never sent back to 0.
+    pub(crate) fn release_unsent(&self, slot: usize) {
+        if let Ok(counter) = self.table.counter(&self.region, slot) {
+            counter.store(0, Ordering::Release);
+        }
+    }
+
+    /// Whether slots are left to hand out.
+    pub(crate) fn has_slots(&self) -> bool {
+        (self.next.load(Ordering::Relaxed) as usize) < self.table.slots
+    }
+
+    /// The counter of `slot`.
+    pub(crate) fn value(&self, slot: usize) -> i64 {
+        self.table
+            .counter(&self.region, slot)
+            .map_or(0, |c| c.load(Ordering::Acquire))
+    }
+
+    /// If `slot` is still held by a consumer that has died, sets it to 0 and returns that owner.
+    pub(crate) fn reclaim_if_owner_dead(&self, slot: usize) -> Option<ProcessIdentity> {
+        let owner = self.table.owner(&self.region, slot).ok().flatten()?;
+        if owner.liveness() != Liveness::Dead {
+            return None;
+        }
+        let counter = self.table.counter(&self.region, slot).ok()?;
+        let value = counter.load(Ordering::Acquire);
+        if value > 0
+            && counter
+                .compare_exchange(value, 0, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
+            Some(owner)
+        } else {
+            None
+        }
+    }
+}
+
+/// A ref-counter file mapped by a consumer, whose own slots it decrements.
+///
+/// Mapped without adding to the file's open count: a consumer killed with the file mapped leaves
+/// nothing behind, and the producer's close still unlinks the name. The name exists while the
+/// consumer's slot is non-zero, since the producer keeps its file until every slot returned to 0.
+#[derive(Debug)]
+pub(crate) struct MappedCounterFile {
+    region: SharedRegion,
+    name: ShmName,
+    table: SlotTable,
+}
+
+impl MappedCounterFile {
+    /// Maps the existing file `name` (tensormem's or PyTorch's).
+    pub(crate) fn open(name: &ShmName) -> Result<Self> {
+        let region = MapOptions::new()
+            .map_shm(name)
+            .map_err(|e| Error::file(name, e))?;
+        let table =
+            SlotTable::recognise(region.mapping(), REFCOUNT_HEADER_LEN).ok_or_else(|| {
+                Error::file(
+                    name,
+                    tensormem_shm::Error::OutOfBounds {
+                        offset: 0,
+                        len: REFCOUNT_HEADER_LEN + 8,
+                        region_len: region.mapping().len(),
+                    },
+                )
+            })?;
+        Ok(Self {
+            region,
+            name: name.clone(),
+            table,
+        })
+    }
+
+    pub(crate) fn name(&self) -> &ShmName {
+        &self.name
+    }
+
+    pub(crate) fn table(&self) -> SlotTable {
+        self.table
+    }
+
+    pub(crate) fn mapping(&self) -> &Mapping {
+        self.region.mapping()
+    }
+}
+
+impl Drop for MappedCounterFile {
+    fn drop(&mut self) {
+        // A producer killed before closing its file leaves the name behind with its open count; the
+        // last consumer to let go removes it.
+        if let Ok(Some(creator)) = self.table.creator(self.region.mapping()) {
+            if creator.liveness() == Liveness::Dead {
+                match tensormem_shm::unlink_shm(&self.name) {
+                    Ok(()) => tracing::info!(
+                        target: "tensormem_ipc",
+                        name = %self.name,
+                        creator = creator.pid,
+                        "removed the ref-counter file of a producer that died"
+                    ),
+                    Err(tensormem_shm::Error::NotFound { .. }) => {}
+                    Err(err) => tracing::warn!(
+                        target: "tensormem_ipc",
+                        name = %self.name,
+                        error = %err,
+                        "could not remove the ref-counter file of a dead producer"
+                    ),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tensormem_shm::NameGenerator;
+
+    #[test]
+    fn slots_are_handed_out_in_order_and_seen_by_a_consumer_mapping() {
+        let name = NameGenerator::default().next_name();
+        let file = RefCounterFile::create(&name, 3).unwrap();
+        assert_eq!(file.take_slot().unwrap(), Some(0));
+        assert_eq!(file.take_slot().unwrap(), Some(1));
+        let mapped = MappedCounterFile::open(&name).unwrap();
+        let table = mapped.table();
+        assert_eq!(table.slots(), 3);
+        assert!(table.has_owners());
+        let counter = table.counter(mapped.mapping(), 1).unwrap();
+        assert_eq!(counter.load(Ordering::Acquire), 1);
+        counter.fetch_sub(1, Ordering::AcqRel);
+        assert_eq!(file.value(1), 0);
+        assert_eq!(file.value(0), 1);
+        assert_eq!(file.take_slot().unwrap(), Some(2));
+        assert!(!file.has_slots());
+        assert_eq!(file.take_slot().unwrap(), None);
+        assert_eq!(
+            table.creator(mapped.mapping()).unwrap(),
+            Some(ProcessIdentity::current())
+        );
+        drop(mapped);
+        assert!(
+            name.path().exists(),
+            "a live creator's file is not removed by a consumer"
+        );
+        drop(file);
+        assert!(!name.path().exists());
+    }
+
+    #[test]
+    fn owners_are_claimed_once_and_live_owners_are_not_reclaimed() {
+        let name = NameGenerator::default().next_name();
+        let file = RefCounterFile::create(&name, 2).unwrap();
+        file.take_slot().unwrap();
+        let mapped = MappedCounterFile::open(&name).unwrap();
+        let table = mapped.table();
+        assert_eq!(table.claim(mapped.mapping(), 0).unwrap(), Ok(()));
+        assert_eq!(
+            table.claim(mapped.mapping(), 0).unwrap(),
+            Err(std::process::id())
+        );
+        assert_eq!(file.reclaim_if_owner_dead(0), None);
+        assert_eq!(file.value(0), 1);
+        table.unclaim(mapped.mapping(), 0).unwrap();
+        assert_eq!(table.owner(mapped.mapping(), 0).unwrap(), None);
+    }
+
+    #[test]
+    fn a_pytorch_file_is_recognised_by_its_size() {
+        let name = NameGenerator::default().next_name();
+        let region = RefcountedRegion::create(&name, (8 * REF_COUNTER_FILE_SIZE) as u64).unwrap();
+        let mapped = MappedCounterFile::open(&name).unwrap();
+        assert_eq!(mapped.table().slots(), REF_COUNTER_FILE_SIZE);
+        assert!(!mapped.table().has_owners());
+        assert_eq!(mapped.table().claim(mapped.mapping(), 5).unwrap(), Ok(()));
+        drop(mapped);
+        drop(region);
+        assert!(!name.path().exists());
+    }
+}

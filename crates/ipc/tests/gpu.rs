@@ -1,0 +1,512 @@
+//! CUDA IPC on a real GPU, between real processes, and against PyTorch.
+//!
+//! Every test first looks for a CUDA driver and device; without one it prints
+//! `skipped: no CUDA driver/device (...)` and passes, unless `TENSORMEM_REQUIRE_GPU=1` (set by
+//! `cargo xtask test-gpu` and the bundle's `run.sh`), which makes it fail. The PyTorch interop tests
+//! skip when `python3 -c 'import torch'` fails, unless `TENSORMEM_REQUIRE_TORCH=1`.
+//!
+//! The tests re-execute this binary (running only themselves) as the peer process: a consumer that
+//! reads commands on stdin, or a producer; an environment variable gives the role.
+#![cfg(feature = "cuda")]
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use cudarc::driver::sys;
+use tensormem_cuda_alloc::backend::cuda::{self, CudaDevice};
+use tensormem_cuda_alloc::{CachingAllocator, DevicePtr, StreamId};
+use tensormem_ipc::driver::cuda::CudaIpcDriver;
+use tensormem_ipc::{
+    ConsumerConfig, IpcConsumer, IpcHandle, IpcProducer, TorchShareTuple, RECEIVED_MEMORY_MESSAGE,
+    REF_COUNTER_FILE_SIZE,
+};
+
+const ROLE: &str = "TENSORMEM_IPC_GPU_ROLE";
+const S: StreamId = StreamId::DEFAULT;
+const SCRIPT: &str = include_str!("python/ipc_interop.py");
+
+static GPU_LOCK: Mutex<()> = Mutex::new(());
+
+type Allocator = Arc<CachingAllocator<CudaDevice>>;
+type Producer = IpcProducer<CudaDevice, CudaIpcDriver>;
+
+/// Device 0's allocator, a producer, and the lock; `None` (after saying why) without a GPU.
+fn gpu() -> Option<(Allocator, Producer, MutexGuard<'static, ()>)> {
+    let lock = GPU_LOCK.lock().unwrap_or_else(PoisonError::into_inner);
+    let reason = match cuda::device_count() {
+        Ok(0) => "the driver reports 0 devices".to_owned(),
+        Ok(_) => {
+            let device = CudaDevice::new(0).expect("opening device 0");
+            let driver = Arc::new(CudaIpcDriver::new().expect("loading the driver"));
+            return Some((
+                Arc::new(CachingAllocator::new(device)),
+                IpcProducer::new(driver),
+                lock,
+            ));
+        }
+        Err(err) => err.to_string(),
+    };
+    assert!(
+        std::env::var("TENSORMEM_REQUIRE_GPU").as_deref() != Ok("1"),
+        "TENSORMEM_REQUIRE_GPU=1 but there is no usable CUDA device: {reason}"
+    );
+    eprintln!("skipped: no CUDA driver/device ({reason})");
+    None
+}
+
+fn torch() -> bool {
+    let ok = Command::new("python3")
+        .args(["-c", "import torch; assert torch.cuda.is_available()"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok || std::env::var("TENSORMEM_REQUIRE_TORCH").as_deref() != Ok("1"),
+        "TENSORMEM_REQUIRE_TORCH=1 but python3 cannot import torch with CUDA"
+    );
+    if !ok {
+        eprintln!("skipped: python3 -c 'import torch' failed");
+    }
+    ok
+}
+
+fn check(call: &str, result: sys::CUresult) {
+    assert_eq!(result, sys::CUresult::CUDA_SUCCESS, "{call}");
+}
+
+fn current() {
+    CudaDevice::new(0).unwrap().make_current().unwrap();
+}
+
+fn fill(ptr: DevicePtr, value: u8, len: usize) {
+    current();
+    // SAFETY: `ptr..ptr+len` is device memory of device 0 this test owns or received.
+    check("cuMemsetD8", unsafe {
+        sys::cuMemsetD8_v2(ptr.0, value, len)
+    });
+}
+
+fn read(ptr: DevicePtr, len: usize) -> Vec<u8> {
+    current();
+    let mut out = vec![0u8; len];
+    // SAFETY: as in `fill`; `out` has room for `len` bytes.
+    check("cuMemcpyDtoH", unsafe {
+        sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), ptr.0, len)
+    });
+    out
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Vec<u8> {
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// A peer process, killed if the test ends first.
+struct Peer {
+    child: Child,
+    input: Option<ChildStdin>,
+    output: BufReader<ChildStdout>,
+}
+
+impl Peer {
+    /// This binary running only `test`, in role `role`.
+    fn this(test: &str, role: &str) -> Self {
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args(["--exact", test, "--nocapture", "--test-threads=1"])
+            .env(ROLE, role);
+        Self::spawn(cmd)
+    }
+
+    fn python(args: &[&str]) -> Self {
+        let script =
+            std::env::temp_dir().join(format!("tensormem_ipc_interop_{}.py", std::process::id()));
+        std::fs::write(&script, SCRIPT).unwrap();
+        let mut cmd = Command::new("python3");
+        cmd.arg(&script).args(args);
+        Self::spawn(cmd)
+    }
+
+    fn spawn(mut cmd: Command) -> Self {
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let input = child.stdin.take().unwrap();
+        let output = BufReader::new(child.stdout.take().unwrap());
+        Self {
+            child,
+            input: Some(input),
+            output,
+        }
+    }
+
+    fn send(&mut self, line: &str) {
+        let input = self
+            .input
+            .as_mut()
+            .expect("the peer's input is open until finish");
+        writeln!(input, "{line}").unwrap();
+        input.flush().unwrap();
+    }
+
+    /// The fields after `@@<what>` on the next protocol line.
+    fn expect(&mut self, what: &str) -> Vec<String> {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(
+                self.output.read_line(&mut line).unwrap() > 0,
+                "peer ended before @@{what}"
+            );
+            if let Some(at) = line.find("@@") {
+                let mut fields = line[at + 2..].split_whitespace().map(str::to_owned);
+                let tag = fields.next().unwrap_or_default();
+                assert_eq!(tag, what, "peer said: {}", line.trim());
+                return fields.collect();
+            }
+        }
+    }
+
+    fn kill9(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
+    /// Closes the peer's input and checks that it exits successfully.
+    fn finish(mut self) {
+        drop(self.input.take());
+        assert!(self.child.wait().unwrap().success(), "the peer failed");
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The consumer peer: reads `open HEX EXPECT WRITE`, `hold HEX`, `drop`, answers each.
+fn consumer_role() {
+    let driver = Arc::new(CudaIpcDriver::new().unwrap());
+    let idle = std::env::var("TENSORMEM_IPC_IDLE").map_or(0, |v| v.parse().unwrap());
+    let consumer = IpcConsumer::with_config(
+        driver,
+        ConsumerConfig {
+            idle_mem_handles: idle,
+            ..ConsumerConfig::default()
+        },
+    );
+    let mut held = Vec::new();
+    for line in std::io::stdin().lock().lines() {
+        let line = line.unwrap();
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["open", handle, expect, write] => {
+                let handle = IpcHandle::decode(&unhex(handle)).unwrap();
+                let received = consumer.open(&handle, S).unwrap();
+                let len = received.size() as usize;
+                let ends = [
+                    read(received.ptr(), 1)[0],
+                    read(received.ptr().offset(len - 1), 1)[0],
+                ];
+                let expect: u8 = expect.parse().unwrap();
+                assert_eq!(ends, [expect, expect], "the producer's bytes");
+                fill(
+                    received.ptr().offset(len / 2),
+                    write.parse().unwrap(),
+                    len - len / 2,
+                );
+                drop(received);
+                println!("@@ok");
+            }
+            ["hold", handle] => {
+                let handle = IpcHandle::decode(&unhex(handle)).unwrap();
+                held.push(consumer.open(&handle, S).unwrap());
+                println!("@@held");
+            }
+            ["drop"] => {
+                held.clear();
+                println!("@@dropped");
+            }
+            _ => panic!("unknown command {line:?}"),
+        }
+    }
+}
+
+fn role() -> Option<String> {
+    std::env::var(ROLE).ok()
+}
+
+#[test]
+fn a_consumer_process_reads_and_writes_the_producers_memory() {
+    if role().is_some() {
+        return consumer_role();
+    }
+    let Some((allocator, producer, _lock)) = gpu() else {
+        return;
+    };
+    let stream = allocator.device().create_stream().unwrap();
+    let mut peer = Peer::this(
+        "a_consumer_process_reads_and_writes_the_producers_memory",
+        "consumer",
+    );
+    for size in [4096usize, 1 << 20, 64 << 20] {
+        let allocation = allocator.allocate(size, stream.id()).unwrap();
+        fill(allocation.ptr(), 0x11, size);
+        // The producer's stream is busy (held by a host function, then a fill): the share records
+        // an event, and the consumer must wait for it to see the fill.
+        // SAFETY: the host function makes no CUDA call; the fill writes memory this test owns.
+        unsafe {
+            stream
+                .launch_host_fn(|| std::thread::sleep(std::time::Duration::from_millis(50)))
+                .unwrap();
+            stream.memset_d8(allocation.ptr(), 0x22, size).unwrap();
+        }
+        let (mut shared, handle) = producer.share(&allocator, allocation, stream.id()).unwrap();
+        assert!(
+            handle.event.is_some(),
+            "a busy stream is shared with an event"
+        );
+        peer.send(&format!("open {} 34 51", hex(&handle.encode())));
+        peer.expect("ok");
+        let back = read(shared.ptr(), size);
+        assert!(back[..size / 2].iter().all(|&b| b == 0x22));
+        assert!(
+            back[size / 2..].iter().all(|&b| b == 51),
+            "the consumer's writes are visible"
+        );
+        assert_eq!(shared.outstanding(), 0, "the consumer released its slot");
+        // An idle stream needs no event.
+        fill(shared.ptr(), 0x22, size);
+        stream.synchronize().unwrap();
+        let again = shared.share(stream.id()).unwrap();
+        assert!(
+            again.event.is_none(),
+            "an idle stream is shared without an event"
+        );
+        peer.send(&format!("open {} 34 68", hex(&again.encode())));
+        peer.expect("ok");
+        drop(shared);
+        assert_eq!(producer.stats().limbo, 0);
+    }
+    let stats = producer.stats();
+    assert_eq!((stats.idle_stream_shares, stats.events_in_use), (3, 0));
+    peer.finish();
+    assert_eq!(allocator.memory_stats().active_bytes.all.current, 0);
+    producer.collect();
+}
+
+#[test]
+fn ten_thousand_shares_rotate_files_between_processes() {
+    if role().is_some() {
+        return consumer_role();
+    }
+    let Some((allocator, producer, _lock)) = gpu() else {
+        return;
+    };
+    let mut peer = Peer::this(
+        "ten_thousand_shares_rotate_files_between_processes",
+        "consumer",
+    );
+    let allocation = allocator.allocate(4096, S).unwrap();
+    fill(allocation.ptr(), 5, 4096);
+    let mut shared = producer.adopt(&allocator, allocation);
+    let mut files = std::collections::HashSet::new();
+    for _ in 0..REF_COUNTER_FILE_SIZE + 20 {
+        let handle = shared.share(S).unwrap();
+        files.insert(handle.ref_counter.clone());
+        peer.send(&format!("open {} 5 5", hex(&handle.encode())));
+        peer.expect("ok");
+    }
+    assert_eq!(files.len(), 2);
+    assert_eq!(shared.outstanding(), 0);
+    peer.finish();
+    drop(shared);
+    producer.collect();
+    for name in files {
+        assert!(!name.path().exists(), "{name} left in /dev/shm");
+    }
+}
+
+#[test]
+fn threads_share_at_once_with_one_consumer_process() {
+    if role().is_some() {
+        return consumer_role();
+    }
+    let Some((allocator, producer, _lock)) = gpu() else {
+        return;
+    };
+    let peer = Mutex::new(Peer::this(
+        "threads_share_at_once_with_one_consumer_process",
+        "consumer",
+    ));
+    std::thread::scope(|s| {
+        for t in 0..8u8 {
+            let (allocator, producer, peer) = (&allocator, &producer, &peer);
+            s.spawn(move || {
+                for i in 0..25usize {
+                    let size = 4096 << (i % 6);
+                    let allocation = allocator.allocate(size, S).unwrap();
+                    fill(allocation.ptr(), t, size);
+                    let (mut shared, handle) = producer.share(allocator, allocation, S).unwrap();
+                    {
+                        let mut peer = peer.lock().unwrap();
+                        peer.send(&format!("open {} {t} {}", hex(&handle.encode()), t + 100));
+                        peer.expect("ok");
+                    }
+                    assert_eq!(read(shared.ptr().offset(size - 1), 1)[0], t + 100);
+                    assert_eq!(shared.outstanding(), 0);
+                }
+            });
+        }
+    });
+    peer.into_inner().unwrap().finish();
+    producer.collect();
+    let stats = producer.stats();
+    assert_eq!(
+        (stats.shares, stats.limbo, stats.events_in_use),
+        (200, 0, 0)
+    );
+    assert_eq!(allocator.memory_stats().active_bytes.all.current, 0);
+}
+
+#[test]
+fn kill9_of_the_consumer_frees_its_memory() {
+    if role().is_some() {
+        return consumer_role();
+    }
+    let Some((allocator, producer, _lock)) = gpu() else {
+        return;
+    };
+    let mut peer = Peer::this("kill9_of_the_consumer_frees_its_memory", "consumer");
+    let (shared, handle) = producer
+        .share(&allocator, allocator.allocate(1 << 20, S).unwrap(), S)
+        .unwrap();
+    peer.send(&format!("hold {}", hex(&handle.encode())));
+    peer.expect("held");
+    drop(shared);
+    assert!(!producer.collect());
+    assert_eq!(producer.stats().limbo, 1);
+    peer.kill9();
+    assert!(producer.collect());
+    assert_eq!(producer.stats().slots_reclaimed, 1);
+    assert_eq!(allocator.memory_stats().active_bytes.all.current, 0);
+    assert!(!handle.ref_counter.path().exists());
+}
+
+#[test]
+fn kill9_of_the_producer_leaves_nothing_behind() {
+    if role().is_some() {
+        let (allocator, producer, _lock) = gpu().unwrap();
+        let (_shared, handle) = producer
+            .share(&allocator, allocator.allocate(1 << 20, S).unwrap(), S)
+            .unwrap();
+        println!("@@handle {}", hex(&handle.encode()));
+        std::thread::sleep(std::time::Duration::from_secs(600));
+        return;
+    }
+    let Some((_allocator, _producer, _lock)) = gpu() else {
+        return;
+    };
+    let mut peer = Peer::this("kill9_of_the_producer_leaves_nothing_behind", "producer");
+    let handle = IpcHandle::decode(&unhex(&peer.expect("handle")[0])).unwrap();
+    let consumer = IpcConsumer::new(Arc::new(CudaIpcDriver::new().unwrap()));
+    let received = consumer.open(&handle, S).unwrap();
+    peer.kill9();
+    drop(received);
+    drop(consumer);
+    assert!(
+        !handle.ref_counter.path().exists(),
+        "the dead producer's file was removed"
+    );
+}
+
+#[test]
+fn a_pytorch_consumer_opens_tensormem_memory() {
+    if role().is_some() {
+        return;
+    }
+    let Some((allocator, producer, _lock)) = gpu() else {
+        return;
+    };
+    if !torch() {
+        return;
+    }
+    let size = 1 << 20;
+    let allocation = allocator.allocate(size, S).unwrap();
+    fill(allocation.ptr(), 9, size);
+    let (mut shared, handle) = producer.share(&allocator, allocation, S).unwrap();
+    let mut peer = Peer::python(&["consume"]);
+    peer.send(&format!("{} 9 77", handle.to_torch().to_line()));
+    let refused = peer.expect("reshare-refused").join(" ").replace('_', " ");
+    assert_eq!(refused, RECEIVED_MEMORY_MESSAGE, "our message is PyTorch's");
+    peer.expect("released");
+    peer.finish();
+    assert_eq!(
+        read(shared.ptr().offset(size - 1), 1)[0],
+        77,
+        "PyTorch's writes are visible"
+    );
+    assert_eq!(read(shared.ptr(), 1)[0], 9);
+    assert_eq!(
+        shared.outstanding(),
+        0,
+        "PyTorch's release set the slot back to 0"
+    );
+    drop(shared);
+    assert_eq!(producer.stats().limbo, 0);
+    assert_eq!(allocator.memory_stats().active_bytes.all.current, 0);
+}
+
+#[test]
+fn tensormem_opens_a_pytorch_share() {
+    if role().is_some() {
+        return;
+    }
+    let Some((_allocator, _producer, _lock)) = gpu() else {
+        return;
+    };
+    if !torch() {
+        return;
+    }
+    let size = 1 << 20;
+    let mut peer = Peer::python(&["produce", &size.to_string()]);
+    let tuple = TorchShareTuple::from_line(&peer.expect("tuple").join(" ")).unwrap();
+    let handle = IpcHandle::from_torch(&tuple).unwrap();
+    let consumer = IpcConsumer::new(Arc::new(CudaIpcDriver::new().unwrap()));
+    let received = consumer.open(&handle, S).unwrap();
+    assert_eq!(received.size(), size as u64);
+    assert!(
+        read(received.ptr(), size).iter().all(|&b| b == 7),
+        "PyTorch's bytes"
+    );
+    fill(received.ptr().offset(size - 1), 0x33, 1);
+    drop(received);
+    // The slot in PyTorch's own ref-counter file is back to 0.
+    let file = tensormem_shm::MapOptions::new()
+        .map_shm(&handle.ref_counter)
+        .unwrap();
+    let slot: &std::sync::atomic::AtomicI64 = file
+        .mapping()
+        .atomic(tensormem_shm::REFCOUNT_HEADER_LEN + 8 * handle.slot as usize)
+        .unwrap();
+    assert_eq!(slot.load(std::sync::atomic::Ordering::Acquire), 0);
+    drop(file);
+    peer.send("released");
+    let done = peer.expect("done");
+    assert_eq!(done[0], "51", "PyTorch sees our write (0x33)");
+    assert_eq!(
+        done[2], "0",
+        "PyTorch freed its memory: nothing left in its limbo"
+    );
+    peer.finish();
+}

@@ -1,0 +1,201 @@
+//! Producer and consumer in two real processes (the fake driver: ref counting, slot owners and file
+//! cleanup need no GPU), including kill -9 of either side. Each test re-executes this binary, running
+//! only itself, as the other process; an environment variable gives the child its role.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::sync::Arc;
+
+use tensormem_cuda_alloc::backend::sim::SimDevice;
+use tensormem_cuda_alloc::{CachingAllocator, StreamId};
+use tensormem_ipc::driver::fake::FakeDriver;
+use tensormem_ipc::{IpcConsumer, IpcHandle, IpcProducer};
+
+const ROLE: &str = "TENSORMEM_IPC_TEST_ROLE";
+const HANDLE: &str = "TENSORMEM_IPC_TEST_HANDLE";
+const S: StreamId = StreamId(0);
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Vec<u8> {
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// A child process killed if the test fails before it ends.
+struct Peer(Child);
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl std::ops::Deref for Peer {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Peer {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+/// This test binary again, running only `test` in the role `role`.
+fn spawn(test: &str, role: &str, handle: Option<&IpcHandle>) -> (Peer, BufReader<ChildStdout>) {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(ROLE, role)
+        .stdout(Stdio::piped());
+    if let Some(handle) = handle {
+        cmd.env(HANDLE, hex(&handle.encode()));
+    }
+    let mut child = cmd.spawn().unwrap();
+    let stdout = BufReader::new(child.stdout.take().unwrap());
+    (Peer(child), stdout)
+}
+
+/// The next line of the child's own protocol (libtest prints lines of its own too).
+fn expect(out: &mut BufReader<ChildStdout>, prefix: &str) -> String {
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "child ended before printing {prefix}"
+        );
+        // libtest may print "test NAME ... " before the child's own output on the same line.
+        if let Some(at) = line.find(&format!("@@{prefix}")) {
+            return line[at + 2 + prefix.len()..].trim().to_owned();
+        }
+    }
+}
+
+fn kill9(child: &mut Peer) {
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+}
+
+fn received_handle() -> IpcHandle {
+    IpcHandle::decode(&unhex(&std::env::var(HANDLE).unwrap())).unwrap()
+}
+
+fn setup() -> (
+    Arc<CachingAllocator<SimDevice>>,
+    IpcProducer<SimDevice, FakeDriver>,
+) {
+    let allocator = Arc::new(CachingAllocator::new(SimDevice::new(1 << 30)));
+    (allocator, IpcProducer::new(Arc::new(FakeDriver::default())))
+}
+
+#[test]
+fn a_consumer_process_releases_its_slot() {
+    if let Ok(role) = std::env::var(ROLE) {
+        assert_eq!(role, "consumer");
+        let consumer = IpcConsumer::new(Arc::new(FakeDriver::default()));
+        let received = consumer.open(&received_handle(), S).unwrap();
+        println!("@@opened {}", received.size());
+        drop(received);
+        println!("@@released");
+        return;
+    }
+    let (allocator, producer) = setup();
+    let (shared, handle) = producer
+        .share(&allocator, allocator.allocate(1 << 20, S).unwrap(), S)
+        .unwrap();
+    let (mut child, mut out) = spawn(
+        "a_consumer_process_releases_its_slot",
+        "consumer",
+        Some(&handle),
+    );
+    assert_eq!(expect(&mut out, "opened"), (1 << 20).to_string());
+    expect(&mut out, "released");
+    assert!(child.wait().unwrap().success());
+    drop(shared);
+    assert_eq!(
+        producer.stats().limbo,
+        0,
+        "released before the producer freed"
+    );
+    assert_eq!(allocator.memory_stats().active_bytes.all.current, 0);
+    producer.collect();
+    assert!(!handle.ref_counter.path().exists());
+}
+
+#[test]
+fn a_consumer_killed_holding_memory_does_not_pin_it() {
+    if std::env::var(ROLE).is_ok() {
+        let consumer = IpcConsumer::new(Arc::new(FakeDriver::default()));
+        let received = consumer.open(&received_handle(), S).unwrap();
+        println!("@@opened {}", received.size());
+        std::thread::sleep(std::time::Duration::from_secs(600));
+        return;
+    }
+    let (allocator, producer) = setup();
+    let (shared, handle) = producer
+        .share(&allocator, allocator.allocate(4096, S).unwrap(), S)
+        .unwrap();
+    let (mut child, mut out) = spawn(
+        "a_consumer_killed_holding_memory_does_not_pin_it",
+        "consumer",
+        Some(&handle),
+    );
+    expect(&mut out, "opened");
+    drop(shared);
+    assert_eq!(producer.stats().limbo, 1);
+    assert!(
+        !producer.collect(),
+        "a live consumer's memory is not reclaimed"
+    );
+    kill9(&mut child);
+    assert!(producer.collect(), "the dead consumer's slot is reclaimed");
+    let stats = producer.stats();
+    assert_eq!((stats.limbo, stats.slots_reclaimed), (0, 1));
+    assert_eq!(allocator.memory_stats().active_bytes.all.current, 0);
+    assert!(
+        !handle.ref_counter.path().exists(),
+        "nothing left in /dev/shm"
+    );
+}
+
+#[test]
+fn a_producer_killed_while_shared_leaves_nothing_behind() {
+    if std::env::var(ROLE).is_ok() {
+        let (allocator, producer) = setup();
+        let (_shared, handle) = producer
+            .share(&allocator, allocator.allocate(4096, S).unwrap(), S)
+            .unwrap();
+        println!("@@handle {}", hex(&handle.encode()));
+        std::thread::sleep(std::time::Duration::from_secs(600));
+        return;
+    }
+    let (mut child, mut out) = spawn(
+        "a_producer_killed_while_shared_leaves_nothing_behind",
+        "producer",
+        None,
+    );
+    let handle = IpcHandle::decode(&unhex(&expect(&mut out, "handle"))).unwrap();
+    let driver = Arc::new(FakeDriver::default());
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let received = consumer.open(&handle, S).unwrap();
+    kill9(&mut child);
+    assert!(
+        handle.ref_counter.path().exists(),
+        "the dead producer's file is still there"
+    );
+    drop(received);
+    drop(consumer);
+    assert!(
+        !handle.ref_counter.path().exists(),
+        "the consumer removed the dead producer's file"
+    );
+    assert_eq!(driver.open_mappings(), 0);
+}

@@ -1,0 +1,599 @@
+//! Producer and consumer in one process, on the simulated device and the fake driver: limbo and
+//! collect, the free-memory callback, rotation, 10 000+ shares, the event budget, many threads, every
+//! bad-handle class, the opened-handle cache, re-sharing received memory, shutdown.
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use tensormem_cuda_alloc::backend::sim::SimDevice;
+use tensormem_cuda_alloc::{CachingAllocator, StreamId};
+use tensormem_ipc::driver::fake::FakeDriver;
+use tensormem_ipc::{
+    check_shareable, ConsumerConfig, Error, IpcConsumer, IpcHandle, IpcProducer, MemHandle,
+    ProducerConfig, REF_COUNTER_FILE_SIZE,
+};
+use tensormem_shm::ShmName;
+
+type Producer = IpcProducer<SimDevice, FakeDriver>;
+
+const S: StreamId = StreamId(0);
+const MIB: usize = 1 << 20;
+
+fn setup(config: ProducerConfig) -> (Arc<FakeDriver>, Arc<CachingAllocator<SimDevice>>, Producer) {
+    let driver = Arc::new(FakeDriver::default());
+    let allocator = Arc::new(CachingAllocator::new(SimDevice::new(1 << 30)));
+    let producer = IpcProducer::with_config(Arc::clone(&driver), config);
+    (driver, allocator, producer)
+}
+
+fn active(allocator: &CachingAllocator<SimDevice>) -> i64 {
+    allocator.memory_stats().active_bytes.all.current
+}
+
+#[test]
+fn limbo_holds_memory_until_the_consumer_releases_it() {
+    let (driver, allocator, producer) = setup(ProducerConfig::default());
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let (shared, handle) = producer
+        .share(&allocator, allocator.allocate(MIB, S).unwrap(), S)
+        .unwrap();
+    assert!(
+        handle.event.is_some(),
+        "an event is recorded while the budget lasts"
+    );
+    let received = consumer.open(&handle, S).unwrap();
+    assert_eq!(received.size(), MIB as u64);
+
+    drop(shared);
+    assert_eq!(producer.stats().limbo, 1);
+    assert_eq!(
+        active(&allocator),
+        MIB as i64,
+        "still allocated while the consumer holds it"
+    );
+    assert!(
+        !producer.collect(),
+        "nothing to free while the slot is held"
+    );
+
+    let syncs = driver.counts.stream_syncs.load(Ordering::Relaxed);
+    drop(received);
+    assert_eq!(
+        driver.counts.stream_syncs.load(Ordering::Relaxed),
+        syncs + 1,
+        "the consumer synchronized its stream before releasing"
+    );
+    assert_eq!(driver.open_mappings(), 0, "the last user closed the handle");
+    assert!(producer.collect());
+    assert_eq!(producer.stats().limbo, 0);
+    assert_eq!(active(&allocator), 0);
+    assert_eq!(producer.stats().events_in_use, 0);
+    assert_eq!(
+        driver.counts.events_alive.load(Ordering::Relaxed),
+        1,
+        "pooled for the next share"
+    );
+    drop(producer);
+    assert_eq!(
+        driver.counts.events_alive.load(Ordering::Relaxed),
+        0,
+        "destroyed with the producer"
+    );
+}
+
+#[test]
+fn memory_released_before_the_producer_frees_goes_back_at_once() {
+    let (driver, allocator, producer) = setup(ProducerConfig::default());
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let (shared, handle) = producer
+        .share(&allocator, allocator.allocate(4096, S).unwrap(), S)
+        .unwrap();
+    drop(consumer.open(&handle, S).unwrap());
+    drop(shared);
+    assert_eq!(producer.stats().limbo, 0);
+    assert_eq!(active(&allocator), 0);
+}
+
+#[test]
+fn the_allocator_collects_the_limbo_before_running_out() {
+    let driver = Arc::new(FakeDriver::default());
+    let allocator = Arc::new(CachingAllocator::new(SimDevice::new(64 * MIB as u64)));
+    let producer: Producer = IpcProducer::new(Arc::clone(&driver));
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let big = 40 * MIB;
+
+    let (shared, handle) = producer
+        .share(&allocator, allocator.allocate(big, S).unwrap(), S)
+        .unwrap();
+    let received = consumer.open(&handle, S).unwrap();
+    drop(shared);
+    // Held by the consumer: the callback frees nothing, the device is out of room.
+    let err = allocator.allocate(big, S).unwrap_err();
+    assert!(err.to_string().contains("CUDA out of memory"), "{err}");
+    assert_eq!(producer.stats().limbo, 1);
+
+    drop(received);
+    // Released but not collected yet: the allocator's free-memory callback collects it and retries.
+    assert_eq!(producer.stats().limbo, 1);
+    let again = allocator.allocate(big, S).unwrap();
+    assert_eq!(producer.stats().limbo, 0);
+    allocator.free(again).unwrap();
+}
+
+#[test]
+fn slots_rotate_across_files_and_files_go_when_their_slots_return() {
+    let (driver, allocator, producer) = setup(ProducerConfig {
+        slots_per_file: 3,
+        ..ProducerConfig::default()
+    });
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let mut shared = producer.adopt(&allocator, allocator.allocate(4096, S).unwrap());
+    let mut handles = Vec::new();
+    for _ in 0..7 {
+        handles.push(shared.share(S).unwrap());
+    }
+    let places: Vec<(String, u64)> = handles
+        .iter()
+        .map(|h| (h.ref_counter.to_string(), h.slot))
+        .collect();
+    assert_eq!(
+        places.iter().map(|p| p.1).collect::<Vec<_>>(),
+        [0, 1, 2, 0, 1, 2, 0]
+    );
+    let files: Vec<&String> = places.iter().map(|p| &p.0).collect();
+    assert!(
+        files[0] == files[2]
+            && files[2] != files[3]
+            && files[3] == files[5]
+            && files[5] != files[6]
+    );
+    assert_eq!(producer.stats().files_created, 3);
+    let first_file = ShmName::new(files[0].clone()).unwrap();
+    assert!(first_file.path().exists());
+
+    let received: Vec<_> = handles
+        .iter()
+        .map(|h| consumer.open(h, S).unwrap())
+        .collect();
+    drop(received);
+    consumer.trim();
+    assert_eq!(shared.outstanding(), 0);
+    assert!(
+        !first_file.path().exists(),
+        "a used-up file goes when its last slot returns"
+    );
+    drop(shared);
+    assert_eq!(active(&allocator), 0);
+    assert_eq!(producer.stats().limbo, 0);
+    assert!(
+        files[6].starts_with('/') && ShmName::new(files[6].clone()).unwrap().path().exists(),
+        "the current file stays for the next share"
+    );
+    producer.collect(); // and goes when collected with no slot out (CudaIPCCollect)
+    for (name, _) in &places {
+        assert!(
+            !ShmName::new(name.clone()).unwrap().path().exists(),
+            "{name} left behind"
+        );
+    }
+}
+
+#[test]
+fn ten_thousand_and_more_shares_rotate_through_full_size_files() {
+    let (driver, allocator, producer) = setup(ProducerConfig::default());
+    let consumer = IpcConsumer::with_config(
+        Arc::clone(&driver),
+        ConsumerConfig {
+            idle_mem_handles: 1,
+            ..ConsumerConfig::default()
+        },
+    );
+    let mut shared = producer.adopt(&allocator, allocator.allocate(4096, S).unwrap());
+    let total = REF_COUNTER_FILE_SIZE + 50;
+    let mut names = HashSet::new();
+    for i in 0..total {
+        let handle = shared.share(S).unwrap();
+        assert_eq!(handle.slot as usize, i % REF_COUNTER_FILE_SIZE);
+        names.insert(handle.ref_counter.to_string());
+        drop(consumer.open(&handle, S).unwrap());
+    }
+    assert_eq!(names.len(), 2);
+    assert_eq!(producer.stats().files_created, 2);
+    assert_eq!(producer.stats().shares, total);
+    assert_eq!(
+        driver.counts.opens.load(Ordering::Relaxed),
+        1,
+        "the idle handle stays open"
+    );
+    assert_eq!(
+        driver.counts.handles_exported.load(Ordering::Relaxed),
+        1,
+        "cached per base allocation"
+    );
+    assert_eq!(shared.outstanding(), 0);
+    drop(shared);
+    consumer.trim();
+    assert_eq!(driver.open_mappings(), 0);
+    producer.collect();
+    for name in names {
+        assert!(
+            !ShmName::new(name.clone()).unwrap().path().exists(),
+            "{name} left behind"
+        );
+    }
+}
+
+#[test]
+fn past_the_event_budget_shares_synchronize_instead() {
+    let (driver, allocator, producer) = setup(ProducerConfig {
+        max_events: 5,
+        ..ProducerConfig::default()
+    });
+    let mut shared = producer.adopt(&allocator, allocator.allocate(4096, S).unwrap());
+    let handles: Vec<IpcHandle> = (0..8).map(|_| shared.share(S).unwrap()).collect();
+    let with_event = handles.iter().filter(|h| h.event.is_some()).count();
+    assert_eq!(with_event, 5);
+    assert!(handles[5..].iter().all(|h| h.event.is_none()));
+    let stats = producer.stats();
+    assert_eq!((stats.events_in_use, stats.synchronized_shares), (5, 3));
+    assert_eq!(driver.counts.stream_syncs.load(Ordering::Relaxed), 3);
+    // Consumers release the first share: its event is reused by the next share.
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    drop(consumer.open(&handles[0], S).unwrap());
+    let next = shared.share(S).unwrap();
+    assert_eq!(
+        next.event, handles[0].event,
+        "the released share's event, recorded again"
+    );
+    assert_eq!(producer.stats().events_in_use, 5);
+    assert_eq!(driver.counts.events_created.load(Ordering::Relaxed), 5);
+    drop(consumer.open(&next, S).unwrap());
+    assert_eq!(
+        driver.counts.events_opened.load(Ordering::Relaxed),
+        1,
+        "the consumer kept the producer's event open"
+    );
+    assert_eq!(driver.counts.event_waits.load(Ordering::Relaxed), 2);
+    for h in &handles[1..] {
+        drop(consumer.open(h, S).unwrap());
+    }
+}
+
+#[test]
+fn an_idle_stream_is_shared_without_an_event() {
+    let (driver, allocator, producer) = setup(ProducerConfig::default());
+    driver.set_streams_idle(true);
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let (shared, handle) = producer
+        .share(&allocator, allocator.allocate(4096, S).unwrap(), S)
+        .unwrap();
+    assert_eq!(handle.event, None);
+    assert!(!handle.to_torch().event_sync_required);
+    drop(consumer.open(&handle, S).unwrap());
+    assert_eq!(driver.counts.events_created.load(Ordering::Relaxed), 0);
+    assert_eq!(driver.counts.event_waits.load(Ordering::Relaxed), 0);
+    assert_eq!(producer.stats().idle_stream_shares, 1);
+    drop(shared);
+    assert_eq!(active(&allocator), 0);
+}
+
+#[test]
+fn the_default_budget_is_pytorchs() {
+    let (_driver, allocator, producer) = setup(ProducerConfig::default());
+    let mut shared = producer.adopt(&allocator, allocator.allocate(512, S).unwrap());
+    for _ in 0..1002 {
+        shared.share(S).unwrap();
+    }
+    let stats = producer.stats();
+    assert_eq!((stats.events_in_use, stats.synchronized_shares), (1000, 2));
+}
+
+#[test]
+fn many_threads_share_and_open_at_once() {
+    let (driver, allocator, producer) = setup(ProducerConfig {
+        slots_per_file: 97,
+        ..ProducerConfig::default()
+    });
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let places: Vec<(String, u64)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..8)
+            .map(|t| {
+                let (allocator, producer, consumer) = (&allocator, &producer, &consumer);
+                s.spawn(move || {
+                    let stream = StreamId(t + 1);
+                    let mut places = Vec::new();
+                    for i in 0..200 {
+                        let size = 512 * (1 + (i % 7));
+                        let (shared, handle) = producer
+                            .share(allocator, allocator.allocate(size, stream).unwrap(), stream)
+                            .unwrap();
+                        let received = consumer.open(&handle, stream).unwrap();
+                        assert_eq!(received.size(), shared.size() as u64);
+                        places.push((handle.ref_counter.to_string(), handle.slot));
+                        if i % 2 == 0 {
+                            drop(shared);
+                            drop(received);
+                        } else {
+                            drop(received);
+                            drop(shared);
+                        }
+                    }
+                    places
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().unwrap())
+            .collect()
+    });
+    let unique: HashSet<_> = places.iter().collect();
+    assert_eq!(unique.len(), places.len(), "no slot handed out twice");
+    producer.collect();
+    assert_eq!(producer.stats().limbo, 0);
+    assert_eq!(active(&allocator), 0);
+    assert_eq!(driver.open_mappings(), 0);
+    assert_eq!(producer.stats().events_in_use, 0);
+}
+
+#[test]
+fn every_bad_handle_is_refused_before_anything_is_opened_or_written() {
+    let (driver, allocator, producer) = setup(ProducerConfig::default());
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let (shared, good) = producer
+        .share(&allocator, allocator.allocate(4096, S).unwrap(), S)
+        .unwrap();
+    let base_size = allocator.base_allocation(shared.ptr()).unwrap().1 as u64;
+    let check = |bad: IpcHandle, what: fn(&Error) -> bool| {
+        let err = consumer.open(&bad, S).unwrap_err();
+        assert!(what(&err), "unexpected error: {err}");
+        assert_eq!(driver.open_mappings(), 0, "nothing left open after: {err}");
+    };
+    check(
+        IpcHandle {
+            device: 1,
+            ..good.clone()
+        },
+        |e| {
+            matches!(
+                e,
+                Error::InvalidDevice {
+                    device: 1,
+                    count: 1
+                }
+            )
+        },
+    );
+    check(
+        IpcHandle {
+            slot: REF_COUNTER_FILE_SIZE as u64,
+            ..good.clone()
+        },
+        |e| {
+            matches!(
+                e,
+                Error::SlotOutOfRange {
+                    slots: REF_COUNTER_FILE_SIZE,
+                    ..
+                }
+            )
+        },
+    );
+    check(
+        IpcHandle {
+            slot: 1,
+            ..good.clone()
+        },
+        |e| {
+            matches!(
+                e,
+                Error::SlotNotHeld {
+                    slot: 1,
+                    value: 0,
+                    ..
+                }
+            )
+        },
+    );
+    check(
+        IpcHandle {
+            size: base_size - good.offset + 1,
+            ..good.clone()
+        },
+        |e| matches!(e, Error::OutOfBounds { .. }),
+    );
+    check(
+        IpcHandle {
+            offset: u64::MAX,
+            ..good.clone()
+        },
+        |e| matches!(e, Error::OutOfBounds { .. }),
+    );
+    check(
+        IpcHandle {
+            mem_handle: MemHandle([3; 64]),
+            ..good.clone()
+        },
+        |e| matches!(e, Error::Driver(_)),
+    );
+    check(
+        IpcHandle {
+            ref_counter: ShmName::new("/tensormem_0_0_missing").unwrap(),
+            ..good.clone()
+        },
+        |e| matches!(e, Error::RefCounterFile { .. }),
+    );
+    // The slot was never written by any of these.
+    let received = consumer.open(&good, S).unwrap();
+    // Each share is for one consumer: a second open of the same handle is refused.
+    let err = consumer.open(&good, S).unwrap_err();
+    assert!(
+        matches!(err, Error::SlotClaimed { pid, .. } if pid == std::process::id()),
+        "{err}"
+    );
+    drop(received);
+    let err = consumer.open(&good, S).unwrap_err();
+    assert!(matches!(err, Error::SlotNotHeld { value: 0, .. }), "{err}");
+    drop(shared);
+    assert_eq!(active(&allocator), 0);
+}
+
+#[test]
+fn received_memory_cannot_be_shared_again() {
+    let (driver, allocator, producer) = setup(ProducerConfig::default());
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let (_shared, handle) = producer
+        .share(&allocator, allocator.allocate(4096, S).unwrap(), S)
+        .unwrap();
+    let received = consumer.open(&handle, S).unwrap();
+    let err = check_shareable(0, received.ptr()).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "Attempted to send CUDA tensor received from another process; this is not currently \
+         supported. Consider cloning before sending."
+    );
+    let ptr = received.ptr();
+    drop(received);
+    assert!(
+        check_shareable(0, ptr).is_ok(),
+        "closed: no longer received memory"
+    );
+}
+
+#[test]
+fn one_open_per_base_allocation_and_idle_handles_stay_warm() {
+    let (driver, allocator, producer) = setup(ProducerConfig::default());
+    // Two small allocations share one 2 MiB segment: one base allocation.
+    let (a, ha) = producer
+        .share(&allocator, allocator.allocate(4096, S).unwrap(), S)
+        .unwrap();
+    let (b, hb) = producer
+        .share(&allocator, allocator.allocate(4096, S).unwrap(), S)
+        .unwrap();
+    assert_eq!(ha.mem_handle, hb.mem_handle);
+    assert_ne!(ha.offset, hb.offset);
+    let cold = IpcConsumer::new(Arc::clone(&driver));
+    let (ra, rb) = (cold.open(&ha, S).unwrap(), cold.open(&hb, S).unwrap());
+    assert_eq!(driver.counts.opens.load(Ordering::Relaxed), 1);
+    assert_eq!(rb.ptr().0 - ra.ptr().0, hb.offset - ha.offset);
+    drop(ra);
+    assert_eq!(driver.open_mappings(), 1);
+    drop(rb);
+    assert_eq!(driver.counts.closes.load(Ordering::Relaxed), 1);
+
+    let warm = IpcConsumer::with_config(
+        Arc::clone(&driver),
+        ConsumerConfig {
+            idle_mem_handles: 4,
+            ..ConsumerConfig::default()
+        },
+    );
+    let mut a = a;
+    drop(warm.open(&a.share(S).unwrap(), S).unwrap());
+    drop(warm.open(&a.share(S).unwrap(), S).unwrap());
+    assert_eq!(
+        driver.counts.opens.load(Ordering::Relaxed),
+        2,
+        "opened once, then warm"
+    );
+    assert_eq!(driver.open_mappings(), 1);
+    drop(warm);
+    assert_eq!(
+        driver.open_mappings(),
+        0,
+        "dropping the consumer closes its idle handles"
+    );
+    drop((a, b));
+}
+
+#[test]
+fn the_torch_tuple_opens_like_the_handle() {
+    let (driver, allocator, producer) = setup(ProducerConfig::default());
+    let (shared, handle) = producer
+        .share(&allocator, allocator.allocate(8192, S).unwrap(), S)
+        .unwrap();
+    let tuple = handle.to_torch();
+    assert_eq!(tuple.ref_counter_offset, handle.slot);
+    let line = tuple.to_line();
+    let back =
+        IpcHandle::from_torch(&tensormem_ipc::TorchShareTuple::from_line(&line).unwrap()).unwrap();
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let received = consumer.open(&back, S).unwrap();
+    assert_eq!(received.view::<u64>().unwrap().len(), 1024);
+    assert_eq!(consumer.open_mem_handles(), 1);
+    drop(received);
+    // A view must fit the memory: 1001 bytes are not u32s.
+    let odd = producer.adopt(&allocator, allocator.allocate(4096, S).unwrap());
+    let mut odd = odd;
+    let h = IpcHandle {
+        size: 1001,
+        ..odd.share(S).unwrap()
+    };
+    let received = consumer.open(&h, S).unwrap();
+    assert_eq!(received.view::<u8>().unwrap().len(), 1001);
+    assert!(matches!(
+        received.view::<u32>(),
+        Err(Error::BadView {
+            bytes: 1001,
+            elem_size: 4,
+            ..
+        })
+    ));
+    drop(received);
+    drop(odd);
+    drop(shared);
+    assert_eq!(active(&allocator), 0);
+}
+
+#[test]
+fn limbo_and_shutdown_warn_once() {
+    let (driver, allocator, producer) = setup(ProducerConfig {
+        warn_after_blocks_in_limbo: 2,
+        ..ProducerConfig::default()
+    });
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let (shared, handle) = producer
+            .share(&allocator, allocator.allocate(4096, S).unwrap(), S)
+            .unwrap();
+        held.push(consumer.open(&handle, S).unwrap());
+        drop(shared);
+    }
+    let stats = producer.stats();
+    assert_eq!(stats.limbo, 3);
+    assert!(stats.limbo_warned);
+    assert_eq!(producer.shutdown(), 3);
+    assert!(producer.stats().shutdown_warned);
+    drop(held);
+    assert_eq!(producer.shutdown(), 0);
+    assert_eq!(active(&allocator), 0);
+}
+
+#[test]
+fn threads_opening_one_base_allocation_at_once_open_it_once() {
+    let (driver, allocator, producer) = setup(ProducerConfig::default());
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let mut shared = producer.adopt(&allocator, allocator.allocate(4096, S).unwrap());
+    let handles: Vec<IpcHandle> = (0..16).map(|_| shared.share(S).unwrap()).collect();
+    let barrier = std::sync::Barrier::new(handles.len());
+    let received: Vec<_> = std::thread::scope(|s| {
+        let workers: Vec<_> = handles
+            .iter()
+            .map(|h| {
+                let (consumer, barrier) = (&consumer, &barrier);
+                s.spawn(move || {
+                    barrier.wait();
+                    consumer.open(h, S).unwrap()
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).collect()
+    });
+    assert_eq!(driver.counts.opens.load(Ordering::Relaxed), 1);
+    assert!(received.windows(2).all(|w| w[0].ptr() == w[1].ptr()));
+    drop(received);
+    assert_eq!(driver.counts.closes.load(Ordering::Relaxed), 1);
+    assert_eq!(shared.outstanding(), 0);
+}

@@ -1,0 +1,264 @@
+//! How much memory the recorded allocator could obtain, inferred from its recorded decisions.
+//!
+//! A trace does not record the device's size, but every decision that depended on it bounds it:
+//!
+//! - every new segment (or mapping) succeeded, so the allocator was allowed at least the bytes
+//!   reserved right after it: the **lower** end;
+//! - an `oom` event under a memory fraction, for a request the device itself had room for
+//!   (`device_free` at least the segment it needed), failed the fraction's check: the bytes still
+//!   reserved plus the segment exceeded `fraction x total`, an **upper** end;
+//! - a run of cache releases followed by a new segment that did not fit under the lower end was the
+//!   allocator's own retry (the segment was refused, the cache released, the retry succeeded), so
+//!   the bytes reserved before the run plus the segment exceeded what was allowed: another upper end.
+//!   (A run that fits under the lower end was `torch.cuda.empty_cache()`.)
+//!
+//! Under a fraction the interval is on `fraction x total`, and the simulated device gets a total
+//! whose fraction lies inside it; otherwise it is on the device's memory itself. Expandable segments
+//! add an upper end on the device's memory (their reservations are sized after it; see
+//! [`DevicePlan`](crate::plan::DevicePlan)). The device gets the largest value inside the interval,
+//! or, when no value fits, the upper end (the recorded out-of-memory errors are reproduced) and the
+//! conflict is reported.
+//!
+//! Without a fraction, an `oom` event tells the device's free memory at that moment: the replay sets
+//! the device to the bytes reserved plus that from then on (other processes may have taken memory);
+//! those events are not part of the interval.
+
+use tensormem_cuda_alloc::config::AllocatorConfig;
+use tensormem_cuda_alloc::size::allocation_size;
+
+/// What the trace says about one `oom` event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct OomFact {
+    /// Bytes reserved when it was raised (after the allocator released what it could).
+    pub(crate) reserved: u64,
+    /// The rounded size of the failed request.
+    pub(crate) size: u64,
+    /// Free memory the device reported.
+    pub(crate) device_free: u64,
+}
+
+impl OomFact {
+    /// The size of the segment the request needed.
+    pub(crate) fn segment(&self) -> u64 {
+        usize::try_from(self.size).map_or(u64::MAX, |s| allocation_size(s) as u64)
+    }
+
+    /// Whether the device had room for the segment: the failure was the memory fraction's.
+    pub(crate) fn device_had_room(&self) -> bool {
+        self.segment() <= self.device_free
+    }
+}
+
+/// The recorded decisions that bound the allocator's memory, gathered while a trace is read.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct CapacityFacts {
+    /// The most bytes reserved right after a new segment or mapping.
+    pub(crate) reached: u64,
+    /// Release runs followed by a new segment: (bytes reserved before the run, segment size).
+    pub(crate) retries: Vec<(u64, u64)>,
+    /// The `oom` events.
+    pub(crate) ooms: Vec<OomFact>,
+    /// The most device memory the layout of expandable reservations allows.
+    pub(crate) layout_bound: Option<u64>,
+}
+
+/// The device memory a replay infers from a trace, and why. How: `docs/replay.md`, "Device size".
+#[derive(Clone, Debug, PartialEq)]
+pub struct CapacityInference {
+    /// The memory fraction the interval is under (`None`: the interval is the device's memory).
+    pub fraction: Option<f64>,
+    /// The least the allocator was allowed: the most bytes the trace reserved.
+    pub lower: u64,
+    /// The most it was allowed, when a recorded decision bounds it.
+    pub upper: Option<u64>,
+    /// Recorded `oom` events that bound it (failures of the fraction's check).
+    pub oom_bounds: usize,
+    /// Cache releases that made room for a new segment, bounding it.
+    pub retry_bounds: usize,
+    /// The most device memory the layout of expandable reservations allows, if they bound it.
+    pub layout_bound: Option<u64>,
+    /// The device memory picked: inside the interval (or the upper end when none fits); `None` when
+    /// nothing bounds it from above (the replay then uses [`DEFAULT_CAPACITY`](crate::DEFAULT_CAPACITY),
+    /// or more when the fraction of that would be below the lower end).
+    pub capacity: Option<u64>,
+    /// Whether some value satisfies every recorded decision.
+    pub consistent: bool,
+}
+
+impl CapacityInference {
+    /// Infers the interval from `facts` under the recorded configuration.
+    pub(crate) fn infer(facts: &CapacityFacts, recorded: &AllocatorConfig) -> Self {
+        let fraction = recorded.per_process_memory_fraction;
+        let fraction = (fraction > 0.0 && fraction < 1.0).then_some(fraction);
+        // With garbage collection the allocator also releases cached blocks on its own: releases say
+        // nothing about the limit.
+        let collects = fraction.is_some() && recorded.garbage_collection_threshold > 0.0;
+        let lower = facts.reached;
+        let mut upper: Option<u64> = None;
+        let mut tighten = |bound: u64| upper = Some(upper.map_or(bound, |u| u.min(bound)));
+        let mut retry_bounds = 0;
+        if !collects {
+            for &(before, size) in &facts.retries {
+                let needed = before + size;
+                if needed > lower {
+                    retry_bounds += 1;
+                    tighten(needed - 1);
+                }
+            }
+        }
+        let mut oom_bounds = 0;
+        if fraction.is_some() {
+            for oom in facts.ooms.iter().filter(|o| o.device_had_room()) {
+                oom_bounds += 1;
+                tighten((oom.reserved + oom.segment()).saturating_sub(1));
+            }
+        }
+        let consistent = upper.is_none_or(|u| u >= lower);
+        let capacity = match fraction {
+            None => {
+                let picked = upper.map(|u| if consistent { u } else { u.max(1) });
+                match (picked, facts.layout_bound) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                }
+            }
+            Some(f) => {
+                let picked = upper.map(|u| largest_total_with_allowed_at_most(f, u));
+                let picked = match (picked, facts.layout_bound) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+                picked.or_else(|| {
+                    // Unbounded above: make sure the fraction of the default still allows what the
+                    // trace reserved.
+                    let least = smallest_total_with_allowed_at_least(f, lower);
+                    (least > crate::DEFAULT_CAPACITY).then_some(least)
+                })
+            }
+        };
+        let consistent = consistent
+            && capacity.is_none_or(|c| allowed(fraction, c) >= lower)
+            && match (capacity, upper) {
+                (Some(c), Some(u)) => allowed(fraction, c) <= u,
+                _ => true,
+            };
+        CapacityInference {
+            fraction,
+            lower,
+            upper,
+            oom_bounds,
+            retry_bounds,
+            layout_bound: facts.layout_bound,
+            capacity,
+            consistent,
+        }
+    }
+}
+
+/// The bytes the allocator may reserve on a device of `total` bytes (PyTorch's
+/// `allowed_memory_maximum`).
+fn allowed(fraction: Option<f64>, total: u64) -> u64 {
+    match fraction {
+        Some(f) => (f * total as f64) as u64,
+        None => total,
+    }
+}
+
+/// The largest device size whose `fraction` is at most `bytes`.
+fn largest_total_with_allowed_at_most(fraction: f64, bytes: u64) -> u64 {
+    let mut total = ((bytes as f64 + 1.0) / fraction) as u64;
+    while total > 0 && allowed(Some(fraction), total) > bytes {
+        total -= 1 + total / (1 << 40);
+    }
+    while allowed(Some(fraction), total + 1) <= bytes {
+        total += 1;
+    }
+    total
+}
+
+/// The smallest device size whose `fraction` is at least `bytes`.
+fn smallest_total_with_allowed_at_least(fraction: f64, bytes: u64) -> u64 {
+    let mut total = (bytes as f64 / fraction) as u64;
+    while allowed(Some(fraction), total) < bytes {
+        total += 1 + total / (1 << 40);
+    }
+    while total > 0 && allowed(Some(fraction), total - 1) >= bytes {
+        total -= 1;
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(text: &str) -> AllocatorConfig {
+        let mut c = AllocatorConfig::default();
+        c.apply(text).unwrap();
+        c
+    }
+
+    #[test]
+    fn fraction_ooms_and_segments_bound_the_allowed_bytes() {
+        let facts = CapacityFacts {
+            reached: 2_829_058_048,
+            ooms: vec![
+                OomFact {
+                    reserved: 1_583_349_760,
+                    size: 1_358_949_376,
+                    device_free: 147 << 30,
+                },
+                // The device itself refused this one: no bound on the fraction.
+                OomFact {
+                    reserved: 1 << 30,
+                    size: 4 << 30,
+                    device_free: 1 << 30,
+                },
+            ],
+            ..CapacityFacts::default()
+        };
+        let inference =
+            CapacityInference::infer(&facts, &config("per_process_memory_fraction:0.019"));
+        assert_eq!(inference.oom_bounds, 1);
+        let upper = inference.upper.unwrap();
+        assert_eq!(upper, 1_583_349_760 + 1_358_954_496 - 1);
+        assert!(inference.consistent);
+        let total = inference.capacity.unwrap();
+        let allowed = (0.019 * total as f64) as u64;
+        assert!(allowed >= facts.reached && allowed <= upper, "{allowed}");
+        assert!((0.019 * (total + 1) as f64) as u64 > upper);
+    }
+
+    #[test]
+    fn conflicting_decisions_are_reported() {
+        let facts = CapacityFacts {
+            reached: 3 << 30,
+            ooms: vec![OomFact {
+                reserved: 1 << 30,
+                size: 1 << 30,
+                device_free: 100 << 30,
+            }],
+            ..CapacityFacts::default()
+        };
+        let inference =
+            CapacityInference::infer(&facts, &config("per_process_memory_fraction:0.5"));
+        assert!(!inference.consistent);
+        assert_eq!(inference.upper, Some((2 << 30) - 1));
+    }
+
+    #[test]
+    fn a_tiny_fraction_still_allows_what_the_trace_reserved() {
+        let facts = CapacityFacts {
+            reached: 4 << 30,
+            ..CapacityFacts::default()
+        };
+        let inference =
+            CapacityInference::infer(&facts, &config("per_process_memory_fraction:0.001"));
+        let total = inference.capacity.unwrap();
+        assert!((0.001 * total as f64) as u64 >= 4 << 30);
+        assert!(inference.consistent);
+        // Without a fraction nothing bounds it: the default is used.
+        let free = CapacityInference::infer(&facts, &AllocatorConfig::default());
+        assert_eq!(free.capacity, None);
+    }
+}

@@ -1,0 +1,527 @@
+//! Which pool each recorded allocation went to: inferred, since PyTorch's trace events do not say.
+//!
+//! Private pools (CUDA graph capture, `torch.cuda.MemPool` with `use_mem_pool`) own their
+//! segments: a block carved from a segment belongs to the segment's pool. So the question is asked
+//! per recorded segment (an *instance*: from its `segment_alloc` to its `segment_free`), and every
+//! allocation landing in it shares the answer. The answer comes from, in order:
+//!
+//! 1. **the final segments**: a segment alive when the snapshot was taken carries `segment_pool_id`;
+//! 2. **the default pool's cache**: a new segment made while the default pool held a cached block
+//!    that would have served the request (same stream, best fit) was not made for the default pool:
+//!    it belongs to a private pool (the one in use on that stream, else the one in use last, else
+//!    the one the final segments name, else an unnamed one);
+//! 3. **consistency**: otherwise the segment is assumed to belong to the pool most of the stream's
+//!    allocations went to so far (among the default pools and private pools not yet released; the
+//!    last one on ties), and the replay checks the assumption: when a later allocation lands in it
+//!    although PyTorch put that allocation elsewhere, the assumption was wrong, it is flipped, and
+//!    the inference starts again (at most [`MAX_FLIPS`] times).
+//!
+//! Allocations whose pool rests on an assumption, on a stream that some private pool served, are
+//! reported as undecided ([`PoolAttribution::undecided`]): either pool would have produced the same
+//! record.
+//!
+//! Replaying into a private pool is what PyTorch's capture does: the allocation is made while a
+//! capture routes its stream to the pool (`begin_allocate_to_pool` / `end_allocate_to_pool` around
+//! it). A trace never records a graph's destruction (`releasePool`); the replay releases a pool when
+//! the trace releases one of its segments, which PyTorch does only for pools no graph uses.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use tensormem_cuda_alloc::device::{Device, StreamId};
+use tensormem_cuda_alloc::{Allocation, CachingAllocator, MempoolId};
+
+use crate::plan::{DevicePlan, Instance};
+
+/// The most assumptions flipped while inferring one device's pools.
+pub const MAX_FLIPS: usize = 256;
+
+/// Pools inferred but not named by the snapshot get ids `(UNNAMED_POOL_BASE + n, 0)`.
+pub const UNNAMED_POOL_BASE: u64 = 1 << 63;
+
+/// How a segment's pool was decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PoolEvidence {
+    /// The snapshot's final segments name it.
+    FinalSegments,
+    /// The default pool could have served the request that made the segment.
+    DefaultCouldServe,
+    /// The other choice contradicted the record.
+    Contradiction,
+    /// Assumed (the stream's last pool, or the default); no recorded decision contradicts it.
+    Assumed,
+}
+
+/// A segment's pool and why.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PoolOf {
+    pub(crate) pool: MempoolId,
+    pub(crate) evidence: PoolEvidence,
+    /// The pool was chosen among private pools that all fit the evidence (the record may still
+    /// show it was one too many: the segment then gets a pool of its own).
+    pub(crate) chosen: bool,
+}
+
+/// A forced assignment meaning "a private pool, chosen when the segment is made".
+const FORCE_PRIVATE: MempoolId = MempoolId(u64::MAX, u64::MAX);
+
+/// One pool's share of a device's allocations.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolShare {
+    /// The pool (`(0, 0)`: the default pools).
+    pub pool: MempoolId,
+    /// Allocations attributed to it.
+    pub allocations: u64,
+    /// Recorded segments attributed to it.
+    pub segments: u64,
+    /// Allocations attributed by each kind of evidence.
+    pub by_evidence: BTreeMap<PoolEvidence, u64>,
+}
+
+/// An allocation whose pool the trace does not decide.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UndecidedAllocation {
+    /// Index of its `alloc` event in the device's trace.
+    pub event: usize,
+    /// The size asked for.
+    pub size: u64,
+    /// Its stream.
+    pub stream: StreamId,
+    /// The pool the replay assumed.
+    pub assumed: MempoolId,
+}
+
+/// Which allocations of a device were attributed to which pool.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PoolAttribution {
+    /// Per pool, in id order (the default pools first).
+    pub pools: Vec<PoolShare>,
+    /// Allocations whose pool rests on an assumption (see `docs/replay.md`, "Private pools").
+    pub undecided: Vec<UndecidedAllocation>,
+    /// Assumptions flipped because they contradicted the record.
+    pub flips: usize,
+    /// Whether the inference stopped at [`MAX_FLIPS`] or at an assumption contradicted both ways.
+    pub gave_up: bool,
+}
+
+impl PoolAttribution {
+    /// Whether any allocation was attributed to a private pool.
+    #[must_use]
+    pub fn has_private(&self) -> bool {
+        self.pools.iter().any(|p| !p.pool.is_default())
+    }
+
+    pub(crate) fn build(
+        plan: &DevicePlan,
+        of: &[Option<PoolOf>],
+    ) -> (Vec<PoolShare>, Vec<UndecidedAllocation>) {
+        let mut shares: BTreeMap<MempoolId, PoolShare> = BTreeMap::new();
+        let share = |shares: &mut BTreeMap<MempoolId, PoolShare>, pool: MempoolId| {
+            shares.entry(pool).or_insert_with(|| PoolShare {
+                pool,
+                allocations: 0,
+                segments: 0,
+                by_evidence: BTreeMap::new(),
+            });
+        };
+        for p in of.iter().flatten() {
+            share(&mut shares, p.pool);
+            if let Some(s) = shares.get_mut(&p.pool) {
+                s.segments += 1;
+            }
+        }
+        // Streams some private pool served: a segment of theirs whose pool was only assumed could
+        // have been either.
+        let mut private_streams = HashSet::new();
+        for op in &plan.ops {
+            if let crate::plan::Op::Alloc {
+                stream, instance, ..
+            } = *op
+            {
+                if of
+                    .get(instance as usize)
+                    .copied()
+                    .flatten()
+                    .is_some_and(|p| !p.pool.is_default())
+                {
+                    private_streams.insert(stream);
+                }
+            }
+        }
+        let mut undecided = Vec::new();
+        let mut allocs = 0usize;
+        for (op, &event) in plan.ops.iter().zip(&plan.op_events) {
+            let crate::plan::Op::Alloc {
+                size,
+                stream,
+                instance,
+                ..
+            } = *op
+            else {
+                continue;
+            };
+            allocs += 1;
+            let assigned = of.get(instance as usize).copied().flatten();
+            let (pool, evidence) = assigned
+                .map_or((MempoolId::DEFAULT, PoolEvidence::Assumed), |p| {
+                    (p.pool, p.evidence)
+                });
+            share(&mut shares, pool);
+            if let Some(s) = shares.get_mut(&pool) {
+                s.allocations += 1;
+                *s.by_evidence.entry(evidence).or_default() += 1;
+            }
+            if assigned.is_some_and(|p| p.evidence == PoolEvidence::Assumed)
+                && private_streams.contains(&stream)
+            {
+                undecided.push(UndecidedAllocation {
+                    event: event as usize,
+                    size,
+                    stream,
+                    assumed: pool,
+                });
+            }
+        }
+        debug_assert_eq!(allocs, plan.expected.len());
+        (shares.into_values().collect(), undecided)
+    }
+}
+
+/// The pools of one run: fixed by an earlier inference, or inferred while replaying.
+#[derive(Debug, Default)]
+pub(crate) struct PoolRun {
+    /// Per instance, its pool once decided.
+    pub(crate) of: Vec<Option<PoolOf>>,
+    /// Decide undecided instances while replaying.
+    infer: bool,
+    /// Instances whose pool an earlier pass found contradicted.
+    forced: HashMap<u32, MempoolId>,
+    /// The first contradiction found (inference stops there): the instance and its other pool.
+    pub(crate) contradiction: Option<(u32, MempoolId)>,
+    /// Captures begun per private pool (its use count in the allocator).
+    begun: HashMap<MempoolId, u64>,
+    /// Private pools released (no graph uses them any more).
+    released: HashSet<MempoolId>,
+    /// The pool each stream used last.
+    last_on_stream: HashMap<StreamId, MempoolId>,
+    /// Allocations per stream and pool so far.
+    counts: HashMap<StreamId, HashMap<MempoolId, u64>>,
+    /// Private pools used on each stream, most recent last.
+    private_on_stream: HashMap<StreamId, Vec<MempoolId>>,
+    /// Unnamed pools made so far.
+    unnamed: u64,
+    /// The private pools the snapshot's final segments name.
+    named: Vec<MempoolId>,
+    /// Recorded instances alive in the replay (start -> (end, instance)).
+    live: BTreeMap<u64, (u64, u32)>,
+}
+
+impl PoolRun {
+    /// A run with pools fixed by `of` (instances it does not decide go to the default pools).
+    pub(crate) fn fixed(of: Vec<Option<PoolOf>>) -> Self {
+        PoolRun {
+            of,
+            ..PoolRun::default()
+        }
+    }
+
+    /// An inference pass over `instances`, with the pools of `forced` imposed.
+    pub(crate) fn inferring(plan: &DevicePlan, forced: HashMap<u32, MempoolId>) -> Self {
+        let mut named: Vec<MempoolId> = plan
+            .instances
+            .iter()
+            .filter_map(|i| i.final_pool)
+            .filter(|p| !p.is_default())
+            .collect();
+        named.sort_unstable();
+        named.dedup();
+        PoolRun {
+            of: vec![None; plan.instances.len()],
+            named,
+            infer: true,
+            forced,
+            ..PoolRun::default()
+        }
+    }
+
+    /// Whether the pass should stop (a contradiction was found).
+    pub(crate) fn stopped(&self) -> bool {
+        self.contradiction.is_some()
+    }
+
+    fn live_private(&self, pool: MempoolId) -> bool {
+        !pool.is_default() && !self.released.contains(&pool)
+    }
+
+    /// A private pool for a new segment on `stream` that the default pool could have spared: the
+    /// private pool used on the stream most recently that could not have served the request either
+    /// (a pool that could have, would have: the segment is another one's), else a pool the final
+    /// segments name that could not have, else a new unnamed pool.
+    ///
+    /// Choosing a pool of its own for a segment is always consistent with the record: a block is
+    /// the best fit over its real pool, so it is over any part of it. Merging two real pools is
+    /// not, and the replay's check finds it (see [`landed_elsewhere`](Self::landed_elsewhere)).
+    fn some_private<D: Device>(
+        &mut self,
+        allocator: &CachingAllocator<D>,
+        size: usize,
+        stream: StreamId,
+    ) -> MempoolId {
+        let recent: Vec<MempoolId> = self
+            .private_on_stream
+            .get(&stream)
+            .map(|v| {
+                v.iter()
+                    .rev()
+                    .copied()
+                    .filter(|p| self.live_private(*p))
+                    .collect()
+            })
+            .unwrap_or_default();
+        for pool in recent {
+            if !self.pool_could_serve(allocator, pool, size, stream) {
+                return pool;
+            }
+        }
+        let named: Vec<MempoolId> = self
+            .named
+            .iter()
+            .copied()
+            .filter(|p| self.live_private(*p))
+            .collect();
+        for pool in named {
+            if !self.pool_could_serve(allocator, pool, size, stream) {
+                return pool;
+            }
+        }
+        self.unnamed += 1;
+        MempoolId(UNNAMED_POOL_BASE + self.unnamed, 0)
+    }
+
+    /// Whether private pool `pool` holds a cached block that would serve `size` bytes on `stream`.
+    fn pool_could_serve<D: Device>(
+        &mut self,
+        allocator: &CachingAllocator<D>,
+        pool: MempoolId,
+        size: usize,
+        stream: StreamId,
+    ) -> bool {
+        if allocator
+            .begin_allocate_to_pool(pool, move |s| s == stream)
+            .is_err()
+        {
+            return false;
+        }
+        *self.begun.entry(pool).or_default() += 1;
+        let serves = allocator.would_serve_from_cache(size, stream);
+        if let Err(e) = allocator.end_allocate_to_pool(pool) {
+            tracing::debug!(%pool, error = %e, "ending a replayed capture failed");
+        }
+        serves
+    }
+
+    /// The pool of the allocation `index` (of [`DevicePlan::expected`]) landing in recorded
+    /// `instance`, deciding it when inferring.
+    pub(crate) fn pool_for<D: Device>(
+        &mut self,
+        plan: &DevicePlan,
+        allocator: &CachingAllocator<D>,
+        instance: u32,
+        index: usize,
+        size: u64,
+        stream: StreamId,
+    ) -> MempoolId {
+        let Some(recorded) = plan.instances.get(instance as usize) else {
+            return MempoolId::DEFAULT;
+        };
+        if let Some(p) = self.of[instance as usize] {
+            return p.pool;
+        }
+        if !self.infer {
+            return MempoolId::DEFAULT;
+        }
+        let decided = self.decide(allocator, instance, recorded, index, size, stream);
+        self.of[instance as usize] = Some(decided);
+        if recorded.first_alloc == Some(index as u32) {
+            self.live
+                .insert(recorded.addr, (recorded.addr + recorded.size, instance));
+        }
+        decided.pool
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn decide<D: Device>(
+        &mut self,
+        allocator: &CachingAllocator<D>,
+        instance: u32,
+        recorded: &Instance,
+        index: usize,
+        size: u64,
+        stream: StreamId,
+    ) -> PoolOf {
+        let decided = |pool, evidence| PoolOf {
+            pool,
+            evidence,
+            chosen: false,
+        };
+        let bytes = usize::try_from(size).unwrap_or(usize::MAX);
+        if let Some(&pool) = self.forced.get(&instance) {
+            if pool == FORCE_PRIVATE {
+                return PoolOf {
+                    pool: self.some_private(allocator, bytes, stream),
+                    evidence: PoolEvidence::Contradiction,
+                    chosen: true,
+                };
+            }
+            return decided(pool, PoolEvidence::Contradiction);
+        }
+        if let Some(pool) = recorded.final_pool {
+            return decided(pool, PoolEvidence::FinalSegments);
+        }
+        let made_here = recorded.first_alloc == Some(index as u32);
+        if made_here && allocator.would_serve_from_cache(bytes, stream) {
+            return PoolOf {
+                pool: self.some_private(allocator, bytes, stream),
+                evidence: PoolEvidence::DefaultCouldServe,
+                chosen: true,
+            };
+        }
+        // The pool most of the stream's allocations went to (among the default and live private
+        // pools), the last one used on ties.
+        let last = self.last_on_stream.get(&stream).copied();
+        let pool = self
+            .counts
+            .get(&stream)
+            .and_then(|counts| {
+                counts
+                    .iter()
+                    .filter(|(p, _)| p.is_default() || self.live_private(**p))
+                    .max_by_key(|(p, n)| (**n, Some(**p) == last, **p))
+                    .map(|(p, _)| *p)
+            })
+            .unwrap_or(MempoolId::DEFAULT);
+        PoolOf {
+            pool,
+            evidence: PoolEvidence::Assumed,
+            chosen: false,
+        }
+    }
+
+    /// Notes that an allocation on `stream` went to `pool`.
+    fn used(&mut self, stream: StreamId, pool: MempoolId) {
+        self.last_on_stream.insert(stream, pool);
+        *self
+            .counts
+            .entry(stream)
+            .or_default()
+            .entry(pool)
+            .or_default() += 1;
+        if !pool.is_default() {
+            let list = self.private_on_stream.entry(stream).or_default();
+            list.retain(|p| *p != pool);
+            list.push(pool);
+        }
+    }
+
+    /// Allocates `size` bytes on `stream` in `pool`: in a private pool, while a capture routes the
+    /// stream to it, as PyTorch's graph capture and `use_mem_pool` do.
+    pub(crate) fn allocate<D: Device>(
+        &mut self,
+        allocator: &CachingAllocator<D>,
+        pool: MempoolId,
+        size: usize,
+        stream: StreamId,
+    ) -> tensormem_cuda_alloc::Result<Allocation> {
+        self.used(stream, pool);
+        if pool.is_default() {
+            return allocator.allocate(size, stream);
+        }
+        if allocator
+            .begin_allocate_to_pool(pool, move |s| s == stream)
+            .is_err()
+        {
+            // The pool was released in the replay although the trace allocates into it: the
+            // check reports where this leads.
+            tracing::debug!(%pool, "allocation into a released pool replayed in the default pool");
+            return allocator.allocate(size, stream);
+        }
+        *self.begun.entry(pool).or_default() += 1;
+        let result = allocator.allocate(size, stream);
+        if let Err(e) = allocator.end_allocate_to_pool(pool) {
+            tracing::debug!(%pool, error = %e, "ending a replayed capture failed");
+        }
+        result
+    }
+
+    /// The trace releases the segments `set` of the plan: the private pools they belong to were
+    /// released by their users before (PyTorch releases a private pool's segments only then).
+    pub(crate) fn release_starts<D: Device>(
+        &mut self,
+        plan: &DevicePlan,
+        allocator: &CachingAllocator<D>,
+        set: &[u32],
+    ) {
+        for &id in set {
+            let Some(pool) = self.of.get(id as usize).copied().flatten().map(|p| p.pool) else {
+                continue;
+            };
+            if pool.is_default() || !self.released.insert(pool) {
+                continue;
+            }
+            for _ in 0..self.begun.get(&pool).copied().unwrap_or(0) {
+                if allocator.release_pool(pool).is_err() {
+                    break;
+                }
+            }
+        }
+        for &id in set {
+            if let Some(i) = plan.instances.get(id as usize).filter(|i| i.released) {
+                self.live.remove(&i.addr);
+            }
+        }
+    }
+
+    /// The private pools of the segments `set`, when every one of them is private (a release of
+    /// those pools only: `torch.cuda.memory.empty_cache` for a `MemPool`, or its destruction).
+    pub(crate) fn only_private(&self, set: &[u32]) -> Option<Vec<MempoolId>> {
+        let mut pools = Vec::new();
+        for &id in set {
+            let pool = self.of.get(id as usize).copied().flatten()?.pool;
+            if pool.is_default() {
+                return None;
+            }
+            if !pools.contains(&pool) {
+                pools.push(pool);
+            }
+        }
+        (!pools.is_empty()).then_some(pools)
+    }
+
+    /// While inferring: the allocation of recorded pool `pool` landed at `landed` instead of the
+    /// recorded address. If it landed in a segment whose pool was only assumed, the assumption was
+    /// wrong: the segment belongs to another pool than this allocation's.
+    pub(crate) fn landed_elsewhere(&mut self, pool: MempoolId, landed: u64) {
+        if !self.infer || self.contradiction.is_some() {
+            return;
+        }
+        let Some((_, &(end, id))) = self.live.range(..=landed).next_back() else {
+            return;
+        };
+        if landed >= end {
+            return;
+        }
+        let Some(p) = self.of[id as usize] else {
+            return;
+        };
+        // The segment's pool is this allocation's in the replay, not in the record. An assumed
+        // pool was wrong; a private pool chosen among several was one too many: the segment gets
+        // a pool of its own (or the default pool, when this allocation's was private).
+        let own = MempoolId(UNNAMED_POOL_BASE + (1 << 40) + u64::from(id), 0);
+        let other = match p.evidence {
+            PoolEvidence::Assumed if pool.is_default() => FORCE_PRIVATE,
+            PoolEvidence::Assumed => MempoolId::DEFAULT,
+            _ if p.chosen && !pool.is_default() && p.pool == pool => own,
+            _ => return,
+        };
+        self.contradiction = Some((id, other));
+    }
+}

@@ -1,0 +1,363 @@
+//! CUDA storages (feature `cuda`): memory from a caching allocator, memory received from another
+//! process through CUDA IPC (`tensormem-ipc`), PyTorch's `_share_cuda_` / `_new_shared_cuda` /
+//! `_release_ipc_counter_cuda`, and the copies between host and device.
+//!
+//! A [`CudaContext`] bundles, for one device, what every CUDA storage on it needs: the caching
+//! allocator, a stream on which its storages' memory is allocated and copied, the IPC producer
+//! (ref-counter files, limbo) and the IPC consumer (opened-handle cache). Make one per device and
+//! process, and pass it to [`Storage::new_cuda`] and [`Storage::new_shared_cuda`].
+//!
+//! Ordering: every storage of a context is allocated, filled and copied on the context's stream,
+//! so its operations are ordered with each other. A copy between two contexts first waits for the
+//! source context's stream. Host <-> device copies complete before they return (the host side
+//! is pageable memory, as PyTorch's `copy_` of a non-pinned tensor); device -> device copies with
+//! `non_blocking` are only queued: call [`CudaContext::synchronize`] before reading the
+//! destination from another stream or the host by other means.
+#![allow(unsafe_code)]
+
+use std::fmt;
+use std::sync::Arc;
+
+use tensormem_cuda_alloc::backend::cuda::{CudaDevice, CudaStream};
+use tensormem_cuda_alloc::{CachingAllocator, DevicePtr};
+use tensormem_ipc::driver::cuda::CudaIpcDriver;
+use tensormem_ipc::{IpcConsumer, IpcHandle, IpcProducer, ReceivedMemory, SharedAllocation};
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::owner::{Owner, StorageKind};
+use crate::storage::Storage;
+
+/// Everything CUDA storages of one device need (see the [module docs](self)).
+pub struct CudaContext {
+    device: u32,
+    allocator: Arc<CachingAllocator<CudaDevice>>,
+    stream: CudaStream,
+    producer: IpcProducer<CudaDevice, CudaIpcDriver>,
+    consumer: IpcConsumer<CudaIpcDriver>,
+}
+
+fn cuda_err(op: &'static str) -> impl FnOnce(&dyn fmt::Display) -> Error {
+    move |e| Error::Cuda {
+        op,
+        message: e.to_string(),
+    }
+}
+
+/// Maps any displayable CUDA-layer error.
+macro_rules! cuda {
+    ($op:expr, $result:expr) => {
+        $result.map_err(|e| cuda_err($op)(&e))
+    };
+}
+
+impl CudaContext {
+    /// A context for `device` with a caching allocator of its own.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Cuda`] when there is no driver or no such device.
+    pub fn new(device: u32) -> Result<Arc<CudaContext>> {
+        let cuda_device = cuda!("CudaContext::new", CudaDevice::new(device))?;
+        Self::with_allocator(Arc::new(CachingAllocator::new(cuda_device)))
+    }
+
+    /// A context over an existing allocator (shared with other users of the device).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Cuda`] when the stream or the IPC driver cannot be made.
+    pub fn with_allocator(
+        allocator: Arc<CachingAllocator<CudaDevice>>,
+    ) -> Result<Arc<CudaContext>> {
+        let device = allocator.device().ordinal();
+        let stream = cuda!("CudaContext::new", CudaStream::new(allocator.device()))?;
+        let driver = Arc::new(cuda!("CudaContext::new", CudaIpcDriver::new())?);
+        Ok(Arc::new(CudaContext {
+            device,
+            allocator,
+            stream,
+            producer: IpcProducer::new(Arc::clone(&driver)),
+            consumer: IpcConsumer::new(driver),
+        }))
+    }
+
+    /// The device ordinal.
+    pub fn device(&self) -> u32 {
+        self.device
+    }
+
+    /// The allocator.
+    pub fn allocator(&self) -> &Arc<CachingAllocator<CudaDevice>> {
+        &self.allocator
+    }
+
+    /// The stream the context's storages are allocated and copied on.
+    pub fn stream(&self) -> &CudaStream {
+        &self.stream
+    }
+
+    /// The IPC producer (call [`IpcProducer::collect`] to free memory consumers released, as
+    /// `torch.cuda.ipc_collect()`).
+    pub fn producer(&self) -> &IpcProducer<CudaDevice, CudaIpcDriver> {
+        &self.producer
+    }
+
+    /// Waits for everything queued on the context's stream.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Cuda`] when the driver reports a failure.
+    pub fn synchronize(&self) -> Result<()> {
+        cuda!("synchronize", self.stream.synchronize())
+    }
+}
+
+impl fmt::Debug for CudaContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaContext")
+            .field("device", &self.device)
+            .field("stream", &self.stream.id())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The memory of a CUDA storage.
+enum CudaMemory {
+    /// From this process's allocator, held for sharing from the start (so sharing never has to
+    /// replace the owner).
+    Allocated(SharedAllocation<CudaDevice, CudaIpcDriver>),
+    /// Opened from another process's handle; dropping it releases the producer's counter.
+    Received(ReceivedMemory<CudaIpcDriver>),
+}
+
+/// Owner of a CUDA storage's bytes.
+pub(crate) struct CudaOwner {
+    ctx: Arc<CudaContext>,
+    memory: CudaMemory,
+    /// Bytes of the storage (the allocation may be rounded up).
+    nbytes: usize,
+}
+
+impl fmt::Debug for CudaOwner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaOwner")
+            .field("device", &self.ctx.device)
+            .field("ptr", &self.ptr())
+            .field("nbytes", &self.nbytes)
+            .field("received", &matches!(self.memory, CudaMemory::Received(_)))
+            .finish()
+    }
+}
+
+impl CudaOwner {
+    fn ptr(&self) -> DevicePtr {
+        match &self.memory {
+            CudaMemory::Allocated(shared) => shared.ptr(),
+            CudaMemory::Received(received) => received.ptr(),
+        }
+    }
+
+    pub(crate) fn kind(&self) -> StorageKind {
+        match self.memory {
+            CudaMemory::Allocated(_) => StorageKind::Cuda,
+            CudaMemory::Received(_) => StorageKind::CudaReceived,
+        }
+    }
+
+    pub(crate) fn device(&self) -> Device {
+        Device::Cuda(self.ctx.device)
+    }
+
+    /// Device -> host; the caller checked `offset + buf.len() <= nbytes`.
+    pub(crate) fn read_at(&self, offset: usize, buf: &mut [u8]) -> Result<()> {
+        debug_assert!(offset + buf.len() <= self.nbytes);
+        if buf.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: [ptr + offset, + buf.len()) lies inside this storage's memory (checked by the
+        // caller against nbytes, which the allocation or the received range covers), which stays
+        // mapped while `self` lives; the copy is on the stream that orders this storage's work.
+        cuda!("read_at", unsafe {
+            self.ctx.stream.copy_to_host(buf, self.ptr().offset(offset))
+        })
+    }
+
+    /// Host -> device; the caller checked the range.
+    pub(crate) fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<()> {
+        debug_assert!(offset + data.len() <= self.nbytes);
+        if data.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: as in `read_at`; the storage's memory is writable device memory of this
+        // context's device, and the copy completes before the call returns.
+        cuda!("write_at", unsafe {
+            self.ctx
+                .stream
+                .copy_from_host(self.ptr().offset(offset), data)
+        })
+    }
+
+    pub(crate) fn fill(&mut self, value: u8) -> Result<()> {
+        if self.nbytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the whole storage is device memory of this context's device that this stream
+        // may write; nothing else of this process uses it until the synchronize below.
+        cuda!("fill", unsafe {
+            self.ctx.stream.memset_d8(self.ptr(), value, self.nbytes)
+        })?;
+        self.ctx.synchronize()
+    }
+}
+
+impl Storage {
+    /// A storage of `nbytes` uninitialised bytes of CUDA memory from `ctx`'s caching allocator,
+    /// on `ctx`'s stream (PyTorch: `torch.UntypedStorage(n, device="cuda")`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Cuda`] when the allocator fails (out of memory: PyTorch's message).
+    pub fn new_cuda(ctx: &Arc<CudaContext>, nbytes: usize) -> Result<Storage> {
+        let allocation = cuda!("new_cuda", ctx.allocator.allocate(nbytes, ctx.stream.id()))?;
+        let shared = ctx.producer.adopt(&ctx.allocator, allocation);
+        Ok(Storage::with_owner(
+            nbytes,
+            Owner::Cuda(CudaOwner {
+                ctx: Arc::clone(ctx),
+                memory: CudaMemory::Allocated(shared),
+                nbytes,
+            }),
+        ))
+    }
+
+    /// Shares a CUDA storage with another process (PyTorch: `_share_cuda_`): an IPC handle with a
+    /// ref-counter slot and, when needed, an interprocess event ([`IpcHandle::to_torch`] gives
+    /// PyTorch's 8-tuple). The memory stays allocated until every consumer released it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ReceivedCuda`] for a storage this process received (PyTorch refuses too: clone it
+    /// first); [`Error::WrongDevice`] for host storages; [`Error::Cuda`] from the IPC layer
+    /// (empty storage, driver failures).
+    pub fn share_cuda(&self) -> Result<IpcHandle> {
+        let mut owner = self.owner_mut();
+        let device = owner.device();
+        match &mut *owner {
+            Owner::Cuda(cuda) => {
+                let stream = cuda.ctx.stream.id();
+                match &mut cuda.memory {
+                    CudaMemory::Allocated(shared) => cuda!("share_cuda", shared.share(stream)),
+                    CudaMemory::Received(_) => Err(Error::ReceivedCuda),
+                }
+            }
+            _ => Err(Error::WrongDevice {
+                op: "share_cuda",
+                expected: "CUDA",
+                actual: device,
+            }),
+        }
+    }
+
+    /// Opens CUDA memory shared by another process (PyTorch: `_new_shared_cuda`), on `ctx`'s
+    /// stream (which waits for the producer's event). Every field of the handle is checked before
+    /// anything is mapped (device, ref-counter slot, range inside the base allocation).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongDevice`] when `ctx` is for another device than the handle's; [`Error::Cuda`]
+    /// from the IPC layer (the producer ended, slot released or claimed, range out of bounds).
+    pub fn new_shared_cuda(ctx: &Arc<CudaContext>, handle: &IpcHandle) -> Result<Storage> {
+        if handle.device != ctx.device {
+            return Err(Error::WrongDevice {
+                op: "new_shared_cuda (the context's device must be the handle's)",
+                expected: "CUDA",
+                actual: Device::Cuda(ctx.device),
+            });
+        }
+        let nbytes = usize::try_from(handle.size).map_err(|_| Error::InvalidSize {
+            op: "new_shared_cuda",
+            size: handle.size,
+            problem: "larger than the address space",
+        })?;
+        let received = cuda!(
+            "new_shared_cuda",
+            ctx.consumer.open(handle, ctx.stream.id())
+        )?;
+        Ok(Storage::with_owner(
+            nbytes,
+            Owner::Cuda(CudaOwner {
+                ctx: Arc::clone(ctx),
+                memory: CudaMemory::Received(received),
+                nbytes,
+            }),
+        ))
+    }
+}
+
+/// Releases the reference a CUDA handle carries without keeping its memory (PyTorch:
+/// `_release_ipc_counter_cuda`, used when the receiver already holds the storage): the handle's
+/// slot is claimed and given back at once, so the producer may free the memory when its other
+/// consumers are done.
+///
+/// # Errors
+///
+/// As [`Storage::new_shared_cuda`].
+pub fn release_ipc_counter(ctx: &Arc<CudaContext>, handle: &IpcHandle) -> Result<()> {
+    drop(Storage::new_shared_cuda(ctx, handle)?);
+    Ok(())
+}
+
+/// Copies between two owners of which at least one is CUDA memory (called by `storage_copy`,
+/// which checked the sizes and holds both locks).
+pub(crate) fn copy_with_device(
+    dst: &mut Owner,
+    src: &Owner,
+    len: usize,
+    non_blocking: bool,
+) -> Result<()> {
+    match (dst, src) {
+        (Owner::Cuda(d), Owner::Cuda(s)) => {
+            if !Arc::ptr_eq(&d.ctx, &s.ctx) {
+                // The source's pending work is on its own stream: let it finish first.
+                s.ctx.synchronize()?;
+            }
+            // SAFETY: both ranges are the whole of two live storages of `len` bytes (sizes checked
+            // by storage_copy) on the devices of their contexts; the destination is not used by
+            // this process until the copy completes (it is ordered on its stream, and this
+            // function synchronizes unless asked not to); the source is not written by this
+            // process meanwhile (the caller holds its lock, and its stream was drained above).
+            cuda!("storage_copy", unsafe {
+                d.ctx.stream.copy_peer(
+                    d.ptr(),
+                    d.ctx.allocator.device(),
+                    s.ptr(),
+                    s.ctx.allocator.device(),
+                    len,
+                )
+            })?;
+            if non_blocking {
+                Ok(())
+            } else {
+                d.ctx.synchronize()
+            }
+        }
+        (Owner::Cuda(d), host) => match host.private_bytes() {
+            Some(bytes) => d.write_at(0, &bytes[..len]),
+            None => {
+                let mut staging = vec![0u8; len];
+                host.read_at(0, &mut staging)?;
+                d.write_at(0, &staging)
+            }
+        },
+        (host, Owner::Cuda(s)) => match host.private_bytes_mut() {
+            Some(bytes) => s.read_at(0, &mut bytes[..len]),
+            None => {
+                let mut staging = vec![0u8; len];
+                s.read_at(0, &mut staging)?;
+                host.write_at(0, &staging)
+            }
+        },
+        (dst, src) => crate::copy::copy_owner(dst, src, len),
+    }
+}

@@ -1,0 +1,165 @@
+//! The crate's error type: what was wrong, with which storage, and what to do about it.
+
+use std::io;
+
+use crate::device::Device;
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything a storage operation can refuse or fail with.
+///
+/// Failures of the shared-memory layer keep their [`tensormem_shm::Error`] (which names the
+/// object and keeps OS error codes) inside [`Error::Shm`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The shared-memory layer failed (creating, opening, checking or mapping an object, or
+    /// reaching the manager daemon).
+    #[error(transparent)]
+    Shm(#[from] tensormem_shm::Error),
+
+    /// A zero-byte storage cannot be put in shared memory (an empty mapping does not exist).
+    #[error(
+        "{op}: the storage holds 0 bytes, and an empty storage cannot be shared (PyTorch rebuilds \
+         empty storages on the receiving side instead of sharing them); send its size and make a \
+         new empty storage there"
+    )]
+    Empty {
+        /// The operation refused.
+        op: &'static str,
+    },
+
+    /// The operation works on another device than the storage's.
+    #[error("{op} is only available for {expected} storages, and this one is on {actual}")]
+    WrongDevice {
+        /// The operation refused.
+        op: &'static str,
+        /// The kind of device the operation needs ("CPU" or "CUDA").
+        expected: &'static str,
+        /// Where the storage is.
+        actual: Device,
+    },
+
+    /// The storage is not backed by the kind of shared memory the operation needs.
+    #[error("{op}: {problem}")]
+    NotShared {
+        /// The operation refused.
+        op: &'static str,
+        /// What the storage is, and what to do.
+        problem: String,
+    },
+
+    /// A byte range lies outside the storage.
+    #[error(
+        "range {offset}..{offset}+{len} is outside the storage of {nbytes} bytes; keep \
+         offset + len <= nbytes()"
+    )]
+    OutOfBounds {
+        /// Start of the range.
+        offset: usize,
+        /// Its length.
+        len: usize,
+        /// The storage's size.
+        nbytes: usize,
+    },
+
+    /// A copy between storages of different sizes.
+    #[error(
+        "storage_copy needs storages of the same size: the destination holds {dst} bytes and the \
+         source {src}; copy a sub-range with read_at/write_at instead"
+    )]
+    SizeMismatch {
+        /// Bytes in the destination.
+        dst: usize,
+        /// Bytes in the source.
+        src: usize,
+    },
+
+    /// A size does not fit this platform's address space or the storage it describes.
+    #[error("invalid size {size} for {op}: {problem}")]
+    InvalidSize {
+        /// The operation.
+        op: &'static str,
+        /// The size given.
+        size: u64,
+        /// Why it cannot be used.
+        problem: &'static str,
+    },
+
+    /// A weak reference was upgraded after the last strong reference was dropped.
+    #[error(
+        "the storage this weak reference pointed to has been freed (every Storage handle to it \
+         was dropped); check expired() before upgrading, or keep a Storage alive"
+    )]
+    Expired,
+
+    /// A shared refcount would have dropped below the references this process itself holds.
+    #[error(
+        "shared_decref on {object}: its refcount is {refcount}, and this process's own mapping \
+         accounts for one of those; more decrefs than increfs were made. Pair every \
+         shared_decref with an earlier shared_incref (PyTorch: the sender increfs, the receiver \
+         decrefs once)"
+    )]
+    RefcountUnderflow {
+        /// The shared memory object.
+        object: String,
+        /// The count found.
+        refcount: i32,
+    },
+
+    /// A CUDA storage received from another process was asked to be shared again.
+    #[error(
+        "attempted to send a CUDA storage received from another process; this is not supported \
+         (the producer's reference counting only knows its direct consumers). Clone it into a \
+         storage of this process (storage_copy into a new CUDA storage) before sending"
+    )]
+    ReceivedCuda,
+
+    /// PyTorch's `torch_shm_manager` (named by the manager handle of a PyTorch tuple) could
+    /// not be reached or did not follow its protocol.
+    #[error("PyTorch's shm manager at {}: {problem}", socket.display())]
+    TorchManager {
+        /// The manager's socket (the tuple's manager handle).
+        socket: std::path::PathBuf,
+        /// What went wrong.
+        problem: String,
+    },
+
+    /// The CUDA layer (allocator, driver or IPC) failed.
+    #[error("{op}: {message}")]
+    Cuda {
+        /// The operation.
+        op: &'static str,
+        /// What the CUDA layer reported.
+        message: String,
+    },
+}
+
+impl Error {
+    /// The [`io::ErrorKind`] closest to this error, used by `From<Error> for io::Error`.
+    pub fn kind(&self) -> io::ErrorKind {
+        use io::ErrorKind as K;
+        match self {
+            Self::Shm(e) => e.kind(),
+            Self::Empty { .. }
+            | Self::WrongDevice { .. }
+            | Self::OutOfBounds { .. }
+            | Self::SizeMismatch { .. }
+            | Self::InvalidSize { .. }
+            | Self::NotShared { .. }
+            | Self::ReceivedCuda => K::InvalidInput,
+            Self::Expired => K::NotFound,
+            Self::RefcountUnderflow { .. } => K::InvalidData,
+            Self::Cuda { .. } | Self::TorchManager { .. } => K::Other,
+        }
+    }
+}
+
+/// For callers whose functions return `io::Result`: the kind is [`Error::kind`], and the typed
+/// error stays reachable through `io::Error::get_ref` / `into_inner`.
+impl From<Error> for io::Error {
+    fn from(err: Error) -> Self {
+        io::Error::new(err.kind(), err)
+    }
+}

@@ -1,0 +1,114 @@
+//! The plugin's error type, and the thread's last error that C callers read back.
+
+use std::cell::RefCell;
+use std::ffi::{c_char, c_int, CString};
+
+/// Why a call of the plugin failed. C callers see it as the string [`tensormem_last_error`] returns.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A device index that cannot be a CUDA device ordinal.
+    #[error(
+        "device {device} is not a CUDA device ordinal: pass the index of a visible device (0, 1, ...)"
+    )]
+    InvalidDevice {
+        /// The index given.
+        device: c_int,
+    },
+    /// A stream handle that belongs to another device's context than the one named with it.
+    #[error(
+        "stream {stream:#x} does not belong to device {device}: PyTorch passes each device's own \
+         streams; make the stream on the device the memory is for"
+    )]
+    ForeignStream {
+        /// The handle value.
+        stream: u64,
+        /// The device named with it.
+        device: u32,
+    },
+    /// A pointer that no device's allocator handed out (or that was already freed).
+    #[error(
+        "pointer {ptr:#x} was not handed out by tensormem's allocator on any device this process \
+         used (or it was freed already)"
+    )]
+    UnknownPointer {
+        /// The pointer.
+        ptr: u64,
+    },
+    /// A null pointer where one was required.
+    #[error("{what} is a null pointer")]
+    NullArgument {
+        /// The argument.
+        what: &'static str,
+    },
+    /// A path argument that is not UTF-8.
+    #[error("the path is not valid UTF-8")]
+    InvalidPath,
+    /// The device API refused (no driver, a bad device, out of memory with PyTorch's message, ...).
+    #[error(transparent)]
+    Cuda(#[from] tensormem::cuda::Error),
+    /// The caching allocator refused.
+    #[error(transparent)]
+    Alloc(#[from] tensormem_cuda_alloc::Error),
+    /// A driver call made by the plugin itself failed.
+    #[error(transparent)]
+    Device(#[from] tensormem_cuda_alloc::DeviceError),
+    /// Code under the plugin panicked; the panic was stopped at the C boundary.
+    #[error("{call} panicked: {message}; this is a bug in tensormem, please report it")]
+    Panicked {
+        /// The exported function.
+        call: &'static str,
+        /// The panic's message.
+        message: String,
+    },
+}
+
+/// `Result` with the plugin's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+thread_local! {
+    /// The last error met on this thread, as a C string.
+    static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
+}
+
+/// Keeps `error` as this thread's last error.
+pub(crate) fn set_last_error(error: &Error) {
+    let text = error.to_string().replace('\0', " ");
+    let text = CString::new(text).unwrap_or_default();
+    // `try_with`: during thread teardown the slot may be gone; the error is then only logged.
+    let _ = LAST_ERROR.try_with(|slot| *slot.borrow_mut() = Some(text));
+}
+
+/// The calling thread's last error message, if any.
+pub(crate) fn last_error_string() -> Option<String> {
+    LAST_ERROR
+        .try_with(|slot| {
+            slot.borrow()
+                .as_ref()
+                .map(|s| s.to_string_lossy().into_owned())
+        })
+        .ok()
+        .flatten()
+}
+
+/// The message of the last error met by a plugin call on the calling thread, or null if none was.
+///
+/// The string stays valid until the next failing plugin call on the same thread; copy it (Python's
+/// `ctypes.c_char_p` result type does). Successful calls leave it as it was.
+#[no_mangle]
+pub extern "C" fn tensormem_last_error() -> *const c_char {
+    LAST_ERROR
+        .try_with(|slot| {
+            slot.borrow()
+                .as_ref()
+                .map_or(std::ptr::null(), |s| s.as_ptr())
+        })
+        .unwrap_or(std::ptr::null())
+}
+
+/// Forgets the calling thread's last error (so that a later null from [`tensormem_last_error`] means
+/// no call failed since).
+#[no_mangle]
+pub extern "C" fn tensormem_clear_last_error() {
+    let _ = LAST_ERROR.try_with(|slot| slot.borrow_mut().take());
+}

@@ -1,0 +1,249 @@
+//! The exported C functions on a real GPU, called as PyTorch calls them: raw stream handles the
+//! allocator has never seen, a caller whose current context must survive, graph capture into a
+//! private pool. Each test skips with `skipped: ...` where there is no driver or device, and fails
+//! instead with `TENSORMEM_REQUIRE_GPU=1` (`cargo xtask test-gpu`, the bundle's `run.sh`). The
+//! allocators are process-wide, so the tests hold one lock and compare figures before and after.
+
+use std::ffi::{c_void, CStr};
+use std::ptr;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+
+use cudarc::driver::{sys, CudaContext, CudaStream};
+use tensormem::cuda;
+use tensormem_cuda_alloc::MempoolId;
+use tensormem_torch::*;
+
+const MIB: usize = 1 << 20;
+
+static LOCK: Mutex<()> = Mutex::new(());
+
+/// The number of devices, holding the test lock, or `None` after saying why the test is skipped.
+fn gpus() -> Option<(u32, MutexGuard<'static, ()>)> {
+    let lock = LOCK.lock().unwrap_or_else(PoisonError::into_inner);
+    let reason = match cuda::device_count() {
+        Ok(n) if n > 0 => return Some((n, lock)),
+        Ok(_) => "the driver reports 0 devices".to_owned(),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        std::env::var("TENSORMEM_REQUIRE_GPU").as_deref() != Ok("1"),
+        "TENSORMEM_REQUIRE_GPU=1 but there is no usable CUDA device: {reason}"
+    );
+    eprintln!("skipped: no CUDA driver/device ({reason})");
+    None
+}
+
+/// A stream made outside tensormem, as PyTorch makes its pool streams, kept for the whole process (as
+/// PyTorch keeps them): one per device.
+fn foreign_stream(device: u32) -> sys::CUstream {
+    type Kept = Mutex<Vec<(u32, Arc<CudaStream>)>>;
+    static STREAMS: OnceLock<Kept> = OnceLock::new();
+    let streams = STREAMS.get_or_init(|| Mutex::new(Vec::new()));
+    let mut streams = streams.lock().unwrap();
+    if let Some((_, s)) = streams.iter().find(|(d, _)| *d == device) {
+        return s.cu_stream();
+    }
+    let ctx = CudaContext::new(device as usize).expect("the device's context");
+    let stream = ctx.new_stream().expect("a stream");
+    let raw = stream.cu_stream();
+    streams.push((device, stream));
+    raw
+}
+
+fn stat(device: i32, key: &str) -> i64 {
+    let json = tensormem_memory_stats_json(device);
+    assert!(!json.is_null(), "stats: {}", last_error());
+    // SAFETY: a NUL-terminated string from the library, freed once below.
+    let text = unsafe { CStr::from_ptr(json) }
+        .to_string_lossy()
+        .into_owned();
+    // SAFETY: returned by tensormem_memory_stats_json, not freed before.
+    unsafe { tensormem_string_free(json) };
+    let value: serde_json::Value = serde_json::from_str(&text).expect("the stats are JSON");
+    value[key]
+        .as_i64()
+        .unwrap_or_else(|| panic!("{key} in {text}"))
+}
+
+fn last_error() -> String {
+    let err = tensormem_last_error();
+    if err.is_null() {
+        return "(none)".to_owned();
+    }
+    // SAFETY: a NUL-terminated string valid until the next failure on this thread.
+    unsafe { CStr::from_ptr(err) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn alloc(size: usize, device: i32, stream: sys::CUstream) -> *mut c_void {
+    // SAFETY: `stream` is null or a stream of `device` kept for the whole process.
+    let p = unsafe { tensormem_alloc(size, device, stream) };
+    assert!(!p.is_null(), "alloc({size}, {device}): {}", last_error());
+    p
+}
+
+fn free(p: *mut c_void, device: i32) {
+    tensormem_clear_last_error();
+    // SAFETY: no work uses the memory any more (the tests queue none on it).
+    unsafe { tensormem_free(p, 0, device, ptr::null_mut()) };
+    assert!(
+        tensormem_last_error().is_null(),
+        "free({p:p}): {}",
+        last_error()
+    );
+}
+
+#[test]
+fn memory_on_a_stream_tensormem_never_saw_round_trips() {
+    let Some((_, _lock)) = gpus() else { return };
+    let stream = foreign_stream(0);
+    let before = stat(0, "allocated_bytes.all.current");
+    let p = alloc(3 * MIB, 0, stream);
+    assert_eq!(
+        stat(0, "allocated_bytes.all.current") - before,
+        3 * MIB as i64
+    );
+    // Used on the default stream too, then freed: both streams are known to the allocator now.
+    tensormem_clear_last_error();
+    // SAFETY: null is the default stream.
+    unsafe { tensormem_record_stream(p, ptr::null_mut()) };
+    assert!(tensormem_last_error().is_null(), "{}", last_error());
+    free(p, 0);
+    assert_eq!(stat(0, "allocated_bytes.all.current"), before);
+    // The second time the stream is known: same result, no registration.
+    let q = alloc(MIB, 0, stream);
+    free(q, 0);
+}
+
+#[test]
+fn the_callers_current_context_is_left_as_it_was() {
+    let Some((count, _lock)) = gpus() else { return };
+    let current = || {
+        let mut ctx = ptr::null_mut();
+        // SAFETY: a valid out-parameter; the driver is initialised (gpus() found a device).
+        let result = unsafe { sys::cuCtxGetCurrent(&mut ctx) };
+        assert_eq!(result, sys::CUresult::CUDA_SUCCESS);
+        ctx
+    };
+    // SAFETY: null unbinds the calling thread's context.
+    unsafe { sys::cuCtxSetCurrent(ptr::null_mut()) };
+    let p = alloc(MIB, 0, ptr::null_mut());
+    assert!(current().is_null(), "alloc left a context current");
+    free(p, 0);
+    assert!(current().is_null(), "free left a context current");
+    if count > 1 {
+        // Memory of device 1 freed while device 0's context is current: device 0 stays current.
+        let q = alloc(MIB, 1, ptr::null_mut());
+        let ctx0 = CudaContext::new(0).unwrap();
+        ctx0.bind_to_thread().unwrap();
+        let before = current();
+        free(q, 1);
+        assert_eq!(
+            current(),
+            before,
+            "freeing on device 1 switched the context"
+        );
+    }
+}
+
+#[test]
+fn a_stream_of_another_device_is_refused() {
+    let Some((count, _lock)) = gpus() else { return };
+    if count < 2 {
+        eprintln!("skipped: needs two devices");
+        return;
+    }
+    let stream = foreign_stream(1);
+    // SAFETY: a live stream (of device 1) kept for the whole process.
+    let p = unsafe { tensormem_alloc(MIB, 0, stream) };
+    assert!(p.is_null());
+    assert!(
+        last_error().contains("does not belong to device 0"),
+        "{}",
+        last_error()
+    );
+}
+
+#[test]
+fn base_alloc_names_the_segment() {
+    let Some((_, _lock)) = gpus() else { return };
+    let p = alloc(1000, 0, ptr::null_mut());
+    let mut size = 0usize;
+    // SAFETY: `size` is valid for writes.
+    let base = unsafe { tensormem_base_alloc(p, &mut size) };
+    assert!(!base.is_null(), "{}", last_error());
+    assert!(base as u64 <= p as u64);
+    assert_eq!(size, 2 * MIB, "a small allocation lives in a 2 MiB segment");
+    assert!(p as u64 + 1000 <= base as u64 + size as u64);
+    free(p, 0);
+}
+
+#[test]
+fn allocations_of_a_graph_capture_go_to_its_private_pool() {
+    let Some((_, _lock)) = gpus() else { return };
+    let stream = foreign_stream(0);
+    let pool = TorchMempoolId {
+        first: 777,
+        second: 0,
+    };
+    let allocator = cuda::caching_allocator(Some(0)).unwrap();
+    // SAFETY: a live stream of device 0, in PyTorch's (global) capture mode.
+    let begun = unsafe {
+        sys::cuStreamBeginCapture_v2(
+            stream,
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+        )
+    };
+    assert_eq!(begun, sys::CUresult::CUDA_SUCCESS);
+    // SAFETY: the filter argument is not used.
+    unsafe { tensormem_begin_allocate_to_pool(0, pool, ptr::null_mut()) };
+    // New segments during a global-mode capture (cuMemAlloc is refused there unless relaxed).
+    // SAFETY: a stream of device 0 kept for the process; the default stream.
+    let (captured, outside) = unsafe {
+        (
+            tensormem_alloc(5 * MIB, 0, stream),
+            tensormem_alloc(5 * MIB, 0, ptr::null_mut()),
+        )
+    };
+    let error = last_error();
+    let mut graph = ptr::null_mut();
+    // SAFETY: ends the capture begun above (whatever happened in it); `graph` is a valid
+    // out-parameter.
+    let ended = unsafe { sys::cuStreamEndCapture(stream, &mut graph) };
+    tensormem_clear_last_error();
+    tensormem_end_allocate_to_pool(0, pool);
+    assert!(tensormem_last_error().is_null(), "{}", last_error());
+    assert!(!captured.is_null() && !outside.is_null(), "{error}");
+    assert_eq!(
+        ended,
+        sys::CUresult::CUDA_SUCCESS,
+        "the capture stayed valid"
+    );
+
+    let segments = allocator.snapshot().segments;
+    let pool_of = |p: *mut c_void| {
+        segments
+            .iter()
+            .find(|s| s.address <= p as u64 && (p as u64) < s.address + s.total_size)
+            .map(|s| s.segment_pool_id)
+            .expect("a segment holds the allocation")
+    };
+    assert_eq!(pool_of(captured), (777, 0));
+    assert_eq!(pool_of(outside), (0, 0));
+    assert!(allocator.private_pools().contains(&(MempoolId(777, 0), 1)));
+
+    free(captured, 0);
+    free(outside, 0);
+    tensormem_release_pool(0, pool);
+    tensormem_empty_cache();
+    assert!(
+        !allocator
+            .private_pools()
+            .iter()
+            .any(|&(id, _)| id == MempoolId(777, 0)),
+        "the released pool is gone after empty_cache"
+    );
+    // SAFETY: the graph made by the capture, destroyed once.
+    unsafe { sys::cuGraphDestroy(graph) };
+}

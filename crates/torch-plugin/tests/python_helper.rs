@@ -1,0 +1,94 @@
+//! The Python helper against the library cargo built, without torch: every hook it wires names a
+//! function the library exports, and its ctypes calls (statistics, errors) work. Skipped where there is
+//! no `python3`.
+
+use std::path::Path;
+use std::process::Command;
+
+fn library() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test's path");
+    let deps = exe.parent().expect("the test's folder");
+    [
+        deps.join("libtensormem_torch.so"),
+        deps.join("../libtensormem_torch.so"),
+    ]
+    .into_iter()
+    .find(|p| p.is_file())
+    .expect("cargo builds the cdylib beside the tests")
+}
+
+const CHECK: &str = r#"
+import ctypes, sys
+sys.path.insert(0, sys.argv[1])
+import tensormem_torch as tt
+plugin = tt.Plugin(sys.argv[2])
+for setter, function in tt.HOOKS:
+    assert ctypes.cast(getattr(plugin.lib, function), ctypes.c_void_p).value, function
+for function in ("tensormem_alloc", "tensormem_free"):
+    getattr(plugin.lib, function)
+try:
+    stats = plugin.stats(-1)
+    raise SystemExit("stats(-1) did not fail")
+except RuntimeError as e:
+    assert "device -1 is not a CUDA device ordinal" in str(e), e
+assert "device -1" in plugin.last_error()
+try:
+    stats = plugin.stats(0)
+    assert "reserved_bytes.all.peak" in stats, stats
+    print("gpu stats", stats["reserved_bytes.all.peak"])
+except RuntimeError as e:
+    print("no gpu:", e)
+print("ok", len(tt.HOOKS))
+"#;
+
+#[test]
+fn the_helper_wires_exported_functions_and_reads_errors() {
+    if Command::new("python3").arg("--version").output().is_err() {
+        eprintln!("skipped: no python3");
+        return;
+    }
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
+    let out = Command::new("python3")
+        .args(["-c", CHECK])
+        .arg(&python)
+        .arg(library())
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("ok 8"), "{stdout}");
+}
+
+#[test]
+fn the_scripts_compile() {
+    if Command::new("python3").arg("--version").output().is_err() {
+        eprintln!("skipped: no python3");
+        return;
+    }
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
+    for script in [
+        "tensormem_torch.py",
+        "workloads.py",
+        "torch_client.py",
+        "step_bench.py",
+    ] {
+        let path = python.join(script);
+        let out = Command::new("python3")
+            .args([
+                "-c",
+                "import ast, sys; ast.parse(open(sys.argv[1]).read(), sys.argv[1])",
+            ])
+            .arg(&path)
+            .output()
+            .expect("python3 runs");
+        assert!(
+            out.status.success(),
+            "{script}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

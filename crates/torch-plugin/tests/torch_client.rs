@@ -1,0 +1,112 @@
+//! PyTorch as a real client of the plugin: GPT-2 training and a CUDA-graph training run go to the end
+//! on tensormem's allocator with the losses of PyTorch's native allocator (`python/torch_client.py`),
+//! and both peak reserved figures are printed; a `torch.cuda.MemPool` on the plugin, PyTorch's allocator
+//! staying current, takes its segments from tensormem; memory freed while a busy side stream still reads
+//! it (`Tensor.record_stream`) is not reused too early.
+//!
+//! Needs a GPU and `python3` with torch (and `transformers` for GPT-2). Skipped where torch does not
+//! import or there is no GPU, unless `TENSORMEM_REQUIRE_TORCH=1` / `TENSORMEM_REQUIRE_GPU=1` (set by
+//! `cargo xtask test-gpu` and the bundle's `run.sh`). The library is `$TENSORMEM_TORCH_LIB`, else the one
+//! cargo built beside this test; the scripts are in `$TENSORMEM_TORCH_PYTHON`, else the crate's
+//! `python/`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const LIB: &str = "libtensormem_torch.so";
+
+/// Why the test cannot run here, or `None` if it can.
+fn missing_prerequisite() -> Option<String> {
+    match tensormem::cuda::device_count() {
+        Ok(n) if n > 0 => {}
+        Ok(_) => return Some("no CUDA device".to_owned()),
+        Err(e) => return Some(format!("no CUDA device ({e})")),
+    }
+    match Command::new("python3")
+        .args(["-c", "import torch; assert torch.cuda.is_available()"])
+        .output()
+    {
+        Ok(out) if out.status.success() => None,
+        Ok(out) => Some(format!(
+            "python3 cannot use torch with CUDA ({})",
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .unwrap_or("")
+        )),
+        Err(e) => Some(format!("python3 could not be run: {e}")),
+    }
+}
+
+fn library() -> PathBuf {
+    if let Some(path) = std::env::var_os("TENSORMEM_TORCH_LIB") {
+        return PathBuf::from(path);
+    }
+    // Integration tests run from target/<profile>/deps, where cargo also puts the cdylib.
+    let exe = std::env::current_exe().expect("the test's path");
+    let deps = exe.parent().expect("the test's folder");
+    [deps.join(LIB), deps.join("..").join(LIB)]
+        .into_iter()
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| panic!("{LIB} not found beside {}: build it with cargo build -p tensormem-torch, or set TENSORMEM_TORCH_LIB", deps.display()))
+}
+
+fn scripts() -> PathBuf {
+    std::env::var_os("TENSORMEM_TORCH_PYTHON").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("python"),
+        PathBuf::from,
+    )
+}
+
+fn run_client(workload: &str) {
+    if let Some(reason) = missing_prerequisite() {
+        for var in ["TENSORMEM_REQUIRE_TORCH", "TENSORMEM_REQUIRE_GPU"] {
+            assert!(
+                std::env::var(var).as_deref() != Ok("1"),
+                "{var}=1 but {reason}"
+            );
+        }
+        eprintln!("skipped: {reason}");
+        return;
+    }
+    let lib = library();
+    let out = Command::new("python3")
+        .arg(scripts().join("torch_client.py"))
+        .arg("--lib")
+        .arg(&lib)
+        .arg(workload)
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(
+        out.status.success(),
+        "torch_client.py {workload} failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains(&format!("PASS {workload}")),
+        "no verdict for {workload}:\n{stdout}"
+    );
+}
+
+#[test]
+fn gpt2_train_on_tensormem_has_the_native_losses() {
+    run_client("gpt2_train");
+}
+
+#[test]
+fn cudagraph_train_on_tensormem_has_the_native_losses() {
+    run_client("cudagraph_train");
+}
+
+#[test]
+fn a_mem_pool_takes_its_segments_from_tensormem() {
+    run_client("mempool");
+}
+
+#[test]
+fn record_stream_keeps_memory_from_early_reuse() {
+    run_client("record_stream");
+}
