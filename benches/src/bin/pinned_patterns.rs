@@ -16,7 +16,7 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use tensormem_cuda_alloc::backend::cuda::{CudaDevice, CudaPinnedSource};
+use tensormem_cuda_alloc::backend::cuda::{CudaBackend, CudaPinnedSource};
 use tensormem_cuda_alloc::host::HostCachingAllocator;
 use tensormem_cuda_alloc::Device;
 
@@ -29,7 +29,7 @@ fn median(mut samples: Vec<f64>) -> f64 {
 }
 
 fn run(register: Option<usize>) -> Result<(), String> {
-    let device = CudaDevice::new(0).map_err(|e| format!("opening CUDA device 0: {e}"))?;
+    let device = CudaBackend::new(0).map_err(|e| format!("opening CUDA device 0: {e}"))?;
     let source = match register {
         Some(threads) => CudaPinnedSource::host_register(&device, threads),
         None => CudaPinnedSource::host_alloc(&device),

@@ -36,7 +36,7 @@
 //! The calls that create memory (`cuMemAlloc`, `cuMemAddressReserve`, `cuMemCreate`, `cuMemMap` and
 //! `cuMemSetAccess`) run with the calling thread in relaxed capture mode (restored afterwards), so the
 //! cache can grow while a stream is being captured into a graph, even in global mode (PyTorch's
-//! `cudaMallocMaybeCapturing`). [`CudaDevice::is_capturing`] tells whether a stream is capturing.
+//! `cudaMallocMaybeCapturing`). [`CudaBackend::is_capturing`] tells whether a stream is capturing.
 
 mod cached_slice;
 mod capture;

@@ -4,7 +4,7 @@
 //! what it was before.
 
 use cudarc::driver::sys;
-use tensormem_cuda_alloc::backend::cuda::{CudaDevice, CudaStream};
+use tensormem_cuda_alloc::backend::cuda::{BackendStream, CudaBackend};
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::{CachingAllocator, MempoolId};
 
@@ -42,8 +42,8 @@ fn capture_needing_a_new_segment(config: &str, size: usize, private: bool) {
     let Some(gpus) = gpu() else { return };
     drop(gpus.devices);
     let config = AllocatorConfig::parse(config).unwrap();
-    let alloc = CachingAllocator::with_config(CudaDevice::new(0).unwrap(), config);
-    let stream: CudaStream = alloc.device().create_stream().unwrap();
+    let alloc = CachingAllocator::with_config(CudaBackend::new(0).unwrap(), config);
+    let stream: BackendStream = alloc.device().create_stream().unwrap();
     let id = stream.id();
     let pool = MempoolId(1, 0);
     let mode_before = thread_capture_mode();
@@ -132,9 +132,9 @@ fn a_global_mode_capture_can_map_expandable_memory() {
 fn a_segment_made_beside_another_threads_global_capture_succeeds() {
     let Some(gpus) = gpu() else { return };
     drop(gpus.devices);
-    let alloc = CachingAllocator::new(CudaDevice::new(0).unwrap());
-    let capturing: CudaStream = alloc.device().create_stream().unwrap();
-    let other: CudaStream = alloc.device().create_stream().unwrap();
+    let alloc = CachingAllocator::new(CudaBackend::new(0).unwrap());
+    let capturing: BackendStream = alloc.device().create_stream().unwrap();
+    let other: BackendStream = alloc.device().create_stream().unwrap();
     // SAFETY: the stream is live and not capturing.
     check("cuStreamBeginCapture", unsafe {
         sys::cuStreamBeginCapture_v2(

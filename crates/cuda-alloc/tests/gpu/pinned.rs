@@ -5,7 +5,7 @@
 use std::sync::mpsc;
 
 use cudarc::driver::sys;
-use tensormem_cuda_alloc::backend::cuda::{CudaDevice, CudaPinnedSource};
+use tensormem_cuda_alloc::backend::cuda::{CudaBackend, CudaPinnedSource};
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::host::HostCachingAllocator;
 use tensormem_cuda_alloc::Device;
@@ -22,7 +22,7 @@ fn is_pinned(ptr: *const u8) -> bool {
     result == sys::CUresult::CUDA_SUCCESS
 }
 
-fn round_trip(host: &HostCachingAllocator<CudaDevice>, size: usize) {
+fn round_trip(host: &HostCachingAllocator<CudaBackend>, size: usize) {
     let device = host.device();
     let stream = device.create_stream().unwrap();
     let mut buffer = host.allocate(size).unwrap();
@@ -48,7 +48,7 @@ fn round_trip(host: &HostCachingAllocator<CudaDevice>, size: usize) {
 fn pinned_blocks_from_host_alloc_and_from_registration_copy_both_ways() {
     let Some(gpus) = gpu() else { return };
     drop(gpus.devices);
-    let device = CudaDevice::new(0).unwrap();
+    let device = CudaBackend::new(0).unwrap();
     let source = CudaPinnedSource::host_alloc(&device);
     let host = HostCachingAllocator::new(device, source);
     round_trip(&host, 3 * MIB);
@@ -58,7 +58,7 @@ fn pinned_blocks_from_host_alloc_and_from_registration_copy_both_ways() {
     let config =
         AllocatorConfig::parse("pinned_use_cuda_host_register:True,pinned_num_register_threads:4")
             .unwrap();
-    let device = CudaDevice::new(0).unwrap();
+    let device = CudaBackend::new(0).unwrap();
     let source = CudaPinnedSource::from_config(&device, &config);
     let host = HostCachingAllocator::new(device, source);
     round_trip(&host, 9 * MIB);
@@ -73,7 +73,7 @@ fn pinned_blocks_from_host_alloc_and_from_registration_copy_both_ways() {
 fn a_block_a_stream_still_reads_is_not_reused_until_it_completes() {
     let Some(gpus) = gpu() else { return };
     drop(gpus.devices);
-    let device = CudaDevice::new(0).unwrap();
+    let device = CudaBackend::new(0).unwrap();
     let source = CudaPinnedSource::host_alloc(&device);
     let host = HostCachingAllocator::new(device, source);
     let stream = host.device().create_stream().unwrap();

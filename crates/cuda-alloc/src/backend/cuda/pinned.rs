@@ -7,7 +7,7 @@ use cudarc::driver::sys;
 
 use super::context::PrimaryContext;
 use super::driver::{check, check_alloc};
-use super::CudaDevice;
+use super::CudaBackend;
 use crate::config::AllocatorConfig;
 use crate::device::{DeviceError, DeviceResult};
 use crate::host::{PinnedSource, HOST_ALIGNMENT};
@@ -34,7 +34,7 @@ pub struct CudaPinnedSource {
 impl CudaPinnedSource {
     /// Blocks from `cuMemHostAlloc`, made with `device`'s primary context current.
     #[must_use]
-    pub fn host_alloc(device: &CudaDevice) -> Self {
+    pub fn host_alloc(device: &CudaBackend) -> Self {
         Self {
             ctx: device.context(),
             mode: Mode::HostAlloc,
@@ -44,7 +44,7 @@ impl CudaPinnedSource {
     /// Heap blocks registered with `cuMemHostRegister`, their pages first touched by `threads`
     /// threads in parallel (mapping the pages is what makes registration of large blocks slow).
     #[must_use]
-    pub fn host_register(device: &CudaDevice, threads: usize) -> Self {
+    pub fn host_register(device: &CudaBackend, threads: usize) -> Self {
         Self {
             ctx: device.context(),
             mode: Mode::Register {
@@ -57,7 +57,7 @@ impl CudaPinnedSource {
     /// `pinned_num_register_threads` when `pinned_use_cuda_host_register` is set, else
     /// [`host_alloc`](Self::host_alloc).
     #[must_use]
-    pub fn from_config(device: &CudaDevice, config: &AllocatorConfig) -> Self {
+    pub fn from_config(device: &CudaBackend, config: &AllocatorConfig) -> Self {
         if config.pinned_use_cuda_host_register {
             Self::host_register(device, config.pinned_num_register_threads)
         } else {
