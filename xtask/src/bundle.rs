@@ -24,6 +24,7 @@ use crate::gpu_tests::{cargo, GPU_EXAMPLES, GPU_TEST_TARGETS};
 const BENCH_BINS: &[(&str, &str)] = &[
     ("tensormem-benches", "alloc_patterns"),
     ("tensormem-benches", "ipc_roundtrip"),
+    ("tensormem-benches", "pinned_patterns"),
     ("tensormem-benches", "shm_bench"),
     ("tensormem-benches", "shm_pool_bench"),
     ("tensormem-benches", "shm_loader_bench"),
@@ -269,7 +270,11 @@ fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
          The allocator benchmark against PyTorch (from the repository root, with the anchors of\n\
          ../shared/anchors):\n\n    bash ../shared/anchors/compare_alloc.sh gpu-bundle/alloc_patterns\n\n\
          alloc_patterns --sim runs the same patterns on the simulated device; --raw uses the pointer API\n\
-         (raw_alloc/raw_free) instead of Allocation handles.\n\n\
+         (raw_alloc/raw_free) instead of Allocation handles; --history LEVEL records memory history\n\
+         (none, state, alloc, all) while timing.\n\n\
+         The pinned host allocator against PyTorch's, in one call:\n\n    \
+         gpu-bundle/pinned_patterns; gpu-bundle/pinned_patterns --register 8; \
+         python3 ../shared/anchors/torch_pinned_bench.py\n\n\
          The CUDA IPC round trip against PyTorch's (same call, same machine):\n\n    \
          gpu-bundle/ipc_roundtrip; python3 ../shared/anchors/torch_sharing_bench.py\n\n\
          The sharing benchmarks, each beside its PyTorch anchor in the same call:\n\n    \

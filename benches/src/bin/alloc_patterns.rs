@@ -5,6 +5,7 @@
 //! ```text
 //! alloc_patterns            # device 0, the CUDA backend (what compare_alloc.sh runs)
 //! alloc_patterns --sim      # the simulated device: profile the allocator's own code without a GPU
+//! alloc_patterns --history all   # the cost of memory history with call stacks (off/state/alloc/all)
 //! ```
 //!
 //! Each pattern is timed exactly as the C++ harness times it: the same warm-up, iteration counts, random
@@ -24,7 +25,9 @@ use std::time::Instant;
 use tensormem_cuda_alloc::backend::cuda::{BackendStream, CudaBackend};
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::config::AllocatorConfig;
-use tensormem_cuda_alloc::{Allocation, CachingAllocator, Device, DevicePtr, StreamId};
+use tensormem_cuda_alloc::{
+    Allocation, CachingAllocator, Device, DevicePtr, RecordContext, StreamId,
+};
 
 /// `std::mt19937_64`, the engine of the C++ harness (same seed, same outputs).
 struct Mt19937_64 {
@@ -276,13 +279,24 @@ struct Options {
     sim: bool,
     raw: bool,
     device: u32,
+    /// Memory history while the patterns run: `None` off, else the context level.
+    history: Option<RecordContext>,
+    /// The history ring buffer's size.
+    history_entries: usize,
 }
 
-const USAGE: &str = "usage: alloc_patterns [--sim] [--raw] [--device N]
+/// The ring buffer size `--history` uses unless `--history-entries` says otherwise.
+const DEFAULT_HISTORY_ENTRIES: usize = 100_000;
+
+const USAGE: &str = "usage: alloc_patterns [--sim] [--raw] [--device N] [--history LEVEL] [--history-entries N]
   --sim       run on the simulated device (no GPU needed; for profiling the allocator's own code)
   --raw       use the pointer API (raw_alloc/raw_free, like PyTorch's raw_alloc_with_stream/raw_delete)
               instead of Allocation handles
   --device N  the CUDA device to run on (default 0)
+  --history LEVEL  record memory history while timing: off (default), none (the trace without
+              stacks), state, alloc or all (call stacks, PyTorch's context levels); the backend
+              column gets the suffix _history_LEVEL
+  --history-entries N  the history ring buffer's size (default 100000)
 Prints CSV rows pattern,backend,size_or_window,ns_per_op (see ../shared/anchors/README.md).";
 
 fn parse_options() -> Result<Options, String> {
@@ -290,6 +304,8 @@ fn parse_options() -> Result<Options, String> {
         sim: false,
         raw: false,
         device: 0,
+        history: None,
+        history_entries: DEFAULT_HISTORY_ENTRIES,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -302,6 +318,28 @@ fn parse_options() -> Result<Options, String> {
                     .parse()
                     .map_err(|_| format!("--device {value}: not a device ordinal"))?;
             }
+            "--history" => {
+                let value = args.next().ok_or("--history needs a level")?;
+                options.history = match value.as_str() {
+                    "off" => None,
+                    "none" => Some(RecordContext::Never),
+                    "state" => Some(RecordContext::State),
+                    "alloc" => Some(RecordContext::Alloc),
+                    "all" => Some(RecordContext::All),
+                    other => {
+                        return Err(format!(
+                            "--history {other}: expected off, none, state, alloc or all"
+                        ))
+                    }
+                };
+            }
+            "--history-entries" => {
+                let value = args.next().ok_or("--history-entries needs a count")?;
+                options.history_entries =
+                    value.parse().ok().filter(|&n| n > 0).ok_or_else(|| {
+                        format!("--history-entries {value}: not a positive count")
+                    })?;
+            }
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown argument {other:?}")),
         }
@@ -309,18 +347,31 @@ fn parse_options() -> Result<Options, String> {
     Ok(options)
 }
 
+/// Turns memory history on as `--history` asks.
+fn start_history<D: Device>(a: &CachingAllocator<D>, options: &Options) {
+    if let Some(level) = options.history {
+        a.record_history_with_context(true, options.history_entries, level);
+    }
+}
+
 fn run(options: &Options) -> RunResult<()> {
-    let backend = match (options.sim, options.raw) {
+    let base = match (options.sim, options.raw) {
         (false, false) => "tensormem",
         (false, true) => "tensormem_raw",
         (true, false) => "tensormem_sim",
         (true, true) => "tensormem_sim_raw",
     };
+    let backend = match options.history {
+        None => base.to_owned(),
+        Some(level) => format!("{base}_history_{}", level.name().unwrap_or("none")),
+    };
+    let backend = backend.as_str();
     // Settings from the environment (TENSORMEM_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF), as PyTorch's harness.
     let config =
         AllocatorConfig::from_env().map_err(|e| format!("allocator configuration: {e}"))?;
     if options.sim {
         let a = CachingAllocator::with_config(SimDevice::new(SIM_CAPACITY), config);
+        start_history(&a, options);
         println!("{HEADER}");
         if options.raw {
             run_patterns::<_, RawApi>(&a, backend, &SimStreams)
@@ -331,6 +382,7 @@ fn run(options: &Options) -> RunResult<()> {
         let device = CudaBackend::new(options.device)
             .map_err(|e| format!("opening CUDA device {}: {e}", options.device))?;
         let a = CachingAllocator::with_config(device, config);
+        start_history(&a, options);
         let streams = CudaStreams(a.device());
         println!("{HEADER}");
         if options.raw {

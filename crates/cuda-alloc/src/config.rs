@@ -85,14 +85,43 @@ pub const ENV_VARS: [&str; 3] = [
     "PYTORCH_CUDA_ALLOC_CONF",
 ];
 
+/// The variables that turn caching off, for debugging (every allocation straight to the device; see
+/// [`caching_disabled_by_env`]).
+pub const NO_CACHING_ENV_VARS: [&str; 2] = [
+    "TENSORMEM_NO_CUDA_MEMORY_CACHING",
+    "PYTORCH_NO_CUDA_MEMORY_CACHING",
+];
+
+/// Whether the environment turns the caching allocator off: `TENSORMEM_NO_CUDA_MEMORY_CACHING` when it
+/// is set (on unless it is empty or `0`, so that it can also switch PyTorch's variable off for
+/// tensormem), else `PYTORCH_NO_CUDA_MEMORY_CACHING` set to anything (PyTorch's rule: present means on).
+#[must_use]
+pub fn caching_disabled_by_env() -> bool {
+    caching_disabled_by_env_with(std::env::var_os)
+}
+
+/// [`caching_disabled_by_env`] with the environment given as a lookup function.
+#[must_use]
+pub fn caching_disabled_by_env_with<F>(mut lookup: F) -> bool
+where
+    F: FnMut(&'static str) -> Option<std::ffi::OsString>,
+{
+    let [ours, pytorch] = NO_CACHING_ENV_VARS;
+    match lookup(ours) {
+        Some(value) => !(value.is_empty() || value == "0"),
+        None => lookup(pytorch).is_some(),
+    }
+}
+
 /// Which allocator implementation serves device memory (`backend:native|cudaMallocAsync`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Hash)]
 pub enum Backend {
     /// The caching allocator (this crate's).
     #[default]
     Native,
-    /// CUDA's stream-ordered allocator (`cudaMallocAsync`). Chosen by the string only: this crate has no
-    /// such backend; the caller decides what to do with a configuration that asks for it.
+    /// CUDA's stream-ordered allocator (`cudaMallocAsync`). The grammar accepts it (PyTorch's snapshots
+    /// record it), but this crate has no such backend: [`AllocatorConfig::check_supported`] refuses it,
+    /// and so do [`AllocatorConfig::from_env`] and the allocator's `apply_settings`.
     CudaMallocAsync,
 }
 
@@ -293,6 +322,17 @@ pub enum ConfigError {
         /// The value given.
         value: String,
     },
+    /// The configuration asks for an allocator backend tensormem does not implement
+    /// (`backend:cudaMallocAsync`).
+    #[error(
+        "backend:{backend} is not supported by tensormem, whose allocator is the native caching \
+         allocator; remove backend:{backend} from the configuration (where PYTORCH_CUDA_ALLOC_CONF must \
+         keep it for PyTorch, give tensormem its own TENSORMEM_ALLOC_CONF, which is read first)"
+    )]
+    UnsupportedBackend {
+        /// The backend asked for.
+        backend: Backend,
+    },
     /// `pinned_num_register_threads` is not a power of two.
     #[error("Number of register threads has to be power of 2, got {value}")]
     RegisterThreadsNotPowerOf2 {
@@ -397,10 +437,12 @@ impl AllocatorConfig {
                     .into_string()
                     .map_err(|_| ConfigError::EnvNotUnicode { var })?;
                 tracing::debug!(var, config = %text, "allocator configuration from the environment");
-                return Self::parse(&text).map_err(|source| ConfigError::Env {
-                    var,
-                    source: Box::new(source),
-                });
+                return Self::parse(&text)
+                    .and_then(|config| config.check_supported().map(|()| config))
+                    .map_err(|source| ConfigError::Env {
+                        var,
+                        source: Box::new(source),
+                    });
             }
         }
         Ok(AllocatorConfig::default())
@@ -412,6 +454,19 @@ impl AllocatorConfig {
     #[must_use]
     pub fn roundup_divisions_for(&self, size: usize) -> usize {
         self.roundup_power2_divisions[roundup_interval(size)]
+    }
+
+    /// Checks that tensormem can serve this configuration: its [`backend`](Self::backend) is
+    /// [`Backend::Native`]. The parser accepts `backend:cudaMallocAsync` (it is PyTorch's grammar, and
+    /// snapshots record it); the places that configure a running allocator refuse it with this check.
+    ///
+    /// # Errors
+    /// [`ConfigError::UnsupportedBackend`] for any other backend.
+    pub fn check_supported(&self) -> ConfigResult<()> {
+        match self.backend {
+            Backend::Native => Ok(()),
+            backend => Err(ConfigError::UnsupportedBackend { backend }),
+        }
     }
 
     /// Whether [`max_split_size`](Self::max_split_size) limits splitting (it is not unlimited).

@@ -72,6 +72,14 @@ pub enum Error {
         /// What was wrong.
         message: &'static str,
     },
+    /// A private pool could not be checkpointed or returned to a checkpoint (nothing was changed).
+    #[error("private pool {pool}: {reason}")]
+    Checkpoint {
+        /// The pool named.
+        pool: MempoolId,
+        /// What was wrong, and what to do.
+        reason: String,
+    },
     /// A device call failed for a reason other than running out of memory.
     #[error("device call failed: {0}")]
     Device(#[from] DeviceError),
@@ -115,6 +123,7 @@ impl From<Error> for std::io::Error {
             Error::InvalidPointer { .. }
             | Error::ForeignAllocation { .. }
             | Error::Pool { .. }
+            | Error::Checkpoint { .. }
             | Error::Config(_)
             | Error::InvalidFraction { .. } => ErrorKind::InvalidInput,
             Error::ExpandableNotShareable { .. } => ErrorKind::Unsupported,

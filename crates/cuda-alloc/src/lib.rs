@@ -85,7 +85,9 @@
 //! | [`stats::MemoryStats`] | `DeviceStats` / `torch.cuda.memory_stats()` |
 //! | [`snapshot::Snapshot`] | `torch.cuda.memory._snapshot()` / `_dump_snapshot` pickles |
 //! | [`oom::FreeMemoryCallback`] | `FreeCudaMemoryCallbacksRegistry` |
+//! | [`host::HostCachingAllocator`] | `CachingHostAllocator` (pinned host memory, `torch.cuda.host_memory_stats`) |
 //! | [`MempoolId`] | `MempoolId_t` (private pools for CUDA graphs) |
+//! | [`PoolCheckpoint`] | `PrivatePoolState` (`getCheckpointState` / `setCheckpointPoolState`) |
 
 mod allocator;
 pub mod backend;
@@ -96,6 +98,7 @@ mod error;
 mod events;
 mod expandable;
 mod free_set;
+pub mod host;
 pub mod oom;
 mod pointer_index;
 mod pool;
@@ -104,10 +107,16 @@ mod settings;
 mod shard;
 pub mod size;
 pub mod snapshot;
+mod stack;
 pub mod stats;
 mod trace;
 
-pub use allocator::{Allocation, CachingAllocator, InvariantViolation, DEFAULT_STREAM_CAPACITY};
+pub use allocator::{
+    Allocation, CachingAllocator, CheckpointDelta, InvariantViolation, PoolCheckpoint,
+    DEFAULT_STREAM_CAPACITY,
+};
 pub use device::{CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, MemInfo, StreamId};
 pub use error::{Error, Result};
 pub use pool_id::MempoolId;
+pub use stack::RecordContext;
+pub use trace::TraceTracker;

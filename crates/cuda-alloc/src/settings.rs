@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 use parking_lot::Mutex;
 
-use crate::config::{roundup_interval, AllocatorConfig, ROUNDUP_POWER2_INTERVALS};
+use crate::config::{roundup_interval, AllocatorConfig, Backend, ROUNDUP_POWER2_INTERVALS};
 
 /// The configuration as the allocator reads it.
 #[derive(Debug)]
@@ -22,6 +22,10 @@ pub(crate) struct Settings {
     /// `garbage_collection_threshold` as `f64` bits.
     garbage_collection_threshold: AtomicU64,
     expandable_segments: AtomicBool,
+    release_lock_on_cudamalloc: AtomicBool,
+    /// Every allocation straight to the device (`PYTORCH_NO_CUDA_MEMORY_CACHING`); not part of the
+    /// configuration string.
+    uncached: AtomicBool,
     /// The configuration these values came from.
     config: Mutex<AllocatorConfig>,
 }
@@ -35,7 +39,9 @@ impl Settings {
             any_divisions: AtomicBool::new(false),
             garbage_collection_threshold: AtomicU64::new(0),
             expandable_segments: AtomicBool::new(false),
-            config: Mutex::new(config.clone()),
+            release_lock_on_cudamalloc: AtomicBool::new(false),
+            uncached: AtomicBool::new(false),
+            config: Mutex::new(served(config)),
         };
         settings.store(config);
         settings
@@ -44,7 +50,7 @@ impl Settings {
     /// Replaces the configuration.
     pub(crate) fn set(&self, config: &AllocatorConfig) {
         let mut current = self.config.lock();
-        *current = config.clone();
+        *current = served(config);
         self.store(config);
     }
 
@@ -67,9 +73,12 @@ impl Settings {
             .store(config.garbage_collection_threshold.to_bits(), Relaxed);
         self.expandable_segments
             .store(config.expandable_segments, Relaxed);
+        self.release_lock_on_cudamalloc
+            .store(config.release_lock_on_cudamalloc, Relaxed);
     }
 
-    /// A copy of the whole configuration.
+    /// A copy of the whole configuration (its `backend` is always [`Backend::Native`]: the one that
+    /// serves).
     pub(crate) fn config(&self) -> AllocatorConfig {
         self.config.lock().clone()
     }
@@ -101,9 +110,47 @@ impl Settings {
         f64::from_bits(self.garbage_collection_threshold.load(Relaxed))
     }
 
-    /// Whether new segments are expandable.
+    /// Whether new segments are expandable (never while caching is off: every allocation is then
+    /// its own device allocation).
     #[inline]
     pub(crate) fn expandable_segments(&self) -> bool {
-        self.expandable_segments.load(Relaxed)
+        self.expandable_segments.load(Relaxed) && !self.uncached()
     }
+
+    /// Whether the stream's lock is let go while the device allocates a new segment.
+    #[inline]
+    pub(crate) fn release_lock_on_cudamalloc(&self) -> bool {
+        self.release_lock_on_cudamalloc.load(Relaxed)
+    }
+
+    /// Whether caching is off: every allocation is a device allocation of its own, returned to the
+    /// device when freed.
+    #[inline]
+    pub(crate) fn uncached(&self) -> bool {
+        self.uncached.load(Relaxed)
+    }
+
+    /// Turns caching off (`true`) or on.
+    pub(crate) fn set_uncached(&self, uncached: bool) {
+        self.uncached.store(uncached, Relaxed);
+    }
+}
+
+/// `config` as this allocator serves it: with the native backend, whatever it asked for. The fallible
+/// ways in (`from_env`, `apply_settings`) refuse another backend with
+/// [`ConfigError::UnsupportedBackend`](crate::config::ConfigError::UnsupportedBackend); a configuration
+/// built by hand and handed to `with_config` or `set_config` gets a warning, and the settings then say
+/// `native`, which is what runs.
+fn served(config: &AllocatorConfig) -> AllocatorConfig {
+    let mut served = config.clone();
+    if served.backend != Backend::Native {
+        tracing::warn!(
+            backend = %served.backend,
+            "this allocator is the native caching allocator; backend:{} is not implemented, the \
+             native backend serves",
+            served.backend
+        );
+        served.backend = Backend::Native;
+    }
+    served
 }

@@ -19,6 +19,7 @@ use crate::expandable::ExpandableSegment;
 use crate::pointer_index::PointerIndex;
 use crate::pool::{Pool, PoolOwner};
 use crate::pool_id::MempoolId;
+use crate::stack::Stack;
 use crate::stats::peaks::{FigureSet, Figures};
 
 /// Index of the default small pool in every shard's pool table.
@@ -73,6 +74,13 @@ pub(crate) struct ShardState<D: Device> {
     /// Streams recorded on a block while a graph capture was underway, by block index (PyTorch's
     /// `block_to_cudagraph_stream_uses`).
     pub(crate) capture_uses: AddrMap<Vec<StreamId>>,
+    /// The allocation's call stack of blocks allocated while history kept stacks, by block index.
+    pub(crate) stacks: AddrMap<Stack>,
+    /// The freeing call's stack of blocks freed at context level `All` that wait for other streams.
+    pub(crate) free_stacks: AddrMap<Stack>,
+    /// The stack that made each segment (not expandable ones), by its address, while history kept
+    /// stacks (snapshot segments' `frames`).
+    pub(crate) segment_stacks: AddrMap<Stack>,
 }
 
 impl<D: Device> ShardState<D> {
@@ -87,6 +95,9 @@ impl<D: Device> ShardState<D> {
             segments: Vec::new(),
             uses: AddrMap::default(),
             capture_uses: AddrMap::default(),
+            stacks: AddrMap::default(),
+            free_stacks: AddrMap::default(),
+            segment_stacks: AddrMap::default(),
         }
     }
 

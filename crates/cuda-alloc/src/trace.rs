@@ -4,14 +4,18 @@
 //! `max_entries` entries (the oldest are overwritten). Snapshots carry the buffer as `device_traces`,
 //! which PyTorch's `_memory_viz` draws and tensormem's replay reads back. Entries are kept compactly and
 //! converted to the snapshot model's [`TraceEntry`] when read.
+//!
+//! Trace trackers (PyTorch's `attachAllocatorTraceTracker`) are told about every entry as it is made,
+//! whether or not the ring buffer is recording.
 
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::Relaxed};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use crate::device::StreamId;
 use crate::snapshot::{TraceAction, TraceEntry};
+use crate::stack::{RecordContext, Stack};
 
 /// What happened (PyTorch's `TraceEntry::Action`). Converted to the snapshot model's
 /// [`TraceAction`](crate::snapshot::TraceAction) when the trace is read.
@@ -69,11 +73,21 @@ pub(crate) struct Record {
     pub(crate) time_us: i64,
     /// The annotation of a `UserDefined` entry.
     pub(crate) user_metadata: Option<Box<str>>,
+    /// The call stack, when the context level keeps one for this entry.
+    pub(crate) stack: Option<Stack>,
 }
 
 impl Record {
-    /// The entry as PyTorch 2.11 writes it in `device_traces`.
+    /// The entry as PyTorch 2.11 writes it in `device_traces` (its stack symbolized, if it has one).
     pub(crate) fn to_entry(&self) -> TraceEntry {
+        TraceEntry {
+            frames: self.stack.as_ref().map(|s| s.frames().to_vec()),
+            ..self.to_entry_without_frames()
+        }
+    }
+
+    /// The entry without its frames (for trace trackers, which run on the allocation path).
+    pub(crate) fn to_entry_without_frames(&self) -> TraceEntry {
         TraceEntry {
             action: self.action.to_model(),
             addr: self.addr,
@@ -103,48 +117,129 @@ struct Ring {
     max_entries: usize,
 }
 
-/// The ring buffer with its on/off switch.
-#[derive(Debug)]
+/// A function told about every trace entry as the allocator makes it (PyTorch's
+/// `AllocatorTraceTracker`), registered with
+/// [`CachingAllocator::attach_allocator_trace_tracker`](crate::CachingAllocator::attach_allocator_trace_tracker).
+///
+/// It runs on the thread that made the entry, with that call's allocator locks held (as in PyTorch):
+/// it must be quick and must not call into the same allocator, which would deadlock. The entry has no
+/// `frames` (symbolizing a stack is too slow for the allocation path; snapshots carry them).
+pub type TraceTracker = Box<dyn Fn(&TraceEntry) + Send + Sync>;
+
+/// The ring buffer with its on/off switch, and the trace trackers.
 pub(crate) struct TraceRecorder {
     enabled: AtomicBool,
+    /// The [`RecordContext`] level while enabled.
+    context: AtomicU8,
     ring: Mutex<Ring>,
+    /// Whether any tracker is attached (checked before building an entry).
+    tracking: AtomicBool,
+    trackers: RwLock<Vec<TraceTracker>>,
+}
+
+impl std::fmt::Debug for TraceRecorder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TraceRecorder")
+            .field("enabled", &self.enabled)
+            .field("ring", &self.ring)
+            .field("trackers", &self.trackers.read().len())
+            .finish()
+    }
 }
 
 impl Default for TraceRecorder {
     fn default() -> Self {
         TraceRecorder {
             enabled: AtomicBool::new(false),
+            context: AtomicU8::new(0),
             ring: Mutex::new(Ring {
                 entries: Vec::new(),
                 next: 0,
                 max_entries: 1,
             }),
+            tracking: AtomicBool::new(false),
+            trackers: RwLock::new(Vec::new()),
         }
     }
 }
 
 impl TraceRecorder {
-    /// Whether entries are being recorded (checked before building one).
+    /// Whether entries are being recorded in the ring buffer.
     #[inline]
     pub(crate) fn enabled(&self) -> bool {
         self.enabled.load(Relaxed)
     }
 
-    /// Turns recording on or off (off clears the buffer, as in PyTorch); `max_entries` is at least 1.
-    pub(crate) fn configure(&self, enabled: bool, max_entries: usize) {
+    /// Whether an entry made now goes anywhere (the ring buffer or a tracker): checked before
+    /// building one.
+    #[inline]
+    pub(crate) fn wanted(&self) -> bool {
+        self.enabled.load(Relaxed) || self.tracking.load(Relaxed)
+    }
+
+    /// Adds a tracker, told about every entry from now on.
+    pub(crate) fn attach(&self, tracker: TraceTracker) {
+        let mut trackers = self.trackers.write();
+        trackers.push(tracker);
+        self.tracking.store(true, Relaxed);
+    }
+
+    /// Turns recording on or off (off clears the buffer, as in PyTorch); `max_entries` is at least 1;
+    /// `context` says which entries keep call stacks.
+    pub(crate) fn configure(&self, enabled: bool, max_entries: usize, context: RecordContext) {
         let mut ring = self.ring.lock();
         ring.max_entries = max_entries.max(1);
         if !enabled {
             ring.entries.clear();
             ring.next = 0;
         }
+        let context = if enabled {
+            context
+        } else {
+            RecordContext::Never
+        };
+        self.context.store(context.as_u8(), Relaxed);
         self.enabled.store(enabled, Relaxed);
     }
 
-    /// Appends an entry if recording is on.
+    /// The context level (`Never` while recording is off).
+    #[inline]
+    pub(crate) fn context(&self) -> RecordContext {
+        RecordContext::from_u8(self.context.load(Relaxed))
+    }
+
+    /// The caller's stack if the context level is at least `level` (PyTorch's `maybeGatherContext`);
+    /// one relaxed load when not.
+    #[inline]
+    pub(crate) fn gather(&self, level: RecordContext) -> Option<Stack> {
+        if self.context.load(Relaxed) >= level.as_u8() && level != RecordContext::Never {
+            Stack::capture()
+        } else {
+            None
+        }
+    }
+
+    /// Appends an entry if recording is on, and tells the trackers.
     #[inline]
     pub(crate) fn record(&self, action: Action, addr: u64, size: u64, stream: StreamId) {
-        if self.enabled() {
+        self.record_with(action, addr, size, stream, None);
+    }
+
+    /// [`record`](Self::record) with the entry's call stack, kept if the context level is at least
+    /// [`RecordContext::Alloc`].
+    #[inline]
+    pub(crate) fn record_with(
+        &self,
+        action: Action,
+        addr: u64,
+        size: u64,
+        stream: StreamId,
+        stack: Option<&Stack>,
+    ) {
+        if self.wanted() {
+            let stack = stack
+                .filter(|_| self.context() >= RecordContext::Alloc)
+                .cloned();
             self.push(Record {
                 action,
                 addr,
@@ -152,12 +247,25 @@ impl TraceRecorder {
                 stream,
                 time_us: now_us(),
                 user_metadata: None,
+                stack,
             });
         }
     }
 
+    /// Tells the trackers about `entry`, then appends it to the ring buffer if recording is on.
     #[cold]
     pub(crate) fn push(&self, entry: Record) {
+        if self.tracking.load(Relaxed) {
+            let model = entry.to_entry_without_frames();
+            // Trackers never call into the allocator (their documented obligation), so none attaches
+            // another while this read lock is held.
+            for tracker in self.trackers.read().iter() {
+                tracker(&model);
+            }
+        }
+        if !self.enabled() {
+            return;
+        }
         let mut ring = self.ring.lock();
         if ring.entries.len() < ring.max_entries {
             ring.entries.push(entry);
@@ -170,31 +278,58 @@ impl TraceRecorder {
 
     /// The entries, oldest first.
     pub(crate) fn entries(&self) -> Vec<TraceEntry> {
-        let ring = self.ring.lock();
-        ring.entries[ring.next..]
-            .iter()
-            .chain(&ring.entries[..ring.next])
-            .map(Record::to_entry)
-            .collect()
+        // Copied under the lock, converted (stacks symbolized) after it, so that recording goes on.
+        let records: Vec<Record> = {
+            let ring = self.ring.lock();
+            ring.entries[ring.next..]
+                .iter()
+                .chain(&ring.entries[..ring.next])
+                .cloned()
+                .collect()
+        };
+        records.iter().map(Record::to_entry).collect()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     #[test]
     fn ring_keeps_the_newest_entries_in_order() {
         let t = TraceRecorder::default();
         t.record(Action::Alloc, 1, 1, StreamId(0));
         assert!(t.entries().is_empty(), "off by default");
-        t.configure(true, 3);
+        t.configure(true, 3, RecordContext::Never);
         for addr in 0..5 {
             t.record(Action::Alloc, addr, 512, StreamId(0));
         }
         let addrs: Vec<u64> = t.entries().iter().map(|e| e.addr).collect();
         assert_eq!(addrs, [2, 3, 4]);
-        t.configure(false, 3);
+        t.configure(false, 3, RecordContext::Never);
         assert!(t.entries().is_empty());
+    }
+
+    #[test]
+    fn trackers_see_every_entry_whether_or_not_the_ring_records() {
+        let t = TraceRecorder::default();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&seen);
+        t.attach(Box::new(move |e| {
+            sink.lock().push((e.action.clone(), e.addr))
+        }));
+        t.record(Action::SegmentAlloc, 7, 512, StreamId(0));
+        t.configure(true, 2, RecordContext::Never);
+        t.record(Action::Alloc, 8, 512, StreamId(0));
+        assert_eq!(
+            *seen.lock(),
+            [(TraceAction::SegmentAlloc, 7), (TraceAction::Alloc, 8)]
+        );
+        assert_eq!(
+            t.entries().len(),
+            1,
+            "the ring holds only what came while on"
+        );
     }
 }

@@ -15,6 +15,8 @@ mod allocator;
 mod backend;
 #[path = "gpu/bridge.rs"]
 mod bridge;
+#[path = "gpu/capture.rs"]
+mod capture;
 #[path = "gpu/harness.rs"]
 mod harness;
 #[cfg(feature = "snapshot-io")]
@@ -22,6 +24,8 @@ mod harness;
 mod interop;
 #[path = "gpu/multi_gpu.rs"]
 mod multi_gpu;
+#[path = "gpu/pinned.rs"]
+mod pinned;
 #[path = "gpu/streams.rs"]
 mod streams;
 #[path = "gpu/teardown.rs"]

@@ -151,6 +151,18 @@ pub enum ReplayError {
         #[source]
         source: ConfigError,
     },
+    /// The trace was recorded with, or a what-if asks for, an allocator backend that the replay
+    /// cannot simulate (`backend:cudaMallocAsync`: the driver's stream-ordered pool makes its own
+    /// decisions, which the native allocator does not reproduce).
+    #[error(
+        "cannot simulate backend:{backend}: replay runs tensormem's native caching allocator only; \
+         record the trace with the native backend (remove backend:{backend} from \
+         PYTORCH_CUDA_ALLOC_CONF) or replay under another configuration"
+    )]
+    UnsupportedBackend {
+        /// The backend asked for.
+        backend: tensormem_cuda_alloc::config::Backend,
+    },
     /// The allocator failed in a way other than running out of memory (a bug, or a trace the
     /// allocator cannot follow).
     #[error("replaying device {device}'s event {event} failed: {source}")]
@@ -256,7 +268,8 @@ impl Replay {
     ///
     /// # Errors
     /// [`ReplayError::NoEvents`] when the snapshot has no trace; [`ReplayError::Settings`] when its
-    /// recorded allocator settings do not make a configuration; [`ReplayError::Trace`] for a trace
+    /// recorded allocator settings do not make a configuration; [`ReplayError::UnsupportedBackend`]
+    /// when they name `backend:cudaMallocAsync`; [`ReplayError::Trace`] for a trace
     /// of more than 2^32 events.
     pub fn new(snapshot: &Snapshot) -> ReplayResult<Replay> {
         if snapshot.event_count() == 0 {
@@ -272,6 +285,7 @@ impl Replay {
                 (AllocatorConfig::default(), false)
             }
         };
+        supported(&recorded)?;
         let mut plans = Vec::new();
         for (device, trace) in snapshot.traces() {
             if trace.is_empty() {
@@ -398,7 +412,8 @@ impl Replay {
     /// `torch.cuda.memory._set_allocator_settings(config)` would change it.
     ///
     /// # Errors
-    /// [`ReplayError::Config`] when the string does not parse.
+    /// [`ReplayError::Config`] when the string does not parse; [`ReplayError::UnsupportedBackend`]
+    /// when the result asks for `backend:cudaMallocAsync`.
     pub fn what_if_config(&self, config: &str) -> ReplayResult<AllocatorConfig> {
         let mut applied = self.recorded.clone();
         applied
@@ -407,6 +422,7 @@ impl Replay {
                 config: config.to_owned(),
                 source,
             })?;
+        supported(&applied)?;
         Ok(applied)
     }
 
@@ -433,9 +449,11 @@ impl Replay {
     /// has no memory for are counted ([`DeviceRun::refused`]) and the replay goes on.
     ///
     /// # Errors
+    /// [`ReplayError::UnsupportedBackend`] when `options.config` asks for `backend:cudaMallocAsync`;
     /// [`ReplayError::Allocator`] when the allocator fails other than by running out of memory;
     /// [`ReplayError::Invariant`] when its state is inconsistent at the end.
     pub fn run(&self, options: &RunOptions<'_>) -> ReplayResult<ReplayRun> {
+        supported(&options.config)?;
         let mut devices = Vec::with_capacity(self.plans.len());
         let mut events_before = 0u64;
         for ((plan, inference), pools) in self.plans.iter().zip(&self.capacities).zip(&self.pools) {
@@ -611,4 +629,13 @@ impl ReplayRun {
         }
         merged
     }
+}
+
+/// [`ReplayError::UnsupportedBackend`] unless `config` runs the native allocator.
+fn supported(config: &AllocatorConfig) -> ReplayResult<()> {
+    config
+        .check_supported()
+        .map_err(|_| ReplayError::UnsupportedBackend {
+            backend: config.backend,
+        })
 }

@@ -12,14 +12,19 @@
 //! | `can_device_access_peer` | [`can_device_access_peer`] (and [`enable_peer_access`]) |
 //! | `get_device_properties`, `get_device_name`, `get_device_capability` | [`get_device_properties`], [`get_device_name`], [`get_device_capability`] |
 //! | `Stream()`, `current_stream`, `default_stream`, `set_stream` | [`Stream::new`], [`current_stream`], [`default_stream`], [`set_stream`] |
+//! | `is_current_stream_capturing` | [`is_current_stream_capturing`] |
 //! | `synchronize`, `mem_get_info` | [`synchronize`], [`mem_get_info`] |
 //! | `memory_stats`, `memory_allocated`, `memory_reserved`, `max_memory_allocated` | [`memory_stats`], [`memory_allocated`], [`memory_reserved`], [`max_memory_allocated`], [`max_memory_reserved`] |
 //! | `reset_peak_memory_stats`, `reset_accumulated_memory_stats` | [`reset_peak_memory_stats`], [`reset_accumulated_memory_stats`] |
-//! | `memory_snapshot`, `memory._record_memory_history`, `memory._dump_snapshot` | [`memory_snapshot`], [`record_memory_history`], [`dump_snapshot`] |
+//! | `memory_snapshot`, `memory._record_memory_history`, `memory._dump_snapshot` | [`memory_snapshot`], [`record_memory_history`] / [`record_memory_history_with_context`] (stacks), [`dump_snapshot`] |
 //! | `set_per_process_memory_fraction`, `empty_cache` | [`set_per_process_memory_fraction`], [`empty_cache`] |
-//! | `memory._set_allocator_settings`, `_get_allocator_backend` | [`set_allocator_settings`], [`allocator_settings`] |
+//! | `memory._set_allocator_settings`, `_get_allocator_backend` | [`set_allocator_settings`], [`allocator_settings`], [`get_allocator_backend`] |
 //! | `caching_allocator_alloc`, `caching_allocator_delete` | [`caching_allocator_alloc`], [`caching_allocator_delete`] |
 //! | `_is_in_bad_fork` | [`is_in_bad_fork`] |
+//! | `_cuda_cudaHostAllocator`, `host_memory_stats`, `_host_emptyCache` | [`host_allocator`], [`alloc_pinned`] / [`free_pinned`] / [`record_pinned_stream`], [`host_memory_stats`], [`host_empty_cache`] |
+//! | `_cuda_hasPrimaryContext` | [`has_primary_context`] |
+//! | `_cuda_attach_out_of_memory_observer` | [`attach_out_of_memory_observer`] (every device, including those used later) |
+//! | `PYTORCH_NO_CUDA_MEMORY_CACHING` | read with `TENSORMEM_NO_CUDA_MEMORY_CACHING` when a device is first used (see [`CachingAllocator::set_caching_disabled`](crate::cuda_alloc::CachingAllocator::set_caching_disabled)) |
 //!
 //! Functions that take `device: Option<u32>` act on the calling thread's current device for `None`.
 //!
@@ -35,24 +40,30 @@
 mod device;
 mod error;
 mod fork;
+mod host;
 mod memory;
 mod registry;
 mod stream;
 
 pub use device::{
     can_device_access_peer, current_device, device_count, device_guard, enable_peer_access,
-    exchange_device, get_device_capability, get_device_name, get_device_properties, is_available,
-    mem_get_info, set_device, synchronize, DeviceGuard,
+    exchange_device, get_device_capability, get_device_name, get_device_properties,
+    has_primary_context, is_available, mem_get_info, set_device, synchronize, DeviceGuard,
 };
 pub use error::{Error, Result};
 pub use fork::is_in_bad_fork;
+pub use host::{
+    alloc_pinned, free_pinned, host_allocator, host_empty_cache, host_memory_stats, host_stats,
+    record_pinned_stream,
+};
 pub use memory::{
-    allocator_settings, caching_allocator, caching_allocator_alloc, caching_allocator_delete,
-    caching_allocator_record_stream, device_memory_stats, dump_snapshot, empty_cache,
-    max_memory_allocated, max_memory_reserved, memory_allocated, memory_reserved, memory_snapshot,
-    memory_stats, record_memory_history, reset_accumulated_memory_stats, reset_peak_memory_stats,
+    allocator_settings, attach_out_of_memory_observer, caching_allocator, caching_allocator_alloc,
+    caching_allocator_delete, caching_allocator_record_stream, device_memory_stats, dump_snapshot,
+    empty_cache, get_allocator_backend, max_memory_allocated, max_memory_reserved,
+    memory_allocated, memory_reserved, memory_snapshot, memory_stats, record_memory_history,
+    record_memory_history_with_context, reset_accumulated_memory_stats, reset_peak_memory_stats,
     set_allocator_settings, set_per_process_memory_fraction,
 };
-pub use stream::{current_stream, default_stream, set_stream, Stream};
+pub use stream::{current_stream, default_stream, is_current_stream_capturing, set_stream, Stream};
 pub use tensormem_cuda_alloc::backend::cuda::{DeviceProperties, DeviceUuid};
-pub use tensormem_cuda_alloc::{DevicePtr, MemInfo, StreamId};
+pub use tensormem_cuda_alloc::{DevicePtr, MemInfo, RecordContext, StreamId};

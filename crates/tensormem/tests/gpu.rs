@@ -261,3 +261,115 @@ fn two_devices_have_their_own_allocators_and_can_share_memory() {
         );
     });
 }
+
+#[test]
+fn is_current_stream_capturing_follows_a_capture_of_the_current_stream() {
+    use cudarc::driver::sys;
+    let Some((_, _lock)) = gpus() else { return };
+    on_new_thread(|| {
+        let stream = Stream::new(Some(0)).unwrap();
+        cuda::set_stream(&stream).unwrap();
+        assert!(!cuda::is_current_stream_capturing().unwrap());
+        let raw = stream.as_cuda_stream().unwrap().as_raw();
+        // SAFETY: the stream is live and not capturing.
+        let began = unsafe {
+            sys::cuStreamBeginCapture_v2(
+                raw,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+            )
+        };
+        assert_eq!(began, sys::CUresult::CUDA_SUCCESS);
+        let during = cuda::is_current_stream_capturing();
+        // A new segment for the capturing stream (the device's allocator caches nothing this big).
+        let made = cuda::caching_allocator_alloc(300 * MIB, None);
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: the stream is capturing; `graph` is a valid out-parameter.
+        let ended = unsafe { sys::cuStreamEndCapture(raw, &mut graph) };
+        assert!(during.unwrap(), "the current stream was capturing");
+        let ptr = made.expect("a new segment during a global-mode capture");
+        assert_eq!(
+            ended,
+            sys::CUresult::CUDA_SUCCESS,
+            "the capture stayed valid"
+        );
+        // SAFETY: the graph was never instantiated.
+        let destroyed = unsafe { sys::cuGraphDestroy(graph) };
+        assert_eq!(destroyed, sys::CUresult::CUDA_SUCCESS);
+        assert!(!cuda::is_current_stream_capturing().unwrap());
+        cuda::caching_allocator_delete(ptr).unwrap();
+        cuda::empty_cache().unwrap();
+    });
+}
+
+#[test]
+fn cuda_malloc_async_is_refused_and_the_backend_reported_is_native() {
+    use tensormem::cuda_alloc::config::{Backend, ConfigError};
+    let Some((_, _lock)) = gpus() else { return };
+    let before = cuda::allocator_settings(Some(0)).unwrap();
+    match cuda::set_allocator_settings("backend:cudaMallocAsync") {
+        Err(Error::Alloc(tensormem::cuda_alloc::Error::Config(
+            ConfigError::UnsupportedBackend { backend },
+        ))) => assert_eq!(backend, Backend::CudaMallocAsync),
+        other => panic!("backend:cudaMallocAsync gave {other:?}"),
+    }
+    assert_eq!(cuda::allocator_settings(Some(0)).unwrap(), before);
+    assert_eq!(cuda::get_allocator_backend().unwrap(), Backend::Native);
+    assert_eq!(cuda::get_allocator_backend().unwrap().name(), "native");
+}
+
+#[test]
+fn has_primary_context_is_true_once_a_device_is_used() {
+    let Some((count, _lock)) = gpus() else { return };
+    cuda::caching_allocator(Some(0)).unwrap();
+    assert!(cuda::has_primary_context(0).unwrap());
+    assert!(matches!(
+        cuda::has_primary_context(count),
+        Err(Error::InvalidDevice { .. })
+    ));
+}
+
+#[test]
+fn an_out_of_memory_observer_hears_of_every_devices_errors() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    let Some((_, _lock)) = gpus() else { return };
+    let heard = Arc::new(AtomicU64::new(0));
+    let sink = Arc::clone(&heard);
+    cuda::attach_out_of_memory_observer(move |event| {
+        assert_eq!(event.device, 0);
+        sink.fetch_add(1, Ordering::Relaxed);
+    })
+    .unwrap();
+    let total = cuda::mem_get_info(Some(0)).unwrap().total as usize;
+    on_new_thread(move || {
+        let refused = cuda::caching_allocator_alloc(total + (1 << 30), None);
+        assert!(matches!(refused, Err(Error::Alloc(_))), "{refused:?}");
+    });
+    assert_eq!(heard.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn pinned_host_memory_is_cached_per_device_with_pytorchs_host_keys() {
+    let Some((_, _lock)) = gpus() else { return };
+    on_new_thread(|| {
+        let stream = Stream::new(Some(0)).unwrap();
+        let mut buffer = cuda::alloc_pinned(3 * MIB).unwrap();
+        buffer.as_mut_slice().fill(9);
+        cuda::record_pinned_stream(&buffer, &stream).unwrap();
+        let first = buffer.as_ptr();
+        cuda::free_pinned(buffer).unwrap();
+        stream.synchronize().unwrap();
+        let again = cuda::alloc_pinned(4 * MIB).unwrap();
+        assert_eq!(
+            again.as_ptr(),
+            first,
+            "the 4 MiB class, reused once the stream is idle"
+        );
+        let stats = cuda::host_memory_stats().unwrap();
+        assert_eq!(stats["active_requests.current"], 1);
+        assert!(stats["allocated_bytes.current"] >= (4 * MIB) as i64);
+        cuda::free_pinned(again).unwrap();
+        cuda::host_empty_cache().unwrap();
+        assert_eq!(cuda::host_memory_stats().unwrap()["allocations.current"], 0);
+    });
+}

@@ -17,7 +17,9 @@ use crate::device::{Device, DeviceError, StreamId};
 use crate::error::{Error, Result};
 use crate::oom::{OomEvent, OutOfMemory};
 use crate::pool::PoolOwner;
+use crate::shard::ShardGuard;
 use crate::size::{allocation_size, is_small, round_size, MIN_BLOCK_SIZE, ONE_EXABYTE, SMALL_SIZE};
+use crate::stack::{RecordContext, Stack};
 use crate::stats::peaks::{Kind, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS};
 use crate::trace::Action;
 
@@ -60,21 +62,31 @@ impl<D: Device> CachingAllocator<D> {
         let small = is_small(rounded);
         let choice = self.pool_choice(stream);
         let shard = self.shard(stream)?;
-        {
+        let uncached = self.settings.uncached();
+        let stack = self.trace.gather(RecordContext::State);
+        if !uncached {
             let mut locked = self.lock(shard);
             let pool = locked.pool_index(choice, small);
             if let Some(block) = locked.get_free_block(pool, rounded) {
-                return Ok(locked.hand_out(pool, block, rounded, size, true));
+                return Ok(locked.hand_out(pool, block, rounded, size, true, stack.as_ref()));
             }
         }
-        self.allocate_slow(Request {
-            orig: size,
-            size: rounded,
-            alloc_size: allocation_size(rounded),
-            small,
-            choice,
-            stream,
-        })
+        self.allocate_slow(
+            Request {
+                orig: size,
+                size: rounded,
+                // Without caching, a device allocation of exactly the rounded size, never split.
+                alloc_size: if uncached {
+                    rounded
+                } else {
+                    allocation_size(rounded)
+                },
+                small,
+                choice,
+                stream,
+            },
+            stack.as_ref(),
+        )
     }
 
     /// Allocates and returns only the pointer (PyTorch's `raw_alloc_with_stream`); free it with
@@ -106,19 +118,19 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     #[cold]
-    fn allocate_slow(&self, req: Request) -> Result<Allocation> {
+    fn allocate_slow(&self, req: Request, stack: Option<&Stack>) -> Result<Allocation> {
         let shard = self.shard(req.stream)?;
-        if self.trigger_free_memory_callbacks() {
+        if self.trigger_free_memory_callbacks() && !self.settings.uncached() {
             let mut locked = self.lock(shard);
             let pool = locked.pool_index(req.choice, req.small);
             if let Some(block) = locked.get_free_block(pool, req.size) {
-                return Ok(locked.hand_out(pool, block, req.size, req.orig, true));
+                return Ok(locked.hand_out(pool, block, req.size, req.orig, true, stack));
             }
         }
         if self.gc_enabled() {
             self.garbage_collect_cached_blocks()?;
         }
-        if let Some(allocation) = self.try_new_block(req, false)? {
+        if let Some(allocation) = self.try_new_block(req, false, stack)? {
             return Ok(allocation);
         }
         let released = {
@@ -127,13 +139,13 @@ impl<D: Device> CachingAllocator<D> {
             locked.release_available_cached_blocks(pool, req.size)?
         };
         if released {
-            if let Some(allocation) = self.try_new_block(req, false)? {
+            if let Some(allocation) = self.try_new_block(req, false, stack)? {
                 return Ok(allocation);
             }
         }
         if !self.capturing() {
             self.release_cached_blocks(crate::MempoolId::DEFAULT)?;
-            if let Some(allocation) = self.try_new_block(req, true)? {
+            if let Some(allocation) = self.try_new_block(req, true, stack)? {
                 return Ok(allocation);
             }
         }
@@ -141,13 +153,18 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// One attempt at a new segment for `req`; on success the block is handed out at once.
-    fn try_new_block(&self, req: Request, retry: bool) -> Result<Option<Allocation>> {
+    fn try_new_block(
+        &self,
+        req: Request,
+        retry: bool,
+        stack: Option<&Stack>,
+    ) -> Result<Option<Allocation>> {
         let shard = self.shard(req.stream)?;
         let mut locked = self.lock(shard);
         let pool = locked.pool_index(req.choice, req.small);
         Ok(locked
-            .alloc_block(pool, req.size, req.alloc_size, retry)?
-            .map(|block| locked.hand_out(pool, block, req.size, req.orig, false)))
+            .alloc_block(pool, req.size, req.alloc_size, retry, stack)?
+            .map(|block| locked.hand_out(pool, block, req.size, req.orig, false, stack)))
     }
 
     /// Asks every registered callback to free memory; whether any did.
@@ -307,9 +324,11 @@ impl<D: Device> Locked<'_, D> {
         size: usize,
         orig: usize,
         in_set: bool,
+        stack: Option<&Stack>,
     ) -> Allocation {
         let split = self.should_split(pool, block, size);
-        let index = self.alloc_found_block(pool, block, size as u64, orig as u64, split, in_set);
+        let index =
+            self.alloc_found_block(pool, block, size as u64, orig as u64, split, in_set, stack);
         let b = &self.st.blocks[index];
         Allocation {
             ptr: crate::DevicePtr(b.addr),
@@ -327,6 +346,7 @@ impl<D: Device> Locked<'_, D> {
     /// `alloc_found_block`). `in_set`: the block is still in the free set. Returns the allocated
     /// block's index.
     #[inline(always)]
+    #[allow(clippy::too_many_arguments)] // the hot path's plain values, rather than a struct per call
     pub(crate) fn alloc_found_block(
         &mut self,
         pool: u16,
@@ -335,6 +355,7 @@ impl<D: Device> Locked<'_, D> {
         orig: u64,
         split: bool,
         in_set: bool,
+        stack: Option<&Stack>,
     ) -> u32 {
         let small = self.st.pools[pool as usize].small;
         let already_split = self.st.blocks[block].is_split();
@@ -390,7 +411,11 @@ impl<D: Device> Locked<'_, D> {
         b.requested = orig;
         b.generation = b.generation.wrapping_add(1);
         let (addr, b_size) = (b.addr, b.size);
-        self.record(Action::Alloc, addr, orig);
+        if let Some(stack) = stack {
+            // The allocation's stack, for snapshots and its later trace entries.
+            self.st.stacks.insert(u64::from(block), stack.clone());
+        }
+        self.record_with(Action::Alloc, addr, orig, stack);
         if self.a.pointer_index_on() {
             self.st.allocated.insert(addr, block);
         }
@@ -410,6 +435,7 @@ impl<D: Device> Locked<'_, D> {
         size: usize,
         alloc_size: usize,
         retry: bool,
+        stack: Option<&Stack>,
     ) -> Result<Option<u32>> {
         let counters = &self.a.counters;
         if retry {
@@ -418,7 +444,9 @@ impl<D: Device> Locked<'_, D> {
         let limited = counters.set_fraction.load(Relaxed);
         let allowed = counters.allowed.load(Relaxed);
         let private = self.st.pools[pool as usize].private_id();
-        if self.a.settings.expandable_segments() {
+        // Like PyTorch, private pools (CUDA graphs) take whole device allocations: checkpoints of a
+        // pool describe segments as blocks of one allocation.
+        if self.a.settings.expandable_segments() && private.is_none() {
             if limited && counters.reserved.load(Relaxed) + alloc_size as u64 > allowed {
                 return Ok(None);
             }
@@ -437,7 +465,18 @@ impl<D: Device> Locked<'_, D> {
             counters.reserved.fetch_sub(alloc_size as u64, Relaxed);
             return Ok(None);
         }
-        let ptr = match self.a.device.malloc(alloc_size) {
+        let a = self.a;
+        let malloc = || a.device.malloc(alloc_size);
+        let made = if a.settings.release_lock_on_cudamalloc() {
+            // `release_lock_on_cudamalloc`: the stream's lock is let go while the driver allocates, so
+            // that other calls on this stream (frees, cache hits) need not wait for it. Nothing here
+            // depends on the shard's state from before: the new block is inserted after the lock is
+            // taken again, and pool indices never change.
+            ShardGuard::unlocked(&mut self.st, malloc)
+        } else {
+            malloc()
+        };
+        let ptr = match made {
             Ok(ptr) => ptr,
             Err(e) => {
                 counters.reserved.fetch_sub(alloc_size as u64, Relaxed);
@@ -468,7 +507,10 @@ impl<D: Device> Locked<'_, D> {
             self.inc_figure(OVERSIZE_SEGMENTS, 1);
         }
         counters.num_device_alloc.fetch_add(1, Relaxed);
-        self.record(Action::SegmentAlloc, ptr.0, alloc_size as u64);
+        if let Some(stack) = stack {
+            self.st.segment_stacks.insert(ptr.0, stack.clone());
+        }
+        self.record_with(Action::SegmentAlloc, ptr.0, alloc_size as u64, stack);
         Ok(Some(block))
     }
 }

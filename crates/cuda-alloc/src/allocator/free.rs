@@ -9,6 +9,7 @@ use crate::device::{Device, DevicePtr, StreamId};
 use crate::error::{Error, Result};
 use crate::events::{BlockRef, PendingEvent};
 use crate::pool_id::MempoolId;
+use crate::stack::{RecordContext, Stack};
 use crate::stats::peaks::{Kind, OVERSIZE_ALLOCATIONS};
 use crate::trace::Action;
 
@@ -33,6 +34,7 @@ impl<D: Device> CachingAllocator<D> {
             ptr: allocation.ptr,
         };
         let shard = self.streams.by_index(allocation.shard).ok_or(invalid)?;
+        let stack = self.trace.gather(RecordContext::All);
         let mut locked = self.lock(shard);
         let index = allocation.block;
         let st = &mut *locked.st;
@@ -48,7 +50,7 @@ impl<D: Device> CachingAllocator<D> {
         if locked.a.pointer_index_on() {
             st.allocated.forget(allocation.ptr.0);
         }
-        locked.free_allocated(index)
+        locked.free_allocated(index, stack)
     }
 
     /// Frees memory by pointer (PyTorch's `raw_delete`). The null pointer is ignored.
@@ -61,11 +63,12 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(());
         }
         self.enable_pointer_index();
+        let stack = self.trace.gather(RecordContext::All);
         // Most pointers are freed by the thread that allocated them: its last shard first.
         if let Some(shard) = self.remembered_shard() {
             let mut locked = self.lock(shard);
             if let Some(index) = locked.take_indexed(ptr) {
-                return locked.free_allocated(index);
+                return locked.free_allocated(index, stack);
             }
         }
         let shard = self.route(ptr).ok_or(Error::InvalidPointer { ptr })?;
@@ -74,7 +77,7 @@ impl<D: Device> CachingAllocator<D> {
         let index = locked
             .take_indexed(ptr)
             .ok_or(Error::InvalidPointer { ptr })?;
-        locked.free_allocated(index)
+        locked.free_allocated(index, stack)
     }
 
     /// Marks an allocation as used by `stream` (PyTorch's `recordStream`): when it is freed, the
@@ -263,7 +266,9 @@ impl<D: Device> Locked<'_, D> {
 
     /// Frees an allocated block whose pointer mapping was already removed.
     #[inline(always)]
-    pub(crate) fn free_allocated(&mut self, index: u32) -> Result<()> {
+    /// `stack`: the freeing call's stack (context level `All`), recorded on its `free_requested` and
+    /// `free_completed` entries instead of the allocation's.
+    pub(crate) fn free_allocated(&mut self, index: u32, stack: Option<Stack>) -> Result<()> {
         let (pool, size, addr, requested, used_elsewhere) = {
             let b = &mut self.st.blocks[index];
             b.allocated = false;
@@ -272,7 +277,11 @@ impl<D: Device> Locked<'_, D> {
         let small = self.st.pools[pool as usize].small;
         self.dec(Kind::Allocation, small, 1);
         self.dec(Kind::AllocatedBytes, small, size);
-        self.record(Action::FreeRequested, addr, requested);
+        if let Some(stack) = stack {
+            self.st.free_stacks.insert(u64::from(index), stack);
+        }
+        let entry_stack = self.entry_stack(index);
+        self.record_with(Action::FreeRequested, addr, requested, entry_stack.as_ref());
         if size as usize >= self.a.settings.max_split_size() {
             self.shard.figures.decrease(OVERSIZE_ALLOCATIONS, 1);
         }
@@ -394,7 +403,12 @@ impl<D: Device> Locked<'_, D> {
             debug_assert!(!b.is_active());
             (b.pool, b.addr, b.size, b.requested, b.prev, b.next)
         };
-        self.record(Action::FreeCompleted, addr, requested);
+        let entry_stack = self.entry_stack(index);
+        if entry_stack.is_some() {
+            self.st.stacks.remove(&u64::from(index));
+            self.st.free_stacks.remove(&u64::from(index));
+        }
+        self.record_with(Action::FreeCompleted, addr, requested, entry_stack.as_ref());
         let mut net_blocks = 0i64;
         let mut net_bytes = 0i64;
         let st = &mut *self.st;
@@ -471,6 +485,34 @@ impl<D: Device> Locked<'_, D> {
         self.dec(Kind::Active, small, 1);
         self.dec(Kind::ActiveBytes, small, original_size);
         self.dec(Kind::RequestedBytes, small, requested);
+        if self.a.settings.uncached()
+            && !expandable
+            && !split
+            && self.st.pools[pool as usize].private_id().is_none()
+        {
+            // Caching is off: the segment (one allocation's own) goes back to the device now. On
+            // failure it stays cached, for `empty_cache` to return later. Private pools keep theirs
+            // (a captured graph may still use them).
+            if let Err(error) = self.release_block(index) {
+                tracing::warn!(%error, addr, "returning an uncached allocation to the device failed");
+            }
+        }
+    }
+
+    /// The stack for a free entry of block `index`: the freeing call's if kept, else the allocation's
+    /// (PyTorch's `context ? context : block->context_when_allocated`). One emptiness check when no
+    /// stacks are recorded.
+    #[inline]
+    fn entry_stack(&self, index: u32) -> Option<Stack> {
+        if self.st.stacks.is_empty() && self.st.free_stacks.is_empty() {
+            return None;
+        }
+        let key = u64::from(index);
+        self.st
+            .free_stacks
+            .get(&key)
+            .or_else(|| self.st.stacks.get(&key))
+            .cloned()
     }
 
     /// Merges free neighbour `src` into `dst` when both are free alike (mapped or unmapped);

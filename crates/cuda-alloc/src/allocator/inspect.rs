@@ -168,8 +168,10 @@ impl<D: Device> CachingAllocator<D> {
     #[must_use]
     pub fn snapshot(&self) -> Snapshot {
         let device_traces = vec![self.trace.entries()];
-        let (_guard, locks) = self.lock_all();
+        let (guard, locks) = self.lock_all();
         let mut segments = Vec::new();
+        // Stacks of blocks, symbolized after the locks are released: (segment, block, stack).
+        let mut stacks = Vec::new();
         for locked in &locks {
             let st = &locked.st;
             for (index, head) in st.blocks.iter() {
@@ -193,6 +195,9 @@ impl<D: Device> CachingAllocator<D> {
                     is_expandable: head.is_expandable(),
                     ..Segment::default()
                 };
+                if let Some(stack) = st.segment_stacks.get(&head.addr) {
+                    stacks.push((segments.len(), usize::MAX, stack.clone()));
+                }
                 let mut at = index;
                 while at != NIL && st.blocks[at].mapped {
                     let b = &st.blocks[at];
@@ -211,6 +216,9 @@ impl<D: Device> CachingAllocator<D> {
                         segment.active_size += b.size;
                         segment.requested_size += b.requested;
                     }
+                    if let Some(stack) = st.stacks.get(&u64::from(at)) {
+                        stacks.push((segments.len(), segment.blocks.len(), stack.clone()));
+                    }
                     segment.blocks.push(Block {
                         address: b.addr,
                         size: b.size,
@@ -224,6 +232,14 @@ impl<D: Device> CachingAllocator<D> {
             }
         }
         drop(locks);
+        drop(guard);
+        for (segment, block, stack) in stacks {
+            let frames = stack.frames().to_vec();
+            match segments[segment].blocks.get_mut(block) {
+                Some(block) => block.frames = frames,
+                None => segments[segment].frames = frames, // the segment's own (usize::MAX)
+            }
+        }
         segments.sort_by_key(|s| s.address);
         let total_active = segments.iter().map(|s| s.active_size).sum();
         self.trace

@@ -58,6 +58,25 @@ fn check_shard<D: Device>(
     max_split: usize,
 ) -> Result<u64, InvariantViolation> {
     let st = &locked.st;
+    // Call stacks of memory history belong to blocks in use (allocated, or freed and waiting for
+    // other streams); a free block keeps none.
+    for (name, table) in [("stack", &st.stacks), ("free stack", &st.free_stacks)] {
+        for &key in table.keys() {
+            let index = u32::try_from(key).unwrap_or(u32::MAX);
+            ensure!(
+                st.blocks.is_live(index) && st.blocks[index].is_active(),
+                "a {name} is kept for block {key}, which is not in use"
+            );
+        }
+    }
+    for &addr in st.segment_stacks.keys() {
+        ensure!(
+            st.blocks
+                .iter()
+                .any(|(_, b)| b.addr == addr && b.prev == NIL && !b.is_expandable()),
+            "a segment stack is kept for {addr:#x}, which starts no segment"
+        );
+    }
     let stream = locked.shard.stream;
     let blocks = &st.blocks;
     let mut expected = [0i64; FIGURES];

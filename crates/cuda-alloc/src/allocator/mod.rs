@@ -14,6 +14,7 @@
 //! | `inspect` | statistics, snapshots, pointer lookups, the invariant walk |
 
 mod alloc;
+mod checkpoint;
 mod free;
 mod grow;
 mod hint;
@@ -39,9 +40,11 @@ use crate::pool_id::MempoolId;
 use crate::settings::Settings;
 use crate::shard::{Shard, ShardGuard, ShardState, StreamTable};
 use crate::snapshot::TraceEntry;
+use crate::stack::{RecordContext, Stack};
 use crate::stats::peaks::{Kind, PeakBook};
 use crate::trace::{Action, Record, TraceRecorder};
 
+pub use checkpoint::{CheckpointDelta, PoolCheckpoint};
 pub use invariants::InvariantViolation;
 pub(crate) use private::PrivatePool;
 
@@ -261,7 +264,9 @@ impl<D: Device> CachingAllocator<D> {
         Self::with_config(device, AllocatorConfig::default())
     }
 
-    /// An allocator with the given settings.
+    /// An allocator with the given settings. A `backend` other than native is not implemented: the
+    /// native allocator serves, with a warning, and [`config`](Self::config) says `native` (the
+    /// fallible [`from_env`](Self::from_env) and [`apply_settings`](Self::apply_settings) refuse it).
     pub fn with_config(device: D, config: AllocatorConfig) -> Self {
         Self::with_stream_capacity(device, config, DEFAULT_STREAM_CAPACITY)
     }
@@ -270,9 +275,12 @@ impl<D: Device> CachingAllocator<D> {
     /// variables; see [`AllocatorConfig::from_env`]).
     ///
     /// # Errors
-    /// [`Error::Config`] when the variable holds a malformed configuration.
+    /// [`Error::Config`] when the variable holds a malformed configuration, or one asking for a backend
+    /// other than the native one ([`ConfigError::UnsupportedBackend`](crate::config::ConfigError)).
     pub fn from_env(device: D) -> Result<Self> {
-        Ok(Self::with_config(device, AllocatorConfig::from_env()?))
+        let allocator = Self::with_config(device, AllocatorConfig::from_env()?);
+        allocator.set_caching_disabled(crate::config::caching_disabled_by_env());
+        Ok(allocator)
     }
 
     /// An allocator with the given settings serving at most `streams` distinct streams.
@@ -340,7 +348,8 @@ impl<D: Device> CachingAllocator<D> {
         self.settings.config()
     }
 
-    /// Replaces the settings at run time; calls that start afterwards use them.
+    /// Replaces the settings at run time; calls that start afterwards use them. A `backend` other than
+    /// native is ignored with a warning, as in [`with_config`](Self::with_config).
     pub fn set_config(&self, config: &AllocatorConfig) {
         self.settings.set(config);
     }
@@ -349,12 +358,32 @@ impl<D: Device> CachingAllocator<D> {
     /// does (see [`AllocatorConfig::apply`]).
     ///
     /// # Errors
-    /// [`Error::Config`] for a malformed string; the settings are then unchanged.
+    /// [`Error::Config`] for a malformed string, or one asking for a backend other than the native one
+    /// ([`ConfigError::UnsupportedBackend`](crate::config::ConfigError)); the settings are then
+    /// unchanged.
     pub fn apply_settings(&self, config: &str) -> Result<()> {
         let mut next = self.settings.config();
         next.apply(config)?;
+        next.check_supported()?;
         self.settings.set(&next);
         Ok(())
+    }
+
+    /// Turns caching off (`true`) or back on, for debugging memory errors
+    /// (`PYTORCH_NO_CUDA_MEMORY_CACHING`, read by [`from_env`](Self::from_env)): while off, every
+    /// allocation is a device allocation of its own rounded size (`cuMemAlloc`; never split, never an
+    /// expandable segment), and freeing returns it to the device (`cuMemFree`) as soon as no stream uses
+    /// it any more, so that tools such as compute-sanitizer see each allocation's bounds. Statistics,
+    /// traces and snapshots go on as usual (PyTorch keeps none in this mode). Blocks cached before
+    /// caching was turned off stay until [`empty_cache`](Self::empty_cache).
+    pub fn set_caching_disabled(&self, disabled: bool) {
+        self.settings.set_uncached(disabled);
+    }
+
+    /// Whether caching is off (see [`set_caching_disabled`](Self::set_caching_disabled)).
+    #[must_use]
+    pub fn is_caching_disabled(&self) -> bool {
+        self.settings.uncached()
     }
 
     /// Limits the memory this allocator reserves to `fraction` of the device's total memory
@@ -401,7 +430,29 @@ impl<D: Device> CachingAllocator<D> {
     /// Turns the trace ring buffer on or off (`torch.cuda.memory._record_memory_history`); turning it
     /// off clears it. `max_entries` is at least 1.
     pub fn record_history(&self, enabled: bool, max_entries: usize) {
-        self.trace.configure(enabled, max_entries);
+        self.trace
+            .configure(enabled, max_entries, RecordContext::Never);
+    }
+
+    /// [`record_history`](Self::record_history) keeping call stacks as `context` says
+    /// (`torch.cuda.memory._record_memory_history(context=...)`): `State`, the stack of each live
+    /// allocation (snapshot blocks' `frames`); `Alloc`, also on the allocation's trace entries; `All`,
+    /// also the freeing call's stack on free entries. Stacks are captured unresolved (a few
+    /// microseconds per allocation) and symbolized when a snapshot or the trace is read (feature
+    /// `stacks`; without it no frames are recorded).
+    pub fn record_history_with_context(
+        &self,
+        enabled: bool,
+        max_entries: usize,
+        context: RecordContext,
+    ) {
+        self.trace.configure(enabled, max_entries, context);
+    }
+
+    /// The context level history is recorded with (`Never` while it is off).
+    #[must_use]
+    pub fn history_context(&self) -> RecordContext {
+        self.trace.context()
     }
 
     /// Whether the trace ring buffer is recording.
@@ -410,9 +461,18 @@ impl<D: Device> CachingAllocator<D> {
         self.trace.enabled()
     }
 
-    /// Adds a user annotation to the trace (when recording).
+    /// Attaches a function told about every trace entry from now on (PyTorch's
+    /// `attachAllocatorTraceTracker`): allocations, frees, segment allocations and releases, mappings,
+    /// out-of-memory errors, annotations; whether or not [`record_history`](Self::record_history) is on.
+    /// The tracker runs with the allocator's locks held and must not call into this allocator (see
+    /// [`TraceTracker`](crate::TraceTracker)).
+    pub fn attach_allocator_trace_tracker(&self, tracker: crate::TraceTracker) {
+        self.trace.attach(tracker);
+    }
+
+    /// Adds a user annotation to the trace (when recording, or when a tracker is attached).
     pub fn record_annotation(&self, name: impl Into<String>) {
-        if self.trace.enabled() {
+        if self.trace.wanted() {
             self.trace.push(Record {
                 action: Action::UserDefined,
                 addr: 0,
@@ -420,6 +480,7 @@ impl<D: Device> CachingAllocator<D> {
                 stream: StreamId(0),
                 time_us: crate::trace::now_us(),
                 user_metadata: Some(name.into().into_boxed_str()),
+                stack: None,
             });
         }
     }
@@ -529,6 +590,14 @@ impl<D: Device> Locked<'_, D> {
     #[inline]
     pub(crate) fn record(&self, action: Action, addr: u64, size: u64) {
         self.a.trace.record(action, addr, size, self.shard.stream);
+    }
+
+    /// Records a trace entry with its call stack (kept at context level `Alloc` and above).
+    #[inline]
+    pub(crate) fn record_with(&self, action: Action, addr: u64, size: u64, stack: Option<&Stack>) {
+        self.a
+            .trace
+            .record_with(action, addr, size, self.shard.stream, stack);
     }
 
     /// The pool index for a request of the given size class.

@@ -219,6 +219,9 @@ impl<D: Device> Locked<'_, D> {
         self.st.pools[pool as usize].free.remove(size, addr);
         self.st.blocks.remove(index);
         self.a.routes.write().remove(&addr);
+        if !self.st.segment_stacks.is_empty() {
+            self.st.segment_stacks.remove(&addr);
+        }
         Ok(true)
     }
 

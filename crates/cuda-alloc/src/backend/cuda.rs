@@ -30,11 +30,20 @@
 //! synchronisation) first make the device's primary context current on the calling thread, unless the
 //! driver already reports it current (one cheap `cuCtxGetCurrent`). The context is not cached on our side:
 //! other code in the process (the CUDA runtime, PyTorch) may switch it at any time.
+//!
+//! # Graph capture
+//!
+//! The calls that create memory (`cuMemAlloc`, `cuMemAddressReserve`, `cuMemCreate`, `cuMemMap` and
+//! `cuMemSetAccess`) run with the calling thread in relaxed capture mode (restored afterwards), so the
+//! cache can grow while a stream is being captured into a graph, even in global mode (PyTorch's
+//! `cudaMallocMaybeCapturing`). [`CudaBackend::is_capturing`] tells whether a stream is capturing.
 
 mod cached_slice;
+mod capture;
 mod context;
 mod driver;
 mod event;
+mod pinned;
 mod properties;
 mod registry;
 mod stream;
@@ -51,9 +60,11 @@ use crate::device::{
 };
 
 pub use cached_slice::CachedSlice;
+pub use context::has_primary_context;
 use context::PrimaryContext;
 pub use driver::{device_count, init};
 pub use event::{BackendEvent, IPC_HANDLE_SIZE};
+pub use pinned::CudaPinnedSource;
 pub use properties::{can_access_peer, device_properties, DeviceProperties, DeviceUuid};
 pub use stream::BackendStream;
 use vmm::ChunkKind;
@@ -223,6 +234,17 @@ impl CudaBackend {
         self.ctx.make_current()
     }
 
+    /// Whether `stream` is being captured into a CUDA graph (`cuStreamGetCaptureInfo`): `true` for an
+    /// active capture and for one that was invalidated but not yet ended, like PyTorch's
+    /// `is_current_stream_capturing` on the stream.
+    ///
+    /// # Errors
+    ///
+    /// [`DeviceError::UnknownStream`] for a stream this backend does not know; driver errors.
+    pub fn is_capturing(&self, stream: StreamId) -> DeviceResult<bool> {
+        Ok(self.capture_status(stream)? != CaptureStatus::None)
+    }
+
     /// The device's properties (see [`device_properties`]).
     pub fn properties(&self) -> DeviceResult<DeviceProperties> {
         device_properties(self.ordinal)
@@ -326,9 +348,11 @@ unsafe impl Device for CudaBackend {
     #[doc(alias = "cuMemAlloc")]
     fn malloc(&self, size: usize) -> DeviceResult<DevicePtr> {
         self.ctx.make_current()?;
+        let relaxed = capture::RelaxedCapture::enter()?;
         let mut ptr = 0;
         // SAFETY: this device's context is current; `ptr` is a valid out-parameter.
         let result = unsafe { sys::cuMemAlloc_v2(&mut ptr, size) };
+        drop(relaxed);
         driver::check_alloc("cuMemAlloc", result, size)?;
         if ptr % MIN_ALIGNMENT != 0 {
             // SAFETY: `ptr` was just allocated by `cuMemAlloc` and is unused.
@@ -445,6 +469,7 @@ unsafe impl Device for CudaBackend {
     fn reserve_address_range(&self, size: usize) -> DeviceResult<DevicePtr> {
         let granularity = self.vmm_granularity()?;
         self.ctx.make_current()?;
+        let _relaxed = capture::RelaxedCapture::enter()?;
         let mut ptr = 0;
         // SAFETY: this device's context is current; `ptr` is a valid out-parameter; no fixed address is
         // requested (0) and flags must be 0.
@@ -465,12 +490,14 @@ unsafe impl Device for CudaBackend {
     fn create_physical(&self, size: usize) -> DeviceResult<PhysicalChunk> {
         let kind = self.chunk_kind()?;
         self.ctx.make_current()?;
+        let _relaxed = capture::RelaxedCapture::enter()?;
         kind.create(size)
     }
 
     #[doc(alias = "cuMemMap")]
     unsafe fn map(&self, ptr: DevicePtr, size: usize, chunk: &PhysicalChunk) -> DeviceResult<()> {
         debug_assert_eq!(size, chunk.size(), "a chunk is mapped whole");
+        let _relaxed = capture::RelaxedCapture::enter()?;
         let mut vmm = self.vmm.lock();
         // SAFETY: the caller guarantees the range is reserved, unmapped, and `size` is the chunk's size.
         driver::check("cuMemMap", unsafe {

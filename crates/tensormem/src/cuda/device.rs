@@ -30,6 +30,19 @@ pub fn device_count() -> Result<u32> {
     Ok(registry::get()?.device_count())
 }
 
+/// Whether `device`'s primary context is active (`torch._C._cuda_hasPrimaryContext`,
+/// `cuDevicePrimaryCtxGetState`): something in the process (this API once the device was used, the
+/// CUDA runtime, PyTorch) created it. Asking creates no context.
+///
+/// # Errors
+///
+/// [`Error::InvalidDevice`](super::Error::InvalidDevice) for an ordinal past the device count; as
+/// [`device_count`].
+pub fn has_primary_context(device: u32) -> Result<bool> {
+    registry::check_ordinal(device)?;
+    Ok(backend::has_primary_context(device)?)
+}
+
 /// This thread's current device (`torch.cuda.current_device()`): the device that calls without an
 /// explicit one use. 0 until [`set_device`] changes it.
 ///

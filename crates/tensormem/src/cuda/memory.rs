@@ -8,10 +8,11 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use tensormem_cuda_alloc::backend::cuda::CudaBackend;
-use tensormem_cuda_alloc::config::AllocatorConfig;
+use tensormem_cuda_alloc::config::{AllocatorConfig, Backend};
+use tensormem_cuda_alloc::oom::OomEvent;
 use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_cuda_alloc::stats::MemoryStats;
-use tensormem_cuda_alloc::{CachingAllocator, DevicePtr};
+use tensormem_cuda_alloc::{CachingAllocator, DevicePtr, RecordContext};
 
 use super::device::resolve;
 use super::error::{Error, Result};
@@ -170,7 +171,25 @@ pub fn dump_snapshot(path: impl AsRef<Path>) -> Result<()> {
 ///
 /// The errors of initialising CUDA.
 pub fn record_memory_history(enabled: bool, max_entries: usize) -> Result<()> {
-    registry::record_history(enabled, max_entries.max(1))
+    registry::record_history(enabled, max_entries.max(1), RecordContext::Never)
+}
+
+/// [`record_memory_history`] keeping call stacks as `context` says
+/// (`torch.cuda.memory._record_memory_history(context=...)`): [`RecordContext::State`] the stack of
+/// each live allocation (snapshot blocks' `frames`, shown by `_memory_viz`), [`RecordContext::Alloc`]
+/// also on allocation trace entries, [`RecordContext::All`] also the freeing call's stack. Stacks are
+/// Rust call stacks, captured unresolved and symbolized when a snapshot is taken (file and line need
+/// debug information in the binary).
+///
+/// # Errors
+///
+/// The errors of initialising CUDA.
+pub fn record_memory_history_with_context(
+    enabled: bool,
+    max_entries: usize,
+    context: RecordContext,
+) -> Result<()> {
+    registry::record_history(enabled, max_entries.max(1), context)
 }
 
 /// Limits how much of `device`'s memory its allocator may hold to `fraction` of the total
@@ -203,10 +222,22 @@ pub fn empty_cache() -> Result<()> {
 ///
 /// # Errors
 ///
-/// [`Error::Alloc`] with the configuration error (PyTorch's messages) for a malformed string, in which
-/// case nothing changes.
+/// [`Error::Alloc`] with the configuration error (PyTorch's messages) for a malformed string, or
+/// [`UnsupportedBackend`](tensormem_cuda_alloc::config::ConfigError::UnsupportedBackend) for one asking
+/// for `backend:cudaMallocAsync`, in which case nothing changes.
 pub fn set_allocator_settings(config: &str) -> Result<()> {
     registry::apply_settings(config)
+}
+
+/// The name of the allocator backend that serves device memory (`torch.cuda.get_allocator_backend`):
+/// always [`Backend::Native`], tensormem's caching allocator. `backend:cudaMallocAsync` is refused
+/// wherever it can be set (the environment when a device is first used, [`set_allocator_settings`]).
+///
+/// # Errors
+///
+/// As [`caching_allocator`] for the current device.
+pub fn get_allocator_backend() -> Result<Backend> {
+    Ok(caching_allocator(None)?.config().backend)
 }
 
 /// The settings `device`'s allocator runs with, or the current device's.
@@ -216,6 +247,20 @@ pub fn set_allocator_settings(config: &str) -> Result<()> {
 /// As [`caching_allocator`].
 pub fn allocator_settings(device: Option<u32>) -> Result<AllocatorConfig> {
     Ok(caching_allocator(device)?.config())
+}
+
+/// Attaches `observer` to every device's allocator, those used so far and those used later
+/// (`torch._C._cuda_attach_out_of_memory_observer`): it is called after each out-of-memory error, with
+/// no allocator lock held, with the device, the size that could not be allocated, and the device's
+/// total and free memory.
+///
+/// # Errors
+///
+/// The errors of initialising CUDA.
+pub fn attach_out_of_memory_observer(
+    observer: impl Fn(&OomEvent) + Send + Sync + 'static,
+) -> Result<()> {
+    registry::attach_oom_observer(std::sync::Arc::new(observer))
 }
 
 /// Allocates `size` bytes with the caching allocator for use on `stream`, or on the current stream of the

@@ -1,11 +1,13 @@
 //! The process-wide table of devices: one lazily opened [`CudaBackend`] and caching allocator per device
 //! ordinal, created on first use, never dropped (like PyTorch's per-device allocators).
 
-use std::sync::{Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use tensormem_cuda_alloc::backend::cuda::{self as backend, CudaBackend};
+use tensormem_cuda_alloc::backend::cuda::{self as backend, CudaBackend, CudaPinnedSource};
 use tensormem_cuda_alloc::config::AllocatorConfig;
-use tensormem_cuda_alloc::CachingAllocator;
+use tensormem_cuda_alloc::host::HostCachingAllocator;
+use tensormem_cuda_alloc::oom::OomEvent;
+use tensormem_cuda_alloc::{CachingAllocator, RecordContext};
 
 use super::error::{Error, Result};
 use super::fork;
@@ -21,23 +23,41 @@ pub(crate) struct Registry {
 #[derive(Debug)]
 pub(crate) struct DeviceState {
     allocator: CachingAllocator<CudaBackend>,
+    /// The pinned host allocator whose blocks' reuse waits on this device's streams, made on first use.
+    host: OnceLock<HostCachingAllocator<CudaBackend>>,
 }
 
 /// Settings made for all devices, including those not opened yet (PyTorch's allocator settings and
 /// history recording are process-wide).
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct ProcessSettings {
     /// Configuration strings applied with `set_allocator_settings`, in order, after the environment's.
     applied: Vec<String>,
-    /// History recording: (enabled, max entries), when set.
-    history: Option<(bool, usize)>,
+    /// History recording: (enabled, max entries, stack context), when set.
+    history: Option<(bool, usize, RecordContext)>,
+    /// Out-of-memory observers attached for every device, in order.
+    oom_observers: Vec<SharedOomObserver>,
 }
+
+impl std::fmt::Debug for ProcessSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessSettings")
+            .field("applied", &self.applied)
+            .field("history", &self.history)
+            .field("oom_observers", &self.oom_observers.len())
+            .finish()
+    }
+}
+
+/// An out-of-memory observer shared by every device's allocator.
+pub(crate) type SharedOomObserver = Arc<dyn Fn(&OomEvent) + Send + Sync>;
 
 /// Process-wide settings; also held while a device is opened, so that a device opened concurrently
 /// with a settings change gets the change exactly once.
 static SETTINGS: Mutex<ProcessSettings> = Mutex::new(ProcessSettings {
     applied: Vec::new(),
     history: None,
+    oom_observers: Vec::new(),
 });
 
 fn settings() -> std::sync::MutexGuard<'static, ProcessSettings> {
@@ -53,10 +73,30 @@ impl DeviceState {
             config.apply(applied)?;
         }
         let allocator = CachingAllocator::with_config(CudaBackend::new(ordinal)?, config);
-        if let Some((enabled, max_entries)) = process.history {
-            allocator.record_history(enabled, max_entries);
+        allocator.set_caching_disabled(tensormem_cuda_alloc::config::caching_disabled_by_env());
+        if let Some((enabled, max_entries, context)) = process.history {
+            allocator.record_history_with_context(enabled, max_entries, context);
         }
-        Ok(Self { allocator })
+        for observer in &process.oom_observers {
+            attach_shared(&allocator, observer);
+        }
+        Ok(Self {
+            allocator,
+            host: OnceLock::new(),
+        })
+    }
+
+    /// The device's pinned host allocator, configured by the allocator's settings
+    /// (`pinned_use_cuda_host_register`, `pinned_num_register_threads`) when first used.
+    pub(crate) fn host(&self, ordinal: u32) -> Result<&HostCachingAllocator<CudaBackend>> {
+        if let Some(host) = self.host.get() {
+            return Ok(host);
+        }
+        let device = CudaBackend::new(ordinal)?;
+        let source = CudaPinnedSource::from_config(&device, &self.allocator.config());
+        Ok(self
+            .host
+            .get_or_init(|| HostCachingAllocator::new(device, source)))
     }
 
     /// The device.
@@ -143,10 +183,13 @@ pub(crate) fn opened() -> Result<impl Iterator<Item = (u32, &'static DeviceState
 }
 
 /// Applies a configuration string to every opened device's allocator and remembers it for devices
-/// opened later. Checked on a copy first, so a malformed string changes nothing.
+/// opened later. Checked on a copy first, so a malformed string (or one asking for
+/// `backend:cudaMallocAsync`) changes nothing.
 pub(crate) fn apply_settings(config: &str) -> Result<()> {
     get()?;
-    AllocatorConfig::default().apply(config)?;
+    let mut probe = AllocatorConfig::default();
+    probe.apply(config)?;
+    probe.check_supported()?;
     let mut process = settings();
     for (_, state) in opened()? {
         state.allocator.apply_settings(config)?;
@@ -156,12 +199,34 @@ pub(crate) fn apply_settings(config: &str) -> Result<()> {
 }
 
 /// Turns history recording on or off on every opened device's allocator and for devices opened later.
-pub(crate) fn record_history(enabled: bool, max_entries: usize) -> Result<()> {
+pub(crate) fn record_history(
+    enabled: bool,
+    max_entries: usize,
+    context: RecordContext,
+) -> Result<()> {
     get()?;
     let mut process = settings();
     for (_, state) in opened()? {
-        state.allocator.record_history(enabled, max_entries);
+        state
+            .allocator
+            .record_history_with_context(enabled, max_entries, context);
     }
-    process.history = Some((enabled, max_entries));
+    process.history = Some((enabled, max_entries, context));
+    Ok(())
+}
+
+fn attach_shared(allocator: &CachingAllocator<CudaBackend>, observer: &SharedOomObserver) {
+    let observer = Arc::clone(observer);
+    allocator.attach_oom_observer(Box::new(move |event| observer(event)));
+}
+
+/// Attaches an out-of-memory observer to every opened device's allocator and to those opened later.
+pub(crate) fn attach_oom_observer(observer: SharedOomObserver) -> Result<()> {
+    get()?;
+    let mut process = settings();
+    for (_, state) in opened()? {
+        attach_shared(&state.allocator, &observer);
+    }
+    process.oom_observers.push(observer);
     Ok(())
 }

@@ -177,3 +177,16 @@ pub fn set_stream(stream: &Stream) -> Result<()> {
     });
     Ok(())
 }
+
+/// Whether this thread's current stream on the current device is being captured into a CUDA graph
+/// (`torch.cuda.is_current_stream_capturing`, `cuStreamGetCaptureInfo`). An invalidated capture that
+/// has not been ended counts as capturing, as in PyTorch.
+///
+/// # Errors
+///
+/// The errors of [`current_stream`]; the driver's errors.
+pub fn is_current_stream_capturing() -> Result<bool> {
+    let stream = current_stream(None)?;
+    let device = registry::device(stream.device)?.device();
+    Ok(device.is_capturing(stream.id())?)
+}

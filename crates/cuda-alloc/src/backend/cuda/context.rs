@@ -91,3 +91,24 @@ impl PrimaryContext {
         Ok(())
     }
 }
+
+/// Whether device `ordinal`'s primary context is active (`cuDevicePrimaryCtxGetState`): some code in
+/// the process (tensormem once the device is opened, the CUDA runtime, PyTorch) has retained it. Like
+/// PyTorch's `torch._C._cuda_hasPrimaryContext`, this creates no context, so it can tell whether using
+/// the device would.
+///
+/// # Errors
+///
+/// [`DeviceError`](crate::DeviceError) when there is no driver (code 100) or `ordinal` is past the
+/// device count (code 101).
+#[doc(alias = "cuDevicePrimaryCtxGetState")]
+pub fn has_primary_context(ordinal: u32) -> DeviceResult<bool> {
+    let dev = device_handle(ordinal)?;
+    let (mut flags, mut active) = (0u32, 0i32);
+    // SAFETY: `dev` is a valid device handle (checked against the device count by `device_handle`);
+    // both out-parameters are valid.
+    check("cuDevicePrimaryCtxGetState", unsafe {
+        sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active)
+    })?;
+    Ok(active != 0)
+}
