@@ -70,7 +70,8 @@ impl FreeSet {
     }
 
     /// The first block of at least `size` bytes (lowest address among equals): what best fit takes.
-    #[inline]
+    /// Always inlined: as a call it was a third prologue and epilogue.
+    #[inline(always)]
     pub(crate) fn first_at_least(&self, size: u64) -> Option<(u64, u64, u32)> {
         let (chunk, at) = self.locate((size, 0));
         let e = match self.chunks.get(chunk)?.get(at) {
