@@ -1,13 +1,37 @@
 //! The ordered set of a pool's free blocks, keyed by `(size, address)`.
 //!
-//! Best fit needs "the first block at least this large" and ordered walks both ways. A pool usually
-//! holds a handful of free blocks and the hot path inserts and removes one or two per call, so the
-//! set is a sorted vector cut into chunks of at most [`CHUNK`] entries: lookups are two binary
-//! searches, updates move at most one chunk's entries, and nothing is allocated unless a chunk
+//! Best fit needs "the first block at least this large" and ordered walks both ways. The set is cut
+//! by size class into [`BUCKETS`] buckets (four per power of two, see [`bucket`]), a bitmap says which
+//! buckets hold anything, and each bucket is a sorted vector cut into chunks of at most [`CHUNK`]
+//! entries. Buckets partition the key order (every key of a bucket is below every key of the next), so
+//! best fit is a short scan in the request's bucket and, if that has nothing large enough, the first
+//! entry of the next non-empty bucket (a bit scan). A pool with blocks of many sizes (the mixed
+//! pattern: hundreds of free blocks from 512 B to tens of MiB) keeps a handful per bucket, so updates
+//! move a few entries instead of half of one long vector; many blocks of one size still cost no more
+//! than one chunk's move. Nothing is allocated unless a bucket is used for the first time or a chunk
 //! splits. (A `BTreeMap` costs several times more per update at these sizes.)
 
 /// Most entries a chunk holds before it is split in two.
 const CHUNK: usize = 128;
+
+/// Number of size buckets: four per power of two of `size / 512`, up to 2^63 bytes.
+const BUCKETS: usize = 4 * 56;
+
+/// Words of the non-empty-bucket bitmap.
+const WORDS: usize = BUCKETS.div_ceil(64);
+
+/// The bucket of a block size: with `units = (size - 1) / 512`, `4 * log2(units)` plus the two bits
+/// below the leading one. Monotone in `size`, so buckets partition the `(size, address)` order. The
+/// `- 1` puts a power of two in one bucket with the sizes just below it: a segment of 2 MiB and what
+/// is left of it after a small split (2 MiB - 512) share a bucket, so the hot path re-keys in place.
+#[inline(always)]
+fn bucket(size: u64) -> usize {
+    let units = (size.saturating_sub(1) >> 9).max(1);
+    let log = 63 - units.leading_zeros();
+    // The two bits after the leading one (shifted into place for units below 4).
+    let sub = ((units << 2) >> log) & 3;
+    log as usize * 4 + sub as usize
+}
 
 /// One free block: its key and its arena index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,6 +45,11 @@ impl Entry {
     #[inline]
     fn key(&self) -> (u64, u64) {
         (self.size, self.addr)
+    }
+
+    #[inline]
+    fn triple(&self) -> (u64, u64, u32) {
+        (self.size, self.addr, self.index)
     }
 }
 
@@ -38,22 +67,15 @@ fn lower_bound(chunk: &[Entry], key: (u64, u64)) -> usize {
     }
 }
 
-/// Free blocks sorted by `(size, address)`. Invariant: chunks are sorted, each chunk's keys are below
-/// the next chunk's, and no chunk is empty unless it is the only one.
-#[derive(Debug)]
-pub(crate) struct FreeSet {
+/// One bucket: entries sorted by `(size, address)`. Invariant: chunks are sorted, each chunk's keys
+/// are below the next chunk's, and no chunk is empty unless it is the only one (a bucket that was never
+/// used has no chunk at all).
+#[derive(Debug, Default)]
+struct Bucket {
     chunks: Vec<Vec<Entry>>,
 }
 
-impl Default for FreeSet {
-    fn default() -> Self {
-        FreeSet {
-            chunks: vec![Vec::with_capacity(8)],
-        }
-    }
-}
-
-impl FreeSet {
+impl Bucket {
     /// The first position whose key is at least `key`: `(chunk, offset)`, or one past the end.
     #[inline(always)]
     fn locate(&self, key: (u64, u64)) -> (usize, usize) {
@@ -69,22 +91,26 @@ impl FreeSet {
         }
     }
 
-    /// The first block of at least `size` bytes (lowest address among equals): what best fit takes.
-    /// Always inlined: as a call it was a third prologue and epilogue.
+    /// The first entry whose key is at least `key`.
     #[inline(always)]
-    pub(crate) fn first_at_least(&self, size: u64) -> Option<(u64, u64, u32)> {
-        let (chunk, at) = self.locate((size, 0));
-        let e = match self.chunks.get(chunk)?.get(at) {
-            Some(e) => e,
+    fn first_at_least(&self, key: (u64, u64)) -> Option<&Entry> {
+        let (chunk, at) = self.locate(key);
+        match self.chunks.get(chunk)?.get(at) {
+            Some(e) => Some(e),
             // The position is one past a chunk's end: the next chunk starts with the answer.
-            None => self.chunks.get(chunk + 1)?.first()?,
-        };
-        Some((e.size, e.addr, e.index))
+            None => self.chunks.get(chunk + 1)?.first(),
+        }
     }
 
     #[inline]
-    pub(crate) fn insert(&mut self, size: u64, addr: u64, index: u32) {
-        let key = (size, addr);
+    fn insert(&mut self, entry: Entry) {
+        if self.chunks.is_empty() {
+            let mut first = Vec::with_capacity(8);
+            first.push(entry);
+            self.chunks.push(first);
+            return;
+        }
+        let key = entry.key();
         let (mut chunk, mut at) = self.locate(key);
         if chunk == self.chunks.len() {
             chunk -= 1;
@@ -93,9 +119,15 @@ impl FreeSet {
         let c = &mut self.chunks[chunk];
         debug_assert!(
             c.get(at).is_none_or(|e| e.key() != key),
-            "block at {addr:#x} already free"
+            "block at {:#x} already free",
+            entry.addr
         );
-        c.insert(at, Entry { size, addr, index });
+        if at == c.len() {
+            // No entry to move (a `Vec::insert` would still call `memmove`).
+            c.push(entry);
+            return;
+        }
+        c.insert(at, entry);
         if c.len() > CHUNK {
             let mut upper = Vec::with_capacity(CHUNK + 1);
             upper.extend(c.drain(CHUNK / 2..));
@@ -103,25 +135,32 @@ impl FreeSet {
         }
     }
 
+    /// Removes the entry keyed `key`; returns its index and whether the bucket is now empty.
     #[inline]
-    pub(crate) fn remove(&mut self, size: u64, addr: u64) -> Option<u32> {
-        let (chunk, at) = self.locate((size, addr));
+    fn remove(&mut self, key: (u64, u64)) -> Option<(u32, bool)> {
+        let (chunk, at) = self.locate(key);
         let c = self.chunks.get_mut(chunk)?;
-        if c.get(at)?.key() != (size, addr) {
+        if c.get(at)?.key() != key {
             return None;
         }
-        let entry = c.remove(at);
-        if c.is_empty() && self.chunks.len() > 1 {
+        let entry = if at + 1 == c.len() {
+            // No entry to move (a `Vec::remove` would still call `memmove`).
+            c.pop()?
+        } else {
+            c.remove(at)
+        };
+        let emptied = c.is_empty();
+        if emptied && self.chunks.len() > 1 {
             self.chunks.remove(chunk);
+            return Some((entry.index, false));
         }
-        Some(entry.index)
+        Some((entry.index, emptied))
     }
 
-    /// Gives the entry keyed `old` the key `new` and arena index `index` (a block that shrank, grew or
-    /// moved). Updates in place when the order allows, which is the common case. Always inlined: as a
-    /// call, half of its instructions were saving and restoring registers.
+    /// Replaces the entry keyed `old` by `new` where the order allows it in place; `false` (nothing
+    /// changed) where it does not.
     #[inline(always)]
-    pub(crate) fn rekey(&mut self, old: (u64, u64), new: (u64, u64), index: u32) {
+    fn rekey_in_place(&mut self, old: (u64, u64), new: Entry) -> bool {
         if let [only] = self.chunks.as_mut_slice() {
             let at = lower_bound(only, old);
             debug_assert_eq!(
@@ -129,31 +168,33 @@ impl FreeSet {
                 Some(old),
                 "rekeyed block not in set"
             );
-            let left_ok = at == 0 || only[at - 1].key() < new;
-            let right_ok = at + 1 >= only.len() || new < only[at + 1].key();
+            let left_ok = at == 0 || only[at - 1].key() < new.key();
+            let right_ok = at + 1 >= only.len() || new.key() < only[at + 1].key();
             if left_ok && right_ok && at < only.len() {
-                only[at] = Entry {
-                    size: new.0,
-                    addr: new.1,
-                    index,
-                };
-                return;
+                only[at] = new;
+                return true;
             }
+            return false;
         }
-        self.rekey_slow(old, new, index);
+        self.rekey_in_place_slow(old, new)
     }
 
     #[cold]
     #[inline(never)]
-    fn rekey_slow(&mut self, old: (u64, u64), new: (u64, u64), index: u32) {
+    fn rekey_in_place_slow(&mut self, old: (u64, u64), new: Entry) -> bool {
         let (chunk, at) = self.locate(old);
         let chunks = &self.chunks;
-        let c = &chunks[chunk];
+        let Some(c) = chunks.get(chunk) else {
+            return false;
+        };
         debug_assert_eq!(
             c.get(at).map(Entry::key),
             Some(old),
             "rekeyed block not in the set"
         );
+        if at >= c.len() {
+            return false;
+        }
         let left = if at > 0 {
             Some(&c[at - 1])
         } else {
@@ -164,51 +205,151 @@ impl FreeSet {
         } else {
             chunks[chunk + 1..].iter().find_map(|c| c.first())
         };
-        if left.is_none_or(|e| e.key() < new) && right.is_none_or(|e| new < e.key()) {
-            self.chunks[chunk][at] = Entry {
-                size: new.0,
-                addr: new.1,
-                index,
-            };
+        if left.is_none_or(|e| e.key() < new.key()) && right.is_none_or(|e| new.key() < e.key()) {
+            self.chunks[chunk][at] = new;
+            true
         } else {
-            self.remove(old.0, old.1);
-            self.insert(new.0, new.1, index);
+            false
         }
     }
 
-    /// Every entry from position `(chunk, at)` on.
-    fn from(&self, chunk: usize, at: usize) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
+    /// Every entry whose key is at least `key`, in order.
+    fn from_key(&self, key: (u64, u64)) -> impl DoubleEndedIterator<Item = &Entry> + '_ {
+        let (chunk, at) = self.locate(key);
         self.chunks
             .get(chunk)
             .map_or(&[][..], |c| &c[at..])
             .iter()
             .chain(self.chunks.iter().skip(chunk + 1).flatten())
-            .map(|e| (e.size, e.addr, e.index))
     }
 
-    /// Every entry before position `(chunk, at)`, last first.
-    fn before_position(
-        &self,
-        chunk: usize,
-        at: usize,
-    ) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
-        let head = self.chunks.get(chunk).map_or(&[][..], |c| &c[..at]);
-        head.iter()
-            .rev()
-            .chain(
-                self.chunks[..chunk.min(self.chunks.len())]
-                    .iter()
-                    .rev()
-                    .flat_map(|c| c.iter().rev()),
-            )
-            .map(|e| (e.size, e.addr, e.index))
+    /// Every entry whose key is below `key`, in order.
+    fn before_key(&self, key: (u64, u64)) -> impl DoubleEndedIterator<Item = &Entry> + '_ {
+        let (chunk, at) = self.locate(key);
+        self.chunks[..chunk.min(self.chunks.len())]
+            .iter()
+            .flatten()
+            .chain(self.chunks.get(chunk).map_or(&[][..], |c| &c[..at]).iter())
+    }
+
+    /// Every entry, in order.
+    fn iter(&self) -> impl DoubleEndedIterator<Item = &Entry> + '_ {
+        self.chunks.iter().flatten()
+    }
+}
+
+/// Free blocks sorted by `(size, address)`: size buckets (see the module documentation). Invariant:
+/// an entry is in the bucket of its size, and a bucket's bit is set exactly when it holds an entry.
+#[derive(Debug)]
+pub(crate) struct FreeSet {
+    buckets: Box<[Bucket]>,
+    nonempty: [u64; WORDS],
+}
+
+impl Default for FreeSet {
+    fn default() -> Self {
+        FreeSet {
+            buckets: (0..BUCKETS).map(|_| Bucket::default()).collect(),
+            nonempty: [0; WORDS],
+        }
+    }
+}
+
+impl FreeSet {
+    /// The first non-empty bucket at or after `from`.
+    #[inline(always)]
+    fn next_nonempty(&self, from: usize) -> Option<usize> {
+        let mut word = from / 64;
+        if word >= WORDS {
+            return None;
+        }
+        let mut bits = self.nonempty[word] & (u64::MAX << (from % 64));
+        loop {
+            if bits != 0 {
+                return Some(word * 64 + bits.trailing_zeros() as usize);
+            }
+            word += 1;
+            if word == WORDS {
+                return None;
+            }
+            bits = self.nonempty[word];
+        }
+    }
+
+    #[inline(always)]
+    fn mark(&mut self, b: usize, nonempty: bool) {
+        if nonempty {
+            self.nonempty[b / 64] |= 1 << (b % 64);
+        } else {
+            self.nonempty[b / 64] &= !(1 << (b % 64));
+        }
+    }
+
+    /// The first block of at least `size` bytes (lowest address among equals): what best fit takes.
+    /// Always inlined: as a call it was a third prologue and epilogue.
+    #[inline(always)]
+    pub(crate) fn first_at_least(&self, size: u64) -> Option<(u64, u64, u32)> {
+        let b = bucket(size);
+        if self.nonempty[b / 64] & (1 << (b % 64)) != 0 {
+            if let Some(e) = self.buckets[b].first_at_least((size, 0)) {
+                return Some(e.triple());
+            }
+        }
+        let next = self.next_nonempty(b + 1)?;
+        // A non-empty bucket's first chunk is not empty.
+        self.buckets[next].chunks.first()?.first().map(Entry::triple)
+    }
+
+    #[inline]
+    pub(crate) fn insert(&mut self, size: u64, addr: u64, index: u32) {
+        let b = bucket(size);
+        self.buckets[b].insert(Entry { size, addr, index });
+        self.mark(b, true);
+    }
+
+    #[inline]
+    pub(crate) fn remove(&mut self, size: u64, addr: u64) -> Option<u32> {
+        let b = bucket(size);
+        let (index, emptied) = self.buckets[b].remove((size, addr))?;
+        if emptied {
+            self.mark(b, false);
+        }
+        Some(index)
+    }
+
+    /// Gives the entry keyed `old` the key `new` and arena index `index` (a block that shrank, grew or
+    /// moved). Updates in place when the order allows, which is the common case. Always inlined: as a
+    /// call, half of its instructions were saving and restoring registers.
+    #[inline(always)]
+    pub(crate) fn rekey(&mut self, old: (u64, u64), new: (u64, u64), index: u32) {
+        let b = bucket(old.0);
+        let entry = Entry {
+            size: new.0,
+            addr: new.1,
+            index,
+        };
+        if b == bucket(new.0) && self.buckets[b].rekey_in_place(old, entry) {
+            return;
+        }
+        self.rekey_slow(old, entry);
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn rekey_slow(&mut self, old: (u64, u64), new: Entry) {
+        let removed = self.remove(old.0, old.1);
+        debug_assert!(removed.is_some(), "rekeyed block not in the set");
+        self.insert(new.size, new.addr, new.index);
     }
 
     /// Blocks of at least `size` bytes, smallest (then lowest address) first.
     #[inline]
     pub(crate) fn at_least(&self, size: u64) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
-        let (chunk, at) = self.locate((size, 0));
-        self.from(chunk, at)
+        let b = bucket(size);
+        self.buckets[b]
+            .from_key((size, 0))
+            .chain(self.buckets[b + 1..].iter().flat_map(Bucket::iter))
+            .map(Entry::triple)
     }
 
     /// Blocks ordered before `(size, addr)`, largest first.
@@ -217,8 +358,12 @@ impl FreeSet {
         size: u64,
         addr: u64,
     ) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
-        let (chunk, at) = self.locate((size, addr));
-        self.before_position(chunk, at)
+        let b = bucket(size);
+        self.buckets[b]
+            .before_key((size, addr))
+            .rev()
+            .chain(self.buckets[..b].iter().rev().flat_map(|k| k.iter().rev()))
+            .map(Entry::triple)
     }
 
     /// Blocks smaller than `size` bytes, largest (then highest address) first.
@@ -228,11 +373,14 @@ impl FreeSet {
 
     /// Every block, in `(size, address)` order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
-        self.from(0, 0)
+        self.buckets
+            .iter()
+            .flat_map(Bucket::iter)
+            .map(Entry::triple)
     }
 
     pub(crate) fn is_empty(&self) -> bool {
-        self.chunks.iter().all(Vec::is_empty)
+        self.nonempty.iter().all(|&w| w == 0)
     }
 }
 
@@ -241,6 +389,22 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
+
+    #[test]
+    fn buckets_are_monotone_and_in_range() {
+        let mut last = 0;
+        for size in (0..1u64 << 20).step_by(512).chain((21..64).map(|p| 1u64 << p)) {
+            let b = bucket(size);
+            assert!(b >= last, "bucket({size}) = {b} after {last}");
+            assert!(b < BUCKETS);
+            last = b;
+        }
+        assert!(bucket(u64::MAX) < BUCKETS);
+        assert!(bucket(u64::MAX) >= last);
+        // The hot path's re-keys stay in one bucket: a segment and its remainder after a split.
+        assert_eq!(bucket(2 << 20), bucket((2 << 20) - 512));
+        assert_eq!(bucket(20 << 20), bucket(19 << 20));
+    }
 
     #[test]
     fn behaves_like_an_ordered_map() {
@@ -287,7 +451,10 @@ mod tests {
                 assert_eq!(set.iter().count(), model.len());
             }
         }
-        assert!(set.chunks.len() > 1, "the test grew past one chunk");
+        assert!(
+            set.buckets.iter().any(|b| b.chunks.len() > 1),
+            "the test grew past one chunk"
+        );
         while let Some((&k, _)) = model.iter().next() {
             model.remove(&k);
             set.remove(k.0, k.1).unwrap();
