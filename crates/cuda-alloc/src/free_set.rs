@@ -54,8 +54,8 @@ impl Entry {
 }
 
 /// The first position in a sorted chunk whose key is at least `key`. Short chunks (the usual case)
-/// are scanned, long ones searched.
-#[inline]
+/// are scanned, long ones searched. Always inlined: as a call, a third of it was the call.
+#[inline(always)]
 fn lower_bound(chunk: &[Entry], key: (u64, u64)) -> usize {
     if chunk.len() <= 8 {
         chunk
@@ -91,15 +91,15 @@ impl Bucket {
         }
     }
 
-    /// The first entry whose key is at least `key`.
+    /// The position of the first entry whose key is at least `key`, if any.
     #[inline(always)]
-    fn first_at_least(&self, key: (u64, u64)) -> Option<&Entry> {
+    fn first_at_least(&self, key: (u64, u64)) -> Option<(usize, usize)> {
         let (chunk, at) = self.locate(key);
-        match self.chunks.get(chunk)?.get(at) {
-            Some(e) => Some(e),
-            // The position is one past a chunk's end: the next chunk starts with the answer.
-            None => self.chunks.get(chunk + 1)?.first(),
+        if at < self.chunks.get(chunk)?.len() {
+            return Some((chunk, at));
         }
+        // The position is one past a chunk's end: the next chunk (never empty) starts with the answer.
+        (chunk + 1 < self.chunks.len()).then_some((chunk + 1, 0))
     }
 
     #[inline]
@@ -139,22 +139,29 @@ impl Bucket {
     #[inline]
     fn remove(&mut self, key: (u64, u64)) -> Option<(u32, bool)> {
         let (chunk, at) = self.locate(key);
-        let c = self.chunks.get_mut(chunk)?;
-        if c.get(at)?.key() != key {
+        if self.chunks.get(chunk)?.get(at)?.key() != key {
             return None;
         }
+        Some(self.remove_at(chunk, at))
+    }
+
+    /// Removes the entry at `(chunk, at)` (which exists); returns its index and whether the bucket
+    /// is now empty.
+    #[inline(always)]
+    fn remove_at(&mut self, chunk: usize, at: usize) -> (u32, bool) {
+        let c = &mut self.chunks[chunk];
         let entry = if at + 1 == c.len() {
             // No entry to move (a `Vec::remove` would still call `memmove`).
-            c.pop()?
+            c.pop().expect("the entry exists")
         } else {
             c.remove(at)
         };
         let emptied = c.is_empty();
         if emptied && self.chunks.len() > 1 {
             self.chunks.remove(chunk);
-            return Some((entry.index, false));
+            return (entry.index, false);
         }
-        Some((entry.index, emptied))
+        (entry.index, emptied)
     }
 
     /// Replaces the entry keyed `old` by `new` where the order allows it in place; `false` (nothing
@@ -162,11 +169,12 @@ impl Bucket {
     #[inline(always)]
     fn rekey_in_place(&mut self, old: (u64, u64), new: Entry) -> bool {
         if let [only] = self.chunks.as_mut_slice() {
+            // One chunk (the usual case): its neighbours are the only keys to compare with.
             let at = lower_bound(only, old);
             debug_assert_eq!(
                 only.get(at).map(Entry::key),
                 Some(old),
-                "rekeyed block not in set"
+                "rekeyed block not in the set"
             );
             let left_ok = at == 0 || only[at - 1].key() < new.key();
             let right_ok = at + 1 >= only.len() || new.key() < only[at + 1].key();
@@ -176,36 +184,45 @@ impl Bucket {
             }
             return false;
         }
-        self.rekey_in_place_slow(old, new)
+        self.rekey_in_place_chunked(old, new)
     }
 
+    /// [`rekey_in_place`](Self::rekey_in_place) in a bucket of several chunks.
     #[cold]
     #[inline(never)]
-    fn rekey_in_place_slow(&mut self, old: (u64, u64), new: Entry) -> bool {
+    fn rekey_in_place_chunked(&mut self, old: (u64, u64), new: Entry) -> bool {
         let (chunk, at) = self.locate(old);
+        let found = self
+            .chunks
+            .get(chunk)
+            .and_then(|c| c.get(at))
+            .is_some_and(|e| e.key() == old);
+        debug_assert!(found, "rekeyed block not in the set");
+        found && self.rekey_at(chunk, at, new)
+    }
+
+    /// Replaces the entry at `(chunk, at)` (which exists) by `new` where the order allows it in
+    /// place; `false` (nothing changed) where it does not.
+    #[inline(always)]
+    fn rekey_at(&mut self, chunk: usize, at: usize, new: Entry) -> bool {
         let chunks = &self.chunks;
-        let Some(c) = chunks.get(chunk) else {
-            return false;
-        };
-        debug_assert_eq!(
-            c.get(at).map(Entry::key),
-            Some(old),
-            "rekeyed block not in the set"
-        );
-        if at >= c.len() {
-            return false;
-        }
-        let left = if at > 0 {
-            Some(&c[at - 1])
+        let c = &chunks[chunk];
+        // Chunks other than an only one are never empty, so a neighbour chunk's end is the
+        // neighbouring key.
+        let left_ok = if at > 0 {
+            c[at - 1].key() < new.key()
         } else {
-            chunks[..chunk].iter().rev().find_map(|c| c.last())
+            chunk == 0 || chunks[chunk - 1].last().is_none_or(|e| e.key() < new.key())
         };
-        let right = if at + 1 < c.len() {
-            Some(&c[at + 1])
+        let right_ok = if at + 1 < c.len() {
+            new.key() < c[at + 1].key()
         } else {
-            chunks[chunk + 1..].iter().find_map(|c| c.first())
+            chunks
+                .get(chunk + 1)
+                .and_then(|c| c.first())
+                .is_none_or(|e| new.key() < e.key())
         };
-        if left.is_none_or(|e| e.key() < new.key()) && right.is_none_or(|e| new.key() < e.key()) {
+        if left_ok && right_ok {
             self.chunks[chunk][at] = new;
             true
         } else {
@@ -236,6 +253,15 @@ impl Bucket {
     fn iter(&self) -> impl DoubleEndedIterator<Item = &Entry> + '_ {
         self.chunks.iter().flatten()
     }
+}
+
+/// Where an entry sits in a [`FreeSet`], as [`FreeSet::first_at_least`] found it: valid until the set
+/// changes. Lets the caller update the entry it just found without searching for it again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct FreePos {
+    bucket: u32,
+    chunk: u32,
+    at: u32,
 }
 
 /// Free blocks sorted by `(size, address)`: size buckets (see the module documentation). Invariant:
@@ -285,19 +311,66 @@ impl FreeSet {
         }
     }
 
-    /// The first block of at least `size` bytes (lowest address among equals): what best fit takes.
+    /// The first block of at least `size` bytes (lowest address among equals): what best fit takes;
+    /// with its position for [`rekey_at`](Self::rekey_at) and [`remove_at`](Self::remove_at).
     /// Always inlined: as a call it was a third prologue and epilogue.
     #[inline(always)]
-    pub(crate) fn first_at_least(&self, size: u64) -> Option<(u64, u64, u32)> {
-        let b = bucket(size);
+    pub(crate) fn first_at_least(&self, size: u64) -> Option<(u64, u32, FreePos)> {
+        let mut b = bucket(size);
+        let mut found = None;
         if self.nonempty[b / 64] & (1 << (b % 64)) != 0 {
-            if let Some(e) = self.buckets[b].first_at_least((size, 0)) {
-                return Some(e.triple());
-            }
+            found = self.buckets[b].first_at_least((size, 0));
         }
-        let next = self.next_nonempty(b + 1)?;
-        // A non-empty bucket's first chunk is not empty.
-        self.buckets[next].chunks.first()?.first().map(Entry::triple)
+        if found.is_none() {
+            b = self.next_nonempty(b + 1)?;
+            // A non-empty bucket's first chunk is not empty.
+            found = Some((0, 0));
+        }
+        let (chunk, at) = found?;
+        let e = self.buckets[b].chunks.get(chunk)?.get(at)?;
+        Some((
+            e.size,
+            e.index,
+            FreePos {
+                bucket: b as u32,
+                chunk: chunk as u32,
+                at: at as u32,
+            },
+        ))
+    }
+
+    /// Removes the entry at `pos` (from [`first_at_least`](Self::first_at_least), the set unchanged
+    /// since); returns its arena index.
+    #[inline(always)]
+    pub(crate) fn remove_at(&mut self, pos: FreePos) -> u32 {
+        let b = pos.bucket as usize;
+        let (index, emptied) = self.buckets[b].remove_at(pos.chunk as usize, pos.at as usize);
+        if emptied {
+            self.mark(b, false);
+        }
+        index
+    }
+
+    /// Gives the entry at `pos` (from [`first_at_least`](Self::first_at_least), the set unchanged
+    /// since; its key is `old`) the key `new` and arena index `index`, without searching for it.
+    #[inline(always)]
+    pub(crate) fn rekey_at(&mut self, pos: FreePos, old: (u64, u64), new: (u64, u64), index: u32) {
+        let b = pos.bucket as usize;
+        debug_assert_eq!(
+            self.buckets[b].chunks[pos.chunk as usize][pos.at as usize].key(),
+            old,
+            "stale free-set position"
+        );
+        let entry = Entry {
+            size: new.0,
+            addr: new.1,
+            index,
+        };
+        if b == bucket(new.0) && self.buckets[b].rekey_at(pos.chunk as usize, pos.at as usize, entry)
+        {
+            return;
+        }
+        self.rekey_slow(old, entry);
     }
 
     #[inline]
@@ -438,10 +511,26 @@ mod tests {
             }
             if step % 97 == 0 {
                 let q = (x % 70) * 512;
+                let found = set.first_at_least(q);
                 assert_eq!(
-                    set.first_at_least(q).map(|(s, a, i)| ((s, a), i)),
-                    model.range((q, 0)..).next().map(|(&k, &v)| (k, v))
+                    found.map(|(s, i, _)| (s, i)),
+                    model.range((q, 0)..).next().map(|(&k, &v)| (k.0, v))
                 );
+                if let Some((_, _, pos)) = found {
+                    // Update the found entry by position, as best fit's caller does.
+                    let (&old, &v) = model.range((q, 0)..).next().unwrap();
+                    if x & 0x400 != 0 {
+                        assert_eq!(set.remove_at(pos), v);
+                        model.remove(&old);
+                    } else {
+                        let new = (old.0 - old.0 / 4 / 512 * 512, old.1 + 1);
+                        if !model.contains_key(&new) {
+                            set.rekey_at(pos, old, new, v);
+                            model.remove(&old);
+                            model.insert(new, v);
+                        }
+                    }
+                }
                 let got: Vec<_> = set.at_least(q).map(|(s, a, i)| ((s, a), i)).collect();
                 let want: Vec<_> = model.range((q, 0)..).map(|(&k, &v)| (k, v)).collect();
                 assert_eq!(got, want);
