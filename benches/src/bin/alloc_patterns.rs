@@ -249,7 +249,10 @@ fn run_patterns<D: Device, A: Api<D>>(
             mixed_op_ns::<D, A>(a, stream)?
         );
     }
-    for threads in MT_THREADS.into_iter().filter(|_| wanted("mt_hot_pair_1MiB")) {
+    for threads in MT_THREADS
+        .into_iter()
+        .filter(|_| wanted("mt_hot_pair_1MiB"))
+    {
         let per_thread: Vec<RunResult<f64>> = std::thread::scope(|scope| {
             let handles: Vec<_> = (0..threads)
                 .map(|t| {

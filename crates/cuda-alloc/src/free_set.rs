@@ -10,12 +10,26 @@
 //! move a few entries instead of half of one long vector; many blocks of one size still cost no more
 //! than one chunk's move. Nothing is allocated unless a bucket is used for the first time or a chunk
 //! splits. (A `BTreeMap` costs several times more per update at these sizes.)
+//!
+//! A set of at most [`SMALL_MAX`] entries (the hot paths' pools: one or two free blocks) is one sorted
+//! vector instead: a split that halves a block (2 MiB into two 1 MiB halves) moves its key to another
+//! bucket, which costs a removal and an insertion there, but only an in-place update here. The set
+//! turns into buckets when it grows past [`SMALL_MAX`] and back when it shrinks below [`SMALL_MIN`].
 
 /// Most entries a chunk holds before it is split in two.
 const CHUNK: usize = 128;
 
 /// Number of size buckets: four per power of two of `size / 512`, up to 2^63 bytes.
 const BUCKETS: usize = 4 * 56;
+
+/// Most entries a set keeps in its small form (one sorted vector).
+const SMALL_MAX: usize = 32;
+
+/// Entries below which a bucketed set returns to the small form.
+const SMALL_MIN: usize = 8;
+
+/// The [`FreePos::bucket`] of a position in the small form.
+const SMALL: u32 = u32::MAX;
 
 /// Words of the non-empty-bucket bitmap.
 const WORDS: usize = BUCKETS.div_ceil(64);
@@ -232,7 +246,7 @@ impl Bucket {
     }
 
     /// Every entry whose key is at least `key`, in order.
-    fn from_key(&self, key: (u64, u64)) -> impl DoubleEndedIterator<Item = &Entry> + '_ {
+    fn starting_at(&self, key: (u64, u64)) -> impl DoubleEndedIterator<Item = &Entry> + '_ {
         let (chunk, at) = self.locate(key);
         self.chunks
             .get(chunk)
@@ -256,6 +270,20 @@ impl Bucket {
     }
 }
 
+/// Replaces `small[at]` (which exists) by `new` if the order allows it in place; `false` (nothing
+/// changed) if not.
+#[inline(always)]
+fn small_rekey_at(small: &mut [Entry], at: usize, new: Entry) -> bool {
+    let left_ok = at == 0 || small[at - 1].key() < new.key();
+    let right_ok = at + 1 >= small.len() || new.key() < small[at + 1].key();
+    if left_ok && right_ok {
+        small[at] = new;
+        true
+    } else {
+        false
+    }
+}
+
 /// Where an entry sits in a [`FreeSet`], as [`FreeSet::first_at_least`] found it: valid until the set
 /// changes. Lets the caller update the entry it just found without searching for it again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -265,10 +293,15 @@ pub(crate) struct FreePos {
     at: u32,
 }
 
-/// Free blocks sorted by `(size, address)`: size buckets (see the module documentation). Invariant:
-/// an entry is in the bucket of its size, and a bucket's bit is set exactly when it holds an entry.
+/// Free blocks sorted by `(size, address)`: one sorted vector while small, size buckets once large
+/// (see the module documentation). Invariants: `len` counts the entries; when `bucketed`, `small`
+/// is empty, an entry is in the bucket of its size, and a bucket's bit is set exactly when it holds
+/// an entry; otherwise every bucket is empty and `small` holds the entries, sorted.
 #[derive(Debug)]
 pub(crate) struct FreeSet {
+    small: Vec<Entry>,
+    bucketed: bool,
+    len: usize,
     buckets: Box<[Bucket]>,
     nonempty: [u64; WORDS],
 }
@@ -276,6 +309,9 @@ pub(crate) struct FreeSet {
 impl Default for FreeSet {
     fn default() -> Self {
         FreeSet {
+            small: Vec::with_capacity(8),
+            bucketed: false,
+            len: 0,
             buckets: (0..BUCKETS).map(|_| Bucket::default()).collect(),
             nonempty: [0; WORDS],
         }
@@ -317,6 +353,16 @@ impl FreeSet {
     /// Always inlined: as a call it was a third prologue and epilogue.
     #[inline(always)]
     pub(crate) fn first_at_least(&self, size: u64) -> Option<(u64, u32, FreePos)> {
+        if !self.bucketed {
+            let at = lower_bound(&self.small, (size, 0));
+            let e = self.small.get(at)?;
+            let pos = FreePos {
+                bucket: SMALL,
+                chunk: 0,
+                at: at as u32,
+            };
+            return Some((e.size, e.index, pos));
+        }
         let mut b = bucket(size);
         let mut found = None;
         if self.nonempty[b / 64] & (1 << (b % 64)) != 0 {
@@ -344,11 +390,22 @@ impl FreeSet {
     /// since); returns its arena index.
     #[inline(always)]
     pub(crate) fn remove_at(&mut self, pos: FreePos) -> u32 {
+        if pos.bucket == SMALL {
+            self.len -= 1;
+            let at = pos.at as usize;
+            return if at + 1 == self.small.len() {
+                self.small.pop().expect("the entry exists").index
+            } else {
+                self.small.remove(at).index
+            };
+        }
         let b = pos.bucket as usize;
         let (index, emptied) = self.buckets[b].remove_at(pos.chunk as usize, pos.at as usize);
         if emptied {
             self.mark(b, false);
         }
+        self.len -= 1;
+        self.shrink_if_small();
         index
     }
 
@@ -356,18 +413,31 @@ impl FreeSet {
     /// since; its key is `old`) the key `new` and arena index `index`, without searching for it.
     #[inline(always)]
     pub(crate) fn rekey_at(&mut self, pos: FreePos, old: (u64, u64), new: (u64, u64), index: u32) {
+        let entry = Entry {
+            size: new.0,
+            addr: new.1,
+            index,
+        };
+        if pos.bucket == SMALL {
+            debug_assert_eq!(
+                self.small[pos.at as usize].key(),
+                old,
+                "stale free-set position"
+            );
+            if small_rekey_at(&mut self.small, pos.at as usize, entry) {
+                return;
+            }
+            self.rekey_slow(old, entry);
+            return;
+        }
         let b = pos.bucket as usize;
         debug_assert_eq!(
             self.buckets[b].chunks[pos.chunk as usize][pos.at as usize].key(),
             old,
             "stale free-set position"
         );
-        let entry = Entry {
-            size: new.0,
-            addr: new.1,
-            index,
-        };
-        if b == bucket(new.0) && self.buckets[b].rekey_at(pos.chunk as usize, pos.at as usize, entry)
+        if b == bucket(new.0)
+            && self.buckets[b].rekey_at(pos.chunk as usize, pos.at as usize, entry)
         {
             return;
         }
@@ -376,19 +446,98 @@ impl FreeSet {
 
     #[inline]
     pub(crate) fn insert(&mut self, size: u64, addr: u64, index: u32) {
-        let b = bucket(size);
-        self.buckets[b].insert(Entry { size, addr, index });
+        let entry = Entry { size, addr, index };
+        self.len += 1;
+        if !self.bucketed {
+            let at = lower_bound(&self.small, entry.key());
+            debug_assert!(
+                self.small.get(at).is_none_or(|e| e.key() != entry.key()),
+                "block at {addr:#x} already free"
+            );
+            if at == self.small.len() {
+                self.small.push(entry);
+            } else {
+                self.small.insert(at, entry);
+            }
+            if self.small.len() > SMALL_MAX {
+                self.into_buckets();
+            }
+            return;
+        }
+        self.bucket_insert(entry);
+    }
+
+    #[inline]
+    fn bucket_insert(&mut self, entry: Entry) {
+        let b = bucket(entry.size);
+        self.buckets[b].insert(entry);
         self.mark(b, true);
     }
 
     #[inline]
     pub(crate) fn remove(&mut self, size: u64, addr: u64) -> Option<u32> {
+        if !self.bucketed {
+            let at = lower_bound(&self.small, (size, addr));
+            if self.small.get(at)?.key() != (size, addr) {
+                return None;
+            }
+            self.len -= 1;
+            return Some(if at + 1 == self.small.len() {
+                self.small.pop()?.index
+            } else {
+                self.small.remove(at).index
+            });
+        }
         let b = bucket(size);
         let (index, emptied) = self.buckets[b].remove((size, addr))?;
         if emptied {
             self.mark(b, false);
         }
+        self.len -= 1;
+        self.shrink_if_small();
         Some(index)
+    }
+
+    /// Moves every entry into the buckets (the set outgrew its small form).
+    #[cold]
+    #[inline(never)]
+    fn into_buckets(&mut self) {
+        self.bucketed = true;
+        let small = std::mem::take(&mut self.small);
+        for entry in &small {
+            self.bucket_insert(*entry);
+        }
+        self.small = small;
+        self.small.clear();
+    }
+
+    /// Returns to the small form if the set shrank below [`SMALL_MIN`] entries.
+    #[inline(always)]
+    fn shrink_if_small(&mut self) {
+        if self.len < SMALL_MIN {
+            self.into_small();
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn into_small(&mut self) {
+        let mut small = std::mem::take(&mut self.small);
+        small.extend(self.buckets.iter().flat_map(Bucket::iter).copied());
+        for word in 0..WORDS {
+            let mut bits = self.nonempty[word];
+            while bits != 0 {
+                let b = word * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                for chunk in &mut self.buckets[b].chunks {
+                    chunk.clear();
+                }
+                self.buckets[b].chunks.truncate(1);
+            }
+        }
+        self.nonempty = [0; WORDS];
+        self.small = small;
+        self.bucketed = false;
     }
 
     /// Gives the entry keyed `old` the key `new` and arena index `index` (a block that shrank, grew or
@@ -396,12 +545,25 @@ impl FreeSet {
     /// call, half of its instructions were saving and restoring registers.
     #[inline(always)]
     pub(crate) fn rekey(&mut self, old: (u64, u64), new: (u64, u64), index: u32) {
-        let b = bucket(old.0);
         let entry = Entry {
             size: new.0,
             addr: new.1,
             index,
         };
+        if !self.bucketed {
+            let at = lower_bound(&self.small, old);
+            debug_assert_eq!(
+                self.small.get(at).map(Entry::key),
+                Some(old),
+                "rekeyed block not in the set"
+            );
+            if at < self.small.len() && small_rekey_at(&mut self.small, at, entry) {
+                return;
+            }
+            self.rekey_slow(old, entry);
+            return;
+        }
+        let b = bucket(old.0);
         if b == bucket(new.0) && self.buckets[b].rekey_in_place(old, entry) {
             return;
         }
@@ -420,8 +582,9 @@ impl FreeSet {
     #[inline]
     pub(crate) fn at_least(&self, size: u64) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
         let b = bucket(size);
-        self.buckets[b]
-            .from_key((size, 0))
+        self.small[lower_bound(&self.small, (size, 0))..]
+            .iter()
+            .chain(self.buckets[b].starting_at((size, 0)))
             .chain(self.buckets[b + 1..].iter().flat_map(Bucket::iter))
             .map(Entry::triple)
     }
@@ -433,9 +596,10 @@ impl FreeSet {
         addr: u64,
     ) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
         let b = bucket(size);
-        self.buckets[b]
-            .before_key((size, addr))
+        self.small[..lower_bound(&self.small, (size, addr))]
+            .iter()
             .rev()
+            .chain(self.buckets[b].before_key((size, addr)).rev())
             .chain(self.buckets[..b].iter().rev().flat_map(|k| k.iter().rev()))
             .map(Entry::triple)
     }
@@ -447,14 +611,14 @@ impl FreeSet {
 
     /// Every block, in `(size, address)` order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
-        self.buckets
+        self.small
             .iter()
-            .flat_map(Bucket::iter)
+            .chain(self.buckets.iter().flat_map(Bucket::iter))
             .map(Entry::triple)
     }
 
     pub(crate) fn is_empty(&self) -> bool {
-        self.nonempty.iter().all(|&w| w == 0)
+        self.len == 0
     }
 }
 
@@ -467,7 +631,10 @@ mod tests {
     #[test]
     fn buckets_are_monotone_and_in_range() {
         let mut last = 0;
-        for size in (0..1u64 << 20).step_by(512).chain((21..64).map(|p| 1u64 << p)) {
+        for size in (0..1u64 << 20)
+            .step_by(512)
+            .chain((21..64).map(|p| 1u64 << p))
+        {
             let b = bucket(size);
             assert!(b >= last, "bucket({size}) = {b} after {last}");
             assert!(b < BUCKETS);
@@ -545,10 +712,12 @@ mod tests {
             set.buckets.iter().any(|b| b.chunks.len() > 1),
             "the test grew past one chunk"
         );
+        assert!(set.bucketed);
         while let Some((&k, _)) = model.iter().next() {
             model.remove(&k);
             set.remove(k.0, k.1).unwrap();
         }
         assert!(set.is_empty());
+        assert!(!set.bucketed, "an emptied set is small again");
     }
 }
