@@ -460,7 +460,7 @@ impl FreeSet {
                 self.small.insert(at, entry);
             }
             if self.small.len() > SMALL_MAX {
-                self.into_buckets();
+                self.spread_into_buckets();
             }
             return;
         }
@@ -501,7 +501,7 @@ impl FreeSet {
     /// Moves every entry into the buckets (the set outgrew its small form).
     #[cold]
     #[inline(never)]
-    fn into_buckets(&mut self) {
+    fn spread_into_buckets(&mut self) {
         self.bucketed = true;
         let small = std::mem::take(&mut self.small);
         for entry in &small {
@@ -515,13 +515,13 @@ impl FreeSet {
     #[inline(always)]
     fn shrink_if_small(&mut self) {
         if self.len < SMALL_MIN {
-            self.into_small();
+            self.gather_into_small();
         }
     }
 
     #[cold]
     #[inline(never)]
-    fn into_small(&mut self) {
+    fn gather_into_small(&mut self) {
         let mut small = std::mem::take(&mut self.small);
         small.extend(self.buckets.iter().flat_map(Bucket::iter).copied());
         for word in 0..WORDS {
