@@ -6,6 +6,7 @@
 //! alloc_patterns            # device 0, the CUDA backend (what compare_alloc.sh runs)
 //! alloc_patterns --sim      # the simulated device: profile the allocator's own code without a GPU
 //! alloc_patterns --history all   # the cost of memory history with call stacks (off/state/alloc/all)
+//! alloc_patterns --only mixed   # one pattern's rows only (e.g. under `perf stat` for its cache misses)
 //! ```
 //!
 //! Each pattern is timed exactly as the C++ harness times it: the same warm-up, iteration counts, random
@@ -226,24 +227,35 @@ impl StreamSource for SimStreams {
     }
 }
 
-/// Prints every row for one allocator, in the harness's order.
+/// The patterns, by the name their rows carry.
+const PATTERNS: [&str; 3] = ["hot_pair", "mixed", "mt_hot_pair_1MiB"];
+
+/// Prints every row for one allocator, in the harness's order (only those of pattern `only`, if
+/// given).
 fn run_patterns<D: Device, A: Api<D>>(
     a: &CachingAllocator<D>,
     backend: &str,
     streams: &dyn StreamSource,
+    only: Option<&str>,
 ) -> RunResult<()> {
+    let wanted = |pattern: &str| only.is_none_or(|o| o == pattern);
     let (stream, _keep) = streams.stream(usize::MAX)?;
-    for size in HOT_SIZES {
+    for size in HOT_SIZES.into_iter().filter(|_| wanted("hot_pair")) {
         println!(
             "hot_pair,{backend},{size},{:.1}",
             hot_pair_ns::<D, A>(a, size, HOT_ITERS, stream)?
         );
     }
-    println!(
-        "mixed,{backend},{MIXED_WINDOW},{:.1}",
-        mixed_op_ns::<D, A>(a, stream)?
-    );
-    for threads in MT_THREADS {
+    if wanted("mixed") {
+        println!(
+            "mixed,{backend},{MIXED_WINDOW},{:.1}",
+            mixed_op_ns::<D, A>(a, stream)?
+        );
+    }
+    for threads in MT_THREADS
+        .into_iter()
+        .filter(|_| wanted("mt_hot_pair_1MiB"))
+    {
         let per_thread: Vec<RunResult<f64>> = std::thread::scope(|scope| {
             let handles: Vec<_> = (0..threads)
                 .map(|t| {
@@ -283,12 +295,14 @@ struct Options {
     history: Option<RecordContext>,
     /// The history ring buffer's size.
     history_entries: usize,
+    /// Run only this pattern.
+    only: Option<String>,
 }
 
 /// The ring buffer size `--history` uses unless `--history-entries` says otherwise.
 const DEFAULT_HISTORY_ENTRIES: usize = 100_000;
 
-const USAGE: &str = "usage: alloc_patterns [--sim] [--raw] [--device N] [--history LEVEL] [--history-entries N]
+const USAGE: &str = "usage: alloc_patterns [--sim] [--raw] [--device N] [--history LEVEL] [--history-entries N] [--only P]
   --sim       run on the simulated device (no GPU needed; for profiling the allocator's own code)
   --raw       use the pointer API (raw_alloc/raw_free, like PyTorch's raw_alloc_with_stream/raw_delete)
               instead of Allocation handles
@@ -297,6 +311,8 @@ const USAGE: &str = "usage: alloc_patterns [--sim] [--raw] [--device N] [--histo
               stacks), state, alloc or all (call stacks, PyTorch's context levels); the backend
               column gets the suffix _history_LEVEL
   --history-entries N  the history ring buffer's size (default 100000)
+  --only P    run only pattern P (hot_pair, mixed or mt_hot_pair_1MiB), e.g. to count the mixed
+              pattern's cache misses alone: perf stat -e cache-misses,cache-references alloc_patterns --only mixed
 Prints CSV rows pattern,backend,size_or_window,ns_per_op (see ../shared/anchors/README.md).";
 
 fn parse_options() -> Result<Options, String> {
@@ -306,6 +322,7 @@ fn parse_options() -> Result<Options, String> {
         device: 0,
         history: None,
         history_entries: DEFAULT_HISTORY_ENTRIES,
+        only: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -340,6 +357,16 @@ fn parse_options() -> Result<Options, String> {
                         format!("--history-entries {value}: not a positive count")
                     })?;
             }
+            "--only" => {
+                let value = args.next().ok_or("--only needs a pattern name")?;
+                if !PATTERNS.contains(&value.as_str()) {
+                    return Err(format!(
+                        "--only {value}: not a pattern (one of {})",
+                        PATTERNS.join(", ")
+                    ));
+                }
+                options.only = Some(value);
+            }
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown argument {other:?}")),
         }
@@ -355,6 +382,7 @@ fn start_history<D: Device>(a: &CachingAllocator<D>, options: &Options) {
 }
 
 fn run(options: &Options) -> RunResult<()> {
+    let only = options.only.as_deref();
     let base = match (options.sim, options.raw) {
         (false, false) => "tensormem",
         (false, true) => "tensormem_raw",
@@ -374,9 +402,9 @@ fn run(options: &Options) -> RunResult<()> {
         start_history(&a, options);
         println!("{HEADER}");
         if options.raw {
-            run_patterns::<_, RawApi>(&a, backend, &SimStreams)
+            run_patterns::<_, RawApi>(&a, backend, &SimStreams, only)
         } else {
-            run_patterns::<_, HandleApi>(&a, backend, &SimStreams)
+            run_patterns::<_, HandleApi>(&a, backend, &SimStreams, only)
         }
     } else {
         let device = CudaBackend::new(options.device)
@@ -386,9 +414,9 @@ fn run(options: &Options) -> RunResult<()> {
         let streams = CudaStreams(a.device());
         println!("{HEADER}");
         if options.raw {
-            run_patterns::<_, RawApi>(&a, backend, &streams)
+            run_patterns::<_, RawApi>(&a, backend, &streams, only)
         } else {
-            run_patterns::<_, HandleApi>(&a, backend, &streams)
+            run_patterns::<_, HandleApi>(&a, backend, &streams, only)
         }
     }
 }

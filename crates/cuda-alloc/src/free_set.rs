@@ -1,13 +1,52 @@
 //! The ordered set of a pool's free blocks, keyed by `(size, address)`.
 //!
-//! Best fit needs "the first block at least this large" and ordered walks both ways. A pool usually
-//! holds a handful of free blocks and the hot path inserts and removes one or two per call, so the
-//! set is a sorted vector cut into chunks of at most [`CHUNK`] entries: lookups are two binary
-//! searches, updates move at most one chunk's entries, and nothing is allocated unless a chunk
+//! Best fit needs "the first block at least this large" and ordered walks both ways. The set is cut
+//! by size class into [`BUCKETS`] buckets (four per power of two, see [`bucket`]), a bitmap says which
+//! buckets hold anything, and each bucket is a sorted vector cut into chunks of at most [`CHUNK`]
+//! entries. Buckets partition the key order (every key of a bucket is below every key of the next), so
+//! best fit is a short scan in the request's bucket and, if that has nothing large enough, the first
+//! entry of the next non-empty bucket (a bit scan). A pool with blocks of many sizes (the mixed
+//! pattern: hundreds of free blocks from 512 B to tens of MiB) keeps a handful per bucket, so updates
+//! move a few entries instead of half of one long vector; many blocks of one size still cost no more
+//! than one chunk's move. Nothing is allocated unless a bucket is used for the first time or a chunk
 //! splits. (A `BTreeMap` costs several times more per update at these sizes.)
+//!
+//! A set of at most [`SMALL_MAX`] entries (the hot paths' pools: one or two free blocks) is one sorted
+//! vector instead: a split that halves a block (2 MiB into two 1 MiB halves) moves its key to another
+//! bucket, which costs a removal and an insertion there, but only an in-place update here. The set
+//! turns into buckets when it grows past [`SMALL_MAX`] and back when it shrinks below [`SMALL_MIN`].
 
 /// Most entries a chunk holds before it is split in two.
 const CHUNK: usize = 128;
+
+/// Number of size buckets: four per power of two of `size / 512`, up to 2^63 bytes.
+const BUCKETS: usize = 4 * 56;
+
+/// Most entries a set keeps in its small form (one sorted vector).
+const SMALL_MAX: usize = 32;
+
+/// Entries below which a bucketed set returns to the small form.
+const SMALL_MIN: usize = 8;
+
+/// The [`FreePos::bucket`] of a position in the small form.
+const SMALL: u32 = u32::MAX;
+
+/// Words of the non-empty-bucket bitmap.
+const WORDS: usize = BUCKETS.div_ceil(64);
+
+/// The bucket of a block size: with `units = (size - 1) / 512 | 1`, `4 * log2(units)` plus the two bits
+/// below the leading one. Monotone in `size`, so buckets partition the `(size, address)` order. The
+/// `- 1` puts a power of two in one bucket with the sizes just below it: a segment of 2 MiB and what
+/// is left of it after a small split (2 MiB - 512) share a bucket, so the hot path re-keys in place.
+#[inline(always)]
+fn bucket(size: u64) -> usize {
+    // `| 1` instead of `max(1)`: the same for 0 and 1, still monotone, one instruction.
+    let units = (size.saturating_sub(1) >> 9) | 1;
+    let log = 63 - units.leading_zeros();
+    // The two bits after the leading one (shifted into place for units below 4).
+    let sub = ((units << 2) >> log) & 3;
+    log as usize * 4 + sub as usize
+}
 
 /// One free block: its key and its arena index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -22,11 +61,16 @@ impl Entry {
     fn key(&self) -> (u64, u64) {
         (self.size, self.addr)
     }
+
+    #[inline]
+    fn triple(&self) -> (u64, u64, u32) {
+        (self.size, self.addr, self.index)
+    }
 }
 
 /// The first position in a sorted chunk whose key is at least `key`. Short chunks (the usual case)
-/// are scanned, long ones searched.
-#[inline]
+/// are scanned, long ones searched. Always inlined: as a call, a third of it was the call.
+#[inline(always)]
 fn lower_bound(chunk: &[Entry], key: (u64, u64)) -> usize {
     if chunk.len() <= 8 {
         chunk
@@ -38,22 +82,15 @@ fn lower_bound(chunk: &[Entry], key: (u64, u64)) -> usize {
     }
 }
 
-/// Free blocks sorted by `(size, address)`. Invariant: chunks are sorted, each chunk's keys are below
-/// the next chunk's, and no chunk is empty unless it is the only one.
-#[derive(Debug)]
-pub(crate) struct FreeSet {
+/// One bucket: entries sorted by `(size, address)`. Invariant: chunks are sorted, each chunk's keys
+/// are below the next chunk's, and no chunk is empty unless it is the only one (a bucket that was never
+/// used has no chunk at all).
+#[derive(Debug, Default)]
+struct Bucket {
     chunks: Vec<Vec<Entry>>,
 }
 
-impl Default for FreeSet {
-    fn default() -> Self {
-        FreeSet {
-            chunks: vec![Vec::with_capacity(8)],
-        }
-    }
-}
-
-impl FreeSet {
+impl Bucket {
     /// The first position whose key is at least `key`: `(chunk, offset)`, or one past the end.
     #[inline(always)]
     fn locate(&self, key: (u64, u64)) -> (usize, usize) {
@@ -69,21 +106,26 @@ impl FreeSet {
         }
     }
 
-    /// The first block of at least `size` bytes (lowest address among equals): what best fit takes.
-    #[inline]
-    pub(crate) fn first_at_least(&self, size: u64) -> Option<(u64, u64, u32)> {
-        let (chunk, at) = self.locate((size, 0));
-        let e = match self.chunks.get(chunk)?.get(at) {
-            Some(e) => e,
-            // The position is one past a chunk's end: the next chunk starts with the answer.
-            None => self.chunks.get(chunk + 1)?.first()?,
-        };
-        Some((e.size, e.addr, e.index))
+    /// The position of the first entry whose key is at least `key`, if any.
+    #[inline(always)]
+    fn first_at_least(&self, key: (u64, u64)) -> Option<(usize, usize)> {
+        let (chunk, at) = self.locate(key);
+        if at < self.chunks.get(chunk)?.len() {
+            return Some((chunk, at));
+        }
+        // The position is one past a chunk's end: the next chunk (never empty) starts with the answer.
+        (chunk + 1 < self.chunks.len()).then_some((chunk + 1, 0))
     }
 
     #[inline]
-    pub(crate) fn insert(&mut self, size: u64, addr: u64, index: u32) {
-        let key = (size, addr);
+    fn insert(&mut self, entry: Entry) {
+        if self.chunks.is_empty() {
+            let mut first = Vec::with_capacity(8);
+            first.push(entry);
+            self.chunks.push(first);
+            return;
+        }
+        let key = entry.key();
         let (mut chunk, mut at) = self.locate(key);
         if chunk == self.chunks.len() {
             chunk -= 1;
@@ -92,9 +134,15 @@ impl FreeSet {
         let c = &mut self.chunks[chunk];
         debug_assert!(
             c.get(at).is_none_or(|e| e.key() != key),
-            "block at {addr:#x} already free"
+            "block at {:#x} already free",
+            entry.addr
         );
-        c.insert(at, Entry { size, addr, index });
+        if at == c.len() {
+            // No entry to move (a `Vec::insert` would still call `memmove`).
+            c.push(entry);
+            return;
+        }
+        c.insert(at, entry);
         if c.len() > CHUNK {
             let mut upper = Vec::with_capacity(CHUNK + 1);
             upper.extend(c.drain(CHUNK / 2..));
@@ -102,18 +150,394 @@ impl FreeSet {
         }
     }
 
+    /// Removes the entry keyed `key`; returns its index and whether the bucket is now empty.
     #[inline]
-    pub(crate) fn remove(&mut self, size: u64, addr: u64) -> Option<u32> {
-        let (chunk, at) = self.locate((size, addr));
-        let c = self.chunks.get_mut(chunk)?;
-        if c.get(at)?.key() != (size, addr) {
+    fn remove(&mut self, key: (u64, u64)) -> Option<(u32, bool)> {
+        let (chunk, at) = self.locate(key);
+        if self.chunks.get(chunk)?.get(at)?.key() != key {
             return None;
         }
-        let entry = c.remove(at);
-        if c.is_empty() && self.chunks.len() > 1 {
+        Some(self.remove_at(chunk, at))
+    }
+
+    /// Removes the entry at `(chunk, at)` (which exists); returns its index and whether the bucket
+    /// is now empty.
+    #[inline(always)]
+    fn remove_at(&mut self, chunk: usize, at: usize) -> (u32, bool) {
+        let c = &mut self.chunks[chunk];
+        let entry = if at + 1 == c.len() {
+            // No entry to move (a `Vec::remove` would still call `memmove`).
+            c.pop().expect("the entry exists")
+        } else {
+            c.remove(at)
+        };
+        let emptied = c.is_empty();
+        if emptied && self.chunks.len() > 1 {
             self.chunks.remove(chunk);
+            return (entry.index, false);
         }
-        Some(entry.index)
+        (entry.index, emptied)
+    }
+
+    /// Replaces the entry keyed `old` by `new` where the order allows it in place; `false` (nothing
+    /// changed) where it does not.
+    #[inline(always)]
+    fn rekey_in_place(&mut self, old: (u64, u64), new: Entry) -> bool {
+        if let [only] = self.chunks.as_mut_slice() {
+            // One chunk (the usual case): its neighbours are the only keys to compare with.
+            let at = lower_bound(only, old);
+            debug_assert_eq!(
+                only.get(at).map(Entry::key),
+                Some(old),
+                "rekeyed block not in the set"
+            );
+            let left_ok = at == 0 || only[at - 1].key() < new.key();
+            let right_ok = at + 1 >= only.len() || new.key() < only[at + 1].key();
+            if left_ok && right_ok && at < only.len() {
+                only[at] = new;
+                return true;
+            }
+            return false;
+        }
+        self.rekey_in_place_chunked(old, new)
+    }
+
+    /// [`rekey_in_place`](Self::rekey_in_place) in a bucket of several chunks.
+    #[cold]
+    #[inline(never)]
+    fn rekey_in_place_chunked(&mut self, old: (u64, u64), new: Entry) -> bool {
+        let (chunk, at) = self.locate(old);
+        let found = self
+            .chunks
+            .get(chunk)
+            .and_then(|c| c.get(at))
+            .is_some_and(|e| e.key() == old);
+        debug_assert!(found, "rekeyed block not in the set");
+        found && self.rekey_at(chunk, at, new)
+    }
+
+    /// Replaces the entry at `(chunk, at)` (which exists) by `new` where the order allows it in
+    /// place; `false` (nothing changed) where it does not.
+    #[inline(always)]
+    fn rekey_at(&mut self, chunk: usize, at: usize, new: Entry) -> bool {
+        let chunks = &self.chunks;
+        let c = &chunks[chunk];
+        // Chunks other than an only one are never empty, so a neighbour chunk's end is the
+        // neighbouring key.
+        let left_ok = if at > 0 {
+            c[at - 1].key() < new.key()
+        } else {
+            chunk == 0 || chunks[chunk - 1].last().is_none_or(|e| e.key() < new.key())
+        };
+        let right_ok = if at + 1 < c.len() {
+            new.key() < c[at + 1].key()
+        } else {
+            chunks
+                .get(chunk + 1)
+                .and_then(|c| c.first())
+                .is_none_or(|e| new.key() < e.key())
+        };
+        if left_ok && right_ok {
+            self.chunks[chunk][at] = new;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Every entry whose key is at least `key`, in order.
+    fn starting_at(&self, key: (u64, u64)) -> impl DoubleEndedIterator<Item = &Entry> + '_ {
+        let (chunk, at) = self.locate(key);
+        self.chunks
+            .get(chunk)
+            .map_or(&[][..], |c| &c[at..])
+            .iter()
+            .chain(self.chunks.iter().skip(chunk + 1).flatten())
+    }
+
+    /// Every entry whose key is below `key`, in order.
+    fn before_key(&self, key: (u64, u64)) -> impl DoubleEndedIterator<Item = &Entry> + '_ {
+        let (chunk, at) = self.locate(key);
+        self.chunks[..chunk.min(self.chunks.len())]
+            .iter()
+            .flatten()
+            .chain(self.chunks.get(chunk).map_or(&[][..], |c| &c[..at]).iter())
+    }
+
+    /// Every entry, in order.
+    fn iter(&self) -> impl DoubleEndedIterator<Item = &Entry> + '_ {
+        self.chunks.iter().flatten()
+    }
+}
+
+/// Replaces `small[at]` (which exists) by `new` if the order allows it in place; `false` (nothing
+/// changed) if not.
+#[inline(always)]
+fn small_rekey_at(small: &mut [Entry], at: usize, new: Entry) -> bool {
+    let left_ok = at == 0 || small[at - 1].key() < new.key();
+    let right_ok = at + 1 >= small.len() || new.key() < small[at + 1].key();
+    if left_ok && right_ok {
+        small[at] = new;
+        true
+    } else {
+        false
+    }
+}
+
+/// Where an entry sits in a [`FreeSet`], as [`FreeSet::first_at_least`] found it: valid until the set
+/// changes. Lets the caller update the entry it just found without searching for it again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct FreePos {
+    bucket: u32,
+    chunk: u32,
+    at: u32,
+}
+
+/// Free blocks sorted by `(size, address)`: one sorted vector while small, size buckets once large
+/// (see the module documentation). Invariants: `len` counts the entries; when `bucketed`, `small`
+/// is empty, an entry is in the bucket of its size, and a bucket's bit is set exactly when it holds
+/// an entry; otherwise every bucket is empty and `small` holds the entries, sorted.
+#[derive(Debug)]
+pub(crate) struct FreeSet {
+    small: Vec<Entry>,
+    bucketed: bool,
+    len: usize,
+    buckets: Box<[Bucket]>,
+    nonempty: [u64; WORDS],
+}
+
+impl Default for FreeSet {
+    fn default() -> Self {
+        FreeSet {
+            small: Vec::with_capacity(8),
+            bucketed: false,
+            len: 0,
+            buckets: (0..BUCKETS).map(|_| Bucket::default()).collect(),
+            nonempty: [0; WORDS],
+        }
+    }
+}
+
+impl FreeSet {
+    /// The first non-empty bucket at or after `from`.
+    #[inline(always)]
+    fn next_nonempty(&self, from: usize) -> Option<usize> {
+        let mut word = from / 64;
+        if word >= WORDS {
+            return None;
+        }
+        let mut bits = self.nonempty[word] & (u64::MAX << (from % 64));
+        loop {
+            if bits != 0 {
+                return Some(word * 64 + bits.trailing_zeros() as usize);
+            }
+            word += 1;
+            if word == WORDS {
+                return None;
+            }
+            bits = self.nonempty[word];
+        }
+    }
+
+    #[inline(always)]
+    fn mark(&mut self, b: usize, nonempty: bool) {
+        if nonempty {
+            self.nonempty[b / 64] |= 1 << (b % 64);
+        } else {
+            self.nonempty[b / 64] &= !(1 << (b % 64));
+        }
+    }
+
+    /// The first block of at least `size` bytes (lowest address among equals): what best fit takes;
+    /// with its position for [`rekey_at`](Self::rekey_at) and [`remove_at`](Self::remove_at).
+    /// Always inlined: as a call it was a third prologue and epilogue.
+    #[inline(always)]
+    pub(crate) fn first_at_least(&self, size: u64) -> Option<(u64, u32, FreePos)> {
+        if !self.bucketed {
+            let at = lower_bound(&self.small, (size, 0));
+            let e = self.small.get(at)?;
+            let pos = FreePos {
+                bucket: SMALL,
+                chunk: 0,
+                at: at as u32,
+            };
+            return Some((e.size, e.index, pos));
+        }
+        let mut b = bucket(size);
+        let mut found = None;
+        if self.nonempty[b / 64] & (1 << (b % 64)) != 0 {
+            found = self.buckets[b].first_at_least((size, 0));
+        }
+        if found.is_none() {
+            b = self.next_nonempty(b + 1)?;
+            // A non-empty bucket's first chunk is not empty.
+            found = Some((0, 0));
+        }
+        let (chunk, at) = found?;
+        let e = self.buckets[b].chunks.get(chunk)?.get(at)?;
+        Some((
+            e.size,
+            e.index,
+            FreePos {
+                bucket: b as u32,
+                chunk: chunk as u32,
+                at: at as u32,
+            },
+        ))
+    }
+
+    /// Removes the entry at `pos` (from [`first_at_least`](Self::first_at_least), the set unchanged
+    /// since); returns its arena index.
+    #[inline(always)]
+    pub(crate) fn remove_at(&mut self, pos: FreePos) -> u32 {
+        if pos.bucket == SMALL {
+            self.len -= 1;
+            let at = pos.at as usize;
+            return if at + 1 == self.small.len() {
+                self.small.pop().expect("the entry exists").index
+            } else {
+                self.small.remove(at).index
+            };
+        }
+        let b = pos.bucket as usize;
+        let (index, emptied) = self.buckets[b].remove_at(pos.chunk as usize, pos.at as usize);
+        if emptied {
+            self.mark(b, false);
+        }
+        self.len -= 1;
+        self.shrink_if_small();
+        index
+    }
+
+    /// Gives the entry at `pos` (from [`first_at_least`](Self::first_at_least), the set unchanged
+    /// since; its key is `old`) the key `new` and arena index `index`, without searching for it.
+    #[inline(always)]
+    pub(crate) fn rekey_at(&mut self, pos: FreePos, old: (u64, u64), new: (u64, u64), index: u32) {
+        let entry = Entry {
+            size: new.0,
+            addr: new.1,
+            index,
+        };
+        if pos.bucket == SMALL {
+            debug_assert_eq!(
+                self.small[pos.at as usize].key(),
+                old,
+                "stale free-set position"
+            );
+            if small_rekey_at(&mut self.small, pos.at as usize, entry) {
+                return;
+            }
+            self.rekey_slow(old, entry);
+            return;
+        }
+        let b = pos.bucket as usize;
+        debug_assert_eq!(
+            self.buckets[b].chunks[pos.chunk as usize][pos.at as usize].key(),
+            old,
+            "stale free-set position"
+        );
+        if b == bucket(new.0)
+            && self.buckets[b].rekey_at(pos.chunk as usize, pos.at as usize, entry)
+        {
+            return;
+        }
+        self.rekey_slow(old, entry);
+    }
+
+    #[inline]
+    pub(crate) fn insert(&mut self, size: u64, addr: u64, index: u32) {
+        let entry = Entry { size, addr, index };
+        self.len += 1;
+        if !self.bucketed {
+            let at = lower_bound(&self.small, entry.key());
+            debug_assert!(
+                self.small.get(at).is_none_or(|e| e.key() != entry.key()),
+                "block at {addr:#x} already free"
+            );
+            if at == self.small.len() {
+                self.small.push(entry);
+            } else {
+                self.small.insert(at, entry);
+            }
+            if self.small.len() > SMALL_MAX {
+                self.spread_into_buckets();
+            }
+            return;
+        }
+        self.bucket_insert(entry);
+    }
+
+    #[inline]
+    fn bucket_insert(&mut self, entry: Entry) {
+        let b = bucket(entry.size);
+        self.buckets[b].insert(entry);
+        self.mark(b, true);
+    }
+
+    #[inline]
+    pub(crate) fn remove(&mut self, size: u64, addr: u64) -> Option<u32> {
+        if !self.bucketed {
+            let at = lower_bound(&self.small, (size, addr));
+            if self.small.get(at)?.key() != (size, addr) {
+                return None;
+            }
+            self.len -= 1;
+            return Some(if at + 1 == self.small.len() {
+                self.small.pop()?.index
+            } else {
+                self.small.remove(at).index
+            });
+        }
+        let b = bucket(size);
+        let (index, emptied) = self.buckets[b].remove((size, addr))?;
+        if emptied {
+            self.mark(b, false);
+        }
+        self.len -= 1;
+        self.shrink_if_small();
+        Some(index)
+    }
+
+    /// Moves every entry into the buckets (the set outgrew its small form).
+    #[cold]
+    #[inline(never)]
+    fn spread_into_buckets(&mut self) {
+        self.bucketed = true;
+        let small = std::mem::take(&mut self.small);
+        for entry in &small {
+            self.bucket_insert(*entry);
+        }
+        self.small = small;
+        self.small.clear();
+    }
+
+    /// Returns to the small form if the set shrank below [`SMALL_MIN`] entries.
+    #[inline(always)]
+    fn shrink_if_small(&mut self) {
+        if self.len < SMALL_MIN {
+            self.gather_into_small();
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn gather_into_small(&mut self) {
+        let mut small = std::mem::take(&mut self.small);
+        small.extend(self.buckets.iter().flat_map(Bucket::iter).copied());
+        for word in 0..WORDS {
+            let mut bits = self.nonempty[word];
+            while bits != 0 {
+                let b = word * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                for chunk in &mut self.buckets[b].chunks {
+                    chunk.clear();
+                }
+                self.buckets[b].chunks.truncate(1);
+            }
+        }
+        self.nonempty = [0; WORDS];
+        self.small = small;
+        self.bucketed = false;
     }
 
     /// Gives the entry keyed `old` the key `new` and arena index `index` (a block that shrank, grew or
@@ -121,93 +545,48 @@ impl FreeSet {
     /// call, half of its instructions were saving and restoring registers.
     #[inline(always)]
     pub(crate) fn rekey(&mut self, old: (u64, u64), new: (u64, u64), index: u32) {
-        if let [only] = self.chunks.as_mut_slice() {
-            let at = lower_bound(only, old);
+        let entry = Entry {
+            size: new.0,
+            addr: new.1,
+            index,
+        };
+        if !self.bucketed {
+            let at = lower_bound(&self.small, old);
             debug_assert_eq!(
-                only.get(at).map(Entry::key),
+                self.small.get(at).map(Entry::key),
                 Some(old),
-                "rekeyed block not in set"
+                "rekeyed block not in the set"
             );
-            let left_ok = at == 0 || only[at - 1].key() < new;
-            let right_ok = at + 1 >= only.len() || new < only[at + 1].key();
-            if left_ok && right_ok && at < only.len() {
-                only[at] = Entry {
-                    size: new.0,
-                    addr: new.1,
-                    index,
-                };
+            if at < self.small.len() && small_rekey_at(&mut self.small, at, entry) {
                 return;
             }
+            self.rekey_slow(old, entry);
+            return;
         }
-        self.rekey_slow(old, new, index);
+        let b = bucket(old.0);
+        if b == bucket(new.0) && self.buckets[b].rekey_in_place(old, entry) {
+            return;
+        }
+        self.rekey_slow(old, entry);
     }
 
     #[cold]
     #[inline(never)]
-    fn rekey_slow(&mut self, old: (u64, u64), new: (u64, u64), index: u32) {
-        let (chunk, at) = self.locate(old);
-        let chunks = &self.chunks;
-        let c = &chunks[chunk];
-        debug_assert_eq!(
-            c.get(at).map(Entry::key),
-            Some(old),
-            "rekeyed block not in the set"
-        );
-        let left = if at > 0 {
-            Some(&c[at - 1])
-        } else {
-            chunks[..chunk].iter().rev().find_map(|c| c.last())
-        };
-        let right = if at + 1 < c.len() {
-            Some(&c[at + 1])
-        } else {
-            chunks[chunk + 1..].iter().find_map(|c| c.first())
-        };
-        if left.is_none_or(|e| e.key() < new) && right.is_none_or(|e| new < e.key()) {
-            self.chunks[chunk][at] = Entry {
-                size: new.0,
-                addr: new.1,
-                index,
-            };
-        } else {
-            self.remove(old.0, old.1);
-            self.insert(new.0, new.1, index);
-        }
-    }
-
-    /// Every entry from position `(chunk, at)` on.
-    fn from(&self, chunk: usize, at: usize) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
-        self.chunks
-            .get(chunk)
-            .map_or(&[][..], |c| &c[at..])
-            .iter()
-            .chain(self.chunks.iter().skip(chunk + 1).flatten())
-            .map(|e| (e.size, e.addr, e.index))
-    }
-
-    /// Every entry before position `(chunk, at)`, last first.
-    fn before_position(
-        &self,
-        chunk: usize,
-        at: usize,
-    ) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
-        let head = self.chunks.get(chunk).map_or(&[][..], |c| &c[..at]);
-        head.iter()
-            .rev()
-            .chain(
-                self.chunks[..chunk.min(self.chunks.len())]
-                    .iter()
-                    .rev()
-                    .flat_map(|c| c.iter().rev()),
-            )
-            .map(|e| (e.size, e.addr, e.index))
+    fn rekey_slow(&mut self, old: (u64, u64), new: Entry) {
+        let removed = self.remove(old.0, old.1);
+        debug_assert!(removed.is_some(), "rekeyed block not in the set");
+        self.insert(new.size, new.addr, new.index);
     }
 
     /// Blocks of at least `size` bytes, smallest (then lowest address) first.
     #[inline]
     pub(crate) fn at_least(&self, size: u64) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
-        let (chunk, at) = self.locate((size, 0));
-        self.from(chunk, at)
+        let b = bucket(size);
+        self.small[lower_bound(&self.small, (size, 0))..]
+            .iter()
+            .chain(self.buckets[b].starting_at((size, 0)))
+            .chain(self.buckets[b + 1..].iter().flat_map(Bucket::iter))
+            .map(Entry::triple)
     }
 
     /// Blocks ordered before `(size, addr)`, largest first.
@@ -216,8 +595,13 @@ impl FreeSet {
         size: u64,
         addr: u64,
     ) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
-        let (chunk, at) = self.locate((size, addr));
-        self.before_position(chunk, at)
+        let b = bucket(size);
+        self.small[..lower_bound(&self.small, (size, addr))]
+            .iter()
+            .rev()
+            .chain(self.buckets[b].before_key((size, addr)).rev())
+            .chain(self.buckets[..b].iter().rev().flat_map(|k| k.iter().rev()))
+            .map(Entry::triple)
     }
 
     /// Blocks smaller than `size` bytes, largest (then highest address) first.
@@ -227,11 +611,14 @@ impl FreeSet {
 
     /// Every block, in `(size, address)` order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
-        self.from(0, 0)
+        self.small
+            .iter()
+            .chain(self.buckets.iter().flat_map(Bucket::iter))
+            .map(Entry::triple)
     }
 
     pub(crate) fn is_empty(&self) -> bool {
-        self.chunks.iter().all(Vec::is_empty)
+        self.len == 0
     }
 }
 
@@ -240,6 +627,25 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
+
+    #[test]
+    fn buckets_are_monotone_and_in_range() {
+        let mut last = 0;
+        for size in (0..1u64 << 20)
+            .step_by(512)
+            .chain((21..64).map(|p| 1u64 << p))
+        {
+            let b = bucket(size);
+            assert!(b >= last, "bucket({size}) = {b} after {last}");
+            assert!(b < BUCKETS);
+            last = b;
+        }
+        assert!(bucket(u64::MAX) < BUCKETS);
+        assert!(bucket(u64::MAX) >= last);
+        // The hot path's re-keys stay in one bucket: a segment and its remainder after a split.
+        assert_eq!(bucket(2 << 20), bucket((2 << 20) - 512));
+        assert_eq!(bucket(20 << 20), bucket(19 << 20));
+    }
 
     #[test]
     fn behaves_like_an_ordered_map() {
@@ -273,10 +679,26 @@ mod tests {
             }
             if step % 97 == 0 {
                 let q = (x % 70) * 512;
+                let found = set.first_at_least(q);
                 assert_eq!(
-                    set.first_at_least(q).map(|(s, a, i)| ((s, a), i)),
-                    model.range((q, 0)..).next().map(|(&k, &v)| (k, v))
+                    found.map(|(s, i, _)| (s, i)),
+                    model.range((q, 0)..).next().map(|(&k, &v)| (k.0, v))
                 );
+                if let Some((_, _, pos)) = found {
+                    // Update the found entry by position, as best fit's caller does.
+                    let (&old, &v) = model.range((q, 0)..).next().unwrap();
+                    if x & 0x400 != 0 {
+                        assert_eq!(set.remove_at(pos), v);
+                        model.remove(&old);
+                    } else {
+                        let new = (old.0 - old.0 / 4 / 512 * 512, old.1 + 1);
+                        if !model.contains_key(&new) {
+                            set.rekey_at(pos, old, new, v);
+                            model.remove(&old);
+                            model.insert(new, v);
+                        }
+                    }
+                }
                 let got: Vec<_> = set.at_least(q).map(|(s, a, i)| ((s, a), i)).collect();
                 let want: Vec<_> = model.range((q, 0)..).map(|(&k, &v)| (k, v)).collect();
                 assert_eq!(got, want);
@@ -286,11 +708,16 @@ mod tests {
                 assert_eq!(set.iter().count(), model.len());
             }
         }
-        assert!(set.chunks.len() > 1, "the test grew past one chunk");
+        assert!(
+            set.buckets.iter().any(|b| b.chunks.len() > 1),
+            "the test grew past one chunk"
+        );
+        assert!(set.bucketed);
         while let Some((&k, _)) = model.iter().next() {
             model.remove(&k);
             set.remove(k.0, k.1).unwrap();
         }
         assert!(set.is_empty());
+        assert!(!set.bucketed, "an emptied set is small again");
     }
 }

@@ -15,6 +15,7 @@ use super::{Allocation, CachingAllocator, Locked, PoolChoice, Route};
 use crate::block::{Block, NIL};
 use crate::device::{Device, DeviceError, StreamId};
 use crate::error::{Error, Result};
+use crate::free_set::FreePos;
 use crate::oom::{OomEvent, OutOfMemory};
 use crate::pool::PoolOwner;
 use crate::shard::ShardGuard;
@@ -22,6 +23,15 @@ use crate::size::{allocation_size, is_small, round_size, MIN_BLOCK_SIZE, ONE_EXA
 use crate::stack::{RecordContext, Stack};
 use crate::stats::peaks::{Kind, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS};
 use crate::trace::Action;
+
+/// Where a block about to be handed out comes from.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Source {
+    /// A new segment: in no free set.
+    New,
+    /// Its pool's free set, at this position when best fit knows it (the set unchanged since).
+    Free(Option<FreePos>),
+}
 
 /// A request, after rounding and pool selection.
 #[derive(Clone, Copy, Debug)]
@@ -67,8 +77,8 @@ impl<D: Device> CachingAllocator<D> {
         if !uncached {
             let mut locked = self.lock(shard);
             let pool = locked.pool_index(choice, small);
-            if let Some(block) = locked.get_free_block(pool, rounded) {
-                return Ok(locked.hand_out(pool, block, rounded, size, true, stack.as_ref()));
+            if let Some((block, source)) = locked.get_free_block(pool, rounded) {
+                return Ok(locked.hand_out(pool, block, rounded, size, source, stack.as_ref()));
             }
         }
         self.allocate_slow(
@@ -123,8 +133,8 @@ impl<D: Device> CachingAllocator<D> {
         if self.trigger_free_memory_callbacks() && !self.settings.uncached() {
             let mut locked = self.lock(shard);
             let pool = locked.pool_index(req.choice, req.small);
-            if let Some(block) = locked.get_free_block(pool, req.size) {
-                return Ok(locked.hand_out(pool, block, req.size, req.orig, true, stack));
+            if let Some((block, source)) = locked.get_free_block(pool, req.size) {
+                return Ok(locked.hand_out(pool, block, req.size, req.orig, source, stack));
             }
         }
         if self.gc_enabled() {
@@ -164,7 +174,7 @@ impl<D: Device> CachingAllocator<D> {
         let pool = locked.pool_index(req.choice, req.small);
         Ok(locked
             .alloc_block(pool, req.size, req.alloc_size, retry, stack)?
-            .map(|block| locked.hand_out(pool, block, req.size, req.orig, false, stack)))
+            .map(|block| locked.hand_out(pool, block, req.size, req.orig, Source::New, stack)))
     }
 
     /// Asks every registered callback to free memory; whether any did.
@@ -233,7 +243,7 @@ impl<D: Device> Locked<'_, D> {
     /// first, subject to the oversize rules (PyTorch's `get_free_block`). The block stays in the free
     /// set until [`hand_out`](Self::hand_out) takes it. Always inlined: the hot path's other half.
     #[inline(always)]
-    pub(crate) fn get_free_block(&mut self, pool: u16, size: usize) -> Option<u32> {
+    pub(crate) fn get_free_block(&mut self, pool: u16, size: usize) -> Option<(u32, Source)> {
         if self.a.gc_enabled() {
             self.st.pools[pool as usize].gc_clock.fetch_add(1, Relaxed);
         }
@@ -243,16 +253,20 @@ impl<D: Device> Locked<'_, D> {
     /// The block [`get_free_block`](Self::get_free_block) would choose, without counting the call
     /// (the garbage collector's clock): the best-fit and oversize rules in one place, shared with
     /// [`CachingAllocator::would_serve_from_cache`].
+    /// Returns the block and where it sits in the free set (so that handing it out needs no second
+    /// search).
     #[inline(always)]
-    pub(crate) fn best_fit(&self, pool: u16, size: usize) -> Option<u32> {
+    pub(crate) fn best_fit(&self, pool: u16, size: usize) -> Option<(u32, Source)> {
         let settings = &self.a.settings;
         let st = &*self.st;
         let p = &st.pools[pool as usize];
         let blocks = &st.blocks;
-        let (first_size, _, mut found) = p.free.first_at_least(size as u64)?;
+        let (first_size, mut found, pos) = p.free.first_at_least(size as u64)?;
         let mut block_size = first_size as usize;
+        let mut source = Source::Free(Some(pos));
         if blocks[found].is_expandable() {
             (found, block_size) = self.expandable_best_fit(pool, size, found)?;
+            source = Source::Free(None);
         }
         let max_split = settings.max_split_size();
         if size < max_split && block_size >= max_split {
@@ -263,7 +277,7 @@ impl<D: Device> Locked<'_, D> {
         {
             return None;
         }
-        Some(found)
+        Some((found, source))
     }
 
     /// Best fit when the first candidate, `first`, is part of an expandable segment: with expandable
@@ -313,9 +327,9 @@ impl<D: Device> Locked<'_, D> {
         }
     }
 
-    /// Splits `block` if worthwhile and hands out its first `size` bytes. `in_set`: the block is
-    /// still in its pool's free set (found by [`get_free_block`](Self::get_free_block)), rather than
-    /// new.
+    /// Splits `block` if worthwhile and hands out its first `size` bytes. `source`: whether the block
+    /// is still in its pool's free set (found by [`get_free_block`](Self::get_free_block)), and where,
+    /// or new.
     #[inline(always)]
     pub(crate) fn hand_out(
         &mut self,
@@ -323,12 +337,12 @@ impl<D: Device> Locked<'_, D> {
         block: u32,
         size: usize,
         orig: usize,
-        in_set: bool,
+        source: Source,
         stack: Option<&Stack>,
     ) -> Allocation {
         let split = self.should_split(pool, block, size);
         let index =
-            self.alloc_found_block(pool, block, size as u64, orig as u64, split, in_set, stack);
+            self.alloc_found_block(pool, block, size as u64, orig as u64, split, source, stack);
         let b = &self.st.blocks[index];
         Allocation {
             ptr: crate::DevicePtr(b.addr),
@@ -343,8 +357,8 @@ impl<D: Device> Locked<'_, D> {
     }
 
     /// Marks a found block allocated, splitting off the remainder first when `split` (PyTorch's
-    /// `alloc_found_block`). `in_set`: the block is still in the free set. Returns the allocated
-    /// block's index.
+    /// `alloc_found_block`). `source`: whether (and where) the block is still in the free set. Returns
+    /// the allocated block's index.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)] // the hot path's plain values, rather than a struct per call
     pub(crate) fn alloc_found_block(
@@ -354,7 +368,7 @@ impl<D: Device> Locked<'_, D> {
         size: u64,
         orig: u64,
         split: bool,
-        in_set: bool,
+        source: Source,
         stack: Option<&Stack>,
     ) -> u32 {
         let small = self.st.pools[pool as usize].small;
@@ -381,10 +395,10 @@ impl<D: Device> Locked<'_, D> {
             r.size -= size;
             r.gc_count_base = p.gc_now();
             let (r_size, r_addr) = (r.size, r.addr);
-            if in_set {
-                p.free.rekey(old, (r_size, r_addr), remaining);
-            } else {
-                p.free.insert(r_size, r_addr, remaining);
+            match source {
+                Source::Free(Some(pos)) => p.free.rekey_at(pos, old, (r_size, r_addr), remaining),
+                Source::Free(None) => p.free.rekey(old, (r_size, r_addr), remaining),
+                Source::New => p.free.insert(r_size, r_addr, remaining),
             }
             if already_split && !expandable {
                 // An already split free block shrinks by `size` bytes.
@@ -395,10 +409,17 @@ impl<D: Device> Locked<'_, D> {
                 self.inc(Kind::InactiveSplit, small, 1);
             }
         } else {
-            if in_set {
-                let b = &self.st.blocks[block];
-                let (b_size, b_addr) = (b.size, b.addr);
-                self.st.pools[pool as usize].free.remove(b_size, b_addr);
+            match source {
+                Source::Free(Some(pos)) => {
+                    let removed = self.st.pools[pool as usize].free.remove_at(pos);
+                    debug_assert_eq!(removed, block, "best fit's position names another block");
+                }
+                Source::Free(None) => {
+                    let b = &self.st.blocks[block];
+                    let (b_size, b_addr) = (b.size, b.addr);
+                    self.st.pools[pool as usize].free.remove(b_size, b_addr);
+                }
+                Source::New => {}
             }
             if already_split && !expandable {
                 let b_size = self.st.blocks[block].size;

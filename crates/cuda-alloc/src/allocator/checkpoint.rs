@@ -10,6 +10,7 @@
 
 use std::collections::HashSet;
 
+use super::alloc::Source;
 use super::{Allocation, CachingAllocator, Locked};
 use crate::block::NIL;
 use crate::device::{Device, DevicePtr, StreamId};
@@ -353,7 +354,15 @@ impl<D: Device> Locked<'_, D> {
         let mut at = head;
         for (i, state) in segment.blocks.iter().enumerate() {
             let split = i + 1 < segment.blocks.len();
-            let index = self.alloc_found_block(pool, at, state.size, state.size, split, true, None);
+            let index = self.alloc_found_block(
+                pool,
+                at,
+                state.size,
+                state.size,
+                split,
+                Source::Free(None),
+                None,
+            );
             debug_assert_eq!(
                 (self.st.blocks[index].addr, self.st.blocks[index].size),
                 (state.addr, state.size)
