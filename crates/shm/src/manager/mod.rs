@@ -40,6 +40,8 @@ mod client;
 mod config;
 mod daemon;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 mod protocol;
 mod region;
 mod registry;
