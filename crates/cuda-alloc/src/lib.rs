@@ -89,6 +89,8 @@ mod error;
 mod events;
 mod expandable;
 mod free_set;
+#[cfg(loom)]
+mod loom_sync;
 pub mod oom;
 mod pointer_index;
 mod pool;

@@ -74,7 +74,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     frames.extend_from_slice(&[0x06, 0, 0]);
     write("manager_protocol", "requests", &frames)?;
-    let mut replies = vec![0x81, 8, 0, 1, 0, 0, 0, 0x39, 0x30, 0, 0, 0x82, 0, 0, 0x84, 1, 0, 1];
+    let mut replies = vec![
+        0x81, 8, 0, 1, 0, 0, 0, 0x39, 0x30, 0, 0, 0x82, 0, 0, 0x84, 1, 0, 1,
+    ];
     replies.extend_from_slice(&[0x85, 0, 0, 0x86, 8, 0, 2, 0, 0, 0, 5, 0, 0, 0, 0xFF, 2, 0]);
     replies.extend_from_slice(b"no");
     write("manager_protocol", "replies", &replies)?;
@@ -83,6 +85,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // fixed patterns (counting up, all ones, a repeated short cycle).
     write("alloc_ops", "counting", &(0..=255u8).collect::<Vec<_>>())?;
     write("alloc_ops", "ones", &[0xFF; 128])?;
-    write("alloc_ops", "cycle", &[0, 1, 0, 2, 3, 0, 3, 0, 5, 1, 3, 4].repeat(16))?;
+    write(
+        "alloc_ops",
+        "cycle",
+        &[0, 1, 0, 2, 3, 0, 3, 0, 5, 1, 3, 4].repeat(16),
+    )?;
     Ok(())
 }

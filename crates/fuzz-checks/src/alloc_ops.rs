@@ -183,8 +183,13 @@ impl Harness {
     /// The address `target` names.
     fn address(&self, target: Target) -> u64 {
         let nth = |i: u16| {
-            (!self.live.is_empty())
-                .then(|| *self.live.keys().nth(usize::from(i) % self.live.len()).expect("in range"))
+            (!self.live.is_empty()).then(|| {
+                *self
+                    .live
+                    .keys()
+                    .nth(usize::from(i) % self.live.len())
+                    .expect("in range")
+            })
         };
         match target {
             Target::Live(i) => nth(i).unwrap_or(512),
@@ -261,7 +266,9 @@ impl Harness {
                     .collect();
                 let stale = !self.stale.is_empty() && (which & 1 == 1 || handles.is_empty());
                 if stale {
-                    let handle = self.stale.swap_remove(usize::from(which >> 1) % self.stale.len());
+                    let handle = self
+                        .stale
+                        .swap_remove(usize::from(which >> 1) % self.stale.len());
                     let ptr = handle.ptr();
                     let result = self.alloc.free(handle);
                     assert!(
@@ -272,7 +279,10 @@ impl Harness {
                     let addr = handles[usize::from(which >> 1) % handles.len()];
                     let live = self.live.remove(&addr).expect("listed");
                     let result = self.alloc.free(live.handle.expect("a handle"));
-                    assert!(result.is_ok(), "free of a live handle at {addr:#x} gave {result:?}");
+                    assert!(
+                        result.is_ok(),
+                        "free of a live handle at {addr:#x} gave {result:?}"
+                    );
                     self.freed.push(addr);
                 }
             }
@@ -361,7 +371,10 @@ impl Harness {
             }
             Op::CompleteStream { stream: s } => self.alloc.device().complete_stream_work(stream(s)),
             Op::CompleteAll => self.alloc.device().complete_all_work(),
-            Op::EmptyCache => self.alloc.empty_cache().expect("empty_cache on the simulated device"),
+            Op::EmptyCache => self
+                .alloc
+                .empty_cache()
+                .expect("empty_cache on the simulated device"),
             Op::SetFraction { fraction } => {
                 let value = match fraction % 8 {
                     0 => f64::NAN,
@@ -374,7 +387,10 @@ impl Harness {
                 };
                 let result = self.alloc.set_memory_fraction(value);
                 if (0.0..=1.0).contains(&value) {
-                    assert!(result.is_ok(), "set_memory_fraction({value}) gave {result:?}");
+                    assert!(
+                        result.is_ok(),
+                        "set_memory_fraction({value}) gave {result:?}"
+                    );
                 } else {
                     assert!(
                         matches!(result, Err(Error::InvalidFraction { .. })),
@@ -411,14 +427,21 @@ impl Harness {
             panic!("at the end: {violation:?}");
         }
         let stats = self.alloc.memory_stats();
-        assert_eq!(stats.allocated_bytes.all.current, 0, "bytes still allocated");
+        assert_eq!(
+            stats.allocated_bytes.all.current, 0,
+            "bytes still allocated"
+        );
         assert_eq!(stats.reserved_bytes.all.current, 0, "bytes still reserved");
         self.other
             .raw_free(self.foreign_ptr)
             .expect("the other allocator still holds its pointer");
         if let Some(handle) = self.foreign_handle.take() {
-            self.other.free(handle).expect("the other allocator still holds its handle");
+            self.other
+                .free(handle)
+                .expect("the other allocator still holds its handle");
         }
-        self.other.check_invariants().expect("the other allocator is intact");
+        self.other
+            .check_invariants()
+            .expect("the other allocator is intact");
     }
 }

@@ -16,8 +16,9 @@ pub fn check(data: &[u8]) {
     match AllocatorConfig::parse(text) {
         Ok(config) => {
             let shown = config.to_string();
-            let back = AllocatorConfig::parse(&shown)
-                .unwrap_or_else(|e| panic!("{text:?} parsed, but its display {shown:?} does not: {e}"));
+            let back = AllocatorConfig::parse(&shown).unwrap_or_else(|e| {
+                panic!("{text:?} parsed, but its display {shown:?} does not: {e}")
+            });
             assert_eq!(back, config, "{text:?} does not survive display {shown:?}");
             let settings = AllocatorSettings::from_config(&config);
             let restored = settings
@@ -32,10 +33,14 @@ pub fn check(data: &[u8]) {
         Err(error) => {
             assert!(!error.to_string().is_empty(), "an empty error message");
             // Applied at run time, a bad string changes nothing.
-            let mut applied = AllocatorConfig::parse("expandable_segments:True,max_split_size_mb:40")
-                .expect("a valid configuration");
+            let mut applied =
+                AllocatorConfig::parse("expandable_segments:True,max_split_size_mb:40")
+                    .expect("a valid configuration");
             let before = applied.clone();
-            assert!(applied.apply(text).is_err(), "apply accepts what parse refuses");
+            assert!(
+                applied.apply(text).is_err(),
+                "apply accepts what parse refuses"
+            );
             assert_eq!(applied, before, "a refused string changed the settings");
         }
     }

@@ -45,9 +45,16 @@ pub fn header(data: &[u8]) {
     match RefcountHeader::decode(data) {
         Ok(header) => {
             assert!(data.len() >= REFCOUNT_HEADER_LEN);
-            assert_eq!(header.encode()[..4], data[..4], "refcount does not round trip");
+            assert_eq!(
+                header.encode()[..4],
+                data[..4],
+                "refcount does not round trip"
+            );
         }
-        Err(_) => assert!(data.len() < REFCOUNT_HEADER_LEN, "a long enough header was refused"),
+        Err(_) => assert!(
+            data.len() < REFCOUNT_HEADER_LEN,
+            "a long enough header was refused"
+        ),
     }
 }
 

@@ -20,11 +20,19 @@ fn every_kept_input_passes_its_check() {
             .filter(|path| path.is_file())
             .collect();
         inputs.sort();
-        assert!(!inputs.is_empty(), "no inputs kept for {target} in {}", dir.display());
+        assert!(
+            !inputs.is_empty(),
+            "no inputs kept for {target} in {}",
+            dir.display()
+        );
         for input in inputs {
             let data = std::fs::read(&input).expect("a readable input");
             let outcome = std::panic::catch_unwind(|| check(&data));
-            assert!(outcome.is_ok(), "{target}: {} fails its check", input.display());
+            assert!(
+                outcome.is_ok(),
+                "{target}: {} fails its check",
+                input.display()
+            );
         }
     }
 }

@@ -55,7 +55,9 @@ pub fn decode_replies(bytes: &[u8]) -> usize {
             Ok(reply) => {
                 let consumed = &before[..before.len() - input.len()];
                 let mut encoded = Vec::new();
-                reply.write_to(&mut encoded).expect("a decoded reply encodes");
+                reply
+                    .write_to(&mut encoded)
+                    .expect("a decoded reply encodes");
                 assert_eq!(
                     encoded, consumed,
                     "reply {reply:?} does not encode back to its frame"
