@@ -48,10 +48,7 @@ fn pointer_lookups_of_hostile_pointers_are_refused() {
     let p = a.raw_alloc(4096, S0).unwrap();
     for bad in hostile(p) {
         assert!(
-            matches!(
-                a.record_stream_ptr(bad, S1),
-                Err(Error::InvalidPointer { .. })
-            ),
+            matches!(a.record_stream_ptr(bad, S1), Err(Error::InvalidPointer { .. })),
             "record_stream_ptr({bad})"
         );
         assert!(
@@ -173,17 +170,12 @@ fn a_handle_of_another_allocator_is_refused() {
         b.record_stream(&x, S1),
         Err(Error::ForeignAllocation { owner, this, .. }) if owner == a.id() && this == b.id()
     ));
-    assert!(matches!(b.free(x), Err(Error::ForeignAllocation { .. })));
-    assert_eq!(
-        checked(&a).allocation.all.current,
-        1,
-        "a's block still allocated"
-    );
-    assert_eq!(
-        checked(&b).allocation.all.current,
-        1,
-        "b's own block untouched"
-    );
+    assert!(matches!(
+        b.free(x),
+        Err(Error::ForeignAllocation { .. })
+    ));
+    assert_eq!(checked(&a).allocation.all.current, 1, "a's block still allocated");
+    assert_eq!(checked(&b).allocation.all.current, 1, "b's own block untouched");
     b.free(y).unwrap();
     // The zero-sized allocation belongs to no allocator.
     let z = a.allocate(0, S0).unwrap();

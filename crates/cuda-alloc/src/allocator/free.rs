@@ -244,10 +244,7 @@ impl<D: Device> Locked<'_, D> {
             let b = &st.blocks[index];
             b.allocated && b.addr == ptr.0
         };
-        debug_assert!(
-            sound,
-            "pointer index entry {ptr} names block {index}, not allocated there"
-        );
+        debug_assert!(sound, "pointer index entry {ptr} names block {index}, not allocated there");
         sound.then_some(index)
     }
 

@@ -640,10 +640,7 @@ mod tests {
     fn devices_invent_disjoint_addresses_and_fixed_ones_repeat() {
         let (a, b) = (SimDevice::new(1 << 30), SimDevice::new(1 << 30));
         let (pa, pb) = (a.malloc(2 << 20).unwrap(), b.malloc(2 << 20).unwrap());
-        assert!(
-            pa.0.abs_diff(pb.0) >= WINDOW,
-            "{pa} and {pb} share a window"
-        );
+        assert!(pa.0.abs_diff(pb.0) >= WINDOW, "{pa} and {pb} share a window");
         let (f, g) = (
             SimDevice::with_fixed_addresses(0, 1 << 30),
             SimDevice::with_fixed_addresses(0, 1 << 30),
@@ -664,10 +661,7 @@ mod tests {
         // The window has no room after `second`: the next one starts over at the beginning.
         let third = d.malloc(big).unwrap();
         assert_eq!(third, first);
-        assert!(matches!(
-            d.malloc(big),
-            Err(DeviceError::OutOfMemory { .. })
-        ));
+        assert!(matches!(d.malloc(big), Err(DeviceError::OutOfMemory { .. })));
         assert!(second.0 + big as u64 <= INVENTED_BASE + WINDOW);
     }
 
