@@ -171,7 +171,11 @@ fn a_reset_races_with_increases() {
 fn limits_stay_within_the_peak() {
     model(
         [
-            &[Step::Up(true, 100), Step::Down(true, 100), Step::Up(true, 30)],
+            &[
+                Step::Up(true, 100),
+                Step::Down(true, 100),
+                Step::Up(true, 30),
+            ],
             &[Step::Up(false, 60)],
         ],
         false,
