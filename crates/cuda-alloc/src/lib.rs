@@ -99,6 +99,8 @@ mod events;
 mod expandable;
 mod free_set;
 pub mod host;
+#[cfg(loom)]
+mod loom_sync;
 pub mod oom;
 mod pointer_index;
 mod pool;

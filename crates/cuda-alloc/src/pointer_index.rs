@@ -162,6 +162,9 @@ impl PointerIndex {
     }
 }
 
+#[cfg(all(test, loom))]
+mod loom_models;
+
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;

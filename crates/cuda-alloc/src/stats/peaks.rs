@@ -26,9 +26,16 @@
 //! plain per-shard counters, summed on read. Only the small- and large-pool figures are stored; an
 //! `all` figure is their sum, with a limit of its own.
 
+#[cfg(not(loom))]
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 
+#[cfg(loom)]
+use loom::sync::atomic::{AtomicI64, Ordering::Relaxed};
+#[cfg(not(loom))]
 use parking_lot::Mutex;
+
+#[cfg(loom)]
+use crate::loom_sync::Mutex;
 
 use super::{MemoryStats, Stat, StatArray};
 
@@ -395,7 +402,10 @@ impl PeakBook {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, loom))]
+mod loom_models;
+
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
 

@@ -46,6 +46,8 @@ mod daemon;
 mod error;
 mod launch;
 mod log;
+#[doc(hidden)]
+pub mod fuzzing;
 mod protocol;
 mod region;
 mod registry;
