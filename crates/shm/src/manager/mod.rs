@@ -44,10 +44,10 @@ mod client;
 mod config;
 mod daemon;
 mod error;
-mod launch;
-mod log;
 #[doc(hidden)]
 pub mod fuzzing;
+mod launch;
+mod log;
 mod protocol;
 mod region;
 mod registry;
