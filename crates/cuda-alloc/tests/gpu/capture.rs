@@ -48,9 +48,11 @@ fn capture_needing_a_new_segment(config: &str, size: usize, private: bool) {
     let pool = MempoolId(1, 0);
     let mode_before = thread_capture_mode();
 
-    alloc
-        .begin_allocate_to_pool(pool, move |s| s == id)
-        .unwrap();
+    if private {
+        alloc
+            .begin_allocate_to_pool(pool, move |s| s == id)
+            .unwrap();
+    }
     assert!(!alloc.device().is_capturing(id).unwrap());
     // SAFETY: the stream is live and not capturing.
     check("cuStreamBeginCapture", unsafe {
