@@ -382,6 +382,75 @@ fn settings_from_config_match_pytorchs_layout() {
     assert!(e.to_string().contains("bogus:1"), "{e}");
 }
 
+/// A snapshot whose `allocator_settings.roundup_power2_divisions` has the given `(key, divisions)` entries,
+/// in this order.
+fn snapshot_with_divisions(entries: &[(&str, i64)]) -> Snapshot {
+    let table = entries
+        .iter()
+        .map(|&(key, d)| (PyValue::from(key), PyValue::from(d)))
+        .collect();
+    let settings = vec![(
+        PyValue::from("roundup_power2_divisions"),
+        PyValue::Dict(table),
+    )];
+    let value = PyValue::Dict(vec![
+        (PyValue::from("segments"), PyValue::List(Vec::new())),
+        (PyValue::from("device_traces"), PyValue::List(Vec::new())),
+        (PyValue::from("allocator_settings"), PyValue::Dict(settings)),
+    ]);
+    Snapshot::from_value(value).unwrap()
+}
+
+fn divisions(snapshot: &Snapshot) -> Vec<(u64, u64)> {
+    let settings = snapshot.allocator_settings.as_ref().unwrap();
+    settings.roundup_power2_divisions.clone().unwrap()
+}
+
+/// Finding F2: keys naming the same interval start (`"8"` and `"08"`) are one boundary, and the later
+/// one wins, as a repeated boundary does in the configuration grammar; the table survives a write.
+#[test]
+fn repeated_division_boundaries_keep_the_later_value() {
+    let later_08 = snapshot_with_divisions(&[("1", 2), ("8", 1), ("2", 2), ("08", 4)]);
+    assert_eq!(divisions(&later_08), vec![(1, 2), (2, 2), (8, 4)]);
+    let config = later_08
+        .allocator_settings
+        .as_ref()
+        .unwrap()
+        .to_config()
+        .unwrap();
+    assert_eq!(
+        config,
+        AllocatorConfig::parse("roundup_power2_divisions:[1:2,8:1,2:2,8:4]").unwrap()
+    );
+    assert_eq!(config.roundup_divisions_for(8 * MB), 4);
+    let later_8 = snapshot_with_divisions(&[("08", 4), ("8", 1)]);
+    assert_eq!(divisions(&later_8), vec![(8, 1)]);
+
+    for snapshot in [&later_08, &later_8] {
+        let mut pickled = Vec::new();
+        snapshot.write_pickle(&mut pickled).unwrap();
+        let again = Snapshot::from_pickle_bytes(&pickled).unwrap();
+        assert_eq!(again.allocator_settings, snapshot.allocator_settings);
+        let mut written = Vec::new();
+        snapshot.write_json(&mut written).unwrap();
+        let again = Snapshot::read_json(written.as_slice()).unwrap();
+        assert_eq!(again.allocator_settings, snapshot.allocator_settings);
+    }
+}
+
+/// JSON objects are read in key order (`"08"` before `"8"`), so there the key `"8"` is the later one.
+#[test]
+fn repeated_division_boundaries_in_json_are_one_entry() {
+    let json = br#"{"segments": [], "device_traces": [], "allocator_settings":
+        {"roundup_power2_divisions": {"8": 1, "08": 4, "16": 2}}}"#;
+    let snapshot = Snapshot::read_json(&json[..]).unwrap();
+    assert_eq!(divisions(&snapshot), vec![(8, 1), (16, 2)]);
+    let mut written = Vec::new();
+    snapshot.write_json(&mut written).unwrap();
+    let again = Snapshot::read_json(written.as_slice()).unwrap();
+    assert_eq!(divisions(&again), divisions(&snapshot));
+}
+
 fn python3() -> Option<&'static str> {
     let ok = Command::new("python3")
         .arg("-c")

@@ -352,9 +352,15 @@ fn settings(value: PyValue, path: &Path<'_>) -> SnapshotResult<AllocatorSettings
 
 /// `{'1': d0, '2': d1, ...}` as `(interval start in MiB, divisions)` pairs in interval order (PyTorch's
 /// order; a JSON object may come back sorted as text).
+/// Reads `allocator_settings.roundup_power2_divisions`: `(interval start in MiB, divisions)` by start.
+///
+/// Keys that name the same start (`"8"` and `"08"`) collapse into one entry whose value is the later key's,
+/// as a repeated key does in a Python dict and a repeated boundary does in the configuration grammar
+/// (`roundup_power2_divisions:[8:1,8:4]` sets 4). Keeping both would write the key `"8"` twice, which
+/// reads back as one entry (finding F2 in `docs/reliability.md`).
 fn roundup_table(value: PyValue, path: &Path<'_>) -> SnapshotResult<Vec<(u64, u64)>> {
     let table = Fields::new(value, path)?;
-    let mut pairs = table
+    let pairs = table
         .rest()
         .into_iter()
         .map(|(key, divisions)| {
@@ -367,8 +373,21 @@ fn roundup_table(value: PyValue, path: &Path<'_>) -> SnapshotResult<Vec<(u64, u6
             Ok((start, unsigned(divisions, &Path::Key(path, &key))?))
         })
         .collect::<SnapshotResult<Vec<_>>>()?;
+    Ok(later_starts_override(pairs))
+}
+
+/// Sorts `(start, divisions)` pairs by start, keeping for each start only the last pair given for it.
+fn later_starts_override(mut pairs: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    // A stable sort keeps pairs with the same start in their input order: the last one wins.
     pairs.sort_by_key(|&(start, _)| start);
-    Ok(pairs)
+    let mut table: Vec<(u64, u64)> = Vec::with_capacity(pairs.len());
+    for (start, divisions) in pairs {
+        match table.last_mut() {
+            Some(last) if last.0 == start => last.1 = divisions,
+            _ => table.push((start, divisions)),
+        }
+    }
+    table
 }
 
 fn annotation(value: PyValue, path: &Path<'_>) -> SnapshotResult<ExternalAnnotation> {

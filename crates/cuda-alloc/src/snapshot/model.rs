@@ -294,7 +294,9 @@ pub struct AllocatorSettings {
     /// `graph_capture_record_stream_reuse` (PyTorch 2.9 and later).
     pub graph_capture_record_stream_reuse: Option<bool>,
     /// `roundup_power2_divisions`: `(interval start in MiB, divisions)` pairs by interval start; PyTorch
-    /// writes a dict `{'1': d0, '2': d1, '4': d2, ..., '32768': d15}` with string keys.
+    /// writes a dict `{'1': d0, '2': d1, '4': d2, ..., '32768': d15}` with string keys. The readers keep one
+    /// pair per start: of keys naming the same start (`'8'` and `'08'`) the later one wins, as a repeated
+    /// boundary does in the configuration grammar.
     pub roundup_power2_divisions: Option<Vec<(u64, u64)>>,
     /// Keys not listed above.
     pub other: OtherKeys,

@@ -11,8 +11,9 @@
 //! every call: each stream holds a limit per figure, the limits add up to at most the recorded peak,
 //! and only an increase past its stream's limit takes a device-wide lock to sum the figure, raise the
 //! peak if needed and hand out limits again. A caller on one thread therefore sees exactly PyTorch's
-//! peaks; with several threads a peak may lag the true maximum by the headroom in flight, and is
-//! never below the current value.
+//! peaks; with several threads a peak may lag the true maximum by the increases that race with a
+//! redistribution of limits (until the shard that rose increases again), and is never below the
+//! current value.
 
 pub(crate) mod peaks;
 

@@ -20,9 +20,12 @@
 //! headroom (`peak - sum`) is shared out equally on top of every shard's current value. Peaks are therefore exact for a caller on one thread,
 //! whatever streams it uses (the decisions and figures a PyTorch trace replay checks).
 //!
-//! With several threads an increase may race with a redistribution (a shard may read its old, larger
-//! limit); the peak can then lag the true maximum by at most the headroom handed out, and is caught up
-//! with the current sum whenever statistics are read. Cumulative totals (`allocated`, `freed`) are
+//! With several threads an increase may race with a redistribution: a shard may compare against its old,
+//! larger limit while the book lowers it. Limits are still handed out from the values the book summed
+//! (never from values read again), so they always add up to exactly the recorded peak; only such racing
+//! rises (each shard's rise over the value the book summed for it, until its next increase passes its
+//! new limit) can take the sum past the recorded peak unseen, and the peak is caught up with the
+//! current sum whenever statistics are read. Cumulative totals (`allocated`, `freed`) are
 //! plain per-shard counters, summed on read. Only the small- and large-pool figures are stored; an
 //! `all` figure is their sum, with a limit of its own.
 
@@ -323,37 +326,56 @@ impl PeakBook {
 
     /// Shard `me` passed its limit for figure `f`: record the exact device-wide sum as the peak if it
     /// is higher, and share out the headroom again.
+    ///
+    /// Every way out leaves the shards' limits summing to exactly the recorded peak: limits are only
+    /// written here and in [`reset_peaks`](Self::reset_peaks), under the book's lock, and each one is
+    /// computed from values read once (another shard's value may change meanwhile; its limit is still the
+    /// value that was summed plus its share, never its newer value).
     #[cold]
     #[inline(never)]
     fn overflow(&self, me: &Figures, f: usize, set: &dyn FigureSet) {
         let mut peaks = self.peaks.lock();
         let mut sum = 0i64;
-        let mut shards = 0i64;
+        let mut others = 0i64;
         set.for_each_figures(&mut |fig| {
             sum += fig.current(f);
-            shards += 1;
+            if !std::ptr::eq(fig, me) {
+                others += fig.limit(f);
+            }
         });
         if sum > peaks[f] {
             peaks[f] = sum;
         }
         // First choice: leave the other shards' limits alone and take what they leave. Shards that
         // take turns (the usual pattern) then stop passing their limits once the peak is reached.
-        let mut others = 0i64;
-        set.for_each_figures(&mut |fig| {
-            if !std::ptr::eq(fig, me) {
-                others += fig.limit(f);
-            }
-        });
+        // `me`'s value is stable: the caller holds its shard's lock.
         if peaks[f] - others >= me.current(f) {
             me.set_limit(f, peaks[f] - others);
             return;
         }
-        // Otherwise share the headroom out again from everyone's current value.
+        // Otherwise share the headroom out again on top of everyone's value. Each value is read once,
+        // parked in its shard's limit and summed, so that the limits add up to exactly the peak even if
+        // other shards move meanwhile (finding F1 in docs/reliability.md: reading the values again
+        // when setting the limits let a shard's racing rise count on top of its share). A shard that
+        // rose after its value was read then passes its lower limit on its next increase.
+        let mut sum = 0i64;
+        let mut shards = 0i64;
+        set.for_each_figures(&mut |fig| {
+            let value = fig.current(f);
+            fig.set_limit(f, value);
+            sum += value;
+            shards += 1;
+        });
+        if sum > peaks[f] {
+            peaks[f] = sum;
+        }
         let headroom = peaks[f] - sum;
         let share = headroom / shards.max(1);
-        set.for_each_figures(&mut |fig| fig.set_limit(f, fig.current(f) + share));
         let extra = headroom - share * shards.max(1);
-        me.set_limit(f, me.limit(f) + extra);
+        set.for_each_figures(&mut |fig| {
+            let mine = if std::ptr::eq(fig, me) { extra } else { 0 };
+            fig.set_limit(f, fig.limit(f) + share + mine);
+        });
     }
 
     /// Sets every peak to the current sum (PyTorch's `reset_peak_stat`), leaving no headroom.
@@ -447,6 +469,74 @@ mod tests {
         b.increase_kind(k, false, 1, &book, &set);
         book.read(&set, &mut stats);
         assert_eq!(stats.allocated_bytes.all.peak, 51);
+    }
+
+    /// Two shards whose set runs `between` once, before its second pass over the shards: a rise of
+    /// another thread's shard racing with an overflow, made deterministic.
+    struct Racing<'a> {
+        shards: [&'a Figures; 2],
+        passes: std::cell::Cell<usize>,
+        between: std::cell::RefCell<Option<Box<dyn FnOnce() + 'a>>>,
+    }
+    impl FigureSet for Racing<'_> {
+        fn for_each_figures(&self, f: &mut dyn FnMut(&Figures)) {
+            let pass = self.passes.get() + 1;
+            self.passes.set(pass);
+            if pass == 2 {
+                if let Some(race) = self.between.borrow_mut().take() {
+                    race();
+                }
+            }
+            for fig in self.shards {
+                f(fig);
+            }
+        }
+    }
+
+    /// Finding F1 (docs/reliability.md): a shard that rises under its old limit while another shard's
+    /// overflow redistributes must not get its rise on top of its share.
+    #[test]
+    fn limits_never_add_up_to_more_than_the_peak() {
+        let (a, b) = (Figures::default(), Figures::default());
+        let book = PeakBook::default();
+        let plain = Set(vec![&a, &b]);
+        let k = Kind::AllocatedBytes;
+        let f = all(k);
+        // B has been at 60 in the large pool, so its next rise to 60 passes only its `all` limit.
+        b.increase_kind(k, false, 60, &book, &plain);
+        b.decrease_kind(k, false, 60);
+        a.increase_kind(k, true, 100, &book, &plain); // peak 100: A's limit 100, B's 0
+        a.decrease_kind(k, true, 100);
+        assert_eq!((a.limit(f), b.limit(f)), (100, 0));
+        let racing = Racing {
+            shards: [&a, &b],
+            passes: std::cell::Cell::new(0),
+            between: std::cell::RefCell::new(None),
+        };
+        // A rises by 30 (under its limit 100: no lock) while B's overflow of `all` holds the book's lock,
+        // after its first pass over the shards.
+        let race: Box<dyn FnOnce() + '_> = Box::new(|| a.increase_kind(k, true, 30, &book, &plain));
+        *racing.between.borrow_mut() = Some(race);
+        b.increase_kind(k, false, 60, &book, &racing);
+        assert!(racing.between.borrow().is_none(), "the race ran");
+        let recorded = book.peaks.lock()[f];
+        assert_eq!(recorded, 100);
+        let limits = a.limit(f) + b.limit(f);
+        assert!(
+            limits <= recorded,
+            "limits {limits} exceed the recorded peak {recorded}"
+        );
+        // So the shards cannot pass the recorded peak together unseen: with both filled up to their
+        // limits the sum is the peak, and one more byte is recorded.
+        let (room_a, room_b) = (a.limit(f) - a.current(f), b.limit(f) - b.current(f));
+        b.increase_kind(k, false, room_b as u64, &book, &plain);
+        a.increase_kind(k, true, room_a as u64 + 1, &book, &plain);
+        a.decrease_kind(k, true, 31 + room_a as u64);
+        b.decrease_kind(k, false, 60 + room_b as u64);
+        let mut stats = MemoryStats::default();
+        book.read(&plain, &mut stats);
+        assert_eq!(stats.allocated_bytes.all.current, 0);
+        assert_eq!(stats.allocated_bytes.all.peak, 101);
     }
 
     #[test]
