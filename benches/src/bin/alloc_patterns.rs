@@ -27,7 +27,7 @@ use tensormem_cuda_alloc::backend::cuda::{BackendStream, CudaBackend};
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::{
-    Allocation, CachingAllocator, Device, DevicePtr, RecordContext, StreamId,
+    Allocation, CachingAllocator, Device, DeviceAddress, RecordContext, StreamId,
 };
 
 /// `std::mt19937_64`, the engine of the C++ harness (same seed, same outputs).
@@ -144,14 +144,14 @@ impl<D: Device> Api<D> for HandleApi {
 }
 
 impl<D: Device> Api<D> for RawApi {
-    type Block = DevicePtr;
+    type Block = DeviceAddress;
     #[inline]
-    fn alloc(a: &CachingAllocator<D>, size: usize, stream: StreamId) -> RunResult<DevicePtr> {
+    fn alloc(a: &CachingAllocator<D>, size: usize, stream: StreamId) -> RunResult<DeviceAddress> {
         a.raw_alloc(size, stream)
             .map_err(|e| format!("allocating {size} bytes: {e}"))
     }
     #[inline]
-    fn free(a: &CachingAllocator<D>, ptr: DevicePtr) -> RunResult<()> {
+    fn free(a: &CachingAllocator<D>, ptr: DeviceAddress) -> RunResult<()> {
         a.raw_free(ptr).map_err(|e| format!("freeing {ptr}: {e}"))
     }
 }

@@ -15,7 +15,7 @@ use std::process::ExitCode;
 
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::config::AllocatorConfig;
-use tensormem_cuda_alloc::{CachingAllocator, DevicePtr, Result, StreamId};
+use tensormem_cuda_alloc::{CachingAllocator, DeviceAddress, Result, StreamId};
 
 /// The stream every pattern runs on.
 const STREAM: StreamId = StreamId(0x5000);
@@ -30,7 +30,7 @@ enum Api {
 /// A live block under either API.
 enum Live {
     Handle(tensormem_cuda_alloc::Allocation),
-    Raw(DevicePtr),
+    Raw(DeviceAddress),
 }
 
 fn alloc(a: &CachingAllocator<SimDevice>, api: Api, size: usize) -> Result<Live> {

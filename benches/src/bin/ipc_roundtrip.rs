@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use rustix::fs::{fcntl_getfl, fcntl_setfl, OFlags};
 
 use cudarc::driver::sys;
-use tensormem_cuda_alloc::backend::cuda::CudaDevice;
+use tensormem_cuda_alloc::backend::cuda::CudaBackend;
 use tensormem_cuda_alloc::{CachingAllocator, Device, StreamId};
 use tensormem_ipc::driver::cuda::CudaIpcDriver;
 use tensormem_ipc::{ConsumerConfig, IpcConsumer, IpcHandle, IpcProducer, ProducerConfig};
@@ -107,7 +107,7 @@ fn consumer() -> Result<(), BoxError> {
             ..ConsumerConfig::default()
         },
     );
-    CudaDevice::new(0)?.make_current()?;
+    CudaBackend::new(0)?.make_current()?;
     let (mut input, mut output) = (std::io::stdin().lock(), std::io::stdout().lock());
     let mut len = [0u8; 4];
     let mut buf = Vec::new();
@@ -166,7 +166,7 @@ fn run(
     events: bool,
     iters: usize,
 ) -> Result<Figures, BoxError> {
-    let device = CudaDevice::new(0)?;
+    let device = CudaBackend::new(0)?;
     let allocator = Arc::new(CachingAllocator::new(device));
     let config = ProducerConfig {
         skip_event_when_idle: !events,

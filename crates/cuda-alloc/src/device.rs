@@ -7,7 +7,7 @@
 //!
 //! Streams are named by [`StreamId`], the numeric value of the stream handle (what PyTorch records as
 //! `stream` in snapshots and traces; `0` is the legacy default stream). Device memory is named by
-//! [`DevicePtr`], a device address.
+//! [`DeviceAddress`], a device address.
 
 use std::fmt;
 
@@ -17,14 +17,14 @@ use std::fmt;
 #[derive(
     Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, serde::Serialize, serde::Deserialize,
 )]
-pub struct DevicePtr(pub u64);
+pub struct DeviceAddress(pub u64);
 
-impl DevicePtr {
+impl DeviceAddress {
     /// The address `bytes` past this one.
     #[inline]
     #[must_use]
-    pub const fn offset(self, bytes: usize) -> DevicePtr {
-        DevicePtr(self.0 + bytes as u64)
+    pub const fn offset(self, bytes: usize) -> DeviceAddress {
+        DeviceAddress(self.0 + bytes as u64)
     }
 
     /// The address as an integer.
@@ -35,13 +35,13 @@ impl DevicePtr {
     }
 }
 
-impl fmt::Debug for DevicePtr {
+impl fmt::Debug for DeviceAddress {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{:#x}", self.0)
     }
 }
 
-impl fmt::Display for DevicePtr {
+impl fmt::Display for DeviceAddress {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{:#x}", self.0)
     }
@@ -179,7 +179,7 @@ pub unsafe trait Device: Send + Sync + 'static {
 
     /// Allocates `size` bytes of device memory (`cuMemAlloc`). Out of memory is
     /// [`DeviceError::OutOfMemory`], not a panic.
-    fn malloc(&self, size: usize) -> DeviceResult<DevicePtr>;
+    fn malloc(&self, size: usize) -> DeviceResult<DeviceAddress>;
 
     /// Returns memory obtained from [`Device::malloc`] (`cuMemFree`).
     ///
@@ -187,7 +187,7 @@ pub unsafe trait Device: Send + Sync + 'static {
     ///
     /// `ptr` came from [`Device::malloc`] on this device with this `size`, has not been freed yet, and no
     /// queued device work uses it any more.
-    unsafe fn free(&self, ptr: DevicePtr, size: usize) -> DeviceResult<()>;
+    unsafe fn free(&self, ptr: DeviceAddress, size: usize) -> DeviceResult<()>;
 
     /// Creates an event (`cuEventCreate` with timing disabled).
     fn create_event(&self) -> DeviceResult<Self::Event>;
@@ -228,14 +228,14 @@ pub unsafe trait Device: Send + Sync + 'static {
     fn vmm_granularity(&self) -> DeviceResult<usize>;
 
     /// Reserves `size` bytes of device address space without backing it (`cuMemAddressReserve`).
-    fn reserve_address_range(&self, size: usize) -> DeviceResult<DevicePtr>;
+    fn reserve_address_range(&self, size: usize) -> DeviceResult<DeviceAddress>;
 
     /// Releases an address range from [`Device::reserve_address_range`] (`cuMemAddressFree`).
     ///
     /// # Safety
     ///
     /// The range came from [`Device::reserve_address_range`] with this size and has nothing mapped in it.
-    unsafe fn release_address_range(&self, ptr: DevicePtr, size: usize) -> DeviceResult<()>;
+    unsafe fn release_address_range(&self, ptr: DeviceAddress, size: usize) -> DeviceResult<()>;
 
     /// Creates `size` bytes of physical device memory (`cuMemCreate`); `size` is a multiple of
     /// [`Device::vmm_granularity`]. Out of memory is [`DeviceError::OutOfMemory`].
@@ -249,7 +249,7 @@ pub unsafe trait Device: Send + Sync + 'static {
     /// `[ptr, ptr + size)` lies in a reserved range and has nothing mapped; `size` is the chunk's size.
     unsafe fn map(
         &self,
-        ptr: DevicePtr,
+        ptr: DeviceAddress,
         size: usize,
         chunk: &Self::PhysicalChunk,
     ) -> DeviceResult<()>;
@@ -262,7 +262,7 @@ pub unsafe trait Device: Send + Sync + 'static {
     /// uses it any more.
     unsafe fn unmap(
         &self,
-        ptr: DevicePtr,
+        ptr: DeviceAddress,
         size: usize,
         chunk: Self::PhysicalChunk,
     ) -> DeviceResult<()>;
@@ -280,10 +280,10 @@ unsafe impl<D: Device> Device for std::sync::Arc<D> {
     fn mem_info(&self) -> DeviceResult<MemInfo> {
         (**self).mem_info()
     }
-    fn malloc(&self, size: usize) -> DeviceResult<DevicePtr> {
+    fn malloc(&self, size: usize) -> DeviceResult<DeviceAddress> {
         (**self).malloc(size)
     }
-    unsafe fn free(&self, ptr: DevicePtr, size: usize) -> DeviceResult<()> {
+    unsafe fn free(&self, ptr: DeviceAddress, size: usize) -> DeviceResult<()> {
         // SAFETY: the caller's obligations are the shared device's.
         unsafe { (**self).free(ptr, size) }
     }
@@ -314,10 +314,10 @@ unsafe impl<D: Device> Device for std::sync::Arc<D> {
     fn vmm_granularity(&self) -> DeviceResult<usize> {
         (**self).vmm_granularity()
     }
-    fn reserve_address_range(&self, size: usize) -> DeviceResult<DevicePtr> {
+    fn reserve_address_range(&self, size: usize) -> DeviceResult<DeviceAddress> {
         (**self).reserve_address_range(size)
     }
-    unsafe fn release_address_range(&self, ptr: DevicePtr, size: usize) -> DeviceResult<()> {
+    unsafe fn release_address_range(&self, ptr: DeviceAddress, size: usize) -> DeviceResult<()> {
         // SAFETY: the caller's obligations are the shared device's.
         unsafe { (**self).release_address_range(ptr, size) }
     }
@@ -326,7 +326,7 @@ unsafe impl<D: Device> Device for std::sync::Arc<D> {
     }
     unsafe fn map(
         &self,
-        ptr: DevicePtr,
+        ptr: DeviceAddress,
         size: usize,
         chunk: &Self::PhysicalChunk,
     ) -> DeviceResult<()> {
@@ -335,7 +335,7 @@ unsafe impl<D: Device> Device for std::sync::Arc<D> {
     }
     unsafe fn unmap(
         &self,
-        ptr: DevicePtr,
+        ptr: DeviceAddress,
         size: usize,
         chunk: Self::PhysicalChunk,
     ) -> DeviceResult<()> {

@@ -1,7 +1,7 @@
 //! The allocator's error type.
 
 use crate::config::ConfigError;
-use crate::device::{DeviceError, DevicePtr, StreamId};
+use crate::device::{DeviceAddress, DeviceError, StreamId};
 use crate::oom::OutOfMemory;
 use crate::pool_id::MempoolId;
 
@@ -27,7 +27,7 @@ pub enum Error {
     )]
     InvalidPointer {
         /// The pointer given.
-        ptr: DevicePtr,
+        ptr: DeviceAddress,
     },
     /// An [`Allocation`](crate::Allocation) handed to an allocator other than the one that made it
     /// (nothing was freed or recorded).
@@ -37,7 +37,7 @@ pub enum Error {
     )]
     ForeignAllocation {
         /// The allocation's pointer.
-        ptr: DevicePtr,
+        ptr: DeviceAddress,
         /// The id of the allocator that handed it out.
         owner: u32,
         /// The id of the allocator it was given to.
@@ -51,7 +51,7 @@ pub enum Error {
     )]
     ExpandableNotShareable {
         /// The pointer given.
-        ptr: DevicePtr,
+        ptr: DeviceAddress,
     },
     /// More distinct streams than the allocator's stream table holds.
     #[error(
@@ -143,7 +143,7 @@ mod tests {
     #[test]
     fn io_errors_have_the_closest_kind_and_keep_the_message() {
         let bad = Error::InvalidPointer {
-            ptr: DevicePtr(0x1234),
+            ptr: DeviceAddress(0x1234),
         };
         let message = bad.to_string();
         let io = std::io::Error::from(bad);

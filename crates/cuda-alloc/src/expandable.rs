@@ -7,7 +7,7 @@
 //! unusable slivers at the ends of many fixed-size ones, and `empty_cache` can unmap every chunk no
 //! block uses, wherever it is in the range.
 
-use crate::device::{Device, DeviceError, DevicePtr, DeviceResult};
+use crate::device::{Device, DeviceAddress, DeviceError, DeviceResult};
 
 /// One reserved range and the physical chunks mapped into it.
 pub(crate) struct ExpandableSegment<D: Device> {
@@ -86,7 +86,7 @@ impl<D: Device> ExpandableSegment<D> {
         let chunk_size = self.segment_size as usize;
         for i in begin..end {
             debug_assert!(self.handles[i as usize].is_none(), "slot {i} mapped twice");
-            let at = DevicePtr(self.base + i * self.segment_size);
+            let at = DeviceAddress(self.base + i * self.segment_size);
             let failure = match device.create_physical(chunk_size) {
                 Ok(chunk) => {
                     // SAFETY: slot `i` lies in the range this segment reserved and has nothing
@@ -142,7 +142,7 @@ impl<D: Device> ExpandableSegment<D> {
     fn unmap_slots(&mut self, device: &D, begin: u64, end: u64) -> DeviceResult<()> {
         for i in begin..end {
             if let Some(chunk) = self.handles[i as usize].take() {
-                let at = DevicePtr(self.base + i * self.segment_size);
+                let at = DeviceAddress(self.base + i * self.segment_size);
                 // SAFETY: `chunk` was mapped at slot `i` by `map` with the segment size, and the
                 // caller guarantees no queued work uses it.
                 unsafe { device.unmap(at, self.segment_size as usize, chunk)? };
@@ -163,7 +163,7 @@ impl<D: Device> ExpandableSegment<D> {
         let mut errors = Vec::new();
         for i in 0..self.handles.len() {
             if let Some(chunk) = self.handles[i].take() {
-                let at = DevicePtr(self.base + i as u64 * self.segment_size);
+                let at = DeviceAddress(self.base + i as u64 * self.segment_size);
                 // SAFETY: `chunk` was mapped at slot `i` by `map` with the segment size, and the
                 // caller guarantees no queued work uses it.
                 if let Err(e) = unsafe { device.unmap(at, self.segment_size as usize, chunk) } {
@@ -184,6 +184,6 @@ impl<D: Device> ExpandableSegment<D> {
         debug_assert!(self.handles.iter().all(Option::is_none));
         // SAFETY: the range came from `reserve_address_range` with this size, and nothing is mapped
         // in it (every slot is empty).
-        unsafe { device.release_address_range(DevicePtr(self.base), self.size() as usize) }
+        unsafe { device.release_address_range(DeviceAddress(self.base), self.size() as usize) }
     }
 }

@@ -117,7 +117,9 @@ pub use allocator::{
     Allocation, CachingAllocator, CheckpointDelta, InvariantViolation, PoolCheckpoint,
     DEFAULT_STREAM_CAPACITY,
 };
-pub use device::{CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, MemInfo, StreamId};
+pub use device::{
+    CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, StreamId,
+};
 pub use error::{Error, Result};
 pub use pool_id::MempoolId;
 pub use stack::RecordContext;

@@ -4,13 +4,13 @@ mod common;
 
 use common::*;
 use tensormem_cuda_alloc::snapshot::{BlockState, SegmentType, TraceAction};
-use tensormem_cuda_alloc::{DevicePtr, Error};
+use tensormem_cuda_alloc::{DeviceAddress, Error};
 
 #[test]
 fn raw_pointers_round_trip() {
     let a = sim(GIB);
     let p = a.raw_alloc(3000, S0).unwrap();
-    assert_eq!(a.raw_alloc(0, S0).unwrap(), DevicePtr(0));
+    assert_eq!(a.raw_alloc(0, S0).unwrap(), DeviceAddress(0));
     a.record_stream_ptr(p, S1).unwrap();
     a.raw_free(p).unwrap();
     assert_eq!(checked(&a).active.all.current, 1, "pending on S1");
@@ -19,10 +19,10 @@ fn raw_pointers_round_trip() {
         "double free"
     );
     assert!(matches!(
-        a.raw_free(DevicePtr(0xdead_0000)),
+        a.raw_free(DeviceAddress(0xdead_0000)),
         Err(Error::InvalidPointer { .. })
     ));
-    assert!(a.raw_free(DevicePtr(0)).is_ok(), "null is ignored");
+    assert!(a.raw_free(DeviceAddress(0)).is_ok(), "null is ignored");
     let q = a.allocate(512, S0).unwrap().into_ptr();
     a.raw_free(q).unwrap();
     checked(&a);
@@ -45,7 +45,7 @@ fn freeing_a_handle_after_its_pointer_was_freed_is_an_error() {
 fn zero_sized_allocations_are_null_and_free() {
     let a = sim(GIB);
     let x = a.allocate(0, S0).unwrap();
-    assert_eq!((x.ptr(), x.size()), (DevicePtr(0), 0));
+    assert_eq!((x.ptr(), x.size()), (DeviceAddress(0), 0));
     a.record_stream(&x, S1).unwrap();
     a.free(x).unwrap();
     assert_eq!(checked(&a).allocation.all.allocated, 0);

@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::{
-    Allocation, CachingAllocator, CheckpointDelta, DevicePtr, Error, MempoolId, PoolCheckpoint,
+    Allocation, CachingAllocator, CheckpointDelta, DeviceAddress, Error, MempoolId, PoolCheckpoint,
     StreamId,
 };
 
@@ -33,7 +33,7 @@ fn captured(alloc: &CachingAllocator<SimDevice>, sizes: &[usize]) -> Vec<Allocat
     made
 }
 
-fn ptrs(allocations: &[Allocation]) -> HashSet<DevicePtr> {
+fn ptrs(allocations: &[Allocation]) -> HashSet<DeviceAddress> {
     allocations.iter().map(Allocation::ptr).collect()
 }
 
@@ -50,7 +50,7 @@ fn a_restored_pool_has_the_checkpointed_blocks_live() {
         assert_eq!(checkpoint.pool(), POOL);
         let mut listed = checkpoint.live_allocations();
         listed.sort();
-        let mut expected: Vec<DevicePtr> = live.iter().copied().collect();
+        let mut expected: Vec<DeviceAddress> = live.iter().copied().collect();
         expected.sort();
         assert_eq!(listed, expected, "{config}");
         assert!(alloc.check_pool_live_allocations(POOL, &live).unwrap());
@@ -63,7 +63,7 @@ fn a_restored_pool_has_the_checkpointed_blocks_live() {
         let second = captured(&alloc, &[150_000, 30 * MIB, 50_000]);
         assert!(!alloc.check_pool_live_allocations(POOL, &live).unwrap());
         let segments_past = alloc.snapshot().segments.len();
-        let mut held_before: Vec<DevicePtr> =
+        let mut held_before: Vec<DeviceAddress> =
             first.iter().chain(&second).map(Allocation::ptr).collect();
         held_before.sort();
 

@@ -4,20 +4,20 @@
 mod common;
 
 use common::*;
-use tensormem_cuda_alloc::{DevicePtr, Error};
+use tensormem_cuda_alloc::{DeviceAddress, Error};
 
 /// Pointers that no allocation can have: the pointer index's empty-slot key, unaligned
 /// addresses, addresses inside a block, past every segment.
-fn hostile(live: DevicePtr) -> Vec<DevicePtr> {
+fn hostile(live: DeviceAddress) -> Vec<DeviceAddress> {
     vec![
-        DevicePtr(u64::MAX),
-        DevicePtr(u64::MAX - 511),
-        DevicePtr(!511),
-        DevicePtr(1),
-        DevicePtr(live.0 + 1),
-        DevicePtr(live.0 + 512),
-        DevicePtr(live.0 - 512),
-        DevicePtr(live.0 + (64 << 20)),
+        DeviceAddress(u64::MAX),
+        DeviceAddress(u64::MAX - 511),
+        DeviceAddress(!511),
+        DeviceAddress(1),
+        DeviceAddress(live.0 + 1),
+        DeviceAddress(live.0 + 512),
+        DeviceAddress(live.0 - 512),
+        DeviceAddress(live.0 + (64 << 20)),
     ]
 }
 
@@ -69,7 +69,7 @@ fn hostile_frees_before_any_pointer_call_are_refused() {
     let a = sim(GIB);
     let x = a.allocate(4096, S0).unwrap();
     assert!(matches!(
-        a.raw_free(DevicePtr(u64::MAX)),
+        a.raw_free(DeviceAddress(u64::MAX)),
         Err(Error::InvalidPointer { .. })
     ));
     checked(&a);
@@ -95,8 +95,8 @@ fn racing_double_frees_never_corrupt_the_state() {
                     let a = &a;
                     scope.spawn(move || {
                         let mut rng = rand::rngs::StdRng::seed_from_u64(seed * 100 + t);
-                        let mut freed: Vec<DevicePtr> = Vec::new();
-                        let mut live: Vec<DevicePtr> = Vec::new();
+                        let mut freed: Vec<DeviceAddress> = Vec::new();
+                        let mut live: Vec<DeviceAddress> = Vec::new();
                         for _ in 0..2000 {
                             match rng.gen_range(0..10) {
                                 0..=3 => {

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tensormem_cuda_alloc::backend::sim::{SimChunk, SimDevice, SimEvent};
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::{
-    CachingAllocator, CaptureStatus, Device, DevicePtr, DeviceResult, MemInfo, StreamId,
+    CachingAllocator, CaptureStatus, Device, DeviceAddress, DeviceResult, MemInfo, StreamId,
 };
 
 /// A simulated device whose `malloc` of more than `GATED` bytes reports that it started and waits
@@ -33,14 +33,14 @@ unsafe impl Device for GatedDevice {
     fn mem_info(&self) -> DeviceResult<MemInfo> {
         self.sim.mem_info()
     }
-    fn malloc(&self, size: usize) -> DeviceResult<DevicePtr> {
+    fn malloc(&self, size: usize) -> DeviceResult<DeviceAddress> {
         if size > GATED {
             self.started.lock().unwrap().send(()).unwrap();
             self.go.lock().unwrap().recv().unwrap();
         }
         self.sim.malloc(size)
     }
-    unsafe fn free(&self, ptr: DevicePtr, size: usize) -> DeviceResult<()> {
+    unsafe fn free(&self, ptr: DeviceAddress, size: usize) -> DeviceResult<()> {
         // SAFETY: the caller's obligations are the simulated device's.
         unsafe { self.sim.free(ptr, size) }
     }
@@ -65,21 +65,21 @@ unsafe impl Device for GatedDevice {
     fn vmm_granularity(&self) -> DeviceResult<usize> {
         self.sim.vmm_granularity()
     }
-    fn reserve_address_range(&self, size: usize) -> DeviceResult<DevicePtr> {
+    fn reserve_address_range(&self, size: usize) -> DeviceResult<DeviceAddress> {
         self.sim.reserve_address_range(size)
     }
-    unsafe fn release_address_range(&self, ptr: DevicePtr, size: usize) -> DeviceResult<()> {
+    unsafe fn release_address_range(&self, ptr: DeviceAddress, size: usize) -> DeviceResult<()> {
         // SAFETY: the caller's obligations are the simulated device's.
         unsafe { self.sim.release_address_range(ptr, size) }
     }
     fn create_physical(&self, size: usize) -> DeviceResult<SimChunk> {
         self.sim.create_physical(size)
     }
-    unsafe fn map(&self, ptr: DevicePtr, size: usize, chunk: &SimChunk) -> DeviceResult<()> {
+    unsafe fn map(&self, ptr: DeviceAddress, size: usize, chunk: &SimChunk) -> DeviceResult<()> {
         // SAFETY: the caller's obligations are the simulated device's.
         unsafe { self.sim.map(ptr, size, chunk) }
     }
-    unsafe fn unmap(&self, ptr: DevicePtr, size: usize, chunk: SimChunk) -> DeviceResult<()> {
+    unsafe fn unmap(&self, ptr: DeviceAddress, size: usize, chunk: SimChunk) -> DeviceResult<()> {
         // SAFETY: the caller's obligations are the simulated device's.
         unsafe { self.sim.unmap(ptr, size, chunk) }
     }

@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use arbitrary::{Arbitrary, Unstructured};
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::config::AllocatorConfig;
-use tensormem_cuda_alloc::{Allocation, CachingAllocator, DevicePtr, Error, StreamId};
+use tensormem_cuda_alloc::{Allocation, CachingAllocator, DeviceAddress, Error, StreamId};
 
 /// Most operations one input runs.
 pub const MAX_OPS: usize = 200;
@@ -104,7 +104,7 @@ struct Live {
 struct Harness {
     alloc: CachingAllocator<SimDevice>,
     other: CachingAllocator<SimDevice>,
-    foreign_ptr: DevicePtr,
+    foreign_ptr: DeviceAddress,
     foreign_handle: Option<Allocation>,
     /// Live allocations by address.
     live: BTreeMap<u64, Live>,
@@ -293,7 +293,7 @@ impl Harness {
             }
             Op::RawFree { target } => {
                 let addr = self.address(target);
-                let result = self.alloc.raw_free(DevicePtr(addr));
+                let result = self.alloc.raw_free(DeviceAddress(addr));
                 if addr == 0 {
                     assert!(result.is_ok(), "raw_free(null) gave {result:?}");
                 } else if let Some(live) = self.live.remove(&addr) {
@@ -329,7 +329,7 @@ impl Harness {
             }
             Op::RecordStreamPtr { target, stream: s } => {
                 let addr = self.address(target);
-                let result = self.alloc.record_stream_ptr(DevicePtr(addr), stream(s));
+                let result = self.alloc.record_stream_ptr(DeviceAddress(addr), stream(s));
                 if addr == 0 {
                     assert!(result.is_ok(), "record_stream_ptr(null) gave {result:?}");
                 } else if self.live.contains_key(&addr) {
@@ -346,7 +346,7 @@ impl Harness {
             }
             Op::BaseAllocation { target } => {
                 let addr = self.address(target);
-                let result = self.alloc.base_allocation(DevicePtr(addr));
+                let result = self.alloc.base_allocation(DeviceAddress(addr));
                 match (self.live.get(&addr), result) {
                     (Some(live), Ok((base, size))) => {
                         assert!(base.0 <= addr && addr + live.size as u64 <= base.0 + size as u64);
@@ -422,7 +422,7 @@ impl Harness {
         for (addr, live) in std::mem::take(&mut self.live) {
             let result = match live.handle {
                 Some(handle) => self.alloc.free(handle),
-                None => self.alloc.raw_free(DevicePtr(addr)),
+                None => self.alloc.raw_free(DeviceAddress(addr)),
             };
             assert!(result.is_ok(), "final free of {addr:#x} gave {result:?}");
         }

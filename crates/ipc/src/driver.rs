@@ -6,7 +6,7 @@
 pub mod cuda;
 pub mod fake;
 
-use tensormem_cuda_alloc::{DevicePtr, DeviceResult, StreamId};
+use tensormem_cuda_alloc::{DeviceAddress, DeviceResult, StreamId};
 
 /// Bytes in a CUDA IPC memory or event handle (`CU_IPC_HANDLE_SIZE`).
 pub const IPC_HANDLE_SIZE: usize = 64;
@@ -49,10 +49,10 @@ pub trait IpcDriver: Send + Sync + 'static {
 
     /// A process-wide unique id of the physical allocation at `base` (`CU_POINTER_ATTRIBUTE_BUFFER_ID`):
     /// changes when the address is freed and allocated again, so cached memory handles can be checked.
-    fn buffer_id(&self, device: u32, base: DevicePtr) -> DeviceResult<u64>;
+    fn buffer_id(&self, device: u32, base: DeviceAddress) -> DeviceResult<u64>;
 
     /// The IPC handle of the allocation starting at `base` of `size` bytes (`cuIpcGetMemHandle`).
-    fn mem_handle(&self, device: u32, base: DevicePtr, size: usize) -> DeviceResult<MemHandle>;
+    fn mem_handle(&self, device: u32, base: DeviceAddress, size: usize) -> DeviceResult<MemHandle>;
 
     /// Creates an interprocess event (`CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`).
     fn create_event(&self, device: u32) -> DeviceResult<Self::Event>;
@@ -72,10 +72,14 @@ pub trait IpcDriver: Send + Sync + 'static {
 
     /// Opens another process's allocation (`cuIpcOpenMemHandle`, lazy peer access); returns where it is
     /// mapped in this process. Opening a handle that is already open in this context adds a reference.
-    fn open_mem_handle(&self, device: u32, handle: &MemHandle) -> DeviceResult<DevicePtr>;
+    fn open_mem_handle(&self, device: u32, handle: &MemHandle) -> DeviceResult<DeviceAddress>;
 
     /// The allocation containing `ptr`: its base and size (`cuMemGetAddressRange`).
-    fn address_range(&self, device: u32, ptr: DevicePtr) -> DeviceResult<(DevicePtr, usize)>;
+    fn address_range(
+        &self,
+        device: u32,
+        ptr: DeviceAddress,
+    ) -> DeviceResult<(DeviceAddress, usize)>;
 
     /// Closes a mapping from [`open_mem_handle`](Self::open_mem_handle) (`cuIpcCloseMemHandle`).
     ///
@@ -83,7 +87,7 @@ pub trait IpcDriver: Send + Sync + 'static {
     ///
     /// `ptr` was returned by `open_mem_handle` on `device`, is closed once per open, and no queued
     /// work of this process uses it any more.
-    unsafe fn close_mem_handle(&self, device: u32, ptr: DevicePtr) -> DeviceResult<()>;
+    unsafe fn close_mem_handle(&self, device: u32, ptr: DeviceAddress) -> DeviceResult<()>;
 
     /// Opens the event another process exported as `handle` (`cuIpcOpenEventHandle`).
     fn open_event_handle(

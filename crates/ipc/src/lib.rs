@@ -64,7 +64,7 @@
 //! ```
 //!
 //! On a GPU, use `driver::cuda::CudaIpcDriver` (feature `cuda`, on by default) and an allocator on
-//! `tensormem_cuda_alloc::backend::cuda::CudaDevice`.
+//! `tensormem_cuda_alloc::backend::cuda::CudaBackend`.
 //!
 //! # Features
 //!

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
-use tensormem_cuda_alloc::{Allocation, CachingAllocator, Device, DevicePtr, StreamId};
+use tensormem_cuda_alloc::{Allocation, CachingAllocator, Device, DeviceAddress, StreamId};
 use tensormem_shm::NameGenerator;
 
 use crate::driver::{EventHandle, IpcDriver, MemHandle};
@@ -267,7 +267,7 @@ impl<D: Device, B: IpcDriver> ProducerInner<D, B> {
     }
 
     /// The handle of the base allocation, from the cache while the allocation there is the same one.
-    fn mem_handle(&self, device: u32, base: DevicePtr, size: usize) -> Result<MemHandle> {
+    fn mem_handle(&self, device: u32, base: DeviceAddress, size: usize) -> Result<MemHandle> {
         let id = self.driver.buffer_id(device, base)?;
         if let Some(cached) = self.handles.lock().get(&(device, base.0)) {
             if cached.buffer_id == id && cached.size == size {
@@ -552,7 +552,7 @@ impl<D: Device, B: IpcDriver> Sent<D, B> {
 pub struct SharedAllocation<D: Device, B: IpcDriver> {
     /// `None` only while dropping.
     sent: Option<Sent<D, B>>,
-    base: Option<(DevicePtr, usize)>,
+    base: Option<(DeviceAddress, usize)>,
     producer: Arc<ProducerInner<D, B>>,
 }
 
@@ -578,7 +578,7 @@ impl<D: Device, B: IpcDriver> SharedAllocation<D, B> {
 
     /// The device address.
     #[must_use]
-    pub fn ptr(&self) -> DevicePtr {
+    pub fn ptr(&self) -> DeviceAddress {
         self.sent().allocation.ptr()
     }
 

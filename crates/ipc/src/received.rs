@@ -17,7 +17,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use tensormem_cuda_alloc::{DevicePtr, StreamId};
+use tensormem_cuda_alloc::{DeviceAddress, StreamId};
 use tensormem_shm::ShmName;
 
 use crate::cache::{Lease, LeaseCache};
@@ -36,7 +36,7 @@ static RECEIVED: Mutex<BTreeMap<(u32, u64), (u64, usize)>> = Mutex::new(BTreeMap
 ///
 /// [`Error::ReceivedMemory`] (PyTorch's message) if `ptr` lies in memory this process opened with
 /// [`IpcConsumer::open`].
-pub fn check_shareable(device: u32, ptr: DevicePtr) -> Result<()> {
+pub fn check_shareable(device: u32, ptr: DeviceAddress) -> Result<()> {
     let received = RECEIVED.lock();
     let inside = received
         .range(..=(device, ptr.0))
@@ -81,7 +81,7 @@ impl Default for ConsumerConfig {
 struct OpenedBase<B: IpcDriver> {
     driver: Arc<B>,
     device: u32,
-    ptr: DevicePtr,
+    ptr: DeviceAddress,
     size: usize,
 }
 
@@ -303,7 +303,7 @@ impl<B: IpcDriver> IpcConsumer<B> {
 pub struct ReceivedMemory<B: IpcDriver> {
     driver: Arc<B>,
     device: u32,
-    ptr: DevicePtr,
+    ptr: DeviceAddress,
     size: u64,
     streams: Vec<StreamId>,
     slot: usize,
@@ -326,7 +326,7 @@ impl<B: IpcDriver> std::fmt::Debug for ReceivedMemory<B> {
 impl<B: IpcDriver> ReceivedMemory<B> {
     /// The device address in this process.
     #[must_use]
-    pub fn ptr(&self) -> DevicePtr {
+    pub fn ptr(&self) -> DeviceAddress {
         self.ptr
     }
 
@@ -413,7 +413,7 @@ device_element!(u8, i8, u16, i16, u32, i32, u64, i64, f32, f64);
 /// Received device memory seen as `len` elements of `T`; borrows the [`ReceivedMemory`].
 #[derive(Debug, Clone, Copy)]
 pub struct DeviceView<'a, T: DeviceElement> {
-    ptr: DevicePtr,
+    ptr: DeviceAddress,
     len: usize,
     _memory: PhantomData<&'a [T]>,
 }
@@ -421,7 +421,7 @@ pub struct DeviceView<'a, T: DeviceElement> {
 impl<T: DeviceElement> DeviceView<'_, T> {
     /// The device address of the first element.
     #[must_use]
-    pub fn ptr(&self) -> DevicePtr {
+    pub fn ptr(&self) -> DeviceAddress {
         self.ptr
     }
 
@@ -439,7 +439,7 @@ impl<T: DeviceElement> DeviceView<'_, T> {
 
     /// The device address of element `index`, if in range.
     #[must_use]
-    pub fn element_ptr(&self, index: usize) -> Option<DevicePtr> {
+    pub fn element_ptr(&self, index: usize) -> Option<DeviceAddress> {
         (index < self.len).then(|| self.ptr.offset(index * std::mem::size_of::<T>()))
     }
 }

@@ -14,8 +14,8 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::sys;
-use tensormem_cuda_alloc::backend::cuda::{self, CudaDevice};
-use tensormem_cuda_alloc::{CachingAllocator, DevicePtr, StreamId};
+use tensormem_cuda_alloc::backend::cuda::{self, CudaBackend};
+use tensormem_cuda_alloc::{CachingAllocator, DeviceAddress, StreamId};
 use tensormem_ipc::driver::cuda::CudaIpcDriver;
 use tensormem_ipc::{
     ConsumerConfig, IpcConsumer, IpcHandle, IpcProducer, TorchShareTuple, RECEIVED_MEMORY_MESSAGE,
@@ -28,8 +28,8 @@ const SCRIPT: &str = include_str!("python/ipc_interop.py");
 
 static GPU_LOCK: Mutex<()> = Mutex::new(());
 
-type Allocator = Arc<CachingAllocator<CudaDevice>>;
-type Producer = IpcProducer<CudaDevice, CudaIpcDriver>;
+type Allocator = Arc<CachingAllocator<CudaBackend>>;
+type Producer = IpcProducer<CudaBackend, CudaIpcDriver>;
 
 /// Device 0's allocator, a producer, and the lock; `None` (after saying why) without a GPU.
 fn gpu() -> Option<(Allocator, Producer, MutexGuard<'static, ()>)> {
@@ -37,7 +37,7 @@ fn gpu() -> Option<(Allocator, Producer, MutexGuard<'static, ()>)> {
     let reason = match cuda::device_count() {
         Ok(0) => "the driver reports 0 devices".to_owned(),
         Ok(_) => {
-            let device = CudaDevice::new(0).expect("opening device 0");
+            let device = CudaBackend::new(0).expect("opening device 0");
             let driver = Arc::new(CudaIpcDriver::new().expect("loading the driver"));
             return Some((
                 Arc::new(CachingAllocator::new(device)),
@@ -76,10 +76,10 @@ fn check(call: &str, result: sys::CUresult) {
 }
 
 fn current() {
-    CudaDevice::new(0).unwrap().make_current().unwrap();
+    CudaBackend::new(0).unwrap().make_current().unwrap();
 }
 
-fn fill(ptr: DevicePtr, value: u8, len: usize) {
+fn fill(ptr: DeviceAddress, value: u8, len: usize) {
     current();
     // SAFETY: `ptr..ptr+len` is device memory of device 0 this test owns or received.
     check("cuMemsetD8", unsafe {
@@ -87,7 +87,7 @@ fn fill(ptr: DevicePtr, value: u8, len: usize) {
     });
 }
 
-fn read(ptr: DevicePtr, len: usize) -> Vec<u8> {
+fn read(ptr: DeviceAddress, len: usize) -> Vec<u8> {
     current();
     let mut out = vec![0u8; len];
     // SAFETY: as in `fill`; `out` has room for `len` bytes.

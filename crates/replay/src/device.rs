@@ -17,7 +17,7 @@ use parking_lot::Mutex;
 
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::device::{
-    CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, MemInfo, StreamId,
+    CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, StreamId,
 };
 
 /// How the addresses of new segments were chosen.
@@ -142,12 +142,12 @@ unsafe impl Device for ReplayDevice {
         self.sim.mem_info()
     }
 
-    fn malloc(&self, size: usize) -> DeviceResult<DevicePtr> {
+    fn malloc(&self, size: usize) -> DeviceResult<DeviceAddress> {
         let fits = size as u64 <= self.sim.mem_info()?.free;
         self.place(|q| &mut q.mallocs, fits, || self.sim.malloc(size))
     }
 
-    unsafe fn free(&self, ptr: DevicePtr, size: usize) -> DeviceResult<()> {
+    unsafe fn free(&self, ptr: DeviceAddress, size: usize) -> DeviceResult<()> {
         // SAFETY: the caller's obligations are forwarded unchanged.
         unsafe { self.sim.free(ptr, size) }
     }
@@ -180,7 +180,7 @@ unsafe impl Device for ReplayDevice {
         self.sim.vmm_granularity()
     }
 
-    fn reserve_address_range(&self, size: usize) -> DeviceResult<DevicePtr> {
+    fn reserve_address_range(&self, size: usize) -> DeviceResult<DeviceAddress> {
         self.place(
             |q| &mut q.reservations,
             true,
@@ -188,7 +188,7 @@ unsafe impl Device for ReplayDevice {
         )
     }
 
-    unsafe fn release_address_range(&self, ptr: DevicePtr, size: usize) -> DeviceResult<()> {
+    unsafe fn release_address_range(&self, ptr: DeviceAddress, size: usize) -> DeviceResult<()> {
         // SAFETY: the caller's obligations are forwarded unchanged.
         unsafe { self.sim.release_address_range(ptr, size) }
     }
@@ -199,7 +199,7 @@ unsafe impl Device for ReplayDevice {
 
     unsafe fn map(
         &self,
-        ptr: DevicePtr,
+        ptr: DeviceAddress,
         size: usize,
         chunk: &Self::PhysicalChunk,
     ) -> DeviceResult<()> {
@@ -209,7 +209,7 @@ unsafe impl Device for ReplayDevice {
 
     unsafe fn unmap(
         &self,
-        ptr: DevicePtr,
+        ptr: DeviceAddress,
         size: usize,
         chunk: Self::PhysicalChunk,
     ) -> DeviceResult<()> {
@@ -225,11 +225,11 @@ mod tests {
     #[test]
     fn recorded_addresses_are_used_while_they_fit() {
         let d = ReplayDevice::new(0, 1 << 30, [0x1000_0000, 0x1000_0000, 0x3000_0000], []);
-        assert_eq!(d.malloc(2 << 20).unwrap(), DevicePtr(0x1000_0000));
+        assert_eq!(d.malloc(2 << 20).unwrap(), DeviceAddress(0x1000_0000));
         // The second recorded address overlaps the first segment: an invented one is used.
         let invented = d.malloc(2 << 20).unwrap();
-        assert_ne!(invented, DevicePtr(0x1000_0000));
-        assert_eq!(d.malloc(2 << 20).unwrap(), DevicePtr(0x3000_0000));
+        assert_ne!(invented, DeviceAddress(0x1000_0000));
+        assert_eq!(d.malloc(2 << 20).unwrap(), DeviceAddress(0x3000_0000));
         assert_eq!(
             d.address_use(),
             AddressUse {
@@ -242,14 +242,14 @@ mod tests {
     #[test]
     fn a_refused_malloc_keeps_its_recorded_address_for_the_retry() {
         let d = ReplayDevice::new(0, 4 << 20, [0x1000_0000, 0x2000_0000], []);
-        assert_eq!(d.malloc(4 << 20).unwrap(), DevicePtr(0x1000_0000));
+        assert_eq!(d.malloc(4 << 20).unwrap(), DeviceAddress(0x1000_0000));
         assert!(matches!(
             d.malloc(2 << 20),
             Err(DeviceError::OutOfMemory { .. })
         ));
         // SAFETY: the simulated device checks the pointer and size.
-        unsafe { d.free(DevicePtr(0x1000_0000), 4 << 20).unwrap() };
-        assert_eq!(d.malloc(2 << 20).unwrap(), DevicePtr(0x2000_0000));
+        unsafe { d.free(DeviceAddress(0x1000_0000), 4 << 20).unwrap() };
+        assert_eq!(d.malloc(2 << 20).unwrap(), DeviceAddress(0x2000_0000));
     }
 
     #[test]
@@ -257,8 +257,8 @@ mod tests {
         let d = ReplayDevice::new(0, 1 << 30, [0x1000_0000], [0x4000_0000]);
         assert_eq!(
             d.reserve_address_range(64 << 20).unwrap(),
-            DevicePtr(0x4000_0000)
+            DeviceAddress(0x4000_0000)
         );
-        assert_eq!(d.malloc(2 << 20).unwrap(), DevicePtr(0x1000_0000));
+        assert_eq!(d.malloc(2 << 20).unwrap(), DeviceAddress(0x1000_0000));
     }
 }

@@ -18,8 +18,8 @@
 use std::fmt;
 use std::sync::Arc;
 
-use tensormem_cuda_alloc::backend::cuda::{CudaDevice, CudaStream};
-use tensormem_cuda_alloc::{CachingAllocator, DevicePtr};
+use tensormem_cuda_alloc::backend::cuda::{BackendStream, CudaBackend};
+use tensormem_cuda_alloc::{CachingAllocator, DeviceAddress};
 use tensormem_ipc::driver::cuda::CudaIpcDriver;
 use tensormem_ipc::{IpcConsumer, IpcHandle, IpcProducer, ReceivedMemory, SharedAllocation};
 
@@ -31,9 +31,9 @@ use crate::storage::Storage;
 /// Everything CUDA storages of one device need (see the [module docs](self)).
 pub struct CudaContext {
     device: u32,
-    allocator: Arc<CachingAllocator<CudaDevice>>,
-    stream: CudaStream,
-    producer: IpcProducer<CudaDevice, CudaIpcDriver>,
+    allocator: Arc<CachingAllocator<CudaBackend>>,
+    stream: BackendStream,
+    producer: IpcProducer<CudaBackend, CudaIpcDriver>,
     consumer: IpcConsumer<CudaIpcDriver>,
 }
 
@@ -58,7 +58,7 @@ impl CudaContext {
     ///
     /// [`Error::Cuda`] when there is no driver or no such device.
     pub fn new(device: u32) -> Result<Arc<CudaContext>> {
-        let cuda_device = cuda!("CudaContext::new", CudaDevice::new(device))?;
+        let cuda_device = cuda!("CudaContext::new", CudaBackend::new(device))?;
         Self::with_allocator(Arc::new(CachingAllocator::new(cuda_device)))
     }
 
@@ -68,10 +68,10 @@ impl CudaContext {
     ///
     /// [`Error::Cuda`] when the stream or the IPC driver cannot be made.
     pub fn with_allocator(
-        allocator: Arc<CachingAllocator<CudaDevice>>,
+        allocator: Arc<CachingAllocator<CudaBackend>>,
     ) -> Result<Arc<CudaContext>> {
         let device = allocator.device().ordinal();
-        let stream = cuda!("CudaContext::new", CudaStream::new(allocator.device()))?;
+        let stream = cuda!("CudaContext::new", BackendStream::new(allocator.device()))?;
         let driver = Arc::new(cuda!("CudaContext::new", CudaIpcDriver::new())?);
         Ok(Arc::new(CudaContext {
             device,
@@ -88,18 +88,18 @@ impl CudaContext {
     }
 
     /// The allocator.
-    pub fn allocator(&self) -> &Arc<CachingAllocator<CudaDevice>> {
+    pub fn allocator(&self) -> &Arc<CachingAllocator<CudaBackend>> {
         &self.allocator
     }
 
     /// The stream the context's storages are allocated and copied on.
-    pub fn stream(&self) -> &CudaStream {
+    pub fn stream(&self) -> &BackendStream {
         &self.stream
     }
 
     /// The IPC producer (call [`IpcProducer::collect`] to free memory consumers released, as
     /// `torch.cuda.ipc_collect()`).
-    pub fn producer(&self) -> &IpcProducer<CudaDevice, CudaIpcDriver> {
+    pub fn producer(&self) -> &IpcProducer<CudaBackend, CudaIpcDriver> {
         &self.producer
     }
 
@@ -126,7 +126,7 @@ impl fmt::Debug for CudaContext {
 enum CudaMemory {
     /// From this process's allocator, held for sharing from the start (so sharing never has to
     /// replace the owner).
-    Allocated(SharedAllocation<CudaDevice, CudaIpcDriver>),
+    Allocated(SharedAllocation<CudaBackend, CudaIpcDriver>),
     /// Opened from another process's handle; dropping it releases the producer's counter.
     Received(ReceivedMemory<CudaIpcDriver>),
 }
@@ -151,7 +151,7 @@ impl fmt::Debug for CudaOwner {
 }
 
 impl CudaOwner {
-    fn ptr(&self) -> DevicePtr {
+    fn ptr(&self) -> DeviceAddress {
         match &self.memory {
             CudaMemory::Allocated(shared) => shared.ptr(),
             CudaMemory::Received(received) => received.ptr(),

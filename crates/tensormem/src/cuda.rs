@@ -66,4 +66,4 @@ pub use memory::{
 };
 pub use stream::{current_stream, default_stream, is_current_stream_capturing, set_stream, Stream};
 pub use tensormem_cuda_alloc::backend::cuda::{DeviceProperties, DeviceUuid};
-pub use tensormem_cuda_alloc::{DevicePtr, MemInfo, RecordContext, StreamId};
+pub use tensormem_cuda_alloc::{DeviceAddress, MemInfo, RecordContext, StreamId};

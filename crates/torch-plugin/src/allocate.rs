@@ -4,7 +4,7 @@
 use std::ffi::{c_int, c_void};
 
 use cudarc::driver::sys;
-use tensormem_cuda_alloc::{DevicePtr, Error as AllocError};
+use tensormem_cuda_alloc::{DeviceAddress, Error as AllocError};
 
 use crate::boundary::call;
 use crate::capture_mode;
@@ -81,7 +81,7 @@ pub unsafe extern "C" fn tensormem_free(
     }
     let freed = call("tensormem_free", false, || {
         let allocator = devices::allocator(device)?;
-        allocator.raw_free(DevicePtr(ptr as u64))?;
+        allocator.raw_free(DeviceAddress(ptr as u64))?;
         Ok(true)
     });
     if !freed {
@@ -103,7 +103,7 @@ pub unsafe extern "C" fn tensormem_free(
 #[no_mangle]
 pub unsafe extern "C" fn tensormem_record_stream(ptr: *mut c_void, stream: sys::CUstream) {
     call("tensormem_record_stream", (), || {
-        let ptr = DevicePtr(ptr as u64);
+        let ptr = DeviceAddress(ptr as u64);
         let allocator = owner(ptr)?;
         // SAFETY: `stream` is live and kept alive (our caller's obligation).
         unsafe {
@@ -128,7 +128,7 @@ pub unsafe extern "C" fn tensormem_base_alloc(ptr: *mut c_void, size: *mut usize
         if size.is_null() {
             return Err(Error::NullArgument { what: "size" });
         }
-        let ptr = DevicePtr(ptr as u64);
+        let ptr = DeviceAddress(ptr as u64);
         for allocator in devices::used() {
             match allocator.base_allocation(ptr) {
                 Ok((base, bytes)) => {
@@ -146,7 +146,7 @@ pub unsafe extern "C" fn tensormem_base_alloc(ptr: *mut c_void, size: *mut usize
 }
 
 /// The allocator that handed out `ptr` (live), among the devices the plugin used.
-fn owner(ptr: DevicePtr) -> Result<&'static Allocator> {
+fn owner(ptr: DeviceAddress) -> Result<&'static Allocator> {
     for allocator in devices::used() {
         match allocator.base_allocation(ptr) {
             Ok(_) | Err(AllocError::ExpandableNotShareable { .. }) => return Ok(allocator),

@@ -104,7 +104,7 @@ impl<D: Device> CachingAllocator<D> {
     ///
     /// # Errors
     /// As [`allocate`](Self::allocate).
-    pub fn raw_alloc(&self, size: usize, stream: StreamId) -> Result<crate::DevicePtr> {
+    pub fn raw_alloc(&self, size: usize, stream: StreamId) -> Result<crate::DeviceAddress> {
         self.enable_pointer_index();
         let allocation = self.allocate(size, stream)?;
         if allocation.shard != Allocation::EMPTY {
@@ -345,7 +345,7 @@ impl<D: Device> Locked<'_, D> {
             self.alloc_found_block(pool, block, size as u64, orig as u64, split, source, stack);
         let b = &self.st.blocks[index];
         Allocation {
-            ptr: crate::DevicePtr(b.addr),
+            ptr: crate::DeviceAddress(b.addr),
             allocator: self.a.id,
             size: b.size as usize,
             requested: orig,

@@ -13,7 +13,7 @@ use std::collections::HashSet;
 use super::alloc::Source;
 use super::{Allocation, CachingAllocator, Locked};
 use crate::block::NIL;
-use crate::device::{Device, DevicePtr, StreamId};
+use crate::device::{Device, DeviceAddress, StreamId};
 use crate::error::{Error, Result};
 use crate::pool_id::MempoolId;
 
@@ -60,12 +60,12 @@ impl PoolCheckpoint {
 
     /// The addresses of the blocks that were allocated, in address order.
     #[must_use]
-    pub fn live_allocations(&self) -> Vec<DevicePtr> {
+    pub fn live_allocations(&self) -> Vec<DeviceAddress> {
         self.segments
             .iter()
             .flat_map(|s| s.blocks.iter())
             .filter(|b| b.allocated)
-            .map(|b| DevicePtr(b.addr))
+            .map(|b| DeviceAddress(b.addr))
             .collect()
     }
 }
@@ -77,7 +77,7 @@ pub struct CheckpointDelta {
     /// Every block of the pool that was allocated before the restore: all were freed, and the handles
     /// and pointers of the callers that held them are no longer valid (those of blocks allocated again
     /// are in [`created`](Self::created)).
-    pub freed: Vec<DevicePtr>,
+    pub freed: Vec<DeviceAddress>,
     /// The blocks allocated in the checkpoint, allocated again, as new handles, in address order.
     pub created: Vec<Allocation>,
 }
@@ -182,7 +182,7 @@ impl<D: Device> CachingAllocator<D> {
                     format!(
                         "could not find the checkpointed segment at {} ({total} bytes on stream {}) \
                          in the pool",
-                        DevicePtr(first),
+                        DeviceAddress(first),
                         segment.stream
                     ),
                 ));
@@ -216,7 +216,7 @@ impl<D: Device> CachingAllocator<D> {
                     locked.st.allocated.forget(addr);
                 }
                 locked.free_allocated(index, None)?;
-                freed.push(DevicePtr(addr));
+                freed.push(DeviceAddress(addr));
             }
         }
         freed.sort();
@@ -238,7 +238,7 @@ impl<D: Device> CachingAllocator<D> {
     pub fn check_pool_live_allocations(
         &self,
         pool: MempoolId,
-        expected: &HashSet<DevicePtr>,
+        expected: &HashSet<DeviceAddress>,
     ) -> Result<bool> {
         if !self.private.lock().contains_key(&pool) {
             return Err(Error::Pool {
@@ -253,7 +253,7 @@ impl<D: Device> CachingAllocator<D> {
                 for index in locked.segment_blocks(head) {
                     let b = &locked.st.blocks[index];
                     if b.allocated {
-                        if !expected.contains(&DevicePtr(b.addr)) {
+                        if !expected.contains(&DeviceAddress(b.addr)) {
                             return Ok(false);
                         }
                         live += 1;
@@ -375,7 +375,7 @@ impl<D: Device> Locked<'_, D> {
             if state.allocated {
                 let b = &self.st.blocks[index];
                 created.push(Allocation {
-                    ptr: DevicePtr(b.addr),
+                    ptr: DeviceAddress(b.addr),
                     allocator: self.a.id,
                     size: b.size as usize,
                     requested: b.requested as usize,

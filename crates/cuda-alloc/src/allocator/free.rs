@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use super::{Allocation, CachingAllocator, Locked};
 use crate::block::NIL;
-use crate::device::{Device, DevicePtr, StreamId};
+use crate::device::{Device, DeviceAddress, StreamId};
 use crate::error::{Error, Result};
 use crate::events::{BlockRef, PendingEvent};
 use crate::pool_id::MempoolId;
@@ -58,7 +58,7 @@ impl<D: Device> CachingAllocator<D> {
     /// # Errors
     /// [`Error::InvalidPointer`] for a pointer this allocator did not hand out or already took back;
     /// otherwise as [`free`](Self::free).
-    pub fn raw_free(&self, ptr: DevicePtr) -> Result<()> {
+    pub fn raw_free(&self, ptr: DeviceAddress) -> Result<()> {
         if ptr.0 == 0 {
             return Ok(());
         }
@@ -120,7 +120,7 @@ impl<D: Device> CachingAllocator<D> {
     ///
     /// # Errors
     /// [`Error::InvalidPointer`] for a pointer that is not a live allocation of this allocator.
-    pub fn record_stream_ptr(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+    pub fn record_stream_ptr(&self, ptr: DeviceAddress, stream: StreamId) -> Result<()> {
         if ptr.0 == 0 {
             return Ok(());
         }
@@ -257,7 +257,7 @@ impl<D: Device> Locked<'_, D> {
     /// this shard. The block is checked as well as the index (a live, allocated block starting at
     /// `ptr`): a wrong index entry must not free a block that is not allocated.
     #[inline(always)]
-    fn take_indexed(&mut self, ptr: DevicePtr) -> Option<u32> {
+    fn take_indexed(&mut self, ptr: DeviceAddress) -> Option<u32> {
         let index = self.st.allocated.remove(&ptr.0)?;
         let st = &self.st;
         let sound = st.blocks.is_live(index) && {

@@ -4,7 +4,7 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use super::CachingAllocator;
 use crate::block::NIL;
-use crate::device::{Device, DevicePtr, StreamId};
+use crate::device::{Device, DeviceAddress, StreamId};
 use crate::error::{Error, Result};
 use crate::pool_id::MempoolId;
 use crate::shard::Shard;
@@ -124,7 +124,7 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// The shard owning the segment or reservation that contains `ptr`.
-    pub(crate) fn route(&self, ptr: DevicePtr) -> Option<&Shard<D>> {
+    pub(crate) fn route(&self, ptr: DeviceAddress) -> Option<&Shard<D>> {
         let routes = self.routes.read();
         let (_, route) = routes.range(..=ptr.0).next_back()?;
         (ptr.0 < route.end)
@@ -138,7 +138,7 @@ impl<D: Device> CachingAllocator<D> {
     /// # Errors
     /// [`Error::InvalidPointer`] if `ptr` is not a live allocation; [`Error::ExpandableNotShareable`]
     /// if it lies in an expandable segment.
-    pub fn base_allocation(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
+    pub fn base_allocation(&self, ptr: DeviceAddress) -> Result<(DeviceAddress, usize)> {
         self.enable_pointer_index();
         let shard = self.route(ptr).ok_or(Error::InvalidPointer { ptr })?;
         let st = shard.state.lock();
@@ -159,7 +159,7 @@ impl<D: Device> CachingAllocator<D> {
             size += st.blocks[at].size;
             at = st.blocks[at].next;
         }
-        Ok((DevicePtr(st.blocks[head].addr), size as usize))
+        Ok((DeviceAddress(st.blocks[head].addr), size as usize))
     }
 
     /// A snapshot of every segment and the trace (`torch.cuda.memory._snapshot()`), in the model that

@@ -32,7 +32,7 @@ use crossbeam_utils::CachePadded;
 use parking_lot::{Mutex, MutexGuard, RwLock};
 
 use crate::config::AllocatorConfig;
-use crate::device::{Device, DevicePtr, StreamId};
+use crate::device::{Device, DeviceAddress, StreamId};
 use crate::error::{Error, Result};
 use crate::events::EventQueues;
 use crate::oom::{FreeMemoryCallback, OomObserver};
@@ -76,7 +76,7 @@ pub const DEFAULT_STREAM_CAPACITY: usize = 1024;
 #[must_use = "dropping an Allocation leaks the memory; pass it to CachingAllocator::free"]
 #[derive(Debug, PartialEq, Eq)]
 pub struct Allocation {
-    ptr: DevicePtr,
+    ptr: DeviceAddress,
     /// The [`CachingAllocator::id`] of the allocator that handed it out (0 for the null allocation,
     /// which any allocator takes back).
     allocator: u32,
@@ -94,7 +94,7 @@ impl Allocation {
 
     fn empty(stream: StreamId) -> Self {
         Allocation {
-            ptr: DevicePtr(0),
+            ptr: DeviceAddress(0),
             allocator: 0,
             size: 0,
             requested: 0,
@@ -107,7 +107,7 @@ impl Allocation {
 
     /// The device address (null for a zero-sized allocation).
     #[must_use]
-    pub fn ptr(&self) -> DevicePtr {
+    pub fn ptr(&self) -> DeviceAddress {
         self.ptr
     }
 
@@ -139,7 +139,7 @@ impl Allocation {
     /// Gives up the handle and returns the pointer; free it later with
     /// [`CachingAllocator::raw_free`].
     #[must_use]
-    pub fn into_ptr(self) -> DevicePtr {
+    pub fn into_ptr(self) -> DeviceAddress {
         std::mem::ManuallyDrop::new(self).ptr
     }
 }

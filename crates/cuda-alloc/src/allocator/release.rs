@@ -9,7 +9,7 @@
 use std::sync::atomic::Ordering::Relaxed;
 
 use super::{CachingAllocator, Locked};
-use crate::device::{Device, DevicePtr};
+use crate::device::{Device, DeviceAddress};
 use crate::error::Result;
 use crate::pool::PoolOwner;
 use crate::pool_id::MempoolId;
@@ -204,7 +204,7 @@ impl<D: Device> Locked<'_, D> {
         // SAFETY: an unsplit block of a non-expandable segment is the whole allocation `malloc`
         // returned at `addr` with `size` bytes; it is free (in the free set, no events pending), so no
         // queued work of this allocator's callers uses it, and it is forgotten below.
-        unsafe { self.a.device.free(DevicePtr(addr), size as usize)? };
+        unsafe { self.a.device.free(DeviceAddress(addr), size as usize)? };
         self.record(Action::SegmentFree, addr, size);
         self.a.counters.reserved.fetch_sub(size, Relaxed);
         if let Some(id) = self.st.pools[pool as usize].private_id() {

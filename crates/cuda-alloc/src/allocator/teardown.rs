@@ -4,7 +4,7 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use super::CachingAllocator;
 use crate::block::NIL;
-use crate::device::{Device, DevicePtr};
+use crate::device::{Device, DeviceAddress};
 
 impl<D: Device> Drop for CachingAllocator<D> {
     /// Waits for the device, then returns every device allocation and expandable segment (chunks
@@ -50,7 +50,7 @@ impl<D: Device> Drop for CachingAllocator<D> {
                 // allocation made by `malloc` at `addr`, and its chain of blocks covers exactly the
                 // `size` bytes allocated; each is freed once (the allocator is going away and forgets
                 // them), after the device was synchronized, so no queued work uses them.
-                if let Err(e) = unsafe { self.device.free(DevicePtr(addr), size as usize) } {
+                if let Err(e) = unsafe { self.device.free(DeviceAddress(addr), size as usize) } {
                     errors.push(e);
                 }
                 self.counters.reserved.fetch_sub(size, Relaxed);

@@ -56,7 +56,7 @@ use cudarc::driver::{sys, CudaContext, CudaStream as CudarcStream};
 use parking_lot::Mutex;
 
 use crate::device::{
-    CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, MemInfo, StreamId,
+    CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, StreamId,
 };
 
 pub use cached_slice::CachedSlice;
@@ -69,17 +69,6 @@ pub use properties::{can_access_peer, device_properties, DeviceProperties, Devic
 pub use stream::BackendStream;
 use vmm::ChunkKind;
 pub use vmm::PhysicalChunk;
-
-/// The former name of [`CudaBackend`] (renamed: cudarc names its own types `Cuda*`); kept so that code
-/// written against it still builds.
-#[doc(hidden)]
-pub type CudaDevice = CudaBackend;
-/// The former name of [`BackendStream`] (cudarc has a `CudaStream`).
-#[doc(hidden)]
-pub type CudaStream = BackendStream;
-/// The former name of [`BackendEvent`] (cudarc has a `CudaEvent`).
-#[doc(hidden)]
-pub type CudaEvent = BackendEvent;
 
 /// The minimum alignment the allocator relies on (trait obligation 1).
 const MIN_ALIGNMENT: u64 = 512;
@@ -346,7 +335,7 @@ unsafe impl Device for CudaBackend {
     }
 
     #[doc(alias = "cuMemAlloc")]
-    fn malloc(&self, size: usize) -> DeviceResult<DevicePtr> {
+    fn malloc(&self, size: usize) -> DeviceResult<DeviceAddress> {
         self.ctx.make_current()?;
         let relaxed = capture::RelaxedCapture::enter()?;
         let mut ptr = 0;
@@ -368,11 +357,11 @@ unsafe impl Device for CudaBackend {
                 ),
             });
         }
-        Ok(DevicePtr(ptr))
+        Ok(DeviceAddress(ptr))
     }
 
     #[doc(alias = "cuMemFree")]
-    unsafe fn free(&self, ptr: DevicePtr, _size: usize) -> DeviceResult<()> {
+    unsafe fn free(&self, ptr: DeviceAddress, _size: usize) -> DeviceResult<()> {
         self.ctx.make_current()?;
         // SAFETY: the caller guarantees `ptr` came from `malloc` here, is freed once, and is idle.
         driver::check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr.0) })
@@ -466,7 +455,7 @@ unsafe impl Device for CudaBackend {
     }
 
     #[doc(alias = "cuMemAddressReserve")]
-    fn reserve_address_range(&self, size: usize) -> DeviceResult<DevicePtr> {
+    fn reserve_address_range(&self, size: usize) -> DeviceResult<DeviceAddress> {
         let granularity = self.vmm_granularity()?;
         self.ctx.make_current()?;
         let _relaxed = capture::RelaxedCapture::enter()?;
@@ -475,11 +464,11 @@ unsafe impl Device for CudaBackend {
         // requested (0) and flags must be 0.
         let result = unsafe { sys::cuMemAddressReserve(&mut ptr, size, granularity, 0, 0) };
         driver::check_alloc("cuMemAddressReserve", result, size)?;
-        Ok(DevicePtr(ptr))
+        Ok(DeviceAddress(ptr))
     }
 
     #[doc(alias = "cuMemAddressFree")]
-    unsafe fn release_address_range(&self, ptr: DevicePtr, size: usize) -> DeviceResult<()> {
+    unsafe fn release_address_range(&self, ptr: DeviceAddress, size: usize) -> DeviceResult<()> {
         // SAFETY: the caller guarantees the range was reserved with this size and has nothing mapped.
         driver::check("cuMemAddressFree", unsafe {
             sys::cuMemAddressFree(ptr.0, size)
@@ -495,7 +484,12 @@ unsafe impl Device for CudaBackend {
     }
 
     #[doc(alias = "cuMemMap")]
-    unsafe fn map(&self, ptr: DevicePtr, size: usize, chunk: &PhysicalChunk) -> DeviceResult<()> {
+    unsafe fn map(
+        &self,
+        ptr: DeviceAddress,
+        size: usize,
+        chunk: &PhysicalChunk,
+    ) -> DeviceResult<()> {
         debug_assert_eq!(size, chunk.size(), "a chunk is mapped whole");
         let _relaxed = capture::RelaxedCapture::enter()?;
         let mut vmm = self.vmm.lock();
@@ -520,7 +514,12 @@ unsafe impl Device for CudaBackend {
     }
 
     #[doc(alias = "cuMemUnmap")]
-    unsafe fn unmap(&self, ptr: DevicePtr, size: usize, chunk: PhysicalChunk) -> DeviceResult<()> {
+    unsafe fn unmap(
+        &self,
+        ptr: DeviceAddress,
+        size: usize,
+        chunk: PhysicalChunk,
+    ) -> DeviceResult<()> {
         let mut vmm = self.vmm.lock();
         vmm.mapped.remove(&ptr.0);
         // SAFETY: the caller guarantees `chunk` is mapped exactly at this range and is idle.

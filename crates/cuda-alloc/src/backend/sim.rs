@@ -43,7 +43,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use parking_lot::Mutex;
 
 use crate::device::{
-    CaptureStatus, Device, DeviceError, DevicePtr, DeviceResult, MemInfo, StreamId,
+    CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, StreamId,
 };
 
 /// Where invented addresses start (a typical user-space GPU virtual address): the first window.
@@ -431,7 +431,7 @@ unsafe impl Device for SimDevice {
         })
     }
 
-    fn malloc(&self, size: usize) -> DeviceResult<DevicePtr> {
+    fn malloc(&self, size: usize) -> DeviceResult<DeviceAddress> {
         let mut state = self.state.lock();
         let size = size as u64;
         state.charge("cuMemAlloc", size)?;
@@ -444,10 +444,10 @@ unsafe impl Device for SimDevice {
         };
         state.allocations.insert(addr, size);
         state.counters.mallocs += 1;
-        Ok(DevicePtr(addr))
+        Ok(DeviceAddress(addr))
     }
 
-    unsafe fn free(&self, ptr: DevicePtr, size: usize) -> DeviceResult<()> {
+    unsafe fn free(&self, ptr: DeviceAddress, size: usize) -> DeviceResult<()> {
         let mut state = self.state.lock();
         if state.fail_releases {
             return Err(misuse("cuMemFree", "failure injected by fail_releases"));
@@ -535,7 +535,7 @@ unsafe impl Device for SimDevice {
         Ok(SIM_GRANULARITY)
     }
 
-    fn reserve_address_range(&self, size: usize) -> DeviceResult<DevicePtr> {
+    fn reserve_address_range(&self, size: usize) -> DeviceResult<DeviceAddress> {
         let mut state = self.state.lock();
         let size = (size as u64).next_multiple_of(SIM_GRANULARITY as u64);
         let addr = state.take_address("cuMemAddressReserve", size, SIM_GRANULARITY as u64)?;
@@ -546,10 +546,10 @@ unsafe impl Device for SimDevice {
                 mapped: BTreeMap::new(),
             },
         );
-        Ok(DevicePtr(addr))
+        Ok(DeviceAddress(addr))
     }
 
-    unsafe fn release_address_range(&self, ptr: DevicePtr, size: usize) -> DeviceResult<()> {
+    unsafe fn release_address_range(&self, ptr: DeviceAddress, size: usize) -> DeviceResult<()> {
         let mut state = self.state.lock();
         if state.fail_releases {
             return Err(misuse(
@@ -596,7 +596,7 @@ unsafe impl Device for SimDevice {
         Ok(SimChunk { id, size })
     }
 
-    unsafe fn map(&self, ptr: DevicePtr, size: usize, chunk: &SimChunk) -> DeviceResult<()> {
+    unsafe fn map(&self, ptr: DeviceAddress, size: usize, chunk: &SimChunk) -> DeviceResult<()> {
         if size != chunk.size {
             return Err(misuse(
                 "cuMemMap",
@@ -633,7 +633,7 @@ unsafe impl Device for SimDevice {
         Ok(())
     }
 
-    unsafe fn unmap(&self, ptr: DevicePtr, size: usize, chunk: SimChunk) -> DeviceResult<()> {
+    unsafe fn unmap(&self, ptr: DeviceAddress, size: usize, chunk: SimChunk) -> DeviceResult<()> {
         let mut state = self.state.lock();
         if state.fail_releases {
             return Err(misuse("cuMemUnmap", "failure injected by fail_releases"));
@@ -729,10 +729,10 @@ mod tests {
     fn queued_addresses_are_used_in_order_and_checked() {
         let d = SimDevice::new(1 << 30);
         d.push_addresses([0x1000_0000, 0x2000_0000, 0x1000_0200]);
-        assert_eq!(d.malloc(512).unwrap(), DevicePtr(0x1000_0000));
-        assert_eq!(d.malloc(512).unwrap(), DevicePtr(0x2000_0000));
+        assert_eq!(d.malloc(512).unwrap(), DeviceAddress(0x1000_0000));
+        assert_eq!(d.malloc(512).unwrap(), DeviceAddress(0x2000_0000));
         // 0x1000_0200 would overlap nothing (the first allocation is 512 bytes): fine.
-        assert_eq!(d.malloc(512).unwrap(), DevicePtr(0x1000_0200));
+        assert_eq!(d.malloc(512).unwrap(), DeviceAddress(0x1000_0200));
         d.push_addresses([0x1000_0000]);
         assert!(matches!(d.malloc(512), Err(DeviceError::Driver { .. })));
         // Invented addresses avoid live ranges.

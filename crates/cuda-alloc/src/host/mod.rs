@@ -487,7 +487,7 @@ impl<D: Device> HostCachingAllocator<D> {
 
 fn invalid(buffer: &PinnedBuffer) -> Error {
     Error::InvalidPointer {
-        ptr: crate::DevicePtr(buffer.ptr.as_ptr() as u64),
+        ptr: crate::DeviceAddress(buffer.ptr.as_ptr() as u64),
     }
 }
 

@@ -3,7 +3,7 @@
 use std::fmt;
 
 use super::pyvalue::PyValue;
-use crate::device::{DevicePtr, StreamId};
+use crate::device::{DeviceAddress, StreamId};
 
 /// Keys of a dict that the model does not know, with their values, in file order. Kept so that a
 /// snapshot read and written again loses nothing.
@@ -108,8 +108,8 @@ pub struct Block {
 impl Block {
     /// The block's address as a device pointer.
     #[must_use]
-    pub fn ptr(&self) -> DevicePtr {
-        DevicePtr(self.address)
+    pub fn ptr(&self) -> DeviceAddress {
+        DeviceAddress(self.address)
     }
 }
 
@@ -188,8 +188,8 @@ impl TraceEntry {
     /// The address as a device pointer (meaningless for `oom`, where [`addr`](Self::addr) holds the free
     /// bytes).
     #[must_use]
-    pub fn ptr(&self) -> DevicePtr {
-        DevicePtr(self.addr)
+    pub fn ptr(&self) -> DeviceAddress {
+        DeviceAddress(self.addr)
     }
 
     /// For an `oom` event, the bytes the device reported free (`device_free`).

@@ -9,7 +9,7 @@ use tensormem_cuda_alloc::backend::cuda::{BackendStream, CudaBackend};
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::size::format_size;
 use tensormem_cuda_alloc::snapshot::BlockState;
-use tensormem_cuda_alloc::{Allocation, CachingAllocator, Device, DevicePtr, Error};
+use tensormem_cuda_alloc::{Allocation, CachingAllocator, Device, DeviceAddress, Error};
 
 use crate::harness::{gpu, mib};
 
@@ -34,7 +34,7 @@ fn release_all(alloc: &CachingAllocator<CudaBackend>, live: Vec<Allocation>) {
     );
 }
 
-fn read_back(stream: &BackendStream, ptr: DevicePtr, len: usize) -> Vec<u8> {
+fn read_back(stream: &BackendStream, ptr: DeviceAddress, len: usize) -> Vec<u8> {
     let mut back = vec![0u8; len];
     // SAFETY: the callers pass live allocations of at least `len` bytes, idle once the copy synchronises.
     unsafe { stream.copy_to_host(&mut back, ptr).unwrap() };

@@ -13,7 +13,7 @@ const MIB: usize = 1 << 20;
 /// Fills `[ptr, ptr+len)` with a pattern from the host, reads it back, checks it.
 fn write_and_read_back(
     stream: &BackendStream,
-    ptr: tensormem_cuda_alloc::DevicePtr,
+    ptr: tensormem_cuda_alloc::DeviceAddress,
     len: usize,
     seed: u8,
 ) {

@@ -2,13 +2,13 @@
 //! device. Skipped on machines with one GPU.
 
 use tensormem_cuda_alloc::backend::cuda::{self, CudaBackend};
-use tensormem_cuda_alloc::{Device, DevicePtr};
+use tensormem_cuda_alloc::{Device, DeviceAddress};
 
 use crate::harness::gpus;
 
 const MIB: usize = 1 << 20;
 
-fn fill_and_check(dev: &CudaBackend, ptr: DevicePtr, len: usize, value: u8) {
+fn fill_and_check(dev: &CudaBackend, ptr: DeviceAddress, len: usize, value: u8) {
     let stream = dev.create_stream().unwrap();
     let mut back = vec![0u8; len];
     // SAFETY: `[ptr, ptr+len)` is memory the test owns and nothing else uses meanwhile.

@@ -5,8 +5,8 @@ use std::ffi::CStr;
 use std::sync::OnceLock;
 
 use cudarc::driver::sys;
-use tensormem_cuda_alloc::backend::cuda::{self, CudaDevice, CudaEvent};
-use tensormem_cuda_alloc::{DeviceError, DevicePtr, DeviceResult, StreamId};
+use tensormem_cuda_alloc::backend::cuda::{self, BackendEvent, CudaBackend};
+use tensormem_cuda_alloc::{DeviceAddress, DeviceError, DeviceResult, StreamId};
 
 use super::{EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
 
@@ -15,7 +15,7 @@ use super::{EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
 #[derive(Debug)]
 pub struct CudaIpcDriver {
     /// One opened device per ordinal, opened on first use.
-    devices: Vec<OnceLock<CudaDevice>>,
+    devices: Vec<OnceLock<CudaBackend>>,
 }
 
 impl CudaIpcDriver {
@@ -33,7 +33,7 @@ impl CudaIpcDriver {
     }
 
     /// Device `ordinal`, its primary context made current on this thread.
-    fn current(&self, ordinal: u32) -> DeviceResult<&CudaDevice> {
+    fn current(&self, ordinal: u32) -> DeviceResult<&CudaBackend> {
         let slot = self
             .devices
             .get(ordinal as usize)
@@ -48,7 +48,7 @@ impl CudaIpcDriver {
         let device = match slot.get() {
             Some(device) => device,
             None => {
-                let opened = CudaDevice::new(ordinal)?;
+                let opened = CudaBackend::new(ordinal)?;
                 slot.get_or_init(|| opened)
             }
         };
@@ -86,14 +86,14 @@ fn check(call: &'static str, result: sys::CUresult) -> DeviceResult<()> {
 }
 
 impl IpcDriver for CudaIpcDriver {
-    type Event = CudaEvent;
-    type ImportedEvent = CudaEvent;
+    type Event = BackendEvent;
+    type ImportedEvent = BackendEvent;
 
     fn device_count(&self) -> DeviceResult<u32> {
         Ok(self.devices.len() as u32)
     }
 
-    fn buffer_id(&self, device: u32, base: DevicePtr) -> DeviceResult<u64> {
+    fn buffer_id(&self, device: u32, base: DeviceAddress) -> DeviceResult<u64> {
         self.current(device)?;
         let mut id = 0u64;
         // SAFETY: BUFFER_ID writes one unsigned long long into `id`; the driver validates `base`.
@@ -107,7 +107,7 @@ impl IpcDriver for CudaIpcDriver {
         Ok(id)
     }
 
-    fn mem_handle(&self, device: u32, base: DevicePtr, size: usize) -> DeviceResult<MemHandle> {
+    fn mem_handle(&self, device: u32, base: DeviceAddress, size: usize) -> DeviceResult<MemHandle> {
         let (real_base, real_size) = self.address_range(device, base)?;
         if real_base != base || real_size != size {
             return Err(DeviceError::Driver {
@@ -130,18 +130,23 @@ impl IpcDriver for CudaIpcDriver {
         Ok(MemHandle(handle.reserved.map(|b| b as u8)))
     }
 
-    fn create_event(&self, device: u32) -> DeviceResult<CudaEvent> {
+    fn create_event(&self, device: u32) -> DeviceResult<BackendEvent> {
         self.current(device)?.create_interprocess_event()
     }
 
-    fn record_event(&self, device: u32, event: &CudaEvent, stream: StreamId) -> DeviceResult<()> {
+    fn record_event(
+        &self,
+        device: u32,
+        event: &BackendEvent,
+        stream: StreamId,
+    ) -> DeviceResult<()> {
         self.current(device)?;
         // SAFETY: the stream is the default stream of the device's context (current now) or a live
         // stream of that device, which is the caller's obligation as for every StreamId.
         unsafe { event.record_raw(stream.0 as sys::CUstream) }
     }
 
-    fn event_handle(&self, event: &CudaEvent) -> DeviceResult<EventHandle> {
+    fn event_handle(&self, event: &BackendEvent) -> DeviceResult<EventHandle> {
         event.ipc_handle().map(EventHandle)
     }
 
@@ -163,7 +168,7 @@ impl IpcDriver for CudaIpcDriver {
         })
     }
 
-    fn open_mem_handle(&self, device: u32, handle: &MemHandle) -> DeviceResult<DevicePtr> {
+    fn open_mem_handle(&self, device: u32, handle: &MemHandle) -> DeviceResult<DeviceAddress> {
         self.current(device)?;
         let raw = sys::CUipcMemHandle {
             reserved: handle.0.map(|b| b as std::ffi::c_char),
@@ -178,20 +183,24 @@ impl IpcDriver for CudaIpcDriver {
                 sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
             )
         })?;
-        Ok(DevicePtr(ptr))
+        Ok(DeviceAddress(ptr))
     }
 
-    fn address_range(&self, device: u32, ptr: DevicePtr) -> DeviceResult<(DevicePtr, usize)> {
+    fn address_range(
+        &self,
+        device: u32,
+        ptr: DeviceAddress,
+    ) -> DeviceResult<(DeviceAddress, usize)> {
         self.current(device)?;
         let (mut base, mut size) = (0, 0usize);
         // SAFETY: both out-parameters are valid; the driver validates `ptr`.
         check("cuMemGetAddressRange", unsafe {
             sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr.0)
         })?;
-        Ok((DevicePtr(base), size))
+        Ok((DeviceAddress(base), size))
     }
 
-    unsafe fn close_mem_handle(&self, device: u32, ptr: DevicePtr) -> DeviceResult<()> {
+    unsafe fn close_mem_handle(&self, device: u32, ptr: DeviceAddress) -> DeviceResult<()> {
         self.current(device)?;
         // SAFETY: the caller guarantees `ptr` came from `open_mem_handle` on this device, is closed
         // once per open, and is idle.
@@ -200,14 +209,14 @@ impl IpcDriver for CudaIpcDriver {
         })
     }
 
-    fn open_event_handle(&self, device: u32, handle: &EventHandle) -> DeviceResult<CudaEvent> {
+    fn open_event_handle(&self, device: u32, handle: &EventHandle) -> DeviceResult<BackendEvent> {
         self.current(device)?;
         // SAFETY: the context of the device the event was made on is current (the handle names the
         // same device as the memory, and this thread made that device's context current above).
-        unsafe { CudaEvent::open_ipc_handle(&handle.0) }
+        unsafe { BackendEvent::open_ipc_handle(&handle.0) }
     }
 
-    fn wait_event(&self, device: u32, event: &CudaEvent, stream: StreamId) -> DeviceResult<()> {
+    fn wait_event(&self, device: u32, event: &BackendEvent, stream: StreamId) -> DeviceResult<()> {
         self.current(device)?;
         // SAFETY: the event is live (borrowed); the stream is the current context's default stream
         // or a live stream of the device (the caller's obligation, as for every StreamId).

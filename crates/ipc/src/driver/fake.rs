@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use tensormem_cuda_alloc::{DeviceError, DevicePtr, DeviceResult, StreamId};
+use tensormem_cuda_alloc::{DeviceAddress, DeviceError, DeviceResult, StreamId};
 
 use super::{EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
 
@@ -140,12 +140,12 @@ impl IpcDriver for FakeDriver {
         Ok(self.devices)
     }
 
-    fn buffer_id(&self, device: u32, base: DevicePtr) -> DeviceResult<u64> {
+    fn buffer_id(&self, device: u32, base: DeviceAddress) -> DeviceResult<u64> {
         self.check_device(device)?;
         Ok(base.0 ^ (u64::from(device) << 56))
     }
 
-    fn mem_handle(&self, device: u32, base: DevicePtr, size: usize) -> DeviceResult<MemHandle> {
+    fn mem_handle(&self, device: u32, base: DeviceAddress, size: usize) -> DeviceResult<MemHandle> {
         self.check_device(device)?;
         self.counts.handles_exported.fetch_add(1, Ordering::Relaxed);
         let mut b = [0u8; IPC_HANDLE_SIZE];
@@ -191,7 +191,7 @@ impl IpcDriver for FakeDriver {
         Ok(())
     }
 
-    fn open_mem_handle(&self, device: u32, handle: &MemHandle) -> DeviceResult<DevicePtr> {
+    fn open_mem_handle(&self, device: u32, handle: &MemHandle) -> DeviceResult<DeviceAddress> {
         self.check_device(device)?;
         let (made_on, base, size) = Self::decode(handle)?;
         if made_on != device {
@@ -207,20 +207,24 @@ impl IpcDriver for FakeDriver {
             self.counts.opens.fetch_add(1, Ordering::Relaxed);
         }
         entry.1 += 1;
-        Ok(DevicePtr(mapped))
+        Ok(DeviceAddress(mapped))
     }
 
-    fn address_range(&self, device: u32, ptr: DevicePtr) -> DeviceResult<(DevicePtr, usize)> {
+    fn address_range(
+        &self,
+        device: u32,
+        ptr: DeviceAddress,
+    ) -> DeviceResult<(DeviceAddress, usize)> {
         let open = self.open.lock();
         open.iter()
             .find(|(&(d, base), &(size, _))| {
                 d == device && ptr.0 >= base && ptr.0 < base + size as u64
             })
-            .map(|(&(_, base), &(size, _))| (DevicePtr(base), size))
+            .map(|(&(_, base), &(size, _))| (DeviceAddress(base), size))
             .ok_or_else(|| invalid("cuMemGetAddressRange", format!("{ptr} is not mapped")))
     }
 
-    unsafe fn close_mem_handle(&self, device: u32, ptr: DevicePtr) -> DeviceResult<()> {
+    unsafe fn close_mem_handle(&self, device: u32, ptr: DeviceAddress) -> DeviceResult<()> {
         let mut open = self.open.lock();
         let Some(entry) = open.get_mut(&(device, ptr.0)) else {
             return Err(invalid("cuIpcCloseMemHandle", format!("{ptr} is not open")));

@@ -12,7 +12,7 @@ use tensormem_cuda_alloc::config::{AllocatorConfig, Backend};
 use tensormem_cuda_alloc::oom::OomEvent;
 use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_cuda_alloc::stats::MemoryStats;
-use tensormem_cuda_alloc::{CachingAllocator, DevicePtr, RecordContext};
+use tensormem_cuda_alloc::{CachingAllocator, DeviceAddress, RecordContext};
 
 use super::device::resolve;
 use super::error::{Error, Result};
@@ -270,7 +270,7 @@ pub fn attach_out_of_memory_observer(
 ///
 /// [`Error::Alloc`] with PyTorch's out-of-memory error when the device cannot provide the memory even
 /// after the cache was emptied; as [`caching_allocator`].
-pub fn caching_allocator_alloc(size: usize, stream: Option<&Stream>) -> Result<DevicePtr> {
+pub fn caching_allocator_alloc(size: usize, stream: Option<&Stream>) -> Result<DeviceAddress> {
     let stream = match stream {
         Some(stream) => stream.clone(),
         None => current_stream(None)?,
@@ -286,7 +286,7 @@ pub fn caching_allocator_alloc(size: usize, stream: Option<&Stream>) -> Result<D
 ///
 /// [`Error::Alloc`] with [`InvalidPointer`](tensormem_cuda_alloc::Error::InvalidPointer) when no
 /// device's allocator handed out `ptr` (or it was already freed).
-pub fn caching_allocator_delete(ptr: DevicePtr) -> Result<()> {
+pub fn caching_allocator_delete(ptr: DeviceAddress) -> Result<()> {
     let current = super::current_device()?;
     let mut tried = registry::opened()?.collect::<Vec<_>>();
     // The current device first: where memory usually is.
@@ -309,7 +309,7 @@ pub fn caching_allocator_delete(ptr: DevicePtr) -> Result<()> {
 ///
 /// [`Error::Alloc`] with [`InvalidPointer`](tensormem_cuda_alloc::Error::InvalidPointer) when `ptr` is
 /// not live memory of `stream`'s device.
-pub fn caching_allocator_record_stream(ptr: DevicePtr, stream: &Stream) -> Result<()> {
+pub fn caching_allocator_record_stream(ptr: DeviceAddress, stream: &Stream) -> Result<()> {
     let allocator = registry::device(stream.device_index())?.allocator();
     Ok(allocator.record_stream_ptr(ptr, stream.id())?)
 }

@@ -9,7 +9,7 @@ use cudarc::driver::{sys, CudaStream as CudarcStream};
 
 use super::driver::check;
 use super::CudaBackend;
-use crate::device::{DevicePtr, DeviceResult, StreamId};
+use crate::device::{DeviceAddress, DeviceResult, StreamId};
 
 /// A non-blocking CUDA stream of one device: a [cudarc stream](cudarc::driver::CudaStream) made in the
 /// device's primary context and entered in the backend's stream registry, so the allocator accepts its
@@ -157,7 +157,7 @@ impl BackendStream {
     /// `[ptr, ptr + len)` is device memory this stream may write, and nothing else uses it until the fill
     /// has completed.
     #[doc(alias = "cuMemsetD8Async")]
-    pub unsafe fn memset_d8(&self, ptr: DevicePtr, value: u8, len: usize) -> DeviceResult<()> {
+    pub unsafe fn memset_d8(&self, ptr: DeviceAddress, value: u8, len: usize) -> DeviceResult<()> {
         // SAFETY: the stream is live; the range is the caller's obligation.
         check("cuMemsetD8Async", unsafe {
             sys::cuMemsetD8Async(ptr.0, value, len, self.as_raw())
@@ -171,7 +171,7 @@ impl BackendStream {
     ///
     /// `[dst, dst + src.len())` is device memory this stream may write.
     #[doc(alias = "cuMemcpyHtoDAsync")]
-    pub unsafe fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> DeviceResult<()> {
+    pub unsafe fn copy_from_host(&self, dst: DeviceAddress, src: &[u8]) -> DeviceResult<()> {
         // SAFETY: `src` is valid for reads of its length until the synchronize below returns; the
         // destination is the caller's obligation.
         check("cuMemcpyHtoDAsync", unsafe {
@@ -187,7 +187,7 @@ impl BackendStream {
     ///
     /// `[src, src + dst.len())` is device memory this stream may read.
     #[doc(alias = "cuMemcpyDtoHAsync")]
-    pub unsafe fn copy_to_host(&self, dst: &mut [u8], src: DevicePtr) -> DeviceResult<()> {
+    pub unsafe fn copy_to_host(&self, dst: &mut [u8], src: DeviceAddress) -> DeviceResult<()> {
         // SAFETY: `dst` is valid for writes of its length until the synchronize below returns (it is
         // borrowed mutably for the whole call); the source is the caller's obligation.
         check("cuMemcpyDtoHAsync", unsafe {
@@ -207,9 +207,9 @@ impl BackendStream {
     #[doc(alias = "cuMemcpyPeerAsync")]
     pub unsafe fn copy_peer(
         &self,
-        dst: DevicePtr,
+        dst: DeviceAddress,
         dst_device: &CudaBackend,
-        src: DevicePtr,
+        src: DeviceAddress,
         src_device: &CudaBackend,
         len: usize,
     ) -> DeviceResult<()> {
