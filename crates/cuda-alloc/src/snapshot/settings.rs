@@ -10,7 +10,7 @@ impl AllocatorSettings {
     pub fn from_config(config: &AllocatorConfig) -> AllocatorSettings {
         AllocatorSettings {
             config_string: Some(config.to_string()),
-            max_split_size: Some(i64::try_from(config.max_split_size).unwrap_or(-1)),
+            max_split_size: Some(recorded_max_split_size(config.max_split_size)),
             garbage_collection_threshold: Some(config.garbage_collection_threshold),
             expandable_segments: Some(config.expandable_segments),
             pinned_num_register_threads: Some(config.pinned_num_register_threads as u64),
@@ -45,16 +45,7 @@ impl AllocatorSettings {
             None => AllocatorConfig::default(),
         };
         if let Some(max_split) = self.max_split_size {
-            config.max_split_size = if max_split < 0 {
-                usize::MAX
-            } else {
-                usize::try_from(max_split).map_err(|_| SnapshotError::Config {
-                    reason: format!(
-                        "max_split_size {max_split} does not fit this machine's address space"
-                    ),
-                    source: None,
-                })?
-            };
+            config.max_split_size = max_split_size_from_record(max_split)?;
         }
         if let Some(threshold) = self.garbage_collection_threshold {
             config.garbage_collection_threshold = threshold;
@@ -95,5 +86,47 @@ impl AllocatorSettings {
             config.roundup_power2_divisions = divisions;
         }
         Ok(config)
+    }
+}
+
+/// `max_split_size` as PyTorch records it: the `size_t` converted to `int64_t`, so that "unlimited"
+/// (`SIZE_MAX`) reads -1 and a clamped huge `max_split_size_mb` (`SIZE_MAX / MB * MB`) reads -1048576.
+fn recorded_max_split_size(bytes: usize) -> i64 {
+    // Two's-complement reinterpretation, as the C++ conversion: the inverse is `max_split_size_from_record`.
+    bytes as u64 as i64
+}
+
+/// The inverse of [`recorded_max_split_size`]: a negative record is a `size_t` beyond `i64::MAX`.
+fn max_split_size_from_record(recorded: i64) -> SnapshotResult<usize> {
+    usize::try_from(recorded as u64).map_err(|_| SnapshotError::Config {
+        reason: format!("max_split_size {recorded} does not fit this machine's address space"),
+        source: None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn max_split_size_is_recorded_as_pytorch_converts_it_and_reads_back_exactly() {
+        let clamped = usize::MAX / (1 << 20) * (1 << 20); // max_split_size_mb beyond size_t's range
+        for (bytes, recorded) in [
+            (usize::MAX, -1),
+            (clamped, -(1 << 20)),
+            (200 << 20, 200 << 20),
+        ] {
+            assert_eq!(recorded_max_split_size(bytes), recorded);
+            assert_eq!(max_split_size_from_record(recorded).unwrap(), bytes);
+        }
+    }
+
+    #[test]
+    fn a_huge_max_split_size_survives_the_snapshot_settings() {
+        let config = AllocatorConfig::parse("max_split_size_mb:488888888888888888").unwrap();
+        let settings = AllocatorSettings::from_config(&config);
+        let restored = settings.to_config().unwrap();
+        assert_eq!(restored.max_split_size, config.max_split_size);
+        assert_eq!(AllocatorSettings::from_config(&restored), settings);
     }
 }
