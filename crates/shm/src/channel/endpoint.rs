@@ -175,6 +175,11 @@ impl ChannelSender {
         !self.shared.peer_gone()
     }
 
+    /// The socket the channel was set up over (it carries the fds).
+    pub fn socket(&self) -> BorrowedFd<'_> {
+        self.shared.socket.as_fd()
+    }
+
     fn send_as(&mut self, message: &[u8], flags: u64, wait: Wait) -> Result<bool> {
         check_len(message)?;
         if !self.reserve(wait)? {
@@ -297,6 +302,11 @@ impl ChannelReceiver {
     /// `false` once the other end is known to be gone (see [`ChannelSender::is_peer_alive`]).
     pub fn is_peer_alive(&self) -> bool {
         !self.shared.peer_gone()
+    }
+
+    /// The socket the channel was set up over (it carries the fds).
+    pub fn socket(&self) -> BorrowedFd<'_> {
+        self.shared.socket.as_fd()
     }
 
     fn recv_as(&mut self, buf: &mut [u8], wait: Wait) -> Result<Option<Received>> {

@@ -103,6 +103,10 @@ pub use sender::{PoolSender, SenderStats};
 pub use stats::{PoolStats, Stat};
 pub use wire::MAX_POOL_USER_DATA;
 
+/// Most leases open on one connection ([`PoolSender`]) at a time: a send beyond it is
+/// [`Error::TooManyLeases`]. (The consumer's releases then always fit its channel's ring.)
+pub const MAX_LEASES: usize = wire::POOL_SLOTS as usize;
+
 use crate::copy::{self, CopyPlan};
 use crate::error::{Error, Result, SizeProblem};
 use crate::object;
