@@ -32,15 +32,15 @@
 //! # A peer that dies or misbehaves
 //!
 //! - Dropping an end marks it closed in shared memory and wakes the peer: the peer's receives
-//!   return what was sent before, then [`Error::PeerGone`]; its sends fail with it at once.
+//!   return what was sent before, then [`Error::PeerGone`](crate::Error::PeerGone); its sends fail with it at once.
 //! - A process killed with `kill -9` marks nothing, but the kernel closes its socket: a sleeping
 //!   side wakes every [`ChannelOptions::liveness_interval`] (default 50 ms) and looks for the
-//!   socket's hang-up, so it returns [`Error::PeerGone`] within that interval. (If the peer's
+//!   socket's hang-up, so it returns [`Error::PeerGone`](crate::Error::PeerGone) within that interval. (If the peer's
 //!   socket end was inherited by another live process, e.g. over a `fork`, there is no hang-up
 //!   to see until that process closes it too.)
 //! - Each side keeps its own index privately and checks every index and length the peer wrote
 //!   before using it: a peer scribbling on the shared memory makes this side return
-//!   [`Error::ChannelCorrupt`], never panic or read out of bounds. Message bytes are copied with
+//!   [`Error::ChannelCorrupt`](crate::Error::ChannelCorrupt), never panic or read out of bounds. Message bytes are copied with
 //!   atomic word loads and stores, so a peer writing a slot while it is read yields garbage bytes
 //!   (the peer's own fault), not undefined behaviour. A live peer that simply stops reading or
 //!   writing can still keep this side waiting: use [`Channel::recv_timeout`] where that matters.

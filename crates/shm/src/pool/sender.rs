@@ -122,8 +122,10 @@ impl PoolSender {
         let link = Arc::clone(&self.link);
         let mut mirror = link.mirror();
         let mut leases = link.leases();
-        // With no lease open there is nothing to read but an end of file, which the send
-        // itself reports (EPIPE): save the system call on the round-trip path.
+        // With no lease open there is nothing to read: a consumer that dropped its end makes
+        // the send itself fail (the channel's closed flag), a killed one is seen by the next
+        // read of releases (which reclaims this lease too). Save the look (and the `poll` of
+        // the socket it may make) on the round-trip path.
         if leases.outstanding > 0 || leases.deferred.is_some() {
             self.poll_locked(&mut leases)?;
         }
