@@ -582,6 +582,28 @@ impl Channel {
         self.rx.recv_with_fd(buf)
     }
 
+    /// See [`ChannelReceiver::try_recv_with_fd`].
+    ///
+    /// # Errors
+    ///
+    /// As there.
+    pub fn try_recv_with_fd(&mut self, buf: &mut [u8]) -> Result<Option<Received>> {
+        self.rx.try_recv_with_fd(buf)
+    }
+
+    /// See [`ChannelReceiver::recv_timeout_with_fd`].
+    ///
+    /// # Errors
+    ///
+    /// As there.
+    pub fn recv_timeout_with_fd(
+        &mut self,
+        buf: &mut [u8],
+        timeout: Duration,
+    ) -> Result<Option<Received>> {
+        self.rx.recv_timeout_with_fd(buf, timeout)
+    }
+
     /// Sets how long both halves spin before sleeping.
     pub fn set_spin(&mut self, spin: Duration) {
         self.tx.set_spin(spin);
