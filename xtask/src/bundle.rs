@@ -278,7 +278,7 @@ fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
          The CUDA IPC round trip against PyTorch's (same call, same machine):\n\n    \
          gpu-bundle/ipc_roundtrip; python3 ../shared/anchors/torch_sharing_bench.py\n\n\
          The sharing benchmarks, each beside its PyTorch anchor in the same call:\n\n    \
-         gpu-bundle/shm_pool_bench; python3 ../shared/anchors/torch_sharing_bench.py\n    \
+         gpu-bundle/shm_pool_bench --same-cpu; python3 ../shared/anchors/torch_sharing_bench.py\n    \
          gpu-bundle/shm_loader_bench 67108864 200 4; python3 ../shared/anchors/torch_loader_bench.py 67108864 200 4\n    \
          gpu-bundle/shm_loader_bench 1048576 100 2; python3 ../shared/anchors/torch_loader_bench.py 1048576 100 2\n    \
          gpu-bundle/storage_pool_bench   # the storage facade's pooled paths vs the bare pool (within 10%)\n\n\

@@ -154,10 +154,21 @@ fn run_one(strategy: &str, bytes: usize, batches: usize, consumers: usize) -> Be
         for i in 0..batches {
             let mut batch = pool.alloc(bytes as u64)?;
             batch.fill(i as u8)?;
-            let c = pick(&mut senders, next, |s| {
-                s.poll_releases()?;
-                Ok(s.outstanding())
-            })?;
+            let c = pick(
+                &mut senders,
+                next,
+                |s| {
+                    s.poll_releases()?;
+                    Ok(s.outstanding())
+                },
+                // Releases travel in shared memory: wait on the consumer whose turn it is (the
+                // oldest batch in flight is its).
+                |senders, next| {
+                    let n = senders.len();
+                    senders[next % n].wait_release_timeout(Duration::from_millis(100))?;
+                    Ok(())
+                },
+            )?;
             senders[c].send(&batch, &[i as u8])?;
             next = c + 1;
         }
@@ -182,10 +193,15 @@ fn run_one(strategy: &str, bytes: usize, batches: usize, consumers: usize) -> Be
         for i in 0..batches {
             let mut region = SharedRegion::create_anonymous(bytes as u64)?;
             fill_parallel(&mut region, i as u8, threads);
-            let c = pick(&mut links, next, |(socket, outstanding)| {
-                *outstanding -= read_acks(socket)?;
-                Ok(*outstanding)
-            })?;
+            let c = pick(
+                &mut links,
+                next,
+                |(socket, outstanding)| {
+                    *outstanding -= read_acks(socket)?;
+                    Ok(*outstanding)
+                },
+                |links, _| poll_readable(links),
+            )?;
             let (socket, outstanding) = &mut links[c];
             socket.set_nonblocking(false)?;
             send_region(
@@ -216,11 +232,12 @@ fn run_one(strategy: &str, bytes: usize, batches: usize, consumers: usize) -> Be
 }
 
 /// The next consumer (round robin from `next`) with fewer than [`CREDIT`] batches in flight,
-/// waiting (`poll`) for answers while every one is full.
-fn pick<T: AsRawFdOf>(
+/// calling `wait` while every one is full.
+fn pick<T>(
     links: &mut [T],
     next: usize,
     mut outstanding: impl FnMut(&mut T) -> BenchResult<usize>,
+    mut wait: impl FnMut(&mut [T], usize) -> BenchResult<()>,
 ) -> BenchResult<usize> {
     let n = links.len();
     loop {
@@ -230,34 +247,23 @@ fn pick<T: AsRawFdOf>(
                 return Ok(c);
             }
         }
-        let mut fds: Vec<libc::pollfd> = links
-            .iter()
-            .map(|l| libc::pollfd {
-                fd: l.raw(),
-                events: libc::POLLIN,
-                revents: 0,
-            })
-            .collect();
-        // SAFETY: `fds` holds `fds.len()` valid pollfd entries.
-        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 1000) };
+        wait(links, next)?;
     }
 }
 
-trait AsRawFdOf {
-    fn raw(&self) -> i32;
-}
-
-impl AsRawFdOf for PoolSender {
-    fn raw(&self) -> i32 {
-        use std::os::fd::AsFd;
-        self.as_fd().as_raw_fd()
-    }
-}
-
-impl AsRawFdOf for (UnixStream, usize) {
-    fn raw(&self) -> i32 {
-        self.0.as_raw_fd()
-    }
+/// Waits (`poll`) until one of the sockets has answers to read.
+fn poll_readable(links: &mut [(UnixStream, usize)]) -> BenchResult<()> {
+    let mut fds: Vec<libc::pollfd> = links
+        .iter()
+        .map(|(socket, _)| libc::pollfd {
+            fd: socket.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    // SAFETY: `fds` holds `fds.len()` valid pollfd entries.
+    unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 1000) };
+    Ok(())
 }
 
 /// Reads the one-byte answers that have arrived (blocking sockets wait for at least one).

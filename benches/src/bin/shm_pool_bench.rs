@@ -5,12 +5,19 @@
 //! Sections (each starts with its own CSV header line):
 //! 1. Round trips, `strategy,device,bytes,median_us_per_roundtrip`: `tensormem_pool`: a buffer
 //!    from a warm pool (taken before the timer, as the anchor makes its tensor before the timer)
-//!    is sent to a consumer that already caches the region's mapping (the message carries an
-//!    id), the consumer reads the first and last byte and drops its lease, which is the answer
-//!    the producer waits for; both ends blocking in the kernel. `tensormem_pool_spin`: the same,
-//!    both ends spinning up to `--spin-us` first. `tensormem_fd`: today's non-pooled path in the
-//!    same run (`send_region` of a region made before the timer; the consumer receives, maps,
-//!    reads the two bytes, unmaps and answers one byte; blocking).
+//!    is sent to a consumer that already caches the region's mapping (the message, on the
+//!    connection's shared-memory channel, carries an id), the consumer reads the first and last
+//!    byte and drops its lease, whose release (a channel message back) is the answer the
+//!    producer waits for; both ends blocking in the kernel (`futex`) between messages.
+//!    `tensormem_pool_spin`: the same, both ends spinning up to `--spin-us` first.
+//!    `tensormem_fd`: today's non-pooled path in the same run (`send_region` of a region made
+//!    before the timer; the consumer receives, maps, reads the two bytes, unmaps and answers one
+//!    byte; blocking). `channel_pingpong` / `socket_pingpong` (bytes = message size): the bare
+//!    transports, a 40-byte message and a 24-byte answer, blocking, on a
+//!    `tensormem_shm::channel::Channel` and on a Unix stream socket.
+//!    With `--same-cpu`, the pooled rows and the ping-pongs are measured again with both
+//!    processes pinned to the CPU the producer runs on (rows suffixed `_1cpu`): each hand-off is
+//!    then a direct switch on one CPU, without an inter-processor wake-up.
 //! 2. `share_memory_` in a loop, `share_memory_*,cpu,BYTES,US  (GB/s)`, median per iteration:
 //!    `share_memory_`: `SharedRegion::copy_from_bytes` (today's path: a new region every time,
 //!    dropped after); `share_memory_pooled`: `ShmPool::copy_from_bytes`, the buffer sent to a
@@ -18,12 +25,13 @@
 //!    releases are all inside the timer; a region the consumer has not released yet is not reused,
 //!    so the pool holds two or three). `share_memory_pooled_first`: the first (cold) iteration.
 //!
-//! Usage: `shm_pool_bench [--rounds N] [--spin-us N] [--copies N] [--no-copy]`.
+//! Usage: `shm_pool_bench [--rounds N] [--spin-us N] [--copies N] [--no-copy] [--same-cpu]`.
 
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
+use tensormem_shm::channel::{Channel, ChannelOptions};
 use tensormem_shm::copy::parallelism;
 use tensormem_shm::mapping_cache::{PoolReceiver, ReceiverOptions};
 use tensormem_shm::pool::{PoolConfig, PoolSender, ShmPool};
@@ -33,7 +41,11 @@ use tensormem_shm::{Error, MapOptions, SharedRegion};
 const ROUND_TRIP_SIZES: [u64; 3] = [4 << 10, 1 << 20, 64 << 20];
 const COPY_SIZES: [usize; 2] = [64 << 20, 1 << 30];
 const WARM_UP: usize = 50;
-const USAGE: &str = "shm_pool_bench [--rounds N] [--spin-us N] [--copies N] [--no-copy]";
+const USAGE: &str =
+    "shm_pool_bench [--rounds N] [--spin-us N] [--copies N] [--no-copy] [--same-cpu]";
+/// Bytes of a ping-pong message (a pool message's header) and of its answer (a release record).
+const PING: usize = 40;
+const PONG: usize = 24;
 
 type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -42,6 +54,7 @@ struct Args {
     spin: Duration,
     copies: usize,
     copy: bool,
+    same_cpu: bool,
 }
 
 fn main() -> ExitCode {
@@ -49,6 +62,8 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("--pool-consumer") => pool_consumer(&args[1..]),
         Some("--fd-consumer") => fd_consumer(&args[1..]),
+        Some("--channel-consumer") => channel_consumer(&args[1..]),
+        Some("--socket-consumer") => socket_consumer(&args[1..]),
         _ => parse(&args).and_then(|args| producer(&args)),
     };
     match result {
@@ -66,6 +81,7 @@ fn parse(args: &[String]) -> BenchResult<Args> {
         spin: Duration::from_micros(200),
         copies: 12,
         copy: true,
+        same_cpu: false,
     };
     let mut iter = args.iter();
     while let Some(arg) = iter.next() {
@@ -80,6 +96,7 @@ fn parse(args: &[String]) -> BenchResult<Args> {
             "--spin-us" => parsed.spin = Duration::from_micros(value()?),
             "--copies" => parsed.copies = value()?.max(2) as usize,
             "--no-copy" => parsed.copy = false,
+            "--same-cpu" => parsed.same_cpu = true,
             other => return Err(format!("unknown argument {other}; usage: {USAGE}").into()),
         }
     }
@@ -91,6 +108,7 @@ fn parse(args: &[String]) -> BenchResult<Args> {
 /// says how long to spin (µs, 4 bytes), byte 4 the expected value.
 fn pool_consumer(args: &[String]) -> BenchResult<()> {
     let path = args.first().ok_or("--pool-consumer needs a socket path")?;
+    pin_from_args(args)?;
     let socket = UnixStream::connect(path)?;
     let mut receiver = PoolReceiver::new(socket, ReceiverOptions::default())?;
     loop {
@@ -127,6 +145,96 @@ fn fd_consumer(args: &[String]) -> BenchResult<()> {
     Ok(())
 }
 
+/// The consumer of `channel_pingpong`: answers every message with [`PONG`] bytes.
+fn channel_consumer(args: &[String]) -> BenchResult<()> {
+    let path = args
+        .first()
+        .ok_or("--channel-consumer needs a socket path")?;
+    pin_from_args(args)?;
+    let mut channel = Channel::accept(UnixStream::connect(path)?, ChannelOptions::default())?;
+    let mut buf = [0u8; PING];
+    loop {
+        match channel.recv(&mut buf) {
+            Ok(_) => channel.send(&buf[..PONG])?,
+            Err(Error::PeerGone) => return Ok(()),
+            Err(err) => return Err(err.into()),
+        }
+    }
+}
+
+/// The consumer of `socket_pingpong`: answers every [`PING`] bytes with [`PONG`] bytes.
+fn socket_consumer(args: &[String]) -> BenchResult<()> {
+    let path = args
+        .first()
+        .ok_or("--socket-consumer needs a socket path")?;
+    pin_from_args(args)?;
+    let socket = UnixStream::connect(path)?;
+    let mut buf = [0u8; PING];
+    while recv_exact(&socket, &mut buf, RecvOptions::BLOCKING).is_ok() {
+        rustix::net::send(&socket, &buf[..PONG], rustix::net::SendFlags::NOSIGNAL)?;
+    }
+    Ok(())
+}
+
+/// `--pin CPU` after the socket path: pins this process there.
+fn pin_from_args(args: &[String]) -> BenchResult<()> {
+    if let (Some(flag), Some(cpu)) = (args.get(1), args.get(2)) {
+        if flag == "--pin" {
+            pin_to(Some(cpu.parse()?))?;
+        }
+    }
+    Ok(())
+}
+
+/// Pins the calling thread to `cpu` (`None`: every CPU it may run on at start, as saved by
+/// [`allowed_cpus`]).
+fn pin_to(cpu: Option<usize>) -> BenchResult<()> {
+    // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET writes inside it (bounds-checked by
+    // libc's macro against its size); sched_setaffinity reads `size_of` bytes of it.
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        match cpu {
+            Some(cpu) => libc::CPU_SET(cpu, &mut set),
+            None => {
+                for cpu in allowed_cpus() {
+                    libc::CPU_SET(cpu, &mut set);
+                }
+            }
+        }
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if rc != 0 {
+        return Err(format!("sched_setaffinity: {}", std::io::Error::last_os_error()).into());
+    }
+    Ok(())
+}
+
+/// The CPUs this process may run on, read once at start.
+fn allowed_cpus() -> Vec<usize> {
+    static CPUS: std::sync::OnceLock<Vec<usize>> = std::sync::OnceLock::new();
+    CPUS.get_or_init(|| {
+        // SAFETY: sched_getaffinity writes at most `size_of` bytes into the zeroed set;
+        // CPU_ISSET reads inside it.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+                return (0..parallelism()).collect();
+            }
+            (0..libc::CPU_SETSIZE as usize)
+                .filter(|&cpu| libc::CPU_ISSET(cpu, &set))
+                .collect()
+        }
+    })
+    .clone()
+}
+
+/// The CPU this thread runs on now.
+fn current_cpu() -> usize {
+    // SAFETY: no arguments; returns -1 on failure.
+    let cpu = unsafe { libc::sched_getcpu() };
+    usize::try_from(cpu).unwrap_or(0)
+}
+
 struct Peer {
     child: Child,
     socket: UnixStream,
@@ -135,6 +243,11 @@ struct Peer {
 
 impl Peer {
     fn spawn(role: &str) -> BenchResult<Self> {
+        Self::spawn_pinned(role, None)
+    }
+
+    /// The consumer in `role`, pinned to `pin` if given.
+    fn spawn_pinned(role: &str, pin: Option<usize>) -> BenchResult<Self> {
         let dir = std::env::temp_dir().join(format!(
             "tensormem-pool-bench-{}-{role}",
             std::process::id()
@@ -143,11 +256,12 @@ impl Peer {
         let path = dir.join("s.sock");
         let _ = std::fs::remove_file(&path);
         let listener = UnixListener::bind(&path)?;
-        let child = Command::new(std::env::current_exe()?)
-            .arg(role)
-            .arg(&path)
-            .stdin(Stdio::null())
-            .spawn()?;
+        let mut command = Command::new(std::env::current_exe()?);
+        command.arg(role).arg(&path).stdin(Stdio::null());
+        if let Some(cpu) = pin {
+            command.arg("--pin").arg(cpu.to_string());
+        }
+        let child = command.spawn()?;
         let (socket, _) = listener.accept()?;
         Ok(Self { child, socket, dir })
     }
@@ -169,7 +283,17 @@ fn producer(args: &Args) -> BenchResult<()> {
         parallelism()
     );
     println!("strategy,device,bytes,median_us_per_roundtrip");
-    round_trips_pooled(args)?;
+    allowed_cpus();
+    round_trips_pooled(args, None)?;
+    pingpongs(args, None)?;
+    if args.same_cpu {
+        let cpu = current_cpu();
+        eprintln!("shm_pool_bench: `_1cpu` rows: producer and consumer pinned to CPU {cpu}");
+        pin_to(Some(cpu))?;
+        let pinned = round_trips_pooled(args, Some(cpu)).and_then(|()| pingpongs(args, Some(cpu)));
+        pin_to(None)?;
+        pinned?;
+    }
     round_trips_fd(args)?;
     if args.copy {
         println!("strategy,device,bytes,median_us_per_copy  (GB/s)");
@@ -178,9 +302,11 @@ fn producer(args: &Args) -> BenchResult<()> {
     Ok(())
 }
 
-fn round_trips_pooled(args: &Args) -> BenchResult<()> {
+/// The pooled rows; with `pin`, both processes on that CPU (this thread is pinned already).
+fn round_trips_pooled(args: &Args, pin: Option<usize>) -> BenchResult<()> {
+    let suffix = if pin.is_some() { "_1cpu" } else { "" };
     let pool = ShmPool::new(PoolConfig::default());
-    let peer = Peer::spawn("--pool-consumer")?;
+    let peer = Peer::spawn_pinned("--pool-consumer", pin)?;
     let mut sender = PoolSender::new(&pool, peer.socket.try_clone()?)?;
     for len in ROUND_TRIP_SIZES {
         for (label, recv) in [
@@ -207,7 +333,7 @@ fn round_trips_pooled(args: &Args) -> BenchResult<()> {
                     times.push(start.elapsed());
                 }
             }
-            println!("{label},cpu,{len},{:.1}", median_us(&mut times));
+            println!("{label}{suffix},cpu,{len},{:.1}", median_us(&mut times));
         }
     }
     let stats = sender.stats();
@@ -219,6 +345,53 @@ fn round_trips_pooled(args: &Args) -> BenchResult<()> {
         pool.stats().requests
     );
     drop(sender);
+    peer.finish()
+}
+
+/// The bare transports: a [`PING`]-byte message and a [`PONG`]-byte answer, blocking, on a
+/// shared-memory channel and on a Unix stream socket.
+fn pingpongs(args: &Args, pin: Option<usize>) -> BenchResult<()> {
+    let suffix = if pin.is_some() { "_1cpu" } else { "" };
+    let ping = [7u8; PING];
+    let mut pong = [0u8; PING];
+
+    let peer = Peer::spawn_pinned("--channel-consumer", pin)?;
+    let mut channel = Channel::create(peer.socket.try_clone()?, ChannelOptions::default())?;
+    let mut times = Vec::with_capacity(args.rounds);
+    for i in 0..WARM_UP + args.rounds {
+        let start = Instant::now();
+        channel.send(&ping)?;
+        let n = channel.recv(&mut pong)?;
+        let elapsed = start.elapsed();
+        if n != PONG {
+            return Err(format!("the channel consumer answered {n} bytes").into());
+        }
+        if i >= WARM_UP {
+            times.push(elapsed);
+        }
+    }
+    println!(
+        "channel_pingpong{suffix},cpu,{PING},{:.1}",
+        median_us(&mut times)
+    );
+    drop(channel);
+    peer.finish()?;
+
+    let peer = Peer::spawn_pinned("--socket-consumer", pin)?;
+    let mut times = Vec::with_capacity(args.rounds);
+    for i in 0..WARM_UP + args.rounds {
+        let start = Instant::now();
+        rustix::net::send(&peer.socket, &ping, rustix::net::SendFlags::NOSIGNAL)?;
+        recv_exact(&peer.socket, &mut pong[..PONG], RecvOptions::BLOCKING)?;
+        let elapsed = start.elapsed();
+        if i >= WARM_UP {
+            times.push(elapsed);
+        }
+    }
+    println!(
+        "socket_pingpong{suffix},cpu,{PING},{:.1}",
+        median_us(&mut times)
+    );
     peer.finish()
 }
 

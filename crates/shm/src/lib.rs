@@ -25,6 +25,7 @@
 //! | `share_memory_` / `storage_copy` | [`SharedRegion::copy_from_bytes`] (pre-faulted, huge pages, threads) |
 //! | `THManagedMapAllocator` + `torch_shm_manager` (file_system strategy) | the [`manager`] module and the `tensormem-shm-manager` daemon |
 //! | (none: every share makes and maps a fresh object) | [`pool`]: cached, pre-faulted regions lent over a connection; [`mapping_cache`]: the consumer keeps its mappings, a known region travels as an id |
+//! | (none: `multiprocessing` queues are pipes and sockets) | [`channel`]: small messages in shared-memory rings with `futex` doorbells, fds on the socket beside them |
 //! | (none: leaked objects stay in `/dev/shm` until reboot) | [`housekeeping`]: list objects, unlink those whose creator died (`tensormem shm list/gc`) |
 //!
 //! Where this crate is stricter than PyTorch: names are validated ([`ShmName`]); objects are
@@ -93,6 +94,7 @@
 //! Linux only (memfd, `/dev/shm`, `MADV_POPULATE_WRITE`); no CUDA anywhere in the dependency tree.
 
 pub mod anon;
+pub mod channel;
 pub mod copy;
 mod error;
 pub mod housekeeping;

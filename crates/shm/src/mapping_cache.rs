@@ -6,18 +6,24 @@
 //! The cache is bounded by [`CacheLimits`] (regions and bytes), announced to the producer when
 //! the receiver is made; the producer's [`PoolSender`](crate::pool::PoolSender) mirrors the cache
 //! and says what to evict, and tells the receiver to drop mappings of regions its pool released.
-//! When the producer goes away (end of file), every cached mapping is dropped; leases still held
-//! keep their mapping until they go.
+//! When the producer goes away (it dropped its sender, or its process is gone), every cached
+//! mapping is dropped; leases still held keep their mapping until they go.
+//!
+//! The receiver creates the connection's shared-memory [`channel`](crate::channel) over the
+//! socket it is given: region messages and releases are ring messages (no system call while the
+//! other side is awake), the socket carries the fds of regions seen for the first time.
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 
+use crate::channel::{Channel, ChannelOptions, ChannelReceiver, ChannelSender, MAX_MESSAGE};
 use crate::error::{Error, Result};
 use crate::mapping::{Access, Mapping};
-use crate::pool::wire::{self, Kind, Record, MAX_POOL_USER_DATA};
+use crate::pool::wire::{self, Kind, Record, MAX_POOL_USER_DATA, POOL_SLOTS};
 use crate::region::{MapOptions, SharedRegion};
 use crate::transfer::RecvOptions;
 
@@ -68,7 +74,10 @@ pub struct ReceiverStats {
 /// The consumer's end of a pool connection: receives [`Lease`]s, keeping the mappings of the
 /// regions it has seen (see the [module docs](self)).
 pub struct PoolReceiver {
-    socket: Arc<OwnedFd>,
+    /// Region messages from the producer.
+    rx: ChannelReceiver,
+    /// Releases to the producer (shared with every lease).
+    releases: Arc<Releases>,
     /// A region message read by [`poll`](PoolReceiver::poll), for the next `recv`.
     stashed: Option<wire::Message>,
     cache: HashMap<u64, Arc<SharedRegion>>,
@@ -78,21 +87,34 @@ pub struct PoolReceiver {
 }
 
 impl PoolReceiver {
-    /// Wraps the consumer's end of a connected Unix socket and announces its cache limits to
-    /// the producer (whose [`PoolSender::new`](crate::pool::PoolSender::new) reads them).
+    /// Wraps the consumer's end of a connected Unix socket, sets the connection's
+    /// shared-memory channel up on it and announces its cache limits to the producer (whose
+    /// [`PoolSender::new`](crate::pool::PoolSender::new) reads them). Does not wait for the
+    /// producer.
     ///
     /// # Errors
     ///
-    /// [`Error::Disconnected`] if the producer hung up; [`Error::Os`] for other socket failures.
+    /// [`Error::Disconnected`] if the producer hung up; the errors of [`Channel::create`];
+    /// [`Error::Os`] for other socket failures.
     pub fn new(socket: impl Into<OwnedFd>, options: ReceiverOptions) -> Result<Self> {
-        let socket = Arc::new(socket.into());
+        let channel_options = ChannelOptions {
+            slots: POOL_SLOTS,
+            spin: options.recv.spin,
+            ..ChannelOptions::default()
+        };
+        let channel = Channel::create(socket.into(), channel_options).map_err(gone)?;
+        let (mut tx, rx) = channel.split();
         let hello = Record::Hello {
             entries: options.limits.max_regions,
             bytes: options.limits.max_bytes,
         };
-        wire::send_record(socket.as_fd(), hello)?;
+        tx.send(&hello.encode()).map_err(gone)?;
         Ok(Self {
-            socket,
+            rx,
+            releases: Arc::new(Releases {
+                tx: Mutex::new(tx),
+                producer_gone: AtomicBool::new(false),
+            }),
             stashed: None,
             cache: HashMap::new(),
             cached_bytes: 0,
@@ -114,7 +136,7 @@ impl PoolReceiver {
         loop {
             let got = match self.stashed.take() {
                 Some(message) => Ok(message),
-                None => wire::recv_message(self.socket.as_fd(), self.options.recv),
+                None => self.next_message(),
             };
             let (fd, message) = match got {
                 Ok(got) => got,
@@ -201,7 +223,7 @@ impl PoolReceiver {
                 id: header.id,
                 len,
                 region,
-                socket: Arc::clone(&self.socket),
+                releases: Arc::clone(&self.releases),
                 user,
                 user_len,
                 released: false,
@@ -223,9 +245,15 @@ impl PoolReceiver {
     pub fn poll(&mut self) -> Result<usize> {
         let before = self.stats.forgotten;
         while self.stashed.is_none() {
-            let (fd, message) = match wire::recv_message_with(self.socket.as_fd(), None) {
+            let (fd, message) = match self.try_next_message() {
                 Ok(Some(got)) => got,
-                Ok(None) => break,
+                Ok(None) => {
+                    // A producer killed says nothing: look at the socket.
+                    if !self.rx.is_peer_alive() {
+                        self.clear();
+                    }
+                    break;
+                }
                 Err(Error::Disconnected) => {
                     self.clear();
                     break;
@@ -245,6 +273,23 @@ impl PoolReceiver {
     /// Changes how [`recv`](Self::recv) waits from now on.
     pub fn set_recv(&mut self, recv: RecvOptions) {
         self.options.recv = recv;
+        self.rx.set_spin(recv.spin);
+    }
+
+    /// The next message and its fd, waiting for it.
+    fn next_message(&mut self) -> Result<wire::Message> {
+        let mut buf = [0u8; MAX_MESSAGE];
+        let got = self.rx.recv_with_fd(&mut buf).map_err(gone)?;
+        Ok((got.fd, wire::padded(&buf[..got.len])?))
+    }
+
+    /// The next message and its fd if one has arrived.
+    fn try_next_message(&mut self) -> Result<Option<wire::Message>> {
+        let mut buf = [0u8; MAX_MESSAGE];
+        match self.rx.try_recv_with_fd(&mut buf).map_err(gone)? {
+            Some(got) => Ok(Some((got.fd, wire::padded(&buf[..got.len])?))),
+            None => Ok(None),
+        }
     }
 
     /// Regions whose mappings are cached now.
@@ -271,7 +316,7 @@ impl PoolReceiver {
 
     /// A lease this end cannot honour: give it back at once so the producer's count stays true.
     fn refuse(&self, id: u64) {
-        let _ = wire::send_record(self.socket.as_fd(), Record::Release { id });
+        let _ = self.releases.send(id);
     }
 
     fn forget(&mut self, id: u64) {
@@ -281,7 +326,9 @@ impl PoolReceiver {
         }
     }
 
+    /// The producer is gone: drop every cached mapping.
     fn clear(&mut self) {
+        self.releases.producer_gone.store(true, Ordering::Relaxed);
         self.cache.clear();
         self.cached_bytes = 0;
     }
@@ -290,9 +337,39 @@ impl PoolReceiver {
 const MESSAGE_HEADER: usize = wire::MESSAGE_LEN - MAX_POOL_USER_DATA;
 
 impl AsFd for PoolReceiver {
-    /// The socket, for `poll`/`epoll` (readable = a message arrived).
+    /// The socket under the connection's channel. Region messages travel in shared memory and
+    /// make it readable only when they carry an fd; it reports a hang-up when the producer's
+    /// process is gone.
     fn as_fd(&self) -> BorrowedFd<'_> {
-        self.socket.as_fd()
+        self.rx.socket()
+    }
+}
+
+/// The channel's sending half, shared by the receiver and its leases (any thread may drop a
+/// lease; the ring has one producer, so sends are serialised here), and whether the receiver
+/// has seen the producer gone.
+struct Releases {
+    tx: Mutex<ChannelSender>,
+    producer_gone: AtomicBool,
+}
+
+impl Releases {
+    /// Tells the producer that one lease on `id` is released. The ring never fills with
+    /// releases: the producer keeps at most as many leases open as it has slots.
+    fn send(&self, id: u64) -> Result<()> {
+        if self.producer_gone.load(Ordering::Relaxed) {
+            return Err(Error::Disconnected);
+        }
+        let mut tx = self.tx.lock().unwrap_or_else(PoisonError::into_inner);
+        tx.send(&Record::Release { id }.encode()).map_err(gone)
+    }
+}
+
+/// A producer gone is [`Error::Disconnected`] here, as it was on a bare socket.
+fn gone(err: Error) -> Error {
+    match err {
+        Error::PeerGone => Error::Disconnected,
+        other => other,
     }
 }
 
@@ -317,7 +394,7 @@ pub struct Lease {
     id: u64,
     len: usize,
     region: Arc<SharedRegion>,
-    socket: Arc<OwnedFd>,
+    releases: Arc<Releases>,
     user: [u8; MAX_POOL_USER_DATA],
     user_len: usize,
     released: bool,
@@ -413,10 +490,11 @@ impl Lease {
     ///
     /// # Errors
     ///
-    /// [`Error::Disconnected`] if the producer is gone (nothing to give back to).
+    /// [`Error::Disconnected`] if the producer is gone (nothing to give back to): it dropped
+    /// its sender, or its receiver has seen its process gone.
     pub fn release(mut self) -> Result<()> {
         self.released = true;
-        wire::send_record(self.socket.as_fd(), Record::Release { id: self.id })
+        self.releases.send(self.id)
     }
 
     fn check(&self, offset: usize, len: usize) -> Result<()> {
@@ -434,9 +512,7 @@ impl Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         if !self.released {
-            if let Err(err) =
-                wire::send_record(self.socket.as_fd(), Record::Release { id: self.id })
-            {
+            if let Err(err) = self.releases.send(self.id) {
                 tracing::debug!(id = self.id, error = %err, "could not release a pool lease (producer gone?)");
             }
         }

@@ -3,6 +3,7 @@
 
 use std::os::unix::net::UnixStream;
 
+use tensormem_shm::channel::{Channel, ChannelOptions, MAX_MESSAGE};
 use tensormem_shm::mapping_cache::{CacheLimits, PoolReceiver, ReceiverOptions};
 use tensormem_shm::pool::{PoolConfig, PoolSender, ShmPool};
 use tensormem_shm::{Access, Error};
@@ -489,26 +490,18 @@ fn trimming_from_another_thread_while_sending_keeps_both_ends_in_agreement() {
 
 #[test]
 fn a_consumer_releasing_what_it_does_not_hold_is_a_protocol_error_and_loses_nothing() {
-    use std::io::Write;
     let pool = small_pool();
-    let (producer, mut consumer) = UnixStream::pair().unwrap();
-    // A hand-made consumer: hello, then a bogus release before a real one.
-    let record = |kind: u32, a: u64, b: u64| {
-        let mut r = Vec::from(*b"TMRL");
-        r.extend_from_slice(&kind.to_le_bytes());
-        r.extend_from_slice(&a.to_le_bytes());
-        r.extend_from_slice(&b.to_le_bytes());
-        r
-    };
-    consumer.write_all(&record(1, 16, 1 << 30)).unwrap();
+    let (producer, consumer) = UnixStream::pair().unwrap();
+    // A hand-made consumer on a bare channel: hello, then a bogus release before a real one.
+    let mut consumer = Channel::create(consumer, ChannelOptions::default()).unwrap();
+    consumer.send(&record(1, 16, 1 << 30)).unwrap();
     let mut sender = PoolSender::new(&pool, producer).unwrap();
     let buffer = pool.alloc(4096).unwrap();
     sender.send(&buffer, &[]).unwrap();
     let id = buffer.id();
     drop(buffer);
-    let mut bytes = record(2, id + 1000, 0);
-    bytes.extend(record(2, id, 0));
-    consumer.write_all(&bytes).unwrap();
+    consumer.send(&record(2, id + 1000, 0)).unwrap();
+    consumer.send(&record(2, id, 0)).unwrap();
     assert!(matches!(
         sender.wait_release(None),
         Err(Error::Protocol { .. })
@@ -516,6 +509,15 @@ fn a_consumer_releasing_what_it_does_not_hold_is_a_protocol_error_and_loses_noth
     // The real release was applied all the same.
     assert_eq!(sender.outstanding(), 0);
     assert_eq!(pool.stats().in_use_bytes.current, 0);
+}
+
+/// A consumer-to-producer record (the layout of `pool::wire`).
+fn record(kind: u32, a: u64, b: u64) -> Vec<u8> {
+    let mut r = Vec::from(*b"TMRL");
+    r.extend_from_slice(&kind.to_le_bytes());
+    r.extend_from_slice(&a.to_le_bytes());
+    r.extend_from_slice(&b.to_le_bytes());
+    r
 }
 
 /// A hand-made producer: writes raw pool messages (the layout of `pool::wire`).
@@ -530,56 +532,55 @@ fn raw_message(kind: u8, id: u64, len: u64, map_len: u64) -> [u8; 256] {
     m
 }
 
+/// Accepts the channel a `PoolReceiver` set up and reads its hello.
+fn hand_made_producer(socket: UnixStream) -> Channel {
+    let mut producer = Channel::accept(socket, ChannelOptions::default()).unwrap();
+    let mut hello = [0u8; MAX_MESSAGE];
+    assert_eq!(producer.recv(&mut hello).unwrap(), 24);
+    assert_eq!(&hello[0..4], b"TMRL");
+    producer
+}
+
 #[test]
 fn a_lying_producer_gets_protocol_errors_and_its_leases_back() {
-    use std::io::{Read, Write};
-    let (mut producer, consumer) = UnixStream::pair().unwrap();
+    let (producer, consumer) = UnixStream::pair().unwrap();
     let mut receiver = PoolReceiver::new(consumer, ReceiverOptions::default()).unwrap();
-    let mut hello = [0u8; 24];
-    producer.read_exact(&mut hello).unwrap();
-    assert_eq!(&hello[0..4], b"TMRL");
+    let mut producer = hand_made_producer(producer);
+    let mut release = [0u8; MAX_MESSAGE];
 
     // An id this end never received.
-    producer.write_all(&raw_message(2, 77, 4096, 4096)).unwrap();
+    producer.send(&raw_message(2, 77, 4096, 4096)).unwrap();
     assert!(matches!(receiver.recv(), Err(Error::Protocol { .. })));
-    let mut release = [0u8; 24];
-    producer.read_exact(&mut release).unwrap();
+    assert_eq!(producer.recv(&mut release).unwrap(), 24);
     assert_eq!(u32::from_le_bytes(release[4..8].try_into().unwrap()), 2);
     assert_eq!(u64::from_le_bytes(release[8..16].try_into().unwrap()), 77);
 
-    // A NEW message without its fd, and garbage.
-    producer.write_all(&raw_message(1, 78, 4096, 4096)).unwrap();
+    // A NEW message without its fd, garbage, and a message too short for a header.
+    producer.send(&raw_message(1, 78, 4096, 4096)).unwrap();
     assert!(matches!(receiver.recv(), Err(Error::Protocol { .. })));
-    producer.read_exact(&mut release).unwrap();
+    assert_eq!(producer.recv(&mut release).unwrap(), 24);
     assert_eq!(u64::from_le_bytes(release[8..16].try_into().unwrap()), 78);
-    producer.write_all(&[0xAB; 256]).unwrap();
+    producer.send(&[0xAB; 256]).unwrap();
+    assert!(matches!(receiver.recv(), Err(Error::Protocol { .. })));
+    producer.send(&[0xAB; 300]).unwrap();
+    assert!(matches!(receiver.recv(), Err(Error::Protocol { .. })));
+    producer.send(b"TMPL").unwrap();
     assert!(matches!(receiver.recv(), Err(Error::Protocol { .. })));
     assert_eq!(receiver.cached_regions(), 0);
 }
 
 #[test]
 fn an_unsealed_region_from_a_producer_is_read_through_the_kernel() {
-    use std::io::Read;
     use std::os::fd::AsFd;
     // A producer that sends a plain file it could truncate (not a pool region).
-    let (mut producer, consumer) = UnixStream::pair().unwrap();
+    let (producer, consumer) = UnixStream::pair().unwrap();
     let mut receiver = PoolReceiver::new(consumer, ReceiverOptions::default()).unwrap();
-    let mut hello = [0u8; 24];
-    producer.read_exact(&mut hello).unwrap();
+    let mut producer = hand_made_producer(producer);
     let file = tempfile::tempfile().unwrap();
     file.set_len(8192).unwrap();
-    let message = raw_message(1, 5, 8192, 8192);
-    let fds = [file.as_fd()];
-    let mut space = [std::mem::MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
-    let mut control = rustix::net::SendAncillaryBuffer::new(&mut space);
-    assert!(control.push(rustix::net::SendAncillaryMessage::ScmRights(&fds)));
-    rustix::net::sendmsg(
-        &producer,
-        &[std::io::IoSlice::new(&message)],
-        &mut control,
-        rustix::net::SendFlags::empty(),
-    )
-    .unwrap();
+    producer
+        .send_with_fd(&raw_message(1, 5, 8192, 8192), file.as_fd())
+        .unwrap();
     let lease = receiver.recv().unwrap();
     assert!(lease.mapping().is_truncatable());
     file.set_len(0).unwrap();
@@ -597,7 +598,7 @@ fn a_request_the_cache_cannot_serve_takes_releases_no_sender_has_read_yet() {
     let id = buffer.id();
     sender.send(&buffer, &[]).unwrap();
     drop(buffer);
-    drop(receiver.recv().unwrap()); // the release record now waits in the producer's socket
+    drop(receiver.recv().unwrap()); // the release record now waits in the channel
     assert_eq!(sender.outstanding(), 1, "nobody has read it yet");
     // The producer never polls: the pool reads the release itself on its cache miss.
     let again = pool.alloc(MIB).unwrap();
@@ -667,4 +668,31 @@ fn a_detached_region_is_never_reused_and_its_reused_tail_is_cleared() {
     drop(pool.alloc(3 * MIB).unwrap());
     assert_eq!(pool.stats().regions.allocated, 2);
     drop(region);
+}
+
+#[test]
+fn a_connection_carries_at_most_max_leases_open_and_every_release_fits_its_ring() {
+    let pool = small_pool();
+    let (mut sender, mut receiver) = connect(&pool, ReceiverOptions::default());
+    let buffer = pool.alloc(4096).unwrap();
+    for _ in 0..tensormem_shm::pool::MAX_LEASES {
+        sender.send(&buffer, &[]).unwrap();
+    }
+    assert!(matches!(
+        sender.send(&buffer, &[]),
+        Err(Error::TooManyLeases { outstanding }) if outstanding == tensormem_shm::pool::MAX_LEASES
+    ));
+    // The consumer takes them all and drops every lease without the producer reading: the
+    // releases all fit (no lease drop waits).
+    let leases: Vec<_> = (0..tensormem_shm::pool::MAX_LEASES)
+        .map(|_| receiver.recv().unwrap())
+        .collect();
+    drop(leases);
+    let mut back = 0;
+    while back < tensormem_shm::pool::MAX_LEASES {
+        back += sender.wait_release(None).unwrap();
+    }
+    assert_eq!(sender.outstanding(), 0);
+    sender.send(&buffer, b"again").unwrap();
+    assert_eq!(receiver.recv().unwrap().user_data(), b"again");
 }

@@ -3,27 +3,30 @@
 //! once to drop its mapping of a region the pool released) and the consumer's open leases (so the
 //! pool, missing a region of some size, can take the releases that have arrived itself).
 //!
+//! The connection is a shared-memory [`channel`](crate::channel) the consumer created: its
+//! sending half lives in the mirror (every message to the consumer is written under the
+//! mirror's lock), its receiving half in the leases (every release is read under theirs).
+//!
 //! Locks: `mirror` before `leases` where both are held (the sender's `send`); the pool only ever
 //! `try_lock`s either, so it never waits on a sender and no order can deadlock.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use rustix::fd::{AsFd, OwnedFd};
-use rustix::io::Errno;
-use rustix::net::RecvFlags;
+use rustix::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 
-use super::wire::{self, Header, Kind, Record, RECORD_LEN};
+use super::wire::{self, Header, Kind, Record};
 use super::Inner;
+use crate::channel::{Channel, ChannelReceiver, ChannelSender, MAX_MESSAGE};
 use crate::error::{Error, Result};
-use crate::transfer;
 
-/// One connection, shared by its sender and the pool. Every write to the socket happens under
-/// `mirror`'s lock, every read under `leases`'.
+/// One connection, shared by its sender and the pool. Every message to the consumer is sent
+/// under `mirror`'s lock, every release read under `leases'`.
 pub(crate) struct Link {
-    pub(crate) socket: OwnedFd,
+    /// The channel's socket (owned by the halves below).
+    socket: RawFd,
     mirror: Mutex<Mirror>,
     leases: Mutex<Leases>,
     /// Released regions the pool could not forget at once (the sender held the lock, or the
@@ -34,12 +37,13 @@ pub(crate) struct Link {
     closed: AtomicBool,
 }
 
-/// The consumer's cache as the producer accounts it.
-#[derive(Debug, Default)]
+/// The consumer's cache as the producer accounts it, and the channel's sending half.
+#[derive(Debug)]
 pub(crate) struct Mirror {
     /// Cached region ids: (capacity, last use tick).
     pub(crate) known: HashMap<u64, (u64, u64)>,
     pub(crate) known_bytes: u64,
+    pub(crate) tx: ChannelSender,
 }
 
 impl Mirror {
@@ -64,14 +68,13 @@ impl Mirror {
     }
 }
 
-/// The consumer's open leases and what reading its records found.
-#[derive(Debug, Default)]
+/// The consumer's open leases, what reading its records found, and the channel's receiving half.
+#[derive(Debug)]
 pub(crate) struct Leases {
     /// Open leases per region id.
     pub(crate) open: HashMap<u64, usize>,
     pub(crate) outstanding: usize,
-    /// Bytes of a record not complete yet.
-    partial: Vec<u8>,
+    pub(crate) rx: ChannelReceiver,
     /// The consumer's end closed (every lease was then released).
     pub(crate) gone: bool,
     pub(crate) released: u64,
@@ -101,12 +104,37 @@ impl Leases {
     }
 }
 
+/// How a read of releases waits for the first one.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum ReadWait {
+    /// Not at all.
+    Now,
+    /// Until one comes, spinning up to this long first.
+    Block(Duration),
+    /// Until this instant at most.
+    Until(Instant),
+}
+
 impl Link {
-    pub(crate) fn new(socket: OwnedFd) -> Self {
+    pub(crate) fn new(channel: Channel) -> Self {
+        let socket = channel.as_fd().as_raw_fd();
+        let (tx, rx) = channel.split();
         Self {
             socket,
-            mirror: Mutex::new(Mirror::default()),
-            leases: Mutex::new(Leases::default()),
+            mirror: Mutex::new(Mirror {
+                known: HashMap::new(),
+                known_bytes: 0,
+                tx,
+            }),
+            leases: Mutex::new(Leases {
+                open: HashMap::new(),
+                outstanding: 0,
+                rx,
+                gone: false,
+                released: 0,
+                reclaimed: 0,
+                deferred: None,
+            }),
             pending: Mutex::new(Vec::new()),
             forgotten: AtomicU64::new(0),
             closed: AtomicBool::new(false),
@@ -144,7 +172,7 @@ impl Link {
             if !mirror.known.contains_key(&id) {
                 continue;
             }
-            match self.send_forget(id, true) {
+            match self.send_forget(&mut mirror, id, true) {
                 Ok(true) => {
                     mirror.remove(id);
                 }
@@ -163,15 +191,15 @@ impl Link {
         let pending = std::mem::take(&mut *self.pending_lock());
         for id in pending {
             if mirror.remove(id) && !self.closed.load(Ordering::Acquire) {
-                self.send_forget(id, false)?;
+                self.send_forget(mirror, id, false)?;
             }
         }
         Ok(())
     }
 
-    /// Sends one `FORGET`; `Ok(false)` if `nowait` and the socket was full. The caller holds
+    /// Sends one `FORGET`; `Ok(false)` if `nowait` and the ring was full. The caller holds
     /// `mirror` (all writes happen under it) and updates it.
-    pub(crate) fn send_forget(&self, id: u64, nowait: bool) -> Result<bool> {
+    pub(crate) fn send_forget(&self, mirror: &mut Mirror, id: u64, nowait: bool) -> Result<bool> {
         let header = Header {
             kind: Kind::Forget,
             transient: false,
@@ -181,7 +209,13 @@ impl Link {
             user_len: 0,
         };
         let message = wire::encode(&header, &[])?;
-        let sent = wire::send_message_with(self.socket.as_fd(), &message, None, nowait)?;
+        let bytes = &message[..wire::ring_len(&message)];
+        let sent = if nowait {
+            mirror.tx.try_send(bytes)
+        } else {
+            mirror.tx.send(bytes).map(|()| true)
+        }
+        .map_err(to_pool_error)?;
         if sent {
             self.forgotten.fetch_add(1, Ordering::Relaxed);
         }
@@ -189,7 +223,7 @@ impl Link {
     }
 
     /// Called by the pool on a cache miss: applies the releases that have arrived, never
-    /// waiting (not for the sender, not for the socket). Returns how many leases came back.
+    /// waiting (not for the sender, not for the consumer). Returns how many leases came back.
     pub(crate) fn drain_for_pool(&self, pool: &Inner) -> usize {
         let mut leases = match self.leases.try_lock() {
             Ok(leases) => leases,
@@ -198,7 +232,7 @@ impl Link {
         };
         let mut count = 0;
         while !leases.gone && leases.outstanding > 0 && leases.deferred.is_none() {
-            match self.read(&mut leases, pool, RecvFlags::DONTWAIT, Duration::ZERO) {
+            match self.read(&mut leases, pool, ReadWait::Now) {
                 Ok(Some(n)) => count += n,
                 Ok(None) => break,
                 Err(err) => leases.deferred = Some(err),
@@ -207,37 +241,50 @@ impl Link {
         count
     }
 
-    /// One `recv` (spinning up to `spin` first, if `flags` may block), applying the records that
-    /// came; `None` if nothing was there (`EAGAIN`).
+    /// Reads releases: the first one waiting as `wait` says, then every one that has arrived
+    /// (up to 64 in all), applying them; `None` if nothing came. A consumer found gone (its end
+    /// dropped, its process dead) releases every lease open on the connection.
     pub(crate) fn read(
         &self,
         leases: &mut Leases,
         pool: &Inner,
-        flags: RecvFlags,
-        spin: Duration,
+        wait: ReadWait,
     ) -> Result<Option<usize>> {
-        let mut buf = [0u8; RECORD_LEN * 64];
-        let socket = self.socket.as_fd();
-        let got = transfer::wait_and(spin, |extra| {
-            rustix::net::recv(socket, &mut buf, flags | extra).map(|(n, _)| n)
-        });
-        let n = match got {
-            Ok(0) | Err(Errno::CONNRESET | Errno::PIPE) => {
-                return Ok(Some(self.consumer_gone(leases, pool)))
-            }
-            Ok(n) => n,
-            Err(Errno::AGAIN) => return Ok(None),
-            Err(errno) => return Err(transfer::socket_error(errno, "recv")),
-        };
-        leases.partial.extend_from_slice(&buf[..n]);
-        let whole = leases.partial.len() / RECORD_LEN * RECORD_LEN;
-        let records: Vec<u8> = leases.partial.drain(..whole).collect();
+        // Room for any message, so that a wrong one is read (and refused), never stuck.
+        let mut buf = [0u8; MAX_MESSAGE];
         let mut count = 0;
+        let mut read = 0;
         // Every well-formed release is applied even if a bad record comes first: a misbehaving
         // consumer must not make the producer lose track of the leases it did give back.
         let mut first_error = None;
-        for chunk in records.chunks_exact(RECORD_LEN) {
-            let problem = match Record::decode(chunk) {
+        while read < 64 {
+            let got = match (read, wait) {
+                (0, ReadWait::Block(spin)) => {
+                    if leases.rx.spin() != spin {
+                        leases.rx.set_spin(spin);
+                    }
+                    leases.rx.recv(&mut buf).map(Some)
+                }
+                (0, ReadWait::Until(deadline)) => leases
+                    .rx
+                    .recv_timeout(&mut buf, deadline.saturating_duration_since(Instant::now())),
+                _ => leases.rx.try_recv(&mut buf),
+            };
+            let n = match got {
+                Ok(Some(n)) => n,
+                Ok(None) => {
+                    // Nothing there: for a non-blocking look, check that the consumer still
+                    // lives (its socket), since a killed one says nothing.
+                    if read == 0 && matches!(wait, ReadWait::Now) && !leases.rx.is_peer_alive() {
+                        return Ok(Some(self.consumer_gone(leases, pool)));
+                    }
+                    break;
+                }
+                Err(Error::PeerGone) => return Ok(Some(count + self.consumer_gone(leases, pool))),
+                Err(err) => return Err(err),
+            };
+            read += 1;
+            let problem = match Record::decode(&buf[..n]) {
                 Ok(Record::Release { id }) if leases.remove_one(id) => {
                     pool.release(id, 1);
                     leases.released += 1;
@@ -256,6 +303,7 @@ impl Link {
         }
         match first_error {
             Some(err) => Err(err),
+            None if read == 0 => Ok(None),
             None => Ok(Some(count)),
         }
     }
@@ -283,7 +331,22 @@ impl Link {
         self.closed.load(Ordering::Acquire)
     }
 
+    /// The connection's socket (it carries the regions' fds).
+    pub(crate) fn socket(&self) -> BorrowedFd<'_> {
+        // SAFETY: `socket` is the channel's socket, owned by the channel's halves inside
+        // `mirror` and `leases`, which keep it open as long as `self` (so `&self`) lives.
+        unsafe { BorrowedFd::borrow_raw(self.socket) }
+    }
+
     fn pending_lock(&self) -> MutexGuard<'_, Vec<u64>> {
         self.pending.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The channel's errors as the pool reports them: a consumer gone is [`Error::Disconnected`].
+pub(crate) fn to_pool_error(err: Error) -> Error {
+    match err {
+        Error::PeerGone => Error::Disconnected,
+        other => other,
     }
 }

@@ -9,7 +9,8 @@
 //! after use instead, already faulted in (and huge-page advised), and lends them again; a
 //! consumer connected with a [`PoolReceiver`](crate::mapping_cache::PoolReceiver) keeps its
 //! mapping of every region it has seen, so a region sent again travels as an id: no fd, no
-//! `mmap`, no faults, no `munmap` on either side.
+//! `mmap`, no faults, no `munmap` on either side. The ids and the releases travel on a
+//! shared-memory [`channel`](crate::channel): no system call while the other side is awake.
 //!
 //! # The pieces
 //!
@@ -25,17 +26,21 @@
 //!
 //! A region returns to the cache only when nobody can still read it: the producer's
 //! [`PoolBuffer`] is gone and every lease a consumer took is released. A consumer releases a
-//! lease by writing a 24-byte record on its connection (done when the [`Lease`](crate::mapping_cache::Lease) drops). A consumer
-//! killed with `kill -9` cannot write anything, so the pool does not rely on it: every lease is
-//! bound to the connection it was sent over, and when the connection's consumer end is closed
-//! (the kernel closes every descriptor of a dying process; the [`PoolSender`] then reads
-//! end-of-file) all leases still open on it are released at once. This is sound because:
+//! lease by sending a 24-byte record on its connection (done when the [`Lease`](crate::mapping_cache::Lease) drops). A consumer
+//! killed with `kill -9` cannot send anything, so the pool does not rely on it: every lease is
+//! bound to the connection it was sent over, and when the connection's consumer end is gone, all
+//! leases still open on it are released at once. "Gone" is the consumer's end of the
+//! connection's [`channel`](crate::channel) dropped (a flag in its shared memory), or its socket
+//! closed (the kernel closes every descriptor of a dying process; the [`PoolSender`] sees the
+//! hang-up when a read of releases finds none, and a sleeping wait within 50 ms). This is sound
+//! because:
 //!
-//! - the consumer end of the socket stays open while any lease lives (each [`Lease`](crate::mapping_cache::Lease) holds a
-//!   reference to it, so dropping the receiver early does not count as "done");
+//! - the consumer's channel end, and with it its socket, stays open while any lease lives (each
+//!   [`Lease`](crate::mapping_cache::Lease) holds a reference to it, so dropping the receiver
+//!   early does not count as "done");
 //! - a process's memory mappings are torn down before its descriptors are closed (`exit_mm`
 //!   precedes `exit_files` in the kernel's `do_exit`), and a dead process reads nothing anyway;
-//! - if a consumer forked and the child still holds the socket, end-of-file does not come until
+//! - if a consumer forked and the child still holds the socket, the hang-up does not come until
 //!   both have closed it: the pool then waits longer, never shorter.
 //!
 //! Alternatives considered: the refcounted header count (PyTorch's layout) is decremented by the
@@ -102,6 +107,10 @@ use link::Link;
 pub use sender::{PoolSender, SenderStats};
 pub use stats::{PoolStats, Stat};
 pub use wire::MAX_POOL_USER_DATA;
+
+/// Most leases open on one connection ([`PoolSender`]) at a time: a send beyond it is
+/// [`Error::TooManyLeases`]. (The consumer's releases then always fit its channel's ring.)
+pub const MAX_LEASES: usize = wire::POOL_SLOTS as usize;
 
 use crate::copy::{self, CopyPlan};
 use crate::error::{Error, Result, SizeProblem};

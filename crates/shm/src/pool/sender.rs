@@ -4,14 +4,14 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rustix::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use rustix::net::RecvFlags;
+use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use super::link::{Leases, Link, Mirror};
-use super::wire::{self, Header, Kind, Record, RECORD_LEN};
+use super::link::{to_pool_error, Leases, Link, Mirror, ReadWait};
+use super::wire::{self, Header, Kind, Record, POOL_SLOTS};
 use super::{Inner, PoolBuffer, ShmPool};
+use crate::channel::{Channel, ChannelOptions, MAX_MESSAGE};
 use crate::error::{Error, Result};
-use crate::transfer::{self, RecvOptions};
+use crate::transfer::RecvOptions;
 
 /// The producer's end of a connection to one consumer (a
 /// [`PoolReceiver`](crate::mapping_cache::PoolReceiver)): sends [`PoolBuffer`]s, the region's fd
@@ -25,7 +25,12 @@ use crate::transfer::{self, RecvOptions};
 /// is writing at that moment or the socket is full, before the next [`send`](Self::send) or
 /// [`flush`](Self::flush)).
 ///
-/// Releases arrive as records on the socket; they are read at every `send`, by
+/// Messages travel on a shared-memory [`channel`](crate::channel) the consumer set up over the
+/// socket (the socket itself carries only the regions' fds and tells when the consumer's process
+/// is gone): a message to a consumer that is awake costs no system call, one to a consumer
+/// asleep in [`recv`](crate::mapping_cache::PoolReceiver::recv) one `futex` wake.
+///
+/// Releases arrive as records on the channel; they are read at every `send`, by
 /// [`poll_releases`](Self::poll_releases) (non-blocking), by
 /// [`wait_release`](Self::wait_release), and by the pool itself when a request finds no cached
 /// region of its size (without waiting: a connection whose sender is busy is skipped). If the consumer's end closes (it exited or was killed),
@@ -61,25 +66,28 @@ pub struct SenderStats {
 }
 
 impl PoolSender {
-    /// Wraps the producer's end of a connected Unix socket (stream or seqpacket), reading the
-    /// consumer's announcement of its cache limits (it blocks until the consumer has made its
+    /// Wraps the producer's end of a connected Unix socket (stream or seqpacket), accepting the
+    /// shared-memory channel the consumer set up on it and reading the consumer's announcement
+    /// of its cache limits (it blocks until the consumer has made its
     /// [`PoolReceiver`](crate::mapping_cache::PoolReceiver)).
     ///
     /// # Errors
     ///
     /// [`Error::Disconnected`] if the consumer hung up first; [`Error::Protocol`] if what it sent
-    /// is not a pool hello.
+    /// is not a pool hello (or not a channel); the checks of the channel's memory
+    /// ([`Channel::accept`]).
     pub fn new(pool: &ShmPool, socket: impl Into<OwnedFd>) -> Result<Self> {
-        let socket = socket.into();
-        let mut hello = [0u8; RECORD_LEN];
-        transfer::recv_exact(&socket, &mut hello, RecvOptions::BLOCKING)?;
-        let Record::Hello { entries, bytes } = Record::decode(&hello)? else {
+        let mut channel =
+            Channel::accept(socket.into(), ChannelOptions::default()).map_err(to_pool_error)?;
+        let mut hello = [0u8; MAX_MESSAGE];
+        let n = channel.recv(&mut hello).map_err(to_pool_error)?;
+        let Record::Hello { entries, bytes } = Record::decode(&hello[..n])? else {
             return Err(Error::Protocol {
                 problem: "the consumer's first record must be its hello".into(),
             });
         };
         let pool = Arc::clone(pool.inner());
-        let link = Arc::new(Link::new(socket));
+        let link = Arc::new(Link::new(channel));
         pool.register_link(&link);
         Ok(Self {
             pool,
@@ -98,9 +106,13 @@ impl PoolSender {
     ///
     /// # Errors
     ///
-    /// [`Error::Disconnected`] if the consumer is gone; [`Error::Protocol`] for too much
-    /// application data, a buffer of another pool, or a malformed record from the consumer;
-    /// [`Error::Os`] for other socket failures. Nothing is lent when it fails.
+    /// [`Error::Disconnected`] if the consumer is gone (seen at once if it dropped its
+    /// receiver; a killed consumer is seen by the next read of releases, which then reclaims
+    /// the lease); [`Error::TooManyLeases`] with [`MAX_LEASES`](super::MAX_LEASES) leases open;
+    /// [`Error::Protocol`] for too much application data, a buffer of another pool, or a
+    /// malformed record from the consumer; [`Error::ChannelCorrupt`]; [`Error::Os`] for other
+    /// socket failures. Nothing is lent when it fails. Waits while the consumer has
+    /// [`MAX_LEASES`](super::MAX_LEASES) messages unread.
     pub fn send(&mut self, buffer: &PoolBuffer, user: &[u8]) -> Result<()> {
         if !Arc::ptr_eq(buffer.pool(), &self.pool) {
             return Err(Error::Protocol {
@@ -110,14 +122,21 @@ impl PoolSender {
         let link = Arc::clone(&self.link);
         let mut mirror = link.mirror();
         let mut leases = link.leases();
-        // With no lease open there is nothing to read but an end of file, which the send
-        // itself reports (EPIPE): save the system call on the round-trip path.
+        // With no lease open there is nothing to read: a consumer that dropped its end makes
+        // the send itself fail (the channel's closed flag), a killed one is seen by the next
+        // read of releases (which reclaims this lease too). Save the look (and the `poll` of
+        // the socket it may make) on the round-trip path.
         if leases.outstanding > 0 || leases.deferred.is_some() {
             self.poll_locked(&mut leases)?;
         }
         if leases.gone {
             mirror.clear();
             return Err(Error::Disconnected);
+        }
+        if leases.outstanding >= POOL_SLOTS as usize {
+            return Err(Error::TooManyLeases {
+                outstanding: leases.outstanding,
+            });
         }
         link.flush_pending(&mut mirror)?;
         let id = buffer.id();
@@ -162,14 +181,19 @@ impl PoolSender {
         // Count the lease before the consumer can possibly release it.
         self.pool.acquire(id);
         leases.add(id);
-        if let Err(err) = wire::send_message(link.socket.as_fd(), &message, fd) {
+        let bytes = &message[..wire::ring_len(&message)];
+        let sent = match fd {
+            Some(fd) => mirror.tx.send_with_fd(bytes, fd),
+            None => mirror.tx.send(bytes),
+        };
+        if let Err(err) = sent {
             if newly_known {
                 mirror.remove(id);
             }
             leases.remove_one(id);
             drop((mirror, leases));
             self.pool.release(id, 1);
-            return Err(err);
+            return Err(to_pool_error(err));
         }
         drop((mirror, leases));
         match (header.kind, header.transient) {
@@ -225,7 +249,7 @@ impl PoolSender {
         }
         let mut count = 0;
         while count == 0 && leases.outstanding > 0 && !leases.gone {
-            let got = link.read(&mut leases, &self.pool, RecvFlags::empty(), recv.spin)?;
+            let got = link.read(&mut leases, &self.pool, ReadWait::Block(recv.spin))?;
             count += got.unwrap_or(0);
         }
         Ok(count)
@@ -238,19 +262,19 @@ impl PoolSender {
     /// As [`poll_releases`](Self::poll_releases).
     pub fn wait_release_timeout(&mut self, timeout: Duration) -> Result<usize> {
         let deadline = Instant::now() + timeout;
-        loop {
-            let count = self.poll_releases()?;
-            let leases = self.link.leases();
-            if count > 0 || leases.outstanding == 0 || leases.gone {
-                return Ok(count);
-            }
-            drop(leases);
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Ok(0);
-            }
-            wait_readable(self.link.socket.as_fd(), left)?;
+        let link = Arc::clone(&self.link);
+        let mut leases = link.leases();
+        if let Some(err) = leases.deferred.take() {
+            return Err(err);
         }
+        let mut count = 0;
+        while count == 0 && leases.outstanding > 0 && !leases.gone {
+            match link.read(&mut leases, &self.pool, ReadWait::Until(deadline))? {
+                Some(got) => count += got,
+                None => break,
+            }
+        }
+        Ok(count)
     }
 
     /// The pool this sender lends from (a clone sharing it).
@@ -294,10 +318,7 @@ impl PoolSender {
         }
         let mut count = 0;
         while !leases.gone {
-            match self
-                .link
-                .read(leases, &self.pool, RecvFlags::DONTWAIT, Duration::ZERO)?
-            {
+            match self.link.read(leases, &self.pool, ReadWait::Now)? {
                 Some(n) => count += n,
                 None => break,
             }
@@ -324,39 +345,19 @@ impl PoolSender {
                 return Ok(false);
             };
             mirror.remove(id);
-            self.link.send_forget(id, false)?;
+            self.link.send_forget(mirror, id, false)?;
         }
         Ok(true)
     }
 }
 
-/// `poll(fd, POLLIN, timeout)`.
-fn wait_readable(fd: BorrowedFd<'_>, timeout: Duration) -> Result<()> {
-    let mut pfd = libc::pollfd {
-        fd: fd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    let ms = libc::c_int::try_from(timeout.as_millis().max(1)).unwrap_or(libc::c_int::MAX);
-    // SAFETY: one valid pollfd, the count says one.
-    let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
-    if rc < 0 {
-        let err = std::io::Error::last_os_error();
-        if err.raw_os_error() != Some(libc::EINTR) {
-            return Err(Error::Os {
-                object: "pool connection".into(),
-                op: "poll",
-                source: err,
-            });
-        }
-    }
-    Ok(())
-}
-
 impl AsFd for PoolSender {
-    /// The socket, for `poll`/`epoll` over several connections (readable = releases arrived).
+    /// The socket under the connection's channel. Releases travel in shared memory and do not
+    /// make it readable: wait for them with [`wait_release`](PoolSender::wait_release) or
+    /// [`wait_release_timeout`](PoolSender::wait_release_timeout). It reports a hang-up when
+    /// the consumer's process is gone.
     fn as_fd(&self) -> BorrowedFd<'_> {
-        self.link.socket.as_fd()
+        self.link.socket()
     }
 }
 

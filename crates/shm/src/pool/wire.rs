@@ -1,9 +1,12 @@
-//! The pool's wire format, on a Unix stream (or seqpacket) socket between one producer
-//! ([`PoolSender`](super::PoolSender)) and one consumer
-//! ([`PoolReceiver`](crate::mapping_cache::PoolReceiver)). Integers little-endian.
+//! The pool's wire format, carried by a shared-memory [`channel`](crate::channel) between one
+//! producer ([`PoolSender`](super::PoolSender)) and one consumer
+//! ([`PoolReceiver`](crate::mapping_cache::PoolReceiver)), which the consumer creates over the
+//! Unix socket it is given. Integers little-endian.
 //!
-//! Producer to consumer: messages of [`MESSAGE_LEN`] bytes; a `NEW` message carries the region's
-//! fd (`SCM_RIGHTS`), the others none.
+//! Producer to consumer: messages of [`MESSAGE_LEN`] bytes, sent without their zero tail (the
+//! header and the application data: [`ring_len`] bytes); a `NEW` message goes with the region's
+//! fd ([`ChannelSender::send_with_fd`](crate::channel::ChannelSender::send_with_fd): the fd on
+//! the socket, then the message on the ring), the others are ring messages only.
 //!
 //! | bytes | field |
 //! | --- | --- |
@@ -18,26 +21,49 @@
 //! | 34..40 | zero |
 //! | 40..40+user_len | application data; zero up to [`MESSAGE_LEN`] |
 //!
-//! Consumer to producer: records of [`RECORD_LEN`] bytes, no fds: magic `b"TMRL"`, kind (u32: 1
+//! Consumer to producer: ring messages of [`RECORD_LEN`] bytes, no fds: magic `b"TMRL"`, kind (u32: 1
 //! `HELLO` with `a` = most regions the consumer caches and `b` = most bytes; 2 `RELEASE` with `a`
 //! = region id), `a` (u64), `b` (u64).
 
-use std::io::IoSliceMut;
-use std::mem::MaybeUninit;
-
-use rustix::fd::{BorrowedFd, OwnedFd};
-use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags};
-
+use crate::channel::MAX_MESSAGE;
 use crate::error::{Error, Result};
-use crate::transfer::{self, RecvOptions};
 
 /// Size of every producer-to-consumer message.
 pub(crate) const MESSAGE_LEN: usize = 256;
-const HEADER_LEN: usize = 40;
+pub(crate) const HEADER_LEN: usize = 40;
 /// Most application bytes a pool message carries.
 pub const MAX_POOL_USER_DATA: usize = MESSAGE_LEN - HEADER_LEN;
 /// Size of every consumer-to-producer record.
 pub(crate) const RECORD_LEN: usize = 24;
+/// Slots of each of the connection's rings. A consumer's releases never fill its ring: the
+/// producer keeps at most this many leases open on a connection.
+pub(crate) const POOL_SLOTS: u32 = 256;
+
+const _: () = assert!(MESSAGE_LEN <= MAX_MESSAGE);
+
+/// Bytes of `message` that travel (the header and `user_len` bytes of application data).
+pub(crate) fn ring_len(message: &[u8; MESSAGE_LEN]) -> usize {
+    let user_len = usize::from(u16::from_le_bytes([message[32], message[33]]));
+    HEADER_LEN + user_len.min(MAX_POOL_USER_DATA)
+}
+
+/// A message as it arrived (`len` bytes), padded back to [`MESSAGE_LEN`].
+pub(crate) fn padded(bytes: &[u8]) -> Result<[u8; MESSAGE_LEN]> {
+    if bytes.len() < HEADER_LEN || bytes.len() > MESSAGE_LEN {
+        return Err(Error::Protocol {
+            problem: format!(
+                "a pool message of {} bytes; they have {HEADER_LEN} to {MESSAGE_LEN}",
+                bytes.len()
+            ),
+        });
+    }
+    let mut out = [0u8; MESSAGE_LEN];
+    out[..bytes.len()].copy_from_slice(bytes);
+    Ok(out)
+}
+
+/// A received message and the fd it carried, if any.
+pub(crate) type Message = (Option<rustix::fd::OwnedFd>, [u8; MESSAGE_LEN]);
 
 const MAGIC: [u8; 4] = *b"TMPL";
 const RECORD_MAGIC: [u8; 4] = *b"TMRL";
@@ -183,156 +209,6 @@ impl Record {
             }),
         }
     }
-}
-
-/// Sends one message, with `fd` attached if given. A stream socket may take part of it; the rest
-/// follows (the fd went with the first byte).
-pub(crate) fn send_message(
-    socket: BorrowedFd<'_>,
-    message: &[u8; MESSAGE_LEN],
-    fd: Option<BorrowedFd<'_>>,
-) -> Result<()> {
-    send_message_with(socket, message, fd, false).map(|_| ())
-}
-
-/// [`send_message`]; with `nowait`, gives up (returning `false`, nothing sent) where the socket's
-/// buffer has no room for the start of the message. Once part of it went, the rest is sent
-/// blocking, so framing holds.
-pub(crate) fn send_message_with(
-    socket: BorrowedFd<'_>,
-    message: &[u8; MESSAGE_LEN],
-    fd: Option<BorrowedFd<'_>>,
-    nowait: bool,
-) -> Result<bool> {
-    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
-    use std::io::IoSlice;
-    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
-    let mut control = SendAncillaryBuffer::new(&mut space);
-    let fds;
-    if let Some(fd) = fd {
-        fds = [fd];
-        let pushed = control.push(SendAncillaryMessage::ScmRights(&fds));
-        debug_assert!(pushed, "cmsg_space!(ScmRights(1)) holds one fd");
-    }
-    let flags = if nowait {
-        SendFlags::NOSIGNAL | SendFlags::DONTWAIT
-    } else {
-        SendFlags::NOSIGNAL
-    };
-    let mut sent = loop {
-        match rustix::net::sendmsg(socket, &[IoSlice::new(message)], &mut control, flags) {
-            Ok(n) => break n,
-            Err(rustix::io::Errno::INTR) => continue,
-            Err(rustix::io::Errno::AGAIN) if nowait => return Ok(false),
-            Err(errno) => return Err(transfer::socket_error(errno, "sendmsg")),
-        }
-    };
-    while sent < MESSAGE_LEN {
-        match rustix::net::send(socket, &message[sent..], SendFlags::NOSIGNAL) {
-            Ok(n) => sent += n,
-            Err(rustix::io::Errno::INTR) => {}
-            Err(errno) => return Err(transfer::socket_error(errno, "send")),
-        }
-    }
-    Ok(true)
-}
-
-/// Receives one message and the fd it may carry, waiting as `recv` says.
-pub(crate) fn recv_message(socket: BorrowedFd<'_>, recv: RecvOptions) -> Result<Message> {
-    match recv_message_with(socket, Some(recv))? {
-        Some(message) => Ok(message),
-        None => Err(Error::Protocol {
-            problem: "no pool message where one was waited for".into(),
-        }),
-    }
-}
-
-/// A received message and the fd it carried, if any.
-pub(crate) type Message = (Option<OwnedFd>, [u8; MESSAGE_LEN]);
-
-/// [`recv_message`]; with `recv` = `None`, does not wait: `None` if no message has started to
-/// arrive (a message that has started is read to its end).
-pub(crate) fn recv_message_with(
-    socket: BorrowedFd<'_>,
-    recv: Option<RecvOptions>,
-) -> Result<Option<Message>> {
-    let mut message = [0u8; MESSAGE_LEN];
-    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
-    let mut control = RecvAncillaryBuffer::new(&mut space);
-    let mut call = |flags| {
-        rustix::net::recvmsg(
-            socket,
-            &mut [IoSliceMut::new(&mut message)],
-            &mut control,
-            RecvFlags::CMSG_CLOEXEC | flags,
-        )
-    };
-    let received = match recv {
-        Some(recv) => transfer::wait_and(recv.spin, call),
-        None => loop {
-            match call(RecvFlags::DONTWAIT) {
-                Err(rustix::io::Errno::INTR) => {}
-                Err(rustix::io::Errno::AGAIN) => return Ok(None),
-                done => break done,
-            }
-        },
-    }
-    .map_err(|errno| transfer::socket_error(errno, "recvmsg"))?;
-    if received.bytes == 0 {
-        return Err(Error::Disconnected);
-    }
-    let mut fds: Vec<OwnedFd> = Vec::new();
-    for msg in control.drain() {
-        if let RecvAncillaryMessage::ScmRights(rights) = msg {
-            fds.extend(rights);
-        }
-    }
-    if received
-        .flags
-        .intersects(ReturnFlags::CTRUNC | ReturnFlags::TRUNC)
-    {
-        return Err(Error::Protocol {
-            problem: "a pool message or its ancillary data was truncated".into(),
-        });
-    }
-    if received.bytes < MESSAGE_LEN {
-        let kind = rustix::net::sockopt::socket_type(socket)
-            .map_err(|errno| transfer::socket_error(errno, "getsockopt(SO_TYPE)"))?;
-        if kind != rustix::net::SocketType::STREAM {
-            return Err(Error::Protocol {
-                problem: format!(
-                    "a packet of {} bytes; pool messages are {MESSAGE_LEN} bytes",
-                    received.bytes
-                ),
-            });
-        }
-        let rest = recv.unwrap_or(RecvOptions::BLOCKING);
-        transfer::recv_exact(socket, &mut message[received.bytes..], rest)?;
-    }
-    if fds.len() > 1 {
-        return Err(Error::Protocol {
-            problem: format!(
-                "a pool message carries at most one fd, this one {}",
-                fds.len()
-            ),
-        });
-    }
-    Ok(Some((fds.pop(), message)))
-}
-
-/// Writes one record (blocking; 24 bytes always fit a socket's buffer unless the peer stopped
-/// reading for a long time).
-pub(crate) fn send_record(socket: BorrowedFd<'_>, record: Record) -> Result<()> {
-    let bytes = record.encode();
-    let mut sent = 0;
-    while sent < RECORD_LEN {
-        match rustix::net::send(socket, &bytes[sent..], rustix::net::SendFlags::NOSIGNAL) {
-            Ok(n) => sent += n,
-            Err(rustix::io::Errno::INTR) => {}
-            Err(errno) => return Err(transfer::socket_error(errno, "send")),
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]
