@@ -1,12 +1,23 @@
 //! CUDA IPC round trip between two processes, timed like `torch_sharing_bench.py`'s `cuda_ipc` rows:
 //! the producer's buffer is allocated (from the cache) and filled before the timer; timed are the
 //! share, the message to the consumer, the consumer's open, its read of one byte (`.item()`), its
-//! release (stream synchronize + slot decrement) and its one-byte answer. The producer frees after
-//! the timer, as the anchor's `del t` does. As in the anchor (`torch.cuda.synchronize()` before the
+//! release (stream synchronize + slot decrement) and its answer. The producer frees after the
+//! timer, as the anchor's `del t` does. As in the anchor (`torch.cuda.synchronize()` before the
 //! timer), the producer's stream is idle at share time, so by default no event is sent.
 //!
+//! # How the byte is read
+//!
+//! As PyTorch's `.item()` reads a CUDA scalar (`_local_scalar_dense_cuda`: a pinned host buffer from
+//! its caching host allocator, `cudaMemcpyAsync` on the current stream, then a synchronize of that
+//! stream): a 1-byte block from tensormem's pinned host caching allocator
+//! (`HostCachingAllocator` on `cuMemHostAlloc`, cached after the first trip), `cuMemcpyDtoHAsync`
+//! on the consumer's stream (the one the memory was opened on), `cuStreamSynchronize` of that stream,
+//! then the byte is read on the host and the block freed back to the cache. `--read pageable` reads
+//! it with a synchronous `cuMemcpyDtoH` into a stack byte instead (what this bench did before; the
+//! driver stages a pageable copy through its own buffer, ~8 µs on an H100).
+//!
 //! ```text
-//! ipc_roundtrip [--iters N] [--spin-us N]
+//! ipc_roundtrip [--iters N] [--spin-us N] [--read pinned|pageable] [--same-cpu [--cpu N]]
 //! ```
 //!
 //! Prints `strategy,device,bytes,median_us_per_roundtrip` rows (the anchor's header):
@@ -16,8 +27,21 @@
 //! `tensormem_ipc_share_only` (the producer's `share` call alone, warm),
 //! `tensormem_ipc_warm_event` (warm, with an interprocess event recorded although the stream is
 //! idle, as PyTorch always does: `skip_event_when_idle` off), and
-//! `tensormem_ipc_warm_spin`: warm, both sides polling their pipe for up to `--spin-us` (default
-//! 200) before blocking, which takes the two cross-process wake-ups off the round trip.
+//! `tensormem_ipc_warm_spin`: warm, both sides polling their end of the transport for up to
+//! `--spin-us` (default 200) before blocking, which takes the two cross-process wake-ups off the
+//! round trip.
+//!
+//! With `--same-cpu`, also `tensormem_ipc_warm_same_cpu`: the warm, blocking round trip with the
+//! producer's thread and the whole consumer process pinned to one CPU (`--cpu N`, default the CPU
+//! the producer runs on), where a wake-up needs no inter-processor interrupt. These rows come in
+//! addition to the default placement's, never instead of them.
+//!
+//! Each configuration also prints its per-phase medians as rows named `CONFIG.PHASE`: `share` (the
+//! producer's `share` call), `open` (decoding the handle and `IpcConsumer::open`), `read` (the byte, as
+//! above), `release` (dropping the received memory: stream synchronize, slot decrement) and
+//! `transport` (the rest of each round trip: encoding, both messages and the two process wake-ups).
+//! Medians of the phases do not add up exactly to the round trip's median.
+//!
 //! Re-executes itself as the consumer (`TENSORMEM_IPC_BENCH_ROLE=consumer`).
 
 use std::io::{ErrorKind, Read, Write};
@@ -26,10 +50,13 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rustix::event::{poll, PollFd, PollFlags};
 use rustix::fs::{fcntl_getfl, fcntl_setfl, OFlags};
+use rustix::thread::{sched_getaffinity, sched_getcpu, sched_setaffinity, CpuSet};
 
 use cudarc::driver::sys;
-use tensormem_cuda_alloc::backend::cuda::CudaBackend;
+use tensormem_cuda_alloc::backend::cuda::{CudaBackend, CudaPinnedSource};
+use tensormem_cuda_alloc::host::HostCachingAllocator;
 use tensormem_cuda_alloc::{CachingAllocator, Device, StreamId};
 use tensormem_ipc::driver::cuda::CudaIpcDriver;
 use tensormem_ipc::{ConsumerConfig, IpcConsumer, IpcHandle, IpcProducer, ProducerConfig};
@@ -37,6 +64,7 @@ use tensormem_ipc::{ConsumerConfig, IpcConsumer, IpcHandle, IpcProducer, Produce
 const ROLE: &str = "TENSORMEM_IPC_BENCH_ROLE";
 const IDLE: &str = "TENSORMEM_IPC_BENCH_IDLE";
 const SPIN: &str = "TENSORMEM_IPC_BENCH_SPIN_US";
+const READ: &str = "TENSORMEM_IPC_BENCH_READ";
 const S: StreamId = StreamId::DEFAULT;
 
 type BoxError = Box<dyn std::error::Error>;
@@ -49,56 +77,176 @@ fn check(call: &str, result: sys::CUresult) -> Result<(), BoxError> {
     }
 }
 
-/// Reads exactly `buf.len()` bytes; with a non-zero `spin`, polls the (non-blocking) pipe for up to
-/// that long before falling back to a blocking read. `Ok(false)` at end of input.
-fn read_exact_spin<R: Read + AsFd>(
-    input: &mut R,
-    buf: &mut [u8],
+/// One end of the message transport between the two processes: whole messages, each sent with one
+/// system call (a second write could wake the reader once for each part).
+trait Link {
+    /// Sends one message.
+    fn send(&mut self, message: &[u8]) -> std::io::Result<()>;
+    /// Receives the next message into `message`; `Ok(false)` when the peer closed its end.
+    fn recv(&mut self, message: &mut Vec<u8>) -> std::io::Result<bool>;
+}
+
+/// A pair of pipes, messages framed by a 4-byte little-endian length. With a non-zero `spin` the
+/// read end is non-blocking and polled for up to `spin` before blocking in `poll`.
+struct PipeLink<R, W> {
+    input: R,
+    output: W,
     spin: Duration,
-) -> std::io::Result<bool> {
-    if spin.is_zero() {
-        return match input.read_exact(buf) {
-            Ok(()) => Ok(true),
-            Err(e) if e.kind() == ErrorKind::UnexpectedEof => Ok(false),
-            Err(e) => Err(e),
-        };
+    /// Bytes read and not yet handed out: `pending[..filled]`.
+    pending: Vec<u8>,
+    filled: usize,
+    frame: Vec<u8>,
+}
+
+impl<R: Read + AsFd, W: Write> PipeLink<R, W> {
+    fn new(input: R, output: W, spin: Duration) -> std::io::Result<Self> {
+        if !spin.is_zero() {
+            let flags = fcntl_getfl(input.as_fd())?;
+            fcntl_setfl(input.as_fd(), flags | OFlags::NONBLOCK)?;
+        }
+        Ok(Self {
+            input,
+            output,
+            spin,
+            pending: vec![0; 64 << 10],
+            filled: 0,
+            frame: Vec::new(),
+        })
     }
-    // Blocking flags (an earlier call leaves the pipe non-blocking).
-    let flags = fcntl_getfl(input.as_fd())? & !OFlags::NONBLOCK;
-    let mut filled = 0;
-    let mut started = Instant::now();
-    fcntl_setfl(input.as_fd(), flags | OFlags::NONBLOCK)?;
-    while filled < buf.len() {
-        match input.read(&mut buf[filled..]) {
-            Ok(0) => return Ok(false),
-            Ok(n) => {
-                filled += n;
-                started = Instant::now();
-            }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                if started.elapsed() < spin {
-                    std::hint::spin_loop();
-                    continue;
+
+    /// The length of the complete message at the front of `pending`, if there is one.
+    fn complete(&self) -> Option<usize> {
+        let len = u32::from_le_bytes(self.pending.get(..4)?.try_into().ok()?) as usize;
+        (self.filled >= 4 + len).then_some(len)
+    }
+
+    /// Reads what is there (at least one byte) into `pending`; `Ok(false)` at end of input.
+    fn fill(&mut self) -> std::io::Result<bool> {
+        if self.filled == self.pending.len() {
+            self.pending.resize(self.pending.len() * 2, 0);
+        }
+        let started = Instant::now();
+        loop {
+            match self.input.read(&mut self.pending[self.filled..]) {
+                Ok(0) => return Ok(false),
+                Ok(n) => {
+                    self.filled += n;
+                    return Ok(true);
                 }
-                fcntl_setfl(input.as_fd(), flags)?;
-                let blocking = input.read(&mut buf[filled..]);
-                fcntl_setfl(input.as_fd(), flags | OFlags::NONBLOCK)?;
-                match blocking {
-                    Ok(0) => return Ok(false),
-                    Ok(n) => filled += n,
-                    Err(e) => return Err(e),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    if started.elapsed() < self.spin {
+                        std::hint::spin_loop();
+                    } else {
+                        let mut fds = [PollFd::new(&self.input, PollFlags::IN)];
+                        poll(&mut fds, None)?;
+                    }
                 }
-                started = Instant::now();
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
             }
-            Err(e) => return Err(e),
         }
     }
-    Ok(true)
+}
+
+impl<R: Read + AsFd, W: Write> Link for PipeLink<R, W> {
+    fn send(&mut self, message: &[u8]) -> std::io::Result<()> {
+        self.frame.clear();
+        self.frame
+            .extend_from_slice(&(message.len() as u32).to_le_bytes());
+        self.frame.extend_from_slice(message);
+        // Up to PIPE_BUF (4096) bytes, one write(2) puts the whole frame in the pipe at once.
+        self.output.write_all(&self.frame)?;
+        self.output.flush()
+    }
+
+    fn recv(&mut self, message: &mut Vec<u8>) -> std::io::Result<bool> {
+        loop {
+            if let Some(len) = self.complete() {
+                message.clear();
+                message.extend_from_slice(&self.pending[4..4 + len]);
+                self.pending.copy_within(4 + len..self.filled, 0);
+                self.filled -= 4 + len;
+                return Ok(true);
+            }
+            if !self.fill()? {
+                return Ok(false);
+            }
+        }
+    }
+}
+
+/// How the consumer reads the byte (see the crate docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ReadMode {
+    Pinned,
+    Pageable,
+}
+
+impl ReadMode {
+    fn parse(text: &str) -> Result<Self, BoxError> {
+        match text {
+            "pinned" => Ok(Self::Pinned),
+            "pageable" => Ok(Self::Pageable),
+            other => Err(format!("--read {other}: expected `pinned` or `pageable`").into()),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Pinned => "pinned",
+            Self::Pageable => "pageable",
+        }
+    }
+}
+
+/// The consumer's answer: the byte it read and how long its phases took.
+struct Answer {
+    value: u8,
+    /// Decoding the handle and opening it, ns.
+    open: u32,
+    /// Reading the byte, ns.
+    read: u32,
+    /// Dropping the received memory, ns.
+    release: u32,
+}
+
+impl Answer {
+    const LEN: usize = 13;
+
+    fn encode(&self) -> [u8; Self::LEN] {
+        let mut out = [0; Self::LEN];
+        out[0] = self.value;
+        out[1..5].copy_from_slice(&self.open.to_le_bytes());
+        out[5..9].copy_from_slice(&self.read.to_le_bytes());
+        out[9..13].copy_from_slice(&self.release.to_le_bytes());
+        out
+    }
+
+    fn decode(bytes: &[u8]) -> Result<Self, BoxError> {
+        if bytes.len() != Self::LEN {
+            return Err(
+                format!("an answer of {} bytes, expected {}", bytes.len(), Self::LEN).into(),
+            );
+        }
+        let word =
+            |i: usize| u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
+        Ok(Self {
+            value: bytes[0],
+            open: word(1),
+            read: word(5),
+            release: word(9),
+        })
+    }
+}
+
+fn nanos(d: Duration) -> u32 {
+    u32::try_from(d.as_nanos()).unwrap_or(u32::MAX)
 }
 
 fn consumer() -> Result<(), BoxError> {
     let idle = std::env::var(IDLE)?.parse()?;
     let spin = Duration::from_micros(std::env::var(SPIN)?.parse()?);
+    let read_mode = ReadMode::parse(&std::env::var(READ)?)?;
     let driver = Arc::new(CudaIpcDriver::new()?);
     let consumer = IpcConsumer::with_config(
         driver,
@@ -107,37 +255,60 @@ fn consumer() -> Result<(), BoxError> {
             ..ConsumerConfig::default()
         },
     );
-    CudaBackend::new(0)?.make_current()?;
-    let (mut input, mut output) = (std::io::stdin().lock(), std::io::stdout().lock());
-    let mut len = [0u8; 4];
-    let mut buf = Vec::new();
-    let mut phases: [Vec<f64>; 3] = Default::default();
-    while read_exact_spin(&mut input, &mut len, spin)? {
-        buf.resize(u32::from_le_bytes(len) as usize, 0);
-        read_exact_spin(&mut input, &mut buf, spin)?;
+    let device = CudaBackend::new(0)?;
+    device.make_current()?;
+    let source = CudaPinnedSource::host_alloc(&device);
+    let host = HostCachingAllocator::new(device, source);
+    let mut link = PipeLink::new(std::io::stdin().lock(), std::io::stdout().lock(), spin)?;
+    let mut message = Vec::new();
+    while link.recv(&mut message)? {
         let t0 = Instant::now();
-        let handle = IpcHandle::decode(&buf)?;
+        let handle = IpcHandle::decode(&message)?;
         let received = consumer.open(&handle, S)?;
         let t1 = Instant::now();
-        let mut first = 0u8;
-        // SAFETY: one byte of received device memory into a local byte; device 0's context is current.
-        check("cuMemcpyDtoH", unsafe {
-            sys::cuMemcpyDtoH_v2((&mut first as *mut u8).cast(), received.ptr().0, 1)
-        })?;
+        let value = match read_mode {
+            ReadMode::Pinned => {
+                let mut byte = host.allocate(1)?;
+                // SAFETY: `byte` is one byte of pinned host memory owned here until it is freed below,
+                // after the synchronize that completes the copy; the source is the first byte of the
+                // received memory (never empty: `share` refuses empty allocations), open on device 0,
+                // whose context is current; the copy runs on the stream the memory was opened on.
+                check("cuMemcpyDtoHAsync", unsafe {
+                    sys::cuMemcpyDtoHAsync_v2(
+                        byte.as_mut_slice().as_mut_ptr().cast(),
+                        received.ptr().0,
+                        1,
+                        S.0 as sys::CUstream,
+                    )
+                })?;
+                // SAFETY: the stream the copy was queued on, of the current context.
+                check("cuStreamSynchronize", unsafe {
+                    sys::cuStreamSynchronize(S.0 as sys::CUstream)
+                })?;
+                let value = byte.as_slice()[0];
+                host.free(byte)?;
+                value
+            }
+            ReadMode::Pageable => {
+                let mut value = 0u8;
+                // SAFETY: one byte of received device memory (never empty) into a local byte;
+                // device 0's context is current.
+                check("cuMemcpyDtoH", unsafe {
+                    sys::cuMemcpyDtoH_v2((&mut value as *mut u8).cast(), received.ptr().0, 1)
+                })?;
+                value
+            }
+        };
         let t2 = Instant::now();
         drop(received);
         let t3 = Instant::now();
-        output.write_all(&[first])?;
-        output.flush()?;
-        for (phase, (a, b)) in phases.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3)]) {
-            phase.push((b - a).as_secs_f64() * 1e6);
-        }
-    }
-    if !phases[0].is_empty() {
-        let [open, read, release] = phases.map(median);
-        eprintln!(
-            "# consumer medians, us: open {open:.1}, read 1 byte {read:.1}, release {release:.1}"
-        );
+        let answer = Answer {
+            value,
+            open: nanos(t1 - t0),
+            read: nanos(t2 - t1),
+            release: nanos(t3 - t2),
+        };
+        link.send(&answer.encode())?;
     }
     Ok(())
 }
@@ -147,44 +318,116 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// The per-trip times of one configuration, µs.
+#[derive(Default)]
+struct Trips {
+    round_trip: Vec<f64>,
+    share: Vec<f64>,
+    open: Vec<f64>,
+    read: Vec<f64>,
+    release: Vec<f64>,
+    transport: Vec<f64>,
+}
+
 /// Medians of one configuration, µs.
 struct Figures {
     /// The first round trip (opens).
     first: f64,
     /// The median round trip.
     round_trip: f64,
-    /// The median of the producer's `share` alone.
-    share: f64,
+    /// Phase name and median, in the order of the trip.
+    phases: [(&'static str, f64); 5],
 }
 
-/// Round trips of `size` bytes against a consumer keeping `idle` handles, both sides spinning for
-/// `spin` before blocking; with `events`, an event is sent even though the stream is idle.
-fn run(
+impl Figures {
+    fn print(&self, name: &str, size: usize) {
+        println!("{name},cuda,{size},{:.1}", self.round_trip);
+        for (phase, us) in self.phases {
+            println!("{name}.{phase},cuda,{size},{us:.2}");
+        }
+    }
+
+    fn share(&self) -> f64 {
+        self.phases[0].1
+    }
+}
+
+/// One configuration of [`run`].
+#[derive(Clone, Copy)]
+struct Config {
     size: usize,
+    /// Idle memory handles the consumer keeps (0: cold).
     idle: usize,
+    /// How long both sides poll before blocking.
     spin: Duration,
+    /// Record an event although the stream is idle.
     events: bool,
+    /// Pin the producer's thread and the consumer to this CPU.
+    cpu: Option<usize>,
+    read: ReadMode,
     iters: usize,
-) -> Result<Figures, BoxError> {
+}
+
+/// Restores the calling thread's CPU affinity when dropped.
+struct AffinityGuard(Option<CpuSet>);
+
+impl AffinityGuard {
+    /// Pins the calling thread (and the processes it spawns from now on) to `cpu`.
+    fn pin(cpu: Option<usize>) -> Result<Self, BoxError> {
+        let Some(cpu) = cpu else {
+            return Ok(Self(None));
+        };
+        let before = sched_getaffinity(None)?;
+        let mut one = CpuSet::new();
+        one.set(cpu);
+        sched_setaffinity(None, &one).map_err(|e| format!("pinning to CPU {cpu}: {e}"))?;
+        Ok(Self(Some(before)))
+    }
+}
+
+impl Drop for AffinityGuard {
+    fn drop(&mut self) {
+        if let Some(before) = &self.0 {
+            if let Err(e) = sched_setaffinity(None, before) {
+                eprintln!("# could not restore the CPU affinity: {e}");
+            }
+        }
+    }
+}
+
+/// Round trips as `config` says.
+fn run(config: Config) -> Result<Figures, BoxError> {
+    let Config {
+        size,
+        idle,
+        spin,
+        events,
+        cpu,
+        read,
+        iters,
+    } = config;
     let device = CudaBackend::new(0)?;
     let allocator = Arc::new(CachingAllocator::new(device));
-    let config = ProducerConfig {
+    let producer_config = ProducerConfig {
         skip_event_when_idle: !events,
         ..ProducerConfig::default()
     };
-    let producer = IpcProducer::with_config(Arc::new(CudaIpcDriver::new()?), config);
+    let producer = IpcProducer::with_config(Arc::new(CudaIpcDriver::new()?), producer_config);
+    let pinned = AffinityGuard::pin(cpu)?;
     let mut child = Command::new(std::env::current_exe()?)
         .env(ROLE, "consumer")
         .env(IDLE, idle.to_string())
         .env(SPIN, spin.as_micros().to_string())
+        .env(READ, read.name())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()?;
-    let mut to = child.stdin.take().ok_or("no stdin")?;
-    let mut from = child.stdout.take().ok_or("no stdout")?;
-    let mut times = Vec::with_capacity(iters);
-    let mut shares = Vec::with_capacity(iters);
+    let to = child.stdin.take().ok_or("no stdin")?;
+    let from = child.stdout.take().ok_or("no stdout")?;
+    let mut link = PipeLink::new(from, to, spin)?;
+    let mut trips = Trips::default();
     let mut first = 0.0;
+    let mut answer = Vec::new();
     for i in 0..iters + 10 {
         let allocation = allocator.allocate(size, S)?;
         let value = (i % 251) as u8;
@@ -198,35 +441,61 @@ fn run(
         allocator.device().synchronize()?;
         let t0 = Instant::now();
         let (shared, handle) = producer.share(&allocator, allocation, S)?;
-        let share = t0.elapsed().as_secs_f64() * 1e6;
-        let bytes = handle.encode();
-        to.write_all(&(bytes.len() as u32).to_le_bytes())?;
-        to.write_all(&bytes)?;
-        to.flush()?;
-        let mut answer = [0u8];
-        if !read_exact_spin(&mut from, &mut answer, spin)? {
+        let share = t0.elapsed();
+        link.send(&handle.encode())?;
+        if !link.recv(&mut answer)? {
             return Err("the consumer ended early".into());
         }
-        let dt = t0.elapsed().as_secs_f64() * 1e6;
-        if answer[0] != value {
-            return Err(format!("consumer read {} instead of {value}", answer[0]).into());
+        let dt = t0.elapsed();
+        let answer = Answer::decode(&answer)?;
+        if answer.value != value {
+            return Err(format!("consumer read {} instead of {value}", answer.value).into());
         }
         drop(shared);
+        let us = |d: Duration| d.as_secs_f64() * 1e6;
+        let ns = |n: u32| f64::from(n) / 1e3;
         if i == 0 {
-            first = dt;
+            first = us(dt);
         }
         if i >= 10 {
-            times.push(dt);
-            shares.push(share);
+            trips.round_trip.push(us(dt));
+            trips.share.push(us(share));
+            trips.open.push(ns(answer.open));
+            trips.read.push(ns(answer.read));
+            trips.release.push(ns(answer.release));
+            let consumer = ns(answer.open) + ns(answer.read) + ns(answer.release);
+            trips.transport.push(us(dt) - us(share) - consumer);
         }
     }
-    drop(to);
+    drop(link);
     child.wait()?;
+    drop(pinned);
     Ok(Figures {
         first,
-        round_trip: median(times),
-        share: median(shares),
+        round_trip: median(trips.round_trip),
+        phases: [
+            ("share", median(trips.share)),
+            ("open", median(trips.open)),
+            ("read", median(trips.read)),
+            ("release", median(trips.release)),
+            ("transport", median(trips.transport)),
+        ],
     })
+}
+
+/// The value after `flag`, parsed, or `default` when the flag is absent.
+fn option<T: std::str::FromStr>(args: &[String], flag: &str, default: T) -> Result<T, BoxError>
+where
+    T::Err: std::fmt::Display,
+{
+    match args.iter().position(|a| a == flag) {
+        None => Ok(default),
+        Some(i) => {
+            let text = args.get(i + 1).ok_or(format!("{flag} needs a value"))?;
+            text.parse()
+                .map_err(|e| format!("{flag} {text}: {e}").into())
+        }
+    }
 }
 
 fn main() -> Result<(), BoxError> {
@@ -234,35 +503,112 @@ fn main() -> Result<(), BoxError> {
         return consumer();
     }
     let args: Vec<String> = std::env::args().collect();
-    let iters = args
-        .iter()
-        .position(|a| a == "--iters")
-        .and_then(|i| args.get(i + 1))
-        .map_or(Ok(200), |n| n.parse())?;
-    let spin_us: u64 = args
-        .iter()
-        .position(|a| a == "--spin-us")
-        .and_then(|i| args.get(i + 1))
-        .map_or(Ok(200), |n| n.parse())?;
+    let iters = option(&args, "--iters", 200usize)?;
+    let spin_us = option(&args, "--spin-us", 200u64)?;
+    let read = ReadMode::parse(&option(&args, "--read", "pinned".to_string())?)?;
+    let same_cpu = args.iter().any(|a| a == "--same-cpu");
+    let cpu = option(&args, "--cpu", sched_getcpu())?;
     let (block, spin) = (Duration::ZERO, Duration::from_micros(spin_us));
+    println!("# transport: pipe; read: {}; iters: {iters}", read.name());
     println!("strategy,device,bytes,median_us_per_roundtrip");
     for size in [4096usize, 1 << 20, 64 << 20] {
-        let warm = run(size, 16, block, false, iters)?;
-        println!("tensormem_ipc_warm,cuda,{size},{:.1}", warm.round_trip);
+        let base = Config {
+            size,
+            idle: 16,
+            spin: block,
+            events: false,
+            cpu: None,
+            read,
+            iters,
+        };
+        let warm = run(base)?;
+        warm.print("tensormem_ipc_warm", size);
         println!("tensormem_ipc_first_open,cuda,{size},{:.1}", warm.first);
-        println!("tensormem_ipc_share_only,cuda,{size},{:.1}", warm.share);
-        let warm_spin = run(size, 16, spin, false, iters)?;
-        println!(
-            "tensormem_ipc_warm_spin,cuda,{size},{:.1}",
-            warm_spin.round_trip
-        );
-        let event = run(size, 16, block, true, iters)?;
-        println!(
-            "tensormem_ipc_warm_event,cuda,{size},{:.1}",
-            event.round_trip
-        );
-        let cold = run(size, 0, block, false, iters)?;
-        println!("tensormem_ipc_cold,cuda,{size},{:.1}", cold.round_trip);
+        println!("tensormem_ipc_share_only,cuda,{size},{:.1}", warm.share());
+        if same_cpu {
+            let pinned = run(Config {
+                cpu: Some(cpu),
+                ..base
+            })?;
+            pinned.print("tensormem_ipc_warm_same_cpu", size);
+        }
+        run(Config { spin, ..base })?.print("tensormem_ipc_warm_spin", size);
+        run(Config {
+            events: true,
+            ..base
+        })?
+        .print("tensormem_ipc_warm_event", size);
+        run(Config { idle: 0, ..base })?.print("tensormem_ipc_cold", size);
+    }
+    if same_cpu {
+        println!("# same_cpu rows: producer thread and consumer process pinned to CPU {cpu}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs::File;
+
+    /// Both ends of a pipe, as files.
+    fn pipe() -> (File, File) {
+        let (read, write) = rustix::pipe::pipe().unwrap();
+        (File::from(read), File::from(write))
+    }
+
+    fn framing(spin: Duration) {
+        let (a_in, b_out) = pipe();
+        let (b_in, a_out) = pipe();
+        let mut a = PipeLink::new(a_in, a_out, spin).unwrap();
+        let mut b = PipeLink::new(b_in, b_out, spin).unwrap();
+        let big = vec![7u8; 100_000];
+        let writer = std::thread::spawn(move || {
+            a.send(b"first").unwrap();
+            a.send(b"").unwrap();
+            a.send(&big).unwrap();
+            let mut back = Vec::new();
+            assert!(a.recv(&mut back).unwrap());
+            assert_eq!(back, b"done");
+        });
+        let mut message = Vec::new();
+        assert!(b.recv(&mut message).unwrap());
+        assert_eq!(message, b"first");
+        assert!(b.recv(&mut message).unwrap());
+        assert!(message.is_empty());
+        assert!(b.recv(&mut message).unwrap());
+        assert_eq!(message.len(), 100_000);
+        assert!(message.iter().all(|&x| x == 7));
+        b.send(b"done").unwrap();
+        writer.join().unwrap();
+        assert!(!b.recv(&mut message).unwrap(), "the peer's end is closed");
+    }
+
+    #[test]
+    fn pipe_messages_arrive_whole_and_in_order_blocking() {
+        framing(Duration::ZERO);
+    }
+
+    #[test]
+    fn pipe_messages_arrive_whole_and_in_order_spinning() {
+        framing(Duration::from_micros(50));
+    }
+
+    #[test]
+    fn answers_round_trip_and_bad_lengths_are_refused() {
+        let answer = Answer {
+            value: 9,
+            open: 1,
+            read: 2,
+            release: u32::MAX,
+        };
+        let back = Answer::decode(&answer.encode()).unwrap();
+        assert_eq!(
+            (back.value, back.open, back.read, back.release),
+            (9, 1, 2, u32::MAX)
+        );
+        assert!(Answer::decode(&[0; 3]).is_err());
+        assert!(ReadMode::parse("pinned").is_ok());
+        assert!(ReadMode::parse("mapped").is_err());
+    }
 }
