@@ -56,15 +56,20 @@ use rustix::thread::{sched_getaffinity, sched_getcpu, sched_setaffinity, CpuSet}
 
 use cudarc::driver::sys;
 use tensormem_cuda_alloc::backend::cuda::{CudaBackend, CudaPinnedSource};
+use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::host::HostCachingAllocator;
-use tensormem_cuda_alloc::{CachingAllocator, Device, StreamId};
+use tensormem_cuda_alloc::{Allocation, CachingAllocator, Device, StreamId};
 use tensormem_ipc::driver::cuda::CudaIpcDriver;
-use tensormem_ipc::{ConsumerConfig, IpcConsumer, IpcHandle, IpcProducer, ProducerConfig};
+use tensormem_ipc::driver::fake::FakeDriver;
+use tensormem_ipc::{
+    ConsumerConfig, IpcConsumer, IpcDriver, IpcHandle, IpcProducer, ProducerConfig, ReceivedMemory,
+};
 
 const ROLE: &str = "TENSORMEM_IPC_BENCH_ROLE";
 const IDLE: &str = "TENSORMEM_IPC_BENCH_IDLE";
 const SPIN: &str = "TENSORMEM_IPC_BENCH_SPIN_US";
 const READ: &str = "TENSORMEM_IPC_BENCH_READ";
+const SIM: &str = "TENSORMEM_IPC_BENCH_SIM";
 const S: StreamId = StreamId::DEFAULT;
 
 type BoxError = Box<dyn std::error::Error>;
@@ -243,62 +248,20 @@ fn nanos(d: Duration) -> u32 {
     u32::try_from(d.as_nanos()).unwrap_or(u32::MAX)
 }
 
-fn consumer() -> Result<(), BoxError> {
-    let idle = std::env::var(IDLE)?.parse()?;
-    let spin = Duration::from_micros(std::env::var(SPIN)?.parse()?);
-    let read_mode = ReadMode::parse(&std::env::var(READ)?)?;
-    let driver = Arc::new(CudaIpcDriver::new()?);
-    let consumer = IpcConsumer::with_config(
-        driver,
-        ConsumerConfig {
-            idle_mem_handles: idle,
-            ..ConsumerConfig::default()
-        },
-    );
-    let device = CudaBackend::new(0)?;
-    device.make_current()?;
-    let source = CudaPinnedSource::host_alloc(&device);
-    let host = HostCachingAllocator::new(device, source);
-    let mut link = PipeLink::new(std::io::stdin().lock(), std::io::stdout().lock(), spin)?;
+/// The consumer process: opens what it is sent, reads a byte of it with `read`, releases it and
+/// answers, until the producer closes its end.
+fn consume<B: IpcDriver>(
+    consumer: &IpcConsumer<B>,
+    link: &mut dyn Link,
+    mut read: impl FnMut(&ReceivedMemory<B>) -> Result<u8, BoxError>,
+) -> Result<(), BoxError> {
     let mut message = Vec::new();
     while link.recv(&mut message)? {
         let t0 = Instant::now();
         let handle = IpcHandle::decode(&message)?;
         let received = consumer.open(&handle, S)?;
         let t1 = Instant::now();
-        let value = match read_mode {
-            ReadMode::Pinned => {
-                let mut byte = host.allocate(1)?;
-                // SAFETY: `byte` is one byte of pinned host memory owned here until it is freed below,
-                // after the synchronize that completes the copy; the source is the first byte of the
-                // received memory (never empty: `share` refuses empty allocations), open on device 0,
-                // whose context is current; the copy runs on the stream the memory was opened on.
-                check("cuMemcpyDtoHAsync", unsafe {
-                    sys::cuMemcpyDtoHAsync_v2(
-                        byte.as_mut_slice().as_mut_ptr().cast(),
-                        received.ptr().0,
-                        1,
-                        S.0 as sys::CUstream,
-                    )
-                })?;
-                // SAFETY: the stream the copy was queued on, of the current context.
-                check("cuStreamSynchronize", unsafe {
-                    sys::cuStreamSynchronize(S.0 as sys::CUstream)
-                })?;
-                let value = byte.as_slice()[0];
-                host.free(byte)?;
-                value
-            }
-            ReadMode::Pageable => {
-                let mut value = 0u8;
-                // SAFETY: one byte of received device memory (never empty) into a local byte;
-                // device 0's context is current.
-                check("cuMemcpyDtoH", unsafe {
-                    sys::cuMemcpyDtoH_v2((&mut value as *mut u8).cast(), received.ptr().0, 1)
-                })?;
-                value
-            }
-        };
+        let value = read(&received)?;
         let t2 = Instant::now();
         drop(received);
         let t3 = Instant::now();
@@ -311,6 +274,71 @@ fn consumer() -> Result<(), BoxError> {
         link.send(&answer.encode())?;
     }
     Ok(())
+}
+
+/// Reads the first byte of `received` as the crate docs say.
+fn read_byte(
+    received: &ReceivedMemory<CudaIpcDriver>,
+    mode: ReadMode,
+    host: &HostCachingAllocator<CudaBackend>,
+) -> Result<u8, BoxError> {
+    match mode {
+        ReadMode::Pinned => {
+            let mut byte = host.allocate(1)?;
+            // SAFETY: `byte` is one byte of pinned host memory owned here until it is freed below,
+            // after the synchronize that completes the copy; the source is the first byte of the
+            // received memory (never empty: `share` refuses empty allocations), open on device 0,
+            // whose context is current; the copy runs on the stream the memory was opened on.
+            check("cuMemcpyDtoHAsync", unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    byte.as_mut_slice().as_mut_ptr().cast(),
+                    received.ptr().0,
+                    1,
+                    S.0 as sys::CUstream,
+                )
+            })?;
+            // SAFETY: the stream the copy was queued on, of the current context.
+            check("cuStreamSynchronize", unsafe {
+                sys::cuStreamSynchronize(S.0 as sys::CUstream)
+            })?;
+            let value = byte.as_slice()[0];
+            host.free(byte)?;
+            Ok(value)
+        }
+        ReadMode::Pageable => {
+            let mut value = 0u8;
+            // SAFETY: one byte of received device memory (never empty) into a local byte; device 0's
+            // context is current.
+            check("cuMemcpyDtoH", unsafe {
+                sys::cuMemcpyDtoH_v2((&mut value as *mut u8).cast(), received.ptr().0, 1)
+            })?;
+            Ok(value)
+        }
+    }
+}
+
+fn consumer() -> Result<(), BoxError> {
+    let idle = std::env::var(IDLE)?.parse()?;
+    let spin = Duration::from_micros(std::env::var(SPIN)?.parse()?);
+    let read_mode = ReadMode::parse(&std::env::var(READ)?)?;
+    let config = ConsumerConfig {
+        idle_mem_handles: idle,
+        ..ConsumerConfig::default()
+    };
+    let mut link = PipeLink::new(std::io::stdin().lock(), std::io::stdout().lock(), spin)?;
+    if std::env::var(SIM).is_ok() {
+        let consumer = IpcConsumer::with_config(Arc::new(FakeDriver::default()), config);
+        // Nothing is behind a fake mapping: the trip is the crate's work and the transport.
+        return consume(&consumer, &mut link, |_| Ok(0));
+    }
+    let consumer = IpcConsumer::with_config(Arc::new(CudaIpcDriver::new()?), config);
+    let device = CudaBackend::new(0)?;
+    device.make_current()?;
+    let source = CudaPinnedSource::host_alloc(&device);
+    let host = HostCachingAllocator::new(device, source);
+    consume(&consumer, &mut link, |received| {
+        read_byte(received, read_mode, &host)
+    })
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -340,10 +368,10 @@ struct Figures {
 }
 
 impl Figures {
-    fn print(&self, name: &str, size: usize) {
-        println!("{name},cuda,{size},{:.1}", self.round_trip);
+    fn print(&self, name: &str, device: &str, size: usize) {
+        println!("{name},{device},{size},{:.1}", self.round_trip);
         for (phase, us) in self.phases {
-            println!("{name}.{phase},cuda,{size},{us:.2}");
+            println!("{name}.{phase},{device},{size},{us:.2}");
         }
     }
 
@@ -366,6 +394,8 @@ struct Config {
     cpu: Option<usize>,
     read: ReadMode,
     iters: usize,
+    /// On the simulated device and the fake driver.
+    sim: bool,
 }
 
 /// Restores the calling thread's CPU affinity when dropped.
@@ -395,8 +425,40 @@ impl Drop for AffinityGuard {
     }
 }
 
-/// Round trips as `config` says.
+/// Round trips as `config` says, on the first GPU.
 fn run(config: Config) -> Result<Figures, BoxError> {
+    let allocator = Arc::new(CachingAllocator::new(CudaBackend::new(0)?));
+    let driver = Arc::new(CudaIpcDriver::new()?);
+    run_on(config, &allocator, driver, |allocation, value| {
+        allocator.device().make_current()?;
+        // SAFETY: the allocation is `size` bytes of device 0, owned here.
+        check("cuMemsetD8", unsafe {
+            sys::cuMemsetD8_v2(allocation.ptr().0, value, allocation.size())
+        })?;
+        // The anchor calls torch.cuda.synchronize() before its timer (cuMemsetD8 may return before
+        // the fill is done).
+        allocator.device().synchronize()?;
+        Ok(())
+    })
+}
+
+/// Round trips as `config` says on the simulated device and the fake driver (`--sim`): no GPU, no
+/// byte to read; what is left is the crate's own work and the transport.
+fn run_sim(config: Config) -> Result<Figures, BoxError> {
+    let allocator = Arc::new(CachingAllocator::new(SimDevice::new(1 << 34)));
+    let driver = Arc::new(FakeDriver::default());
+    driver.set_streams_idle(!config.events);
+    run_on(config, &allocator, driver, |_, _| Ok(()))
+}
+
+/// Round trips of allocations of `allocator` (each filled by `fill` with a value before the timer)
+/// to a consumer process.
+fn run_on<D: Device, B: IpcDriver>(
+    config: Config,
+    allocator: &Arc<CachingAllocator<D>>,
+    driver: Arc<B>,
+    fill: impl Fn(&Allocation, u8) -> Result<(), BoxError>,
+) -> Result<Figures, BoxError> {
     let Config {
         size,
         idle,
@@ -405,23 +467,26 @@ fn run(config: Config) -> Result<Figures, BoxError> {
         cpu,
         read,
         iters,
+        sim,
     } = config;
-    let device = CudaBackend::new(0)?;
-    let allocator = Arc::new(CachingAllocator::new(device));
     let producer_config = ProducerConfig {
         skip_event_when_idle: !events,
         ..ProducerConfig::default()
     };
-    let producer = IpcProducer::with_config(Arc::new(CudaIpcDriver::new()?), producer_config);
+    let producer = IpcProducer::with_config(driver, producer_config);
     let pinned = AffinityGuard::pin(cpu)?;
-    let mut child = Command::new(std::env::current_exe()?)
+    let mut command = Command::new(std::env::current_exe()?);
+    command
         .env(ROLE, "consumer")
         .env(IDLE, idle.to_string())
         .env(SPIN, spin.as_micros().to_string())
         .env(READ, read.name())
         .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()?;
+        .stdout(Stdio::piped());
+    if sim {
+        command.env(SIM, "1");
+    }
+    let mut child = command.spawn()?;
     let to = child.stdin.take().ok_or("no stdin")?;
     let from = child.stdout.take().ok_or("no stdout")?;
     let mut link = PipeLink::new(from, to, spin)?;
@@ -431,16 +496,9 @@ fn run(config: Config) -> Result<Figures, BoxError> {
     for i in 0..iters + 10 {
         let allocation = allocator.allocate(size, S)?;
         let value = (i % 251) as u8;
-        allocator.device().make_current()?;
-        // SAFETY: the allocation is `size` bytes of device 0, owned here.
-        check("cuMemsetD8", unsafe {
-            sys::cuMemsetD8_v2(allocation.ptr().0, value, size)
-        })?;
-        // The anchor calls torch.cuda.synchronize() before its timer (cuMemsetD8 may return before
-        // the fill is done).
-        allocator.device().synchronize()?;
+        fill(&allocation, value)?;
         let t0 = Instant::now();
-        let (shared, handle) = producer.share(&allocator, allocation, S)?;
+        let (shared, handle) = producer.share(allocator, allocation, S)?;
         let share = t0.elapsed();
         link.send(&handle.encode())?;
         if !link.recv(&mut answer)? {
@@ -448,7 +506,7 @@ fn run(config: Config) -> Result<Figures, BoxError> {
         }
         let dt = t0.elapsed();
         let answer = Answer::decode(&answer)?;
-        if answer.value != value {
+        if !sim && answer.value != value {
             return Err(format!("consumer read {} instead of {value}", answer.value).into());
         }
         drop(shared);
@@ -470,6 +528,9 @@ fn run(config: Config) -> Result<Figures, BoxError> {
     drop(link);
     child.wait()?;
     drop(pinned);
+    if producer.stats().limbo != 0 {
+        return Err("memory left in the limbo after every consumer released it".into());
+    }
     Ok(Figures {
         first,
         round_trip: median(trips.round_trip),
@@ -508,8 +569,14 @@ fn main() -> Result<(), BoxError> {
     let read = ReadMode::parse(&option(&args, "--read", "pinned".to_string())?)?;
     let same_cpu = args.iter().any(|a| a == "--same-cpu");
     let cpu = option(&args, "--cpu", sched_getcpu())?;
+    let sim = args.iter().any(|a| a == "--sim");
     let (block, spin) = (Duration::ZERO, Duration::from_micros(spin_us));
-    println!("# transport: pipe; read: {}; iters: {iters}", read.name());
+    let run = if sim { run_sim } else { run };
+    let device = if sim { "sim" } else { "cuda" };
+    println!(
+        "# transport: pipe; read: {}; iters: {iters}; device: {device}",
+        if sim { "none (fake driver)" } else { read.name() }
+    );
     println!("strategy,device,bytes,median_us_per_roundtrip");
     for size in [4096usize, 1 << 20, 64 << 20] {
         let base = Config {
@@ -520,25 +587,29 @@ fn main() -> Result<(), BoxError> {
             cpu: None,
             read,
             iters,
+            sim,
         };
         let warm = run(base)?;
-        warm.print("tensormem_ipc_warm", size);
-        println!("tensormem_ipc_first_open,cuda,{size},{:.1}", warm.first);
-        println!("tensormem_ipc_share_only,cuda,{size},{:.1}", warm.share());
+        warm.print("tensormem_ipc_warm", device, size);
+        println!("tensormem_ipc_first_open,{device},{size},{:.1}", warm.first);
+        println!(
+            "tensormem_ipc_share_only,{device},{size},{:.1}",
+            warm.share()
+        );
         if same_cpu {
-            let pinned = run(Config {
+            run(Config {
                 cpu: Some(cpu),
                 ..base
-            })?;
-            pinned.print("tensormem_ipc_warm_same_cpu", size);
+            })?
+            .print("tensormem_ipc_warm_same_cpu", device, size);
         }
-        run(Config { spin, ..base })?.print("tensormem_ipc_warm_spin", size);
+        run(Config { spin, ..base })?.print("tensormem_ipc_warm_spin", device, size);
         run(Config {
             events: true,
             ..base
         })?
-        .print("tensormem_ipc_warm_event", size);
-        run(Config { idle: 0, ..base })?.print("tensormem_ipc_cold", size);
+        .print("tensormem_ipc_warm_event", device, size);
+        run(Config { idle: 0, ..base })?.print("tensormem_ipc_cold", device, size);
     }
     if same_cpu {
         println!("# same_cpu rows: producer thread and consumer process pinned to CPU {cpu}");
