@@ -44,6 +44,7 @@
 //!
 //! Re-executes itself as the consumer (`TENSORMEM_IPC_BENCH_ROLE=consumer`).
 
+use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::AsFd;
 use std::process::{Command, Stdio};
@@ -325,7 +326,11 @@ fn consumer() -> Result<(), BoxError> {
         idle_mem_handles: idle,
         ..ConsumerConfig::default()
     };
-    let mut link = PipeLink::new(std::io::stdin().lock(), std::io::stdout().lock(), spin)?;
+    // Unbuffered ends: the standard output's line buffering would split an answer holding a
+    // newline byte into two writes.
+    let input = File::from(std::io::stdin().as_fd().try_clone_to_owned()?);
+    let output = File::from(std::io::stdout().as_fd().try_clone_to_owned()?);
+    let mut link = PipeLink::new(input, output, spin)?;
     if std::env::var(SIM).is_ok() {
         let consumer = IpcConsumer::with_config(Arc::new(FakeDriver::default()), config);
         // Nothing is behind a fake mapping: the trip is the crate's work and the transport.
@@ -620,7 +625,6 @@ fn main() -> Result<(), BoxError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::fs::File;
 
     /// Both ends of a pipe, as files.
     fn pipe() -> (File, File) {
