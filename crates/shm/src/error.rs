@@ -184,6 +184,57 @@ pub enum Error {
     #[error("the peer closed the region socket before a full message arrived; it probably exited")]
     Disconnected,
 
+    /// The other end of a shared-memory [`channel`](crate::channel) is gone: it dropped its
+    /// end, or its process exited or was killed (seen within the channel's liveness interval).
+    #[error(
+        "the other end of the shared-memory channel is gone (it dropped its end, exited or was \
+         killed); make a new channel with a live peer"
+    )]
+    PeerGone,
+
+    /// A shared-memory [`channel`](crate::channel)'s memory holds values no correct peer writes.
+    #[error(
+        "the shared-memory channel is corrupt: {problem}; the peer is broken or hostile, drop \
+         the channel"
+    )]
+    ChannelCorrupt {
+        /// What was found.
+        problem: String,
+    },
+
+    /// A message longer than a [`channel`](crate::channel) carries.
+    #[error("a message of {len} bytes; a channel message is at most {max} bytes")]
+    MessageTooLarge {
+        /// Bytes given.
+        len: usize,
+        /// The most a message holds.
+        max: usize,
+    },
+
+    /// The buffer given to receive a [`channel`](crate::channel) message is shorter than the
+    /// message, which stays queued.
+    #[error(
+        "the next message has {needed} bytes, the buffer only {len}; receive it into a buffer \
+         of at least {needed} bytes (it stays queued)"
+    )]
+    BufferTooSmall {
+        /// Bytes of the message.
+        needed: usize,
+        /// Bytes of the buffer.
+        len: usize,
+    },
+
+    /// A [`PoolSender`](crate::pool::PoolSender) has as many leases open as its connection
+    /// carries.
+    #[error(
+        "{outstanding} leases are open on this pool connection, the most it carries; have the \
+         consumer drop leases (and read them with wait_release) before sending more"
+    )]
+    TooManyLeases {
+        /// Leases open.
+        outstanding: usize,
+    },
+
     /// A byte range lies outside the mapped region.
     #[error("range {offset}..{offset}+{len} is outside the region of {region_len} bytes; keep offsets below len()")]
     OutOfBounds {
@@ -272,6 +323,9 @@ pub enum SizeProblem {
     TooLarge,
     /// Creating a region requires its size: call `len(...)`.
     Missing,
+    /// A channel's slot count (`len`) is not a power of two from 1 to
+    /// [`MAX_SLOTS`](crate::channel::MAX_SLOTS).
+    SlotCount,
 }
 
 impl fmt::Display for SizeProblem {
@@ -280,6 +334,7 @@ impl fmt::Display for SizeProblem {
             Self::Zero => "a region needs at least one byte",
             Self::TooLarge => "it exceeds the largest mapping possible (isize::MAX bytes)",
             Self::Missing => "creating a region needs its size; set it with len(...)",
+            Self::SlotCount => "a channel's slot count must be a power of two from 1 to 65536",
         })
     }
 }
@@ -351,15 +406,20 @@ impl Error {
             | Self::InvalidSize { .. }
             | Self::OutOfBounds { .. }
             | Self::Misaligned { .. }
-            | Self::NoFd { .. } => K::InvalidInput,
+            | Self::NoFd { .. }
+            | Self::MessageTooLarge { .. }
+            | Self::BufferTooSmall { .. } => K::InvalidInput,
+            Self::TooManyLeases { .. } => K::WouldBlock,
             Self::AlreadyExists { .. } => K::AlreadyExists,
             Self::NotFound { .. } | Self::RefcountGone { .. } => K::NotFound,
             Self::ForeignOwner { .. } | Self::ReadOnly => K::PermissionDenied,
             Self::WrongKind { .. }
             | Self::TooSmall { .. }
             | Self::Protocol { .. }
-            | Self::Truncated { .. } => K::InvalidData,
+            | Self::Truncated { .. }
+            | Self::ChannelCorrupt { .. } => K::InvalidData,
             Self::Disconnected => K::UnexpectedEof,
+            Self::PeerGone => K::BrokenPipe,
             Self::InvalidFd { source, .. }
             | Self::PermissionDenied { source, .. }
             | Self::Os { source, .. } => source.kind(),

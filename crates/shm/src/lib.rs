@@ -93,6 +93,7 @@
 //! Linux only (memfd, `/dev/shm`, `MADV_POPULATE_WRITE`); no CUDA anywhere in the dependency tree.
 
 pub mod anon;
+pub mod channel;
 pub mod copy;
 mod error;
 pub mod housekeeping;
