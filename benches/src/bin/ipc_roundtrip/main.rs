@@ -16,43 +16,57 @@
 //! it with a synchronous `cuMemcpyDtoH` into a stack byte instead (what this bench did before; the
 //! driver stages a pageable copy through its own buffer, ~8 µs on an H100).
 //!
+//! # The transport
+//!
+//! By default the handle and the answer travel over a `tensormem_shm::channel` (two rings in a
+//! shared memfd with futex doorbells: no system call while the receiver is awake, one `futex` wake
+//! when it sleeps; the consumer gets its end of a Unix socket pair as its standard input).
+//! `--transport pipe` uses two pipes instead (one `write` per message). Either way both sides block
+//! in the kernel while they wait, unless `--spin-us` says otherwise (the `_spin` rows).
+//!
 //! ```text
-//! ipc_roundtrip [--iters N] [--spin-us N] [--read pinned|pageable] [--same-cpu [--cpu N]]
+//! ipc_roundtrip [--iters N] [--spin-us N] [--read pinned|pageable] [--transport chan|pipe]
+//!               [--same-cpu [--cpu N]] [--only warm,same_cpu,spin,event,cold] [--sim]
 //! ```
 //!
-//! Prints `strategy,device,bytes,median_us_per_roundtrip` rows (the anchor's header):
-//! `tensormem_ipc_warm` (the consumer keeps opened handles: a repeat share opens nothing),
-//! `tensormem_ipc_cold` (handles closed after each use, as PyTorch does: every round trip opens and
-//! closes), `tensormem_ipc_first_open` (the warm consumer's first round trip, which opens),
-//! `tensormem_ipc_share_only` (the producer's `share` call alone, warm),
-//! `tensormem_ipc_warm_event` (warm, with an interprocess event recorded although the stream is
-//! idle, as PyTorch always does: `skip_event_when_idle` off), and
-//! `tensormem_ipc_warm_spin`: warm, both sides polling their end of the transport for up to
-//! `--spin-us` (default 200) before blocking, which takes the two cross-process wake-ups off the
-//! round trip.
+//! Prints `strategy,device,bytes,median_us_per_roundtrip` rows (the anchor's header), 200 round
+//! trips after 10 warm-ups by default:
+//! `tensormem_ipc_warm` (the consumer keeps opened handles: a repeat share opens nothing; both sides
+//! block while they wait), `tensormem_ipc_first_open` (the warm consumer's first round trip, which
+//! opens), `tensormem_ipc_share_only` (the producer's `share` call alone, warm),
+//! `tensormem_ipc_warm_spin` (warm, both sides polling their end of the transport for up to
+//! `--spin-us`, default 200, before blocking, which takes the two cross-process wake-ups off the
+//! round trip), `tensormem_ipc_warm_event` (warm, with an interprocess event recorded although the
+//! stream is idle, as PyTorch always does: `skip_event_when_idle` off) and `tensormem_ipc_cold`
+//! (handles closed after each use, as PyTorch does: every round trip opens and closes).
 //!
 //! With `--same-cpu`, also `tensormem_ipc_warm_same_cpu`: the warm, blocking round trip with the
 //! producer's thread and the whole consumer process pinned to one CPU (`--cpu N`, default the CPU
-//! the producer runs on), where a wake-up needs no inter-processor interrupt. These rows come in
-//! addition to the default placement's, never instead of them.
+//! the producer starts on), where a wake-up needs no inter-processor interrupt. These rows come in
+//! addition to the default placement's, never instead of them. `--only` runs some configurations
+//! (`warm` always runs: it gives the first-open and share-only rows).
 //!
 //! Each configuration also prints its per-phase medians as rows named `CONFIG.PHASE`: `share` (the
 //! producer's `share` call), `open` (decoding the handle and `IpcConsumer::open`), `read` (the byte, as
 //! above), `release` (dropping the received memory: stream synchronize, slot decrement) and
-//! `transport` (the rest of each round trip: encoding, both messages and the two process wake-ups).
-//! Medians of the phases do not add up exactly to the round trip's median.
+//! `transport` (the rest of each round trip: encoding, both messages and the two process wake-ups;
+//! the consumer sends its phase times back in its answer). Medians of the phases do not add up
+//! exactly to the round trip's median.
+//!
+//! `--sim` runs the same round trips on the simulated device and the fake driver (no GPU, nothing to
+//! read; device `sim` in the rows): the crate's own work and the transport, on any machine.
 //!
 //! Re-executes itself as the consumer (`TENSORMEM_IPC_BENCH_ROLE=consumer`).
 
+mod link;
+
 use std::fs::File;
-use std::io::{ErrorKind, Read, Write};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rustix::event::{poll, PollFd, PollFlags};
-use rustix::fs::{fcntl_getfl, fcntl_setfl, OFlags};
 use rustix::thread::{sched_getaffinity, sched_getcpu, sched_setaffinity, CpuSet};
 
 use cudarc::driver::sys;
@@ -66,11 +80,14 @@ use tensormem_ipc::{
     ConsumerConfig, IpcConsumer, IpcDriver, IpcHandle, IpcProducer, ProducerConfig, ReceivedMemory,
 };
 
+use link::{ChanLink, Link, PipeLink, Transport};
+
 const ROLE: &str = "TENSORMEM_IPC_BENCH_ROLE";
 const IDLE: &str = "TENSORMEM_IPC_BENCH_IDLE";
 const SPIN: &str = "TENSORMEM_IPC_BENCH_SPIN_US";
 const READ: &str = "TENSORMEM_IPC_BENCH_READ";
 const SIM: &str = "TENSORMEM_IPC_BENCH_SIM";
+const TRANSPORT: &str = "TENSORMEM_IPC_BENCH_TRANSPORT";
 const S: StreamId = StreamId::DEFAULT;
 
 type BoxError = Box<dyn std::error::Error>;
@@ -80,104 +97,6 @@ fn check(call: &str, result: sys::CUresult) -> Result<(), BoxError> {
         Ok(())
     } else {
         Err(format!("{call} failed: {result:?}").into())
-    }
-}
-
-/// One end of the message transport between the two processes: whole messages, each sent with one
-/// system call (a second write could wake the reader once for each part).
-trait Link {
-    /// Sends one message.
-    fn send(&mut self, message: &[u8]) -> std::io::Result<()>;
-    /// Receives the next message into `message`; `Ok(false)` when the peer closed its end.
-    fn recv(&mut self, message: &mut Vec<u8>) -> std::io::Result<bool>;
-}
-
-/// A pair of pipes, messages framed by a 4-byte little-endian length. With a non-zero `spin` the
-/// read end is non-blocking and polled for up to `spin` before blocking in `poll`.
-struct PipeLink<R, W> {
-    input: R,
-    output: W,
-    spin: Duration,
-    /// Bytes read and not yet handed out: `pending[..filled]`.
-    pending: Vec<u8>,
-    filled: usize,
-    frame: Vec<u8>,
-}
-
-impl<R: Read + AsFd, W: Write> PipeLink<R, W> {
-    fn new(input: R, output: W, spin: Duration) -> std::io::Result<Self> {
-        if !spin.is_zero() {
-            let flags = fcntl_getfl(input.as_fd())?;
-            fcntl_setfl(input.as_fd(), flags | OFlags::NONBLOCK)?;
-        }
-        Ok(Self {
-            input,
-            output,
-            spin,
-            pending: vec![0; 64 << 10],
-            filled: 0,
-            frame: Vec::new(),
-        })
-    }
-
-    /// The length of the complete message at the front of `pending`, if there is one.
-    fn complete(&self) -> Option<usize> {
-        let len = u32::from_le_bytes(self.pending.get(..4)?.try_into().ok()?) as usize;
-        (self.filled >= 4 + len).then_some(len)
-    }
-
-    /// Reads what is there (at least one byte) into `pending`; `Ok(false)` at end of input.
-    fn fill(&mut self) -> std::io::Result<bool> {
-        if self.filled == self.pending.len() {
-            self.pending.resize(self.pending.len() * 2, 0);
-        }
-        let started = Instant::now();
-        loop {
-            match self.input.read(&mut self.pending[self.filled..]) {
-                Ok(0) => return Ok(false),
-                Ok(n) => {
-                    self.filled += n;
-                    return Ok(true);
-                }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    if started.elapsed() < self.spin {
-                        std::hint::spin_loop();
-                    } else {
-                        let mut fds = [PollFd::new(&self.input, PollFlags::IN)];
-                        poll(&mut fds, None)?;
-                    }
-                }
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-    }
-}
-
-impl<R: Read + AsFd, W: Write> Link for PipeLink<R, W> {
-    fn send(&mut self, message: &[u8]) -> std::io::Result<()> {
-        self.frame.clear();
-        self.frame
-            .extend_from_slice(&(message.len() as u32).to_le_bytes());
-        self.frame.extend_from_slice(message);
-        // Up to PIPE_BUF (4096) bytes, one write(2) puts the whole frame in the pipe at once.
-        self.output.write_all(&self.frame)?;
-        self.output.flush()
-    }
-
-    fn recv(&mut self, message: &mut Vec<u8>) -> std::io::Result<bool> {
-        loop {
-            if let Some(len) = self.complete() {
-                message.clear();
-                message.extend_from_slice(&self.pending[4..4 + len]);
-                self.pending.copy_within(4 + len..self.filled, 0);
-                self.filled -= 4 + len;
-                return Ok(true);
-            }
-            if !self.fill()? {
-                return Ok(false);
-            }
-        }
     }
 }
 
@@ -326,22 +245,28 @@ fn consumer() -> Result<(), BoxError> {
         idle_mem_handles: idle,
         ..ConsumerConfig::default()
     };
-    // Unbuffered ends: the standard output's line buffering would split an answer holding a
-    // newline byte into two writes.
-    let input = File::from(std::io::stdin().as_fd().try_clone_to_owned()?);
-    let output = File::from(std::io::stdout().as_fd().try_clone_to_owned()?);
-    let mut link = PipeLink::new(input, output, spin)?;
+    let stdin = std::io::stdin().as_fd().try_clone_to_owned()?;
+    let mut link: Box<dyn Link> = match Transport::parse(&std::env::var(TRANSPORT)?)? {
+        // The producer hands over one end of a socket pair as the standard input.
+        Transport::Chan => Box::new(ChanLink::accept(stdin, spin)?),
+        // Unbuffered ends: the standard output's line buffering would split an answer holding a
+        // newline byte into two writes.
+        Transport::Pipe => {
+            let output = File::from(std::io::stdout().as_fd().try_clone_to_owned()?);
+            Box::new(PipeLink::new(File::from(stdin), output, spin)?)
+        }
+    };
     if std::env::var(SIM).is_ok() {
         let consumer = IpcConsumer::with_config(Arc::new(FakeDriver::default()), config);
         // Nothing is behind a fake mapping: the trip is the crate's work and the transport.
-        return consume(&consumer, &mut link, |_| Ok(0));
+        return consume(&consumer, &mut *link, |_| Ok(0));
     }
     let consumer = IpcConsumer::with_config(Arc::new(CudaIpcDriver::new()?), config);
     let device = CudaBackend::new(0)?;
     device.make_current()?;
     let source = CudaPinnedSource::host_alloc(&device);
     let host = HostCachingAllocator::new(device, source);
-    consume(&consumer, &mut link, |received| {
+    consume(&consumer, &mut *link, |received| {
         read_byte(received, read_mode, &host)
     })
 }
@@ -401,6 +326,7 @@ struct Config {
     iters: usize,
     /// On the simulated device and the fake driver.
     sim: bool,
+    transport: Transport,
 }
 
 /// Restores the calling thread's CPU affinity when dropped.
@@ -473,6 +399,7 @@ fn run_on<D: Device, B: IpcDriver>(
         read,
         iters,
         sim,
+        transport,
     } = config;
     let producer_config = ProducerConfig {
         skip_event_when_idle: !events,
@@ -486,15 +413,29 @@ fn run_on<D: Device, B: IpcDriver>(
         .env(IDLE, idle.to_string())
         .env(SPIN, spin.as_micros().to_string())
         .env(READ, read.name())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped());
+        .env(TRANSPORT, transport.name());
     if sim {
         command.env(SIM, "1");
     }
-    let mut child = command.spawn()?;
-    let to = child.stdin.take().ok_or("no stdin")?;
-    let from = child.stdout.take().ok_or("no stdout")?;
-    let mut link = PipeLink::new(from, to, spin)?;
+    let (mut child, mut link): (_, Box<dyn Link>) = match transport {
+        Transport::Chan => {
+            let (mine, theirs) = UnixStream::pair()?;
+            command.stdin(Stdio::from(OwnedFd::from(theirs)));
+            let child = command.spawn()?;
+            // The child's end must not stay open here too, or the child's death shows no hang-up.
+            drop(command);
+            (child, Box::new(ChanLink::create(mine, spin)?))
+        }
+        Transport::Pipe => {
+            let mut child = command
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()?;
+            let to = child.stdin.take().ok_or("no stdin")?;
+            let from = child.stdout.take().ok_or("no stdout")?;
+            (child, Box::new(PipeLink::new(from, to, spin)?))
+        }
+    };
     let mut trips = Trips::default();
     let mut first = 0.0;
     let mut answer = Vec::new();
@@ -575,12 +516,20 @@ fn main() -> Result<(), BoxError> {
     let same_cpu = args.iter().any(|a| a == "--same-cpu");
     let cpu = option(&args, "--cpu", sched_getcpu())?;
     let sim = args.iter().any(|a| a == "--sim");
+    let transport = Transport::parse(&option(&args, "--transport", "chan".to_string())?)?;
+    let only = option(&args, "--only", String::new())?;
+    let wants = |config: &str| only.is_empty() || only.split(',').any(|c| c == config);
     let (block, spin) = (Duration::ZERO, Duration::from_micros(spin_us));
     let run = if sim { run_sim } else { run };
     let device = if sim { "sim" } else { "cuda" };
     println!(
-        "# transport: pipe; read: {}; iters: {iters}; device: {device}",
-        if sim { "none (fake driver)" } else { read.name() }
+        "# transport: {}; read: {}; iters: {iters}; device: {device}",
+        transport.name(),
+        if sim {
+            "none (fake driver)"
+        } else {
+            read.name()
+        }
     );
     println!("strategy,device,bytes,median_us_per_roundtrip");
     for size in [4096usize, 1 << 20, 64 << 20] {
@@ -593,6 +542,7 @@ fn main() -> Result<(), BoxError> {
             read,
             iters,
             sim,
+            transport,
         };
         let warm = run(base)?;
         warm.print("tensormem_ipc_warm", device, size);
@@ -601,20 +551,26 @@ fn main() -> Result<(), BoxError> {
             "tensormem_ipc_share_only,{device},{size},{:.1}",
             warm.share()
         );
-        if same_cpu {
+        if same_cpu && wants("same_cpu") {
             run(Config {
                 cpu: Some(cpu),
                 ..base
             })?
             .print("tensormem_ipc_warm_same_cpu", device, size);
         }
-        run(Config { spin, ..base })?.print("tensormem_ipc_warm_spin", device, size);
-        run(Config {
-            events: true,
-            ..base
-        })?
-        .print("tensormem_ipc_warm_event", device, size);
-        run(Config { idle: 0, ..base })?.print("tensormem_ipc_cold", device, size);
+        if wants("spin") {
+            run(Config { spin, ..base })?.print("tensormem_ipc_warm_spin", device, size);
+        }
+        if wants("event") {
+            run(Config {
+                events: true,
+                ..base
+            })?
+            .print("tensormem_ipc_warm_event", device, size);
+        }
+        if wants("cold") {
+            run(Config { idle: 0, ..base })?.print("tensormem_ipc_cold", device, size);
+        }
     }
     if same_cpu {
         println!("# same_cpu rows: producer thread and consumer process pinned to CPU {cpu}");
@@ -625,49 +581,6 @@ fn main() -> Result<(), BoxError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Both ends of a pipe, as files.
-    fn pipe() -> (File, File) {
-        let (read, write) = rustix::pipe::pipe().unwrap();
-        (File::from(read), File::from(write))
-    }
-
-    fn framing(spin: Duration) {
-        let (a_in, b_out) = pipe();
-        let (b_in, a_out) = pipe();
-        let mut a = PipeLink::new(a_in, a_out, spin).unwrap();
-        let mut b = PipeLink::new(b_in, b_out, spin).unwrap();
-        let big = vec![7u8; 100_000];
-        let writer = std::thread::spawn(move || {
-            a.send(b"first").unwrap();
-            a.send(b"").unwrap();
-            a.send(&big).unwrap();
-            let mut back = Vec::new();
-            assert!(a.recv(&mut back).unwrap());
-            assert_eq!(back, b"done");
-        });
-        let mut message = Vec::new();
-        assert!(b.recv(&mut message).unwrap());
-        assert_eq!(message, b"first");
-        assert!(b.recv(&mut message).unwrap());
-        assert!(message.is_empty());
-        assert!(b.recv(&mut message).unwrap());
-        assert_eq!(message.len(), 100_000);
-        assert!(message.iter().all(|&x| x == 7));
-        b.send(b"done").unwrap();
-        writer.join().unwrap();
-        assert!(!b.recv(&mut message).unwrap(), "the peer's end is closed");
-    }
-
-    #[test]
-    fn pipe_messages_arrive_whole_and_in_order_blocking() {
-        framing(Duration::ZERO);
-    }
-
-    #[test]
-    fn pipe_messages_arrive_whole_and_in_order_spinning() {
-        framing(Duration::from_micros(50));
-    }
 
     #[test]
     fn answers_round_trip_and_bad_lengths_are_refused() {
@@ -685,5 +598,7 @@ mod tests {
         assert!(Answer::decode(&[0; 3]).is_err());
         assert!(ReadMode::parse("pinned").is_ok());
         assert!(ReadMode::parse("mapped").is_err());
+        assert!(matches!(Transport::parse("chan"), Ok(Transport::Chan)));
+        assert!(Transport::parse("socket").is_err());
     }
 }
