@@ -33,7 +33,9 @@
 //! trips after 10 warm-ups by default:
 //! `tensormem_ipc_warm` (the consumer keeps opened handles: a repeat share opens nothing; both sides
 //! block while they wait), `tensormem_ipc_first_open` (the warm consumer's first round trip, which
-//! opens), `tensormem_ipc_share_only` (the producer's `share` call alone, warm),
+//! opens: the process's first `cuIpcOpenMemHandle`; the consumer says it is ready, CUDA initialised
+//! and its pinned block made, before the timer starts; `tensormem_ipc_first_open.open` is the open
+//! alone), `tensormem_ipc_share_only` (the producer's `share` call alone, warm),
 //! `tensormem_ipc_warm_spin` (warm, both sides polling their end of the transport for up to
 //! `--spin-us`, default 200, before blocking, which takes the two cross-process wake-ups off the
 //! round trip), `tensormem_ipc_warm_event` (warm, with an interprocess event recorded although the
@@ -89,6 +91,8 @@ const READ: &str = "TENSORMEM_IPC_BENCH_READ";
 const SIM: &str = "TENSORMEM_IPC_BENCH_SIM";
 const TRANSPORT: &str = "TENSORMEM_IPC_BENCH_TRANSPORT";
 const S: StreamId = StreamId::DEFAULT;
+/// The consumer's first message: set up, ready for the first handle.
+const READY: &[u8] = b"ready";
 
 type BoxError = Box<dyn std::error::Error>;
 
@@ -175,6 +179,9 @@ fn consume<B: IpcDriver>(
     link: &mut dyn Link,
     mut read: impl FnMut(&ReceivedMemory<B>) -> Result<u8, BoxError>,
 ) -> Result<(), BoxError> {
+    // Set up: the producer's timer starts after this (the first trip times the first open, not the
+    // consumer's start or its CUDA initialisation).
+    link.send(READY)?;
     let mut message = Vec::new();
     while link.recv(&mut message)? {
         let t0 = Instant::now();
@@ -266,6 +273,9 @@ fn consumer() -> Result<(), BoxError> {
     device.make_current()?;
     let source = CudaPinnedSource::host_alloc(&device);
     let host = HostCachingAllocator::new(device, source);
+    // The pinned block is made once, before the first trip (a process's first `cuMemHostAlloc`
+    // takes milliseconds), and cached from then on.
+    host.free(host.allocate(1)?)?;
     consume(&consumer, &mut *link, |received| {
         read_byte(received, read_mode, &host)
     })
@@ -291,6 +301,8 @@ struct Trips {
 struct Figures {
     /// The first round trip (opens).
     first: f64,
+    /// The consumer's open in the first round trip.
+    first_open: f64,
     /// The median round trip.
     round_trip: f64,
     /// Phase name and median, in the order of the trip.
@@ -437,8 +449,11 @@ fn run_on<D: Device, B: IpcDriver>(
         }
     };
     let mut trips = Trips::default();
-    let mut first = 0.0;
+    let (mut first, mut first_open) = (0.0, 0.0);
     let mut answer = Vec::new();
+    if !link.recv(&mut answer)? || answer != READY {
+        return Err("the consumer did not start".into());
+    }
     for i in 0..iters + 10 {
         let allocation = allocator.allocate(size, S)?;
         let value = (i % 251) as u8;
@@ -460,6 +475,7 @@ fn run_on<D: Device, B: IpcDriver>(
         let ns = |n: u32| f64::from(n) / 1e3;
         if i == 0 {
             first = us(dt);
+            first_open = ns(answer.open);
         }
         if i >= 10 {
             trips.round_trip.push(us(dt));
@@ -479,6 +495,7 @@ fn run_on<D: Device, B: IpcDriver>(
     }
     Ok(Figures {
         first,
+        first_open,
         round_trip: median(trips.round_trip),
         phases: [
             ("share", median(trips.share)),
@@ -547,6 +564,10 @@ fn main() -> Result<(), BoxError> {
         let warm = run(base)?;
         warm.print("tensormem_ipc_warm", device, size);
         println!("tensormem_ipc_first_open,{device},{size},{:.1}", warm.first);
+        println!(
+            "tensormem_ipc_first_open.open,{device},{size},{:.1}",
+            warm.first_open
+        );
         println!(
             "tensormem_ipc_share_only,{device},{size},{:.1}",
             warm.share()
