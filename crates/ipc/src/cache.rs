@@ -82,11 +82,21 @@ impl<K: Hash + Eq + Clone, V> LeaseCache<K, V> {
             let cell = {
                 let mut st = self.state.lock();
                 let st = &mut *st;
-                let entry = st.entries.entry(key.clone()).or_insert_with(|| Entry {
-                    cell: Arc::new(OnceLock::new()),
-                    users: 0,
-                    idle_since: 0,
-                });
+                // A warm key is found without cloning it (a file name would allocate).
+                if !st.entries.contains_key(key) {
+                    st.entries.insert(
+                        key.clone(),
+                        Entry {
+                            cell: Arc::new(OnceLock::new()),
+                            users: 0,
+                            idle_since: 0,
+                        },
+                    );
+                }
+                let entry = st
+                    .entries
+                    .get_mut(key)
+                    .expect("the entry was found or inserted just above, under the lock");
                 if entry.users == 0 && entry.cell.get().is_some() {
                     st.idle -= 1;
                 }

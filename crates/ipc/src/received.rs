@@ -290,7 +290,8 @@ impl<B: IpcDriver> IpcConsumer<B> {
             device,
             ptr: base.ptr.offset(handle.offset as usize),
             size: handle.size,
-            streams: vec![stream],
+            stream,
+            more_streams: Vec::new(),
             slot,
             file,
             _mem: mem,
@@ -305,7 +306,9 @@ pub struct ReceivedMemory<B: IpcDriver> {
     device: u32,
     ptr: DeviceAddress,
     size: u64,
-    streams: Vec<StreamId>,
+    /// The stream it was opened on, and others it was used on ([`use_on`](Self::use_on)).
+    stream: StreamId,
+    more_streams: Vec<StreamId>,
     slot: usize,
     file: Lease<ShmName, MappedCounterFile>,
     _mem: Lease<(u32, MemHandle), OpenedBase<B>>,
@@ -345,8 +348,8 @@ impl<B: IpcDriver> ReceivedMemory<B> {
     /// Records that work on `stream` uses the memory: it is synchronized too before the reference is
     /// released.
     pub fn use_on(&mut self, stream: StreamId) {
-        if !self.streams.contains(&stream) {
-            self.streams.push(stream);
+        if stream != self.stream && !self.more_streams.contains(&stream) {
+            self.more_streams.push(stream);
         }
     }
 
@@ -376,7 +379,7 @@ impl<B: IpcDriver> ReceivedMemory<B> {
 
 impl<B: IpcDriver> Drop for ReceivedMemory<B> {
     fn drop(&mut self) {
-        for &stream in &self.streams {
+        for &stream in std::iter::once(&self.stream).chain(&self.more_streams) {
             if let Err(err) = self.driver.synchronize_stream(self.device, stream) {
                 tracing::error!(target: "tensormem_ipc", %err, %stream, "synchronizing before releasing shared memory failed");
             }

@@ -83,6 +83,29 @@ fn limbo_holds_memory_until_the_consumer_releases_it() {
 }
 
 #[test]
+fn every_stream_the_memory_was_used_on_is_synchronized_once_before_release() {
+    let (driver, allocator, producer) = setup(ProducerConfig::default());
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let (shared, handle) = producer
+        .share(&allocator, allocator.allocate(4096, S).unwrap(), S)
+        .unwrap();
+    let mut received = consumer.open(&handle, S).unwrap();
+    received.use_on(StreamId(5));
+    received.use_on(StreamId(5));
+    received.use_on(S);
+    received.use_on(StreamId(6));
+    let syncs = driver.counts.stream_syncs.load(Ordering::Relaxed);
+    drop(received);
+    assert_eq!(
+        driver.counts.stream_syncs.load(Ordering::Relaxed),
+        syncs + 3,
+        "streams 0, 5 and 6, each once"
+    );
+    drop(shared);
+    assert_eq!(producer.stats().limbo, 0);
+}
+
+#[test]
 fn memory_released_before_the_producer_frees_goes_back_at_once() {
     let (driver, allocator, producer) = setup(ProducerConfig::default());
     let consumer = IpcConsumer::new(Arc::clone(&driver));
