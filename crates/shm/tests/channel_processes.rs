@@ -4,10 +4,13 @@
 //!
 //! Run with `cargo test -p tensormem-shm --test channel_processes [-- FILTER]`.
 
+mod common;
+
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use common::self_exec::{self, RoleResult, Test, Watchdog};
 use tensormem_shm::channel::{Channel, ChannelOptions, MAX_MESSAGE};
 use tensormem_shm::Error;
 
@@ -17,7 +20,7 @@ const SOCKET: &str = "TENSORMEM_CHANNEL_TEST_SOCKET";
 /// a hang.
 const WATCHDOG: Duration = Duration::from_secs(60);
 
-const TESTS: &[(&str, fn())] = &[
+const TESTS: &[Test] = &[
     (
         "messages_cross_processes_in_order_both_ways",
         messages_cross_processes_in_order_both_ways,
@@ -44,54 +47,11 @@ fn message(i: u32) -> Vec<u8> {
 }
 
 fn main() {
-    if let Ok(role) = std::env::var(ROLE) {
-        let code = match run_role(&role) {
-            Ok(()) => 0,
-            Err(err) => {
-                eprintln!("child role {role} failed: {err}");
-                2
-            }
-        };
-        std::process::exit(code);
-    }
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.iter().any(|a| a == "--list") {
-        for (name, _) in TESTS {
-            println!("{name}: test");
-        }
-        return;
-    }
-    let filters: Vec<&String> = args.iter().filter(|a| !a.starts_with('-')).collect();
-    std::thread::spawn(|| {
-        std::thread::sleep(WATCHDOG);
-        eprintln!("channel_processes: a test still runs after {WATCHDOG:?}: a wait did not end");
-        std::process::exit(3);
-    });
-    let mut failed = Vec::new();
-    let mut passed = 0;
-    for (name, test) in TESTS {
-        if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
-            continue;
-        }
-        match std::panic::catch_unwind(test) {
-            Ok(()) => {
-                passed += 1;
-                println!("test {name} ... ok");
-            }
-            Err(_) => {
-                failed.push(*name);
-                println!("test {name} ... FAILED");
-            }
-        }
-    }
-    println!(
-        "\ntest result: {}. {passed} passed; {} failed",
-        if failed.is_empty() { "ok" } else { "FAILED" },
-        failed.len()
-    );
-    if !failed.is_empty() {
-        std::process::exit(1);
-    }
+    let watchdog = Watchdog {
+        binary: "channel_processes",
+        after: WATCHDOG,
+    };
+    self_exec::main(ROLE, run_role, TESTS, Some(watchdog));
 }
 
 /// The peer process, connected over a Unix socket; killed if the test fails before it exits.
@@ -135,7 +95,7 @@ impl Drop for Peer {
     }
 }
 
-fn run_role(role: &str) -> Result<(), Box<dyn std::error::Error>> {
+fn run_role(role: &str) -> RoleResult {
     let path = std::env::var(SOCKET)?;
     let socket = UnixStream::connect(path)?;
     let mut channel = Channel::accept(socket, ChannelOptions::default())?;

@@ -4,12 +4,15 @@
 //!
 //! Run with `cargo test -p tensormem-shm --test pool_processes [-- FILTER]`.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
+use common::self_exec::{self, RoleResult, Test};
 use tensormem_shm::mapping_cache::{PoolReceiver, ReceiverOptions};
 use tensormem_shm::pool::{PoolConfig, PoolSender, ShmPool};
 use tensormem_shm::Error;
@@ -19,7 +22,7 @@ const SOCKET: &str = "TENSORMEM_POOL_TEST_SOCKET";
 const COUNT: &str = "TENSORMEM_POOL_TEST_COUNT";
 const MIB: u64 = 1 << 20;
 
-const TESTS: &[(&str, fn())] = &[
+const TESTS: &[Test] = &[
     (
         "consumer_killed_with_open_leases_gives_them_back",
         consumer_killed_with_open_leases_gives_them_back,
@@ -39,49 +42,7 @@ const TESTS: &[(&str, fn())] = &[
 ];
 
 fn main() {
-    if let Ok(role) = std::env::var(ROLE) {
-        let code = match run_role(&role) {
-            Ok(()) => 0,
-            Err(err) => {
-                eprintln!("child role {role} failed: {err}");
-                2
-            }
-        };
-        std::process::exit(code);
-    }
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.iter().any(|a| a == "--list") {
-        for (name, _) in TESTS {
-            println!("{name}: test");
-        }
-        return;
-    }
-    let filters: Vec<&String> = args.iter().filter(|a| !a.starts_with('-')).collect();
-    let mut failed = Vec::new();
-    let mut passed = 0;
-    for (name, test) in TESTS {
-        if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
-            continue;
-        }
-        match std::panic::catch_unwind(test) {
-            Ok(()) => {
-                passed += 1;
-                println!("test {name} ... ok");
-            }
-            Err(_) => {
-                failed.push(*name);
-                println!("test {name} ... FAILED");
-            }
-        }
-    }
-    println!(
-        "\ntest result: {}. {passed} passed; {} failed",
-        if failed.is_empty() { "ok" } else { "FAILED" },
-        failed.len()
-    );
-    if !failed.is_empty() {
-        std::process::exit(1);
-    }
+    self_exec::main(ROLE, run_role, TESTS, None);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -285,7 +246,7 @@ fn a_region_sent_again_is_mapped_once_by_another_process() {
 // ---------------------------------------------------------------------------------------------
 // Child side
 
-fn run_role(role: &str) -> Result<(), Box<dyn std::error::Error>> {
+fn run_role(role: &str) -> RoleResult {
     let path = std::env::var(SOCKET)?;
     let count: u32 = std::env::var(COUNT)?.parse()?;
     let socket = UnixStream::connect(path)?;

@@ -10,6 +10,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
+use common::self_exec::{self, RoleResult, Test};
 use common::UnlinkOnDrop;
 use tensormem_shm::transfer::{recv_region, send_region, SendOptions};
 use tensormem_shm::{
@@ -21,7 +22,7 @@ const SOCKET: &str = "TENSORMEM_SHM_TEST_SOCKET";
 const NAME: &str = "TENSORMEM_SHM_TEST_NAME";
 const INDEX: &str = "TENSORMEM_SHM_TEST_INDEX";
 
-const TESTS: &[(&str, fn())] = &[
+const TESTS: &[Test] = &[
     (
         "producer_passes_region_to_consumer",
         producer_passes_region_to_consumer,
@@ -45,71 +46,7 @@ const TESTS: &[(&str, fn())] = &[
 ];
 
 fn main() {
-    if let Ok(role) = std::env::var(ROLE) {
-        let code = match run_role(&role) {
-            Ok(()) => 0,
-            Err(err) => {
-                eprintln!("child role {role} failed: {err}");
-                2
-            }
-        };
-        std::process::exit(code);
-    }
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.iter().any(|a| a == "--list") {
-        for (name, _) in TESTS {
-            println!("{name}: test");
-        }
-        return;
-    }
-    let exact = args.iter().any(|a| a == "--exact");
-    // libtest's options that take a value: the value is not a filter.
-    const WITH_VALUE: &[&str] = &["--test-threads", "--format", "--color", "--logfile", "-Z"];
-    let mut filters: Vec<&str> = Vec::new();
-    let mut skips: Vec<&str> = Vec::new();
-    let mut iter = args.iter();
-    while let Some(arg) = iter.next() {
-        if arg == "--skip" {
-            skips.extend(iter.next().map(String::as_str));
-        } else if WITH_VALUE.contains(&arg.as_str()) {
-            iter.next();
-        } else if !arg.starts_with('-') {
-            filters.push(arg);
-        }
-    }
-    let matches = |name: &str, pattern: &str| {
-        if exact {
-            name == pattern
-        } else {
-            name.contains(pattern)
-        }
-    };
-    let selected = TESTS.iter().filter(|(name, _)| {
-        (filters.is_empty() || filters.iter().any(|f| matches(name, f)))
-            && !skips.iter().any(|s| matches(name, s))
-    });
-    let mut failed = Vec::new();
-    let mut passed = 0;
-    for (name, test) in selected {
-        match std::panic::catch_unwind(test) {
-            Ok(()) => {
-                passed += 1;
-                println!("test {name} ... ok");
-            }
-            Err(_) => {
-                failed.push(*name);
-                println!("test {name} ... FAILED");
-            }
-        }
-    }
-    println!(
-        "\ntest result: {}. {passed} passed; {} failed",
-        if failed.is_empty() { "ok" } else { "FAILED" },
-        failed.len()
-    );
-    if !failed.is_empty() {
-        std::process::exit(1);
-    }
+    self_exec::main(ROLE, run_role, TESTS, None);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -297,8 +234,6 @@ fn named_region_opened_by_another_process() {
 
 // ---------------------------------------------------------------------------------------------
 // Child side
-
-type RoleResult = Result<(), Box<dyn std::error::Error>>;
 
 fn run_role(role: &str) -> RoleResult {
     match role {

@@ -1,5 +1,8 @@
 //! Helpers shared by the shm integration tests.
 
+#[allow(dead_code)] // only the test binaries that re-execute themselves use it
+pub(crate) mod self_exec;
+
 use tensormem_shm::{NameGenerator, ShmName};
 
 /// Unlinks a test's name when the test ends (ignoring "already gone").
