@@ -4,26 +4,16 @@
 //! Every test uses a pool of its own (the process-wide pool's test is `tests/default_pool.rs`,
 //! alone in its binary, so other tests cannot disturb its statistics).
 
+mod common;
+
 use std::os::unix::net::UnixStream;
 
-use tensormem_shm::pool::PoolConfig;
+use common::pooled::{pattern, pool};
 use tensormem_storage::{
     storage_copy, Error, PoolReceiver, PoolSender, ReceiverOptions, ShmPool, Storage, StorageKind,
 };
 
 const MIB: usize = 1 << 20;
-
-fn pattern(n: usize, seed: u8) -> Vec<u8> {
-    (0..n).map(|i| (i % 251) as u8 ^ seed).collect()
-}
-
-fn pool() -> ShmPool {
-    ShmPool::new(PoolConfig {
-        idle_release: None,
-        threads: 2,
-        ..PoolConfig::default()
-    })
-}
 
 fn connection(pool: &ShmPool) -> (PoolSender, PoolReceiver) {
     let (producer_end, consumer_end) = UnixStream::pair().unwrap();

@@ -2,74 +2,21 @@
 //! `send_pooled`, writes back, releases; a consumer killed with `kill -9` while holding storages
 //! gets its leases reclaimed and the regions reused.
 //!
-//! Children are this test binary run again on one test (`--exact NAME`) with
-//! `TENSORMEM_POOLED_TEST_ROLE` set; each test first asks whether it is a child and if so plays
-//! its role.
+//! Children are this test binary run again on one test (tests/common/child.rs); each test first
+//! asks whether it is a child and if so plays its role.
 
-use std::io::{BufRead, BufReader, Write};
+mod common;
+
+use std::io::BufReader;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdout};
 
-use tensormem_shm::pool::PoolConfig;
+use common::child::{hold, next_report, report, role, spawn};
+use common::pooled::{pattern, pool};
 use tensormem_storage::{PoolReceiver, PoolSender, ReceiverOptions, ShmPool, Storage, StorageKind};
 
-const ROLE: &str = "TENSORMEM_POOLED_TEST_ROLE";
-const ARG: &str = "TENSORMEM_POOLED_TEST_ARG";
-const MARK: &str = "@@";
 const MIB: usize = 1 << 20;
 const BATCHES: u8 = 4;
-
-fn pattern(n: usize, seed: u8) -> Vec<u8> {
-    (0..n).map(|i| (i % 251) as u8 ^ seed).collect()
-}
-
-fn role() -> Option<(String, String)> {
-    Some((
-        std::env::var(ROLE).ok()?,
-        std::env::var(ARG).unwrap_or_default(),
-    ))
-}
-
-fn report(line: &str) {
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "{MARK}{line}").unwrap();
-    out.flush().unwrap();
-}
-
-fn spawn(test: &str, role: &str, arg: &str) -> (Child, BufReader<ChildStdout>) {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", test, "--nocapture", "--test-threads=1"])
-        .env(ROLE, role)
-        .env(ARG, arg)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = BufReader::new(child.stdout.take().unwrap());
-    (child, stdout)
-}
-
-fn next_report(out: &mut BufReader<ChildStdout>) -> String {
-    let mut line = String::new();
-    loop {
-        line.clear();
-        assert!(
-            out.read_line(&mut line).unwrap() > 0,
-            "the child exited early"
-        );
-        if let Some(at) = line.find(MARK) {
-            return line[at + MARK.len()..].trim_end().to_owned();
-        }
-    }
-}
-
-fn pool() -> ShmPool {
-    ShmPool::new(PoolConfig {
-        idle_release: None,
-        threads: 2,
-        ..PoolConfig::default()
-    })
-}
 
 /// The consumer: receives `BATCHES` storages; in mode "release" checks and answers each, then
 /// drops it; in mode "hold" keeps them all and waits to be killed.
@@ -98,7 +45,7 @@ fn consumer(arg: &str) {
         stats.reused,
         held.len()
     ));
-    let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut Vec::new());
+    hold();
 }
 
 /// A consumer child in `mode`, connected to a sender of `pool`.

@@ -1,72 +1,19 @@
 //! Storages shared between real processes: by descriptor over a socket, by name, a creator that
 //! exits while a consumer holds the name, a creator killed with `kill -9`.
 //!
-//! Children are this test binary run again on one test (`--exact NAME`) with
-//! `TENSORMEM_STORAGE_TEST_ROLE` set; each test first asks whether it is a child and if so plays
-//! its role. The manager daemon is served by a thread of the parent (tests/common).
+//! Children are this test binary run again on one test (tests/common/child.rs); each test first
+//! asks whether it is a child and if so plays its role. The manager daemon is served by a thread
+//! of the parent (tests/common).
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixListener;
-use std::process::{Child, ChildStdout, Command, Stdio};
 
+use common::child::{hold, next_report, report, role, spawn};
 use tensormem_storage::{FilenameHandle, ShmName, Storage, StorageKind};
-
-const ROLE: &str = "TENSORMEM_STORAGE_TEST_ROLE";
-const ARG: &str = "TENSORMEM_STORAGE_TEST_ARG";
-const MARK: &str = "@@";
 
 fn pattern(n: usize) -> Vec<u8> {
     (0..n).map(|i| (i % 251) as u8).collect()
-}
-
-/// The role this process plays, if it is a child.
-fn role() -> Option<(String, String)> {
-    Some((
-        std::env::var(ROLE).ok()?,
-        std::env::var(ARG).unwrap_or_default(),
-    ))
-}
-
-fn report(line: &str) {
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "{MARK}{line}").unwrap();
-    out.flush().unwrap();
-}
-
-/// Blocks until the parent closes our stdin (or kills us).
-fn hold() {
-    let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut Vec::new());
-}
-
-fn spawn(test: &str, role: &str, arg: &str) -> (Child, BufReader<ChildStdout>) {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", test, "--nocapture", "--test-threads=1"])
-        .env(ROLE, role)
-        .env(ARG, arg)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = BufReader::new(child.stdout.take().unwrap());
-    (child, stdout)
-}
-
-/// The next `@@` line of a child.
-fn next_report(out: &mut BufReader<ChildStdout>) -> String {
-    let mut line = String::new();
-    loop {
-        line.clear();
-        assert!(
-            out.read_line(&mut line).unwrap() > 0,
-            "the child exited early"
-        );
-        // libtest prints "test NAME ... " before the test runs, on the same line.
-        if let Some(at) = line.find(MARK) {
-            return line[at + MARK.len()..].trim_end().to_owned();
-        }
-    }
 }
 
 #[test]

@@ -1,6 +1,11 @@
 //! Shared by the integration tests: a manager daemon for the file_system strategy, served by a
-//! thread of the test process (no daemon binary needed), and name helpers.
+//! thread of the test process (no daemon binary needed), name helpers, the child-process
+//! side of the tests that run again as another process ([`child`]), and what the pooled tests
+//! share ([`pooled`]).
 #![allow(dead_code, unreachable_pub)]
+
+pub mod child;
+pub mod pooled;
 
 use std::path::PathBuf;
 use std::sync::mpsc;
