@@ -11,11 +11,11 @@
 //! Compare with `torch_sharing_bench.py` (torch.multiprocessing, fd and file_system strategies).
 
 use std::io::Write;
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::{Command, Stdio};
+use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput};
+use tensormem_benches::sharing_harness::Consumer;
 use tensormem_shm::transfer::{
     recv_exact, recv_region_with, send_region, RecvOptions, SendOptions,
 };
@@ -53,17 +53,11 @@ fn consumer(path: &str) {
 }
 
 fn round_trip(c: &mut Criterion) {
-    let dir = std::env::temp_dir().join(format!("tensormem-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("socket dir");
-    let path = dir.join("rt.sock");
-    let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path).expect("bind");
-    let mut child = Command::new(std::env::current_exe().expect("own path"))
-        .env(CONSUMER_SOCKET, &path)
-        .stdin(Stdio::null())
-        .spawn()
-        .expect("spawn consumer");
-    let (socket, _) = listener.accept().expect("consumer connects");
+    let consumer = Consumer::spawn("shm_round_trip", |command, path| {
+        command.env(CONSUMER_SOCKET, path);
+    })
+    .expect("spawn the consumer");
+    let socket = consumer.socket();
 
     let mut group = c.benchmark_group("shm_round_trip");
     for (len, label) in SIZES {
@@ -81,18 +75,16 @@ fn round_trip(c: &mut Criterion) {
             };
             group.bench_function(BenchmarkId::new(series, label), |b| {
                 b.iter(|| {
-                    send_region(&socket, &region, message).expect("send");
+                    send_region(socket, &region, message).expect("send");
                     let mut answer = [0u8; 1];
-                    recv_exact(&socket, &mut answer, recv).expect("answer");
+                    recv_exact(socket, &mut answer, recv).expect("answer");
                     assert_eq!(answer[0], 3);
                 });
             });
         }
     }
     group.finish();
-    drop(socket);
-    let _ = child.wait();
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = consumer.finish();
 }
 
 fn main() {

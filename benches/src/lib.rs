@@ -1,1 +1,3 @@
 //! Shared helpers of the benchmarks.
+
+pub mod sharing_harness;

@@ -29,10 +29,13 @@
 //! Usage: `shm_bench [--rounds N] [--spin-us N] [--no-copy]` (default 1000 round trips per size
 //! after 50 warm-up ones, spin 200 µs).
 
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::{Command, ExitCode, Stdio};
+use std::os::unix::net::UnixStream;
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use tensormem_benches::sharing_harness::{
+    exit_code, median_us, BenchResult, Consumer, OptionSet, Options,
+};
 use tensormem_shm::copy::{parallelism, CopyMethod, CopyPlan};
 use tensormem_shm::transfer::{
     recv_exact, recv_region_with, send_region, RecvOptions, SendOptions,
@@ -43,15 +46,11 @@ const ROUND_TRIP_SIZES: [u64; 3] = [4 << 10, 1 << 20, 64 << 20];
 /// (bytes, runs per variant: the first plus the ones the median is taken over).
 const COPY_SIZES: [(usize, usize); 2] = [(64 << 20, 7), (1 << 30, 4)];
 const WARM_UP: usize = 50;
-const USAGE: &str = "shm_bench [--rounds N] [--spin-us N] [--no-copy]";
-
-type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
-
-struct Args {
-    rounds: usize,
-    spin: Duration,
-    copy: bool,
-}
+const OPTIONS: OptionSet = OptionSet {
+    usage: "shm_bench [--rounds N] [--spin-us N] [--no-copy]",
+    copies: None,
+    same_cpu: false,
+};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -61,38 +60,9 @@ fn main() -> ExitCode {
             None => Err("--consumer needs a socket path".into()),
         }
     } else {
-        parse(&args).and_then(|args| producer(&args))
+        Options::parse(&args, &OPTIONS).and_then(|args| producer(&args))
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            eprintln!("shm_bench: {err}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-fn parse(args: &[String]) -> BenchResult<Args> {
-    let mut parsed = Args {
-        rounds: 1000,
-        spin: Duration::from_micros(200),
-        copy: true,
-    };
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let mut number = |what: &str| -> BenchResult<u64> {
-            it.next()
-                .and_then(|n| n.parse().ok())
-                .ok_or_else(|| format!("{what} needs a number").into())
-        };
-        match arg.as_str() {
-            "--rounds" => parsed.rounds = number("--rounds")?.max(1) as usize,
-            "--spin-us" => parsed.spin = Duration::from_micros(number("--spin-us")?),
-            "--no-copy" => parsed.copy = false,
-            other => return Err(format!("unknown argument {other}; usage: {USAGE}").into()),
-        }
-    }
-    Ok(parsed)
+    exit_code("shm_bench", result)
 }
 
 /// Attach, read first and last byte, answer their sum; until the producer hangs up. Each message
@@ -125,32 +95,22 @@ fn consumer(path: &str) -> BenchResult<()> {
     Ok(())
 }
 
-fn producer(args: &Args) -> BenchResult<()> {
+fn producer(args: &Options) -> BenchResult<()> {
     eprintln!(
         "shm_bench: copies use up to {} threads (available_parallelism)",
         parallelism()
     );
     system::report();
-    let dir = std::env::temp_dir().join(format!("tensormem-shm-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let outcome = round_trips(&dir, args);
-    let _ = std::fs::remove_dir_all(&dir);
-    outcome?;
+    round_trips(args)?;
     if args.copy {
         copies()?;
     }
     Ok(())
 }
 
-fn round_trips(dir: &std::path::Path, args: &Args) -> BenchResult<()> {
-    let path = dir.join("rt.sock");
-    let listener = UnixListener::bind(&path)?;
-    let mut child = Command::new(std::env::current_exe()?)
-        .arg("--consumer")
-        .arg(&path)
-        .stdin(Stdio::null())
-        .spawn()?;
-    let (socket, _) = listener.accept()?;
+fn round_trips(args: &Options) -> BenchResult<()> {
+    let consumer = Consumer::spawn_role("shm_bench", "--consumer", &[])?;
+    let socket = consumer.socket();
 
     println!("strategy,device,bytes,median_us_per_roundtrip");
     let spinning = RecvOptions::spinning(args.spin);
@@ -181,9 +141,9 @@ fn round_trips(dir: &std::path::Path, args: &Args) -> BenchResult<()> {
             let mut times = Vec::with_capacity(args.rounds);
             for i in 0..WARM_UP + args.rounds {
                 let start = Instant::now();
-                send_region(&socket, &region, message)?;
+                send_region(socket, &region, message)?;
                 let mut answer = [0u8; 1];
-                recv_exact(&socket, &mut answer, recv)?;
+                recv_exact(socket, &mut answer, recv)?;
                 let elapsed = start.elapsed();
                 if answer[0] != 3 {
                     return Err(format!("consumer answered {} instead of 3", answer[0]).into());
@@ -199,9 +159,7 @@ fn round_trips(dir: &std::path::Path, args: &Args) -> BenchResult<()> {
             median_us(&mut make)
         );
     }
-    drop(socket);
-    child.wait()?;
-    Ok(())
+    consumer.finish()
 }
 
 /// One way of copying a buffer into fresh memory; returns what must be freed after the timer.
@@ -354,11 +312,6 @@ fn copies() -> BenchResult<()> {
         println!("{row}");
     }
     Ok(())
-}
-
-fn median_us(times: &mut [Duration]) -> f64 {
-    times.sort_unstable();
-    times[times.len() / 2].as_secs_f64() * 1e6
 }
 
 /// The kernel's huge-page settings and what really works.

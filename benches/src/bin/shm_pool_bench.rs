@@ -27,9 +27,14 @@
 //!
 //! Usage: `shm_pool_bench [--rounds N] [--spin-us N] [--copies N] [--no-copy] [--same-cpu]`.
 
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::{Child, Command, ExitCode, Stdio};
-use std::time::{Duration, Instant};
+use std::os::unix::net::UnixStream;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use tensormem_benches::sharing_harness::{
+    exit_code, median_us, print_copy, BenchResult, Consumer, Copies, OptionSet, Options,
+    RoundTripTag,
+};
 
 use tensormem_shm::channel::{Channel, ChannelOptions};
 use tensormem_shm::copy::parallelism;
@@ -41,21 +46,17 @@ use tensormem_shm::{Error, MapOptions, SharedRegion};
 const ROUND_TRIP_SIZES: [u64; 3] = [4 << 10, 1 << 20, 64 << 20];
 const COPY_SIZES: [usize; 2] = [64 << 20, 1 << 30];
 const WARM_UP: usize = 50;
-const USAGE: &str =
-    "shm_pool_bench [--rounds N] [--spin-us N] [--copies N] [--no-copy] [--same-cpu]";
+const OPTIONS: OptionSet = OptionSet {
+    usage: "shm_pool_bench [--rounds N] [--spin-us N] [--copies N] [--no-copy] [--same-cpu]",
+    copies: Some(Copies {
+        default: 12,
+        min: 2,
+    }),
+    same_cpu: true,
+};
 /// Bytes of a ping-pong message (a pool message's header) and of its answer (a release record).
 const PING: usize = 40;
 const PONG: usize = 24;
-
-type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
-
-struct Args {
-    rounds: usize,
-    spin: Duration,
-    copies: usize,
-    copy: bool,
-    same_cpu: bool,
-}
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -64,43 +65,9 @@ fn main() -> ExitCode {
         Some("--fd-consumer") => fd_consumer(&args[1..]),
         Some("--channel-consumer") => channel_consumer(&args[1..]),
         Some("--socket-consumer") => socket_consumer(&args[1..]),
-        _ => parse(&args).and_then(|args| producer(&args)),
+        _ => Options::parse(&args, &OPTIONS).and_then(|args| producer(&args)),
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            eprintln!("shm_pool_bench: {err}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-fn parse(args: &[String]) -> BenchResult<Args> {
-    let mut parsed = Args {
-        rounds: 1000,
-        spin: Duration::from_micros(200),
-        copies: 12,
-        copy: true,
-        same_cpu: false,
-    };
-    let mut iter = args.iter();
-    while let Some(arg) = iter.next() {
-        let mut value = || -> BenchResult<u64> {
-            Ok(iter
-                .next()
-                .ok_or_else(|| format!("{arg} needs a value; usage: {USAGE}"))?
-                .parse()?)
-        };
-        match arg.as_str() {
-            "--rounds" => parsed.rounds = value()?.max(1) as usize,
-            "--spin-us" => parsed.spin = Duration::from_micros(value()?),
-            "--copies" => parsed.copies = value()?.max(2) as usize,
-            "--no-copy" => parsed.copy = false,
-            "--same-cpu" => parsed.same_cpu = true,
-            other => return Err(format!("unknown argument {other}; usage: {USAGE}").into()),
-        }
-    }
-    Ok(parsed)
+    exit_code("shm_pool_bench", result)
 }
 
 /// The consumer of the pooled rows: takes leases, checks the first and last byte against the
@@ -117,16 +84,13 @@ fn pool_consumer(args: &[String]) -> BenchResult<()> {
             Err(Error::Disconnected) => return Ok(()),
             Err(err) => return Err(err.into()),
         };
-        let user = lease.user_data();
-        let expected = user[4];
-        let first = lease.read_volatile(0)?;
-        let last = lease.read_volatile(lease.len() - 1)?;
-        if first != expected || last != expected {
-            return Err(format!("read {first}/{last}, expected {expected}").into());
-        }
-        let spin = u32::from_le_bytes([user[0], user[1], user[2], user[3]]);
+        let tag = RoundTripTag::from_bytes(lease.user_data())?;
+        tag.check(
+            lease.read_volatile(0)?,
+            lease.read_volatile(lease.len() - 1)?,
+        )?;
         drop(lease);
-        receiver.set_recv(RecvOptions::spinning(Duration::from_micros(spin.into())));
+        receiver.set_recv(tag.next_recv());
     }
 }
 
@@ -235,49 +199,16 @@ fn current_cpu() -> usize {
     usize::try_from(cpu).unwrap_or(0)
 }
 
-struct Peer {
-    child: Child,
-    socket: UnixStream,
-    dir: std::path::PathBuf,
+/// The consumer in `role`, pinned to `pin` if given.
+fn spawn_consumer(role: &str, pin: Option<usize>) -> BenchResult<Consumer> {
+    let extra = match pin {
+        Some(cpu) => vec!["--pin".to_owned(), cpu.to_string()],
+        None => Vec::new(),
+    };
+    Consumer::spawn_role("shm_pool_bench", role, &extra)
 }
 
-impl Peer {
-    fn spawn(role: &str) -> BenchResult<Self> {
-        Self::spawn_pinned(role, None)
-    }
-
-    /// The consumer in `role`, pinned to `pin` if given.
-    fn spawn_pinned(role: &str, pin: Option<usize>) -> BenchResult<Self> {
-        let dir = std::env::temp_dir().join(format!(
-            "tensormem-pool-bench-{}-{role}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&dir)?;
-        let path = dir.join("s.sock");
-        let _ = std::fs::remove_file(&path);
-        let listener = UnixListener::bind(&path)?;
-        let mut command = Command::new(std::env::current_exe()?);
-        command.arg(role).arg(&path).stdin(Stdio::null());
-        if let Some(cpu) = pin {
-            command.arg("--pin").arg(cpu.to_string());
-        }
-        let child = command.spawn()?;
-        let (socket, _) = listener.accept()?;
-        Ok(Self { child, socket, dir })
-    }
-
-    fn finish(mut self) -> BenchResult<()> {
-        drop(self.socket);
-        let status = self.child.wait()?;
-        let _ = std::fs::remove_dir_all(&self.dir);
-        if !status.success() {
-            return Err(format!("consumer failed: {status}").into());
-        }
-        Ok(())
-    }
-}
-
-fn producer(args: &Args) -> BenchResult<()> {
+fn producer(args: &Options) -> BenchResult<()> {
     eprintln!(
         "shm_pool_bench: {} threads available for copies",
         parallelism()
@@ -303,26 +234,23 @@ fn producer(args: &Args) -> BenchResult<()> {
 }
 
 /// The pooled rows; with `pin`, both processes on that CPU (this thread is pinned already).
-fn round_trips_pooled(args: &Args, pin: Option<usize>) -> BenchResult<()> {
+fn round_trips_pooled(args: &Options, pin: Option<usize>) -> BenchResult<()> {
     let suffix = if pin.is_some() { "_1cpu" } else { "" };
     let pool = ShmPool::new(PoolConfig::default());
-    let peer = Peer::spawn_pinned("--pool-consumer", pin)?;
-    let mut sender = PoolSender::new(&pool, peer.socket.try_clone()?)?;
+    let peer = spawn_consumer("--pool-consumer", pin)?;
+    let mut sender = PoolSender::new(&pool, peer.socket().try_clone()?)?;
     for len in ROUND_TRIP_SIZES {
         for (label, recv) in [
             ("tensormem_pool", RecvOptions::BLOCKING),
             ("tensormem_pool_spin", RecvOptions::spinning(args.spin)),
         ] {
-            let spin = u32::try_from(recv.spin.as_micros()).unwrap_or(u32::MAX);
             let mut times = Vec::with_capacity(args.rounds);
             for i in 0..WARM_UP + args.rounds {
                 let value = (i % 251) as u8;
                 let mut buffer = pool.alloc(len)?;
                 buffer.write_at(0, &[value])?;
                 buffer.write_at(len as usize - 1, &[value])?;
-                let mut user = [0u8; 5];
-                user[..4].copy_from_slice(&spin.to_le_bytes());
-                user[4] = value;
+                let user = RoundTripTag::new(recv, value).to_bytes();
                 let start = Instant::now();
                 sender.send(&buffer, &user)?;
                 drop(buffer);
@@ -350,13 +278,13 @@ fn round_trips_pooled(args: &Args, pin: Option<usize>) -> BenchResult<()> {
 
 /// The bare transports: a [`PING`]-byte message and a [`PONG`]-byte answer, blocking, on a
 /// shared-memory channel and on a Unix stream socket.
-fn pingpongs(args: &Args, pin: Option<usize>) -> BenchResult<()> {
+fn pingpongs(args: &Options, pin: Option<usize>) -> BenchResult<()> {
     let suffix = if pin.is_some() { "_1cpu" } else { "" };
     let ping = [7u8; PING];
     let mut pong = [0u8; PING];
 
-    let peer = Peer::spawn_pinned("--channel-consumer", pin)?;
-    let mut channel = Channel::create(peer.socket.try_clone()?, ChannelOptions::default())?;
+    let peer = spawn_consumer("--channel-consumer", pin)?;
+    let mut channel = Channel::create(peer.socket().try_clone()?, ChannelOptions::default())?;
     let mut times = Vec::with_capacity(args.rounds);
     for i in 0..WARM_UP + args.rounds {
         let start = Instant::now();
@@ -377,12 +305,12 @@ fn pingpongs(args: &Args, pin: Option<usize>) -> BenchResult<()> {
     drop(channel);
     peer.finish()?;
 
-    let peer = Peer::spawn_pinned("--socket-consumer", pin)?;
+    let peer = spawn_consumer("--socket-consumer", pin)?;
     let mut times = Vec::with_capacity(args.rounds);
     for i in 0..WARM_UP + args.rounds {
         let start = Instant::now();
-        rustix::net::send(&peer.socket, &ping, rustix::net::SendFlags::NOSIGNAL)?;
-        recv_exact(&peer.socket, &mut pong[..PONG], RecvOptions::BLOCKING)?;
+        rustix::net::send(peer.socket(), &ping, rustix::net::SendFlags::NOSIGNAL)?;
+        recv_exact(peer.socket(), &mut pong[..PONG], RecvOptions::BLOCKING)?;
         let elapsed = start.elapsed();
         if i >= WARM_UP {
             times.push(elapsed);
@@ -395,8 +323,8 @@ fn pingpongs(args: &Args, pin: Option<usize>) -> BenchResult<()> {
     peer.finish()
 }
 
-fn round_trips_fd(args: &Args) -> BenchResult<()> {
-    let peer = Peer::spawn("--fd-consumer")?;
+fn round_trips_fd(args: &Options) -> BenchResult<()> {
+    let peer = spawn_consumer("--fd-consumer", None)?;
     for len in ROUND_TRIP_SIZES {
         let mut region = SharedRegion::create_anonymous(len)?;
         region.fill(1)?;
@@ -404,9 +332,9 @@ fn round_trips_fd(args: &Args) -> BenchResult<()> {
         let mut times = Vec::with_capacity(args.rounds);
         for i in 0..WARM_UP + args.rounds {
             let start = Instant::now();
-            send_region(&peer.socket, &region, SendOptions::default())?;
+            send_region(peer.socket(), &region, SendOptions::default())?;
             let mut answer = [0u8; 1];
-            recv_exact(&peer.socket, &mut answer, RecvOptions::BLOCKING)?;
+            recv_exact(peer.socket(), &mut answer, RecvOptions::BLOCKING)?;
             let elapsed = start.elapsed();
             if answer[0] != 3 {
                 return Err(format!("consumer answered {}", answer[0]).into());
@@ -420,7 +348,7 @@ fn round_trips_fd(args: &Args) -> BenchResult<()> {
     peer.finish()
 }
 
-fn share_memory(args: &Args) -> BenchResult<()> {
+fn share_memory(args: &Options) -> BenchResult<()> {
     for len in COPY_SIZES {
         let src = vec![7u8; len];
         let runs = if len >= 1 << 30 {
@@ -441,10 +369,13 @@ fn share_memory(args: &Args) -> BenchResult<()> {
 
         // The pool, a consumer releasing each buffer.
         let pool = ShmPool::new(PoolConfig::default());
-        let peer = Peer::spawn("--pool-consumer")?;
-        let mut sender = PoolSender::new(&pool, peer.socket.try_clone()?)?;
-        let mut user = [0u8; 5];
-        user[4] = 7;
+        let peer = spawn_consumer("--pool-consumer", None)?;
+        let mut sender = PoolSender::new(&pool, peer.socket().try_clone()?)?;
+        let user = RoundTripTag {
+            spin_us: 0,
+            value: 7,
+        }
+        .to_bytes();
         let mut times = Vec::with_capacity(runs);
         for _ in 0..runs + 1 {
             let start = Instant::now();
@@ -469,17 +400,4 @@ fn share_memory(args: &Args) -> BenchResult<()> {
         peer.finish()?;
     }
     Ok(())
-}
-
-fn print_copy(label: &str, len: usize, times: &mut [Duration]) {
-    let us = median_us(times);
-    println!(
-        "{label},cpu,{len},{us:.1}  ({:.2} GB/s)",
-        len as f64 / (us * 1e-6) / 1e9
-    );
-}
-
-fn median_us(times: &mut [Duration]) -> f64 {
-    times.sort_unstable();
-    times[times.len() / 2].as_secs_f64() * 1e6
 }

@@ -24,10 +24,14 @@
 //! `ratio,...,facade/bare` line. Usage:
 //! `storage_pool_bench [--rounds N] [--spin-us N] [--copies N] [--no-copy]`.
 
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::os::unix::net::UnixStream;
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use tensormem_benches::sharing_harness::{
+    exit_code, median_us, print_copy, BenchResult, Consumer, Copies, OptionSet, Options,
+    RoundTripTag,
+};
 use tensormem_shm::mapping_cache::{PoolReceiver, ReceiverOptions};
 use tensormem_shm::pool::{PoolConfig, PoolSender, ShmPool};
 use tensormem_shm::transfer::RecvOptions;
@@ -36,57 +40,23 @@ use tensormem_storage::{default_pool, set_default_pool, Storage};
 const ROUND_TRIP_SIZES: [usize; 3] = [4 << 10, 1 << 20, 64 << 20];
 const COPY_SIZES: [usize; 2] = [64 << 20, 1 << 30];
 const WARM_UP: usize = 50;
-const USAGE: &str = "storage_pool_bench [--rounds N] [--spin-us N] [--copies N] [--no-copy]";
-
-type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
-
-struct Args {
-    rounds: usize,
-    spin: Duration,
-    copies: usize,
-    copy: bool,
-}
+const OPTIONS: OptionSet = OptionSet {
+    usage: "storage_pool_bench [--rounds N] [--spin-us N] [--copies N] [--no-copy]",
+    copies: Some(Copies {
+        default: 10,
+        min: 1,
+    }),
+    same_cpu: false,
+};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("--bare-consumer") => consumer(&args[1..], false),
         Some("--storage-consumer") => consumer(&args[1..], true),
-        _ => parse(&args).and_then(|args| producer(&args)),
+        _ => Options::parse(&args, &OPTIONS).and_then(|args| producer(&args)),
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            eprintln!("storage_pool_bench: {err}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-fn parse(args: &[String]) -> BenchResult<Args> {
-    let mut parsed = Args {
-        rounds: 1000,
-        spin: Duration::from_micros(200),
-        copies: 10,
-        copy: true,
-    };
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let mut value = || -> BenchResult<u64> {
-            Ok(it
-                .next()
-                .ok_or_else(|| format!("{arg} needs a value; usage: {USAGE}"))?
-                .parse()?)
-        };
-        match arg.as_str() {
-            "--rounds" => parsed.rounds = value()?.max(1) as usize,
-            "--spin-us" => parsed.spin = Duration::from_micros(value()?),
-            "--copies" => parsed.copies = value()?.max(1) as usize,
-            "--no-copy" => parsed.copy = false,
-            _ => return Err(format!("unknown argument {arg}; usage: {USAGE}").into()),
-        }
-    }
-    Ok(parsed)
+    exit_code("storage_pool_bench", result)
 }
 
 /// A consumer: receives, checks the first and last byte against byte 4 of the user data, lets
@@ -96,7 +66,7 @@ fn consumer(args: &[String], facade: bool) -> BenchResult<()> {
     let socket = UnixStream::connect(path)?;
     let mut receiver = PoolReceiver::new(socket, ReceiverOptions::default())?;
     loop {
-        let (first, last, user) = if facade {
+        let (first, last, tag) = if facade {
             let received = match Storage::recv_pooled(&mut receiver) {
                 Ok(received) => received,
                 Err(tensormem_storage::Error::Shm(tensormem_shm::Error::Disconnected)) => {
@@ -108,9 +78,9 @@ fn consumer(args: &[String], facade: bool) -> BenchResult<()> {
             let (mut first, mut last) = ([0u8], [0u8]);
             storage.read_at(0, &mut first)?;
             storage.read_at(storage.nbytes() - 1, &mut last)?;
-            let user: [u8; 5] = received.metadata[..5].try_into()?;
+            let tag = RoundTripTag::from_bytes(&received.metadata)?;
             drop(received);
-            (first[0], last[0], user)
+            (first[0], last[0], tag)
         } else {
             let lease = match receiver.recv() {
                 Ok(lease) => lease,
@@ -119,51 +89,12 @@ fn consumer(args: &[String], facade: bool) -> BenchResult<()> {
             };
             let first = lease.read_volatile(0)?;
             let last = lease.read_volatile(lease.len() - 1)?;
-            let user: [u8; 5] = lease.user_data()[..5].try_into()?;
+            let tag = RoundTripTag::from_bytes(lease.user_data())?;
             drop(lease);
-            (first, last, user)
+            (first, last, tag)
         };
-        if first != user[4] || last != user[4] {
-            return Err(format!("read {first}/{last}, expected {}", user[4]).into());
-        }
-        let spin = u32::from_le_bytes([user[0], user[1], user[2], user[3]]);
-        receiver.set_recv(RecvOptions::spinning(Duration::from_micros(spin.into())));
-    }
-}
-
-struct Peer {
-    child: Child,
-    socket: UnixStream,
-    dir: std::path::PathBuf,
-}
-
-impl Peer {
-    fn spawn(role: &str) -> BenchResult<Self> {
-        let dir = std::env::temp_dir().join(format!(
-            "tensormem-storage-pool-bench-{}-{role}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&dir)?;
-        let path = dir.join("s.sock");
-        let _ = std::fs::remove_file(&path);
-        let listener = UnixListener::bind(&path)?;
-        let child = Command::new(std::env::current_exe()?)
-            .arg(role)
-            .arg(&path)
-            .stdin(Stdio::null())
-            .spawn()?;
-        let (socket, _) = listener.accept()?;
-        Ok(Self { child, socket, dir })
-    }
-
-    fn finish(mut self) -> BenchResult<()> {
-        drop(self.socket);
-        let status = self.child.wait()?;
-        let _ = std::fs::remove_dir_all(&self.dir);
-        if !status.success() {
-            return Err(format!("consumer failed: {status}").into());
-        }
-        Ok(())
+        tag.check(first, last)?;
+        receiver.set_recv(tag.next_recv());
     }
 }
 
@@ -171,7 +102,7 @@ impl Peer {
 struct Connection {
     pool: ShmPool,
     sender: PoolSender,
-    peer: Peer,
+    peer: Consumer,
 }
 
 impl Connection {
@@ -181,8 +112,8 @@ impl Connection {
         } else {
             "--bare-consumer"
         };
-        let peer = Peer::spawn(role)?;
-        let sender = PoolSender::new(&pool, peer.socket.try_clone()?)?;
+        let peer = Consumer::spawn_role("storage_pool_bench", role, &[])?;
+        let sender = PoolSender::new(&pool, peer.socket().try_clone()?)?;
         Ok(Self { pool, sender, peer })
     }
 
@@ -202,14 +133,7 @@ impl Connection {
     }
 }
 
-fn user_data(spin: u32, value: u8) -> [u8; 5] {
-    let mut user = [0u8; 5];
-    user[..4].copy_from_slice(&spin.to_le_bytes());
-    user[4] = value;
-    user
-}
-
-fn producer(args: &Args) -> BenchResult<()> {
+fn producer(args: &Options) -> BenchResult<()> {
     // The facade's share_memory_ uses the process-wide pool: give it the bare rows' config.
     set_default_pool(ShmPool::new(PoolConfig::default()))?;
     println!("strategy,device,bytes,median_us_per_roundtrip");
@@ -220,7 +144,6 @@ fn producer(args: &Args) -> BenchResult<()> {
             ("", RecvOptions::BLOCKING),
             ("_spin", RecvOptions::spinning(args.spin)),
         ] {
-            let spin = u32::try_from(recv.spin.as_micros()).unwrap_or(u32::MAX);
             // Interleaved round by round, in alternating order, so machine drift hits both.
             let (mut bare_times, mut facade_times) = (Vec::new(), Vec::new());
             for i in 0..WARM_UP + args.rounds {
@@ -228,9 +151,9 @@ fn producer(args: &Args) -> BenchResult<()> {
                 let facade_first = i % 2 == 0;
                 for facade_turn in [facade_first, !facade_first] {
                     let elapsed = if facade_turn {
-                        round_trip_facade(&mut facade, len, recv, spin, value)?
+                        round_trip_facade(&mut facade, len, recv, value)?
                     } else {
-                        round_trip_bare(&mut bare, len, recv, spin, value)?
+                        round_trip_bare(&mut bare, len, recv, value)?
                     };
                     if i >= WARM_UP {
                         if facade_turn {
@@ -275,13 +198,12 @@ fn round_trip_bare(
     c: &mut Connection,
     len: usize,
     recv: RecvOptions,
-    spin: u32,
     value: u8,
 ) -> BenchResult<Duration> {
     let mut buffer = c.pool.alloc_zeroed(len as u64)?;
     buffer.write_at(0, &[value])?;
     buffer.write_at(len - 1, &[value])?;
-    let user = user_data(spin, value);
+    let user = RoundTripTag::new(recv, value).to_bytes();
     let start = Instant::now();
     c.sender.send(&buffer, &user)?;
     drop(buffer);
@@ -293,13 +215,12 @@ fn round_trip_facade(
     c: &mut Connection,
     len: usize,
     recv: RecvOptions,
-    spin: u32,
     value: u8,
 ) -> BenchResult<Duration> {
     let storage = Storage::new_pooled(&c.pool, len)?;
     storage.write_at(0, &[value])?;
     storage.write_at(len - 1, &[value])?;
-    let user = user_data(spin, value);
+    let user = RoundTripTag::new(recv, value).to_bytes();
     let start = Instant::now();
     storage.send_pooled(&mut c.sender, &user)?;
     drop(storage);
@@ -307,7 +228,7 @@ fn round_trip_facade(
     Ok(start.elapsed())
 }
 
-fn share_memory(args: &Args) -> BenchResult<()> {
+fn share_memory(args: &Options) -> BenchResult<()> {
     for len in COPY_SIZES {
         let src = vec![7u8; len];
         let runs = if len >= 1 << 30 {
@@ -315,7 +236,11 @@ fn share_memory(args: &Args) -> BenchResult<()> {
         } else {
             args.copies
         };
-        let user = user_data(0, 7);
+        let user = RoundTripTag {
+            spin_us: 0,
+            value: 7,
+        }
+        .to_bytes();
 
         let mut bare = Connection::open(ShmPool::new(PoolConfig::default()), false)?;
         let mut facade = Connection::open(default_pool().clone(), true)?;
@@ -367,18 +292,4 @@ fn share_memory(args: &Args) -> BenchResult<()> {
         default_pool().trim();
     }
     Ok(())
-}
-
-fn print_copy(label: &str, len: usize, times: &mut [Duration]) -> f64 {
-    let us = median_us(times);
-    println!(
-        "{label},cpu,{len},{us:.1}  ({:.2} GB/s)",
-        len as f64 / (us * 1e-6) / 1e9
-    );
-    us
-}
-
-fn median_us(times: &mut [Duration]) -> f64 {
-    times.sort_unstable();
-    times[times.len() / 2].as_secs_f64() * 1e6
 }

@@ -21,10 +21,10 @@
 //! `cargo run --release -p tensormem-benches --bin storage_round_trip [-- ROUNDS]`
 
 use std::io::Write;
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::{Command, Stdio};
+use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
+use tensormem_benches::sharing_harness::Consumer;
 use tensormem_shm::transfer::{recv_exact, recv_region, send_region, RecvOptions, SendOptions};
 use tensormem_shm::{MapOptions, SharedRegion};
 use tensormem_storage::Storage;
@@ -118,17 +118,11 @@ fn main() {
     let scale: f64 = std::env::args()
         .nth(1)
         .map_or(1.0, |s| s.parse().expect("a number: the rounds factor"));
-    let dir = std::env::temp_dir().join(format!("tensormem-bench-storage-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("socket dir");
-    let path = dir.join("rt.sock");
-    let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path).expect("bind");
-    let mut child = Command::new(std::env::current_exe().expect("own path"))
-        .env(CONSUMER_SOCKET, &path)
-        .stdin(Stdio::null())
-        .spawn()
-        .expect("spawn consumer");
-    let (socket, _) = listener.accept().expect("consumer connects");
+    let consumer = Consumer::spawn("storage_round_trip", |command, path| {
+        command.env(CONSUMER_SOCKET, path);
+    })
+    .expect("spawn the consumer");
+    let socket = consumer.socket();
 
     println!("| size | bare shm (median) | storage facade (median) | storage / bare | rounds |");
     println!("| --- | --- | --- | --- | --- |");
@@ -137,17 +131,17 @@ fn main() {
         let mut data = vec![1u8; len];
         data[len - 1] = 2;
         for _ in 0..(rounds / 10).max(2) {
-            bare(&socket, &data);
-            facade(&socket, &data);
+            bare(socket, &data);
+            facade(socket, &data);
         }
         let (mut b, mut f) = (Vec::with_capacity(rounds), Vec::with_capacity(rounds));
         for round in 0..rounds {
             if round % 2 == 0 {
-                b.push(bare(&socket, &data));
-                f.push(facade(&socket, &data));
+                b.push(bare(socket, &data));
+                f.push(facade(socket, &data));
             } else {
-                f.push(facade(&socket, &data));
-                b.push(bare(&socket, &data));
+                f.push(facade(socket, &data));
+                b.push(bare(socket, &data));
             }
         }
         let (mb, mf) = (median(b), median(f));
@@ -158,7 +152,5 @@ fn main() {
             mf.as_secs_f64() / mb.as_secs_f64()
         );
     }
-    drop(socket);
-    let _ = child.wait();
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = consumer.finish();
 }
