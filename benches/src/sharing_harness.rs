@@ -10,6 +10,13 @@ use std::time::Duration;
 
 use tensormem_shm::transfer::RecvOptions;
 
+/// The sizes of the round-trip rows, in bytes: 4 KiB, 1 MiB, 64 MiB.
+pub const ROUND_TRIP_SIZES: [usize; 3] = [4 << 10, 1 << 20, 64 << 20];
+/// The sizes of the `share_memory_` rows, in bytes: 64 MiB, 1 GiB.
+pub const COPY_SIZES: [usize; 2] = [64 << 20, 1 << 30];
+/// Untimed round trips before the timed ones of each row.
+pub const WARM_UP: usize = 50;
+
 /// What a benchmark's steps return: any error ends the run with its message.
 pub type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -96,6 +103,16 @@ impl Options {
             }
         }
         Ok(parsed)
+    }
+
+    /// How many timed copies of `len` bytes: [`Options::copies`], fewer (half, at least 3) from
+    /// 1 GiB on.
+    pub fn copy_runs(&self, len: usize) -> usize {
+        if len >= 1 << 30 {
+            self.copies.div_ceil(2).max(3)
+        } else {
+            self.copies
+        }
     }
 }
 

@@ -34,7 +34,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use tensormem_benches::sharing_harness::{
-    exit_code, median_us, BenchResult, Consumer, OptionSet, Options,
+    exit_code, median_us, BenchResult, Consumer, OptionSet, Options, ROUND_TRIP_SIZES, WARM_UP,
 };
 use tensormem_shm::copy::{parallelism, CopyMethod, CopyPlan};
 use tensormem_shm::transfer::{
@@ -42,10 +42,8 @@ use tensormem_shm::transfer::{
 };
 use tensormem_shm::{copy_prefaulted, AnonymousKind, MapOptions, SharedRegion};
 
-const ROUND_TRIP_SIZES: [u64; 3] = [4 << 10, 1 << 20, 64 << 20];
 /// (bytes, runs per variant: the first plus the ones the median is taken over).
 const COPY_SIZES: [(usize, usize); 2] = [(64 << 20, 7), (1 << 30, 4)];
-const WARM_UP: usize = 50;
 const OPTIONS: OptionSet = OptionSet {
     usage: "shm_bench [--rounds N] [--spin-us N] [--no-copy]",
     copies: None,
@@ -118,13 +116,13 @@ fn round_trips(args: &Options) -> BenchResult<()> {
         let mut make = Vec::with_capacity(20);
         for _ in 0..20 {
             let start = Instant::now();
-            let region = SharedRegion::create_anonymous(len)?;
+            let region = SharedRegion::create_anonymous(len as u64)?;
             make.push(start.elapsed());
             drop(region);
         }
-        let mut region = SharedRegion::create_anonymous(len)?;
+        let mut region = SharedRegion::create_anonymous(len as u64)?;
         region.fill(1)?;
-        region.write_at(len as usize - 1, &[2])?;
+        region.write_at(len - 1, &[2])?;
         for (label, recv, detach_first) in [
             ("tensormem_fd", RecvOptions::BLOCKING, true),
             ("tensormem_fd_spin", spinning, true),

@@ -33,9 +33,8 @@ use std::time::Instant;
 
 use tensormem_benches::sharing_harness::{
     exit_code, median_us, print_copy, BenchResult, Consumer, Copies, OptionSet, Options,
-    RoundTripTag,
+    RoundTripTag, COPY_SIZES, ROUND_TRIP_SIZES, WARM_UP,
 };
-
 use tensormem_shm::channel::{Channel, ChannelOptions};
 use tensormem_shm::copy::parallelism;
 use tensormem_shm::mapping_cache::{PoolReceiver, ReceiverOptions};
@@ -43,9 +42,6 @@ use tensormem_shm::pool::{PoolConfig, PoolSender, ShmPool};
 use tensormem_shm::transfer::{recv_exact, recv_region, send_region, RecvOptions, SendOptions};
 use tensormem_shm::{Error, MapOptions, SharedRegion};
 
-const ROUND_TRIP_SIZES: [u64; 3] = [4 << 10, 1 << 20, 64 << 20];
-const COPY_SIZES: [usize; 2] = [64 << 20, 1 << 30];
-const WARM_UP: usize = 50;
 const OPTIONS: OptionSet = OptionSet {
     usage: "shm_pool_bench [--rounds N] [--spin-us N] [--copies N] [--no-copy] [--same-cpu]",
     copies: Some(Copies {
@@ -247,9 +243,9 @@ fn round_trips_pooled(args: &Options, pin: Option<usize>) -> BenchResult<()> {
             let mut times = Vec::with_capacity(args.rounds);
             for i in 0..WARM_UP + args.rounds {
                 let value = (i % 251) as u8;
-                let mut buffer = pool.alloc(len)?;
+                let mut buffer = pool.alloc(len as u64)?;
                 buffer.write_at(0, &[value])?;
-                buffer.write_at(len as usize - 1, &[value])?;
+                buffer.write_at(len - 1, &[value])?;
                 let user = RoundTripTag::new(recv, value).to_bytes();
                 let start = Instant::now();
                 sender.send(&buffer, &user)?;
@@ -326,9 +322,9 @@ fn pingpongs(args: &Options, pin: Option<usize>) -> BenchResult<()> {
 fn round_trips_fd(args: &Options) -> BenchResult<()> {
     let peer = spawn_consumer("--fd-consumer", None)?;
     for len in ROUND_TRIP_SIZES {
-        let mut region = SharedRegion::create_anonymous(len)?;
+        let mut region = SharedRegion::create_anonymous(len as u64)?;
         region.fill(1)?;
-        region.write_at(len as usize - 1, &[2])?;
+        region.write_at(len - 1, &[2])?;
         let mut times = Vec::with_capacity(args.rounds);
         for i in 0..WARM_UP + args.rounds {
             let start = Instant::now();
@@ -351,11 +347,7 @@ fn round_trips_fd(args: &Options) -> BenchResult<()> {
 fn share_memory(args: &Options) -> BenchResult<()> {
     for len in COPY_SIZES {
         let src = vec![7u8; len];
-        let runs = if len >= 1 << 30 {
-            args.copies.div_ceil(2).max(3)
-        } else {
-            args.copies
-        };
+        let runs = args.copy_runs(len);
 
         // Today's path: a new region per copy, dropped outside the timer.
         let mut times = Vec::with_capacity(runs);

@@ -30,16 +30,13 @@ use std::time::{Duration, Instant};
 
 use tensormem_benches::sharing_harness::{
     exit_code, median_us, print_copy, BenchResult, Consumer, Copies, OptionSet, Options,
-    RoundTripTag,
+    RoundTripTag, COPY_SIZES, ROUND_TRIP_SIZES, WARM_UP,
 };
 use tensormem_shm::mapping_cache::{PoolReceiver, ReceiverOptions};
 use tensormem_shm::pool::{PoolConfig, PoolSender, ShmPool};
 use tensormem_shm::transfer::RecvOptions;
 use tensormem_storage::{default_pool, set_default_pool, Storage};
 
-const ROUND_TRIP_SIZES: [usize; 3] = [4 << 10, 1 << 20, 64 << 20];
-const COPY_SIZES: [usize; 2] = [64 << 20, 1 << 30];
-const WARM_UP: usize = 50;
 const OPTIONS: OptionSet = OptionSet {
     usage: "storage_pool_bench [--rounds N] [--spin-us N] [--copies N] [--no-copy]",
     copies: Some(Copies {
@@ -231,11 +228,7 @@ fn round_trip_facade(
 fn share_memory(args: &Options) -> BenchResult<()> {
     for len in COPY_SIZES {
         let src = vec![7u8; len];
-        let runs = if len >= 1 << 30 {
-            args.copies.div_ceil(2).max(3)
-        } else {
-            args.copies
-        };
+        let runs = args.copy_runs(len);
         let user = RoundTripTag {
             spin_us: 0,
             value: 7,
