@@ -25,6 +25,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::{Child, ChildStdout, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
+use tensormem_benches::sharing_harness::{exit_code, BenchResult};
 use tensormem_shm::copy::parallelism;
 use tensormem_shm::mapping_cache::{PoolReceiver, ReceiverOptions};
 use tensormem_shm::pool::{PoolConfig, PoolSender, ShmPool};
@@ -34,8 +35,6 @@ use tensormem_shm::{Access, Error, MapOptions, SharedRegion};
 /// Batches in flight per consumer.
 const CREDIT: usize = 2;
 
-type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
-
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = if args.first().map(String::as_str) == Some("--consumer") {
@@ -43,13 +42,7 @@ fn main() -> ExitCode {
     } else {
         run(&args)
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            eprintln!("shm_loader_bench: {err}");
-            ExitCode::FAILURE
-        }
-    }
+    exit_code("shm_loader_bench", result)
 }
 
 fn run(args: &[String]) -> BenchResult<()> {
