@@ -696,3 +696,36 @@ fn a_connection_carries_at_most_max_leases_open_and_every_release_fits_its_ring(
     sender.send(&buffer, b"again").unwrap();
     assert_eq!(receiver.recv().unwrap().user_data(), b"again");
 }
+
+#[test]
+fn a_bounded_wait_for_releases_gives_up_with_nothing_or_returns_what_came_back() {
+    let pool = small_pool();
+    let (mut sender, mut receiver) = connect(&pool, ReceiverOptions::default());
+    // Nothing lent: 0 at once.
+    assert_eq!(
+        sender
+            .wait_release_timeout(std::time::Duration::from_secs(60))
+            .unwrap(),
+        0
+    );
+    let buffer = pool.alloc(MIB).unwrap();
+    sender.send(&buffer, &[]).unwrap();
+    drop(buffer);
+    let lease = receiver.recv().unwrap();
+    // The lease is held: the wait ends empty-handed and the lease stays out.
+    assert_eq!(
+        sender
+            .wait_release_timeout(std::time::Duration::from_millis(20))
+            .unwrap(),
+        0
+    );
+    assert_eq!(sender.outstanding(), 1);
+    drop(lease);
+    assert_eq!(
+        sender
+            .wait_release_timeout(std::time::Duration::from_secs(60))
+            .unwrap(),
+        1
+    );
+    assert_eq!(sender.outstanding(), 0);
+}

@@ -242,17 +242,7 @@ impl PoolSender {
     /// As [`poll_releases`](Self::poll_releases).
     pub fn wait_release(&mut self, recv: Option<RecvOptions>) -> Result<usize> {
         let recv = recv.unwrap_or(RecvOptions::BLOCKING);
-        let link = Arc::clone(&self.link);
-        let mut leases = link.leases();
-        if let Some(err) = leases.deferred.take() {
-            return Err(err);
-        }
-        let mut count = 0;
-        while count == 0 && leases.outstanding > 0 && !leases.gone {
-            let got = link.read(&mut leases, &self.pool, ReadWait::Block(recv.spin))?;
-            count += got.unwrap_or(0);
-        }
-        Ok(count)
+        self.wait_releases(ReadWait::Block(recv.spin))
     }
 
     /// [`wait_release`](Self::wait_release) giving up after `timeout` (returns 0 then).
@@ -261,7 +251,12 @@ impl PoolSender {
     ///
     /// As [`poll_releases`](Self::poll_releases).
     pub fn wait_release_timeout(&mut self, timeout: Duration) -> Result<usize> {
-        let deadline = Instant::now() + timeout;
+        self.wait_releases(ReadWait::Until(Instant::now() + timeout))
+    }
+
+    /// Reads releases, waiting as `wait` says, until at least one came back, none is open, or
+    /// the consumer is gone; with [`ReadWait::Until`], also once its instant has passed.
+    fn wait_releases(&mut self, wait: ReadWait) -> Result<usize> {
         let link = Arc::clone(&self.link);
         let mut leases = link.leases();
         if let Some(err) = leases.deferred.take() {
@@ -269,8 +264,10 @@ impl PoolSender {
         }
         let mut count = 0;
         while count == 0 && leases.outstanding > 0 && !leases.gone {
-            match link.read(&mut leases, &self.pool, ReadWait::Until(deadline))? {
+            match link.read(&mut leases, &self.pool, wait)? {
                 Some(got) => count += got,
+                // Nothing read: a blocking wait goes on, a bounded one has timed out.
+                None if matches!(wait, ReadWait::Block(_)) => {}
                 None => break,
             }
         }
