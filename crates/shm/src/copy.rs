@@ -38,6 +38,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
+use std::thread::ScopedJoinHandle;
 
 use rustix::fd::BorrowedFd;
 use rustix::fs::FallocateFlags;
@@ -272,15 +273,25 @@ fn copy_split(dst: &mut [u8], src: &[u8], threads: usize) -> Result<()> {
         let others: Vec<_> = pieces
             .map(|(d, s)| scope.spawn(move || prefault_and_copy_steps(d, s)))
             .collect();
-        let mut result = prefault_and_copy_steps(first_dst, first_src);
-        for handle in others {
-            let theirs = handle
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-            result = result.and(theirs);
-        }
-        result
+        join_pieces(prefault_and_copy_steps(first_dst, first_src), others)
     })
+}
+
+/// Waits for the threads of `others`, each working on a piece of a split job; the calling
+/// thread's own piece gave `first`. Returns the first error in piece order; a thread's panic
+/// goes on in the caller.
+pub(crate) fn join_pieces(
+    first: Result<()>,
+    others: Vec<ScopedJoinHandle<'_, Result<()>>>,
+) -> Result<()> {
+    let mut result = first;
+    for handle in others {
+        let theirs = handle
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        result = result.and(theirs);
+    }
+    result
 }
 
 fn prefault_and_copy_steps(dst: &mut [u8], src: &[u8]) -> Result<()> {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use rustix::fd::BorrowedFd;
 
 use super::Inner;
-use crate::copy::{prefault_write, MIN_CHUNK};
+use crate::copy::{join_pieces, prefault_write, MIN_CHUNK};
 use crate::error::{Error, Result};
 use crate::mapping::Mapping;
 use crate::region::SharedRegion;
@@ -330,14 +330,7 @@ fn parallel_pieces(
             .step_by(piece)
             .map(|at| scope.spawn(move || work(at, piece.min(len - at))))
             .collect();
-        let mut result = work(0, piece.min(len));
-        for handle in others {
-            let theirs = handle
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-            result = result.and(theirs);
-        }
-        result
+        join_pieces(work(0, piece.min(len)), others)
     })
 }
 
