@@ -61,15 +61,7 @@ pub(crate) fn copy_owner(dst: &mut Owner, src: &Owner, len: usize) -> Result<()>
     if let Some(bytes) = src.private_bytes() {
         return dst.write_at(0, &bytes[..len]);
     }
-    let mut buf = vec![0u8; len.min(CHUNK)];
-    let mut offset = 0;
-    while offset < len {
-        let n = (len - offset).min(CHUNK);
-        src.read_at(offset, &mut buf[..n])?;
-        dst.write_at(offset, &buf[..n])?;
-        offset += n;
-    }
-    Ok(())
+    copy_through_buffer(src, len, |offset, piece| dst.write_at(offset, piece))
 }
 
 /// Copies the first `len` bytes of a host owner into a fresh mapping.
@@ -78,12 +70,22 @@ pub(crate) fn copy_host(src: &Owner, dst: &mut Mapping, len: usize) -> Result<()
         dst.write_at(0, &bytes[..len])?;
         return Ok(());
     }
+    copy_through_buffer(src, len, |offset, piece| Ok(dst.write_at(offset, piece)?))
+}
+
+/// Copies the first `len` bytes of `src` through a buffer of at most [`CHUNK`] bytes, handing
+/// each piece read to `write` with its offset.
+fn copy_through_buffer(
+    src: &Owner,
+    len: usize,
+    mut write: impl FnMut(usize, &[u8]) -> Result<()>,
+) -> Result<()> {
     let mut buf = vec![0u8; len.min(CHUNK)];
     let mut offset = 0;
     while offset < len {
         let n = (len - offset).min(CHUNK);
         src.read_at(offset, &mut buf[..n])?;
-        dst.write_at(offset, &buf[..n])?;
+        write(offset, &buf[..n])?;
         offset += n;
     }
     Ok(())
