@@ -4,10 +4,9 @@ mod common;
 
 use std::sync::atomic::{AtomicU32, AtomicU64};
 
-use common::fresh_name;
+use common::{fresh_name, stream_pair};
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use rustix::fs::{Mode, OFlags};
-use rustix::net::{socketpair, AddressFamily, SocketFlags, SocketType};
 use tensormem_shm::transfer::{recv_region, send_fd, SendOptions};
 use tensormem_shm::{
     CreateMode, Error, MapOptions, NameGenerator, NameProblem, ObjectKind, RefcountedRegion,
@@ -177,13 +176,7 @@ fn open_dir() -> OwnedFd {
 }
 
 fn wrong_kinds() -> Vec<(OwnedFd, ObjectKind)> {
-    let (sock, _other) = socketpair(
-        AddressFamily::UNIX,
-        SocketType::STREAM,
-        SocketFlags::CLOEXEC,
-        None,
-    )
-    .unwrap();
+    let (sock, _other) = stream_pair();
     let (pipe_read, _pipe_write) = rustix::pipe::pipe().unwrap();
     vec![
         (sock, ObjectKind::Socket),
@@ -204,13 +197,7 @@ fn sockets_directories_and_pipes_are_refused_when_mapped() {
 
 #[test]
 fn sockets_directories_and_pipes_are_refused_when_received() {
-    let (a, b) = socketpair(
-        AddressFamily::UNIX,
-        SocketType::STREAM,
-        SocketFlags::CLOEXEC,
-        None,
-    )
-    .unwrap();
+    let (a, b) = stream_pair();
     for (fd, kind) in wrong_kinds() {
         send_fd(&a, fd.as_fd(), 4096, 0, SendOptions::default()).unwrap();
         match recv_region(&b, &MapOptions::new()) {
@@ -284,13 +271,7 @@ fn objects_of_another_user_need_an_explicit_opt_in() {
         .unwrap();
     assert_eq!(opened.len(), 4096);
     // The same check guards received descriptors.
-    let (a, b) = socketpair(
-        AddressFamily::UNIX,
-        SocketType::STREAM,
-        SocketFlags::CLOEXEC,
-        None,
-    )
-    .unwrap();
+    let (a, b) = stream_pair();
     send_fd(&a, region.fd().unwrap(), 4096, 0, SendOptions::default()).unwrap();
     assert!(matches!(
         recv_region(&b, &MapOptions::new()),
@@ -360,13 +341,7 @@ fn as_mut_slice_on_a_read_only_mapping_panics() {
 fn sending_a_region_without_fd_is_refused() {
     let (name, _cleanup) = fresh_name();
     let region = create(&name, 4096).unwrap();
-    let (a, _b) = socketpair(
-        AddressFamily::UNIX,
-        SocketType::STREAM,
-        SocketFlags::CLOEXEC,
-        None,
-    )
-    .unwrap();
+    let (a, _b) = stream_pair();
     assert!(matches!(
         tensormem_shm::transfer::send_region(&a, &region, SendOptions::default()),
         Err(Error::NoFd { .. })

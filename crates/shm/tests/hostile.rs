@@ -8,7 +8,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
-use common::fresh_name;
+use common::{fresh_name, stream_pair};
 use rustix::fs::{FileType, Mode};
 use rustix::net::{socketpair, AddressFamily, SocketFlags, SocketType};
 use tensormem_shm::transfer::{recv_region, send_fd, send_region, SendOptions};
@@ -119,13 +119,7 @@ fn sealed_regions_are_not_truncatable_and_unsealed_received_ones_are() {
     let unsealed = SharedRegion::create_anonymous_as(8192, AnonymousKind::UnlinkedShm).unwrap();
     assert!(unsealed.is_truncatable());
 
-    let (a, b) = socketpair(
-        AddressFamily::UNIX,
-        SocketType::STREAM,
-        SocketFlags::CLOEXEC,
-        None,
-    )
-    .unwrap();
+    let (a, b) = stream_pair();
     send_region(&a, &unsealed, SendOptions::default()).unwrap();
     let received = recv_region(&b, &MapOptions::new()).unwrap();
     assert!(received.region.is_truncatable());

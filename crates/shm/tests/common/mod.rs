@@ -3,6 +3,8 @@
 #[allow(dead_code)] // only the test binaries that re-execute themselves use it
 pub(crate) mod self_exec;
 
+use rustix::fd::OwnedFd;
+use rustix::net::{socketpair, AddressFamily, SocketFlags, SocketType};
 use tensormem_shm::{NameGenerator, ShmName};
 
 /// Unlinks a test's name when the test ends (ignoring "already gone").
@@ -19,4 +21,16 @@ impl Drop for UnlinkOnDrop {
 pub(crate) fn fresh_name() -> (ShmName, UnlinkOnDrop) {
     let name = NameGenerator::with_prefix("tmtest").unwrap().next_name();
     (name.clone(), UnlinkOnDrop(name))
+}
+
+/// A connected pair of Unix stream sockets (close-on-exec), for sending descriptors.
+#[allow(dead_code)] // not every test binary that includes this module sends descriptors
+pub(crate) fn stream_pair() -> (OwnedFd, OwnedFd) {
+    socketpair(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .unwrap()
 }
