@@ -9,10 +9,13 @@
 //! reads commands on stdin, or a producer; an environment variable gives the role.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use common::{hex, unhex};
 use cudarc::driver::sys;
 use tensormem_cuda_alloc::backend::cuda::{self, CudaBackend};
 use tensormem_cuda_alloc::{CachingAllocator, DeviceAddress, StreamId};
@@ -95,17 +98,6 @@ fn read(ptr: DeviceAddress, len: usize) -> Vec<u8> {
         sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), ptr.0, len)
     });
     out
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(text: &str) -> Vec<u8> {
-    (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
-        .collect()
 }
 
 /// A peer process, killed if the test ends first.

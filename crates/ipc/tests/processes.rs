@@ -2,10 +2,13 @@
 //! cleanup need no GPU), including kill -9 of either side. Each test re-executes this binary, running
 //! only itself, as the other process; an environment variable gives the child its role.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 
+use common::{hex, unhex};
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::{CachingAllocator, StreamId};
 use tensormem_ipc::driver::fake::FakeDriver;
@@ -14,17 +17,6 @@ use tensormem_ipc::{IpcConsumer, IpcHandle, IpcProducer};
 const ROLE: &str = "TENSORMEM_IPC_TEST_ROLE";
 const HANDLE: &str = "TENSORMEM_IPC_TEST_HANDLE";
 const S: StreamId = StreamId(0);
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(text: &str) -> Vec<u8> {
-    (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
-        .collect()
-}
 
 /// A child process killed if the test fails before it ends.
 struct Peer(Child);
