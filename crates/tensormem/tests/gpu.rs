@@ -3,6 +3,8 @@
 //! `run.sh`). The per-device allocators are process-wide, so the tests hold one lock while they run.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use tensormem::cuda::{self, Error, Stream};
@@ -15,17 +17,7 @@ static LOCK: Mutex<()> = Mutex::new(());
 /// The number of devices, holding the test lock, or `None` after saying why the test is skipped.
 fn gpus() -> Option<(u32, MutexGuard<'static, ()>)> {
     let lock = LOCK.lock().unwrap_or_else(PoisonError::into_inner);
-    let reason = match cuda::device_count() {
-        Ok(n) if n > 0 => return Some((n, lock)),
-        Ok(_) => "the driver reports 0 devices".to_owned(),
-        Err(e) => e.to_string(),
-    };
-    assert!(
-        std::env::var("TENSORMEM_REQUIRE_GPU").as_deref() != Ok("1"),
-        "TENSORMEM_REQUIRE_GPU=1 but there is no usable CUDA device: {reason}"
-    );
-    eprintln!("skipped: no CUDA driver/device ({reason})");
-    None
+    Some((common::gpus()?, lock))
 }
 
 /// Runs `f` on a fresh thread (whose current device and streams are the defaults) and returns its result.

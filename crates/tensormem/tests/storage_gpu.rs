@@ -7,10 +7,12 @@
 //! `TENSORMEM_STORAGE_GPU_ROLE` set.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 
-use tensormem::cuda;
+use common::gpus;
 use tensormem::storage::{
     release_ipc_counter, storage_copy, CudaContext, Device, Error, IpcHandle, Storage, StorageKind,
 };
@@ -18,21 +20,6 @@ use tensormem::storage::{
 const ROLE: &str = "TENSORMEM_STORAGE_GPU_ROLE";
 const ARG: &str = "TENSORMEM_STORAGE_GPU_ARG";
 const MIB: usize = 1 << 20;
-
-/// The number of devices, or `None` after saying why the test is skipped.
-fn gpus() -> Option<u32> {
-    let reason = match cuda::device_count() {
-        Ok(n) if n > 0 => return Some(n),
-        Ok(_) => "the driver reports 0 devices".to_owned(),
-        Err(e) => e.to_string(),
-    };
-    assert!(
-        std::env::var("TENSORMEM_REQUIRE_GPU").as_deref() != Ok("1"),
-        "TENSORMEM_REQUIRE_GPU=1 but there is no usable CUDA device: {reason}"
-    );
-    eprintln!("skipped: no CUDA driver/device ({reason})");
-    None
-}
 
 fn pattern(n: usize, seed: u8) -> Vec<u8> {
     (0..n)
