@@ -30,10 +30,12 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(());
         }
         self.check_owner(&allocation)?;
-        let invalid = Error::InvalidPointer {
-            ptr: allocation.ptr,
-        };
-        let shard = self.streams.by_index(allocation.shard).ok_or(invalid)?;
+        let shard =
+            self.streams
+                .by_index(allocation.shard)
+                .ok_or_else(|| Error::InvalidPointer {
+                    ptr: allocation.ptr,
+                })?;
         let stack = self.trace.gather(RecordContext::All);
         let mut locked = self.lock(shard);
         let index = allocation.block;
@@ -506,12 +508,19 @@ impl<D: Device> Locked<'_, D> {
 
     /// The stack for a free entry of block `index`: the freeing call's if kept, else the allocation's
     /// (PyTorch's `context ? context : block->context_when_allocated`). One emptiness check when no
-    /// stacks are recorded.
-    #[inline]
+    /// stacks are recorded (always inlined; the look-up is out of line).
+    #[inline(always)]
     fn entry_stack(&self, index: u32) -> Option<Stack> {
         if self.st.stacks.is_empty() && self.st.free_stacks.is_empty() {
             return None;
         }
+        self.entry_stack_kept(index)
+    }
+
+    /// [`entry_stack`](Self::entry_stack) when some stacks are kept.
+    #[cold]
+    #[inline(never)]
+    fn entry_stack_kept(&self, index: u32) -> Option<Stack> {
         let key = u64::from(index);
         self.st
             .free_stacks
