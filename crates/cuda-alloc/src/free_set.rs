@@ -578,6 +578,28 @@ impl FreeSet {
         self.insert(new.size, new.addr, new.index);
     }
 
+    /// Whether best fit for `size` bytes would take a block keyed `merged` if the entry keyed
+    /// `absorbed` were replaced by it (a deferred merge, see `allocator/parked.rs`): no other entry of
+    /// at least `size` bytes is keyed below `merged`.
+    #[inline(always)]
+    pub(crate) fn merged_would_be_first(
+        &self,
+        size: u64,
+        absorbed: (u64, u64),
+        merged: (u64, u64),
+    ) -> bool {
+        if !self.bucketed {
+            let at = lower_bound(&self.small, (size, 0));
+            return self.small[at..]
+                .iter()
+                .find(|e| e.key() != absorbed)
+                .is_none_or(|e| e.key() > merged);
+        }
+        self.at_least(size)
+            .find(|&(s, a, _)| (s, a) != absorbed)
+            .is_none_or(|(s, a, _)| (s, a) > merged)
+    }
+
     /// Blocks of at least `size` bytes, smallest (then lowest address) first.
     #[inline]
     pub(crate) fn at_least(&self, size: u64) -> impl Iterator<Item = (u64, u64, u32)> + '_ {

@@ -13,6 +13,7 @@ use std::sync::{Arc, OnceLock};
 use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 
+use crate::allocator::Parked;
 use crate::block::Arena;
 use crate::device::{Device, StreamId};
 use crate::expandable::ExpandableSegment;
@@ -81,6 +82,9 @@ pub(crate) struct ShardState<D: Device> {
     /// The stack that made each segment (not expandable ones), by its address, while history kept
     /// stacks (snapshot segments' `frames`).
     pub(crate) segment_stacks: AddrMap<Stack>,
+    /// A freed block whose merge with its next neighbour is deferred (see `allocator/parked.rs`):
+    /// settled whenever the lock is taken, except by the allocation path.
+    pub(crate) parked: Option<Parked>,
 }
 
 impl<D: Device> ShardState<D> {
@@ -98,6 +102,7 @@ impl<D: Device> ShardState<D> {
             stacks: AddrMap::default(),
             free_stacks: AddrMap::default(),
             segment_stacks: AddrMap::default(),
+            parked: None,
         }
     }
 

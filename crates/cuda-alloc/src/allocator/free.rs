@@ -4,6 +4,7 @@
 use std::sync::atomic::Ordering::Relaxed;
 
 use super::{Allocation, CachingAllocator, Locked};
+use super::parked::Parked;
 use crate::block::NIL;
 use crate::device::{Device, DeviceAddress, StreamId};
 use crate::error::{Error, Result};
@@ -307,7 +308,7 @@ impl<D: Device> Locked<'_, D> {
                 self.insert_events(index)?;
             }
         } else {
-            self.free_block(index);
+            self.free_block_with(index, true);
         }
         Ok(())
     }
@@ -407,6 +408,17 @@ impl<D: Device> Locked<'_, D> {
     /// Always inlined: the second half of every free.
     #[inline(always)]
     pub(crate) fn free_block(&mut self, index: u32) {
+        self.free_block_with(index, false);
+    }
+
+    /// [`free_block`](Self::free_block), or where allowed (`may_park`, and the block has a free next
+    /// neighbour and no free previous one) the same with the merge deferred: see
+    /// `allocator/parked.rs`. Only the free calls, which return right after, may park.
+    #[inline(always)]
+    fn free_block_with(&mut self, index: u32, may_park: bool) {
+        // A parked block is settled when the lock is taken; one parked in this lock's hold (by an
+        // earlier free in the same pass) is settled before any other block moves.
+        self.st.settle();
         let (pool, addr, original_size, requested, prev, next) = {
             let b = &self.st.blocks[index];
             debug_assert!(!b.is_active());
@@ -427,6 +439,38 @@ impl<D: Device> Locked<'_, D> {
         // neighbour's free-set entry is reused for the result, so that the common case (one free
         // neighbour) updates the set in place.
         let mapped = blocks[index].mapped;
+        if may_park
+            && self.a.defers_merges()
+            && entry_stack.is_none()
+            && !blocks[index].is_expandable()
+            && mergeable(blocks, next, mapped)
+            && !mergeable(blocks, prev, mapped)
+            && !self.a.settings.uncached()
+        {
+            // Merge deferred: the figures as if `next` were merged into the block now.
+            let n = &blocks[next];
+            let (n_size, n_next) = (n.size, n.next);
+            let split = prev != NIL || n_next != NIL;
+            let p = &st.pools[pool as usize];
+            let (small, gc_base) = (p.small, p.gc_now());
+            st.parked = Some(Parked {
+                block: index,
+                next,
+                gc_base,
+            });
+            let merged = original_size + n_size;
+            if split {
+                // One split free block (`next`) becomes another (the merged one): `+ original_size`.
+                self.inc(Kind::InactiveSplitBytes, small, original_size);
+            } else {
+                self.dec(Kind::InactiveSplit, small, 1);
+                self.dec(Kind::InactiveSplitBytes, small, merged - original_size);
+            }
+            self.dec(Kind::Active, small, 1);
+            self.dec(Kind::ActiveBytes, small, original_size);
+            self.dec(Kind::RequestedBytes, small, requested);
+            return;
+        }
         let mut reuse: Option<(u64, u64)> = None;
         if mergeable(blocks, prev, mapped) {
             let p = &blocks[prev];
