@@ -85,6 +85,10 @@ pub(crate) struct ShardState<D: Device> {
     /// A freed block whose merge with its next neighbour is deferred (see `allocator/parked.rs`):
     /// settled whenever the lock is taken, except by the allocation path.
     pub(crate) parked: Option<Parked>,
+    /// The size of the block handed out last: a free parks only a block of this size (the hot
+    /// pair's), so that workloads of mixed sizes do not park blocks that the next allocation
+    /// cannot take back.
+    pub(crate) recent_size: u64,
 }
 
 impl<D: Device> ShardState<D> {
@@ -103,6 +107,7 @@ impl<D: Device> ShardState<D> {
             free_stacks: AddrMap::default(),
             segment_stacks: AddrMap::default(),
             parked: None,
+            recent_size: 0,
         }
     }
 

@@ -439,6 +439,7 @@ impl<D: Device> Locked<'_, D> {
         b.requested = orig;
         b.generation = b.generation.wrapping_add(1);
         let (addr, b_size) = (b.addr, b.size);
+        self.st.recent_size = b_size;
         if let Some(stack) = stack {
             // The allocation's stack, for snapshots and its later trace entries.
             self.st.stacks.insert(u64::from(block), stack.clone());

@@ -440,6 +440,7 @@ impl<D: Device> Locked<'_, D> {
         // neighbour) updates the set in place.
         let mapped = blocks[index].mapped;
         if may_park
+            && original_size == st.recent_size
             && self.a.defers_merges()
             && entry_stack.is_none()
             && !blocks[index].is_expandable()
