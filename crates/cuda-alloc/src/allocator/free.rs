@@ -285,8 +285,10 @@ impl<D: Device> Locked<'_, D> {
             (b.pool, b.size, b.addr, b.requested, b.used_elsewhere)
         };
         let small = self.st.pools[pool as usize].small;
-        self.dec(Kind::Allocation, small, 1);
-        self.dec(Kind::AllocatedBytes, small, size);
+        self.shard.figures.decrease_kinds(
+            small,
+            [(Kind::Allocation, 1), (Kind::AllocatedBytes, size)],
+        );
         if let Some(stack) = stack {
             self.st.free_stacks.insert(u64::from(index), stack);
         }
@@ -467,9 +469,14 @@ impl<D: Device> Locked<'_, D> {
                 self.dec(Kind::InactiveSplit, small, 1);
                 self.dec(Kind::InactiveSplitBytes, small, merged - original_size);
             }
-            self.dec(Kind::Active, small, 1);
-            self.dec(Kind::ActiveBytes, small, original_size);
-            self.dec(Kind::RequestedBytes, small, requested);
+            self.shard.figures.decrease_kinds(
+                small,
+                [
+                    (Kind::Active, 1),
+                    (Kind::ActiveBytes, original_size),
+                    (Kind::RequestedBytes, requested),
+                ],
+            );
             return;
         }
         let mut reuse: Option<(u64, u64)> = None;
@@ -534,9 +541,14 @@ impl<D: Device> Locked<'_, D> {
                 _ => {}
             }
         }
-        self.dec(Kind::Active, small, 1);
-        self.dec(Kind::ActiveBytes, small, original_size);
-        self.dec(Kind::RequestedBytes, small, requested);
+        self.shard.figures.decrease_kinds(
+            small,
+            [
+                (Kind::Active, 1),
+                (Kind::ActiveBytes, original_size),
+                (Kind::RequestedBytes, requested),
+            ],
+        );
         if self.a.settings.uncached()
             && !expandable
             && !split
