@@ -108,10 +108,10 @@ mod pool_id;
 mod settings;
 mod shard;
 // Always built (its loom models run whatever the features); the shard lock with `spin-shard-lock`.
-#[cfg_attr(not(any(feature = "spin-shard-lock", loom, test)), allow(dead_code))]
-mod spin_lock;
 pub mod size;
 pub mod snapshot;
+#[cfg_attr(not(any(feature = "spin-shard-lock", loom, test)), allow(dead_code))]
+mod spin_lock;
 mod stack;
 pub mod stats;
 mod trace;

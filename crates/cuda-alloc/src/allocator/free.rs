@@ -3,8 +3,8 @@
 
 use std::sync::atomic::Ordering::Relaxed;
 
-use super::{Allocation, CachingAllocator, Locked};
 use super::parked::Parked;
+use super::{Allocation, CachingAllocator, Locked};
 use crate::block::NIL;
 use crate::device::{Device, DeviceAddress, StreamId};
 use crate::error::{Error, Result};
@@ -285,10 +285,9 @@ impl<D: Device> Locked<'_, D> {
             (b.pool, b.size, b.addr, b.requested, b.used_elsewhere)
         };
         let small = self.st.pools[pool as usize].small;
-        self.shard.figures.decrease_kinds(
-            small,
-            [(Kind::Allocation, 1), (Kind::AllocatedBytes, size)],
-        );
+        self.shard
+            .figures
+            .decrease_kinds(small, [(Kind::Allocation, 1), (Kind::AllocatedBytes, size)]);
         if let Some(stack) = stack {
             self.st.free_stacks.insert(u64::from(index), stack);
         }

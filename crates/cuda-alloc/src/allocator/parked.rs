@@ -246,14 +246,24 @@ mod tests {
 
     #[derive(Clone, Debug)]
     enum Op {
-        Alloc { size: usize, stream: usize },
+        Alloc {
+            size: usize,
+            stream: usize,
+        },
         /// Allocate the size last freed, on its stream (the hot pair's allocation).
         Again,
         /// Free the newest live allocation (the hot pair's free).
         FreeNewest,
-        Free { pick: usize },
-        RecordStream { pick: usize, stream: usize },
-        Complete { stream: usize },
+        Free {
+            pick: usize,
+        },
+        RecordStream {
+            pick: usize,
+            stream: usize,
+        },
+        Complete {
+            stream: usize,
+        },
         EmptyCache,
         /// Compare the snapshots and walk the invariants (both take the locks, which settles a
         /// parked block: not after every step, or nothing would stay parked).
@@ -325,14 +335,18 @@ mod tests {
                     let (x, y) = live.remove(at);
                     let stream = STREAMS.iter().position(|&s| s == x.stream());
                     last_freed = stream.map(|stream| (x.requested_size(), stream));
-                    fast.free(x).map_err(|e| TestCaseError::fail(e.to_string()))?;
-                    plain.free(y).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    fast.free(x)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    plain
+                        .free(y)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
                 }
                 Op::RecordStream { pick, stream } if !live.is_empty() => {
                     let (x, y) = &live[pick % live.len()];
                     fast.record_stream(x, STREAMS[stream])
                         .map_err(|e| TestCaseError::fail(e.to_string()))?;
-                    plain.record_stream(y, STREAMS[stream])
+                    plain
+                        .record_stream(y, STREAMS[stream])
                         .map_err(|e| TestCaseError::fail(e.to_string()))?;
                 }
                 Op::Complete { stream } => {
@@ -342,7 +356,8 @@ mod tests {
                 Op::EmptyCache => {
                     fast.empty_cache()
                         .map_err(|e| TestCaseError::fail(e.to_string()))?;
-                    plain.empty_cache()
+                    plain
+                        .empty_cache()
                         .map_err(|e| TestCaseError::fail(e.to_string()))?;
                 }
                 Op::Check => {
@@ -358,8 +373,11 @@ mod tests {
         fast.check_invariants()
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
         for (x, y) in live {
-            fast.free(x).map_err(|e| TestCaseError::fail(e.to_string()))?;
-            plain.free(y).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            fast.free(x)
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            plain
+                .free(y)
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
         }
         prop_assert_eq!(fast.memory_stats(), plain.memory_stats());
         prop_assert_eq!(fast.snapshot(), plain.snapshot());
