@@ -252,6 +252,13 @@ mod tests {
         },
         /// Allocate the size last freed, on its stream (the hot pair's allocation).
         Again,
+        /// `raw_alloc` (the pointer index on from then on).
+        RawAlloc {
+            size: usize,
+            stream: usize,
+        },
+        /// `raw_free` of the newest pointer.
+        RawFreeNewest,
         /// Free the newest live allocation (the hot pair's free).
         FreeNewest,
         Free {
@@ -275,6 +282,8 @@ mod tests {
             6 => (0..SIZES.len(), prop_oneof![4 => Just(0usize), 1 => Just(1usize)])
                 .prop_map(|(s, stream)| Op::Alloc { size: SIZES[s], stream }),
             3 => Just(Op::Again),
+            1 => (0..SIZES.len(), 0usize..2).prop_map(|(s, stream)| Op::RawAlloc { size: SIZES[s], stream }),
+            1 => Just(Op::RawFreeNewest),
             4 => Just(Op::FreeNewest),
             3 => any::<usize>().prop_map(|pick| Op::Free { pick }),
             1 => (any::<usize>(), 0usize..2).prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
@@ -304,6 +313,7 @@ mod tests {
         let plain = allocator(config, false);
         let mut live: Vec<(Allocation, Allocation)> = Vec::new();
         let mut last_freed = None;
+        let mut raw_live: Vec<(crate::DeviceAddress, crate::DeviceAddress)> = Vec::new();
         for op in ops {
             let op = match *op {
                 Op::Again => match last_freed {
@@ -360,6 +370,27 @@ mod tests {
                         .empty_cache()
                         .map_err(|e| TestCaseError::fail(e.to_string()))?;
                 }
+                Op::RawAlloc { size, stream } => {
+                    match (
+                        fast.raw_alloc(size, STREAMS[stream]),
+                        plain.raw_alloc(size, STREAMS[stream]),
+                    ) {
+                        (Ok(x), Ok(y)) => {
+                            prop_assert_eq!(x, y);
+                            raw_live.push((x, y));
+                        }
+                        (Err(x), Err(y)) => prop_assert_eq!(x.to_string(), y.to_string()),
+                        (x, y) => prop_assert!(false, "{x:?} against {y:?}"),
+                    }
+                }
+                Op::RawFreeNewest if !raw_live.is_empty() => {
+                    let (x, y) = raw_live.pop().expect("not empty");
+                    fast.raw_free(x)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    plain
+                        .raw_free(y)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                }
                 Op::Check => {
                     prop_assert_eq!(fast.snapshot(), plain.snapshot());
                     fast.check_invariants()
@@ -377,6 +408,13 @@ mod tests {
                 .map_err(|e| TestCaseError::fail(e.to_string()))?;
             plain
                 .free(y)
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        }
+        for (x, y) in raw_live {
+            fast.raw_free(x)
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            plain
+                .raw_free(y)
                 .map_err(|e| TestCaseError::fail(e.to_string()))?;
         }
         prop_assert_eq!(fast.memory_stats(), plain.memory_stats());
