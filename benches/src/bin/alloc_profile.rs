@@ -3,8 +3,9 @@
 //! difference to get the cost per iteration without the set-up:
 //!
 //! ```text
-//! alloc_profile PATTERN API N
+//! alloc_profile PATTERN API N [STREAM]
 //!   PATTERN: hot512 | hot1m | hot64m | mixed     API: handle | raw
+//!   STREAM: the stream id, hex (default 5000; e.g. 55d0c8a3b2c0 for a value like a CUstream handle)
 //! ```
 //!
 //! `hot*`: allocate and free one block of that size `N` times (after one warm-up pair);
@@ -17,7 +18,7 @@ use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::{CachingAllocator, DeviceAddress, Result, StreamId};
 
-/// The stream every pattern runs on.
+/// The stream every pattern runs on unless the command line names another.
 const STREAM: StreamId = StreamId(0x5000);
 
 /// Allocate and free by handle or by pointer.
@@ -33,10 +34,10 @@ enum Live {
     Raw(DeviceAddress),
 }
 
-fn alloc(a: &CachingAllocator<SimDevice>, api: Api, size: usize) -> Result<Live> {
+fn alloc(a: &CachingAllocator<SimDevice>, api: Api, size: usize, stream: StreamId) -> Result<Live> {
     Ok(match api {
-        Api::Handle => Live::Handle(a.allocate(size, STREAM)?),
-        Api::Raw => Live::Raw(a.raw_alloc(size, STREAM)?),
+        Api::Handle => Live::Handle(a.allocate(size, stream)?),
+        Api::Raw => Live::Raw(a.raw_alloc(size, stream)?),
     })
 }
 
@@ -55,13 +56,13 @@ fn next(state: &mut u64) -> u64 {
     *state
 }
 
-fn run(pattern: &str, api: Api, n: usize) -> std::result::Result<(), String> {
+fn run(pattern: &str, api: Api, n: usize, stream: StreamId) -> std::result::Result<(), String> {
     let a = CachingAllocator::with_config(SimDevice::new(80 << 30), AllocatorConfig::default());
     let err = |e: tensormem_cuda_alloc::Error| e.to_string();
     let hot = |size: usize| -> std::result::Result<(), String> {
-        free(&a, alloc(&a, api, size).map_err(err)?).map_err(err)?;
+        free(&a, alloc(&a, api, size, stream).map_err(err)?).map_err(err)?;
         for _ in 0..n {
-            let block = alloc(&a, api, std::hint::black_box(size)).map_err(err)?;
+            let block = alloc(&a, api, std::hint::black_box(size), stream).map_err(err)?;
             free(&a, block).map_err(err)?;
         }
         Ok(())
@@ -76,12 +77,12 @@ fn run(pattern: &str, api: Api, n: usize) -> std::result::Result<(), String> {
             let mut live = Vec::with_capacity(256);
             for _ in 0..256 {
                 let s = size(&mut rng);
-                live.push(alloc(&a, api, s).map_err(err)?);
+                live.push(alloc(&a, api, s, stream).map_err(err)?);
             }
             for _ in 0..n {
                 let k = (next(&mut rng) % 256) as usize;
                 let s = size(&mut rng);
-                let block = alloc(&a, api, s).map_err(err)?;
+                let block = alloc(&a, api, s, stream).map_err(err)?;
                 free(&a, std::mem::replace(&mut live[k], block)).map_err(err)?;
             }
             Ok(())
@@ -92,8 +93,21 @@ fn run(pattern: &str, api: Api, n: usize) -> std::result::Result<(), String> {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: alloc_profile hot512|hot1m|hot64m|mixed handle|raw N";
-    let [pattern, api, n] = args.as_slice() else {
+    let usage = "usage: alloc_profile hot512|hot1m|hot64m|mixed handle|raw N [STREAM-HEX]";
+    let (pattern, api, n, stream) = match args.as_slice() {
+        [pattern, api, n] => (pattern, api, n, Some(STREAM)),
+        [pattern, api, n, stream] => (
+            pattern,
+            api,
+            n,
+            u64::from_str_radix(stream, 16).ok().map(StreamId),
+        ),
+        _ => {
+            eprintln!("{usage}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let Some(stream) = stream else {
         eprintln!("{usage}");
         return ExitCode::FAILURE;
     };
@@ -109,7 +123,7 @@ fn main() -> ExitCode {
         eprintln!("{usage}");
         return ExitCode::FAILURE;
     };
-    match run(pattern, api, n) {
+    match run(pattern, api, n, stream) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("alloc_profile: {e}");

@@ -13,6 +13,7 @@ use std::sync::{Arc, OnceLock};
 use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 
+use crate::allocator::Parked;
 use crate::block::Arena;
 use crate::device::{Device, StreamId};
 use crate::expandable::ExpandableSegment;
@@ -81,6 +82,13 @@ pub(crate) struct ShardState<D: Device> {
     /// The stack that made each segment (not expandable ones), by its address, while history kept
     /// stacks (snapshot segments' `frames`).
     pub(crate) segment_stacks: AddrMap<Stack>,
+    /// A freed block whose merge with its next neighbour is deferred (see `allocator/parked.rs`):
+    /// settled whenever the lock is taken, except by the allocation path.
+    pub(crate) parked: Option<Parked>,
+    /// The size of the block handed out last: a free parks only a block of this size (the hot
+    /// pair's), so that workloads of mixed sizes do not park blocks that the next allocation
+    /// cannot take back.
+    pub(crate) recent_size: u64,
 }
 
 impl<D: Device> ShardState<D> {
@@ -98,6 +106,8 @@ impl<D: Device> ShardState<D> {
             stacks: AddrMap::default(),
             free_stacks: AddrMap::default(),
             segment_stacks: AddrMap::default(),
+            parked: None,
+            recent_size: 0,
         }
     }
 
@@ -135,13 +145,26 @@ impl<D: Device> ShardState<D> {
 }
 
 /// A stream shard's lock. The hot path takes one per call, almost always uncontended (a stream is
-/// rarely used from several threads at once); `parking_lot`'s mutex takes and releases an uncontended
-/// lock with one atomic operation each, and parks contended waiters (a holder may be inside a device
-/// call, e.g. a `cudaMalloc` of a new segment). A hand-written spin-then-nap lock measured no faster.
+/// rarely used from several threads at once). By default `parking_lot`'s mutex: it takes and releases
+/// an uncontended lock with one locked instruction each, and parks contended waiters (a holder may be
+/// inside a device call, e.g. a `cudaMalloc` of a new segment). With the feature `spin-shard-lock`,
+/// [`SpinLock`](crate::spin_lock::SpinLock), released by a plain store (one locked instruction per
+/// call instead of two; waiters spin, yield, then nap). Which one pays on a GPU host is measured by
+/// `alloc_patterns` built each way (docs/allocator-performance.md).
+#[cfg(not(feature = "spin-shard-lock"))]
 pub(crate) type ShardLock<T> = Mutex<T>;
 
 /// Access to a [`ShardLock`]'s value; releases the lock when dropped.
+#[cfg(not(feature = "spin-shard-lock"))]
 pub(crate) type ShardGuard<'a, T> = parking_lot::MutexGuard<'a, T>;
+
+/// A stream shard's lock (see the default build's documentation): here the spin lock.
+#[cfg(feature = "spin-shard-lock")]
+pub(crate) type ShardLock<T> = crate::spin_lock::SpinLock<T>;
+
+/// Access to a [`ShardLock`]'s value; releases the lock when dropped.
+#[cfg(feature = "spin-shard-lock")]
+pub(crate) type ShardGuard<'a, T> = crate::spin_lock::SpinGuard<'a, T>;
 
 /// One stream's shard.
 #[derive(Debug)]
@@ -191,21 +214,30 @@ impl<D: Device> StreamTable<D> {
     #[inline]
     fn probe(&self, stream: StreamId) -> impl Iterator<Item = &OnceLock<(StreamId, u32)>> {
         let mask = self.slots.len() - 1;
-        let start = (stream.0.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as usize & mask;
+        let start = Self::home(stream) & mask;
         (0..self.slots.len()).map(move |i| &self.slots[(start + i) & mask])
+    }
+
+    /// Where the probe for `stream` starts, before masking.
+    #[inline]
+    fn home(stream: StreamId) -> usize {
+        (stream.0.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as usize
     }
 
     /// The shard of `stream`, if it has one.
     #[inline]
     pub(crate) fn get(&self, stream: StreamId) -> Option<&Shard<D>> {
-        for slot in self.probe(stream) {
-            match slot.get() {
+        // The probe of `probe` as a plain loop (the iterator cost ~10 instructions per call on the
+        // hot path). It ends: at most half the slots are ever filled, so an empty one is met.
+        let mask = self.slots.len() - 1;
+        let mut at = Self::home(stream) & mask;
+        loop {
+            match self.slots[at].get() {
                 Some(&(s, index)) if s == stream => return self.by_index(index),
-                Some(_) => {}
+                Some(_) => at = (at + 1) & mask,
                 None => return None,
             }
         }
-        None
     }
 
     /// The shard of `stream`, made (with `make`) if it has none. `None` when the table is full.

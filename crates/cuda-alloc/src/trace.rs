@@ -226,8 +226,9 @@ impl TraceRecorder {
     }
 
     /// [`record`](Self::record) with the entry's call stack, kept if the context level is at least
-    /// [`RecordContext::Alloc`].
-    #[inline]
+    /// [`RecordContext::Alloc`]. Always inlined: on the allocation path with history off it is the
+    /// two flag loads of [`wanted`](Self::wanted); building the entry is out of line.
+    #[inline(always)]
     pub(crate) fn record_with(
         &self,
         action: Action,
@@ -237,19 +238,33 @@ impl TraceRecorder {
         stack: Option<&Stack>,
     ) {
         if self.wanted() {
-            let stack = stack
-                .filter(|_| self.context() >= RecordContext::Alloc)
-                .cloned();
-            self.push(Record {
-                action,
-                addr,
-                size,
-                stream,
-                time_us: now_us(),
-                user_metadata: None,
-                stack,
-            });
+            self.record_wanted(action, addr, size, stream, stack);
         }
+    }
+
+    /// Builds and pushes the entry of [`record_with`](Self::record_with).
+    #[cold]
+    #[inline(never)]
+    fn record_wanted(
+        &self,
+        action: Action,
+        addr: u64,
+        size: u64,
+        stream: StreamId,
+        stack: Option<&Stack>,
+    ) {
+        let stack = stack
+            .filter(|_| self.context() >= RecordContext::Alloc)
+            .cloned();
+        self.push(Record {
+            action,
+            addr,
+            size,
+            stream,
+            time_us: now_us(),
+            user_metadata: None,
+            stack,
+        });
     }
 
     /// Tells the trackers about `entry`, then appends it to the ring buffer if recording is on.

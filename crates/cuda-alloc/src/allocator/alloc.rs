@@ -75,8 +75,14 @@ impl<D: Device> CachingAllocator<D> {
         let uncached = self.settings.uncached();
         let stack = self.trace.gather(RecordContext::State);
         if !uncached {
-            let mut locked = self.lock(shard);
+            let mut locked = self.lock_unsettled(shard);
             let pool = locked.pool_index(choice, small);
+            if locked.st.parked.is_some() {
+                if let Some(allocation) = locked.unpark(pool, rounded, size, stack.as_ref()) {
+                    return Ok(allocation);
+                }
+                locked.st.settle();
+            }
             if let Some((block, source)) = locked.get_free_block(pool, rounded) {
                 return Ok(locked.hand_out(pool, block, rounded, size, source, stack.as_ref()));
             }
@@ -201,7 +207,8 @@ impl<D: Device> CachingAllocator<D> {
             .streams
             .iter()
             .map(|shard| {
-                let st = shard.state.lock();
+                let mut st = shard.state.lock();
+                st.settle();
                 st.pools
                     .iter()
                     .filter(|p| matches!(p.owner, PoolOwner::Private(_)))
@@ -432,6 +439,7 @@ impl<D: Device> Locked<'_, D> {
         b.requested = orig;
         b.generation = b.generation.wrapping_add(1);
         let (addr, b_size) = (b.addr, b.size);
+        self.st.recent_size = b_size;
         if let Some(stack) = stack {
             // The allocation's stack, for snapshots and its later trace entries.
             self.st.stacks.insert(u64::from(block), stack.clone());
@@ -493,7 +501,10 @@ impl<D: Device> Locked<'_, D> {
             // that other calls on this stream (frees, cache hits) need not wait for it. Nothing here
             // depends on the shard's state from before: the new block is inserted after the lock is
             // taken again, and pool indices never change.
-            ShardGuard::unlocked(&mut self.st, malloc)
+            let made = ShardGuard::unlocked(&mut self.st, malloc);
+            // A free meanwhile may have parked a block.
+            self.st.settle();
+            made
         } else {
             malloc()
         };

@@ -3,6 +3,7 @@
 
 use std::sync::atomic::Ordering::Relaxed;
 
+use super::parked::Parked;
 use super::{Allocation, CachingAllocator, Locked};
 use crate::block::NIL;
 use crate::device::{Device, DeviceAddress, StreamId};
@@ -30,10 +31,12 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(());
         }
         self.check_owner(&allocation)?;
-        let invalid = Error::InvalidPointer {
-            ptr: allocation.ptr,
-        };
-        let shard = self.streams.by_index(allocation.shard).ok_or(invalid)?;
+        let shard =
+            self.streams
+                .by_index(allocation.shard)
+                .ok_or_else(|| Error::InvalidPointer {
+                    ptr: allocation.ptr,
+                })?;
         let stack = self.trace.gather(RecordContext::All);
         let mut locked = self.lock(shard);
         let index = allocation.block;
@@ -282,8 +285,9 @@ impl<D: Device> Locked<'_, D> {
             (b.pool, b.size, b.addr, b.requested, b.used_elsewhere)
         };
         let small = self.st.pools[pool as usize].small;
-        self.dec(Kind::Allocation, small, 1);
-        self.dec(Kind::AllocatedBytes, small, size);
+        self.shard
+            .figures
+            .decrease_kinds(small, [(Kind::Allocation, 1), (Kind::AllocatedBytes, size)]);
         if let Some(stack) = stack {
             self.st.free_stacks.insert(u64::from(index), stack);
         }
@@ -305,7 +309,7 @@ impl<D: Device> Locked<'_, D> {
                 self.insert_events(index)?;
             }
         } else {
-            self.free_block(index);
+            self.free_block_with(index, true);
         }
         Ok(())
     }
@@ -405,6 +409,17 @@ impl<D: Device> Locked<'_, D> {
     /// Always inlined: the second half of every free.
     #[inline(always)]
     pub(crate) fn free_block(&mut self, index: u32) {
+        self.free_block_with(index, false);
+    }
+
+    /// [`free_block`](Self::free_block), or where allowed (`may_park`, and the block has a free next
+    /// neighbour and no free previous one) the same with the merge deferred: see
+    /// `allocator/parked.rs`. Only the free calls, which return right after, may park.
+    #[inline(always)]
+    fn free_block_with(&mut self, index: u32, may_park: bool) {
+        // A parked block is settled when the lock is taken; one parked in this lock's hold (by an
+        // earlier free in the same pass) is settled before any other block moves.
+        self.st.settle();
         let (pool, addr, original_size, requested, prev, next) = {
             let b = &self.st.blocks[index];
             debug_assert!(!b.is_active());
@@ -425,6 +440,44 @@ impl<D: Device> Locked<'_, D> {
         // neighbour's free-set entry is reused for the result, so that the common case (one free
         // neighbour) updates the set in place.
         let mapped = blocks[index].mapped;
+        if may_park
+            && original_size == st.recent_size
+            && self.a.defers_merges()
+            && entry_stack.is_none()
+            && !blocks[index].is_expandable()
+            && mergeable(blocks, next, mapped)
+            && !mergeable(blocks, prev, mapped)
+            && !self.a.settings.uncached()
+        {
+            // Merge deferred: the figures as if `next` were merged into the block now.
+            let n = &blocks[next];
+            let (n_size, n_next) = (n.size, n.next);
+            let split = prev != NIL || n_next != NIL;
+            let p = &st.pools[pool as usize];
+            let (small, gc_base) = (p.small, p.gc_now());
+            st.parked = Some(Parked {
+                block: index,
+                next,
+                gc_base,
+            });
+            let merged = original_size + n_size;
+            if split {
+                // One split free block (`next`) becomes another (the merged one): `+ original_size`.
+                self.inc(Kind::InactiveSplitBytes, small, original_size);
+            } else {
+                self.dec(Kind::InactiveSplit, small, 1);
+                self.dec(Kind::InactiveSplitBytes, small, merged - original_size);
+            }
+            self.shard.figures.decrease_kinds(
+                small,
+                [
+                    (Kind::Active, 1),
+                    (Kind::ActiveBytes, original_size),
+                    (Kind::RequestedBytes, requested),
+                ],
+            );
+            return;
+        }
         let mut reuse: Option<(u64, u64)> = None;
         if mergeable(blocks, prev, mapped) {
             let p = &blocks[prev];
@@ -487,9 +540,14 @@ impl<D: Device> Locked<'_, D> {
                 _ => {}
             }
         }
-        self.dec(Kind::Active, small, 1);
-        self.dec(Kind::ActiveBytes, small, original_size);
-        self.dec(Kind::RequestedBytes, small, requested);
+        self.shard.figures.decrease_kinds(
+            small,
+            [
+                (Kind::Active, 1),
+                (Kind::ActiveBytes, original_size),
+                (Kind::RequestedBytes, requested),
+            ],
+        );
         if self.a.settings.uncached()
             && !expandable
             && !split
@@ -506,12 +564,19 @@ impl<D: Device> Locked<'_, D> {
 
     /// The stack for a free entry of block `index`: the freeing call's if kept, else the allocation's
     /// (PyTorch's `context ? context : block->context_when_allocated`). One emptiness check when no
-    /// stacks are recorded.
-    #[inline]
+    /// stacks are recorded (always inlined; the look-up is out of line).
+    #[inline(always)]
     fn entry_stack(&self, index: u32) -> Option<Stack> {
         if self.st.stacks.is_empty() && self.st.free_stacks.is_empty() {
             return None;
         }
+        self.entry_stack_kept(index)
+    }
+
+    /// [`entry_stack`](Self::entry_stack) when some stacks are kept.
+    #[cold]
+    #[inline(never)]
+    fn entry_stack_kept(&self, index: u32) -> Option<Stack> {
         let key = u64::from(index);
         self.st
             .free_stacks

@@ -64,7 +64,8 @@ impl<D: Device> CachingAllocator<D> {
         self.streams
             .iter()
             .map(|shard| {
-                let st = shard.state.lock();
+                let mut st = shard.state.lock();
+                st.settle();
                 st.pools
                     .iter()
                     .filter_map(|p| p.free.iter().map(|(size, _, _)| size).max())
@@ -141,7 +142,8 @@ impl<D: Device> CachingAllocator<D> {
     pub fn base_allocation(&self, ptr: DeviceAddress) -> Result<(DeviceAddress, usize)> {
         self.enable_pointer_index();
         let shard = self.route(ptr).ok_or(Error::InvalidPointer { ptr })?;
-        let st = shard.state.lock();
+        let mut st = shard.state.lock();
+        st.settle();
         let &index = st
             .allocated
             .get(&ptr.0)

@@ -20,6 +20,7 @@ mod grow;
 mod hint;
 mod inspect;
 mod invariants;
+mod parked;
 mod private;
 mod release;
 mod teardown;
@@ -46,6 +47,7 @@ use crate::trace::{Action, Record, TraceRecorder};
 
 pub use checkpoint::{CheckpointDelta, PoolCheckpoint};
 pub use invariants::InvariantViolation;
+pub(crate) use parked::Parked;
 pub(crate) use private::PrivatePool;
 
 /// An out-of-memory observer as kept (cloned out of the list before being called).
@@ -238,6 +240,10 @@ pub struct CachingAllocator<D: Device> {
     small_clock: Arc<AtomicU64>,
     large_clock: Arc<AtomicU64>,
     max_split_size_at_start: i64,
+    /// Whether frees may defer merges (`parked.rs`); tests turn it off to compare with the plain
+    /// path.
+    #[cfg(test)]
+    pub(crate) defer_merges: AtomicBool,
 }
 
 impl<D: Device> std::fmt::Debug for CachingAllocator<D> {
@@ -307,6 +313,8 @@ impl<D: Device> CachingAllocator<D> {
             maintenance: Mutex::new(()),
             small_clock: Arc::new(AtomicU64::new(0)),
             large_clock: Arc::new(AtomicU64::new(0)),
+            #[cfg(test)]
+            defer_merges: AtomicBool::new(true),
         };
         if fraction < 1.0 {
             if let Err(e) = allocator.set_memory_fraction(fraction) {
@@ -519,9 +527,18 @@ impl<D: Device> CachingAllocator<D> {
             })
     }
 
-    /// Takes `shard`'s lock.
+    /// Takes `shard`'s lock, with a deferred merge carried out (see `parked.rs`).
     #[inline]
     pub(crate) fn lock<'a>(&'a self, shard: &'a Shard<D>) -> Locked<'a, D> {
+        let mut locked = self.lock_unsettled(shard);
+        locked.st.settle();
+        locked
+    }
+
+    /// Takes `shard`'s lock leaving a deferred merge as it is: only for the allocation path, which
+    /// asks [`Locked::unpark`] first and settles otherwise.
+    #[inline]
+    pub(crate) fn lock_unsettled<'a>(&'a self, shard: &'a Shard<D>) -> Locked<'a, D> {
         Locked {
             a: self,
             shard,

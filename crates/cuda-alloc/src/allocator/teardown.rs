@@ -31,6 +31,7 @@ impl<D: Device> Drop for CachingAllocator<D> {
         self.pending.store(0, Relaxed);
         for shard in self.streams.iter() {
             let mut st = shard.state.lock();
+            st.settle();
             let heads: Vec<(u64, u64)> = st
                 .blocks
                 .iter()

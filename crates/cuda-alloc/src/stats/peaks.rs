@@ -192,6 +192,9 @@ impl Figures {
     /// A block handed out: `allocation`, `allocated_bytes`, `active`, `active_bytes` and
     /// `requested_bytes` go up (the updates of PyTorch's `alloc_found_block`). Always inlined: as a
     /// call it spent a sixth of its instructions saving and restoring registers.
+    ///
+    /// The pool type is decided once, and each pool type's five updates are compiled with constant
+    /// figure offsets (with `small` as a run-time value every update selected its two addresses).
     #[inline(always)]
     pub(crate) fn on_alloc(
         &self,
@@ -201,11 +204,42 @@ impl Figures {
         book: &PeakBook,
         set: &dyn FigureSet,
     ) {
-        self.increase_kind(Kind::Allocation, small, 1, book, set);
-        self.increase_kind(Kind::AllocatedBytes, small, size, book, set);
-        self.increase_kind(Kind::Active, small, 1, book, set);
-        self.increase_kind(Kind::ActiveBytes, small, size, book, set);
-        self.increase_kind(Kind::RequestedBytes, small, requested, book, set);
+        if small {
+            self.on_alloc_in::<true>(size, requested, book, set);
+        } else {
+            self.on_alloc_in::<false>(size, requested, book, set);
+        }
+    }
+
+    /// [`on_alloc`](Self::on_alloc) for the pool type `SMALL`.
+    #[inline(always)]
+    fn on_alloc_in<const SMALL: bool>(
+        &self,
+        size: u64,
+        requested: u64,
+        book: &PeakBook,
+        set: &dyn FigureSet,
+    ) {
+        self.increase_kind(Kind::Allocation, SMALL, 1, book, set);
+        self.increase_kind(Kind::AllocatedBytes, SMALL, size, book, set);
+        self.increase_kind(Kind::Active, SMALL, 1, book, set);
+        self.increase_kind(Kind::ActiveBytes, SMALL, size, book, set);
+        self.increase_kind(Kind::RequestedBytes, SMALL, requested, book, set);
+    }
+
+    /// Subtracts from statistics of the pool type, `(kind, amount)` each, the pool type decided once
+    /// (see [`on_alloc`](Self::on_alloc)). Caller holds the shard's lock.
+    #[inline(always)]
+    pub(crate) fn decrease_kinds<const N: usize>(&self, small: bool, changes: [(Kind, u64); N]) {
+        if small {
+            for (kind, amount) in changes {
+                self.decrease_kind(kind, true, amount);
+            }
+        } else {
+            for (kind, amount) in changes {
+                self.decrease_kind(kind, false, amount);
+            }
+        }
     }
 
     /// Subtracts `amount` from statistic `kind` of the pool type (PyTorch's `decrease_stat`).

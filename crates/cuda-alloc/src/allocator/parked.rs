@@ -1,0 +1,464 @@
+//! Deferred merges: the repeated alloc+free of one size on one stream without splitting and merging
+//! the same two blocks every time.
+//!
+//! Freeing block `B` whose next neighbour `R` is free (and whose previous one is not) merges them:
+//! `R` leaves the arena, `B` grows over it, and `R`'s free-set entry is re-keyed to the merged block.
+//! Allocating `B`'s size again then finds the merged block by best fit and splits it back into `B`
+//! and `R`. Here the free only *parks* `B` ([`Parked`]): everything anyone can see without the
+//! stream's lock (statistics, trace entries) is updated at once, exactly as the merge would, but the
+//! blocks and the free set are left as they are. The state under the lock is then *defined* as the
+//! merged one, and two things keep that true:
+//!
+//! - every way of taking a shard's lock settles a parked block first
+//!   ([`ShardState::settle`]: the merge, as it would have been done at the free), except the
+//!   allocation path, which first asks [`Locked::unpark`];
+//! - [`Locked::unpark`] hands `B` out again only where the allocator would make exactly that
+//!   decision: same pool, `B`'s size, the merged block the best fit (no other free block of at least
+//!   that size keyed below it; the oversize rules pass), and the split rule splitting it at `B`'s
+//!   size. Splitting the merged block there gives back `B` and `R` with their addresses and sizes,
+//!   so only the figures and fields the split would set are set (the statistics of the split, `R`'s
+//!   garbage-collection age, `B`'s generation). Anything else settles and takes the usual path.
+//!
+//! Blocks keep their arena slots instead of trading them (slots are not visible: snapshots order
+//! segments by address, handles carry a generation). The unit test `deferred_merges_decide_alike`
+//! runs random sequences on two allocators, one with merges deferred and one without, and compares
+//! every address, statistic and snapshot.
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use super::{Allocation, Locked};
+use crate::block::NIL;
+use crate::device::Device;
+use crate::shard::ShardState;
+use crate::size::{MIN_BLOCK_SIZE, SMALL_SIZE};
+use crate::stack::Stack;
+use crate::stats::peaks::{Kind, OVERSIZE_ALLOCATIONS};
+use crate::trace::Action;
+
+/// A freed block whose merge with its free next neighbour is deferred.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Parked {
+    /// The freed block: no longer allocated, in no free set.
+    pub(crate) block: u32,
+    /// Its next neighbour: free, in its pool's free set under its own key.
+    pub(crate) next: u32,
+    /// The pool's clock at the free (the merged block's `gc_count_base`).
+    pub(crate) gc_base: u64,
+}
+
+impl<D: Device> ShardState<D> {
+    /// Carries out a deferred merge, if any: the state becomes what freeing the parked block would
+    /// have made it. Called whenever the shard's lock is taken (see the module documentation).
+    #[inline(always)]
+    pub(crate) fn settle(&mut self) {
+        if self.parked.is_some() {
+            self.settle_parked();
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn settle_parked(&mut self) {
+        let Some(parked) = self.parked.take() else {
+            return;
+        };
+        let blocks = &mut self.blocks;
+        let n = &blocks[parked.next];
+        let (n_size, n_addr, n_next) = (n.size, n.addr, n.next);
+        let b = &mut blocks[parked.block];
+        b.next = n_next;
+        b.size += n_size;
+        b.gc_count_base = parked.gc_base;
+        let (size, addr, pool) = (b.size, b.addr, b.pool);
+        if n_next != NIL {
+            blocks[n_next].prev = parked.block;
+        }
+        blocks.remove(parked.next);
+        self.pools[pool as usize]
+            .free
+            .rekey((n_size, n_addr), (size, addr), parked.block);
+    }
+}
+
+/// PyTorch's `should_split` for a block of `remaining + size` bytes in a pool of the given class.
+#[inline(always)]
+pub(crate) fn split_rule(
+    small_pool: bool,
+    expandable_segments: bool,
+    max_split: usize,
+    size: usize,
+    remaining: usize,
+) -> bool {
+    if small_pool || expandable_segments {
+        remaining >= MIN_BLOCK_SIZE
+    } else {
+        size < max_split && remaining > SMALL_SIZE
+    }
+}
+
+impl<D: Device> super::CachingAllocator<D> {
+    /// Whether frees may defer merges: always, except in the tests that compare with the plain path.
+    #[inline(always)]
+    pub(crate) fn defers_merges(&self) -> bool {
+        #[cfg(test)]
+        {
+            self.defer_merges.load(Relaxed)
+        }
+        #[cfg(not(test))]
+        {
+            true
+        }
+    }
+}
+
+impl<D: Device> Locked<'_, D> {
+    /// Hands the parked block out again for a request of `size` bytes (rounded; `orig` asked for)
+    /// in pool `pool`, if that is exactly what best fit and splitting the merged block would do (see
+    /// the module documentation); `None` (nothing changed) otherwise.
+    #[inline(always)]
+    pub(crate) fn unpark(
+        &mut self,
+        pool: u16,
+        size: usize,
+        orig: usize,
+        stack: Option<&Stack>,
+    ) -> Option<Allocation> {
+        let parked = self.st.parked?;
+        let settings = &self.a.settings;
+        let st = &*self.st;
+        let b = &st.blocks[parked.block];
+        if b.pool != pool || b.size != size as u64 {
+            return None;
+        }
+        let n = &st.blocks[parked.next];
+        let (b_addr, n_size, n_addr) = (b.addr, n.size, n.addr);
+        let merged = size as u64 + n_size;
+        // The oversize rules of `best_fit`.
+        let max_split = settings.max_split_size();
+        if size < max_split && merged as usize >= max_split {
+            return None;
+        }
+        if size >= max_split
+            && merged as usize >= size.saturating_add(settings.max_non_split_rounding_size())
+        {
+            return None;
+        }
+        let p = &st.pools[pool as usize];
+        if !split_rule(
+            p.small,
+            settings.expandable_segments(),
+            max_split,
+            size,
+            n_size as usize,
+        ) {
+            return None;
+        }
+        if !p
+            .free
+            .merged_would_be_first(size as u64, (n_size, n_addr), (merged, b_addr))
+        {
+            return None;
+        }
+        // Best fit's clock tick (`get_free_block`), then the split's updates.
+        if self.a.gc_enabled() {
+            p.gc_clock.fetch_add(1, Relaxed);
+        }
+        let small = p.small;
+        let gc_now = p.gc_now();
+        let already_split = b.prev != NIL || n.next != NIL;
+        let st = &mut *self.st;
+        st.parked = None;
+        // The remainder of the split is the merged block, which was `B` grown: it carries `B`'s
+        // last requested size (snapshots show it), and the split's clock reading.
+        let b_requested = st.blocks[parked.block].requested;
+        let r = &mut st.blocks[parked.next];
+        r.gc_count_base = gc_now;
+        r.requested = b_requested;
+        if already_split {
+            self.dec(Kind::InactiveSplitBytes, small, size as u64);
+        } else {
+            self.inc(Kind::InactiveSplitBytes, small, n_size);
+            self.inc(Kind::InactiveSplit, small, 1);
+        }
+        let b = &mut self.st.blocks[parked.block];
+        // As a head made by the split (`Block::new`).
+        b.gc_count_base = 0;
+        b.allocated = true;
+        b.requested = orig as u64;
+        b.generation = b.generation.wrapping_add(1);
+        let generation = b.generation;
+        let index = parked.block;
+        if let Some(stack) = stack {
+            self.st.stacks.insert(u64::from(index), stack.clone());
+        }
+        self.record_with(Action::Alloc, b_addr, orig as u64, stack);
+        if self.a.pointer_index_on() {
+            self.st.allocated.insert(b_addr, index);
+        }
+        self.inc_alloc(small, size as u64, orig as u64);
+        if size >= max_split {
+            self.inc_figure(OVERSIZE_ALLOCATIONS, 1);
+        }
+        Some(Allocation {
+            ptr: crate::DeviceAddress(b_addr),
+            allocator: self.a.id,
+            size,
+            requested: orig,
+            stream: self.shard.stream,
+            shard: self.shard.index,
+            block: index,
+            generation,
+        })
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use std::sync::atomic::Ordering::Relaxed;
+
+    use proptest::prelude::*;
+
+    use crate::backend::sim::SimDevice;
+    use crate::config::AllocatorConfig;
+    use crate::{Allocation, CachingAllocator, StreamId};
+
+    const STREAMS: [StreamId; 2] = [StreamId(0x10), StreamId(0x20)];
+    /// Sizes that repeat (so frees park and allocations of the same size follow), across the small
+    /// and large pools, the split rules (20 MiB segments filled to their last MiB) and the oversize
+    /// limit of the configurations below.
+    const SIZES: [usize; 9] = [
+        512,
+        1536,
+        4096,
+        (1 << 20) + 1,
+        3 << 20,
+        8 << 20,
+        9 << 20,
+        25 << 20,
+        64 << 20,
+    ];
+    const CONFIGS: [&str; 4] = [
+        "",
+        "max_split_size_mb:20",
+        "expandable_segments:True",
+        "garbage_collection_threshold:0.5,max_split_size_mb:40,max_non_split_rounding_mb:30",
+    ];
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Alloc {
+            size: usize,
+            stream: usize,
+        },
+        /// Allocate the size last freed, on its stream (the hot pair's allocation).
+        Again,
+        /// `raw_alloc` (the pointer index on from then on).
+        RawAlloc {
+            size: usize,
+            stream: usize,
+        },
+        /// `raw_free` of the newest pointer.
+        RawFreeNewest,
+        /// Free the newest live allocation (the hot pair's free).
+        FreeNewest,
+        Free {
+            pick: usize,
+        },
+        RecordStream {
+            pick: usize,
+            stream: usize,
+        },
+        Complete {
+            stream: usize,
+        },
+        EmptyCache,
+        /// Compare the snapshots and walk the invariants (both take the locks, which settles a
+        /// parked block: not after every step, or nothing would stay parked).
+        Check,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => (0..SIZES.len(), prop_oneof![4 => Just(0usize), 1 => Just(1usize)])
+                .prop_map(|(s, stream)| Op::Alloc { size: SIZES[s], stream }),
+            3 => Just(Op::Again),
+            1 => (0..SIZES.len(), 0usize..2).prop_map(|(s, stream)| Op::RawAlloc { size: SIZES[s], stream }),
+            1 => Just(Op::RawFreeNewest),
+            4 => Just(Op::FreeNewest),
+            3 => any::<usize>().prop_map(|pick| Op::Free { pick }),
+            1 => (any::<usize>(), 0usize..2).prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
+            1 => (0usize..2).prop_map(|stream| Op::Complete { stream }),
+            1 => Just(Op::EmptyCache),
+            1 => Just(Op::Check),
+        ]
+    }
+
+    fn allocator(config: &str, defer: bool) -> CachingAllocator<SimDevice> {
+        let a = CachingAllocator::with_config(
+            // The same invented addresses for both allocators.
+            SimDevice::with_fixed_addresses(0, 512 << 20),
+            AllocatorConfig::parse(config).expect("valid config"),
+        );
+        if config.contains("garbage_collection") {
+            a.set_memory_fraction(0.9).expect("valid fraction");
+        }
+        a.defer_merges.store(defer, Relaxed);
+        a
+    }
+
+    /// One allocator defers merges, the other never does: every call must come out the same
+    /// (addresses, sizes, errors), and so must the statistics and the snapshot after it.
+    fn run(config: &str, ops: &[Op]) -> Result<(), TestCaseError> {
+        let fast = allocator(config, true);
+        let plain = allocator(config, false);
+        let mut live: Vec<(Allocation, Allocation)> = Vec::new();
+        let mut last_freed = None;
+        let mut raw_live: Vec<(crate::DeviceAddress, crate::DeviceAddress)> = Vec::new();
+        for op in ops {
+            let op = match *op {
+                Op::Again => match last_freed {
+                    Some((size, stream)) => Op::Alloc { size, stream },
+                    None => continue,
+                },
+                ref op => op.clone(),
+            };
+            match op {
+                Op::Alloc { size, stream } => {
+                    let (x, y) = (
+                        fast.allocate(size, STREAMS[stream]),
+                        plain.allocate(size, STREAMS[stream]),
+                    );
+                    match (x, y) {
+                        (Ok(x), Ok(y)) => {
+                            prop_assert_eq!((x.ptr(), x.size()), (y.ptr(), y.size()));
+                            live.push((x, y));
+                        }
+                        (Err(x), Err(y)) => prop_assert_eq!(x.to_string(), y.to_string()),
+                        (x, y) => prop_assert!(false, "{x:?} against {y:?}"),
+                    }
+                }
+                Op::FreeNewest | Op::Free { .. } if !live.is_empty() => {
+                    let at = match op {
+                        Op::Free { pick } => pick % live.len(),
+                        _ => live.len() - 1,
+                    };
+                    let (x, y) = live.remove(at);
+                    let stream = STREAMS.iter().position(|&s| s == x.stream());
+                    last_freed = stream.map(|stream| (x.requested_size(), stream));
+                    fast.free(x)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    plain
+                        .free(y)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                }
+                Op::RecordStream { pick, stream } if !live.is_empty() => {
+                    let (x, y) = &live[pick % live.len()];
+                    fast.record_stream(x, STREAMS[stream])
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    plain
+                        .record_stream(y, STREAMS[stream])
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                }
+                Op::Complete { stream } => {
+                    fast.device().complete_stream_work(STREAMS[stream]);
+                    plain.device().complete_stream_work(STREAMS[stream]);
+                }
+                Op::EmptyCache => {
+                    fast.empty_cache()
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    plain
+                        .empty_cache()
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                }
+                Op::RawAlloc { size, stream } => {
+                    match (
+                        fast.raw_alloc(size, STREAMS[stream]),
+                        plain.raw_alloc(size, STREAMS[stream]),
+                    ) {
+                        (Ok(x), Ok(y)) => {
+                            prop_assert_eq!(x, y);
+                            raw_live.push((x, y));
+                        }
+                        (Err(x), Err(y)) => prop_assert_eq!(x.to_string(), y.to_string()),
+                        (x, y) => prop_assert!(false, "{x:?} against {y:?}"),
+                    }
+                }
+                Op::RawFreeNewest if !raw_live.is_empty() => {
+                    let (x, y) = raw_live.pop().expect("not empty");
+                    fast.raw_free(x)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    plain
+                        .raw_free(y)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                }
+                Op::Check => {
+                    prop_assert_eq!(fast.snapshot(), plain.snapshot());
+                    fast.check_invariants()
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                }
+                _ => {}
+            }
+            // Statistics are read without the shard locks: they must agree with a block parked.
+            prop_assert_eq!(fast.memory_stats(), plain.memory_stats());
+        }
+        fast.check_invariants()
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        for (x, y) in live {
+            fast.free(x)
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            plain
+                .free(y)
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        }
+        for (x, y) in raw_live {
+            fast.raw_free(x)
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            plain
+                .raw_free(y)
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        }
+        prop_assert_eq!(fast.memory_stats(), plain.memory_stats());
+        prop_assert_eq!(fast.snapshot(), plain.snapshot());
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn deferred_merges_decide_alike(
+            config in 0usize..CONFIGS.len(),
+            ops in proptest::collection::vec(op(), 1..120),
+        ) {
+            run(CONFIGS[config], &ops)?;
+        }
+    }
+
+    #[test]
+    fn the_hot_pair_parks_and_unparks() {
+        let (a, plain) = (allocator("", true), allocator("", false));
+        for _ in 0..3 {
+            let (x, y) = (
+                a.allocate(512, STREAMS[0]).expect("allocates"),
+                plain.allocate(512, STREAMS[0]).expect("allocates"),
+            );
+            assert_eq!(x.ptr(), y.ptr());
+            a.free(x).expect("frees");
+            plain.free(y).expect("frees");
+            let shard = a.streams.get(STREAMS[0]).expect("shard");
+            assert!(shard.state.lock().parked.is_some(), "the free parked");
+            assert_eq!(a.memory_stats(), plain.memory_stats());
+        }
+        // A request of another size settles the parked block and takes the usual path.
+        let (x, y) = (
+            a.allocate(4096, STREAMS[0]).expect("allocates"),
+            plain.allocate(4096, STREAMS[0]).expect("allocates"),
+        );
+        assert_eq!(x.ptr(), y.ptr());
+        assert_eq!(a.memory_stats(), plain.memory_stats());
+        a.free(x).expect("frees");
+        plain.free(y).expect("frees");
+        assert_eq!(a.snapshot(), plain.snapshot());
+        a.check_invariants().expect("consistent");
+    }
+}
