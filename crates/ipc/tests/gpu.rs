@@ -82,12 +82,16 @@ fn current() {
     CudaBackend::new(0).unwrap().make_current().unwrap();
 }
 
+/// Fills device memory and waits for the fill: `cuMemsetD8` on device memory is asynchronous with
+/// respect to the host, and the other process reads what this one wrote as soon as it is told to.
 fn fill(ptr: DeviceAddress, value: u8, len: usize) {
     current();
     // SAFETY: `ptr..ptr+len` is device memory of device 0 this test owns or received.
     check("cuMemsetD8", unsafe {
         sys::cuMemsetD8_v2(ptr.0, value, len)
     });
+    // SAFETY: no arguments; the test's context is current (`current`).
+    check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() });
 }
 
 fn read(ptr: DeviceAddress, len: usize) -> Vec<u8> {
