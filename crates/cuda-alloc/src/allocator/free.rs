@@ -284,10 +284,6 @@ impl<D: Device> Locked<'_, D> {
             b.allocated = false;
             (b.pool, b.size, b.addr, b.requested, b.used_elsewhere)
         };
-        let small = self.st.pools[pool as usize].small;
-        self.shard
-            .figures
-            .decrease_kinds(small, [(Kind::Allocation, 1), (Kind::AllocatedBytes, size)]);
         if let Some(stack) = stack {
             self.st.free_stacks.insert(u64::from(index), stack);
         }
@@ -297,6 +293,12 @@ impl<D: Device> Locked<'_, D> {
             self.shard.figures.decrease(OVERSIZE_ALLOCATIONS, 1);
         }
         if used_elsewhere {
+            // The block stays active until its uses complete; it is no longer allocated. (Without
+            // other uses, `free_block_with` decreases these figures with the block's others.)
+            let small = self.st.pools[pool as usize].small;
+            self.shard
+                .figures
+                .decrease_kinds(small, [(Kind::Allocation, 1), (Kind::AllocatedBytes, size)]);
             if self.a.capturing() {
                 // Events recorded during a capture may not be queried: record them after it.
                 let mut events = self.a.events.lock();
@@ -414,7 +416,10 @@ impl<D: Device> Locked<'_, D> {
 
     /// [`free_block`](Self::free_block), or where allowed (`may_park`, and the block has a free next
     /// neighbour and no free previous one) the same with the merge deferred: see
-    /// `allocator/parked.rs`. Only the free calls, which return right after, may park.
+    /// `allocator/parked.rs`. Only the free calls, which return right after, may park; for them
+    /// (`may_park`) the block was allocated until now, and its `allocation` and `allocated_bytes`
+    /// figures are decreased here too, in one group with its other figures (the pool type decided
+    /// once).
     #[inline(always)]
     fn free_block_with(&mut self, index: u32, may_park: bool) {
         // A parked block is settled when the lock is taken; one parked in this lock's hold (by an
@@ -460,22 +465,11 @@ impl<D: Device> Locked<'_, D> {
                 next,
                 gc_base,
             });
-            let merged = original_size + n_size;
-            if split {
-                // One split free block (`next`) becomes another (the merged one): `+ original_size`.
-                self.inc(Kind::InactiveSplitBytes, small, original_size);
+            if small {
+                self.park_figures::<true>(split, original_size, n_size, requested);
             } else {
-                self.dec(Kind::InactiveSplit, small, 1);
-                self.dec(Kind::InactiveSplitBytes, small, merged - original_size);
+                self.park_figures::<false>(split, original_size, n_size, requested);
             }
-            self.shard.figures.decrease_kinds(
-                small,
-                [
-                    (Kind::Active, 1),
-                    (Kind::ActiveBytes, original_size),
-                    (Kind::RequestedBytes, requested),
-                ],
-            );
             return;
         }
         let mut reuse: Option<(u64, u64)> = None;
@@ -540,14 +534,27 @@ impl<D: Device> Locked<'_, D> {
                 _ => {}
             }
         }
-        self.shard.figures.decrease_kinds(
-            small,
-            [
-                (Kind::Active, 1),
-                (Kind::ActiveBytes, original_size),
-                (Kind::RequestedBytes, requested),
-            ],
-        );
+        if may_park {
+            self.shard.figures.decrease_kinds(
+                small,
+                [
+                    (Kind::Allocation, 1),
+                    (Kind::AllocatedBytes, original_size),
+                    (Kind::Active, 1),
+                    (Kind::ActiveBytes, original_size),
+                    (Kind::RequestedBytes, requested),
+                ],
+            );
+        } else {
+            self.shard.figures.decrease_kinds(
+                small,
+                [
+                    (Kind::Active, 1),
+                    (Kind::ActiveBytes, original_size),
+                    (Kind::RequestedBytes, requested),
+                ],
+            );
+        }
         if self.a.settings.uncached()
             && !expandable
             && !split
@@ -560,6 +567,37 @@ impl<D: Device> Locked<'_, D> {
                 tracing::warn!(%error, addr, "returning an uncached allocation to the device failed");
             }
         }
+    }
+
+    /// The figures of a free that parks its block (pool type `SMALL`): those of freeing an
+    /// allocated block (`allocation`, `allocated_bytes`, `active`, `active_bytes`,
+    /// `requested_bytes` go down) and of merging its free next neighbour of `n_size` bytes into it
+    /// (`split`: the merged block is still part of a split segment).
+    #[inline(always)]
+    fn park_figures<const SMALL: bool>(
+        &self,
+        split: bool,
+        original_size: u64,
+        n_size: u64,
+        requested: u64,
+    ) {
+        if split {
+            // One split free block (`next`) becomes another (the merged one): `+ original_size`.
+            self.inc(Kind::InactiveSplitBytes, SMALL, original_size);
+        } else {
+            self.dec(Kind::InactiveSplit, SMALL, 1);
+            self.dec(Kind::InactiveSplitBytes, SMALL, n_size);
+        }
+        self.shard.figures.decrease_kinds(
+            SMALL,
+            [
+                (Kind::Allocation, 1),
+                (Kind::AllocatedBytes, original_size),
+                (Kind::Active, 1),
+                (Kind::ActiveBytes, original_size),
+                (Kind::RequestedBytes, requested),
+            ],
+        );
     }
 
     /// The stack for a free entry of block `index`: the freeing call's if kept, else the allocation's

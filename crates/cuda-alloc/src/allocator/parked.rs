@@ -174,12 +174,6 @@ impl<D: Device> Locked<'_, D> {
         let r = &mut st.blocks[parked.next];
         r.gc_count_base = gc_now;
         r.requested = b_requested;
-        if already_split {
-            self.dec(Kind::InactiveSplitBytes, small, size as u64);
-        } else {
-            self.inc(Kind::InactiveSplitBytes, small, n_size);
-            self.inc(Kind::InactiveSplit, small, 1);
-        }
         let b = &mut self.st.blocks[parked.block];
         // As a head made by the split (`Block::new`).
         b.gc_count_base = 0;
@@ -195,7 +189,11 @@ impl<D: Device> Locked<'_, D> {
         if self.a.pointer_index_on() {
             self.st.allocated.insert(b_addr, index);
         }
-        self.inc_alloc(small, size as u64, orig as u64);
+        if small {
+            self.unpark_figures::<true>(already_split, size as u64, n_size, orig as u64);
+        } else {
+            self.unpark_figures::<false>(already_split, size as u64, n_size, orig as u64);
+        }
         if size >= max_split {
             self.inc_figure(OVERSIZE_ALLOCATIONS, 1);
         }
@@ -209,6 +207,28 @@ impl<D: Device> Locked<'_, D> {
             block: index,
             generation,
         })
+    }
+
+    /// The figures of handing a parked block of `size` bytes out again (pool type `SMALL`): those
+    /// of splitting the merged block into it and a remainder of `n_size` bytes (`already_split`:
+    /// the merged block was part of a split segment), then of the allocation (`on_alloc`).
+    #[inline(always)]
+    fn unpark_figures<const SMALL: bool>(
+        &self,
+        already_split: bool,
+        size: u64,
+        n_size: u64,
+        orig: u64,
+    ) {
+        if already_split {
+            self.dec(Kind::InactiveSplitBytes, SMALL, size);
+        } else {
+            self.inc(Kind::InactiveSplitBytes, SMALL, n_size);
+            self.inc(Kind::InactiveSplit, SMALL, 1);
+        }
+        self.shard
+            .figures
+            .on_alloc_in::<SMALL>(size, orig, &self.a.book, &self.a.streams);
     }
 }
 

@@ -213,7 +213,7 @@ impl Figures {
 
     /// [`on_alloc`](Self::on_alloc) for the pool type `SMALL`.
     #[inline(always)]
-    fn on_alloc_in<const SMALL: bool>(
+    pub(crate) fn on_alloc_in<const SMALL: bool>(
         &self,
         size: u64,
         requested: u64,
