@@ -2,21 +2,12 @@
 //! configuring a running allocator refuses it with a typed error, and the allocator's settings say
 //! `native`, which is what serves.
 
-use std::ffi::OsString;
+mod common;
 
+use common::env;
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::config::{AllocatorConfig, Backend, ConfigError, MB};
 use tensormem_cuda_alloc::{CachingAllocator, Error};
-
-fn env<'a>(
-    vars: &'a [(&'static str, &'a str)],
-) -> impl FnMut(&'static str) -> Option<OsString> + 'a {
-    move |name| {
-        vars.iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, v)| OsString::from(v))
-    }
-}
 
 #[test]
 fn the_grammar_accepts_it_and_check_supported_refuses_it() {

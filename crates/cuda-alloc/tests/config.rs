@@ -1,8 +1,11 @@
 //! `PYTORCH_CUDA_ALLOC_CONF` grammar: every key, valid and invalid values, boundaries, the list form,
 //! whitespace, run-time application, environment lookup and the canonical string round trip.
 
+mod common;
+
 use std::ffi::OsString;
 
+use common::env;
 use proptest::prelude::*;
 use tensormem_cuda_alloc::config::{
     roundup_interval, AllocatorConfig, Backend, ConfigError, KNOWN_KEYS, LARGE_BUFFER, MB,
@@ -526,16 +529,6 @@ fn apply_with_an_error_changes_nothing() {
         .unwrap_err();
     assert_eq!(e, ConfigError::MaxSplitSizeTooSmall { mb: 1 });
     assert_eq!(c, before);
-}
-
-fn env<'a>(
-    vars: &'a [(&'static str, &'a str)],
-) -> impl FnMut(&'static str) -> Option<OsString> + 'a {
-    move |name| {
-        vars.iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, v)| OsString::from(v))
-    }
 }
 
 #[test]

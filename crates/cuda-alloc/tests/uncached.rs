@@ -2,24 +2,15 @@
 //! allocation is a device allocation of its own, returned to the device when freed (once no other
 //! stream uses it), with statistics and invariants kept.
 
-use std::ffi::OsString;
+mod common;
 
+use common::env;
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::config::{caching_disabled_by_env_with, AllocatorConfig};
 use tensormem_cuda_alloc::{CachingAllocator, StreamId};
 
 const S: StreamId = StreamId(0);
 const OTHER: StreamId = StreamId(5);
-
-fn env<'a>(
-    vars: &'a [(&'static str, &'a str)],
-) -> impl FnMut(&'static str) -> Option<OsString> + 'a {
-    move |name| {
-        vars.iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, v)| OsString::from(v))
-    }
-}
 
 #[test]
 fn the_environment_decides_pytorch_rule_first_tensormem_variable_overrides() {

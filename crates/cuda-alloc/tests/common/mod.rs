@@ -1,6 +1,8 @@
 //! Helpers shared by the allocator's integration tests.
 #![allow(dead_code, unreachable_pub)]
 
+use std::ffi::OsString;
+
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::stats::MemoryStats;
@@ -30,4 +32,15 @@ pub fn sim_with(config: &str, capacity: usize) -> CachingAllocator<SimDevice> {
 pub fn checked(alloc: &CachingAllocator<SimDevice>) -> MemoryStats {
     alloc.check_invariants().expect("invariants hold");
     alloc.memory_stats()
+}
+
+/// An environment for `from_env_with`-style lookups holding exactly `vars`.
+pub fn env<'a>(
+    vars: &'a [(&'static str, &'a str)],
+) -> impl FnMut(&'static str) -> Option<OsString> + 'a {
+    move |name| {
+        vars.iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| OsString::from(v))
+    }
 }
