@@ -179,6 +179,17 @@ pub(crate) struct Shard<D: Device> {
     pub(crate) state: CachePadded<ShardLock<ShardState<D>>>,
 }
 
+impl<D: Device> Shard<D> {
+    /// Takes the shard's lock with a deferred merge settled (see `allocator/parked.rs`): how every
+    /// path but the allocation path reads or changes the shard's blocks.
+    #[inline]
+    pub(crate) fn lock_settled(&self) -> ShardGuard<'_, ShardState<D>> {
+        let mut st = self.state.lock();
+        st.settle();
+        st
+    }
+}
+
 /// Stream -> shard, without locks on lookup.
 #[derive(Debug)]
 pub(crate) struct StreamTable<D: Device> {

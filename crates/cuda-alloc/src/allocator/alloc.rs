@@ -207,8 +207,7 @@ impl<D: Device> CachingAllocator<D> {
             .streams
             .iter()
             .map(|shard| {
-                let mut st = shard.state.lock();
-                st.settle();
+                let st = shard.lock_settled();
                 st.pools
                     .iter()
                     .filter(|p| matches!(p.owner, PoolOwner::Private(_)))

@@ -64,8 +64,7 @@ impl<D: Device> CachingAllocator<D> {
         self.streams
             .iter()
             .map(|shard| {
-                let mut st = shard.state.lock();
-                st.settle();
+                let st = shard.lock_settled();
                 st.pools
                     .iter()
                     .filter_map(|p| p.free.iter().map(|(size, _, _)| size).max())
@@ -142,8 +141,7 @@ impl<D: Device> CachingAllocator<D> {
     pub fn base_allocation(&self, ptr: DeviceAddress) -> Result<(DeviceAddress, usize)> {
         self.enable_pointer_index();
         let shard = self.route(ptr).ok_or(Error::InvalidPointer { ptr })?;
-        let mut st = shard.state.lock();
-        st.settle();
+        let st = shard.lock_settled();
         let &index = st
             .allocated
             .get(&ptr.0)

@@ -530,9 +530,11 @@ impl<D: Device> CachingAllocator<D> {
     /// Takes `shard`'s lock, with a deferred merge carried out (see `parked.rs`).
     #[inline]
     pub(crate) fn lock<'a>(&'a self, shard: &'a Shard<D>) -> Locked<'a, D> {
-        let mut locked = self.lock_unsettled(shard);
-        locked.st.settle();
-        locked
+        Locked {
+            a: self,
+            shard,
+            st: shard.lock_settled(),
+        }
     }
 
     /// Takes `shard`'s lock leaving a deferred merge as it is: only for the allocation path, which

@@ -30,8 +30,7 @@ impl<D: Device> Drop for CachingAllocator<D> {
         drop(std::mem::take(&mut *self.events.lock()));
         self.pending.store(0, Relaxed);
         for shard in self.streams.iter() {
-            let mut st = shard.state.lock();
-            st.settle();
+            let mut st = shard.lock_settled();
             let heads: Vec<(u64, u64)> = st
                 .blocks
                 .iter()
