@@ -1,8 +1,6 @@
 //! `cargo xtask test-gpu --bundle DIR`: the GPU test executables, the GPU examples, the
 //! benchmark binaries (`alloc_patterns`, `shm_bench`, `shm_pool_bench`, `shm_loader_bench`,
-//! `storage_pool_bench`; `alloc_patterns_spinlock` is `alloc_patterns` with the allocator feature
-//! `spin-shard-lock`) and a
-//! `run.sh`, built here for a GPU host that has no Rust toolchain.
+//! `storage_pool_bench`) and a `run.sh`, built here for a GPU host that has no Rust toolchain.
 //!
 //! The executables are built in release without debug info and stripped (through `CARGO_PROFILE_*`
 //! variables, so the workspace's profiles stay as they are), found through cargo's JSON messages, and
@@ -96,25 +94,6 @@ pub(crate) fn build(dir: &Path) -> Result<()> {
         copy_executable(&exe, &dest)?;
         files.push(dest);
     }
-
-    // alloc_patterns again with the allocator's spin shard lock, so that one call on the GPU host
-    // compares the two locks (docs/allocator-performance.md); the feature applies to this build only.
-    let exe = build_one(
-        &[
-            "build",
-            "-p",
-            "tensormem-benches",
-            "--features",
-            "spin-shard-lock",
-            "--bin",
-            "alloc_patterns",
-        ],
-        |artifact| target_name(artifact) == Some("alloc_patterns"),
-    )
-    .context("building alloc_patterns with spin-shard-lock")?;
-    let dest = dir.join("alloc_patterns_spinlock");
-    copy_executable(&exe, &dest)?;
-    files.push(dest);
 
     files.push(bundle_torch_plugin(dir)?);
 

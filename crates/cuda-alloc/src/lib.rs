@@ -74,9 +74,6 @@
 //!   pickle reader and writer, gzip (`flate2`) and JSON (`serde_json`). Without it the snapshot model
 //!   stays ([`CachingAllocator::snapshot`], [`snapshot::Snapshot::to_value`]) and the crate depends on
 //!   neither `flate2` nor `serde_json`.
-//! - `spin-shard-lock` (off): the stream shards' lock is a hand-written spin-yield-nap lock released by
-//!   a plain store instead of `parking_lot`'s mutex (one locked instruction fewer per allocator call;
-//!   waiters nap instead of parking). For measuring both on one host (docs/allocator-performance.md).
 //!
 //! # Map
 //!
@@ -94,6 +91,7 @@
 
 mod allocator;
 pub mod backend;
+mod biased_lock;
 mod block;
 pub mod config;
 pub mod device;
@@ -110,11 +108,8 @@ mod pool;
 mod pool_id;
 mod settings;
 mod shard;
-// Always built (its loom models run whatever the features); the shard lock with `spin-shard-lock`.
 pub mod size;
 pub mod snapshot;
-#[cfg_attr(not(any(feature = "spin-shard-lock", loom, test)), allow(dead_code))]
-mod spin_lock;
 mod stack;
 pub mod stats;
 mod trace;

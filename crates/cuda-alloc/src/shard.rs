@@ -144,27 +144,12 @@ impl<D: Device> ShardState<D> {
     }
 }
 
-/// A stream shard's lock. The hot path takes one per call, almost always uncontended (a stream is
-/// rarely used from several threads at once). By default `parking_lot`'s mutex: it takes and releases
-/// an uncontended lock with one locked instruction each, and parks contended waiters (a holder may be
-/// inside a device call, e.g. a `cudaMalloc` of a new segment). With the feature `spin-shard-lock`,
-/// [`SpinLock`](crate::spin_lock::SpinLock), released by a plain store (one locked instruction per
-/// call instead of two; waiters spin, yield, then nap). Which one pays on a GPU host is measured by
-/// `alloc_patterns` built each way (docs/allocator-performance.md).
-#[cfg(not(feature = "spin-shard-lock"))]
-pub(crate) type ShardLock<T> = Mutex<T>;
+/// A stream shard's lock: taken once per allocator call, almost always by the one thread that uses
+/// the stream, which then holds it without a locked instruction (see [`crate::biased_lock`]).
+pub(crate) type ShardLock<T> = crate::biased_lock::BiasedLock<T>;
 
 /// Access to a [`ShardLock`]'s value; releases the lock when dropped.
-#[cfg(not(feature = "spin-shard-lock"))]
-pub(crate) type ShardGuard<'a, T> = parking_lot::MutexGuard<'a, T>;
-
-/// A stream shard's lock (see the default build's documentation): here the spin lock.
-#[cfg(feature = "spin-shard-lock")]
-pub(crate) type ShardLock<T> = crate::spin_lock::SpinLock<T>;
-
-/// Access to a [`ShardLock`]'s value; releases the lock when dropped.
-#[cfg(feature = "spin-shard-lock")]
-pub(crate) type ShardGuard<'a, T> = crate::spin_lock::SpinGuard<'a, T>;
+pub(crate) type ShardGuard<'a, T> = crate::biased_lock::BiasedGuard<'a, T>;
 
 /// One stream's shard.
 #[derive(Debug)]
