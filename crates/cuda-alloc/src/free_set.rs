@@ -636,25 +636,25 @@ impl FreeSet {
         self.insert(new.size, new.addr, new.index);
     }
 
-    /// Whether best fit for `size` bytes would take a block keyed `merged` if the entry keyed
-    /// `absorbed` were replaced by it (a deferred merge, see `allocator/parked.rs`): no other entry of
-    /// at least `size` bytes is keyed below `merged`.
+    /// Whether best fit for `size` bytes would take a block keyed `merged` if it were in the set, in
+    /// place of the entry keyed `absorbed` if any (a deferred merge or insertion, see
+    /// `allocator/parked.rs`): no other entry of at least `size` bytes is keyed below `merged`.
     #[inline(always)]
     pub(crate) fn merged_would_be_first(
         &self,
         size: u64,
-        absorbed: (u64, u64),
+        absorbed: Option<(u64, u64)>,
         merged: (u64, u64),
     ) -> bool {
         if !self.bucketed {
             let at = lower_bound(&self.small, (size, 0));
             return self.small[at..]
                 .iter()
-                .find(|e| e.key() != absorbed)
+                .find(|e| Some(e.key()) != absorbed)
                 .is_none_or(|e| e.key() > merged);
         }
         self.at_least(size)
-            .find(|&(s, a, _)| (s, a) != absorbed)
+            .find(|&(s, a, _)| Some((s, a)) != absorbed)
             .is_none_or(|(s, a, _)| (s, a) > merged)
     }
 

@@ -450,25 +450,39 @@ impl<D: Device> Locked<'_, D> {
             && self.a.defers_merges()
             && entry_stack.is_none()
             && !blocks[index].is_expandable()
-            && mergeable(blocks, next, mapped)
             && !mergeable(blocks, prev, mapped)
             && !self.a.settings.uncached()
         {
-            // Merge deferred: the figures as if `next` were merged into the block now.
-            let n = &blocks[next];
-            let (n_size, n_next) = (n.size, n.next);
-            let split = prev != NIL || n_next != NIL;
+            // Merge (or, with no free neighbour, insertion) deferred: the figures as if it were
+            // done now.
             let p = &st.pools[pool as usize];
             let (small, gc_base) = (p.small, p.gc_now());
-            st.parked = Some(Parked {
-                block: index,
-                next,
-                gc_base,
-            });
-            if small {
-                self.park_figures::<true>(split, original_size, n_size, requested);
+            if mergeable(blocks, next, mapped) {
+                let n = &blocks[next];
+                let (n_size, n_next) = (n.size, n.next);
+                let split = prev != NIL || n_next != NIL;
+                st.parked = Some(Parked {
+                    block: index,
+                    next,
+                    gc_base,
+                });
+                if small {
+                    self.park_figures::<true>(split, original_size, n_size, requested);
+                } else {
+                    self.park_figures::<false>(split, original_size, n_size, requested);
+                }
             } else {
-                self.park_figures::<false>(split, original_size, n_size, requested);
+                let split = prev != NIL || next != NIL;
+                st.parked = Some(Parked {
+                    block: index,
+                    next: NIL,
+                    gc_base,
+                });
+                if small {
+                    self.park_whole_figures::<true>(split, original_size, requested);
+                } else {
+                    self.park_whole_figures::<false>(split, original_size, requested);
+                }
             }
             return;
         }
@@ -569,6 +583,34 @@ impl<D: Device> Locked<'_, D> {
         }
     }
 
+    /// The figures of a free that parks a block with no free neighbour (pool type `SMALL`): those
+    /// of freeing an allocated block, and (`split`: the block is part of a split segment) of a split
+    /// free block appearing.
+    #[inline(always)]
+    fn park_whole_figures<const SMALL: bool>(&self, split: bool, size: u64, requested: u64) {
+        if split {
+            self.inc(Kind::InactiveSplit, SMALL, 1);
+            self.inc(Kind::InactiveSplitBytes, SMALL, size);
+        }
+        self.freed_figures::<SMALL>(size, requested);
+    }
+
+    /// The figures of an allocated block of `size` bytes (`requested` asked for) being freed (pool
+    /// type `SMALL`): `allocation`, `allocated_bytes`, `active`, `active_bytes`, `requested_bytes`.
+    #[inline(always)]
+    fn freed_figures<const SMALL: bool>(&self, size: u64, requested: u64) {
+        self.shard.figures.decrease_kinds(
+            SMALL,
+            [
+                (Kind::Allocation, 1),
+                (Kind::AllocatedBytes, size),
+                (Kind::Active, 1),
+                (Kind::ActiveBytes, size),
+                (Kind::RequestedBytes, requested),
+            ],
+        );
+    }
+
     /// The figures of a free that parks its block (pool type `SMALL`): those of freeing an
     /// allocated block (`allocation`, `allocated_bytes`, `active`, `active_bytes`,
     /// `requested_bytes` go down) and of merging its free next neighbour of `n_size` bytes into it
@@ -588,16 +630,7 @@ impl<D: Device> Locked<'_, D> {
             self.dec(Kind::InactiveSplit, SMALL, 1);
             self.dec(Kind::InactiveSplitBytes, SMALL, n_size);
         }
-        self.shard.figures.decrease_kinds(
-            SMALL,
-            [
-                (Kind::Allocation, 1),
-                (Kind::AllocatedBytes, original_size),
-                (Kind::Active, 1),
-                (Kind::ActiveBytes, original_size),
-                (Kind::RequestedBytes, requested),
-            ],
-        );
+        self.freed_figures::<SMALL>(original_size, requested);
     }
 
     /// The stack for a free entry of block `index`: the freeing call's if kept, else the allocation's

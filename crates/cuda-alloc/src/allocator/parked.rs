@@ -19,6 +19,12 @@
 //!   so only the figures and fields the split would set are set (the statistics of the split, `R`'s
 //!   garbage-collection age, `B`'s generation). Anything else settles and takes the usual path.
 //!
+//! A freed block with no free neighbour at all (a whole segment, or one between two blocks in use)
+//! is parked the same way with no `next`: what is deferred is its insertion into the free set, and
+//! [`Locked::unpark`] hands it out again where best fit would take it (no free block of at least its
+//! size keyed below it, the oversize rules passing); a block of exactly the request's size is never
+//! split.
+//!
 //! Blocks keep their arena slots instead of trading them (slots are not visible: snapshots order
 //! segments by address, handles carry a generation). The unit test `deferred_merges_decide_alike`
 //! runs random sequences on two allocators, one with merges deferred and one without, and compares
@@ -40,9 +46,10 @@ use crate::trace::Action;
 pub(crate) struct Parked {
     /// The freed block: no longer allocated, in no free set.
     pub(crate) block: u32,
-    /// Its next neighbour: free, in its pool's free set under its own key.
+    /// Its next neighbour: free, in its pool's free set under its own key; [`NIL`] when the block
+    /// merges with nothing (its insertion into the free set is what is deferred).
     pub(crate) next: u32,
-    /// The pool's clock at the free (the merged block's `gc_count_base`).
+    /// The pool's clock at the free (the `gc_count_base` of the block the free set gets).
     pub(crate) gc_base: u64,
 }
 
@@ -63,6 +70,15 @@ impl<D: Device> ShardState<D> {
             return;
         };
         let blocks = &mut self.blocks;
+        if parked.next == NIL {
+            let b = &mut blocks[parked.block];
+            b.gc_count_base = parked.gc_base;
+            let (size, addr, pool) = (b.size, b.addr, b.pool);
+            self.pools[pool as usize]
+                .free
+                .insert(size, addr, parked.block);
+            return;
+        }
         let n = &blocks[parked.next];
         let (n_size, n_addr, n_next) = (n.size, n.addr, n.next);
         let b = &mut blocks[parked.block];
@@ -94,6 +110,18 @@ pub(crate) fn split_rule(
     } else {
         size < max_split && remaining > SMALL_SIZE
     }
+}
+
+/// The oversize rules of best fit (PyTorch's `get_free_block`) for a request of `size` bytes and a
+/// free block of `block_size` bytes: whether they let best fit take the block.
+#[inline(always)]
+fn oversize_rules_pass(settings: &crate::settings::Settings, size: usize, block_size: u64) -> bool {
+    let max_split = settings.max_split_size();
+    if size < max_split && block_size as usize >= max_split {
+        return false;
+    }
+    !(size >= max_split
+        && block_size as usize >= size.saturating_add(settings.max_non_split_rounding_size()))
 }
 
 impl<D: Device> super::CachingAllocator<D> {
@@ -130,19 +158,16 @@ impl<D: Device> Locked<'_, D> {
         if b.pool != pool || b.size != size as u64 {
             return None;
         }
+        if parked.next == NIL {
+            return self.unpark_whole(parked, size, orig, stack);
+        }
         let n = &st.blocks[parked.next];
         let (b_addr, n_size, n_addr) = (b.addr, n.size, n.addr);
         let merged = size as u64 + n_size;
-        // The oversize rules of `best_fit`.
+        if !oversize_rules_pass(settings, size, merged) {
+            return None;
+        }
         let max_split = settings.max_split_size();
-        if size < max_split && merged as usize >= max_split {
-            return None;
-        }
-        if size >= max_split
-            && merged as usize >= size.saturating_add(settings.max_non_split_rounding_size())
-        {
-            return None;
-        }
         let p = &st.pools[pool as usize];
         if !split_rule(
             p.small,
@@ -155,7 +180,7 @@ impl<D: Device> Locked<'_, D> {
         }
         if !p
             .free
-            .merged_would_be_first(size as u64, (n_size, n_addr), (merged, b_addr))
+            .merged_would_be_first(size as u64, Some((n_size, n_addr)), (merged, b_addr))
         {
             return None;
         }
@@ -174,31 +199,89 @@ impl<D: Device> Locked<'_, D> {
         let r = &mut st.blocks[parked.next];
         r.gc_count_base = gc_now;
         r.requested = b_requested;
-        let b = &mut self.st.blocks[parked.block];
         // As a head made by the split (`Block::new`).
-        b.gc_count_base = 0;
-        b.allocated = true;
-        b.requested = orig as u64;
-        b.generation = b.generation.wrapping_add(1);
-        let generation = b.generation;
-        let index = parked.block;
-        if let Some(stack) = stack {
-            self.st.stacks.insert(u64::from(index), stack.clone());
-        }
-        self.record_with(Action::Alloc, b_addr, orig as u64, stack);
-        if self.a.pointer_index_on() {
-            self.st.allocated.insert(b_addr, index);
-        }
+        self.st.blocks[parked.block].gc_count_base = 0;
         if small {
             self.unpark_figures::<true>(already_split, size as u64, n_size, orig as u64);
         } else {
             self.unpark_figures::<false>(already_split, size as u64, n_size, orig as u64);
         }
-        if size >= max_split {
+        Some(self.hand_back(parked.block, size, orig, stack))
+    }
+
+    /// [`unpark`](Self::unpark) for a block parked with no free neighbour (of the request's `size`
+    /// and pool, checked): best fit would take it whole if no free block of at least `size` bytes
+    /// is keyed below it and the oversize rules pass; a block of exactly the request's size is never
+    /// split.
+    #[inline(always)]
+    fn unpark_whole(
+        &mut self,
+        parked: Parked,
+        size: usize,
+        orig: usize,
+        stack: Option<&Stack>,
+    ) -> Option<Allocation> {
+        let st = &*self.st;
+        let b = &st.blocks[parked.block];
+        if !oversize_rules_pass(&self.a.settings, size, size as u64) {
+            return None;
+        }
+        let p = &st.pools[b.pool as usize];
+        if !p
+            .free
+            .merged_would_be_first(size as u64, None, (size as u64, b.addr))
+        {
+            return None;
+        }
+        if self.a.gc_enabled() {
+            p.gc_clock.fetch_add(1, Relaxed);
+        }
+        let (small, already_split) = (p.small, b.is_split());
+        self.st.parked = None;
+        // What the free would have set.
+        self.st.blocks[parked.block].gc_count_base = parked.gc_base;
+        if already_split {
+            // A split free block leaves the free set (`alloc_found_block` without a split).
+            self.dec(Kind::InactiveSplitBytes, small, size as u64);
+            self.dec(Kind::InactiveSplit, small, 1);
+        }
+        self.shard.figures.on_alloc(
+            small,
+            size as u64,
+            orig as u64,
+            &self.a.book,
+            &self.a.streams,
+        );
+        Some(self.hand_back(parked.block, size, orig, stack))
+    }
+
+    /// The end of both unparking paths, their figures done: block `index` (of `size` bytes, for a
+    /// request of `orig`) becomes allocated, with its trace entry, stack and pointer-index entry.
+    #[inline(always)]
+    fn hand_back(
+        &mut self,
+        index: u32,
+        size: usize,
+        orig: usize,
+        stack: Option<&Stack>,
+    ) -> Allocation {
+        let b = &mut self.st.blocks[index];
+        b.allocated = true;
+        b.requested = orig as u64;
+        b.generation = b.generation.wrapping_add(1);
+        let (addr, generation) = (b.addr, b.generation);
+        if let Some(stack) = stack {
+            self.st.stacks.insert(u64::from(index), stack.clone());
+        }
+        self.record_with(Action::Alloc, addr, orig as u64, stack);
+        if self.a.pointer_index_on() {
+            self.st.allocated.insert(addr, index);
+        }
+        if size >= self.a.settings.max_split_size() {
             self.inc_figure(OVERSIZE_ALLOCATIONS, 1);
         }
-        Some(Allocation {
-            ptr: crate::DeviceAddress(b_addr),
+        Allocation {
+            ptr: crate::DeviceAddress(addr),
             allocator: self.a.id,
             size,
             requested: orig,
@@ -206,7 +289,7 @@ impl<D: Device> Locked<'_, D> {
             shard: self.shard.index,
             block: index,
             generation,
-        })
+        }
     }
 
     /// The figures of handing a parked block of `size` bytes out again (pool type `SMALL`): those
