@@ -3,7 +3,8 @@
 //! of the process executes a full memory barrier before it returns). [`available`] says whether the
 //! heavy half exists here; without it no lock is ever biased.
 //!
-//! Under loom both halves are `SeqCst` fences (loom cannot model `membarrier`; with the symmetric
+//! Under miri there is no `membarrier`: locks stay plain mutexes there. Under loom both halves are
+//! `SeqCst` fences (loom cannot model `membarrier`; with the symmetric
 //! fences its models check the handshake's logic).
 
 #[cfg(not(loom))]
@@ -79,7 +80,7 @@ pub(crate) fn heavy() {
     }
 }
 
-#[cfg(all(not(loom), any(target_os = "linux", target_os = "android")))]
+#[cfg(all(not(loom), not(miri), any(target_os = "linux", target_os = "android")))]
 mod os {
     use rustix::thread::{membarrier, MembarrierCommand};
 
@@ -93,9 +94,12 @@ mod os {
     }
 }
 
-#[cfg(all(not(loom), not(any(target_os = "linux", target_os = "android"))))]
+#[cfg(all(
+    not(loom),
+    any(miri, not(any(target_os = "linux", target_os = "android")))
+))]
 mod os {
-    /// No `membarrier` here: locks are never biased.
+    /// No `membarrier` here (or under miri, which cannot run it): locks are never biased.
     pub(super) fn register() -> bool {
         false
     }
