@@ -363,6 +363,8 @@ pub(crate) struct FreeSet {
     len: usize,
     buckets: Box<[Bucket]>,
     nonempty: [u64; WORDS],
+    /// Bumped by every change: a decision cached against the set's contents compares it.
+    version: u64,
 }
 
 impl Default for FreeSet {
@@ -373,6 +375,7 @@ impl Default for FreeSet {
             len: 0,
             buckets: (0..BUCKETS).map(|_| Bucket::default()).collect(),
             nonempty: [0; WORDS],
+            version: 0,
         }
     }
 }
@@ -449,6 +452,7 @@ impl FreeSet {
     /// since); returns its arena index.
     #[inline(always)]
     pub(crate) fn remove_at(&mut self, pos: FreePos) -> u32 {
+        self.version = self.version.wrapping_add(1);
         if pos.bucket == SMALL {
             self.len -= 1;
             let at = pos.at as usize;
@@ -472,6 +476,7 @@ impl FreeSet {
     /// since; its key is `old`) the key `new` and arena index `index`, without searching for it.
     #[inline(always)]
     pub(crate) fn rekey_at(&mut self, pos: FreePos, old: (u64, u64), new: (u64, u64), index: u32) {
+        self.version = self.version.wrapping_add(1);
         let entry = Entry {
             size: new.0,
             addr: new.1,
@@ -507,6 +512,7 @@ impl FreeSet {
 
     #[inline]
     pub(crate) fn insert(&mut self, size: u64, addr: u64, index: u32) {
+        self.version = self.version.wrapping_add(1);
         let entry = Entry { size, addr, index };
         self.len += 1;
         if !self.bucketed {
@@ -537,6 +543,7 @@ impl FreeSet {
 
     #[inline]
     pub(crate) fn remove(&mut self, size: u64, addr: u64) -> Option<u32> {
+        self.version = self.version.wrapping_add(1);
         if !self.bucketed {
             let at = lower_bound(&self.small, (size, addr));
             if self.small.get(at)?.key() != (size, addr) {
@@ -603,6 +610,7 @@ impl FreeSet {
     /// call, half of its instructions were saving and restoring registers.
     #[inline(always)]
     pub(crate) fn rekey(&mut self, old: (u64, u64), new: (u64, u64), index: u32) {
+        self.version = self.version.wrapping_add(1);
         let entry = Entry {
             size: new.0,
             addr: new.1,
@@ -697,6 +705,13 @@ impl FreeSet {
             .map(Entry::triple)
     }
 
+    /// The number of changes so far: equal versions, equal contents.
+    #[inline(always)]
+    pub(crate) fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Whether the set holds no entry.
     pub(crate) fn is_empty(&self) -> bool {
         self.len == 0
     }

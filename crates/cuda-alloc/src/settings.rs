@@ -26,6 +26,9 @@ pub(crate) struct Settings {
     /// Every allocation straight to the device (`PYTORCH_NO_CUDA_MEMORY_CACHING`); not part of the
     /// configuration string.
     uncached: AtomicBool,
+    /// Bumped after every change of the values above: what a decision cached against the settings
+    /// (`allocator/parked.rs`) compares.
+    version: AtomicU64,
     /// The configuration these values came from.
     config: Mutex<AllocatorConfig>,
 }
@@ -41,6 +44,7 @@ impl Settings {
             expandable_segments: AtomicBool::new(false),
             release_lock_on_cudamalloc: AtomicBool::new(false),
             uncached: AtomicBool::new(false),
+            version: AtomicU64::new(0),
             config: Mutex::new(served(config)),
         };
         settings.store(config);
@@ -75,6 +79,13 @@ impl Settings {
             .store(config.expandable_segments, Relaxed);
         self.release_lock_on_cudamalloc
             .store(config.release_lock_on_cudamalloc, Relaxed);
+        self.version.fetch_add(1, Relaxed);
+    }
+
+    /// The number of changes so far (see the field).
+    #[inline]
+    pub(crate) fn version(&self) -> u64 {
+        self.version.load(Relaxed)
     }
 
     /// A copy of the whole configuration (its `backend` is always [`Backend::Native`]: the one that
@@ -133,6 +144,7 @@ impl Settings {
     /// Turns caching off (`true`) or on.
     pub(crate) fn set_uncached(&self, uncached: bool) {
         self.uncached.store(uncached, Relaxed);
+        self.version.fetch_add(1, Relaxed);
     }
 }
 

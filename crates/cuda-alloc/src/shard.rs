@@ -13,7 +13,7 @@ use std::sync::{Arc, OnceLock};
 use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 
-use crate::allocator::Parked;
+use crate::allocator::{Parked, Verdict};
 use crate::block::Arena;
 use crate::device::{Device, StreamId};
 use crate::expandable::ExpandableSegment;
@@ -85,6 +85,10 @@ pub(crate) struct ShardState<D: Device> {
     /// A freed block whose merge with its next neighbour is deferred (see `allocator/parked.rs`):
     /// settled whenever the lock is taken, except by the allocation path.
     pub(crate) parked: Option<Parked>,
+    /// The last parked block handed back after its checks, and what those checks depended on: the
+    /// same block parked again against the same free set and settings is handed back without them
+    /// (see `allocator/parked.rs`).
+    pub(crate) unpark_verdict: Option<Verdict>,
     /// The size of the block handed out last: a free parks only a block of this size (the hot
     /// pair's), so that workloads of mixed sizes do not park blocks that the next allocation
     /// cannot take back.
@@ -107,6 +111,7 @@ impl<D: Device> ShardState<D> {
             free_stacks: AddrMap::default(),
             segment_stacks: AddrMap::default(),
             parked: None,
+            unpark_verdict: None,
             recent_size: 0,
         }
     }

@@ -47,7 +47,7 @@ use crate::trace::{Action, Record, TraceRecorder};
 
 pub use checkpoint::{CheckpointDelta, PoolCheckpoint};
 pub use invariants::InvariantViolation;
-pub(crate) use parked::Parked;
+pub(crate) use parked::{Parked, Verdict};
 pub(crate) use private::PrivatePool;
 
 /// An out-of-memory observer as kept (cloned out of the list before being called).

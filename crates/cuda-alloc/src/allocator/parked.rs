@@ -25,6 +25,11 @@
 //! size keyed below it, the oversize rules passing); a block of exactly the request's size is never
 //! split.
 //!
+//! The checks of [`Locked::unpark`] depend only on the two blocks, the pool's free set and the
+//! settings, none of which a hot pair changes: a block handed back after its checks leaves a
+//! [`Verdict`] (the blocks, the free set's and the settings' version numbers), and the same block
+//! parked again with the same neighbour, against the same versions, is handed back without them.
+//!
 //! Blocks keep their arena slots instead of trading them (slots are not visible: snapshots order
 //! segments by address, handles carry a generation). The unit test `deferred_merges_decide_alike`
 //! runs random sequences on two allocators, one with merges deferred and one without, and compares
@@ -96,6 +101,18 @@ impl<D: Device> ShardState<D> {
     }
 }
 
+/// A parked block that [`Locked::unpark`] handed back after checking it, and what the checks
+/// depended on. A block's key changes only with a change of its pool's free set (its own insertion,
+/// a merge with a neighbour in the set, a split's re-keyed remainder), and the rules only with the
+/// settings, so equal versions mean equal answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Verdict {
+    block: u32,
+    next: u32,
+    free_version: u64,
+    settings_version: u64,
+}
+
 /// PyTorch's `should_split` for a block of `remaining + size` bytes in a pool of the given class.
 #[inline(always)]
 pub(crate) fn split_rule(
@@ -158,31 +175,37 @@ impl<D: Device> Locked<'_, D> {
         if b.pool != pool || b.size != size as u64 {
             return None;
         }
+        let verdict = Verdict {
+            block: parked.block,
+            next: parked.next,
+            free_version: st.pools[pool as usize].free.version(),
+            settings_version: settings.version(),
+        };
+        let checked = st.unpark_verdict == Some(verdict);
         if parked.next == NIL {
-            return self.unpark_whole(parked, size, orig, stack);
+            return self.unpark_whole(parked, size, orig, stack, verdict, checked);
         }
         let n = &st.blocks[parked.next];
-        let (b_addr, n_size, n_addr) = (b.addr, n.size, n.addr);
-        let merged = size as u64 + n_size;
-        if !oversize_rules_pass(settings, size, merged) {
-            return None;
-        }
-        let max_split = settings.max_split_size();
         let p = &st.pools[pool as usize];
-        if !split_rule(
-            p.small,
-            settings.expandable_segments(),
-            max_split,
-            size,
-            n_size as usize,
-        ) {
-            return None;
-        }
-        if !p
-            .free
-            .merged_would_be_first(size as u64, Some((n_size, n_addr)), (merged, b_addr))
-        {
-            return None;
+        let n_size = n.size;
+        if !checked {
+            let merged = size as u64 + n_size;
+            if !oversize_rules_pass(settings, size, merged)
+                || !split_rule(
+                    p.small,
+                    settings.expandable_segments(),
+                    settings.max_split_size(),
+                    size,
+                    n_size as usize,
+                )
+                || !p.free.merged_would_be_first(
+                    size as u64,
+                    Some((n_size, n.addr)),
+                    (merged, b.addr),
+                )
+            {
+                return None;
+            }
         }
         // Best fit's clock tick (`get_free_block`), then the split's updates.
         if self.a.gc_enabled() {
@@ -193,6 +216,7 @@ impl<D: Device> Locked<'_, D> {
         let already_split = b.prev != NIL || n.next != NIL;
         let st = &mut *self.st;
         st.parked = None;
+        st.unpark_verdict = Some(verdict);
         // The remainder of the split is the merged block, which was `B` grown: it carries `B`'s
         // last requested size (snapshots show it), and the split's clock reading.
         let b_requested = st.blocks[parked.block].requested;
@@ -211,8 +235,8 @@ impl<D: Device> Locked<'_, D> {
 
     /// [`unpark`](Self::unpark) for a block parked with no free neighbour (of the request's `size`
     /// and pool, checked): best fit would take it whole if no free block of at least `size` bytes
-    /// is keyed below it and the oversize rules pass; a block of exactly the request's size is never
-    /// split.
+    /// is keyed below it and the oversize rules pass (`checked`: `verdict` says so already); a block
+    /// of exactly the request's size is never split.
     #[inline(always)]
     fn unpark_whole(
         &mut self,
@@ -220,16 +244,16 @@ impl<D: Device> Locked<'_, D> {
         size: usize,
         orig: usize,
         stack: Option<&Stack>,
+        verdict: Verdict,
+        checked: bool,
     ) -> Option<Allocation> {
         let st = &*self.st;
         let b = &st.blocks[parked.block];
-        if !oversize_rules_pass(&self.a.settings, size, size as u64) {
-            return None;
-        }
         let p = &st.pools[b.pool as usize];
-        if !p
-            .free
-            .merged_would_be_first(size as u64, None, (size as u64, b.addr))
+        if !checked
+            && !(oversize_rules_pass(&self.a.settings, size, size as u64)
+                && p.free
+                    .merged_would_be_first(size as u64, None, (size as u64, b.addr)))
         {
             return None;
         }
@@ -238,6 +262,7 @@ impl<D: Device> Locked<'_, D> {
         }
         let (small, already_split) = (p.small, b.is_split());
         self.st.parked = None;
+        self.st.unpark_verdict = Some(verdict);
         // What the free would have set.
         self.st.blocks[parked.block].gc_count_base = parked.gc_base;
         if already_split {
@@ -375,6 +400,10 @@ mod tests {
             stream: usize,
         },
         EmptyCache,
+        /// Replace the settings by one of `CONFIGS` (what a handed-back block was checked against
+        /// changes). The invariant walk is skipped afterwards: it counts oversize blocks by the
+        /// current `max_split_size`, the figures by the one at the time (as PyTorch's do).
+        Reconfigure(usize),
         /// Compare the snapshots and walk the invariants (both take the locks, which settles a
         /// parked block: not after every step, or nothing would stay parked).
         Check,
@@ -392,6 +421,7 @@ mod tests {
             1 => (any::<usize>(), 0usize..2).prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
             1 => (0usize..2).prop_map(|stream| Op::Complete { stream }),
             1 => Just(Op::EmptyCache),
+            1 => (0..CONFIGS.len()).prop_map(Op::Reconfigure),
             1 => Just(Op::Check),
         ]
     }
@@ -417,6 +447,7 @@ mod tests {
         let mut live: Vec<(Allocation, Allocation)> = Vec::new();
         let mut last_freed = None;
         let mut raw_live: Vec<(crate::DeviceAddress, crate::DeviceAddress)> = Vec::new();
+        let mut reconfigured = false;
         for op in ops {
             let op = match *op {
                 Op::Again => match last_freed {
@@ -473,6 +504,12 @@ mod tests {
                         .empty_cache()
                         .map_err(|e| TestCaseError::fail(e.to_string()))?;
                 }
+                Op::Reconfigure(config) => {
+                    reconfigured = true;
+                    let config = AllocatorConfig::parse(CONFIGS[config]).expect("valid config");
+                    fast.set_config(&config);
+                    plain.set_config(&config);
+                }
                 Op::RawAlloc { size, stream } => {
                     match (
                         fast.raw_alloc(size, STREAMS[stream]),
@@ -496,16 +533,20 @@ mod tests {
                 }
                 Op::Check => {
                     prop_assert_eq!(fast.snapshot(), plain.snapshot());
-                    fast.check_invariants()
-                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    if !reconfigured {
+                        fast.check_invariants()
+                            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    }
                 }
                 _ => {}
             }
             // Statistics are read without the shard locks: they must agree with a block parked.
             prop_assert_eq!(fast.memory_stats(), plain.memory_stats());
         }
-        fast.check_invariants()
-            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        if !reconfigured {
+            fast.check_invariants()
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        }
         for (x, y) in live {
             fast.free(x)
                 .map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -535,6 +576,50 @@ mod tests {
         ) {
             run(CONFIGS[config], &ops)?;
         }
+    }
+
+    /// A handed-back block's checks are not reused once the free set changed: `X` (512 B, between
+    /// two blocks in use) becomes free while `B` is allocated, so the next 512 B request must get
+    /// `X`, not `B` parked again.
+    #[test]
+    fn a_verdict_goes_stale_with_the_free_set() {
+        let alloc = Op::Alloc {
+            size: 512,
+            stream: 0,
+        };
+        // A, X, C, B; B parked and handed back; X freed (parked, then settled by B's free); again.
+        let ops = [
+            alloc.clone(),
+            alloc.clone(),
+            alloc.clone(),
+            alloc,
+            Op::FreeNewest,
+            Op::Again,
+            Op::Free { pick: 1 },
+            Op::FreeNewest,
+            Op::Again,
+            Op::Check,
+        ];
+        run("", &ops).expect("the deferring allocator decides as the plain one");
+    }
+
+    /// A handed-back block's checks are not reused once the settings changed: with
+    /// `max_split_size_mb:20` best fit no longer takes the 20 MiB merged block for 3 MiB.
+    #[test]
+    fn a_verdict_goes_stale_with_the_settings() {
+        let ops = [
+            Op::Alloc {
+                size: 3 << 20,
+                stream: 0,
+            },
+            Op::FreeNewest,
+            Op::Again,
+            Op::FreeNewest,
+            Op::Reconfigure(1),
+            Op::Again,
+            Op::Check,
+        ];
+        run("", &ops).expect("the deferring allocator decides as the plain one");
     }
 
     #[test]
