@@ -251,8 +251,9 @@ impl<D: Device> Locked<'_, D> {
         let b = &st.blocks[parked.block];
         let p = &st.pools[b.pool as usize];
         if !checked
-            && !(oversize_rules_pass(&self.a.settings, size, size as u64)
-                && p.free
+            && (!oversize_rules_pass(&self.a.settings, size, size as u64)
+                || !p
+                    .free
                     .merged_would_be_first(size as u64, None, (size as u64, b.addr)))
         {
             return None;
