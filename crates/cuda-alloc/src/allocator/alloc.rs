@@ -59,32 +59,60 @@ impl<D: Device> CachingAllocator<D> {
     /// for a stream the device does not know); [`Error::TooManyStreams`] when `stream` does not fit the
     /// stream table.
     pub fn allocate(&self, size: usize, stream: StreamId) -> Result<Allocation> {
+        if self.quiet() {
+            self.allocate_in::<true>(size, stream)
+        } else {
+            self.allocate_in::<false>(size, stream)
+        }
+    }
+
+    /// [`allocate`](Self::allocate), compiled once for calls that start [`quiet`](Self::quiet)
+    /// (`QUIET`: no trace entry, no stack, no capture to look for) and once for the others.
+    #[inline(always)]
+    fn allocate_in<const QUIET: bool>(&self, size: usize, stream: StreamId) -> Result<Allocation> {
         if size == 0 {
             return Ok(Allocation::empty(stream));
         }
         if size >= ONE_EXABYTE {
             return Err(Error::TooLarge { bytes: size });
         }
-        if self.pending.load(Relaxed) != 0 && !self.capturing() {
+        if self.pending.load(Relaxed) != 0 && (QUIET || !self.capturing()) {
             self.process_events()?;
         }
         let rounded = round_size(size, &self.settings);
         let small = is_small(rounded);
-        let choice = self.pool_choice(stream);
+        let choice = if QUIET {
+            PoolChoice::Default
+        } else {
+            self.pool_choice(stream)
+        };
         let shard = self.shard(stream)?;
         let uncached = self.settings.uncached();
-        let stack = self.trace.gather(RecordContext::State);
+        let stack = if QUIET {
+            None
+        } else {
+            self.trace.gather(RecordContext::State)
+        };
         if !uncached {
             let mut locked = self.lock_unsettled(shard);
             let pool = locked.pool_index(choice, small);
             if locked.st.parked.is_some() {
-                if let Some(allocation) = locked.unpark(pool, rounded, size, stack.as_ref()) {
+                if let Some(allocation) =
+                    locked.unpark::<QUIET>(pool, rounded, size, stack.as_ref())
+                {
                     return Ok(allocation);
                 }
                 locked.st.settle();
             }
             if let Some((block, source)) = locked.get_free_block(pool, rounded) {
-                return Ok(locked.hand_out(pool, block, rounded, size, source, stack.as_ref()));
+                return Ok(locked.hand_out::<QUIET>(
+                    pool,
+                    block,
+                    rounded,
+                    size,
+                    source,
+                    stack.as_ref(),
+                ));
             }
         }
         self.allocate_slow(
@@ -140,7 +168,7 @@ impl<D: Device> CachingAllocator<D> {
             let mut locked = self.lock(shard);
             let pool = locked.pool_index(req.choice, req.small);
             if let Some((block, source)) = locked.get_free_block(pool, req.size) {
-                return Ok(locked.hand_out(pool, block, req.size, req.orig, source, stack));
+                return Ok(locked.hand_out::<false>(pool, block, req.size, req.orig, source, stack));
             }
         }
         if self.gc_enabled() {
@@ -180,7 +208,9 @@ impl<D: Device> CachingAllocator<D> {
         let pool = locked.pool_index(req.choice, req.small);
         Ok(locked
             .alloc_block(pool, req.size, req.alloc_size, retry, stack)?
-            .map(|block| locked.hand_out(pool, block, req.size, req.orig, Source::New, stack)))
+            .map(|block| {
+                locked.hand_out::<false>(pool, block, req.size, req.orig, Source::New, stack)
+            }))
     }
 
     /// Asks every registered callback to free memory; whether any did.
@@ -337,7 +367,7 @@ impl<D: Device> Locked<'_, D> {
     /// is still in its pool's free set (found by [`get_free_block`](Self::get_free_block)), and where,
     /// or new.
     #[inline(always)]
-    pub(crate) fn hand_out(
+    pub(crate) fn hand_out<const QUIET: bool>(
         &mut self,
         pool: u16,
         block: u32,
@@ -347,8 +377,15 @@ impl<D: Device> Locked<'_, D> {
         stack: Option<&Stack>,
     ) -> Allocation {
         let split = self.should_split(pool, block, size);
-        let index =
-            self.alloc_found_block(pool, block, size as u64, orig as u64, split, source, stack);
+        let index = self.alloc_found_block::<QUIET>(
+            pool,
+            block,
+            size as u64,
+            orig as u64,
+            split,
+            source,
+            stack,
+        );
         let b = &self.st.blocks[index];
         Allocation {
             ptr: crate::DeviceAddress(b.addr),
@@ -367,7 +404,7 @@ impl<D: Device> Locked<'_, D> {
     /// the allocated block's index.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)] // the hot path's plain values, rather than a struct per call
-    pub(crate) fn alloc_found_block(
+    pub(crate) fn alloc_found_block<const QUIET: bool>(
         &mut self,
         pool: u16,
         mut block: u32,
@@ -443,7 +480,7 @@ impl<D: Device> Locked<'_, D> {
             // The allocation's stack, for snapshots and its later trace entries.
             self.st.stacks.insert(u64::from(block), stack.clone());
         }
-        self.record_with(Action::Alloc, addr, orig, stack);
+        self.note::<QUIET>(Action::Alloc, addr, orig, stack);
         if self.a.pointer_index_on() {
             self.st.allocated.insert(addr, block);
         }

@@ -215,7 +215,7 @@ impl<D: Device> CachingAllocator<D> {
                 if self.pointer_index_on() {
                     locked.st.allocated.forget(addr);
                 }
-                locked.free_allocated(index, None)?;
+                locked.free_allocated::<false>(index, None)?;
                 freed.push(DeviceAddress(addr));
             }
         }
@@ -354,7 +354,7 @@ impl<D: Device> Locked<'_, D> {
         let mut at = head;
         for (i, state) in segment.blocks.iter().enumerate() {
             let split = i + 1 < segment.blocks.len();
-            let index = self.alloc_found_block(
+            let index = self.alloc_found_block::<false>(
                 pool,
                 at,
                 state.size,
@@ -389,7 +389,7 @@ impl<D: Device> Locked<'_, D> {
                     let addr = self.st.blocks[index].addr;
                     self.st.allocated.forget(addr);
                 }
-                self.free_allocated(index, None)?;
+                self.free_allocated::<false>(index, None)?;
             }
         }
         Ok(created)

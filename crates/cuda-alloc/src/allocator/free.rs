@@ -25,6 +25,17 @@ impl<D: Device> CachingAllocator<D> {
     /// ([`raw_free`](Self::raw_free)); [`Error::Device`] if recording an event fails and the device
     /// cannot be synchronized instead.
     pub fn free(&self, allocation: Allocation) -> Result<()> {
+        if self.quiet() {
+            self.free_in::<true>(allocation)
+        } else {
+            self.free_in::<false>(allocation)
+        }
+    }
+
+    /// [`free`](Self::free), compiled once for calls that start [`quiet`](Self::quiet) and once for
+    /// the others (see [`allocate`](Self::allocate)).
+    #[inline(always)]
+    fn free_in<const QUIET: bool>(&self, allocation: Allocation) -> Result<()> {
         // Consumed whatever the outcome (the debug-build leak check must not fire).
         let allocation = std::mem::ManuallyDrop::new(allocation);
         if allocation.shard == Allocation::EMPTY {
@@ -37,7 +48,11 @@ impl<D: Device> CachingAllocator<D> {
                 .ok_or_else(|| Error::InvalidPointer {
                     ptr: allocation.ptr,
                 })?;
-        let stack = self.trace.gather(RecordContext::All);
+        let stack = if QUIET {
+            None
+        } else {
+            self.trace.gather(RecordContext::All)
+        };
         let mut locked = self.lock(shard);
         let index = allocation.block;
         let st = &mut *locked.st;
@@ -53,7 +68,7 @@ impl<D: Device> CachingAllocator<D> {
         if locked.a.pointer_index_on() {
             st.allocated.forget(allocation.ptr.0);
         }
-        locked.free_allocated(index, stack)
+        locked.free_allocated::<QUIET>(index, stack)
     }
 
     /// Frees memory by pointer (PyTorch's `raw_delete`). The null pointer is ignored.
@@ -71,7 +86,7 @@ impl<D: Device> CachingAllocator<D> {
         if let Some(shard) = self.remembered_shard() {
             let mut locked = self.lock(shard);
             if let Some(index) = locked.take_indexed(ptr) {
-                return locked.free_allocated(index, stack);
+                return locked.free_allocated::<false>(index, stack);
             }
         }
         let shard = self.route(ptr).ok_or(Error::InvalidPointer { ptr })?;
@@ -80,7 +95,7 @@ impl<D: Device> CachingAllocator<D> {
         let index = locked
             .take_indexed(ptr)
             .ok_or(Error::InvalidPointer { ptr })?;
-        locked.free_allocated(index, stack)
+        locked.free_allocated::<false>(index, stack)
     }
 
     /// Marks an allocation as used by `stream` (PyTorch's `recordStream`): when it is freed, the
@@ -278,7 +293,11 @@ impl<D: Device> Locked<'_, D> {
     #[inline(always)]
     /// `stack`: the freeing call's stack (context level `All`), recorded on its `free_requested` and
     /// `free_completed` entries instead of the allocation's.
-    pub(crate) fn free_allocated(&mut self, index: u32, stack: Option<Stack>) -> Result<()> {
+    pub(crate) fn free_allocated<const QUIET: bool>(
+        &mut self,
+        index: u32,
+        stack: Option<Stack>,
+    ) -> Result<()> {
         let (pool, size, addr, requested, used_elsewhere) = {
             let b = &mut self.st.blocks[index];
             b.allocated = false;
@@ -288,7 +307,7 @@ impl<D: Device> Locked<'_, D> {
             self.st.free_stacks.insert(u64::from(index), stack);
         }
         let entry_stack = self.entry_stack(index);
-        self.record_with(Action::FreeRequested, addr, requested, entry_stack.as_ref());
+        self.note::<QUIET>(Action::FreeRequested, addr, requested, entry_stack.as_ref());
         if size as usize >= self.a.settings.max_split_size() {
             self.shard.figures.decrease(OVERSIZE_ALLOCATIONS, 1);
         }
@@ -299,7 +318,7 @@ impl<D: Device> Locked<'_, D> {
             self.shard
                 .figures
                 .decrease_kinds(small, [(Kind::Allocation, 1), (Kind::AllocatedBytes, size)]);
-            if self.a.capturing() {
+            if !QUIET && self.a.capturing() {
                 // Events recorded during a capture may not be queried: record them after it.
                 let mut events = self.a.events.lock();
                 events.deferred.push(BlockRef {
@@ -311,7 +330,7 @@ impl<D: Device> Locked<'_, D> {
                 self.insert_events(index)?;
             }
         } else {
-            self.free_block_with(index, true);
+            self.free_block_with::<QUIET>(index, true);
         }
         Ok(())
     }
@@ -411,7 +430,7 @@ impl<D: Device> Locked<'_, D> {
     /// Always inlined: the second half of every free.
     #[inline(always)]
     pub(crate) fn free_block(&mut self, index: u32) {
-        self.free_block_with(index, false);
+        self.free_block_with::<false>(index, false);
     }
 
     /// [`free_block`](Self::free_block), or where allowed (`may_park`, and the block has a free next
@@ -421,7 +440,7 @@ impl<D: Device> Locked<'_, D> {
     /// figures are decreased here too, in one group with its other figures (the pool type decided
     /// once).
     #[inline(always)]
-    fn free_block_with(&mut self, index: u32, may_park: bool) {
+    fn free_block_with<const QUIET: bool>(&mut self, index: u32, may_park: bool) {
         // A parked block is settled when the lock is taken; one parked in this lock's hold (by an
         // earlier free in the same pass) is settled before any other block moves.
         self.st.settle();
@@ -435,7 +454,7 @@ impl<D: Device> Locked<'_, D> {
             self.st.stacks.remove(&u64::from(index));
             self.st.free_stacks.remove(&u64::from(index));
         }
-        self.record_with(Action::FreeCompleted, addr, requested, entry_stack.as_ref());
+        self.note::<QUIET>(Action::FreeCompleted, addr, requested, entry_stack.as_ref());
         let mut net_blocks = 0i64;
         let mut net_bytes = 0i64;
         let st = &mut *self.st;

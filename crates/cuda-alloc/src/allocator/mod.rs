@@ -567,6 +567,15 @@ impl<D: Device> CachingAllocator<D> {
             && self.settings.garbage_collection_threshold() > 0.0
     }
 
+    /// Whether a call starting now may run *quiet*: no trace recording, no trace tracker (so no
+    /// entry and no stack is wanted) and no graph capture. The hot paths are compiled twice, with
+    /// these checks constant in the quiet copy; a call that starts quiet stays so, as if a switch
+    /// flipped meanwhile had come right after it (the flags are read without a lock either way).
+    #[inline(always)]
+    pub(crate) fn quiet(&self) -> bool {
+        !self.trace.wanted() && !self.capturing()
+    }
+
     /// Whether any graph capture is underway.
     #[inline]
     pub(crate) fn capturing(&self) -> bool {
@@ -609,6 +618,21 @@ impl<D: Device> Locked<'_, D> {
     #[inline]
     pub(crate) fn record(&self, action: Action, addr: u64, size: u64) {
         self.a.trace.record(action, addr, size, self.shard.stream);
+    }
+
+    /// [`record_with`](Self::record_with) in a call that runs `QUIET` (see
+    /// [`CachingAllocator::quiet`]): nothing there, the check folded away.
+    #[inline(always)]
+    pub(crate) fn note<const QUIET: bool>(
+        &self,
+        action: Action,
+        addr: u64,
+        size: u64,
+        stack: Option<&Stack>,
+    ) {
+        if !QUIET {
+            self.record_with(action, addr, size, stack);
+        }
     }
 
     /// Records a trace entry with its call stack (kept at context level `Alloc` and above).

@@ -161,7 +161,7 @@ impl<D: Device> Locked<'_, D> {
     /// in pool `pool`, if that is exactly what best fit and splitting the merged block would do (see
     /// the module documentation); `None` (nothing changed) otherwise.
     #[inline(always)]
-    pub(crate) fn unpark(
+    pub(crate) fn unpark<const QUIET: bool>(
         &mut self,
         pool: u16,
         size: usize,
@@ -183,7 +183,7 @@ impl<D: Device> Locked<'_, D> {
         };
         let checked = st.unpark_verdict == Some(verdict);
         if parked.next == NIL {
-            return self.unpark_whole(parked, size, orig, stack, verdict, checked);
+            return self.unpark_whole::<QUIET>(parked, size, orig, stack, verdict, checked);
         }
         let n = &st.blocks[parked.next];
         let p = &st.pools[pool as usize];
@@ -230,7 +230,7 @@ impl<D: Device> Locked<'_, D> {
         } else {
             self.unpark_figures::<false>(already_split, size as u64, n_size, orig as u64);
         }
-        Some(self.hand_back(parked.block, size, orig, stack))
+        Some(self.hand_back::<QUIET>(parked.block, size, orig, stack))
     }
 
     /// [`unpark`](Self::unpark) for a block parked with no free neighbour (of the request's `size`
@@ -238,7 +238,7 @@ impl<D: Device> Locked<'_, D> {
     /// is keyed below it and the oversize rules pass (`checked`: `verdict` says so already); a block
     /// of exactly the request's size is never split.
     #[inline(always)]
-    fn unpark_whole(
+    fn unpark_whole<const QUIET: bool>(
         &mut self,
         parked: Parked,
         size: usize,
@@ -278,13 +278,13 @@ impl<D: Device> Locked<'_, D> {
             &self.a.book,
             &self.a.streams,
         );
-        Some(self.hand_back(parked.block, size, orig, stack))
+        Some(self.hand_back::<QUIET>(parked.block, size, orig, stack))
     }
 
     /// The end of both unparking paths, their figures done: block `index` (of `size` bytes, for a
     /// request of `orig`) becomes allocated, with its trace entry, stack and pointer-index entry.
     #[inline(always)]
-    fn hand_back(
+    fn hand_back<const QUIET: bool>(
         &mut self,
         index: u32,
         size: usize,
@@ -299,7 +299,7 @@ impl<D: Device> Locked<'_, D> {
         if let Some(stack) = stack {
             self.st.stacks.insert(u64::from(index), stack.clone());
         }
-        self.record_with(Action::Alloc, addr, orig as u64, stack);
+        self.note::<QUIET>(Action::Alloc, addr, orig as u64, stack);
         if self.a.pointer_index_on() {
             self.st.allocated.insert(addr, index);
         }
