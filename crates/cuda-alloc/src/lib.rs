@@ -28,8 +28,10 @@
 //!
 //! Beyond PyTorch, calls on different streams do not contend: the allocator keeps its state per stream
 //! (blocks never move between streams), each behind its own lock, with device-wide statistics kept
-//! exact without a device-wide lock (see [`stats`]). A caller on one thread sees exactly PyTorch's
-//! behaviour.
+//! exact without a device-wide lock (see [`stats`]). A stream's lock is biased towards the thread
+//! that uses it: that thread takes and releases it without a locked instruction, and another thread
+//! revokes the bias with Linux's `membarrier` (elsewhere, or where `membarrier` is filtered, it is a
+//! plain mutex). A caller on one thread sees exactly PyTorch's behaviour.
 //!
 //! # Example
 //!
