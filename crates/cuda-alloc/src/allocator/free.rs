@@ -476,33 +476,32 @@ impl<D: Device> Locked<'_, D> {
             // done now.
             let p = &st.pools[pool as usize];
             let (small, gc_base) = (p.small, p.gc_now());
-            if mergeable(blocks, next, mapped) {
+            let parked_next = if mergeable(blocks, next, mapped) {
                 let n = &blocks[next];
                 let (n_size, n_next) = (n.size, n.next);
                 let split = prev != NIL || n_next != NIL;
-                st.parked = Some(Parked {
-                    block: index,
-                    next,
-                    gc_base,
-                });
                 if small {
                     self.park_figures::<true>(split, original_size, n_size, requested);
                 } else {
                     self.park_figures::<false>(split, original_size, n_size, requested);
                 }
+                next
             } else {
                 let split = prev != NIL || next != NIL;
-                st.parked = Some(Parked {
-                    block: index,
-                    next: NIL,
-                    gc_base,
-                });
                 if small {
                     self.park_whole_figures::<true>(split, original_size, requested);
                 } else {
                     self.park_whole_figures::<false>(split, original_size, requested);
                 }
-            }
+                NIL
+            };
+            // The limits as of after the figures' updates (one of them may have passed a limit).
+            self.st.parked = Some(Parked {
+                block: index,
+                next: parked_next,
+                gc_base,
+                limits_epoch: self.shard.figures.limits_epoch(),
+            });
             return;
         }
         let mut reuse: Option<(u64, u64)> = None;

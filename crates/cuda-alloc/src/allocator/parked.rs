@@ -56,6 +56,10 @@ pub(crate) struct Parked {
     pub(crate) next: u32,
     /// The pool's clock at the free (the `gc_count_base` of the block the free set gets).
     pub(crate) gc_base: u64,
+    /// The shard's [`limits_epoch`](crate::stats::peaks::Figures::limits_epoch) right after the
+    /// free's figure updates: while it stands still, handing the block back restores figures that
+    /// were within their limits, and needs no comparison with them.
+    pub(crate) limits_epoch: i64,
 }
 
 impl<D: Device> ShardState<D> {
@@ -225,10 +229,11 @@ impl<D: Device> Locked<'_, D> {
         r.requested = b_requested;
         // As a head made by the split (`Block::new`).
         self.st.blocks[parked.block].gc_count_base = 0;
+        let restore = self.restores(parked, b_requested, orig);
         if small {
-            self.unpark_figures::<true>(already_split, size as u64, n_size, orig as u64);
+            self.unpark_figures::<true>(already_split, size as u64, n_size, orig as u64, restore);
         } else {
-            self.unpark_figures::<false>(already_split, size as u64, n_size, orig as u64);
+            self.unpark_figures::<false>(already_split, size as u64, n_size, orig as u64, restore);
         }
         Some(self.hand_back::<QUIET>(parked.block, size, orig, stack))
     }
@@ -261,7 +266,7 @@ impl<D: Device> Locked<'_, D> {
         if self.a.gc_enabled() {
             p.gc_clock.fetch_add(1, Relaxed);
         }
-        let (small, already_split) = (p.small, b.is_split());
+        let (small, already_split, b_requested) = (p.small, b.is_split(), b.requested);
         self.st.parked = None;
         self.st.unpark_verdict = Some(verdict);
         // What the free would have set.
@@ -271,13 +276,18 @@ impl<D: Device> Locked<'_, D> {
             self.dec(Kind::InactiveSplitBytes, small, size as u64);
             self.dec(Kind::InactiveSplit, small, 1);
         }
-        self.shard.figures.on_alloc(
-            small,
-            size as u64,
-            orig as u64,
-            &self.a.book,
-            &self.a.streams,
-        );
+        let figures = &self.shard.figures;
+        match (self.restores(parked, b_requested, orig), small) {
+            (true, true) => figures.on_alloc_restored_in::<true>(size as u64, orig as u64),
+            (true, false) => figures.on_alloc_restored_in::<false>(size as u64, orig as u64),
+            (false, _) => figures.on_alloc(
+                small,
+                size as u64,
+                orig as u64,
+                &self.a.book,
+                &self.a.streams,
+            ),
+        }
         Some(self.hand_back::<QUIET>(parked.block, size, orig, stack))
     }
 
@@ -318,9 +328,20 @@ impl<D: Device> Locked<'_, D> {
         }
     }
 
+    /// Whether handing `parked` out again for a request of `orig` bytes (the block's last request
+    /// was `b_requested`) returns every figure the free changed to a value it had with the limits
+    /// of now: the limits unchanged since the free, and the request no larger than the last one (so
+    /// that `requested_bytes` does not rise above where it was). Then the increases need no
+    /// comparison with the limits ([`Figures::restore_kind`](crate::stats::peaks::Figures)).
+    #[inline(always)]
+    fn restores(&self, parked: Parked, b_requested: u64, orig: usize) -> bool {
+        parked.limits_epoch == self.shard.figures.limits_epoch() && orig as u64 <= b_requested
+    }
+
     /// The figures of handing a parked block of `size` bytes out again (pool type `SMALL`): those
     /// of splitting the merged block into it and a remainder of `n_size` bytes (`already_split`:
     /// the merged block was part of a split segment), then of the allocation (`on_alloc`).
+    /// `restore`: the increases only undo the free's decreases ([`restores`](Self::restores)).
     #[inline(always)]
     fn unpark_figures<const SMALL: bool>(
         &self,
@@ -328,16 +349,23 @@ impl<D: Device> Locked<'_, D> {
         size: u64,
         n_size: u64,
         orig: u64,
+        restore: bool,
     ) {
+        let figures = &self.shard.figures;
         if already_split {
             self.dec(Kind::InactiveSplitBytes, SMALL, size);
+        } else if restore {
+            figures.restore_kind(Kind::InactiveSplitBytes, SMALL, n_size);
+            figures.restore_kind(Kind::InactiveSplit, SMALL, 1);
         } else {
             self.inc(Kind::InactiveSplitBytes, SMALL, n_size);
             self.inc(Kind::InactiveSplit, SMALL, 1);
         }
-        self.shard
-            .figures
-            .on_alloc_in::<SMALL>(size, orig, &self.a.book, &self.a.streams);
+        if restore {
+            figures.on_alloc_restored_in::<SMALL>(size, orig);
+        } else {
+            figures.on_alloc_in::<SMALL>(size, orig, &self.a.book, &self.a.streams);
+        }
     }
 }
 
@@ -606,6 +634,51 @@ mod tests {
 
     /// A handed-back block's checks are not reused once the settings changed: with
     /// `max_split_size_mb:20` best fit no longer takes the 20 MiB merged block for 3 MiB.
+    /// A hot pair's allocation restores the figures its free lowered without comparing them with
+    /// the limits, which is exact only while the limits stand still: here another stream's new peak
+    /// hands the parked stream's headroom out meanwhile, and the allocation after it must still
+    /// raise the peak (read after the other stream's block is gone, so that reading cannot catch
+    /// the peak up with the current sum). Fails if `restores` ignores the limits' epoch.
+    #[test]
+    fn a_hot_pair_rechecks_limits_that_changed() {
+        let ops = [
+            Op::Alloc {
+                size: 3 << 20,
+                stream: 0,
+            },
+            Op::FreeNewest,
+            Op::Alloc {
+                size: 8 << 20,
+                stream: 1,
+            },
+            Op::Again,
+            Op::Free { pick: 0 },
+            Op::Check,
+        ];
+        run("", &ops).expect("the deferring allocator decides as the plain one");
+    }
+
+    /// The same for `requested_bytes`: a hot pair whose second request is larger (the same rounded
+    /// size) raises it above where the free found it, so its peak must be compared. Fails if
+    /// `restores` ignores the request's size.
+    #[test]
+    fn a_larger_request_is_compared_with_its_limit() {
+        let ops = [
+            Op::Alloc {
+                size: (3 << 20) - 100,
+                stream: 0,
+            },
+            Op::FreeNewest,
+            Op::Alloc {
+                size: 3 << 20,
+                stream: 0,
+            },
+            Op::FreeNewest,
+            Op::Check,
+        ];
+        run("", &ops).expect("the deferring allocator decides as the plain one");
+    }
+
     #[test]
     fn a_verdict_goes_stale_with_the_settings() {
         let ops = [

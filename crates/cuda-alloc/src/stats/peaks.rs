@@ -148,6 +148,10 @@ struct Figure {
 pub(crate) struct Figures {
     stored: [Figure; STORED],
     all_limits: [AtomicI64; KINDS],
+    /// Counts the changes of this shard's limits (written under the book's lock). While it stands
+    /// still, values that were within the limits are still within them: see
+    /// [`restore_kind`](Self::restore_kind).
+    limits_epoch: AtomicI64,
 }
 
 /// Every shard's figures, for the rare device-wide passes.
@@ -161,6 +165,7 @@ impl Default for Figures {
         Figures {
             stored: std::array::from_fn(|_| Figure::default()),
             all_limits: std::array::from_fn(|_| AtomicI64::new(0)),
+            limits_epoch: AtomicI64::new(0),
         }
     }
 }
@@ -187,6 +192,25 @@ impl Figures {
         {
             book.overflow_kind(self, kind, small, set);
         }
+    }
+
+    /// The number of changes of this shard's limits so far.
+    #[inline(always)]
+    pub(crate) fn limits_epoch(&self) -> i64 {
+        self.limits_epoch.load(Relaxed)
+    }
+
+    /// Adds `amount` to statistic `kind` of the pool type like
+    /// [`increase_kind`](Self::increase_kind), without comparing with the limits: for an increase
+    /// that undoes decreases made since the figures were last within the limits, with the limits
+    /// unchanged since ([`limits_epoch`](Self::limits_epoch) the same). The figures return to values
+    /// that were within the limits, so they are within them again, and the device-wide sum cannot
+    /// pass the recorded peak. Caller holds the shard's lock.
+    #[inline(always)]
+    pub(crate) fn restore_kind(&self, kind: Kind, small: bool, amount: u64) {
+        let fig = &self.stored[stored(kind, small)];
+        fig.current
+            .store(fig.current.load(Relaxed) + amount as i64, Relaxed);
     }
 
     /// A block handed out: `allocation`, `allocated_bytes`, `active`, `active_bytes` and
@@ -225,6 +249,17 @@ impl Figures {
         self.increase_kind(Kind::Active, SMALL, 1, book, set);
         self.increase_kind(Kind::ActiveBytes, SMALL, size, book, set);
         self.increase_kind(Kind::RequestedBytes, SMALL, requested, book, set);
+    }
+
+    /// [`on_alloc_in`](Self::on_alloc_in) where the increases undo a free's decreases, the limits
+    /// unchanged since (see [`restore_kind`](Self::restore_kind)).
+    #[inline(always)]
+    pub(crate) fn on_alloc_restored_in<const SMALL: bool>(&self, size: u64, requested: u64) {
+        self.restore_kind(Kind::Allocation, SMALL, 1);
+        self.restore_kind(Kind::AllocatedBytes, SMALL, size);
+        self.restore_kind(Kind::Active, SMALL, 1);
+        self.restore_kind(Kind::ActiveBytes, SMALL, size);
+        self.restore_kind(Kind::RequestedBytes, SMALL, requested);
     }
 
     /// Subtracts from statistics of the pool type, `(kind, amount)` each, the pool type decided once
@@ -307,8 +342,10 @@ impl Figures {
         }
     }
 
-    /// Sets the limit of book figure `f`.
+    /// Sets the limit of book figure `f`. Caller holds the book's lock.
     fn set_limit(&self, f: usize, limit: i64) {
+        self.limits_epoch
+            .store(self.limits_epoch.load(Relaxed) + 1, Relaxed);
         match slot(f) {
             Slot::Stored(i) => self.stored[i].limit.store(limit, Relaxed),
             Slot::All(kind) => self.all_limits[kind as usize].store(limit, Relaxed),
