@@ -175,7 +175,7 @@ impl<D: Device> Shard<D> {
     #[inline]
     pub(crate) fn lock_settled(&self) -> ShardGuard<'_, ShardState<D>> {
         let mut st = self.state.lock();
-        st.settle();
+        st.settle(&self.figures);
         st
     }
 }

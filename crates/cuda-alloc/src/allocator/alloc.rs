@@ -102,7 +102,7 @@ impl<D: Device> CachingAllocator<D> {
                 {
                     return Ok(allocation);
                 }
-                locked.st.settle();
+                locked.st.settle(&locked.shard.figures);
             }
             if let Some((block, source)) = locked.get_free_block(pool, rounded) {
                 return Ok(locked.hand_out::<QUIET>(
@@ -539,7 +539,7 @@ impl<D: Device> Locked<'_, D> {
             // taken again, and pool indices never change.
             let made = ShardGuard::unlocked(&mut self.st, malloc);
             // A free meanwhile may have parked a block.
-            self.st.settle();
+            self.st.settle(&self.shard.figures);
             made
         } else {
             malloc()

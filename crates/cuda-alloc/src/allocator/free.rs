@@ -443,7 +443,7 @@ impl<D: Device> Locked<'_, D> {
     fn free_block_with<const QUIET: bool>(&mut self, index: u32, may_park: bool) {
         // A parked block is settled when the lock is taken; one parked in this lock's hold (by an
         // earlier free in the same pass) is settled before any other block moves.
-        self.st.settle();
+        self.st.settle(&self.shard.figures);
         let (pool, addr, original_size, requested, prev, next) = {
             let b = &self.st.blocks[index];
             debug_assert!(!b.is_active());
@@ -613,20 +613,13 @@ impl<D: Device> Locked<'_, D> {
         self.freed_figures::<SMALL>(size, requested);
     }
 
-    /// The figures of an allocated block of `size` bytes (`requested` asked for) being freed (pool
-    /// type `SMALL`): `allocation`, `allocated_bytes`, `active`, `active_bytes`, `requested_bytes`.
+    /// The figures of an allocated block of `size` bytes (`requested` asked for) being freed and
+    /// parked (pool type `SMALL`): `allocation`, `allocated_bytes`, `active`, `active_bytes`,
+    /// `requested_bytes` go down, on the shard's record of deferred figures (applied when the block
+    /// settles, undone when it is handed out again for the same request).
     #[inline(always)]
     fn freed_figures<const SMALL: bool>(&self, size: u64, requested: u64) {
-        self.shard.figures.decrease_kinds(
-            SMALL,
-            [
-                (Kind::Allocation, 1),
-                (Kind::AllocatedBytes, size),
-                (Kind::Active, 1),
-                (Kind::ActiveBytes, size),
-                (Kind::RequestedBytes, requested),
-            ],
-        );
+        self.shard.figures.defer_free::<SMALL>(size, requested);
     }
 
     /// The figures of a free that parks its block (pool type `SMALL`): those of freeing an

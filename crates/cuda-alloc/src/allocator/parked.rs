@@ -5,7 +5,7 @@
 //! `R` leaves the arena, `B` grows over it, and `R`'s free-set entry is re-keyed to the merged block.
 //! Allocating `B`'s size again then finds the merged block by best fit and splits it back into `B`
 //! and `R`. Here the free only *parks* `B` ([`Parked`]): everything anyone can see without the
-//! stream's lock (statistics, trace entries) is updated at once, exactly as the merge would, but the
+//! stream's lock (statistics, trace entries) reads at once as the merge would make it, but the
 //! blocks and the free set are left as they are. The state under the lock is then *defined* as the
 //! merged one, and two things keep that true:
 //!
@@ -25,6 +25,15 @@
 //! size keyed below it, the oversize rules passing); a block of exactly the request's size is never
 //! split.
 //!
+//! The statistics a hot pair changes mostly come back to where they were. The free of a parked
+//! block lowers its allocation figures (`allocation`, `allocated_bytes`, `active`, `active_bytes`,
+//! `requested_bytes`) on the shard's record of deferred figures only
+//! ([`Deferred`](crate::stats::peaks)), which every reader of the statistics adds in; handing the
+//! block out again for the same request with the shard's limits unchanged since (their epoch) only
+//! counts a pair on the record; anything else applies the record first and updates the figures the
+//! usual way. The split figures are updated at the free, and restored without comparisons with the
+//! limits under the same condition (values that were within unchanged limits are within them).
+//!
 //! The checks of [`Locked::unpark`] depend only on the two blocks, the pool's free set and the
 //! settings, none of which a hot pair changes: a block handed back after its checks leaves a
 //! [`Verdict`] (the blocks, the free set's and the settings' version numbers), and the same block
@@ -43,7 +52,7 @@ use crate::device::Device;
 use crate::shard::ShardState;
 use crate::size::{MIN_BLOCK_SIZE, SMALL_SIZE};
 use crate::stack::Stack;
-use crate::stats::peaks::{Kind, OVERSIZE_ALLOCATIONS};
+use crate::stats::peaks::{Figures, Kind, OVERSIZE_ALLOCATIONS};
 use crate::trace::Action;
 
 /// A freed block whose merge with its free next neighbour is deferred.
@@ -65,19 +74,21 @@ pub(crate) struct Parked {
 impl<D: Device> ShardState<D> {
     /// Carries out a deferred merge, if any: the state becomes what freeing the parked block would
     /// have made it. Called whenever the shard's lock is taken (see the module documentation).
+    /// `figures`: the shard's, whose record of the parked free is applied too.
     #[inline(always)]
-    pub(crate) fn settle(&mut self) {
+    pub(crate) fn settle(&mut self, figures: &Figures) {
         if self.parked.is_some() {
-            self.settle_parked();
+            self.settle_parked(figures);
         }
     }
 
     #[cold]
     #[inline(never)]
-    fn settle_parked(&mut self) {
+    fn settle_parked(&mut self, figures: &Figures) {
         let Some(parked) = self.parked.take() else {
             return;
         };
+        figures.apply_deferred_free();
         let blocks = &mut self.blocks;
         if parked.next == NIL {
             let b = &mut blocks[parked.block];
@@ -277,16 +288,17 @@ impl<D: Device> Locked<'_, D> {
             self.dec(Kind::InactiveSplit, small, 1);
         }
         let figures = &self.shard.figures;
-        match (self.restores(parked, b_requested, orig), small) {
-            (true, true) => figures.on_alloc_restored_in::<true>(size as u64, orig as u64),
-            (true, false) => figures.on_alloc_restored_in::<false>(size as u64, orig as u64),
-            (false, _) => figures.on_alloc(
+        if self.restores(parked, b_requested, orig) {
+            figures.complete_pair();
+        } else {
+            figures.apply_deferred_free();
+            figures.on_alloc(
                 small,
                 size as u64,
                 orig as u64,
                 &self.a.book,
                 &self.a.streams,
-            ),
+            );
         }
         Some(self.hand_back::<QUIET>(parked.block, size, orig, stack))
     }
@@ -329,13 +341,14 @@ impl<D: Device> Locked<'_, D> {
     }
 
     /// Whether handing `parked` out again for a request of `orig` bytes (the block's last request
-    /// was `b_requested`) returns every figure the free changed to a value it had with the limits
-    /// of now: the limits unchanged since the free, and the request no larger than the last one (so
-    /// that `requested_bytes` does not rise above where it was). Then the increases need no
-    /// comparison with the limits ([`Figures::restore_kind`](crate::stats::peaks::Figures)).
+    /// was `b_requested`) returns every figure the free changed to the value it had, with the
+    /// limits of now: the limits unchanged since the free, and the same request (so that
+    /// `requested_bytes` comes back to where it was). Then the increases need no comparison with
+    /// the limits ([`Figures::restore_kind`]), and the allocation figures none at all
+    /// ([`Figures::complete_pair`]).
     #[inline(always)]
     fn restores(&self, parked: Parked, b_requested: u64, orig: usize) -> bool {
-        parked.limits_epoch == self.shard.figures.limits_epoch() && orig as u64 <= b_requested
+        parked.limits_epoch == self.shard.figures.limits_epoch() && orig as u64 == b_requested
     }
 
     /// The figures of handing a parked block of `size` bytes out again (pool type `SMALL`): those
@@ -362,8 +375,9 @@ impl<D: Device> Locked<'_, D> {
             self.inc(Kind::InactiveSplit, SMALL, 1);
         }
         if restore {
-            figures.on_alloc_restored_in::<SMALL>(size, orig);
+            figures.complete_pair();
         } else {
+            figures.apply_deferred_free();
             figures.on_alloc_in::<SMALL>(size, orig, &self.a.book, &self.a.streams);
         }
     }

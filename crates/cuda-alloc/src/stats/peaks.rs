@@ -148,10 +148,39 @@ struct Figure {
 pub(crate) struct Figures {
     stored: [Figure; STORED],
     all_limits: [AtomicI64; KINDS],
+    /// A hot pair's allocation figures, not yet applied to `stored` (see [`Deferred`]).
+    deferred: Deferred,
     /// Counts the changes of this shard's limits (written under the book's lock). While it stands
     /// still, values that were within the limits are still within them: see
     /// [`restore_kind`](Self::restore_kind).
     limits_epoch: AtomicI64,
+}
+
+/// The allocation figures of a shard's hot pairs (allocate and free one size again and again, see
+/// `allocator/parked.rs`), kept out of the stored figures. A free that parks its block lowers
+/// `allocation`, `allocated_bytes`, `active`, `active_bytes` and `requested_bytes` of its pool type
+/// by one block of `size` bytes (`requested` asked for); the allocation that hands the same block out
+/// again for the same request raises them by exactly that. So the free only sets `parked`, the
+/// allocation clears it and counts a `pair` (whose only lasting effect is on the cumulative
+/// totals: the free's amounts are freed, the allocation's allocated), and nothing else is written.
+///
+/// Every reader adds the record to the stored figures ([`Figures::current`] and the totals), so
+/// what is read is what the plain updates would show. The shard's lock holder applies a parked free
+/// to the stored figures before any other update of those figures
+/// ([`apply_deferred_free`](Figures::apply_deferred_free), from the settling of a parked block),
+/// and folds the pairs into the totals before the record describes other amounts. Written only
+/// by the shard's lock holder.
+#[derive(Debug, Default)]
+struct Deferred {
+    /// 1 while a parked free's figures are not applied, else 0.
+    parked: AtomicI64,
+    /// Frees and allocations of the record's amounts whose totals are not in the stored figures.
+    pairs: AtomicI64,
+    /// The pool type of the record (1: small, 0: large).
+    small: AtomicI64,
+    /// The block's size and the size asked for.
+    size: AtomicI64,
+    requested: AtomicI64,
 }
 
 /// Every shard's figures, for the rare device-wide passes.
@@ -165,6 +194,7 @@ impl Default for Figures {
         Figures {
             stored: std::array::from_fn(|_| Figure::default()),
             all_limits: std::array::from_fn(|_| AtomicI64::new(0)),
+            deferred: Deferred::default(),
             limits_epoch: AtomicI64::new(0),
         }
     }
@@ -213,6 +243,111 @@ impl Figures {
             .store(fig.current.load(Relaxed) + amount as i64, Relaxed);
     }
 
+    /// A freed block of `size` bytes (`requested` asked for, pool type `SMALL`) parks: its
+    /// allocation figures are lowered on the record only (see [`Deferred`]). Caller holds the
+    /// shard's lock, with no parked free in the record.
+    #[inline(always)]
+    pub(crate) fn defer_free<const SMALL: bool>(&self, size: u64, requested: u64) {
+        let d = &self.deferred;
+        let (size, requested, small) = (size as i64, requested as i64, i64::from(SMALL));
+        if d.pairs.load(Relaxed) != 0
+            && (d.size.load(Relaxed) != size
+                || d.requested.load(Relaxed) != requested
+                || d.small.load(Relaxed) != small)
+        {
+            self.fold_pairs();
+        }
+        d.small.store(small, Relaxed);
+        d.size.store(size, Relaxed);
+        d.requested.store(requested, Relaxed);
+        d.parked.store(1, Relaxed);
+    }
+
+    /// The parked block is handed out again for the request its free recorded, with the limits
+    /// unchanged since ([`limits_epoch`](Self::limits_epoch)): the allocation figures return to
+    /// the values the free found, which were within the limits, so nothing is compared; the free
+    /// and the allocation count as one more pair of the record. Caller holds the shard's lock.
+    #[inline(always)]
+    pub(crate) fn complete_pair(&self) {
+        let d = &self.deferred;
+        d.pairs.store(d.pairs.load(Relaxed) + 1, Relaxed);
+        d.parked.store(0, Relaxed);
+    }
+
+    /// Applies a parked free's figures to the stored ones, if the record holds one: before any
+    /// other update of the shard's figures (its block merged, or handed out another way). Caller
+    /// holds the shard's lock.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn apply_deferred_free(&self) {
+        let d = &self.deferred;
+        if d.parked.load(Relaxed) == 0 {
+            return;
+        }
+        let small = d.small.load(Relaxed) != 0;
+        let (size, requested) = (
+            d.size.load(Relaxed) as u64,
+            d.requested.load(Relaxed) as u64,
+        );
+        d.parked.store(0, Relaxed);
+        self.decrease_kinds(
+            small,
+            [
+                (Kind::Allocation, 1),
+                (Kind::AllocatedBytes, size),
+                (Kind::Active, 1),
+                (Kind::ActiveBytes, size),
+                (Kind::RequestedBytes, requested),
+            ],
+        );
+    }
+
+    /// Moves the record's pairs into the stored totals (before the record changes amounts).
+    #[cold]
+    #[inline(never)]
+    fn fold_pairs(&self) {
+        let d = &self.deferred;
+        let pairs = d.pairs.load(Relaxed);
+        d.pairs.store(0, Relaxed);
+        for i in 0..STORED {
+            let per = self.deferred_unit(i);
+            if per != 0 {
+                let fig = &self.stored[i];
+                fig.freed
+                    .store(fig.freed.load(Relaxed) + pairs * per, Relaxed);
+            }
+        }
+    }
+
+    /// How much one free of the record changes stored figure `i` (0 for figures it leaves alone).
+    #[inline]
+    fn deferred_unit(&self, i: usize) -> i64 {
+        let d = &self.deferred;
+        let small = d.small.load(Relaxed) != 0;
+        if i == stored(Kind::Allocation, small) || i == stored(Kind::Active, small) {
+            1
+        } else if i == stored(Kind::AllocatedBytes, small) || i == stored(Kind::ActiveBytes, small)
+        {
+            d.size.load(Relaxed)
+        } else if i == stored(Kind::RequestedBytes, small) {
+            d.requested.load(Relaxed)
+        } else {
+            0
+        }
+    }
+
+    /// The record's share of stored figure `i`: `(current, freed)` to add to the stored values.
+    #[inline]
+    fn deferred(&self, i: usize) -> (i64, i64) {
+        let d = &self.deferred;
+        let (parked, pairs) = (d.parked.load(Relaxed), d.pairs.load(Relaxed));
+        if parked == 0 && pairs == 0 {
+            return (0, 0);
+        }
+        let per = self.deferred_unit(i);
+        (-parked * per, (parked + pairs) * per)
+    }
+
     /// A block handed out: `allocation`, `allocated_bytes`, `active`, `active_bytes` and
     /// `requested_bytes` go up (the updates of PyTorch's `alloc_found_block`). Always inlined: as a
     /// call it spent a sixth of its instructions saving and restoring registers.
@@ -249,17 +384,6 @@ impl Figures {
         self.increase_kind(Kind::Active, SMALL, 1, book, set);
         self.increase_kind(Kind::ActiveBytes, SMALL, size, book, set);
         self.increase_kind(Kind::RequestedBytes, SMALL, requested, book, set);
-    }
-
-    /// [`on_alloc_in`](Self::on_alloc_in) where the increases undo a free's decreases, the limits
-    /// unchanged since (see [`restore_kind`](Self::restore_kind)).
-    #[inline(always)]
-    pub(crate) fn on_alloc_restored_in<const SMALL: bool>(&self, size: u64, requested: u64) {
-        self.restore_kind(Kind::Allocation, SMALL, 1);
-        self.restore_kind(Kind::AllocatedBytes, SMALL, size);
-        self.restore_kind(Kind::Active, SMALL, 1);
-        self.restore_kind(Kind::ActiveBytes, SMALL, size);
-        self.restore_kind(Kind::RequestedBytes, SMALL, requested);
     }
 
     /// Subtracts from statistics of the pool type, `(kind, amount)` each, the pool type decided once
@@ -315,10 +439,10 @@ impl Figures {
             .store(fig.freed.load(Relaxed) + amount as i64, Relaxed);
     }
 
-    /// The value of book figure `f` in this shard.
+    /// The value of book figure `f` in this shard (with the deferred record).
     pub(crate) fn current(&self, f: usize) -> i64 {
         match slot(f) {
-            Slot::Stored(i) => self.stored[i].current.load(Relaxed),
+            Slot::Stored(i) => self.stored[i].current.load(Relaxed) + self.deferred(i).0,
             Slot::All(kind) => self.current(pool(kind, true)) + self.current(pool(kind, false)),
         }
     }
@@ -328,7 +452,10 @@ impl Figures {
         match slot(f) {
             Slot::Stored(i) => {
                 let fig = &self.stored[i];
-                fig.current.load(Relaxed) - fig.base.load(Relaxed) + fig.freed.load(Relaxed)
+                let (current, freed) = self.deferred(i);
+                fig.current.load(Relaxed) + current - fig.base.load(Relaxed)
+                    + fig.freed.load(Relaxed)
+                    + freed
             }
             Slot::All(kind) => self.allocated(pool(kind, true)) + self.allocated(pool(kind, false)),
         }
@@ -337,7 +464,7 @@ impl Figures {
     /// The total removed from book figure `f` since the last accumulated reset.
     fn freed(&self, f: usize) -> i64 {
         match slot(f) {
-            Slot::Stored(i) => self.stored[i].freed.load(Relaxed),
+            Slot::Stored(i) => self.stored[i].freed.load(Relaxed) + self.deferred(i).1,
             Slot::All(kind) => self.freed(pool(kind, true)) + self.freed(pool(kind, false)),
         }
     }
@@ -362,6 +489,12 @@ impl Figures {
 
     /// Zeroes the cumulative totals. Caller holds the shard's lock.
     pub(crate) fn reset_accumulated(&self) {
+        debug_assert_eq!(
+            self.deferred.parked.load(Relaxed),
+            0,
+            "the shard's lock settles a parked free"
+        );
+        self.deferred.pairs.store(0, Relaxed);
         for fig in &self.stored {
             fig.base.store(fig.current.load(Relaxed), Relaxed);
             fig.freed.store(0, Relaxed);
