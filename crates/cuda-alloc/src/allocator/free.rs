@@ -610,16 +610,9 @@ impl<D: Device> Locked<'_, D> {
             self.inc(Kind::InactiveSplit, SMALL, 1);
             self.inc(Kind::InactiveSplitBytes, SMALL, size);
         }
-        self.freed_figures::<SMALL>(size, requested);
-    }
-
-    /// The figures of an allocated block of `size` bytes (`requested` asked for) being freed and
-    /// parked (pool type `SMALL`): `allocation`, `allocated_bytes`, `active`, `active_bytes`,
-    /// `requested_bytes` go down, on the shard's record of deferred figures (applied when the block
-    /// settles, undone when it is handed out again for the same request).
-    #[inline(always)]
-    fn freed_figures<const SMALL: bool>(&self, size: u64, requested: u64) {
-        self.shard.figures.defer_free::<SMALL>(size, requested);
+        self.shard
+            .figures
+            .defer_free::<SMALL>(size, requested, 0, 0);
     }
 
     /// The figures of a free that parks its block (pool type `SMALL`): those of freeing an
@@ -634,14 +627,15 @@ impl<D: Device> Locked<'_, D> {
         n_size: u64,
         requested: u64,
     ) {
+        let figures = &self.shard.figures;
         if split {
             // One split free block (`next`) becomes another (the merged one): `+ original_size`.
             self.inc(Kind::InactiveSplitBytes, SMALL, original_size);
+            figures.defer_free::<SMALL>(original_size, requested, 0, 0);
         } else {
-            self.dec(Kind::InactiveSplit, SMALL, 1);
-            self.dec(Kind::InactiveSplitBytes, SMALL, n_size);
+            // A split free block (`next`) becomes a whole segment.
+            figures.defer_free::<SMALL>(original_size, requested, 1, n_size);
         }
-        self.freed_figures::<SMALL>(original_size, requested);
     }
 
     /// The stack for a free entry of block `index`: the freeing call's if kept, else the allocation's

@@ -343,9 +343,8 @@ impl<D: Device> Locked<'_, D> {
     /// Whether handing `parked` out again for a request of `orig` bytes (the block's last request
     /// was `b_requested`) returns every figure the free changed to the value it had, with the
     /// limits of now: the limits unchanged since the free, and the same request (so that
-    /// `requested_bytes` comes back to where it was). Then the increases need no comparison with
-    /// the limits ([`Figures::restore_kind`]), and the allocation figures none at all
-    /// ([`Figures::complete_pair`]).
+    /// `requested_bytes` comes back to where it was). Then the figures on the shard's record of
+    /// deferred ones need no update at all ([`Figures::complete_pair`]).
     #[inline(always)]
     fn restores(&self, parked: Parked, b_requested: u64, orig: usize) -> bool {
         parked.limits_epoch == self.shard.figures.limits_epoch() && orig as u64 == b_requested
@@ -365,21 +364,23 @@ impl<D: Device> Locked<'_, D> {
         restore: bool,
     ) {
         let figures = &self.shard.figures;
+        if restore {
+            // Where the merged block was a whole segment, the free's split figures are on the
+            // record too.
+            if already_split {
+                self.dec(Kind::InactiveSplitBytes, SMALL, size);
+            }
+            figures.complete_pair();
+            return;
+        }
+        figures.apply_deferred_free();
         if already_split {
             self.dec(Kind::InactiveSplitBytes, SMALL, size);
-        } else if restore {
-            figures.restore_kind(Kind::InactiveSplitBytes, SMALL, n_size);
-            figures.restore_kind(Kind::InactiveSplit, SMALL, 1);
         } else {
             self.inc(Kind::InactiveSplitBytes, SMALL, n_size);
             self.inc(Kind::InactiveSplit, SMALL, 1);
         }
-        if restore {
-            figures.complete_pair();
-        } else {
-            figures.apply_deferred_free();
-            figures.on_alloc_in::<SMALL>(size, orig, &self.a.book, &self.a.streams);
-        }
+        figures.on_alloc_in::<SMALL>(size, orig, &self.a.book, &self.a.streams);
     }
 }
 

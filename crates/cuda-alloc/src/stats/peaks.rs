@@ -152,15 +152,17 @@ pub(crate) struct Figures {
     deferred: Deferred,
     /// Counts the changes of this shard's limits (written under the book's lock). While it stands
     /// still, values that were within the limits are still within them: see
-    /// [`restore_kind`](Self::restore_kind).
+    /// [`complete_pair`](Self::complete_pair).
     limits_epoch: AtomicI64,
 }
 
-/// The allocation figures of a shard's hot pairs (allocate and free one size again and again, see
+/// The figures of a shard's hot pairs (allocate and free one size again and again, see
 /// `allocator/parked.rs`), kept out of the stored figures. A free that parks its block lowers
 /// `allocation`, `allocated_bytes`, `active`, `active_bytes` and `requested_bytes` of its pool type
-/// by one block of `size` bytes (`requested` asked for); the allocation that hands the same block out
-/// again for the same request raises them by exactly that. So the free only sets `parked`, the
+/// by one block of `size` bytes (`requested` asked for), and where its merge with the free next
+/// neighbour makes a whole segment, `inactive_split` by `split_count` (1) and
+/// `inactive_split_bytes` by `split_bytes`; the allocation that hands the same block out again for
+/// the same request raises them by exactly that. So the free only sets `parked`, the
 /// allocation clears it and counts a `pair` (whose only lasting effect is on the cumulative
 /// totals: the free's amounts are freed, the allocation's allocated), and nothing else is written.
 ///
@@ -181,6 +183,9 @@ struct Deferred {
     /// The block's size and the size asked for.
     size: AtomicI64,
     requested: AtomicI64,
+    /// The decrease of `inactive_split` (0 or 1) and of `inactive_split_bytes`.
+    split_count: AtomicI64,
+    split_bytes: AtomicI64,
 }
 
 /// Every shard's figures, for the rare device-wide passes.
@@ -230,37 +235,53 @@ impl Figures {
         self.limits_epoch.load(Relaxed)
     }
 
-    /// Adds `amount` to statistic `kind` of the pool type like
-    /// [`increase_kind`](Self::increase_kind), without comparing with the limits: for an increase
-    /// that undoes decreases made since the figures were last within the limits, with the limits
-    /// unchanged since ([`limits_epoch`](Self::limits_epoch) the same). The figures return to values
-    /// that were within the limits, so they are within them again, and the device-wide sum cannot
-    /// pass the recorded peak. Caller holds the shard's lock.
-    #[inline(always)]
-    pub(crate) fn restore_kind(&self, kind: Kind, small: bool, amount: u64) {
-        let fig = &self.stored[stored(kind, small)];
-        fig.current
-            .store(fig.current.load(Relaxed) + amount as i64, Relaxed);
-    }
-
     /// A freed block of `size` bytes (`requested` asked for, pool type `SMALL`) parks: its
-    /// allocation figures are lowered on the record only (see [`Deferred`]). Caller holds the
-    /// shard's lock, with no parked free in the record.
+    /// allocation figures, and `inactive_split` by `split_count` (0 or 1) and
+    /// `inactive_split_bytes` by `split_bytes`, are lowered on the record only (see [`Deferred`]).
+    /// Caller holds the shard's lock, with no parked free in the record.
     #[inline(always)]
-    pub(crate) fn defer_free<const SMALL: bool>(&self, size: u64, requested: u64) {
+    pub(crate) fn defer_free<const SMALL: bool>(
+        &self,
+        size: u64,
+        requested: u64,
+        split_count: u64,
+        split_bytes: u64,
+    ) {
         let d = &self.deferred;
         let (size, requested, small) = (size as i64, requested as i64, i64::from(SMALL));
-        if d.pairs.load(Relaxed) != 0
-            && (d.size.load(Relaxed) != size
-                || d.requested.load(Relaxed) != requested
-                || d.small.load(Relaxed) != small)
-        {
+        let (split_count, split_bytes) = (split_count as i64, split_bytes as i64);
+        let same = d.size.load(Relaxed) == size
+            && d.requested.load(Relaxed) == requested
+            && d.small.load(Relaxed) == small
+            && d.split_count.load(Relaxed) == split_count
+            && d.split_bytes.load(Relaxed) == split_bytes;
+        if !same {
+            self.defer_other(small, size, requested, split_count, split_bytes);
+        }
+        d.parked.store(1, Relaxed);
+    }
+
+    /// [`defer_free`](Self::defer_free) of amounts other than the record's: its pairs go to the
+    /// totals first.
+    #[cold]
+    #[inline(never)]
+    fn defer_other(
+        &self,
+        small: i64,
+        size: i64,
+        requested: i64,
+        split_count: i64,
+        split_bytes: i64,
+    ) {
+        let d = &self.deferred;
+        if d.pairs.load(Relaxed) != 0 {
             self.fold_pairs();
         }
         d.small.store(small, Relaxed);
         d.size.store(size, Relaxed);
         d.requested.store(requested, Relaxed);
-        d.parked.store(1, Relaxed);
+        d.split_count.store(split_count, Relaxed);
+        d.split_bytes.store(split_bytes, Relaxed);
     }
 
     /// The parked block is handed out again for the request its free recorded, with the limits
@@ -284,12 +305,10 @@ impl Figures {
         if d.parked.load(Relaxed) == 0 {
             return;
         }
-        let small = d.small.load(Relaxed) != 0;
-        let (size, requested) = (
-            d.size.load(Relaxed) as u64,
-            d.requested.load(Relaxed) as u64,
-        );
         d.parked.store(0, Relaxed);
+        let small = d.small.load(Relaxed) != 0;
+        let amount = |a: &AtomicI64| a.load(Relaxed) as u64;
+        let size = amount(&d.size);
         self.decrease_kinds(
             small,
             [
@@ -297,7 +316,9 @@ impl Figures {
                 (Kind::AllocatedBytes, size),
                 (Kind::Active, 1),
                 (Kind::ActiveBytes, size),
-                (Kind::RequestedBytes, requested),
+                (Kind::RequestedBytes, amount(&d.requested)),
+                (Kind::InactiveSplit, amount(&d.split_count)),
+                (Kind::InactiveSplitBytes, amount(&d.split_bytes)),
             ],
         );
     }
@@ -331,6 +352,10 @@ impl Figures {
             d.size.load(Relaxed)
         } else if i == stored(Kind::RequestedBytes, small) {
             d.requested.load(Relaxed)
+        } else if i == stored(Kind::InactiveSplit, small) {
+            d.split_count.load(Relaxed)
+        } else if i == stored(Kind::InactiveSplitBytes, small) {
+            d.split_bytes.load(Relaxed)
         } else {
             0
         }
