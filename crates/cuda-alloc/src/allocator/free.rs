@@ -34,7 +34,7 @@ impl<D: Device> CachingAllocator<D> {
 
     /// [`free`](Self::free), compiled once for calls that start [`quiet`](Self::quiet) and once for
     /// the others (see [`allocate`](Self::allocate)).
-    #[inline(always)]
+    #[inline(never)]
     fn free_in<const QUIET: bool>(&self, allocation: Allocation) -> Result<()> {
         // Consumed whatever the outcome (the debug-build leak check must not fire).
         let allocation = std::mem::ManuallyDrop::new(allocation);
