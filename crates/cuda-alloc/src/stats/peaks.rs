@@ -28,6 +28,12 @@
 //! current sum whenever statistics are read. Cumulative totals (`allocated`, `freed`) are
 //! plain per-shard counters, summed on read. Only the small- and large-pool figures are stored; an
 //! `all` figure is their sum, with a limit of its own.
+//!
+//! Two shortcuts for a shard's hot pair (the same block freed and handed out again, see
+//! `allocator/parked.rs`): the free's figures go to the shard's record of deferred figures
+//! ([`Deferred`]), which every reader adds to the stored values, and the allocation that undoes
+//! them only counts a pair there, provided the shard's limits did not change in between
+//! ([`Figures::limits_epoch`]): values that were within unchanged limits still are.
 
 #[cfg(not(loom))]
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
