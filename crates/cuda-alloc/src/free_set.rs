@@ -109,8 +109,8 @@ fn lower_bound(chunk: &[Entry], key: (u64, u64)) -> usize {
 
 /// One bucket: unsorted in `head` while it holds at most [`UNSORTED_MAX`] entries and `rest` is empty
 /// ([`unsorted`](Self::unsorted)); otherwise sorted by `(size, address)`, in chunks: `head`, then
-/// those of `rest`. Invariant of the sorted form: chunks are sorted, each chunk's keys are below the next chunk's, and no chunk is empty
-/// unless it is the only one (`head` of a bucket with no `rest`). The first chunk lives in the bucket
+/// those of `rest`. Invariant of the sorted form: chunks are sorted, each chunk's keys are below the
+/// next chunk's, and no chunk is empty unless it is the only one (`head` of a bucket with no `rest`). The first chunk lives in the bucket
 /// itself, so that a bucket of one chunk (nearly all of them) reaches its entries through one pointer
 /// instead of two: the mixed pattern touches buckets at random, and each hop was a cache miss.
 #[derive(Debug, Default)]
@@ -169,8 +169,7 @@ fn min_at_least(entries: &[Entry], key: (u64, u64)) -> Option<usize> {
         let k = wide(e.key());
         let better = (k >= key) & (k < best);
         // Which entries are large enough, and which is smallest, is data: a branch on it would
-        // mispredict about once a scan.
-        // (Masks rather than `if`, which compiled to a branch.)
+        // mispredict about once a scan, and an `if` here compiled to one, so masks select.
         let keep = u128::from(better).wrapping_neg();
         best = (k & keep) | (best & !keep);
         let keep = usize::from(better).wrapping_neg();

@@ -31,8 +31,9 @@
 //! ([`Deferred`](crate::stats::peaks)), which every reader of the statistics adds in; handing the
 //! block out again for the same request with the shard's limits unchanged since (their epoch) only
 //! counts a pair on the record; anything else applies the record first and updates the figures the
-//! usual way. The split figures are updated at the free, and restored without comparisons with the
-//! limits under the same condition (values that were within unchanged limits are within them).
+//! usual way. The split figures go on the record too where the merge would make a whole segment (a
+//! decrease); where it stays split they are updated at once (an increase at the free must meet the
+//! limits when it happens).
 //!
 //! The checks of [`Locked::unpark`] depend only on the two blocks, the pool's free set and the
 //! settings, none of which a hot pair changes: a block handed back after its checks leaves a
@@ -282,16 +283,19 @@ impl<D: Device> Locked<'_, D> {
         self.st.unpark_verdict = Some(verdict);
         // What the free would have set.
         self.st.blocks[parked.block].gc_count_base = parked.gc_base;
+        let figures = &self.shard.figures;
+        let restore = self.restores(parked, b_requested, orig);
+        if !restore {
+            figures.apply_deferred_free();
+        }
         if already_split {
             // A split free block leaves the free set (`alloc_found_block` without a split).
             self.dec(Kind::InactiveSplitBytes, small, size as u64);
             self.dec(Kind::InactiveSplit, small, 1);
         }
-        let figures = &self.shard.figures;
-        if self.restores(parked, b_requested, orig) {
+        if restore {
             figures.complete_pair();
         } else {
-            figures.apply_deferred_free();
             figures.on_alloc(
                 small,
                 size as u64,
@@ -647,8 +651,6 @@ mod tests {
         run("", &ops).expect("the deferring allocator decides as the plain one");
     }
 
-    /// A handed-back block's checks are not reused once the settings changed: with
-    /// `max_split_size_mb:20` best fit no longer takes the 20 MiB merged block for 3 MiB.
     /// A hot pair's allocation restores the figures its free lowered without comparing them with
     /// the limits, which is exact only while the limits stand still: here another stream's new peak
     /// hands the parked stream's headroom out meanwhile, and the allocation after it must still
@@ -694,6 +696,8 @@ mod tests {
         run("", &ops).expect("the deferring allocator decides as the plain one");
     }
 
+    /// A handed-back block's checks are not reused once the settings changed: with
+    /// `max_split_size_mb:20` best fit no longer takes the 20 MiB merged block for 3 MiB.
     #[test]
     fn a_verdict_goes_stale_with_the_settings() {
         let ops = [

@@ -312,21 +312,10 @@ impl Figures {
             return;
         }
         d.parked.store(0, Relaxed);
-        let small = d.small.load(Relaxed) != 0;
-        let amount = |a: &AtomicI64| a.load(Relaxed) as u64;
-        let size = amount(&d.size);
-        self.decrease_kinds(
-            small,
-            [
-                (Kind::Allocation, 1),
-                (Kind::AllocatedBytes, size),
-                (Kind::Active, 1),
-                (Kind::ActiveBytes, size),
-                (Kind::RequestedBytes, amount(&d.requested)),
-                (Kind::InactiveSplit, amount(&d.split_count)),
-                (Kind::InactiveSplitBytes, amount(&d.split_bytes)),
-            ],
-        );
+        let (small, amounts) = self.deferred_amounts();
+        for (kind, amount) in amounts {
+            self.decrease_kind(kind, small, amount as u64);
+        }
     }
 
     /// Moves the record's pairs into the stored totals (before the record changes amounts).
@@ -336,35 +325,37 @@ impl Figures {
         let d = &self.deferred;
         let pairs = d.pairs.load(Relaxed);
         d.pairs.store(0, Relaxed);
-        for i in 0..STORED {
-            let per = self.deferred_unit(i);
-            if per != 0 {
-                let fig = &self.stored[i];
-                fig.freed
-                    .store(fig.freed.load(Relaxed) + pairs * per, Relaxed);
-            }
+        let (small, amounts) = self.deferred_amounts();
+        for (kind, amount) in amounts {
+            let fig = &self.stored[stored(kind, small)];
+            fig.freed
+                .store(fig.freed.load(Relaxed) + pairs * amount, Relaxed);
         }
     }
 
-    /// How much one free of the record changes stored figure `i` (0 for figures it leaves alone).
-    #[inline]
-    fn deferred_unit(&self, i: usize) -> i64 {
+    /// The record's pool type and what one of its frees lowers: each statistic with its amount.
+    fn deferred_amounts(&self) -> (bool, [(Kind, i64); 7]) {
         let d = &self.deferred;
-        let small = d.small.load(Relaxed) != 0;
-        if i == stored(Kind::Allocation, small) || i == stored(Kind::Active, small) {
-            1
-        } else if i == stored(Kind::AllocatedBytes, small) || i == stored(Kind::ActiveBytes, small)
-        {
-            d.size.load(Relaxed)
-        } else if i == stored(Kind::RequestedBytes, small) {
-            d.requested.load(Relaxed)
-        } else if i == stored(Kind::InactiveSplit, small) {
-            d.split_count.load(Relaxed)
-        } else if i == stored(Kind::InactiveSplitBytes, small) {
-            d.split_bytes.load(Relaxed)
-        } else {
-            0
-        }
+        let size = d.size.load(Relaxed);
+        let amounts = [
+            (Kind::Allocation, 1),
+            (Kind::AllocatedBytes, size),
+            (Kind::Active, 1),
+            (Kind::ActiveBytes, size),
+            (Kind::RequestedBytes, d.requested.load(Relaxed)),
+            (Kind::InactiveSplit, d.split_count.load(Relaxed)),
+            (Kind::InactiveSplitBytes, d.split_bytes.load(Relaxed)),
+        ];
+        (d.small.load(Relaxed) != 0, amounts)
+    }
+
+    /// How much one free of the record lowers stored figure `i` (0 for figures it leaves alone).
+    fn deferred_unit(&self, i: usize) -> i64 {
+        let (small, amounts) = self.deferred_amounts();
+        amounts
+            .into_iter()
+            .find(|&(kind, _)| stored(kind, small) == i)
+            .map_or(0, |(_, amount)| amount)
     }
 
     /// The record's share of stored figure `i`: `(current, freed)` to add to the stored values.
