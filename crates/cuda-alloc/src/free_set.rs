@@ -906,6 +906,12 @@ impl FreeSet {
             .map(|e| e.triple())
     }
 
+    /// Carries on the version numbers of `earlier`, the set this one replaces (a released private
+    /// pool's slot reused): a verdict taken against the old set cannot match the new one.
+    pub(crate) fn continue_versions_of(&mut self, earlier: &FreeSet) {
+        self.version = earlier.version.wrapping_add(1);
+    }
+
     /// The number of changes so far: equal versions, equal contents.
     #[inline(always)]
     pub(crate) fn version(&self) -> u64 {

@@ -13,7 +13,7 @@ use std::sync::{Arc, OnceLock};
 use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 
-use crate::allocator::{Parked, Verdict};
+use crate::allocator::{HotPair, Parked};
 use crate::block::Arena;
 use crate::device::{Device, StreamId};
 use crate::expandable::ExpandableSegment;
@@ -87,8 +87,9 @@ pub(crate) struct ShardState<D: Device> {
     pub(crate) parked: Option<Parked>,
     /// The last parked block handed back after its checks, and what those checks depended on: the
     /// same block parked again against the same free set and settings is handed back without them
-    /// (see `allocator/parked.rs`).
-    pub(crate) unpark_verdict: Option<Verdict>,
+    /// (see `allocator/parked.rs`), and freed and handed back by the express lane where nothing
+    /// else changed (`allocator/hot_pair.rs`).
+    pub(crate) hot: Option<HotPair>,
     /// The size of the block handed out last: a free parks only a block of this size (the hot
     /// pair's), so that workloads of mixed sizes do not park blocks that the next allocation
     /// cannot take back.
@@ -111,7 +112,7 @@ impl<D: Device> ShardState<D> {
             free_stacks: AddrMap::default(),
             segment_stacks: AddrMap::default(),
             parked: None,
-            unpark_verdict: None,
+            hot: None,
             recent_size: 0,
         }
     }
@@ -135,12 +136,13 @@ impl<D: Device> ShardState<D> {
         if let Some(index) = self.private_pool(id, small) {
             return Some(index);
         }
-        let pool = Pool::new(small, PoolOwner::Private(id), clock()?);
+        let mut pool = Pool::new(small, PoolOwner::Private(id), clock()?);
         if let Some(slot) = self
             .pools
             .iter()
             .position(|p| p.owner == PoolOwner::Released)
         {
+            pool.free.continue_versions_of(&self.pools[slot].free);
             self.pools[slot] = pool;
             return Some(slot as u16);
         }

@@ -18,6 +18,7 @@ mod checkpoint;
 mod free;
 mod grow;
 mod hint;
+mod hot_pair;
 mod inspect;
 mod invariants;
 mod parked;
@@ -46,8 +47,9 @@ use crate::stats::peaks::{Kind, PeakBook};
 use crate::trace::{Action, Record, TraceRecorder};
 
 pub use checkpoint::{CheckpointDelta, PoolCheckpoint};
+pub(crate) use hot_pair::HotPair;
 pub use invariants::InvariantViolation;
-pub(crate) use parked::{Parked, Verdict};
+pub(crate) use parked::Parked;
 pub(crate) use private::PrivatePool;
 
 /// An out-of-memory observer as kept (cloned out of the list before being called).
@@ -244,6 +246,9 @@ pub struct CachingAllocator<D: Device> {
     /// path.
     #[cfg(test)]
     pub(crate) defer_merges: AtomicBool,
+    /// Frees that took the express lane (`hot_pair.rs`), for the tests that check it is taken.
+    #[cfg(test)]
+    pub(crate) express_frees: std::sync::atomic::AtomicU64,
 }
 
 impl<D: Device> std::fmt::Debug for CachingAllocator<D> {
@@ -315,6 +320,8 @@ impl<D: Device> CachingAllocator<D> {
             large_clock: Arc::new(AtomicU64::new(0)),
             #[cfg(test)]
             defer_merges: AtomicBool::new(true),
+            #[cfg(test)]
+            express_frees: std::sync::atomic::AtomicU64::new(0),
         };
         if fraction < 1.0 {
             if let Err(e) = allocator.set_memory_fraction(fraction) {

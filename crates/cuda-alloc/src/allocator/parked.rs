@@ -47,6 +47,7 @@
 
 use std::sync::atomic::Ordering::Relaxed;
 
+use super::hot_pair::HotPair;
 use super::{Allocation, Locked};
 use crate::block::NIL;
 use crate::device::Device;
@@ -123,10 +124,12 @@ impl<D: Device> ShardState<D> {
 /// settings, so equal versions mean equal answers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Verdict {
-    block: u32,
-    next: u32,
-    free_version: u64,
-    settings_version: u64,
+    pub(super) block: u32,
+    pub(super) next: u32,
+    /// The block's pool: another pool's version numbers are another count.
+    pub(super) pool: u16,
+    pub(super) free_version: u64,
+    pub(super) settings_version: u64,
 }
 
 /// PyTorch's `should_split` for a block of `remaining + size` bytes in a pool of the given class.
@@ -194,10 +197,14 @@ impl<D: Device> Locked<'_, D> {
         let verdict = Verdict {
             block: parked.block,
             next: parked.next,
+            pool,
             free_version: st.pools[pool as usize].free.version(),
             settings_version: settings.version(),
         };
-        let checked = st.unpark_verdict == Some(verdict);
+        let checked = st.hot.is_some_and(|hot| hot.verdict == verdict);
+        if QUIET && checked && self.may_unpark_express(parked, orig) {
+            return Some(self.unpark_express(parked, size, orig));
+        }
         if parked.next == NIL {
             return self.unpark_whole::<QUIET>(parked, size, orig, stack, verdict, checked);
         }
@@ -230,9 +237,15 @@ impl<D: Device> Locked<'_, D> {
         let small = p.small;
         let gc_now = p.gc_now();
         let already_split = b.prev != NIL || n.next != NIL;
+        let express = self.express_after(size, orig, b.requested);
         let st = &mut *self.st;
         st.parked = None;
-        st.unpark_verdict = Some(verdict);
+        st.hot = Some(HotPair::new(
+            verdict,
+            &self.shard.figures,
+            express,
+            already_split,
+        ));
         // The remainder of the split is the merged block, which was `B` grown: it carries `B`'s
         // last requested size (snapshots show it), and the split's clock reading.
         let b_requested = st.blocks[parked.block].requested;
@@ -279,8 +292,14 @@ impl<D: Device> Locked<'_, D> {
             p.gc_clock.fetch_add(1, Relaxed);
         }
         let (small, already_split, b_requested) = (p.small, b.is_split(), b.requested);
+        let express = self.express_after(size, orig, b_requested);
         self.st.parked = None;
-        self.st.unpark_verdict = Some(verdict);
+        self.st.hot = Some(HotPair::new(
+            verdict,
+            &self.shard.figures,
+            express,
+            already_split,
+        ));
         // What the free would have set.
         self.st.blocks[parked.block].gc_count_base = parked.gc_base;
         let figures = &self.shard.figures;
@@ -389,7 +408,7 @@ impl<D: Device> Locked<'_, D> {
 }
 
 #[cfg(all(test, not(loom)))]
-mod tests {
+pub(super) mod tests {
     use std::sync::atomic::Ordering::Relaxed;
 
     use proptest::prelude::*;
@@ -398,7 +417,7 @@ mod tests {
     use crate::config::AllocatorConfig;
     use crate::{Allocation, CachingAllocator, StreamId};
 
-    const STREAMS: [StreamId; 2] = [StreamId(0x10), StreamId(0x20)];
+    pub(in crate::allocator) const STREAMS: [StreamId; 2] = [StreamId(0x10), StreamId(0x20)];
     /// Sizes that repeat (so frees park and allocations of the same size follow), across the small
     /// and large pools, the split rules (20 MiB segments filled to their last MiB) and the oversize
     /// limit of the configurations below.
@@ -421,7 +440,7 @@ mod tests {
     ];
 
     #[derive(Clone, Debug)]
-    enum Op {
+    pub(in crate::allocator) enum Op {
         Alloc {
             size: usize,
             stream: usize,
@@ -474,7 +493,10 @@ mod tests {
         ]
     }
 
-    fn allocator(config: &str, defer: bool) -> CachingAllocator<SimDevice> {
+    pub(in crate::allocator) fn allocator(
+        config: &str,
+        defer: bool,
+    ) -> CachingAllocator<SimDevice> {
         let a = CachingAllocator::with_config(
             // The same invented addresses for both allocators.
             SimDevice::with_fixed_addresses(0, 512 << 20),
@@ -488,8 +510,9 @@ mod tests {
     }
 
     /// One allocator defers merges, the other never does: every call must come out the same
-    /// (addresses, sizes, errors), and so must the statistics and the snapshot after it.
-    fn run(config: &str, ops: &[Op]) -> Result<(), TestCaseError> {
+    /// (addresses, sizes, errors), and so must the statistics and the snapshot after it. Returns
+    /// how many frees of the deferring allocator took the express lane (`hot_pair.rs`).
+    pub(in crate::allocator) fn run(config: &str, ops: &[Op]) -> Result<u64, TestCaseError> {
         let fast = allocator(config, true);
         let plain = allocator(config, false);
         let mut live: Vec<(Allocation, Allocation)> = Vec::new();
@@ -611,7 +634,7 @@ mod tests {
         }
         prop_assert_eq!(fast.memory_stats(), plain.memory_stats());
         prop_assert_eq!(fast.snapshot(), plain.snapshot());
-        Ok(())
+        Ok(fast.express_frees.load(Relaxed))
     }
 
     proptest! {
