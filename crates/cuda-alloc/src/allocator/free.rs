@@ -270,7 +270,10 @@ impl<D: Device> CachingAllocator<D> {
 /// mapped alike (`mapped`: the freed block's). Always inlined (as a closure it stayed a call).
 #[inline(always)]
 fn mergeable(blocks: &crate::block::Arena, i: u32, mapped: bool) -> bool {
-    i != NIL && !blocks[i].is_active() && blocks[i].mapped == mapped
+    i != NIL && {
+        let b = &blocks[i];
+        !b.is_active() & (b.mapped == mapped)
+    }
 }
 
 impl<D: Device> Locked<'_, D> {
