@@ -37,8 +37,11 @@
 //!
 //! The checks of [`Locked::unpark`] depend only on the two blocks, the pool's free set and the
 //! settings, none of which a hot pair changes: a block handed back after its checks leaves a
-//! [`Verdict`] (the blocks, the free set's and the settings' version numbers), and the same block
-//! parked again with the same neighbour, against the same versions, is handed back without them.
+//! [`Verdict`] (the blocks, their pool, the free set's and the settings' version numbers, kept in
+//! the shard's [`HotPair`]), and the same block parked again with the same neighbour, against the
+//! same versions, is handed back without them. Where nothing else changed either, the block's next
+//! free and allocation skip the rest of their decisions too: the express lane of
+//! `allocator/hot_pair.rs`.
 //!
 //! Blocks keep their arena slots instead of trading them (slots are not visible: snapshots order
 //! segments by address, handles carry a generation). The unit test `deferred_merges_decide_alike`

@@ -31,7 +31,7 @@
 //!
 //! Two shortcuts for a shard's hot pair (the same block freed and handed out again, see
 //! `allocator/parked.rs`): the free's figures go to the shard's record of deferred figures
-//! ([`Deferred`](deferred::Deferred)), which every reader adds to the stored values, and the allocation that undoes
+//! ([`Deferred`]), which every reader adds to the stored values, and the allocation that undoes
 //! them only counts a pair there, provided the shard's limits did not change in between
 //! ([`Figures::limits_epoch`]): values that were within unchanged limits still are.
 
