@@ -248,6 +248,7 @@ impl<D: Device> Locked<'_, D> {
             &self.shard.figures,
             express,
             already_split,
+            gc_now,
         ));
         // The remainder of the split is the merged block, which was `B` grown: it carries `B`'s
         // last requested size (snapshots show it), and the split's clock reading.
@@ -296,12 +297,14 @@ impl<D: Device> Locked<'_, D> {
         }
         let (small, already_split, b_requested) = (p.small, b.is_split(), b.requested);
         let express = self.express_after(size, orig, b_requested);
+        let gc_now = p.gc_now();
         self.st.parked = None;
         self.st.hot = Some(HotPair::new(
             verdict,
             &self.shard.figures,
             express,
             already_split,
+            gc_now,
         ));
         // What the free would have set.
         self.st.blocks[parked.block].gc_count_base = parked.gc_base;
