@@ -2,14 +2,15 @@
 //! changed in between, skips the decisions it made the last time.
 //!
 //! A parked block handed back after its checks leaves a [`HotPair`]: the [`Verdict`] of those
-//! checks (the block, its free next neighbour, the version numbers of its pool's free set and of
-//! the settings), the stamp of the shard's record of deferred figures, and whether the block's next
-//! free and allocation may take the express lane at all. Everything a free's parking decision
-//! reads is then either fixed for the block's life or covered by one of those numbers:
+//! checks (the block, its free next neighbour, its pool, the version numbers of the pool's free set
+//! and of the settings), the stamp of the shard's record of deferred figures, the pool clock's
+//! reading, and whether the block's next free and allocation may take the express lane at all.
+//! Everything a free's parking decision reads is then either fixed for the block's life or covered
+//! by one of those numbers:
 //!
 //! - its neighbours, and whether they are free: a neighbour that is freed, allocated, split or
-//!   merged changes the pool's free set (a free that parks instead leaves a parked block, which
-//!   makes the lane wait: the free takes the usual path, which settles it first);
+//!   merged changes the pool's free set (one whose free parks it instead is settled into the free
+//!   set by the lock of the next free);
 //! - the settings (caching on or off, `max_split_size`, expandable segments): their version;
 //! - the amounts the free writes to the record (the block's size, its request, the split figures):
 //!   equal while the record's stamp stands still, since the block's request is the one its last
