@@ -613,8 +613,7 @@ impl<D: Device> Locked<'_, D> {
     #[inline(always)]
     fn park_whole_figures<const SMALL: bool>(&self, split: bool, size: u64, requested: u64) {
         if split {
-            self.inc(Kind::InactiveSplit, SMALL, 1);
-            self.inc(Kind::InactiveSplitBytes, SMALL, size);
+            self.parked_split_freed(SMALL, size, true);
         }
         self.shard
             .figures
@@ -636,7 +635,7 @@ impl<D: Device> Locked<'_, D> {
         let figures = &self.shard.figures;
         if split {
             // One split free block (`next`) becomes another (the merged one): `+ original_size`.
-            self.inc(Kind::InactiveSplitBytes, SMALL, original_size);
+            self.parked_split_freed(SMALL, original_size, false);
             figures.defer_free::<SMALL>(original_size, requested, 0, 0);
         } else {
             // A split free block (`next`) becomes a whole segment.

@@ -33,7 +33,7 @@ use super::parked::Verdict;
 use super::{Allocation, Locked, Parked};
 use crate::block::NIL;
 use crate::device::Device;
-use crate::stats::peaks::{Figures, Kind};
+use crate::stats::peaks::Figures;
 
 /// What the last parked block handed back after its checks leaves for the next pair (see the
 /// module documentation).
@@ -129,12 +129,7 @@ impl<D: Device> Locked<'_, D> {
         };
         self.st.blocks[index].allocated = false;
         if hot.split {
-            // The merged block (or the block, whole) is one more split free block: as in
-            // `park_figures` and `park_whole_figures`.
-            if hot.verdict.next == NIL {
-                self.inc(Kind::InactiveSplit, small, 1);
-            }
-            self.inc(Kind::InactiveSplitBytes, small, size);
+            self.parked_split_freed(small, size, hot.verdict.next == NIL);
         }
         figures.defer_same_free();
         self.st.parked = Some(Parked {
@@ -149,12 +144,12 @@ impl<D: Device> Locked<'_, D> {
     }
 
     /// Whether [`unpark_express`](Self::unpark_express) may hand `parked` back for a request of
-    /// `orig` bytes: the shard's [`HotPair`] allows the lane (its verdict is the caller's, checked),
-    /// the request is the one the free recorded and the limits did not change since (the figures
-    /// are restored, as [`Locked::unpark`]'s `restores`).
+    /// `orig` bytes: the shard's `hot` pair (whose verdict the caller found to be that of
+    /// `parked`) allows the lane, the request is the one the free recorded and the limits did not
+    /// change since (the figures are restored, as [`Locked::unpark`]'s `restores`).
     #[inline(always)]
-    pub(super) fn may_unpark_express(&self, parked: Parked, orig: usize) -> bool {
-        self.st.hot.is_some_and(|hot| hot.express)
+    pub(super) fn may_unpark_express(&self, hot: HotPair, parked: Parked, orig: usize) -> bool {
+        hot.express
             && self.st.blocks[parked.block].requested == orig as u64
             && parked.limits_epoch == self.shard.figures.limits_epoch()
     }
@@ -166,11 +161,11 @@ impl<D: Device> Locked<'_, D> {
     #[inline(always)]
     pub(super) fn unpark_express(
         &mut self,
+        hot: HotPair,
         parked: Parked,
         size: usize,
         orig: usize,
     ) -> Allocation {
-        let split = self.st.hot.is_some_and(|hot| hot.split);
         let gc = self.a.gc_enabled();
         let st = &mut *self.st;
         let pool = st.blocks[parked.block].pool;
@@ -187,11 +182,8 @@ impl<D: Device> Locked<'_, D> {
         b.allocated = true;
         b.generation = b.generation.wrapping_add(1);
         let (addr, generation) = (b.addr, b.generation);
-        if split {
-            self.dec(Kind::InactiveSplitBytes, small, size as u64);
-            if parked.next == NIL {
-                self.dec(Kind::InactiveSplit, small, 1);
-            }
+        if hot.split {
+            self.parked_split_taken(small, size as u64, parked.next == NIL);
         }
         self.shard.figures.complete_pair();
         if self.a.pointer_index_on() {

@@ -204,9 +204,10 @@ impl<D: Device> Locked<'_, D> {
             free_version: st.pools[pool as usize].free.version(),
             settings_version: settings.version(),
         };
-        let checked = st.hot.is_some_and(|hot| hot.verdict == verdict);
-        if QUIET && checked && self.may_unpark_express(parked, orig) {
-            return Some(self.unpark_express(parked, size, orig));
+        let hot = st.hot.filter(|hot| hot.verdict == verdict);
+        let checked = hot.is_some();
+        if let Some(hot) = hot.filter(|hot| QUIET && self.may_unpark_express(*hot, parked, orig)) {
+            return Some(self.unpark_express(hot, parked, size, orig));
         }
         if parked.next == NIL {
             return self.unpark_whole::<QUIET>(parked, size, orig, stack, verdict, checked);
@@ -315,8 +316,7 @@ impl<D: Device> Locked<'_, D> {
         }
         if already_split {
             // A split free block leaves the free set (`alloc_found_block` without a split).
-            self.dec(Kind::InactiveSplitBytes, small, size as u64);
-            self.dec(Kind::InactiveSplit, small, 1);
+            self.parked_split_taken(small, size as u64, true);
         }
         if restore {
             figures.complete_pair();
@@ -369,6 +369,27 @@ impl<D: Device> Locked<'_, D> {
         }
     }
 
+    /// The inactive-split figures of a parked block of `size` bytes, part of a split segment, as
+    /// freeing it makes them: its bytes join the split free blocks', and with no free neighbour
+    /// (`whole`) it is one more of them (merged into its free next neighbour, it replaces one).
+    #[inline(always)]
+    pub(super) fn parked_split_freed(&self, small: bool, size: u64, whole: bool) {
+        if whole {
+            self.inc(Kind::InactiveSplit, small, 1);
+        }
+        self.inc(Kind::InactiveSplitBytes, small, size);
+    }
+
+    /// The reverse of [`parked_split_freed`](Self::parked_split_freed), for the parked block handed
+    /// back.
+    #[inline(always)]
+    pub(super) fn parked_split_taken(&self, small: bool, size: u64, whole: bool) {
+        self.dec(Kind::InactiveSplitBytes, small, size);
+        if whole {
+            self.dec(Kind::InactiveSplit, small, 1);
+        }
+    }
+
     /// Whether handing `parked` out again for a request of `orig` bytes (the block's last request
     /// was `b_requested`) returns every figure the free changed to the value it had, with the
     /// limits of now: the limits unchanged since the free, and the same request (so that
@@ -397,14 +418,14 @@ impl<D: Device> Locked<'_, D> {
             // Where the merged block was a whole segment, the free's split figures are on the
             // record too.
             if already_split {
-                self.dec(Kind::InactiveSplitBytes, SMALL, size);
+                self.parked_split_taken(SMALL, size, false);
             }
             figures.complete_pair();
             return;
         }
         figures.apply_deferred_free();
         if already_split {
-            self.dec(Kind::InactiveSplitBytes, SMALL, size);
+            self.parked_split_taken(SMALL, size, false);
         } else {
             self.inc(Kind::InactiveSplitBytes, SMALL, n_size);
             self.inc(Kind::InactiveSplit, SMALL, 1);
