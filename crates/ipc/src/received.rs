@@ -361,7 +361,7 @@ impl<B: IpcDriver> ReceivedMemory<B> {
     pub fn view<T: DeviceElement>(&self) -> Result<DeviceView<'_, T>> {
         let elem = std::mem::size_of::<T>();
         let align = std::mem::align_of::<T>();
-        if self.size % elem as u64 != 0 || self.ptr.0 % align as u64 != 0 {
+        if !self.size.is_multiple_of(elem as u64) || !self.ptr.0.is_multiple_of(align as u64) {
             return Err(Error::BadView {
                 bytes: self.size,
                 addr: self.ptr.0,

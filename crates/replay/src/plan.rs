@@ -548,7 +548,7 @@ fn release_run_end(trace: &[TraceEntry], i: usize) -> RunEnd {
 /// The chunk size of an expandable segment, judged from its first mapping: large-pool mappings are
 /// whole 20 MiB chunks, small-pool ones 2 MiB chunks.
 fn chunk_of_first_map(size: u64) -> u64 {
-    if size % LARGE_BUFFER as u64 == 0 {
+    if size.is_multiple_of(LARGE_BUFFER as u64) {
         LARGE_BUFFER as u64
     } else {
         SMALL_BUFFER as u64

@@ -391,7 +391,7 @@ impl Mapping {
         // The base is page aligned, so alignment within the region is alignment in memory
         // provided the header offset is itself aligned (it is 0 or 64).
         let addr = self.as_ptr() as usize + offset;
-        if addr % std::mem::align_of::<A>() != 0 {
+        if !addr.is_multiple_of(std::mem::align_of::<A>()) {
             return Err(Error::Misaligned {
                 offset,
                 align: std::mem::align_of::<A>(),

@@ -582,7 +582,7 @@ unsafe impl Device for SimDevice {
     }
 
     fn create_physical(&self, size: usize) -> DeviceResult<SimChunk> {
-        if size % SIM_GRANULARITY != 0 {
+        if !size.is_multiple_of(SIM_GRANULARITY) {
             return Err(misuse(
                 "cuMemCreate",
                 format!("{size} bytes is not a multiple of the granularity {SIM_GRANULARITY}"),

@@ -44,7 +44,10 @@ mod tests {
         assert_eq!(class_for(u64::MAX), None);
         for len in (1..64u64).map(|i| i * 1_234_567) {
             let class = class_for(len).unwrap();
-            assert!(class >= len && class % PAGE == 0, "{len} -> {class}");
+            assert!(
+                class >= len && class.is_multiple_of(PAGE),
+                "{len} -> {class}"
+            );
             assert!(class - len <= (len / 4).max(HUGE_PAGE), "{len} -> {class}");
             if class > HUGE_PAGE {
                 assert_eq!(class % HUGE_PAGE, 0, "{len} -> {class}");

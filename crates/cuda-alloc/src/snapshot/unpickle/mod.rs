@@ -356,7 +356,7 @@ impl Machine {
             (PyValue::Set(set), "ADDITEMS") => set.extend(values),
             (PyValue::Dict(dict), "SETITEM" | "SETITEMS") => {
                 let values: Vec<PyValue> = values.collect();
-                if values.len() % 2 != 0 {
+                if !values.len().is_multiple_of(2) {
                     return Err(malformed(
                         at,
                         format!("{what} with an odd number of keys and values"),
