@@ -417,18 +417,18 @@ impl<D: Device> Locked<'_, D> {
         stack: Option<&Stack>,
     ) -> u32 {
         let small = self.st.pools[pool as usize].small;
-        let already_split = self.st.blocks[block].is_split();
-        let expandable = self.st.blocks[block].is_expandable();
+        let found = &self.st.blocks[block];
+        let (already_split, expandable) = (found.is_split(), found.is_expandable());
         if split {
             let remaining = block;
             let st = &mut *self.st;
             let r = &st.blocks[remaining];
+            let prev = r.prev;
             let mut head = Block::new(r.addr, size, pool);
             head.expandable = r.expandable;
-            head.prev = r.prev;
+            head.prev = prev;
             head.next = remaining;
             block = st.blocks.insert(head);
-            let prev = st.blocks[block].prev;
             if prev != NIL {
                 st.blocks[prev].next = block;
             }

@@ -450,10 +450,18 @@ impl<D: Device> Locked<'_, D> {
         // A parked block is settled when the lock is taken; one parked in this lock's hold (by an
         // earlier free in the same pass) is settled before any other block moves.
         self.st.settle(&self.shard.figures);
-        let (pool, addr, original_size, requested, prev, next) = {
+        let (pool, addr, original_size, requested, prev, next, mapped) = {
             let b = &self.st.blocks[index];
             debug_assert!(!b.is_active());
-            (b.pool, b.addr, b.size, b.requested, b.prev, b.next)
+            (
+                b.pool,
+                b.addr,
+                b.size,
+                b.requested,
+                b.prev,
+                b.next,
+                b.mapped,
+            )
         };
         let entry_stack = self.entry_stack(index);
         if entry_stack.is_some() {
@@ -465,11 +473,12 @@ impl<D: Device> Locked<'_, D> {
         let mut net_bytes = 0i64;
         let st = &mut *self.st;
         let blocks = &mut st.blocks;
-        let free = &mut st.pools[pool as usize].free;
+        // The pool once (each `pools[pool]` is a bounds check, repeated after every store).
+        let pool_state = &mut st.pools[pool as usize];
+        let small = pool_state.small;
         // Merge with free neighbours (PyTorch's `try_merge_blocks` on both sides). A merged
         // neighbour's free-set entry is reused for the result, so that the common case (one free
         // neighbour) updates the set in place.
-        let mapped = blocks[index].mapped;
         if may_park
             && original_size == st.recent_size
             && self.a.defers_merges()
@@ -480,8 +489,7 @@ impl<D: Device> Locked<'_, D> {
         {
             // Merge (or, with no free neighbour, insertion) deferred: the figures as if it were
             // done now.
-            let p = &st.pools[pool as usize];
-            let (small, gc_base) = (p.small, p.gc_now());
+            let gc_base = pool_state.gc_now();
             let parked_next = if mergeable(blocks, next, mapped) {
                 let n = &blocks[next];
                 let (n_size, n_next) = (n.size, n.next);
@@ -537,18 +545,17 @@ impl<D: Device> Locked<'_, D> {
             }
             blocks.remove(next);
             if reuse.is_some() {
-                free.remove(n_size, n_addr);
+                pool_state.free.remove(n_size, n_addr);
             } else {
                 reuse = Some((n_size, n_addr));
             }
             net_blocks -= 1;
             net_bytes -= n_size as i64;
         }
-        let gc_now = st.pools[pool as usize].gc_now();
         let b = &mut blocks[index];
-        b.gc_count_base = gc_now;
+        b.gc_count_base = pool_state.gc_now();
         let (size, new_addr, split, expandable) = (b.size, b.addr, b.is_split(), b.is_expandable());
-        let free = &mut st.pools[pool as usize].free;
+        let free = &mut pool_state.free;
         match reuse {
             Some(old) => free.rekey(old, (size, new_addr), index),
             None => free.insert(size, new_addr, index),
@@ -557,7 +564,6 @@ impl<D: Device> Locked<'_, D> {
             net_blocks += 1;
             net_bytes += size as i64;
         }
-        let small = st.pools[pool as usize].small;
         if !expandable {
             // Fully free chunks of expandable segments can always be released, so expandable
             // segments are left out of the inactive-split figures.

@@ -204,10 +204,17 @@ impl<D: Device> Locked<'_, D> {
             free_version: st.pools[pool as usize].free.version(),
             settings_version: settings.version(),
         };
-        let hot = st.hot.filter(|hot| hot.verdict == verdict);
+        // Plain matches rather than `Option::filter`: with one codegen unit the compiler kept
+        // `filter` (of a `HotPair`) as a call, a quarter more instructions per hot pair.
+        let hot = match st.hot {
+            Some(hot) if hot.verdict == verdict => Some(hot),
+            _ => None,
+        };
         let checked = hot.is_some();
-        if let Some(hot) = hot.filter(|hot| QUIET && self.may_unpark_express(*hot, parked, orig)) {
-            return Some(self.unpark_express(hot, parked, size, orig));
+        if let Some(hot) = hot {
+            if QUIET && self.may_unpark_express(hot, parked, orig) {
+                return Some(self.unpark_express(hot, parked, size, orig));
+            }
         }
         if parked.next == NIL {
             return self.unpark_whole::<QUIET>(parked, size, orig, stack, verdict, checked);
