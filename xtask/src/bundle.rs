@@ -22,6 +22,7 @@ use crate::gpu_tests::{cargo, GPU_EXAMPLES, GPU_TEST_TARGETS};
 /// sharing benchmarks re-execute themselves as their consumer processes).
 const BENCH_BINS: &[(&str, &str)] = &[
     ("tensormem-benches", "alloc_patterns"),
+    ("tensormem-benches", "host_probe"),
     ("tensormem-benches", "ipc_roundtrip"),
     ("tensormem-benches", "pinned_patterns"),
     ("tensormem-benches", "shm_bench"),
@@ -270,7 +271,9 @@ fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
          ../shared/anchors):\n\n    bash ../shared/anchors/compare_alloc.sh gpu-bundle/alloc_patterns\n\n\
          alloc_patterns --sim runs the same patterns on the simulated device; --raw uses the pointer API\n\
          (raw_alloc/raw_free) instead of Allocation handles; --history LEVEL records memory history\n\
-         (none, state, alloc, all) while timing.\n\n\
+         (none, state, alloc, all) while timing. host_probe prints the host's clock, instructions per cycle,\n\
+         load latencies and branch cost: run it beside the benchmark (a core shared with a busy SMT\n\
+         sibling retires a third fewer instructions a cycle, and the allocator's hot paths slow with it).\n\n\
          The pinned host allocator against PyTorch's, in one call:\n\n    \
          gpu-bundle/pinned_patterns; gpu-bundle/pinned_patterns --register 8; \
          python3 ../shared/anchors/torch_pinned_bench.py\n\n\
