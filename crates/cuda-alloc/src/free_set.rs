@@ -687,25 +687,30 @@ impl FreeSet {
             Some(old),
             "stale free-set position"
         );
-        if b == bucket(new.0)
-            && self.buckets[b].rekey_at(pos.chunk as usize, pos.at as usize, entry)
-        {
+        let b_new = bucket(new.0);
+        if b == b_new && self.buckets[b].rekey_at(pos.chunk as usize, pos.at as usize, entry) {
             return;
         }
-        self.move_at(pos, new, index);
+        self.move_at(pos, b_new, new, index);
     }
 
-    /// Moves the entry at bucketed position `pos` to where key `new` belongs, with arena index
-    /// `index`: removed by position, no search (an unsorted bucket's removal is then a swap with its
-    /// last entry). Not marked cold: about half of the mixed pattern's splits move their remainder.
+    /// Moves the entry at bucketed position `pos` to bucket `b_new`, where key `new` belongs, with
+    /// arena index `index`: removed by position, no search (an unsorted bucket's removal is then a
+    /// swap with its last entry). Not marked cold: about half of the mixed pattern's splits move their
+    /// remainder.
     #[inline(never)]
-    fn move_at(&mut self, pos: FreePos, new: (u64, u64), index: u32) {
+    fn move_at(&mut self, pos: FreePos, b_new: usize, new: (u64, u64), index: u32) {
         let b = pos.bucket as usize;
         let (_, emptied) = self.buckets[b].remove_at(pos.chunk as usize, pos.at as usize);
         if emptied {
             self.mark(b, false);
         }
-        self.bucket_insert(new.0, new.1, index);
+        self.buckets[b_new].insert(Entry {
+            size: new.0,
+            addr: new.1,
+            index,
+        });
+        self.mark(b_new, true);
     }
 
     #[inline]
