@@ -705,12 +705,7 @@ impl FreeSet {
         if emptied {
             self.mark(b, false);
         }
-        self.buckets[b_new].insert(Entry {
-            size: new.0,
-            addr: new.1,
-            index,
-        });
-        self.mark(b_new, true);
+        self.insert_into(b_new, new, index);
     }
 
     #[inline]
@@ -739,7 +734,13 @@ impl FreeSet {
 
     #[inline]
     fn bucket_insert(&mut self, size: u64, addr: u64, index: u32) {
-        let b = bucket(size);
+        self.insert_into(bucket(size), (size, addr), index);
+    }
+
+    /// Inserts the entry keyed `(size, addr)` with arena index `index` into bucket `b`, its bucket,
+    /// and marks the bucket non-empty.
+    #[inline(always)]
+    fn insert_into(&mut self, b: usize, (size, addr): (u64, u64), index: u32) {
         self.buckets[b].insert(Entry { size, addr, index });
         self.mark(b, true);
     }
@@ -861,12 +862,7 @@ impl FreeSet {
         if emptied {
             self.mark(b, false);
         }
-        self.buckets[b_new].insert(Entry {
-            size: new.0,
-            addr: new.1,
-            index,
-        });
-        self.mark(b_new, true);
+        self.insert_into(b_new, new, index);
     }
 
     /// A re-key in the small form that moves the entry.
