@@ -552,7 +552,13 @@ impl Default for FreeSet {
             small: Vec::with_capacity(8),
             bucketed: false,
             len: 0,
-            buckets: Box::new(std::array::from_fn(|_| Bucket::default())),
+            // Built on the heap: a `Box::new` of the array would first put its 64 KiB on the
+            // caller's stack.
+            buckets: (0..BUCKETS)
+                .map(|_| Bucket::default())
+                .collect::<Box<[Bucket]>>()
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("BUCKETS buckets were collected")),
             nonempty: [0; WORDS],
             version: 0,
         }
