@@ -84,12 +84,31 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(());
         }
         self.enable_pointer_index();
-        let stack = self.trace.gather(RecordContext::All);
+        if self.quiet() {
+            self.raw_free_in::<true>(ptr)
+        } else {
+            self.raw_free_in::<false>(ptr)
+        }
+    }
+
+    /// [`raw_free`](Self::raw_free), compiled once for calls that start [`quiet`](Self::quiet) and
+    /// once for the others (see [`free`](Self::free)): a quiet one takes a hot pair's express lane as
+    /// [`free`](Self::free) does (it was the generic path, 590 instructions a pointer-API hot pair).
+    #[inline(never)]
+    fn raw_free_in<const QUIET: bool>(&self, ptr: DeviceAddress) -> Result<()> {
+        let stack = if QUIET {
+            None
+        } else {
+            self.trace.gather(RecordContext::All)
+        };
         // Most pointers are freed by the thread that allocated them: its last shard first.
         if let Some(shard) = self.remembered_shard() {
             let mut locked = self.lock(shard);
             if let Some(index) = locked.take_indexed(ptr) {
-                return locked.free_allocated::<false>(index, stack);
+                if QUIET && locked.park_express(index) {
+                    return Ok(());
+                }
+                return locked.free_allocated::<QUIET>(index, stack);
             }
         }
         let shard = self.route(ptr).ok_or(Error::InvalidPointer { ptr })?;
@@ -98,7 +117,10 @@ impl<D: Device> CachingAllocator<D> {
         let index = locked
             .take_indexed(ptr)
             .ok_or(Error::InvalidPointer { ptr })?;
-        locked.free_allocated::<false>(index, stack)
+        if QUIET && locked.park_express(index) {
+            return Ok(());
+        }
+        locked.free_allocated::<QUIET>(index, stack)
     }
 
     /// Marks an allocation as used by `stream` (PyTorch's `recordStream`): when it is freed, the

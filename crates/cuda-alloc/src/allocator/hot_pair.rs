@@ -246,6 +246,28 @@ mod tests {
         }
     }
 
+    /// Pointer-API hot pairs (`raw_alloc` / `raw_free`) take the lane exactly as handle pairs do,
+    /// with the pointer index kept (the run's checks compare it with the allocated blocks).
+    #[test]
+    fn raw_hot_pairs_take_the_express_lane() {
+        for size in [512, 1 << 20, 64 << 20] {
+            let mut raw = vec![Op::RawAlloc { size, stream: 0 }];
+            for _ in 0..10 {
+                raw.extend([Op::RawFreeNewest, Op::RawAlloc { size, stream: 0 }]);
+            }
+            raw.push(Op::Check);
+            let mut handles = hot_pairs(size, 10);
+            handles.push(Op::Check);
+            let express = run("", &raw).expect("decides as the plain allocator");
+            assert!(express > 0, "{size} B: no raw free took the lane");
+            assert_eq!(
+                express,
+                run("", &handles).expect("decides as the plain allocator"),
+                "{size} B"
+            );
+        }
+    }
+
     /// The lane is taken in the garbage-collection configuration too (the clock's readings), for
     /// blocks below its `max_split_size` (40 MiB).
     #[test]
