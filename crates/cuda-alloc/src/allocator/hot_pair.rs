@@ -214,10 +214,13 @@ mod tests {
     /// every later pair may take the express lane.
     fn hot_pairs(size: usize, pairs: usize) -> Vec<Op> {
         let mut ops = vec![Op::Alloc { size, stream: 0 }];
-        for _ in 0..pairs {
-            ops.extend([Op::FreeNewest, Op::Again]);
-        }
+        ops.extend(again(pairs));
         ops
+    }
+
+    /// `n` hot pairs of the newest allocation: free it, allocate the same again.
+    fn again(n: usize) -> impl Iterator<Item = Op> {
+        (0..n).flat_map(|_| [Op::FreeNewest, Op::Again])
     }
 
     /// `ops` after a hot pair of `size` bytes that took the express lane once (the pair's block is
@@ -464,9 +467,7 @@ mod tests {
             Op::Free { pick: 1 },
             Op::Again,
         ];
-        for _ in 0..3 {
-            ops.extend([Op::FreeNewest, Op::Again]);
-        }
+        ops.extend(again(3));
         ops.push(Op::Check);
         assert_eq!(run("", &ops).expect("decides as the plain allocator"), 3);
     }
@@ -530,9 +531,7 @@ mod tests {
             Op::Again,
         ]);
         ops.extend([Op::Free { pick: 2 }, Op::Free { pick: 2 }]);
-        for _ in 0..5 {
-            ops.extend([Op::FreeNewest, Op::Again]);
-        }
+        ops.extend(again(5));
         // W1, W2, Y, B live: Y goes, then a request no free block fits collects garbage.
         ops.extend([Op::Free { pick: 2 }, alloc(100 << 20, 0), Op::Check]);
         let express = run("garbage_collection_threshold:0.5", &ops).expect("decides alike");
@@ -548,13 +547,9 @@ mod tests {
         // W1, W2, W3, X on stream 1; the hot whole segment B on stream 0.
         let mut ops = vec![alloc(64 << 20, 1); 4];
         ops.push(alloc(32 << 20, 0));
-        for _ in 0..3 {
-            ops.extend([Op::FreeNewest, Op::Again]);
-        }
+        ops.extend(again(3));
         ops.push(Op::Free { pick: 3 });
-        for _ in 0..2 {
-            ops.extend([Op::FreeNewest, Op::Again]);
-        }
+        ops.extend(again(2));
         // B parks; a request no free block fits collects garbage.
         ops.extend([Op::FreeNewest, alloc(200 << 20, 1), Op::Check]);
         let express = run("garbage_collection_threshold:0.5", &ops).expect("decides alike");
@@ -573,13 +568,9 @@ mod tests {
         let alloc = |size: usize, stream: usize| Op::Alloc { size, stream };
         let mut ops = vec![alloc(64 << 20, 1); 3];
         ops.push(alloc(3 << 20, 1));
-        for _ in 0..5 {
-            ops.extend([Op::FreeNewest, Op::Again]);
-        }
+        ops.extend(again(5));
         ops.extend([Op::FreeNewest, Op::Reconfigure(0), alloc(32 << 20, 0)]);
-        for _ in 0..3 {
-            ops.extend([Op::FreeNewest, Op::Again]);
-        }
+        ops.extend(again(3));
         // Reserved: 3 x 64 + 20 + 32 MiB, 13.6 MiB over half of 90% of the device's 512 MiB.
         ops.extend([
             Op::FreeNewest,
