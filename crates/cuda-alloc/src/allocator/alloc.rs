@@ -389,16 +389,16 @@ impl<D: Device> Locked<'_, D> {
             stack,
         );
         let b = &self.st.blocks[index];
-        Allocation {
-            ptr: crate::DeviceAddress(b.addr),
-            allocator: self.a.id,
-            size: b.size as usize,
-            requested: orig,
-            stream: self.shard.stream,
-            shard: self.shard.index,
-            block: index,
-            generation: b.generation,
-        }
+        Allocation::handed_out(
+            b.addr,
+            b.size,
+            orig as u64,
+            self.shard.stream,
+            self.a.id,
+            self.shard.index,
+            index,
+            b.generation,
+        )
     }
 
     /// Marks a found block allocated, splitting off the remainder first when `split` (PyTorch's

@@ -79,14 +79,15 @@ pub const DEFAULT_STREAM_CAPACITY: usize = 1024;
 /// `tracing` warning). For a handle that frees itself, see the CUDA backend's `CachedSlice`.
 #[must_use = "dropping an Allocation leaks the memory; pass it to CachingAllocator::free"]
 #[derive(Debug, PartialEq, Eq)]
+#[repr(C)] // the field order `handed_out` writes in three 16-byte stores
 pub struct Allocation {
     ptr: DeviceAddress,
-    /// The [`CachingAllocator::id`] of the allocator that handed it out (0 for the null allocation,
-    /// which any allocator takes back).
-    allocator: u32,
     size: usize,
     requested: usize,
     stream: StreamId,
+    /// The [`CachingAllocator::id`] of the allocator that handed it out (0 for the null allocation,
+    /// which any allocator takes back).
+    allocator: u32,
     shard: u32,
     block: u32,
     generation: u32,
@@ -95,6 +96,66 @@ pub struct Allocation {
 impl Allocation {
     /// The "no block" marker of zero-sized allocations.
     const EMPTY: u32 = u32::MAX;
+
+    /// A handle to block `block` (of generation `generation`) of shard `shard`, handed out by
+    /// allocator `allocator`.
+    ///
+    /// On x86-64 the handle is written as three 16-byte stores, the width at which callers copy it
+    /// (a `Result<Allocation>` or an `Allocation` moved into a variable, a vector, a call). Written
+    /// field by field (eight stores of 4 or 8 bytes), every such 16-byte load right after the return
+    /// spanned several pending stores, which the store buffer cannot forward: the load waited for
+    /// the stores to reach the cache, a fifth of a hot pair's time (docs/allocator-performance.md,
+    /// change 47).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)] // the handle's fields, each a plain value
+    pub(crate) fn handed_out(
+        ptr: u64,
+        size: u64,
+        requested: u64,
+        stream: StreamId,
+        allocator: u32,
+        shard: u32,
+        block: u32,
+        generation: u32,
+    ) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{__m128i, _mm_set_epi32, _mm_set_epi64x, _mm_storeu_si128};
+            let mut out = std::mem::MaybeUninit::<Allocation>::uninit();
+            let at = out.as_mut_ptr().cast::<__m128i>();
+            // SAFETY: SSE2 is part of the x86-64 baseline, so the intrinsics are available. `Allocation`
+            // is `repr(C)`: four 8-byte fields (`DeviceAddress`, `usize` twice, `StreamId`, each one
+            // `u64` on x86-64) then four `u32`, 48 bytes with no padding, so the three unaligned
+            // 16-byte stores at offsets 0, 16 and 32 write exactly its bytes, in field order (little
+            // endian: the first lane is the lower address). Every field is a plain integer, valid for
+            // any bits, and all 48 bytes are written before `assume_init`.
+            unsafe {
+                _mm_storeu_si128(at, _mm_set_epi64x(size as i64, ptr as i64));
+                _mm_storeu_si128(at.add(1), _mm_set_epi64x(stream.0 as i64, requested as i64));
+                _mm_storeu_si128(
+                    at.add(2),
+                    _mm_set_epi32(
+                        generation as i32,
+                        block as i32,
+                        shard as i32,
+                        allocator as i32,
+                    ),
+                );
+                out.assume_init()
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Allocation {
+            ptr: DeviceAddress(ptr),
+            size: size as usize,
+            requested: requested as usize,
+            stream,
+            allocator,
+            shard,
+            block,
+            generation,
+        }
+    }
 
     fn empty(stream: StreamId) -> Self {
         Allocation {
@@ -682,5 +743,45 @@ impl<D: Device> Locked<'_, D> {
                 })
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `Allocation::handed_out` writes the handle as three 16-byte stores on x86-64: each field must
+    /// land where the field-by-field construction puts it, including values whose high bits are set.
+    #[test]
+    fn a_handle_written_in_wide_stores_holds_every_field() {
+        let wide = Allocation::handed_out(
+            0x7f12_a400_1200,
+            64 << 30,
+            (64 << 30) - 511,
+            StreamId(0xdead_beef_0000_0001),
+            0x8000_0007,
+            3,
+            0xffff_fffe,
+            0x8000_0001,
+        );
+        let by_field = Allocation {
+            ptr: DeviceAddress(0x7f12_a400_1200),
+            size: 64 << 30,
+            requested: (64 << 30) - 511,
+            stream: StreamId(0xdead_beef_0000_0001),
+            allocator: 0x8000_0007,
+            shard: 3,
+            block: 0xffff_fffe,
+            generation: 0x8000_0001,
+        };
+        assert_eq!(std::mem::size_of::<Allocation>(), 48);
+        assert_eq!(wide, by_field);
+        assert_eq!(wide.ptr(), DeviceAddress(0x7f12_a400_1200));
+        assert_eq!(wide.size(), 64 << 30);
+        assert_eq!(wide.requested_size(), (64 << 30) - 511);
+        assert_eq!(wide.stream(), StreamId(0xdead_beef_0000_0001));
+        // Neither names a block of a real allocator: nothing to free.
+        std::mem::forget(wide);
+        std::mem::forget(by_field);
     }
 }
