@@ -79,7 +79,7 @@ pub const DEFAULT_STREAM_CAPACITY: usize = 1024;
 /// `tracing` warning). For a handle that frees itself, see the CUDA backend's `CachedSlice`.
 #[must_use = "dropping an Allocation leaks the memory; pass it to CachingAllocator::free"]
 #[derive(Debug, PartialEq, Eq)]
-#[repr(C)] // the field order `handed_out` writes in three 16-byte stores
+#[repr(C, align(16))] // the field order and alignment `handed_out` writes in three 16-byte stores
 pub struct Allocation {
     ptr: DeviceAddress,
     size: usize,
@@ -104,8 +104,10 @@ impl Allocation {
     /// (a `Result<Allocation>` or an `Allocation` moved into a variable, a vector, a call). Written
     /// field by field (eight stores of 4 or 8 bytes), every such 16-byte load right after the return
     /// spanned several pending stores, which the store buffer cannot forward: the load waited for
-    /// the stores to reach the cache, a fifth of a hot pair's time (docs/allocator-performance.md,
-    /// change 47).
+    /// the stores to reach the cache, a fifth of a hot pair's time. The type's 16-byte alignment
+    /// makes every copy (of the handle, or of a `Result` or `Option` holding it) take the same
+    /// three pieces at the same offsets; with 8, a handle copied into an `Option` was read in 8- and
+    /// 16-byte pieces that straddled two stores (docs/allocator-performance.md, change 47).
     #[inline(always)]
     #[allow(clippy::too_many_arguments)] // the handle's fields, each a plain value
     pub(crate) fn handed_out(
@@ -775,6 +777,7 @@ mod tests {
             generation: 0x8000_0001,
         };
         assert_eq!(std::mem::size_of::<Allocation>(), 48);
+        assert_eq!(std::mem::align_of::<Allocation>(), 16);
         assert_eq!(wide, by_field);
         assert_eq!(wide.ptr(), DeviceAddress(0x7f12_a400_1200));
         assert_eq!(wide.size(), 64 << 30);
