@@ -151,6 +151,20 @@ impl Arena {
         self.slots.get(index as usize).is_some_and(|b| b.live)
     }
 
+    /// Whether `index` names a block that is not in use and whose `mapped` is `mapped`: a neighbour
+    /// a free merges with. `NIL` (no neighbour) is not one. No branch on `NIL`: the slot read is
+    /// clamped into the arena (its fields do not matter when the answer is masked off), so a free can
+    /// ask about both neighbours before it branches on either, and their two reads (random slots,
+    /// often cache misses) overlap instead of waiting one for the other.
+    #[inline(always)]
+    pub(crate) fn is_free_neighbour(&self, index: u32, mapped: bool) -> bool {
+        let last = self.slots.len().saturating_sub(1);
+        let Some(b) = self.slots.get((index as usize).min(last)) else {
+            return false;
+        };
+        (index != NIL) & !b.is_active() & (b.mapped == mapped)
+    }
+
     /// Live blocks with their indices.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u32, &Block)> {
         self.slots

@@ -288,16 +288,6 @@ impl<D: Device> CachingAllocator<D> {
     }
 }
 
-/// Whether neighbour `i` of a block being freed can merge into it: it exists, is not in use, and is
-/// mapped alike (`mapped`: the freed block's). Always inlined (as a closure it stayed a call).
-#[inline(always)]
-fn mergeable(blocks: &crate::block::Arena, i: u32, mapped: bool) -> bool {
-    i != NIL && {
-        let b = &blocks[i];
-        !b.is_active() & (b.mapped == mapped)
-    }
-}
-
 impl<D: Device> Locked<'_, D> {
     /// Removes `ptr` from the pointer index and returns its block, if it names an allocated block of
     /// this shard. The block is checked as well as the index (a live, allocated block starting at
@@ -498,6 +488,11 @@ impl<D: Device> Locked<'_, D> {
         // The pool once (each `pools[pool]` is a bounds check, repeated after every store).
         let pool_state = &mut st.pools[pool as usize];
         let small = pool_state.small;
+        // Whether each neighbour can merge into the block (it exists, is not in use, and is mapped
+        // alike): both read before either is acted on (see `Arena::is_free_neighbour`). Merging one
+        // neighbour does not change the other.
+        let prev_free = blocks.is_free_neighbour(prev, mapped);
+        let next_free = blocks.is_free_neighbour(next, mapped);
         // Merge with free neighbours (PyTorch's `try_merge_blocks` on both sides). A merged
         // neighbour's free-set entry is reused for the result, so that the common case (one free
         // neighbour) updates the set in place.
@@ -506,13 +501,13 @@ impl<D: Device> Locked<'_, D> {
             && self.a.defers_merges()
             && entry_stack.is_none()
             && !blocks[index].is_expandable()
-            && !mergeable(blocks, prev, mapped)
+            && !prev_free
             && !self.a.settings.uncached()
         {
             // Merge (or, with no free neighbour, insertion) deferred: the figures as if it were
             // done now.
             let gc_base = pool_state.gc_now();
-            let parked_next = if mergeable(blocks, next, mapped) {
+            let parked_next = if next_free {
                 let n = &blocks[next];
                 let (n_size, n_next) = (n.size, n.next);
                 let split = prev != NIL || n_next != NIL;
@@ -541,7 +536,7 @@ impl<D: Device> Locked<'_, D> {
             return;
         }
         let mut reuse: Option<(u64, u64)> = None;
-        if mergeable(blocks, prev, mapped) {
+        if prev_free {
             let p = &blocks[prev];
             let (p_size, p_addr, p_prev) = (p.size, p.addr, p.prev);
             let b = &mut blocks[index];
@@ -556,7 +551,7 @@ impl<D: Device> Locked<'_, D> {
             net_blocks -= 1;
             net_bytes -= p_size as i64;
         }
-        if mergeable(blocks, next, mapped) {
+        if next_free {
             let n = &blocks[next];
             let (n_size, n_addr, n_next) = (n.size, n.addr, n.next);
             let b = &mut blocks[index];
