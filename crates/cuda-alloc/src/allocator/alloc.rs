@@ -389,15 +389,29 @@ impl<D: Device> Locked<'_, D> {
             stack,
         );
         let b = &self.st.blocks[index];
+        self.handle(b.addr, b.size, orig, index, b.generation)
+    }
+
+    /// The handle of this shard's block `index` (at `addr`, `size` bytes, of generation
+    /// `generation`), handed out for a request of `orig` bytes.
+    #[inline(always)]
+    pub(crate) fn handle(
+        &self,
+        addr: u64,
+        size: u64,
+        orig: usize,
+        index: u32,
+        generation: u32,
+    ) -> Allocation {
         Allocation::handed_out(
-            b.addr,
-            b.size,
+            addr,
+            size,
             orig as u64,
             self.shard.stream,
             self.a.id,
             self.shard.index,
             index,
-            b.generation,
+            generation,
         )
     }
 

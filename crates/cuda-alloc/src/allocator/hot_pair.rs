@@ -189,16 +189,7 @@ impl<D: Device> Locked<'_, D> {
         if self.a.pointer_index_on() {
             self.st.allocated.insert(addr, parked.block);
         }
-        Allocation::handed_out(
-            addr,
-            size as u64,
-            orig as u64,
-            self.shard.stream,
-            self.a.id,
-            self.shard.index,
-            parked.block,
-            generation,
-        )
+        self.handle(addr, size as u64, orig, parked.block, generation)
     }
 }
 

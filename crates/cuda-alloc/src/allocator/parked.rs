@@ -364,16 +364,7 @@ impl<D: Device> Locked<'_, D> {
         if size >= self.a.settings.max_split_size() {
             self.inc_figure(OVERSIZE_ALLOCATIONS, 1);
         }
-        Allocation::handed_out(
-            addr,
-            size as u64,
-            orig as u64,
-            self.shard.stream,
-            self.a.id,
-            self.shard.index,
-            index,
-            generation,
-        )
+        self.handle(addr, size as u64, orig, index, generation)
     }
 
     /// The inactive-split figures of a parked block of `size` bytes, part of a split segment, as
