@@ -205,4 +205,28 @@ mod tests {
         let arena: Vec<Block> = (0..3).map(|i| Block::new(i * 512, 512, 0)).collect();
         assert!(arena.iter().all(|b| std::ptr::from_ref(b).addr() % 64 == 0));
     }
+
+    /// The neighbour test reads a clamped slot without a branch on `NIL`: `NIL` must still never be
+    /// a free neighbour, even where the slot it is clamped to holds one.
+    #[test]
+    fn only_free_blocks_mapped_alike_are_free_neighbours() {
+        let mut arena = Arena::default();
+        assert!(!arena.is_free_neighbour(NIL, true), "an empty arena");
+        let free = arena.insert(Block::new(0, 512, 0));
+        let mut allocated = Block::new(512, 512, 0);
+        allocated.allocated = true;
+        let allocated = arena.insert(allocated);
+        let mut unmapped = Block::new(1024, 512, 0);
+        unmapped.mapped = false;
+        let unmapped = arena.insert(unmapped);
+        let last = arena.insert(Block::new(1536, 512, 0));
+        assert!(arena.is_free_neighbour(free, true));
+        assert!(arena.is_free_neighbour(last, true));
+        assert!(!arena.is_free_neighbour(allocated, true));
+        assert!(!arena.is_free_neighbour(unmapped, true));
+        assert!(arena.is_free_neighbour(unmapped, false));
+        assert!(!arena.is_free_neighbour(free, false));
+        // `NIL` clamps to the last slot, a free mapped block.
+        assert!(!arena.is_free_neighbour(NIL, true));
+    }
 }
