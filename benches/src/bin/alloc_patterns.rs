@@ -7,6 +7,8 @@
 //! alloc_patterns --sim      # the simulated device: profile the allocator's own code without a GPU
 //! alloc_patterns --history all   # the cost of memory history with call stacks (off/state/alloc/all)
 //! alloc_patterns --only mixed   # one pattern's rows only (e.g. under `perf stat` for its cache misses)
+//! alloc_patterns --only mixed --repeat 5   # the rows five times over in one process (per-process
+//!                                          # states, such as memory placement, against the host's)
 //! ```
 //!
 //! Each pattern is timed exactly as the C++ harness times it: the same warm-up, iteration counts, random
@@ -308,6 +310,8 @@ struct Options {
     history_entries: usize,
     /// Run only this pattern.
     only: Option<String>,
+    /// How many times the selected patterns run, one after the other, in this process.
+    repeat: usize,
 }
 
 /// The ring buffer size `--history` uses unless `--history-entries` says otherwise.
@@ -324,6 +328,8 @@ const USAGE: &str = "usage: alloc_patterns [--sim] [--raw] [--device N] [--histo
   --history-entries N  the history ring buffer's size (default 100000)
   --only P    run only pattern P (hot_pair, mixed or mt_hot_pair_1MiB), e.g. to count the mixed
               pattern's cache misses alone: perf stat -e cache-misses,cache-references alloc_patterns --only mixed
+  --repeat N  run the patterns N times over on the same allocator, printing every row each time
+              (default 1: the harness's single pass)
 Prints CSV rows pattern,backend,size_or_window,ns_per_op (see ../shared/anchors/README.md).";
 
 fn parse_options() -> Result<Options, String> {
@@ -334,6 +340,7 @@ fn parse_options() -> Result<Options, String> {
         history: None,
         history_entries: DEFAULT_HISTORY_ENTRIES,
         only: None,
+        repeat: 1,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -378,6 +385,14 @@ fn parse_options() -> Result<Options, String> {
                 }
                 options.only = Some(value);
             }
+            "--repeat" => {
+                let value = args.next().ok_or("--repeat needs a count")?;
+                options.repeat = value
+                    .parse()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| format!("--repeat {value}: not a positive count"))?;
+            }
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown argument {other:?}")),
         }
@@ -412,11 +427,14 @@ fn run(options: &Options) -> RunResult<()> {
         let a = CachingAllocator::with_config(SimDevice::new(SIM_CAPACITY), config);
         start_history(&a, options);
         println!("{HEADER}");
-        if options.raw {
-            run_patterns::<_, RawApi>(&a, backend, &SimStreams, only)
-        } else {
-            run_patterns::<_, HandleApi>(&a, backend, &SimStreams, only)
+        for _ in 0..options.repeat {
+            if options.raw {
+                run_patterns::<_, RawApi>(&a, backend, &SimStreams, only)?;
+            } else {
+                run_patterns::<_, HandleApi>(&a, backend, &SimStreams, only)?;
+            }
         }
+        Ok(())
     } else {
         let device = CudaBackend::new(options.device)
             .map_err(|e| format!("opening CUDA device {}: {e}", options.device))?;
@@ -424,11 +442,14 @@ fn run(options: &Options) -> RunResult<()> {
         start_history(&a, options);
         let streams = CudaStreams(a.device());
         println!("{HEADER}");
-        if options.raw {
-            run_patterns::<_, RawApi>(&a, backend, &streams, only)
-        } else {
-            run_patterns::<_, HandleApi>(&a, backend, &streams, only)
+        for _ in 0..options.repeat {
+            if options.raw {
+                run_patterns::<_, RawApi>(&a, backend, &streams, only)?;
+            } else {
+                run_patterns::<_, HandleApi>(&a, backend, &streams, only)?;
+            }
         }
+        Ok(())
     }
 }
 

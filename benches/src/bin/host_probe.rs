@@ -9,6 +9,9 @@
 //!   load_ns_<size>       a random pointer chase through that working set: load latency
 //!   coin_toss_branch_ns  a loop whose branch follows random bits, against one that alternates:
 //!                        the extra time per iteration, about half a misprediction
+//!
+//! host_probe --quick     the first two figures only, over a tenth of the iterations (a fraction
+//!                        of a second: one line per CPU under `taskset -c N`)
 //! ```
 //!
 //! The allocator's hot paths retire about four instructions a cycle, so they slow with
@@ -22,6 +25,9 @@ use std::time::Instant;
 /// Iterations of the clock and throughput loops.
 const ITERS: u64 = 100_000_000;
 
+/// Iterations of the clock and throughput loops with `--quick`.
+const QUICK_ITERS: u64 = ITERS / 10;
+
 /// Working-set sizes of the pointer chase, bytes.
 const CHASE_SIZES: [usize; 6] = [16 << 10, 40 << 10, 256 << 10, 1536 << 10, 8 << 20, 64 << 20];
 
@@ -29,10 +35,10 @@ const CHASE_SIZES: [usize; 6] = [16 << 10, 40 << 10, 256 << 10, 1536 << 10, 8 <<
 const CHASE_LOADS: usize = 20_000_000;
 
 #[cfg(target_arch = "x86_64")]
-fn clock_ghz() -> f64 {
+fn clock_ghz(iters: u64) -> f64 {
     let mut x: u64 = 1;
     let start = Instant::now();
-    for _ in 0..ITERS {
+    for _ in 0..iters {
         // SAFETY: four register-only multiplies; no memory, stack or flags the compiler relies on.
         unsafe {
             std::arch::asm!(
@@ -47,15 +53,15 @@ fn clock_ghz() -> f64 {
     }
     black_box(x);
     // Four multiplies of three cycles each per iteration.
-    12.0 * ITERS as f64 / start.elapsed().as_nanos() as f64
+    12.0 * iters as f64 / start.elapsed().as_nanos() as f64
 }
 
 #[cfg(target_arch = "x86_64")]
-fn adds_per_ns() -> f64 {
+fn adds_per_ns(iters: u64) -> f64 {
     let (mut a, mut b, mut c, mut d, mut e, mut f) = (1u64, 2u64, 3u64, 4u64, 5u64, 6u64);
     let step: u64 = black_box(7);
     let start = Instant::now();
-    for _ in 0..ITERS {
+    for _ in 0..iters {
         // SAFETY: twelve register-only adds; no memory or stack.
         unsafe {
             std::arch::asm!(
@@ -71,7 +77,7 @@ fn adds_per_ns() -> f64 {
         }
     }
     black_box((a, b, c, d, e, f));
-    12.0 * ITERS as f64 / start.elapsed().as_nanos() as f64
+    12.0 * iters as f64 / start.elapsed().as_nanos() as f64
 }
 
 /// Nanoseconds per load of a random cyclic pointer chase through `bytes` (one load per 64-byte line).
@@ -124,10 +130,18 @@ fn branch_loop_ns(bits: &[bool]) -> f64 {
 }
 
 fn main() {
+    let quick = std::env::args().skip(1).any(|a| a == "--quick");
     #[cfg(target_arch = "x86_64")]
     {
-        println!("clock_ghz {:.2}", clock_ghz());
-        println!("adds_per_cycle {:.2}", adds_per_ns() / clock_ghz());
+        let iters = if quick { QUICK_ITERS } else { ITERS };
+        println!("clock_ghz {:.2}", clock_ghz(iters));
+        println!(
+            "adds_per_cycle {:.2}",
+            adds_per_ns(iters) / clock_ghz(iters)
+        );
+    }
+    if quick {
+        return;
     }
     #[cfg(not(target_arch = "x86_64"))]
     println!("clock_ghz n/a (x86-64 only)");
