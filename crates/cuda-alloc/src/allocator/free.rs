@@ -324,8 +324,11 @@ impl<D: Device> Locked<'_, D> {
         if let Some(stack) = stack {
             self.st.free_stacks.insert(u64::from(index), stack);
         }
-        let entry_stack = self.entry_stack(index);
-        self.note::<QUIET>(Action::FreeRequested, addr, requested, entry_stack.as_ref());
+        if !QUIET {
+            // The stack is only wanted for the entry (a quiet call records none).
+            let entry_stack = self.entry_stack(index);
+            self.note::<QUIET>(Action::FreeRequested, addr, requested, entry_stack.as_ref());
+        }
         if size as usize >= self.a.settings.max_split_size() {
             self.shard.figures.decrease(OVERSIZE_ALLOCATIONS, 1);
         }
