@@ -764,20 +764,28 @@ impl FreeSet {
     fn move_at(&mut self, pos: FreePos, b_new: usize, new: (u64, u64), index: u32) {
         let b = pos.bucket as usize;
         if self.buckets[b].unsorted() & self.buckets[b_new].has_room() {
-            let from = &mut self.buckets[b].head;
-            from.swap_remove(pos.at as usize);
-            if from.is_empty() {
-                self.mark(b, false);
-            }
-            self.buckets[b_new].push_unsorted(Entry {
-                size: new.0,
-                addr: new.1,
-                index,
-            });
-            self.mark(b_new, true);
+            self.move_unsorted(b, pos.at as usize, b_new, new, index);
             return;
         }
         self.move_at_slow(pos, b_new, new, index);
+    }
+
+    /// Moves entry `at` of unsorted bucket `b` to bucket `b_new`, which
+    /// [`has_room`](Bucket::has_room), as key `new` with arena index `index`: the call-free common
+    /// case of [`move_at`](Self::move_at) and [`move_between`](Self::move_between).
+    #[inline(always)]
+    fn move_unsorted(&mut self, b: usize, at: usize, b_new: usize, new: (u64, u64), index: u32) {
+        let from = &mut self.buckets[b].head;
+        from.swap_remove(at);
+        if from.is_empty() {
+            self.mark(b, false);
+        }
+        self.buckets[b_new].push_unsorted(Entry {
+            size: new.0,
+            addr: new.1,
+            index,
+        });
+        self.mark(b_new, true);
     }
 
     /// [`move_at`](Self::move_at) where a bucket is sorted or the new one's buffer is full.
@@ -965,21 +973,11 @@ impl FreeSet {
     ) {
         if self.buckets[b].unsorted() & self.buckets[b_new].has_room() {
             // No call on this path (see `move_at`).
-            let from = &mut self.buckets[b].head;
-            let Some(at) = from.iter().position(|e| e.key() == old) else {
+            let Some(at) = self.buckets[b].position(old) else {
                 debug_assert!(false, "rekeyed block not in the set");
                 return;
             };
-            from.swap_remove(at);
-            if from.is_empty() {
-                self.mark(b, false);
-            }
-            self.buckets[b_new].push_unsorted(Entry {
-                size: new.0,
-                addr: new.1,
-                index,
-            });
-            self.mark(b_new, true);
+            self.move_unsorted(b, at, b_new, new, index);
             return;
         }
         self.move_between_slow(b, old, b_new, new, index);
