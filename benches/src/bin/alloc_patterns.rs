@@ -299,6 +299,26 @@ fn run_patterns<D: Device, A: Api<D>>(
     Ok(())
 }
 
+/// The header, then the patterns `--repeat` times over on `a`, by handle or by pointer as `--raw`
+/// says.
+fn run_repeated<D: Device>(
+    a: &CachingAllocator<D>,
+    backend: &str,
+    streams: &dyn StreamSource,
+    options: &Options,
+) -> RunResult<()> {
+    let only = options.only.as_deref();
+    println!("{HEADER}");
+    for _ in 0..options.repeat {
+        if options.raw {
+            run_patterns::<D, RawApi>(a, backend, streams, only)?;
+        } else {
+            run_patterns::<D, HandleApi>(a, backend, streams, only)?;
+        }
+    }
+    Ok(())
+}
+
 /// The command line.
 struct Options {
     sim: bool,
@@ -408,7 +428,6 @@ fn start_history<D: Device>(a: &CachingAllocator<D>, options: &Options) {
 }
 
 fn run(options: &Options) -> RunResult<()> {
-    let only = options.only.as_deref();
     let base = match (options.sim, options.raw) {
         (false, false) => "tensormem",
         (false, true) => "tensormem_raw",
@@ -426,30 +445,14 @@ fn run(options: &Options) -> RunResult<()> {
     if options.sim {
         let a = CachingAllocator::with_config(SimDevice::new(SIM_CAPACITY), config);
         start_history(&a, options);
-        println!("{HEADER}");
-        for _ in 0..options.repeat {
-            if options.raw {
-                run_patterns::<_, RawApi>(&a, backend, &SimStreams, only)?;
-            } else {
-                run_patterns::<_, HandleApi>(&a, backend, &SimStreams, only)?;
-            }
-        }
-        Ok(())
+        run_repeated(&a, backend, &SimStreams, options)
     } else {
         let device = CudaBackend::new(options.device)
             .map_err(|e| format!("opening CUDA device {}: {e}", options.device))?;
         let a = CachingAllocator::with_config(device, config);
         start_history(&a, options);
         let streams = CudaStreams(a.device());
-        println!("{HEADER}");
-        for _ in 0..options.repeat {
-            if options.raw {
-                run_patterns::<_, RawApi>(&a, backend, &streams, only)?;
-            } else {
-                run_patterns::<_, HandleApi>(&a, backend, &streams, only)?;
-            }
-        }
-        Ok(())
+        run_repeated(&a, backend, &streams, options)
     }
 }
 

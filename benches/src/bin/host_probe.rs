@@ -140,11 +140,11 @@ fn main() {
             adds_per_ns(iters) / clock_ghz(iters)
         );
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    println!("clock_ghz n/a (x86-64 only)");
     if quick {
         return;
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    println!("clock_ghz n/a (x86-64 only)");
     for bytes in CHASE_SIZES {
         println!("load_ns_{}KiB {:.2}", bytes >> 10, chase_ns(bytes));
     }
