@@ -254,16 +254,16 @@ fn run_patterns<D: Device, A: Api<D>>(
     let wanted = |pattern: &str| only.is_none_or(|o| o == pattern);
     let (stream, _keep) = streams.stream(usize::MAX)?;
     for size in HOT_SIZES.into_iter().filter(|_| wanted("hot_pair")) {
-        println!(
+        emit(format_args!(
             "hot_pair,{backend},{size},{:.1}",
             hot_pair_ns::<D, A>(a, size, HOT_ITERS, stream)?
-        );
+        ))?;
     }
     if wanted("mixed") {
-        println!(
+        emit(format_args!(
             "mixed,{backend},{MIXED_WINDOW},{:.1}",
             mixed_op_ns::<D, A>(a, stream)?
-        );
+        ))?;
     }
     for threads in MT_THREADS
         .into_iter()
@@ -291,12 +291,26 @@ fn run_patterns<D: Device, A: Api<D>>(
         for ns in per_thread {
             total += ns? as i64;
         }
-        println!(
+        emit(format_args!(
             "mt_hot_pair_1MiB,{backend},{threads} threads,{:.1}",
             total as f64 / threads as f64
-        );
+        ))?;
     }
     Ok(())
+}
+
+/// Why a run stopped early without failing: whoever read the rows closed the output (`| head`).
+const OUTPUT_CLOSED: &str = "the output was closed";
+
+/// Writes one row (or the header) to standard output; a closed output ends the run with
+/// [`OUTPUT_CLOSED`] rather than a panic.
+fn emit(row: std::fmt::Arguments<'_>) -> RunResult<()> {
+    use std::io::Write;
+    match writeln!(std::io::stdout().lock(), "{row}") {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Err(OUTPUT_CLOSED.to_owned()),
+        Err(e) => Err(format!("writing the results: {e}")),
+    }
 }
 
 /// The header, then the patterns `--repeat` times over on `a`, by handle or by pointer as `--raw`
@@ -308,7 +322,7 @@ fn run_repeated<D: Device>(
     options: &Options,
 ) -> RunResult<()> {
     let only = options.only.as_deref();
-    println!("{HEADER}");
+    emit(format_args!("{HEADER}"))?;
     for _ in 0..options.repeat {
         if options.raw {
             run_patterns::<D, RawApi>(a, backend, streams, only)?;
@@ -469,6 +483,7 @@ fn main() -> ExitCode {
     };
     match run(&options) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(message) if message == OUTPUT_CLOSED => ExitCode::SUCCESS,
         Err(message) => {
             eprintln!("alloc_patterns: {message}");
             ExitCode::FAILURE

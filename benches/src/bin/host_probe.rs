@@ -20,6 +20,8 @@
 //! (docs/allocator-performance.md, tenth round). x86-64 only (the chains are inline assembly).
 
 use std::hint::black_box;
+use std::io::Write;
+use std::process::ExitCode;
 use std::time::Instant;
 
 /// Iterations of the clock and throughput loops.
@@ -129,24 +131,27 @@ fn branch_loop_ns(bits: &[bool]) -> f64 {
     start.elapsed().as_nanos() as f64 / (ROUNDS * bits.len()) as f64
 }
 
-fn main() {
+/// Prints the probe's figures.
+fn probe() -> std::io::Result<()> {
+    let mut out = std::io::stdout().lock();
     let quick = std::env::args().skip(1).any(|a| a == "--quick");
     #[cfg(target_arch = "x86_64")]
     {
         let iters = if quick { QUICK_ITERS } else { ITERS };
-        println!("clock_ghz {:.2}", clock_ghz(iters));
-        println!(
+        writeln!(out, "clock_ghz {:.2}", clock_ghz(iters))?;
+        writeln!(
+            out,
             "adds_per_cycle {:.2}",
             adds_per_ns(iters) / clock_ghz(iters)
-        );
+        )?;
     }
     #[cfg(not(target_arch = "x86_64"))]
-    println!("clock_ghz n/a (x86-64 only)");
+    writeln!(out, "clock_ghz n/a (x86-64 only)")?;
     if quick {
-        return;
+        return Ok(());
     }
     for bytes in CHASE_SIZES {
-        println!("load_ns_{}KiB {:.2}", bytes >> 10, chase_ns(bytes));
+        writeln!(out, "load_ns_{}KiB {:.2}", bytes >> 10, chase_ns(bytes))?;
     }
     let n = 1 << 16;
     let mut state = 0x2545_F491_4F6C_DD1Du64;
@@ -159,8 +164,22 @@ fn main() {
         })
         .collect();
     let alternating: Vec<bool> = (0..n).map(|i| i % 2 == 1).collect();
-    println!(
+    writeln!(
+        out,
         "coin_toss_branch_ns {:.2}",
         branch_loop_ns(&random) - branch_loop_ns(&alternating)
-    );
+    )
+}
+
+/// Runs the probe. A reader that stops early (`host_probe | head -2`) ends it quietly, not with a
+/// panic on the closed pipe.
+fn main() -> ExitCode {
+    match probe() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("host_probe: writing the figures: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
