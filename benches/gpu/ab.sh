@@ -17,7 +17,10 @@ dir=$(mktemp -d)
 for r in $(seq "$ROUNDS"); do
   for b in $BINS; do
     label=$(basename "$(dirname "$b")")
-    taskset -c "$CPU" "$b" --sim --only "$PATTERN" | awk -F, -v p="$PATTERN" '$1 == p { print $4; exit }' >> "$dir/$label"
+    ns=$(taskset -c "$CPU" "$b" --sim --only "$PATTERN" | awk -F, -v p="$PATTERN" '$1 == p { print $4; exit }')
+    # A round without a figure from every build would pair the rounds wrongly: stop instead.
+    [ -n "$ns" ] || { echo "ab.sh: $b printed no $PATTERN row in round $r" >&2; rm -rf "$dir"; exit 1; }
+    echo "$ns" >> "$dir/$label"
   done
 done
 python3 - "$dir" "$PATTERN" "$CPU" $BINS <<'PY'
