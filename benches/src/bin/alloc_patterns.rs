@@ -63,6 +63,8 @@ impl Mt19937_64 {
     /// The next 312 outputs' state, as libstdc++ generates it: in three runs without index
     /// wrapping, and with the twist's odd case selected by a mask (as libstdc++'s
     /// `(y & 1) ? a : 0` compiles), not by a branch on the data, which mispredicts every other time.
+    #[cold]
+    #[inline(never)]
     fn twist(&mut self) {
         let (n, m) = (Self::N, Self::M);
         let s = &mut self.state;
@@ -80,6 +82,7 @@ impl Mt19937_64 {
         self.index = 0;
     }
 
+    #[inline]
     fn next_u64(&mut self) -> u64 {
         if self.index >= Self::N {
             self.twist();
@@ -138,6 +141,13 @@ trait Api<D: Device>: Send + Sync + 'static {
     fn free(a: &CachingAllocator<D>, block: Self::Block) -> RunResult<()>;
 }
 
+/// The message of a failed call, out of the timed loops' line (the loops branch over it).
+#[cold]
+#[inline(never)]
+fn failed(what: std::fmt::Arguments<'_>) -> String {
+    what.to_string()
+}
+
 /// [`CachingAllocator::allocate`] / [`CachingAllocator::free`].
 struct HandleApi;
 /// [`CachingAllocator::raw_alloc`] / [`CachingAllocator::raw_free`].
@@ -148,11 +158,12 @@ impl<D: Device> Api<D> for HandleApi {
     #[inline]
     fn alloc(a: &CachingAllocator<D>, size: usize, stream: StreamId) -> RunResult<Allocation> {
         a.allocate(size, stream)
-            .map_err(|e| format!("allocating {size} bytes: {e}"))
+            .map_err(|e| failed(format_args!("allocating {size} bytes: {e}")))
     }
     #[inline]
     fn free(a: &CachingAllocator<D>, block: Allocation) -> RunResult<()> {
-        a.free(block).map_err(|e| format!("freeing: {e}"))
+        a.free(block)
+            .map_err(|e| failed(format_args!("freeing: {e}")))
     }
 }
 
@@ -161,11 +172,12 @@ impl<D: Device> Api<D> for RawApi {
     #[inline]
     fn alloc(a: &CachingAllocator<D>, size: usize, stream: StreamId) -> RunResult<DeviceAddress> {
         a.raw_alloc(size, stream)
-            .map_err(|e| format!("allocating {size} bytes: {e}"))
+            .map_err(|e| failed(format_args!("allocating {size} bytes: {e}")))
     }
     #[inline]
     fn free(a: &CachingAllocator<D>, ptr: DeviceAddress) -> RunResult<()> {
-        a.raw_free(ptr).map_err(|e| format!("freeing {ptr}: {e}"))
+        a.raw_free(ptr)
+            .map_err(|e| failed(format_args!("freeing {ptr}: {e}")))
     }
 }
 

@@ -138,6 +138,12 @@ impl std::ops::Deref for Rest {
 }
 
 impl Rest {
+    /// Whether the bucket has no chunk after its first (a `Rest` never holds an empty list).
+    #[inline(always)]
+    fn is_empty(&self) -> bool {
+        self.0.is_none()
+    }
+
     #[inline(always)]
     fn get_mut(&mut self, i: usize) -> Option<&mut Vec<Entry>> {
         self.0.as_deref_mut()?.get_mut(i)
@@ -194,7 +200,7 @@ impl Bucket {
     /// Whether the bucket is in its unsorted form (see [`UNSORTED_MAX`]).
     #[inline(always)]
     fn unsorted(&self) -> bool {
-        self.rest.is_empty() && self.head.len() <= UNSORTED_MAX
+        self.rest.is_empty() & (self.head.len() <= UNSORTED_MAX)
     }
 
     /// The position of the entry keyed `key` in an unsorted bucket, if there.

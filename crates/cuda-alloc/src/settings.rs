@@ -109,10 +109,11 @@ impl Settings {
     /// `roundup_power2_divisions` for a request of `size` bytes.
     #[inline]
     pub(crate) fn roundup_divisions_for(&self, size: usize) -> usize {
-        if !self.any_divisions.load(Relaxed) {
-            return 0;
+        if self.any_divisions.load(Relaxed) {
+            std::hint::cold_path();
+            return self.roundup_power2_divisions[roundup_interval(size)].load(Relaxed);
         }
-        self.roundup_power2_divisions[roundup_interval(size)].load(Relaxed)
+        0
     }
 
     /// The garbage-collection threshold (0: off).
@@ -125,7 +126,7 @@ impl Settings {
     /// its own device allocation).
     #[inline]
     pub(crate) fn expandable_segments(&self) -> bool {
-        self.expandable_segments.load(Relaxed) && !self.uncached()
+        self.expandable_segments.load(Relaxed) & !self.uncached()
     }
 
     /// Whether the stream's lock is let go while the device allocates a new segment.

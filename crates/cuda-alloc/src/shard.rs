@@ -237,8 +237,14 @@ impl<D: Device> StreamTable<D> {
         loop {
             match self.slots[at].get() {
                 Some(&(s, index)) if s == stream => return self.by_index(index),
-                Some(_) => at = (at + 1) & mask,
-                None => return None,
+                Some(_) => {
+                    std::hint::cold_path();
+                    at = (at + 1) & mask;
+                }
+                None => {
+                    std::hint::cold_path();
+                    return None;
+                }
             }
         }
     }
@@ -287,7 +293,13 @@ impl<D: Device> StreamTable<D> {
     /// The shard with the given index.
     #[inline]
     pub(crate) fn by_index(&self, index: u32) -> Option<&Shard<D>> {
-        self.shards.get(index as usize).and_then(OnceLock::get)
+        match self.shards.get(index as usize).and_then(OnceLock::get) {
+            Some(shard) => Some(shard),
+            None => {
+                std::hint::cold_path();
+                None
+            }
+        }
     }
 
     /// Every shard, in creation order.

@@ -76,6 +76,7 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(Allocation::empty(stream));
         }
         if size >= ONE_EXABYTE {
+            std::hint::cold_path();
             return Err(Error::TooLarge { bytes: size });
         }
         if self.pending.load(Relaxed) != 0 && (QUIET || !self.capturing()) {
@@ -90,31 +91,28 @@ impl<D: Device> CachingAllocator<D> {
         };
         let shard = self.shard(stream)?;
         let uncached = self.settings.uncached();
-        let stack = if QUIET {
+        // The stack lives in `gathered`, set only by calls that are not quiet: a quiet call then has
+        // no `Option<Stack>` to drop on its way out. (As a plain local, the quiet copy stored `None`
+        // and tested it again at every return: its address escapes into the drop, so the compiler
+        // could not assume it unchanged.)
+        let gathered;
+        let stack_ref = if QUIET {
             None
         } else {
-            self.trace.gather(RecordContext::State)
+            gathered = self.trace.gather(RecordContext::State);
+            gathered.as_ref()
         };
         if !uncached {
             let mut locked = self.lock_unsettled(shard);
             let pool = locked.pool_index(choice, small);
             if locked.st.parked.is_some() {
-                if let Some(allocation) =
-                    locked.unpark::<QUIET>(pool, rounded, size, stack.as_ref())
-                {
+                if let Some(allocation) = locked.unpark::<QUIET>(pool, rounded, size, stack_ref) {
                     return Ok(allocation);
                 }
                 locked.st.settle(&locked.shard.figures);
             }
             if let Some((block, source)) = locked.get_free_block(pool, rounded) {
-                return Ok(locked.hand_out::<QUIET>(
-                    pool,
-                    block,
-                    rounded,
-                    size,
-                    source,
-                    stack.as_ref(),
-                ));
+                return Ok(locked.hand_out::<QUIET>(pool, block, rounded, size, source, stack_ref));
             }
         }
         self.allocate_slow(
@@ -131,7 +129,7 @@ impl<D: Device> CachingAllocator<D> {
                 choice,
                 stream,
             },
-            stack.as_ref(),
+            stack_ref,
         )
     }
 
@@ -283,6 +281,7 @@ impl<D: Device> Locked<'_, D> {
     #[inline(always)]
     pub(crate) fn get_free_block(&mut self, pool: u16, size: usize) -> Option<(u32, Source)> {
         if self.a.gc_enabled() {
+            std::hint::cold_path();
             self.st.pools[pool as usize].gc_clock.fetch_add(1, Relaxed);
         }
         self.best_fit(pool, size)
@@ -299,20 +298,26 @@ impl<D: Device> Locked<'_, D> {
         let st = &*self.st;
         let p = &st.pools[pool as usize];
         let blocks = &st.blocks;
-        let (first_size, mut found, pos) = p.free.first_at_least(size as u64)?;
+        let Some((first_size, mut found, pos)) = p.free.first_at_least(size as u64) else {
+            std::hint::cold_path();
+            return None;
+        };
         let mut block_size = first_size as usize;
         let mut source = Source::Free(Some(pos));
         if blocks[found].is_expandable() {
+            std::hint::cold_path();
             (found, block_size) = self.expandable_best_fit(pool, size, found)?;
             source = Source::Free(None);
         }
         let max_split = settings.max_split_size();
-        if size < max_split && block_size >= max_split {
+        if (size < max_split) & (block_size >= max_split) {
+            std::hint::cold_path();
             return None;
         }
-        if size >= max_split
-            && block_size >= size.saturating_add(settings.max_non_split_rounding_size())
+        if (size >= max_split)
+            & (block_size >= size.saturating_add(settings.max_non_split_rounding_size()))
         {
+            std::hint::cold_path();
             return None;
         }
         Some((found, source))
@@ -358,7 +363,7 @@ impl<D: Device> Locked<'_, D> {
     #[inline]
     fn should_split(&self, pool: u16, block: u32, size: usize) -> bool {
         let remaining = self.st.blocks[block].size as usize - size;
-        if self.st.pools[pool as usize].small || self.a.settings.expandable_segments() {
+        if self.st.pools[pool as usize].small | self.a.settings.expandable_segments() {
             remaining >= MIN_BLOCK_SIZE
         } else {
             size < self.a.settings.max_split_size() && remaining > SMALL_SIZE
@@ -493,6 +498,7 @@ impl<D: Device> Locked<'_, D> {
         let (addr, b_size) = (b.addr, b.size);
         self.st.recent_size = b_size;
         if let Some(stack) = stack {
+            std::hint::cold_path();
             // The allocation's stack, for snapshots and its later trace entries.
             self.st.stacks.insert(u64::from(block), stack.clone());
         }
@@ -502,6 +508,7 @@ impl<D: Device> Locked<'_, D> {
         }
         self.inc_alloc(small, b_size, orig);
         if b_size as usize >= self.a.settings.max_split_size() {
+            std::hint::cold_path();
             self.inc_figure(OVERSIZE_ALLOCATIONS, 1);
         }
         block

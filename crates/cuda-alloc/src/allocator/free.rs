@@ -322,6 +322,7 @@ impl<D: Device> Locked<'_, D> {
             (b.pool, b.size, b.addr, b.requested, b.used_elsewhere)
         };
         if let Some(stack) = stack {
+            std::hint::cold_path();
             self.st.free_stacks.insert(u64::from(index), stack);
         }
         if !QUIET {
@@ -330,9 +331,11 @@ impl<D: Device> Locked<'_, D> {
             self.note::<QUIET>(Action::FreeRequested, addr, requested, entry_stack.as_ref());
         }
         if size as usize >= self.a.settings.max_split_size() {
+            std::hint::cold_path();
             self.shard.figures.decrease(OVERSIZE_ALLOCATIONS, 1);
         }
         if used_elsewhere {
+            std::hint::cold_path();
             // The block stays active until its uses complete; it is no longer allocated. (Without
             // other uses, `free_block_with` decreases these figures with the block's others.)
             let small = self.st.pools[pool as usize].small;
@@ -479,11 +482,15 @@ impl<D: Device> Locked<'_, D> {
             )
         };
         let entry_stack = self.entry_stack(index);
-        if entry_stack.is_some() {
+        let had_stack = entry_stack.is_some();
+        if let Some(stack) = entry_stack {
+            std::hint::cold_path();
             self.st.stacks.remove(&u64::from(index));
             self.st.free_stacks.remove(&u64::from(index));
+            self.note::<QUIET>(Action::FreeCompleted, addr, requested, Some(&stack));
+        } else {
+            self.note::<QUIET>(Action::FreeCompleted, addr, requested, None);
         }
-        self.note::<QUIET>(Action::FreeCompleted, addr, requested, entry_stack.as_ref());
         let mut net_blocks = 0i64;
         let mut net_bytes = 0i64;
         let st = &mut *self.st;
@@ -502,7 +509,7 @@ impl<D: Device> Locked<'_, D> {
         if may_park
             && original_size == st.recent_size
             && self.a.defers_merges()
-            && entry_stack.is_none()
+            && !had_stack
             && !blocks[index].is_expandable()
             && !prev_free
             && !self.a.settings.uncached()
@@ -619,16 +626,15 @@ impl<D: Device> Locked<'_, D> {
                 ],
             );
         }
-        if self.a.settings.uncached()
-            && !expandable
-            && !split
-            && self.st.pools[pool as usize].private_id().is_none()
-        {
+        if self.a.settings.uncached() {
+            std::hint::cold_path();
             // Caching is off: the segment (one allocation's own) goes back to the device now. On
             // failure it stays cached, for `empty_cache` to return later. Private pools keep theirs
             // (a captured graph may still use them).
-            if let Err(error) = self.release_block(index) {
-                tracing::warn!(%error, addr, "returning an uncached allocation to the device failed");
+            if !expandable && !split && self.st.pools[pool as usize].private_id().is_none() {
+                if let Err(error) = self.release_block(index) {
+                    tracing::warn!(%error, addr, "returning an uncached allocation to the device failed");
+                }
             }
         }
     }

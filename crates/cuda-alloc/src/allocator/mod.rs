@@ -635,7 +635,7 @@ impl<D: Device> CachingAllocator<D> {
     #[inline]
     pub(crate) fn gc_enabled(&self) -> bool {
         self.counters.set_fraction.load(Relaxed)
-            && self.settings.garbage_collection_threshold() > 0.0
+            & (self.settings.garbage_collection_threshold() > 0.0)
     }
 
     /// Whether a call starting now may run *quiet*: no trace recording, no trace tracker (so no

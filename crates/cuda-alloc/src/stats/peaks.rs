@@ -200,9 +200,10 @@ impl Figures {
         let current = fig.current.load(Relaxed) + amount as i64;
         fig.current.store(current, Relaxed);
         let all_current = current + self.stored[i ^ 1].current.load(Relaxed);
-        if current > fig.limit.load(Relaxed)
-            || all_current > self.all_limits[kind as usize].load(Relaxed)
+        if (current > fig.limit.load(Relaxed))
+            | (all_current > self.all_limits[kind as usize].load(Relaxed))
         {
+            std::hint::cold_path();
             book.overflow_kind(self, kind, small, set);
         }
     }
@@ -283,6 +284,7 @@ impl Figures {
         let current = fig.current.load(Relaxed) + amount as i64;
         fig.current.store(current, Relaxed);
         if current > fig.limit.load(Relaxed) {
+            std::hint::cold_path();
             book.overflow(self, f, set);
         }
     }
