@@ -40,6 +40,23 @@ pub enum Error {
         source: tensormem_shm::Error,
     },
 
+    /// The handle names a shared memory object that is not a ref-counter file: it has neither
+    /// tensormem's trailer nor PyTorch's name and size. Its words are not decremented.
+    #[error(
+        "{name} ({len} bytes) is not a ref-counter file: it has neither tensormem's trailer nor \
+         PyTorch's name (/torch_<pid>_<random>_<n>) and size ({torch_len} bytes); the handle is \
+         forged or corrupted and names another object, which was left untouched; share the memory \
+         again"
+    )]
+    NotRefCounterFile {
+        /// The object's shared memory name.
+        name: String,
+        /// Its size in bytes (header included).
+        len: u64,
+        /// The size of a PyTorch ref-counter file (header included).
+        torch_len: u64,
+    },
+
     /// Encoded handle bytes were malformed.
     #[error(
         "malformed IPC handle: {problem}; pass the bytes IpcHandle::encode produced, unchanged"
@@ -160,6 +177,14 @@ impl Error {
         Self::RefCounterFile {
             name: name.to_string(),
             source,
+        }
+    }
+
+    /// The same error with the file's name filled in (for errors raised on a mapping).
+    pub(crate) fn renamed(self, name: &impl ToString) -> Self {
+        match self {
+            Self::RefCounterFile { source, .. } => Self::file(name, source),
+            other => other,
         }
     }
 }

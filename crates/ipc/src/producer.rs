@@ -517,8 +517,20 @@ impl<D: Device, B: IpcDriver> Sent<D, B> {
     fn prune(&mut self, reclaim: bool) -> usize {
         let mut reclaimed = 0;
         self.slots.retain(|s| {
-            if s.file.value(s.slot) <= 0 {
-                return false;
+            match s.file.value(s.slot) {
+                Ok(value) if value <= 0 => return false,
+                Ok(_) => {}
+                Err(err) => {
+                    // Another process truncated the file: the consumer's release can never be
+                    // seen, so the memory stays held (never reused) rather than freed under it.
+                    tracing::warn!(
+                        target: "tensormem_ipc",
+                        %err,
+                        slot = s.slot,
+                        "a ref-counter file was truncated by another process; its memory stays held"
+                    );
+                    return true;
+                }
             }
             if reclaim {
                 if let Some(owner) = s.file.reclaim_if_owner_dead(s.slot) {

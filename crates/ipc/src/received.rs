@@ -240,6 +240,7 @@ impl<B: IpcDriver> IpcConsumer<B> {
         let file = inner.files.acquire(&handle.ref_counter, || {
             MappedCounterFile::open(&handle.ref_counter)
         })?;
+        file.get().probe()?;
         let table = file.get().table();
         let slot = usize::try_from(handle.slot)
             .ok()
@@ -385,6 +386,12 @@ impl<B: IpcDriver> Drop for ReceivedMemory<B> {
             }
         }
         let file = self.file.get();
+        if let Err(err) = file.probe() {
+            // Another process truncated the file under the mapping: touching the counter would
+            // fault (SIGBUS), and the producer cannot read it any more either.
+            tracing::error!(target: "tensormem_ipc", %err, "releasing a ref-counter slot failed");
+            return;
+        }
         match file.table().counter(file.mapping(), self.slot) {
             Ok(counter) => {
                 counter.fetch_sub(1, Ordering::AcqRel);

@@ -22,7 +22,7 @@
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
 use tensormem_shm::{
-    MapOptions, Mapping, RefcountedRegion, SharedRegion, ShmName, REFCOUNT_HEADER_LEN,
+    MapOptions, Mapping, RefcountedRegion, SharedRegion, ShmName, REFCOUNT_HEADER_LEN, TORCH_PREFIX,
 };
 
 use crate::error::{Error, Result};
@@ -152,17 +152,36 @@ impl SlotTable {
         }))
     }
 
-    /// Recognises a mapped file from its data length: a tensormem file (trailer with the magic and a
-    /// matching slot count) or a PyTorch file (counters only).
-    fn recognise(map: &Mapping, base: usize) -> Option<Self> {
+    /// Checks, through the kernel, that the table's last word is still backed by the object, for a
+    /// caller about to touch its atomics. Truncation removes a suffix of the object, so the last word
+    /// being there means every counter, owner and trailer word is; a mapping whose object was
+    /// shrunk gives [`Error::RefCounterFile`] (with [`tensormem_shm::Error::Truncated`]) instead of
+    /// raising `SIGBUS`. A truncation racing the check still faults, as every access in PyTorch does.
+    pub(crate) fn probe(&self, map: &Mapping) -> Result<()> {
+        let end = if self.owners {
+            self.base + self.slots * (8 + OWNER_LEN) + TRAILER_LEN
+        } else {
+            self.base + self.slots * 8
+        };
+        let mut word = [0u8; 8];
+        map.read_at(end - 8, &mut word)
+            .map_err(|e| Error::file(&"(mapped)", e))
+    }
+
+    /// Recognises a mapped file `name` whose data starts at `base`: a tensormem file (trailer with
+    /// the magic and a matching slot count) or a PyTorch file (a name `/torch_<pid>_<random>_<n>`
+    /// as `NewProcessWideShmHandle` makes, and exactly [`REF_COUNTER_FILE_SIZE`] counters, as
+    /// `CudaIPCTypes.cpp` creates). Anything else is another object, whose words are not ours to
+    /// decrement.
+    fn recognise(map: &Mapping, base: usize, name: &ShmName) -> Option<Self> {
         let data = map.len().checked_sub(base)?;
         if data >= TRAILER_LEN {
             let at = base + data - TRAILER_LEN;
-            let magic = map.atomic::<AtomicU64>(at).ok()?.load(Ordering::Acquire);
-            let slots = map
-                .atomic::<AtomicU64>(at + 8)
-                .ok()?
-                .load(Ordering::Acquire) as usize;
+            let mut trailer = [0u8; 16];
+            // Read through the kernel: the object may have been truncated since it was mapped.
+            map.read_at(at, &mut trailer).ok()?;
+            let magic = u64::from_le_bytes(trailer[..8].try_into().ok()?);
+            let slots = u64::from_le_bytes(trailer[8..].try_into().ok()?) as usize;
             if magic == TRAILER_MAGIC
                 && slots.checked_mul(8 + OWNER_LEN).map(|n| n + TRAILER_LEN) == Some(data)
             {
@@ -173,9 +192,12 @@ impl SlotTable {
                 });
             }
         }
-        (data % 8 == 0 && data > 0).then_some(Self {
+        let torch_name = name
+            .parse_generated()
+            .is_some_and(|parts| parts.prefix == TORCH_PREFIX);
+        (torch_name && data == 8 * REF_COUNTER_FILE_SIZE).then_some(Self {
             base,
-            slots: data / 8,
+            slots: REF_COUNTER_FILE_SIZE,
             owners: false,
         })
     }
@@ -231,6 +253,7 @@ impl RefCounterFile {
         if slot >= self.table.slots {
             return Ok(None);
         }
+        self.probe()?;
         self.table.reset_owner(&self.region, slot)?;
         self.table
             .counter(&self.region, slot)?
@@ -241,6 +264,9 @@ impl RefCounterFile {
 
     /// Sets a slot handed out by [`take_slot`](Self::take_slot) but never sent back to 0.
     pub(crate) fn release_unsent(&self, slot: usize) {
+        if self.probe().is_err() {
+            return;
+        }
         if let Ok(counter) = self.table.counter(&self.region, slot) {
             counter.store(0, Ordering::Release);
         }
@@ -252,14 +278,29 @@ impl RefCounterFile {
     }
 
     /// The counter of `slot`.
-    pub(crate) fn value(&self, slot: usize) -> i64 {
+    ///
+    /// # Errors
+    ///
+    /// [`Error::RefCounterFile`] if another process truncated the file: the counts are lost.
+    pub(crate) fn value(&self, slot: usize) -> Result<i64> {
+        self.probe()?;
+        Ok(self
+            .table
+            .counter(&self.region, slot)?
+            .load(Ordering::Acquire))
+    }
+
+    /// Checks through the kernel that the file was not truncated under its mapping (see
+    /// [`SlotTable::probe`]).
+    fn probe(&self) -> Result<()> {
         self.table
-            .counter(&self.region, slot)
-            .map_or(0, |c| c.load(Ordering::Acquire))
+            .probe(&self.region)
+            .map_err(|e| e.renamed(self.name()))
     }
 
     /// If `slot` is still held by a consumer that has died, sets it to 0 and returns that owner.
     pub(crate) fn reclaim_if_owner_dead(&self, slot: usize) -> Option<ProcessIdentity> {
+        self.probe().ok()?;
         let owner = self.table.owner(&self.region, slot).ok().flatten()?;
         if owner.liveness() != Liveness::Dead {
             return None;
@@ -296,16 +337,14 @@ impl MappedCounterFile {
         let region = MapOptions::new()
             .map_shm(name)
             .map_err(|e| Error::file(name, e))?;
+        let len = region.mapping().len();
         let table =
-            SlotTable::recognise(region.mapping(), REFCOUNT_HEADER_LEN).ok_or_else(|| {
-                Error::file(
-                    name,
-                    tensormem_shm::Error::OutOfBounds {
-                        offset: 0,
-                        len: REFCOUNT_HEADER_LEN + 8,
-                        region_len: region.mapping().len(),
-                    },
-                )
+            SlotTable::recognise(region.mapping(), REFCOUNT_HEADER_LEN, name).ok_or_else(|| {
+                Error::NotRefCounterFile {
+                    name: name.to_string(),
+                    len: len as u64,
+                    torch_len: (REFCOUNT_HEADER_LEN + 8 * REF_COUNTER_FILE_SIZE) as u64,
+                }
             })?;
         Ok(Self {
             region,
@@ -325,12 +364,24 @@ impl MappedCounterFile {
     pub(crate) fn mapping(&self) -> &Mapping {
         self.region.mapping()
     }
+
+    /// Checks through the kernel that the file was not truncated since it was mapped (see
+    /// [`SlotTable::probe`]); call it before touching the file's atomics.
+    pub(crate) fn probe(&self) -> Result<()> {
+        self.table
+            .probe(self.region.mapping())
+            .map_err(|e| e.renamed(&self.name))
+    }
 }
 
 impl Drop for MappedCounterFile {
     fn drop(&mut self) {
         // A producer killed before closing its file leaves the name behind with its open count; the
-        // last consumer to let go removes it.
+        // last consumer to let go removes it. A file truncated under the mapping is left alone: its
+        // trailer is gone, and touching it would fault.
+        if self.probe().is_err() {
+            return;
+        }
         if let Ok(Some(creator)) = self.table.creator(self.region.mapping()) {
             if creator.liveness() == Liveness::Dead {
                 match tensormem_shm::unlink_shm(&self.name) {
@@ -371,8 +422,8 @@ mod tests {
         let counter = table.counter(mapped.mapping(), 1).unwrap();
         assert_eq!(counter.load(Ordering::Acquire), 1);
         counter.fetch_sub(1, Ordering::AcqRel);
-        assert_eq!(file.value(1), 0);
-        assert_eq!(file.value(0), 1);
+        assert_eq!(file.value(1).unwrap(), 0);
+        assert_eq!(file.value(0).unwrap(), 1);
         assert_eq!(file.take_slot().unwrap(), Some(2));
         assert!(!file.has_slots());
         assert_eq!(file.take_slot().unwrap(), None);
@@ -402,14 +453,16 @@ mod tests {
             Err(std::process::id())
         );
         assert_eq!(file.reclaim_if_owner_dead(0), None);
-        assert_eq!(file.value(0), 1);
+        assert_eq!(file.value(0).unwrap(), 1);
         table.unclaim(mapped.mapping(), 0).unwrap();
         assert_eq!(table.owner(mapped.mapping(), 0).unwrap(), None);
     }
 
     #[test]
-    fn a_pytorch_file_is_recognised_by_its_size() {
-        let name = NameGenerator::default().next_name();
+    fn a_pytorch_file_is_recognised_by_its_name_and_size() {
+        let name = NameGenerator::with_prefix(TORCH_PREFIX)
+            .unwrap()
+            .next_name();
         let region = RefcountedRegion::create(&name, (8 * REF_COUNTER_FILE_SIZE) as u64).unwrap();
         let mapped = MappedCounterFile::open(&name).unwrap();
         assert_eq!(mapped.table().slots(), REF_COUNTER_FILE_SIZE);
@@ -418,5 +471,64 @@ mod tests {
         drop(mapped);
         drop(region);
         assert!(!name.path().exists());
+    }
+
+    #[test]
+    fn objects_that_are_not_ref_counter_files_are_refused() {
+        let torch = NameGenerator::with_prefix(TORCH_PREFIX).unwrap();
+        let cases = [
+            // PyTorch's size under another name: an application's region.
+            (
+                NameGenerator::default().next_name(),
+                8 * REF_COUNTER_FILE_SIZE,
+            ),
+            // PyTorch's name, any other multiple of 8.
+            (torch.next_name(), 8),
+            (torch.next_name(), 8 * (REF_COUNTER_FILE_SIZE + 1)),
+            (torch.next_name(), 8 * REF_COUNTER_FILE_SIZE - 8),
+            // A name of PyTorch's shape with another prefix.
+            (
+                ShmName::new(format!("/torched_{}_1_2", std::process::id())).unwrap(),
+                8 * REF_COUNTER_FILE_SIZE,
+            ),
+            // tensormem's size, but no trailer.
+            (NameGenerator::default().next_name(), data_len(4)),
+        ];
+        for (name, len) in cases {
+            let region = RefcountedRegion::create(&name, len as u64).unwrap();
+            let err = MappedCounterFile::open(&name).unwrap_err();
+            assert!(
+                matches!(&err, Error::NotRefCounterFile { len: l, .. }
+                    if *l == (REFCOUNT_HEADER_LEN + len) as u64),
+                "{name} of {len} bytes: {err}"
+            );
+            drop(region);
+        }
+    }
+
+    #[test]
+    fn a_truncated_file_is_reported_instead_of_faulting() {
+        let name = NameGenerator::default().next_name();
+        let file = RefCounterFile::create(&name, 3).unwrap();
+        assert_eq!(file.take_slot().unwrap(), Some(0));
+        let mapped = MappedCounterFile::open(&name).unwrap();
+        mapped.probe().unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(name.path())
+            .unwrap()
+            .set_len(0)
+            .unwrap();
+        let err = mapped.probe().unwrap_err();
+        assert!(
+            matches!(&err, Error::RefCounterFile { name: n, source: tensormem_shm::Error::Truncated { .. } } if *n == name.to_string()),
+            "{err}"
+        );
+        assert!(file.value(0).is_err());
+        assert!(file.take_slot().is_err());
+        assert_eq!(file.reclaim_if_owner_dead(0), None);
+        file.release_unsent(0);
+        drop(mapped);
+        drop(file);
     }
 }

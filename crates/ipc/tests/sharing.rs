@@ -13,7 +13,7 @@ use tensormem_ipc::{
     check_shareable, ConsumerConfig, Error, IpcConsumer, IpcHandle, IpcProducer, MemHandle,
     ProducerConfig, REF_COUNTER_FILE_SIZE,
 };
-use tensormem_shm::ShmName;
+use tensormem_shm::{NameGenerator, RefcountedRegion, ShmName};
 
 type Producer = IpcProducer<SimDevice, FakeDriver>;
 
@@ -460,6 +460,77 @@ fn every_bad_handle_is_refused_before_anything_is_opened_or_written() {
     assert!(matches!(err, Error::SlotNotHeld { value: 0, .. }), "{err}");
     drop(shared);
     assert_eq!(active(&allocator), 0);
+}
+
+#[test]
+fn a_handle_naming_another_shared_memory_object_leaves_it_untouched() {
+    let (driver, allocator, producer) = setup(ProducerConfig::default());
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let (shared, good) = producer
+        .share(&allocator, allocator.allocate(4096, S).unwrap(), S)
+        .unwrap();
+    // An application's refcounted region of the same user, of a size a counter file could have
+    // (PyTorch's, and a small multiple of 8), with a positive word where the handle points.
+    for data_len in [8 * REF_COUNTER_FILE_SIZE, 128] {
+        let name = NameGenerator::default().next_name();
+        let mut victim = RefcountedRegion::create(&name, data_len as u64).unwrap();
+        victim.write_at(8, &1003i64.to_le_bytes()).unwrap();
+        let forged = IpcHandle {
+            ref_counter: name.clone(),
+            slot: 1,
+            ..good.clone()
+        };
+        for _ in 0..3 {
+            match consumer.open(&forged, S) {
+                Err(Error::NotRefCounterFile { name: n, .. }) => assert_eq!(n, name.to_string()),
+                Err(err) => panic!("unexpected error: {err}"),
+                Ok(received) => drop(received),
+            }
+        }
+        let mut word = [0u8; 8];
+        victim.read_at(8, &mut word).unwrap();
+        assert_eq!(i64::from_le_bytes(word), 1003, "the victim's word changed");
+        assert_eq!(driver.open_mappings(), 0);
+    }
+    drop(shared);
+}
+
+#[test]
+fn a_ref_counter_file_truncated_while_open_is_an_error_not_a_crash() {
+    let (driver, allocator, producer) = setup(ProducerConfig::default());
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let (shared, handle) = producer
+        .share(&allocator, allocator.allocate(4096, S).unwrap(), S)
+        .unwrap();
+    let received = consumer.open(&handle, S).unwrap();
+    // A process of the same user shrinks the file under both mappings.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(handle.ref_counter.path())
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    // Releasing touches the counter, the owner record and the trailer: no SIGBUS.
+    drop(received);
+    assert_eq!(driver.open_mappings(), 0);
+    // The release could not be recorded, so the producer keeps the memory held, never reused.
+    drop(shared);
+    assert!(!producer.collect());
+    assert_eq!(producer.stats().limbo, 1);
+    // Sharing from the truncated file is refused the same way.
+    let err = producer
+        .share(&allocator, allocator.allocate(4096, S).unwrap(), S)
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            Error::RefCounterFile {
+                source: tensormem_shm::Error::Truncated { .. },
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[test]
