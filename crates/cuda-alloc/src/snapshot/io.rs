@@ -71,7 +71,11 @@ impl Snapshot {
     }
 
     fn from_plain_pickle(data: &[u8], limits: &ReadLimits) -> SnapshotResult<Snapshot> {
-        convert::snapshot_from_value(unpickle::unpickle(data, limits.max_values)?)
+        convert::snapshot_from_value(unpickle::unpickle(
+            data,
+            limits.max_values,
+            limits.max_memory_bytes,
+        )?)
     }
 
     /// Reads a snapshot file: a pickle (gzip-compressed or not) or, when it starts with `{`, JSON,

@@ -7,7 +7,13 @@
 ///
 /// The defaults admit snapshots far larger than PyTorch writes with its default
 /// `_record_memory_history(max_entries=100000)` (such a pickle is tens of MB and builds about 0.3
-/// values per byte) while keeping the reader's memory near 2 GiB at worst:
+/// values per byte). What reading takes at most is then the sum of three bounds: the input
+/// ([`max_input_bytes`](Self::max_input_bytes)), its decompressed form when it is gzip
+/// ([`max_decompressed_bytes`](Self::max_decompressed_bytes)), and what the pickle reader holds
+/// ([`max_memory_bytes`](Self::max_memory_bytes)); the typed snapshot made from the values comes
+/// on top, and is smaller than they are. Allocations the system refuses are
+/// [`SnapshotError::OutOfMemory`](super::SnapshotError::OutOfMemory), never an abort.
+///
 ///
 /// ```
 /// use tensormem_cuda_alloc::snapshot::{ReadLimits, Snapshot, SnapshotError};
@@ -32,9 +38,16 @@ pub struct ReadLimits {
     pub max_decompressed_bytes: u64,
     /// The most values the pickle may build (default 2^25, about 33.5 million): every number,
     /// string, `None` and container counts one, copies made through the pickle's memo count again,
-    /// and strings and bytes count one more per 32 bytes of content. Each value takes 32 to 48
-    /// bytes while being read, so this bounds the reader's memory whatever the pickle's opcodes.
+    /// and strings and bytes count one more per 32 bytes of content. This bounds the work; the
+    /// memory is [`max_memory_bytes`](Self::max_memory_bytes)'s.
     pub max_values: u64,
+    /// The most bytes the pickle reader may hold at once (default 2 GiB): every heap block it makes
+    /// counts at its size as the system allocator hands it out (containers' element buffers at
+    /// their capacity, each element the size of a value, 32 bytes, or of a dict entry, 64; strings;
+    /// dicts' key indexes; the reader's stack and memo), growth counting the old and the new
+    /// block while both exist. The input and its decompressed form are not included (see the
+    /// other limits).
+    pub max_memory_bytes: u64,
 }
 
 impl ReadLimits {
@@ -43,6 +56,7 @@ impl ReadLimits {
         max_input_bytes: 1 << 30,
         max_decompressed_bytes: super::MAX_DECOMPRESSED_BYTES,
         max_values: 1 << 25,
+        max_memory_bytes: 2 << 30,
     };
 
     /// These limits with [`max_input_bytes`](Self::max_input_bytes) set to `bytes`.
@@ -66,11 +80,19 @@ impl ReadLimits {
         self
     }
 
+    /// These limits with [`max_memory_bytes`](Self::max_memory_bytes) set to `bytes`.
+    #[must_use]
+    pub const fn with_max_memory_bytes(mut self, bytes: u64) -> ReadLimits {
+        self.max_memory_bytes = bytes;
+        self
+    }
+
     /// No limits beyond the machine's memory: only for files you produced yourself.
     pub const UNLIMITED: ReadLimits = ReadLimits {
         max_input_bytes: u64::MAX,
         max_decompressed_bytes: u64::MAX,
         max_values: u64::MAX,
+        max_memory_bytes: u64::MAX,
     };
 }
 

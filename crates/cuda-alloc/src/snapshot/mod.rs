@@ -31,8 +31,9 @@
 //! The pickle reader is this module's own: it runs only the opcodes that build plain data, without
 //! recursion, so a file that is not a snapshot (or is hostile) gets a [`SnapshotError`], never a crash.
 //! What reading may take is bounded (`ReadLimits`: bytes read, bytes a gzip layer expands to, values
-//! the pickle builds), so a pickle or gzip bomb, or an input that never ends, gets
-//! [`SnapshotError::TooLarge`] rather than exhausting memory. docs/dependencies.md says why this is
+//! the pickle builds, bytes the reader holds), so a pickle or gzip bomb, or an input that never ends,
+//! gets [`SnapshotError::TooLarge`] rather than exhausting memory, and memory the system refuses is
+//! [`SnapshotError::OutOfMemory`], never an abort. docs/dependencies.md says why this is
 //! not serde-pickle.
 
 mod convert;
@@ -119,15 +120,27 @@ pub enum SnapshotError {
          limit only if the file is trusted"
     )]
     TooLarge {
-        /// What grew too large: `"the input holds"`, `"the gzip data expands to"`, `"the pickle builds"`.
+        /// What grew too large: `"the input holds"`, `"the gzip data expands to"`, `"the pickle builds"`,
+        /// `"reading the pickle holds"`.
         what: &'static str,
         /// The bound that was exceeded.
         bound: u64,
         /// Its unit: `"bytes"` or `"values"`.
         unit: &'static str,
         /// The name of the `ReadLimits` field: `"max_input_bytes"`, `"max_decompressed_bytes"`,
-        /// `"max_values"`.
+        /// `"max_values"`, `"max_memory_bytes"`.
         limit: &'static str,
+    },
+    /// The system refused memory the snapshot reader asked for (within its limits): the process may
+    /// use less than the limits allow (`ulimit -v`, a cgroup), or the machine is short of memory.
+    #[error(
+        "cannot read the snapshot: the system refused {bytes} bytes of memory; lower \
+         ReadLimits::max_memory_bytes (and max_decompressed_bytes) below what this process may use, \
+         or free memory"
+    )]
+    OutOfMemory {
+        /// The size of the allocation that failed.
+        bytes: u64,
     },
     /// The data is plain Python data but not a snapshot.
     #[error(

@@ -8,14 +8,22 @@
 //! only once the container is complete, so a reference copies the value, and a pickle that changes a
 //! container after referring to it again (which would make the copies differ) is refused. Nesting depth,
 //! the total size that references and `DUP` can expand to, and the number of values built (the caller's
-//! `max_values`) are bounded, so a hostile file gets an error, not a stack overflow or an exhausted
-//! heap. Memory stays proportional to the values built: a stack item is 48 bytes (its rarely used
-//! parts, memo bookkeeping and dict key indexes, live in a box only containers that need them get).
+//! `max_values`) are bounded, and every heap block the reader makes is counted at its size against the
+//! caller's `max_memory_bytes` before it is allocated, fallibly ([`memory`]), so a hostile file gets an
+//! error, not a stack overflow, an exhausted heap or an abort. A stack item is 48 bytes (its rarely
+//! used parts, memo bookkeeping and dict key indexes, live in a box only containers that need them
+//! get).
 
 use std::collections::HashMap;
+use std::collections::TryReserveError;
 
+mod memory;
 mod opcodes;
 
+use self::memory::{
+    heap_block, out_of_memory, reserve, reserve_entries, reserve_entry, reserve_exact, vec_block,
+    Memory,
+};
 use self::opcodes::{malformed, raw_unicode_escape, Decoder, Op, HIGHEST_PROTOCOL};
 use super::pyvalue::{PyValue, MAX_DEPTH};
 use super::{SnapshotError, SnapshotResult};
@@ -52,10 +60,6 @@ impl Item {
         }
     }
 
-    fn extra(&mut self) -> &mut ItemExtra {
-        self.extra.get_or_insert_with(Box::default)
-    }
-
     fn waits_for(&self, slot: usize) -> bool {
         self.extra
             .as_ref()
@@ -68,6 +72,17 @@ impl Item {
             .map(|extra| std::mem::take(&mut extra.pending_memo))
             .unwrap_or_default()
     }
+}
+
+/// The [`ItemExtra`] of `extra`, made (and charged) when missing.
+fn extra_of<'e>(
+    memory: &mut Memory,
+    extra: &'e mut Option<Box<ItemExtra>>,
+) -> SnapshotResult<&'e mut ItemExtra> {
+    if extra.is_none() {
+        memory.charge(heap_block(std::mem::size_of::<ItemExtra>()))?;
+    }
+    Ok(extra.get_or_insert_with(Box::default))
 }
 
 /// A memo slot.
@@ -106,9 +121,16 @@ impl MemoTable {
     }
 
     /// Records that `slot` is set; returns whether any `GET` reads it.
-    fn assign(&mut self, at: usize, slot: u64) -> SnapshotResult<Option<usize>> {
+    fn assign(
+        &mut self,
+        memory: &mut Memory,
+        at: usize,
+        slot: u64,
+    ) -> SnapshotResult<Option<usize>> {
         let i = self.index(at, slot)?;
         if i >= self.assigned.len() {
+            let more = i + 1 - self.assigned.len();
+            reserve(memory, &mut self.assigned, more)?;
             self.assigned.resize(i + 1, false);
         }
         if !std::mem::replace(&mut self.assigned[i], true) {
@@ -126,11 +148,66 @@ impl MemoTable {
         self.slots.get(i).and_then(Option::as_ref)
     }
 
-    fn set(&mut self, i: usize, memo: Memo) {
+    fn set(&mut self, memory: &mut Memory, i: usize, memo: Memo) -> SnapshotResult<()> {
         if i >= self.slots.len() {
+            let more = i + 1 - self.slots.len();
+            reserve(memory, &mut self.slots, more)?;
             self.slots.resize_with(i + 1, || None);
         }
         self.slots[i] = Some(memo);
+        Ok(())
+    }
+}
+
+/// What reading may still take: values, copies and bytes.
+struct Budget {
+    /// How many more values memo references may copy.
+    copy_budget: usize,
+    /// How many more values may be built (the caller's `max_values`, less those built so far).
+    values_left: u64,
+    /// The caller's `max_values`, for the error.
+    max_values: u64,
+    /// The bytes the reader holds, against the caller's `max_memory_bytes`.
+    memory: Memory,
+}
+
+impl Budget {
+    /// Counts `cost` new values against the caller's `max_values`.
+    fn build(&mut self, cost: usize) -> SnapshotResult<()> {
+        self.values_left =
+            self.values_left
+                .checked_sub(cost as u64)
+                .ok_or(SnapshotError::TooLarge {
+                    what: "the pickle builds",
+                    bound: self.max_values,
+                    unit: "values",
+                    limit: "max_values",
+                })?;
+        Ok(())
+    }
+
+    /// Counts `cost` copied values against the values and the copy budget: copies are how shared
+    /// references and `DUP` could make a small file expand into an enormous value.
+    fn spend(&mut self, at: usize, cost: usize) -> SnapshotResult<()> {
+        self.build(cost)?;
+        self.copy_budget =
+            self.copy_budget
+                .checked_sub(cost)
+                .ok_or_else(|| SnapshotError::UnsupportedPickle {
+                    offset: at,
+                    reason: "shared references expand to far more values than the file holds"
+                        .into(),
+                })?;
+        Ok(())
+    }
+
+    /// A copy of `value`, its values and bytes counted before it is made.
+    fn copy(&mut self, at: usize, value: &PyValue) -> SnapshotResult<PyValue> {
+        let mut cost = CopyCost::default();
+        cost.add(value, self.copy_budget);
+        self.spend(at, cost.values)?;
+        self.memory.charge(cost.bytes)?;
+        try_clone(value).map_err(|_| out_of_memory(cost.bytes))
     }
 }
 
@@ -139,12 +216,7 @@ struct Machine {
     stack: Vec<Item>,
     marks: Vec<usize>,
     memo: MemoTable,
-    /// How many more values memo references may copy.
-    copy_budget: usize,
-    /// How many more values may be built (the caller's `max_values`, less those built so far).
-    values_left: u64,
-    /// The caller's `max_values`, for the error.
-    max_values: u64,
+    budget: Budget,
 }
 
 /// Refuses data whose first opcode shows it is not a pickle at all (`/dev/zero`, a binary), judged
@@ -163,16 +235,22 @@ pub(crate) fn check_start(head: &[u8]) -> SnapshotResult<()> {
 }
 
 /// Runs the pickle in `data` and returns the value it builds, building at most `max_values` values
-/// (see `ReadLimits::max_values` for how they count).
-pub(crate) fn unpickle(data: &[u8], max_values: u64) -> SnapshotResult<PyValue> {
+/// (see `ReadLimits::max_values` for how they count) and holding at most `max_memory_bytes` (see
+/// `ReadLimits::max_memory_bytes`).
+pub(crate) fn unpickle(
+    data: &[u8],
+    max_values: u64,
+    max_memory_bytes: u64,
+) -> SnapshotResult<PyValue> {
     if data.is_empty() {
         return Err(SnapshotError::NotPickle {
             reason: "the file is empty".into(),
         });
     }
     let limit = data.len() + 1;
-    let referenced =
-        referenced_memo_slots(data, limit).map_err(|e| not_a_pickle_at_start(data, e))?;
+    let mut memory = Memory::new(max_memory_bytes);
+    let referenced = referenced_memo_slots(&mut memory, data, limit)
+        .map_err(|e| not_a_pickle_at_start(data, e))?;
     let mut machine = Machine {
         stack: Vec::new(),
         marks: Vec::new(),
@@ -183,9 +261,12 @@ pub(crate) fn unpickle(data: &[u8], max_values: u64) -> SnapshotResult<PyValue> 
             assigned_count: 0,
             limit,
         },
-        copy_budget: data.len().saturating_mul(4).saturating_add(1 << 20),
-        values_left: max_values,
-        max_values,
+        budget: Budget {
+            copy_budget: data.len().saturating_mul(4).saturating_add(1 << 20),
+            values_left: max_values,
+            max_values,
+            memory,
+        },
     };
     let mut decoder = Decoder { data, pos: 0 };
     loop {
@@ -197,13 +278,18 @@ pub(crate) fn unpickle(data: &[u8], max_values: u64) -> SnapshotResult<PyValue> 
                     "bytes after the pickle's STOP ignored"
                 );
             }
+            tracing::debug!(peak_bytes = machine.budget.memory.peak(), "pickle read");
             return Ok(value);
         }
     }
 }
 
 /// First pass: which memo slots are ever read (so that only those are kept), as flags by slot.
-fn referenced_memo_slots(data: &[u8], limit: usize) -> SnapshotResult<Vec<bool>> {
+fn referenced_memo_slots(
+    memory: &mut Memory,
+    data: &[u8],
+    limit: usize,
+) -> SnapshotResult<Vec<bool>> {
     let mut decoder = Decoder { data, pos: 0 };
     let mut slots = Vec::new();
     loop {
@@ -220,6 +306,8 @@ fn referenced_memo_slots(data: &[u8], limit: usize) -> SnapshotResult<Vec<bool>>
                         ),
                     })?;
                 if i >= slots.len() {
+                    let more = i + 1 - slots.len();
+                    reserve(memory, &mut slots, more)?;
                     slots.resize(i + 1, false);
                 }
                 slots[i] = true;
@@ -249,61 +337,44 @@ impl Machine {
 
     /// Pushes a new value, counting it against the values budget.
     fn push(&mut self, value: PyValue) -> SnapshotResult<()> {
-        self.build(value_cost(&value))?;
-        self.stack.push(Item::new(value, 0));
-        Ok(())
+        self.budget.build(value_cost(&value))?;
+        self.push_item(Item::new(value, 0))
     }
 
-    /// Counts `cost` new values against the caller's `max_values`.
-    fn build(&mut self, cost: usize) -> SnapshotResult<()> {
-        self.values_left =
-            self.values_left
-                .checked_sub(cost as u64)
-                .ok_or(SnapshotError::TooLarge {
-                    what: "the pickle builds",
-                    bound: self.max_values,
-                    unit: "values",
-                    limit: "max_values",
-                })?;
+    /// Pushes an item whose value was counted already.
+    fn push_item(&mut self, item: Item) -> SnapshotResult<()> {
+        reserve(&mut self.budget.memory, &mut self.stack, 1)?;
+        self.stack.push(item);
         Ok(())
     }
 
     /// Removes the top item, completing its pending memo slots.
     fn pop(&mut self, at: usize, what: &str) -> SnapshotResult<Item> {
-        let item = self.stack.pop().ok_or_else(|| Self::underflow(at, what))?;
-        self.complete(at, item)
+        let top = self
+            .stack
+            .len()
+            .checked_sub(1)
+            .ok_or_else(|| Self::underflow(at, what))?;
+        self.complete(at, top)?;
+        Ok(self
+            .stack
+            .pop()
+            .expect("the stack holds the item just completed"))
     }
 
-    fn complete(&mut self, at: usize, mut item: Item) -> SnapshotResult<Item> {
-        for slot in item.take_pending_memo() {
-            self.charge(at, &item.value)?;
-            self.memo
-                .set(slot, Memo::Ready(item.value.clone(), item.depth));
+    /// Completes the pending memo slots of the item at `index`: it is final now.
+    fn complete(&mut self, at: usize, index: usize) -> SnapshotResult<()> {
+        for slot in self.stack[index].take_pending_memo() {
+            let item = &self.stack[index];
+            let value = self.budget.copy(at, &item.value)?;
+            let memo = Memo::Ready(value, item.depth);
+            self.memo.set(&mut self.budget.memory, slot, memo)?;
         }
-        Ok(item)
-    }
-
-    /// Charges a copy of `value` to the copy budget: copies are how shared references and `DUP` could
-    /// make a small file expand into an enormous value.
-    fn charge(&mut self, at: usize, value: &PyValue) -> SnapshotResult<()> {
-        self.spend(at, count_values(value, self.copy_budget))
-    }
-
-    fn spend(&mut self, at: usize, cost: usize) -> SnapshotResult<()> {
-        self.build(cost)?;
-        self.copy_budget =
-            self.copy_budget
-                .checked_sub(cost)
-                .ok_or_else(|| SnapshotError::UnsupportedPickle {
-                    offset: at,
-                    reason: "shared references expand to far more values than the file holds"
-                        .into(),
-                })?;
         Ok(())
     }
 
-    /// Removes the items above the last mark, and the mark.
-    fn pop_to_mark(&mut self, at: usize, what: &str) -> SnapshotResult<Vec<Item>> {
+    /// Closes the last mark: completes the items above it and returns where they start.
+    fn close_mark(&mut self, at: usize, what: &str) -> SnapshotResult<usize> {
         let mark = self
             .marks
             .pop()
@@ -314,62 +385,90 @@ impl Machine {
                 format!("{what}: the MARK's values were already removed"),
             ));
         }
-        let items: Vec<Item> = self.stack.drain(mark..).collect();
-        items
-            .into_iter()
-            .map(|item| self.complete(at, item))
-            .collect()
+        for index in mark..self.stack.len() {
+            self.complete(at, index)?;
+        }
+        Ok(mark)
     }
 
-    /// Packs completed items into a new container item.
+    /// Replaces the (completed) items from `from` on with a new container item holding their
+    /// values.
     fn container(
+        &mut self,
         at: usize,
-        items: Vec<Item>,
+        from: usize,
         build: impl FnOnce(Vec<PyValue>) -> PyValue,
-    ) -> SnapshotResult<Item> {
+    ) -> SnapshotResult<()> {
+        let items = &self.stack[from..];
         let depth = items.iter().map(|i| i.depth + 1).max().unwrap_or(1);
         check_depth(at, depth)?;
-        Ok(Item::new(
-            build(items.into_iter().map(|i| i.value).collect()),
-            depth,
-        ))
+        let mut values = Vec::new();
+        reserve_exact(&mut self.budget.memory, &mut values, items.len())?;
+        values.extend(self.stack.drain(from..).map(|i| i.value));
+        self.push_item(Item::new(build(values), depth))
     }
 
-    /// Adds `items` to the container now on top of the stack.
-    fn extend_top(&mut self, at: usize, what: &str, items: Vec<Item>) -> SnapshotResult<()> {
-        let target = self
-            .stack
-            .last_mut()
+    /// Moves the (completed) items from `from` on into the container just below them.
+    fn extend_top(&mut self, at: usize, what: &str, from: usize) -> SnapshotResult<()> {
+        let target = from
+            .checked_sub(1)
             .ok_or_else(|| Self::underflow(at, what))?;
-        if target.shared {
+        if self.stack[target].shared {
             return Err(SnapshotError::UnsupportedPickle {
                 offset: at,
                 reason: format!("{what} modifies an object that is referenced more than once"),
             });
         }
-        let depth = items.iter().map(|i| i.depth + 1).max().unwrap_or(0);
-        target.depth = target.depth.max(depth);
-        check_depth(at, target.depth)?;
-        let values = items.into_iter().map(|i| i.value);
-        match (&mut target.value, what) {
-            (PyValue::List(list), "APPEND" | "APPENDS") => list.extend(values),
-            (PyValue::Set(set), "ADDITEMS") => set.extend(values),
+        let depth = self.stack[from..]
+            .iter()
+            .map(|i| i.depth + 1)
+            .max()
+            .unwrap_or(0);
+        let item = &mut self.stack[target];
+        item.depth = item.depth.max(depth);
+        check_depth(at, item.depth)?;
+        // The container leaves its slot while the items above it are drained into it.
+        let mut value = std::mem::replace(&mut item.value, PyValue::None);
+        let mut extra = item.extra.take();
+        let result = self.fill(at, what, from, &mut value, &mut extra);
+        let item = &mut self.stack[target];
+        item.value = value;
+        item.extra = extra;
+        result
+    }
+
+    fn fill(
+        &mut self,
+        at: usize,
+        what: &str,
+        from: usize,
+        target: &mut PyValue,
+        extra: &mut Option<Box<ItemExtra>>,
+    ) -> SnapshotResult<()> {
+        let memory = &mut self.budget.memory;
+        let count = self.stack.len() - from;
+        match (target, what) {
+            (PyValue::List(list), "APPEND" | "APPENDS") | (PyValue::Set(list), "ADDITEMS") => {
+                reserve(memory, list, count)?;
+                list.extend(self.stack.drain(from..).map(|i| i.value));
+            }
             (PyValue::Dict(dict), "SETITEM" | "SETITEMS") => {
-                let values: Vec<PyValue> = values.collect();
-                if !values.len().is_multiple_of(2) {
+                if !count.is_multiple_of(2) {
                     return Err(malformed(
                         at,
                         format!("{what} with an odd number of keys and values"),
                     ));
                 }
-                let index = if dict.len() + values.len() / 2 > INDEX_DICTS_FROM {
-                    &mut target.extra.get_or_insert_with(Box::default).key_index
+                reserve(memory, dict, count / 2)?;
+                let mut no_index = None;
+                let index = if dict.len() + count / 2 > INDEX_DICTS_FROM {
+                    &mut extra_of(memory, extra)?.key_index
                 } else {
-                    &mut None
+                    &mut no_index
                 };
-                let mut pairs = values.into_iter();
+                let mut pairs = self.stack.drain(from..).map(|i| i.value);
                 while let (Some(key), Some(value)) = (pairs.next(), pairs.next()) {
-                    set_item(dict, index, key, value);
+                    set_item(memory, dict, index, key, value)?;
                 }
             }
             (other, _) => {
@@ -380,7 +479,7 @@ impl Machine {
     }
 
     fn memoize(&mut self, at: usize, slot: u64) -> SnapshotResult<()> {
-        let Some(slot) = self.memo.assign(at, slot)? else {
+        let Some(slot) = self.memo.assign(&mut self.budget.memory, at, slot)? else {
             return Ok(());
         };
         let top = self
@@ -392,40 +491,36 @@ impl Machine {
             PyValue::List(_) | PyValue::Dict(_) | PyValue::Set(_)
         ) && !top.shared
         {
-            top.extra().pending_memo.push(slot);
-            self.memo.set(slot, Memo::Pending);
+            let memory = &mut self.budget.memory;
+            let pending = &mut extra_of(memory, &mut top.extra)?.pending_memo;
+            reserve(memory, pending, 1)?;
+            pending.push(slot);
+            self.memo.set(memory, slot, Memo::Pending)?;
         } else {
-            let (value, depth) = (top.value.clone(), top.depth);
-            self.charge(at, &value)?;
-            self.memo.set(slot, Memo::Ready(value, depth));
+            let value = self.budget.copy(at, &top.value)?;
+            let memo = Memo::Ready(value, top.depth);
+            self.memo.set(&mut self.budget.memory, slot, memo)?;
         }
         Ok(())
     }
 
     fn get(&mut self, at: usize, slot: u64) -> SnapshotResult<()> {
         let slot = self.memo.index(at, slot)?;
-        match self.memo.get(slot) {
-            Some(Memo::Ready(value, _)) => {
-                let cost = count_values(value, self.copy_budget);
-                self.spend(at, cost)?;
-            }
-            Some(Memo::Pending) => self.freeze_pending(at, slot)?,
-            None => {
-                return Err(malformed(
-                    at,
-                    format!("GET of memo slot {slot}, which was never set"),
-                ))
-            }
+        if let Some(Memo::Pending) = self.memo.get(slot) {
+            self.freeze_pending(at, slot)?;
         }
-        if let Some(Memo::Ready(value, depth)) = self.memo.get(slot) {
-            let mut item = Item::new(value.clone(), *depth);
-            item.shared = !matches!(
-                value,
-                PyValue::Str(_) | PyValue::Int(_) | PyValue::Float(_) | PyValue::Bool(_)
-            );
-            self.stack.push(item);
-        }
-        Ok(())
+        let Some(Memo::Ready(value, depth)) = self.memo.get(slot) else {
+            return Err(malformed(
+                at,
+                format!("GET of memo slot {slot}, which was never set"),
+            ));
+        };
+        let mut item = Item::new(self.budget.copy(at, value)?, *depth);
+        item.shared = !matches!(
+            item.value,
+            PyValue::Str(_) | PyValue::Int(_) | PyValue::Float(_) | PyValue::Bool(_)
+        );
+        self.push_item(item)
     }
 
     /// A container still on the stack is referenced again. Python's pickler does this only once the
@@ -438,16 +533,13 @@ impl Machine {
                 format!("GET of memo slot {slot}, whose value was dropped"),
             ));
         };
-        let cost = count_values(&self.stack[index].value, self.copy_budget);
-        self.spend(at, cost)?;
         let item = &mut self.stack[index];
         item.shared = true;
         if let Some(extra) = item.extra.as_mut() {
             extra.pending_memo.retain(|&s| s != slot);
         }
-        let frozen = Memo::Ready(item.value.clone(), item.depth);
-        self.memo.set(slot, frozen);
-        Ok(())
+        let frozen = Memo::Ready(self.budget.copy(at, &item.value)?, item.depth);
+        self.memo.set(&mut self.budget.memory, slot, frozen)
     }
 
     /// Runs one opcode; returns the pickle's value at `STOP`.
@@ -461,16 +553,20 @@ impl Machine {
             }
             Op::Proto(_) | Op::Frame => {}
             Op::Stop => return Ok(Some(self.pop(at, "STOP")?.value)),
-            Op::Mark => self.marks.push(self.stack.len()),
+            Op::Mark => {
+                reserve(&mut self.budget.memory, &mut self.marks, 1)?;
+                self.marks.push(self.stack.len());
+            }
             Op::Pop => {
                 if self.marks.last() == Some(&self.stack.len()) {
-                    self.pop_to_mark(at, "POP")?;
+                    self.close_mark(at, "POP")?;
                 } else {
                     self.pop(at, "POP")?;
                 }
             }
             Op::PopMark => {
-                self.pop_to_mark(at, "POP_MARK")?;
+                let mark = self.close_mark(at, "POP_MARK")?;
+                self.stack.truncate(mark);
             }
             Op::Dup => {
                 let top = self
@@ -486,9 +582,8 @@ impl Machine {
                         reason: "DUP of a mutable container".into(),
                     });
                 }
-                let (value, depth) = (top.value.clone(), top.depth);
-                self.charge(at, &value)?;
-                self.stack.push(Item::new(value, depth));
+                let item = Item::new(self.budget.copy(at, &top.value)?, top.depth);
+                self.push_item(item)?;
             }
             Op::None => self.push(PyValue::None)?,
             Op::Bool(b) => self.push(PyValue::Bool(b))?,
@@ -497,56 +592,66 @@ impl Machine {
             Op::Text(bytes) => {
                 let text = std::str::from_utf8(bytes)
                     .map_err(|_| malformed(at, "string is not valid UTF-8".into()))?;
-                self.push(PyValue::Str(text.to_owned()))?;
-            }
-            Op::EscapedText(bytes) => {
-                let text = raw_unicode_escape(bytes, at)?;
+                let text = memory::string(&mut self.budget.memory, text)?;
                 self.push(PyValue::Str(text))?;
             }
-            Op::LegacyString(bytes) => self.push(match std::str::from_utf8(bytes) {
-                Ok(text) => PyValue::Str(text.to_owned()),
-                Err(_) => PyValue::Bytes(bytes.to_vec()),
-            })?,
-            Op::Bytes(bytes) => self.push(PyValue::Bytes(bytes.to_vec()))?,
+            Op::EscapedText(bytes) => {
+                // At most two bytes of UTF-8 for each byte of the escaped form.
+                let capacity = bytes.len().saturating_mul(2);
+                self.budget.memory.charge(heap_block(capacity))?;
+                let text = raw_unicode_escape(bytes, at, capacity)?;
+                self.push(PyValue::Str(text))?;
+            }
+            Op::LegacyString(bytes) => {
+                let memory = &mut self.budget.memory;
+                let value = match std::str::from_utf8(bytes) {
+                    Ok(text) => PyValue::Str(memory::string(memory, text)?),
+                    Err(_) => PyValue::Bytes(memory::bytes(memory, bytes)?),
+                };
+                self.push(value)?;
+            }
+            Op::Bytes(bytes) => {
+                let bytes = memory::bytes(&mut self.budget.memory, bytes)?;
+                self.push(PyValue::Bytes(bytes))?;
+            }
             Op::EmptyList => self.push(PyValue::List(Vec::new()))?,
             Op::EmptyDict => self.push(PyValue::Dict(Vec::new()))?,
             Op::EmptyTuple => self.push(PyValue::Tuple(Vec::new()))?,
             Op::EmptySet => self.push(PyValue::Set(Vec::new()))?,
             Op::List | Op::Tuple | Op::FrozenSet | Op::Dict => {
-                let items = self.pop_to_mark(at, "a container opcode")?;
-                let item = match op {
-                    Op::List => Self::container(at, items, PyValue::List)?,
-                    Op::Tuple => Self::container(at, items, PyValue::Tuple)?,
-                    Op::FrozenSet => Self::container(at, items, PyValue::FrozenSet)?,
+                let mark = self.close_mark(at, "a container opcode")?;
+                match op {
+                    Op::List => self.container(at, mark, PyValue::List)?,
+                    Op::Tuple => self.container(at, mark, PyValue::Tuple)?,
+                    Op::FrozenSet => self.container(at, mark, PyValue::FrozenSet)?,
                     _ => {
-                        self.build(1)?;
-                        self.stack.push(Item::new(PyValue::Dict(Vec::new()), 1));
-                        self.extend_top(at, "SETITEMS", items)?;
-                        return Ok(None);
+                        // The dict goes below its keys and values, which then move into it.
+                        self.budget.build(1)?;
+                        reserve(&mut self.budget.memory, &mut self.stack, 1)?;
+                        self.stack
+                            .insert(mark, Item::new(PyValue::Dict(Vec::new()), 1));
+                        self.extend_top(at, "SETITEMS", mark + 1)?;
                     }
-                };
-                self.stack.push(item);
+                }
             }
             Op::TupleN(n) => {
-                if self.stack.len() < n {
-                    return Err(Self::underflow(at, "TUPLE1/2/3"));
+                let from = self
+                    .stack
+                    .len()
+                    .checked_sub(n)
+                    .ok_or_else(|| Self::underflow(at, "TUPLE1/2/3"))?;
+                for index in from..self.stack.len() {
+                    self.complete(at, index)?;
                 }
-                let items: Vec<Item> = self.stack.drain(self.stack.len() - n..).collect();
-                let items = items
-                    .into_iter()
-                    .map(|item| self.complete(at, item))
-                    .collect::<SnapshotResult<_>>()?;
-                let item = Self::container(at, items, PyValue::Tuple)?;
-                self.stack.push(item);
+                self.container(at, from, PyValue::Tuple)?;
             }
             Op::Append => {
-                let item = self.pop(at, "APPEND")?;
-                self.extend_top(at, "APPEND", vec![item])?;
+                let from = self.completed_top(at, 1, "APPEND")?;
+                self.extend_top(at, "APPEND", from)?;
             }
             Op::SetItem => {
-                let value = self.pop(at, "SETITEM")?;
-                let key = self.pop(at, "SETITEM")?;
-                self.extend_top(at, "SETITEM", vec![key, value])?;
+                let from = self.completed_top(at, 2, "SETITEM")?;
+                self.extend_top(at, "SETITEM", from)?;
             }
             Op::Appends | Op::SetItems | Op::AddItems => {
                 let name = match op {
@@ -554,8 +659,8 @@ impl Machine {
                     Op::SetItems => "SETITEMS",
                     _ => "ADDITEMS",
                 };
-                let items = self.pop_to_mark(at, name)?;
-                self.extend_top(at, name, items)?;
+                let mark = self.close_mark(at, name)?;
+                self.extend_top(at, name, mark)?;
             }
             Op::Put(slot) => self.memoize(at, slot)?,
             Op::Memoize => {
@@ -579,6 +684,21 @@ impl Machine {
             }
         }
         Ok(None)
+    }
+
+    /// Completes the top `n` items (and the container below them must exist); returns where they
+    /// start.
+    fn completed_top(&mut self, at: usize, n: usize, what: &str) -> SnapshotResult<usize> {
+        let from = self
+            .stack
+            .len()
+            .checked_sub(n + 1)
+            .ok_or_else(|| Self::underflow(at, what))?
+            + 1;
+        for index in from..self.stack.len() {
+            self.complete(at, index)?;
+        }
+        Ok(from)
     }
 }
 
@@ -605,29 +725,163 @@ fn value_cost(value: &PyValue) -> usize {
 /// Bytes of string content that count as one more value.
 const CONTENT_PER_VALUE: usize = 32;
 
-/// The cost of `value` and everything in it (iteratively, see [`value_cost`]), counting no further
-/// than `limit + 1`.
-fn count_values(value: &PyValue, limit: usize) -> usize {
-    if !matches!(
+/// What copying a value costs: values (see [`value_cost`]) and the bytes of the copy's heap blocks.
+#[derive(Default)]
+struct CopyCost {
+    values: usize,
+    bytes: usize,
+}
+
+impl CopyCost {
+    /// Adds the cost of a copy of `value` and everything in it, counting no further than `limit + 1`
+    /// values. Iterative: the frames are the path to the value being counted.
+    fn add(&mut self, value: &PyValue, limit: usize) {
+        self.add_one(value);
+        let mut frames = vec![(value, 0usize)];
+        while let Some(frame) = frames.last_mut() {
+            if self.values > limit {
+                return;
+            }
+            let Some(next) = child(frame.0, frame.1) else {
+                frames.pop();
+                continue;
+            };
+            frame.1 += 1;
+            self.add_one(next);
+            if is_container(next) {
+                frames.push((next, 0));
+            }
+        }
+    }
+
+    /// Adds the cost of `value` without its children.
+    fn add_one(&mut self, value: &PyValue) {
+        self.values += value_cost(value);
+        self.bytes += match value {
+            PyValue::Str(s) => heap_block(s.len()),
+            PyValue::Bytes(b) => heap_block(b.len()),
+            PyValue::List(v) | PyValue::Tuple(v) | PyValue::Set(v) | PyValue::FrozenSet(v) => {
+                vec_block::<PyValue>(v.len())
+            }
+            PyValue::Dict(items) => vec_block::<(PyValue, PyValue)>(items.len()),
+            _ => 0,
+        };
+    }
+}
+
+fn is_container(value: &PyValue) -> bool {
+    matches!(
         value,
         PyValue::List(_)
             | PyValue::Tuple(_)
             | PyValue::Dict(_)
             | PyValue::Set(_)
             | PyValue::FrozenSet(_)
-    ) {
-        return value_cost(value);
+    )
+}
+
+/// Child `i` of a container (a dict's keys and values alternate), `None` past the last.
+fn child(value: &PyValue, i: usize) -> Option<&PyValue> {
+    match value {
+        PyValue::List(v) | PyValue::Tuple(v) | PyValue::Set(v) | PyValue::FrozenSet(v) => v.get(i),
+        PyValue::Dict(items) => items
+            .get(i / 2)
+            .map(|(k, v)| if i.is_multiple_of(2) { k } else { v }),
+        _ => None,
     }
-    let mut count = 0;
-    let mut pending = vec![value];
-    while let Some(v) = pending.pop() {
-        count += value_cost(v);
-        if count > limit {
-            break;
+}
+
+/// A container's copy being filled by [`try_clone`].
+enum Filling {
+    Values(Vec<PyValue>),
+    /// A dict's entries, and the key waiting for its value.
+    Entries(Vec<(PyValue, PyValue)>, Option<PyValue>),
+}
+
+impl Filling {
+    /// An empty copy of the container `value` with room for all its children, or `None` for a
+    /// value that is not a container.
+    fn of(value: &PyValue) -> Result<Option<Filling>, TryReserveError> {
+        Ok(Some(match value {
+            PyValue::List(v) | PyValue::Tuple(v) | PyValue::Set(v) | PyValue::FrozenSet(v) => {
+                let mut out = Vec::new();
+                out.try_reserve_exact(v.len())?;
+                Filling::Values(out)
+            }
+            PyValue::Dict(items) => {
+                let mut out = Vec::new();
+                out.try_reserve_exact(items.len())?;
+                Filling::Entries(out, None)
+            }
+            _ => return Ok(None),
+        }))
+    }
+
+    fn push(&mut self, value: PyValue) {
+        match self {
+            Filling::Values(out) => out.push(value),
+            Filling::Entries(out, key) => match key.take() {
+                Some(k) => out.push((k, value)),
+                None => *key = Some(value),
+            },
         }
-        pending.extend(v.children());
     }
-    count
+
+    /// The finished copy of the container `like`.
+    fn finish(self, like: &PyValue) -> PyValue {
+        match (self, like) {
+            (Filling::Values(v), PyValue::Tuple(_)) => PyValue::Tuple(v),
+            (Filling::Values(v), PyValue::Set(_)) => PyValue::Set(v),
+            (Filling::Values(v), PyValue::FrozenSet(_)) => PyValue::FrozenSet(v),
+            (Filling::Values(v), _) => PyValue::List(v),
+            (Filling::Entries(entries, _), _) => PyValue::Dict(entries),
+        }
+    }
+}
+
+/// A copy of a value that is not a container, allocated fallibly.
+fn try_clone_leaf(value: &PyValue) -> Result<PyValue, TryReserveError> {
+    Ok(match value {
+        PyValue::Str(s) => {
+            let mut out = String::new();
+            out.try_reserve_exact(s.len())?;
+            out.push_str(s);
+            PyValue::Str(out)
+        }
+        PyValue::Bytes(b) => {
+            let mut out = Vec::new();
+            out.try_reserve_exact(b.len())?;
+            out.extend_from_slice(b);
+            PyValue::Bytes(out)
+        }
+        other => other.clone(),
+    })
+}
+
+/// A copy of `value` whose heap blocks are allocated fallibly (each exactly as large as
+/// [`CopyCost`] counts it). Iterative: the frames are the path to the value being copied.
+fn try_clone(value: &PyValue) -> Result<PyValue, TryReserveError> {
+    let Some(root) = Filling::of(value)? else {
+        return try_clone_leaf(value);
+    };
+    let mut frames = vec![(value, 0usize, root)];
+    loop {
+        let frame = frames.last_mut().expect("the root's frame is popped last");
+        if let Some(next) = child(frame.0, frame.1) {
+            frame.1 += 1;
+            match Filling::of(next)? {
+                Some(filling) => frames.push((next, 0, filling)),
+                None => frame.2.push(try_clone_leaf(next)?),
+            }
+            continue;
+        }
+        let (like, _, filling) = frames.pop().expect("a frame was just looked at");
+        let done = filling.finish(like);
+        match frames.last_mut() {
+            Some(parent) => parent.2.push(done),
+            None => return Ok(done),
+        }
+    }
 }
 
 /// A hashable form of the dict keys a snapshot uses (strings and integers); other keys are compared one
@@ -639,11 +893,20 @@ enum KeyIndex {
 }
 
 impl KeyIndex {
-    fn of(key: &PyValue) -> Option<KeyIndex> {
-        match key {
-            PyValue::Str(s) => Some(KeyIndex::Str(s.clone())),
+    /// The index form of `key` (a copy of a string, charged), if it has one.
+    fn of(memory: &mut Memory, key: &PyValue) -> SnapshotResult<Option<KeyIndex>> {
+        Ok(match key {
+            PyValue::Str(s) => Some(KeyIndex::Str(memory::string(memory, s)?)),
             PyValue::Int(i) => Some(KeyIndex::Int(*i)),
             _ => None,
+        })
+    }
+
+    /// The bytes of the key's own heap block.
+    fn block(&self) -> usize {
+        match self {
+            KeyIndex::Str(s) => heap_block(s.len()),
+            KeyIndex::Int(_) => 0,
         }
     }
 }
@@ -653,32 +916,85 @@ const INDEX_DICTS_FROM: usize = 16;
 
 /// `dict[key] = value`: replaces the value of an equal key, else appends. Large dicts keep `index`.
 fn set_item(
+    memory: &mut Memory,
     dict: &mut Vec<(PyValue, PyValue)>,
     index: &mut Option<HashMap<KeyIndex, usize>>,
     key: PyValue,
     value: PyValue,
-) {
+) -> SnapshotResult<()> {
     if index.is_none() && dict.len() >= INDEX_DICTS_FROM {
-        let built = dict
-            .iter()
-            .enumerate()
-            .filter_map(|(i, (k, _))| KeyIndex::of(k).map(|k| (k, i)))
-            .collect();
+        let mut built = HashMap::new();
+        reserve_entries(memory, &mut built, dict.len())?;
+        for (i, (k, _)) in dict.iter().enumerate() {
+            if let Some(k) = KeyIndex::of(memory, k)? {
+                built.insert(k, i);
+            }
+        }
         *index = Some(built);
     }
-    let existing = match (index.as_mut(), KeyIndex::of(&key)) {
-        (Some(index), Some(hashed)) => {
-            let next = dict.len();
-            let slot = *index.entry(hashed).or_insert(next);
-            (slot < next).then_some(slot)
-        }
-        _ => dict.iter().position(|(k, _)| *k == key),
+    let existing = match index.as_mut() {
+        Some(index) => match KeyIndex::of(memory, &key)? {
+            Some(hashed) => {
+                reserve_entry(memory, index)?;
+                let next = dict.len();
+                let block = hashed.block();
+                let slot = *index.entry(hashed).or_insert(next);
+                if slot < next {
+                    // The key was there: its copy was dropped.
+                    memory.credit(block);
+                }
+                (slot < next).then_some(slot)
+            }
+            None => dict.iter().position(|(k, _)| *k == key),
+        },
+        None => dict.iter().position(|(k, _)| *k == key),
     };
     match existing {
         Some(slot) => dict[slot].1 = value,
-        None => dict.push((key, value)),
+        None => {
+            reserve(memory, dict, 1)?;
+            dict.push((key, value));
+        }
     }
+    Ok(())
 }
 
 // A pickle of many small values holds them all on the stack at once: keep an item small.
 const _: () = assert!(std::mem::size_of::<Item>() <= 48);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fallible_copy_equals_the_value_and_costs_what_its_blocks_take() {
+        let leaf = PyValue::Str("x".repeat(100));
+        let inner = PyValue::Dict(vec![
+            (PyValue::from("a"), PyValue::Int(1)),
+            (
+                PyValue::Int(2),
+                PyValue::Tuple(vec![leaf.clone(), PyValue::None]),
+            ),
+        ]);
+        let value = PyValue::List(vec![inner.clone(), PyValue::Set(vec![]), inner]);
+        assert_eq!(try_clone(&value).unwrap(), value);
+        let mut cost = CopyCost::default();
+        cost.add(&value, usize::MAX);
+        let one_inner = vec_block::<(PyValue, PyValue)>(2)
+            + heap_block(1)
+            + vec_block::<PyValue>(2)
+            + heap_block(100);
+        assert_eq!(cost.bytes, vec_block::<PyValue>(3) + 2 * one_inner);
+        // list, set, and per dict: the dict, 2 keys, 2 values, the tuple's 2 values (the string
+        // counting one more per 32 bytes).
+        assert_eq!(cost.values, 2 + 2 * (1 + 4 + 2 + 3));
+    }
+
+    #[test]
+    fn counting_a_copy_stops_past_the_limit() {
+        let value = PyValue::List(vec![PyValue::None; 1000]);
+        let mut cost = CopyCost::default();
+        cost.add(&value, 10);
+        assert_eq!(cost.values, 11);
+    }
+}

@@ -251,9 +251,18 @@ fn long_from_bytes(bytes: &[u8], at: usize) -> SnapshotResult<i128> {
     Ok(i128::from_le_bytes(raw))
 }
 
-/// Decodes Python's raw-unicode-escape: Latin-1 bytes, except `\uXXXX` and `\UXXXXXXXX`.
-pub(super) fn raw_unicode_escape(bytes: &[u8], at: usize) -> SnapshotResult<String> {
-    let mut out = String::with_capacity(bytes.len());
+/// Decodes Python's raw-unicode-escape: Latin-1 bytes, except `\uXXXX` and `\UXXXXXXXX`, into a
+/// string of `capacity` bytes (twice the input's length holds any decoding), allocated fallibly.
+pub(super) fn raw_unicode_escape(
+    bytes: &[u8],
+    at: usize,
+    capacity: usize,
+) -> SnapshotResult<String> {
+    let mut out = String::new();
+    out.try_reserve_exact(capacity)
+        .map_err(|_| SnapshotError::OutOfMemory {
+            bytes: capacity as u64,
+        })?;
     let mut i = 0;
     while i < bytes.len() {
         let width = match (bytes[i], bytes.get(i + 1)) {
