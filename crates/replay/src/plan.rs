@@ -128,7 +128,8 @@ pub(crate) struct DevicePlan {
     pub(crate) reserve_addrs: Vec<u64>,
     /// The recorded decisions that bound the device's memory.
     pub(crate) capacity: CapacityFacts,
-    /// Distinct streams the trace allocates on.
+    /// Distinct streams the trace names (every stream the replay allocates on is one of them: those
+    /// of allocations, and of requests that ran out of memory without allocating).
     pub(crate) streams: usize,
     /// Trace events of this device.
     pub(crate) events: usize,
@@ -224,11 +225,7 @@ impl DevicePlan {
             return Err(PlanError::TooManyEvents);
         }
         let completion = completion_events(trace);
-        let mut streams: Vec<u64> = trace
-            .iter()
-            .filter(|e| e.action == TraceAction::Alloc)
-            .map(|e| e.stream)
-            .collect();
+        let mut streams: Vec<u64> = trace.iter().map(|e| e.stream).collect();
         streams.sort_unstable();
         streams.dedup();
         // Synthetic streams sort after every real one, in the order their work completes in the

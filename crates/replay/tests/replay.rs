@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::snapshot::{Snapshot, TraceAction, TraceEntry};
-use tensormem_cuda_alloc::{CachingAllocator, StreamId};
+use tensormem_cuda_alloc::{CachingAllocator, StreamId, DEFAULT_STREAM_CAPACITY};
 use tensormem_replay::{ExpectedStats, Replay, RunOptions};
 
 const TRACES: [&str; 9] = [
@@ -530,6 +530,62 @@ fn cache_releases_tell_the_device_size() {
     let capacity = replay.default_capacity(0);
     assert!((64 << 20..128 << 20).contains(&capacity), "{capacity}");
     let run = replay.run_recorded().unwrap();
+    let check = run.devices[0].check.as_ref().unwrap();
+    assert_eq!(check.divergence, None);
+    assert_eq!(check.stats.as_ref().unwrap().mismatches, Vec::new());
+    assert_eq!(run.devices[0].stats, original);
+}
+
+/// A trace whose allocations use more distinct streams than an allocator serves by default (one
+/// each, some used on a second stream before their free, some requests refused for lack of memory
+/// on streams that never allocate) replays exactly.
+#[test]
+fn a_trace_on_more_streams_than_the_default_capacity_replays_exactly() {
+    let streams = DEFAULT_STREAM_CAPACITY as u64 + 76;
+    let capacity = (2 << 20) * (streams + 64);
+    let allocator = CachingAllocator::with_stream_capacity(
+        SimDevice::new(capacity),
+        tensormem_cuda_alloc::config::AllocatorConfig::default(),
+        2 * streams as usize + 16,
+    );
+    allocator.record_history(true, 1 << 20);
+    let mut live = Vec::new();
+    for i in 0..streams {
+        let a = allocator
+            .allocate(512 + (i as usize % 7) * 512, StreamId(i + 1))
+            .unwrap();
+        if i % 3 == 0 {
+            // Used on another stream too: its free completes once that stream's work does.
+            allocator
+                .record_stream(&a, StreamId(streams + i + 1))
+                .unwrap();
+        }
+        live.push(a);
+        if i % 2 == 1 {
+            allocator.free(live.swap_remove(0)).unwrap();
+        }
+        if i % 250 == 249 {
+            // A request larger than the device, on a stream of its own.
+            let oom = allocator.allocate(capacity as usize * 2, StreamId(3 * streams + i));
+            assert!(matches!(
+                oom,
+                Err(tensormem_cuda_alloc::Error::OutOfMemory(_))
+            ));
+            allocator.device().complete_all_work();
+        }
+    }
+    for a in live {
+        allocator.free(a).unwrap();
+    }
+    let original = allocator.memory_stats();
+    let snapshot = allocator.snapshot();
+    let replay = Replay::new(&snapshot)
+        .unwrap()
+        .with_expected_stats(ExpectedStats::from_figures(original.to_flat()));
+    let mut options = RunOptions::new(replay.recorded_config().clone());
+    options.check = true;
+    options.capacity = Some(capacity);
+    let run = replay.run(&options).unwrap();
     let check = run.devices[0].check.as_ref().unwrap();
     assert_eq!(check.divergence, None);
     assert_eq!(check.stats.as_ref().unwrap().mismatches, Vec::new());
