@@ -1,8 +1,9 @@
 //! `from_file` (PyTorch: `UntypedStorage.from_file(filename, shared, nbytes)`, `MapAllocator` on
 //! a regular file).
 
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::io::Read;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 
 use tensormem_shm::{CreateMode, MapOptions};
@@ -25,7 +26,9 @@ impl Storage {
     ///
     /// # Errors
     ///
-    /// [`Error::Shm`] wrapping `NotFound`, `WrongKind` (a directory, socket, ...), `TooSmall`
+    /// [`Error::Shm`] wrapping `NotFound`, `WrongKind` (a directory, FIFO, socket, device: the kind
+    /// is checked before anything is read, so a FIFO without a writer is refused, not waited on),
+    /// `TooSmall`
     /// (`size` larger than a file that is not grown), `ForeignOwner` (a shared mapping of a
     /// file another user owns), `PermissionDenied`; [`Error::Empty`] for an empty file or
     /// `size = Some(0)`; [`Error::InvalidSize`] beyond the address space.
@@ -75,11 +78,26 @@ fn read_private(path: &Path, size: Option<u64>) -> Result<Vec<u8>> {
             })
         }
     };
-    let file = File::open(path).map_err(io_err("open"))?;
+    // `O_NONBLOCK`: opening a FIFO for reading would otherwise wait for a writer before the kind
+    // could be checked. It changes nothing for the regular files read below.
+    let file: File = OpenOptions::new()
+        .read(true)
+        .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+        .open(path)
+        .map_err(io_err("open"))?;
     let meta = file.metadata().map_err(io_err("fstat"))?;
     if !meta.is_file() {
-        let kind = if meta.is_dir() {
+        let kind = meta.file_type();
+        let kind = if kind.is_dir() {
             tensormem_shm::ObjectKind::Directory
+        } else if kind.is_fifo() {
+            tensormem_shm::ObjectKind::Fifo
+        } else if kind.is_socket() {
+            tensormem_shm::ObjectKind::Socket
+        } else if kind.is_char_device() {
+            tensormem_shm::ObjectKind::CharDevice
+        } else if kind.is_block_device() {
+            tensormem_shm::ObjectKind::BlockDevice
         } else {
             tensormem_shm::ObjectKind::Unknown
         };

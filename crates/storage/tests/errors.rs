@@ -3,6 +3,7 @@
 mod common;
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::UnixStream;
 
 use tensormem_shm::{Error as ShmError, ObjectKind};
@@ -268,4 +269,42 @@ fn objects_of_another_user_are_refused() {
     ));
     assert_eq!(region.refcount(), 1, "the refused opens counted nothing");
     assert!(region.close().unwrap());
+}
+
+#[test]
+fn from_file_of_a_fifo_is_refused_without_waiting_for_a_writer() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo");
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        &fifo,
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o600),
+        0,
+    )
+    .unwrap();
+    for shared in [false, true] {
+        // A watchdog, not a timing: a call that blocks would otherwise hang the test run.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let path = fifo.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(Storage::from_file(&path, shared, None).map(|_| ()));
+        });
+        let result = rx.recv_timeout(std::time::Duration::from_secs(60));
+        if result.is_err() {
+            // Release the blocked open (a writer appears), then fail.
+            let _ = std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+                .open(&fifo);
+            panic!("from_file(fifo, shared={shared}) waited for a writer");
+        }
+        let err = result.unwrap().unwrap_err();
+        match shm(err) {
+            ShmError::WrongKind { kind, .. } => {
+                assert!(shared || kind == ObjectKind::Fifo, "{kind}")
+            }
+            other => panic!("shared={shared}: {other}"),
+        }
+    }
 }
