@@ -20,8 +20,9 @@ use tensormem_cuda_alloc::device::StreamId;
 use tensormem_cuda_alloc::size::format_size;
 use tensormem_cuda_alloc::snapshot::{BlockState, Segment};
 
-/// `torch.cuda.memory_stats()` as saved by the recording script: flat key names and values (only
-/// numbers are kept; entries of other types, such as the device name, are ignored).
+/// `torch.cuda.memory_stats()` as saved by the recording script: flat key names and values. Entries
+/// that are not whole numbers (a string, `2.5`) are kept too: one under a key the replay produces
+/// fails the check; others (the device name, a script's `wall_s`) are ignored.
 ///
 /// The top level is `memory_stats()` with no argument (the current device, 0). A `"devices"` map
 /// beside it (`{"0": {...}, "1": {...}}`, `memory_stats(d)` for every device `d`) gives each
@@ -37,6 +38,11 @@ pub struct ExpectedStats {
     /// ([`StatsCheck::unreadable`]); others (a recording script's `wall_s`) are ignored like any
     /// key the replay does not produce.
     pub unreadable: BTreeMap<String, String>,
+    /// Entries whose value is not a number at all (a string such as `"1024"`, a bool, `null`, a
+    /// list), as JSON writes them, by key. One the replay produces is reported like a number that
+    /// is not whole ([`StatsCheck::unreadable`]); others (the device name) are ignored, and they do
+    /// not count as figures of the record.
+    pub non_numbers: BTreeMap<String, String>,
     /// Per device, when the file has a `"devices"` map: each entry is that device's
     /// `memory_stats(d)` (its own `devices` map is empty).
     pub devices: BTreeMap<usize, ExpectedStats>,
@@ -92,6 +98,9 @@ impl ExpectedStats {
         let mut expected = ExpectedStats::default();
         for (key, value) in object {
             let serde_json::Value::Number(number) = value else {
+                if key != "devices" {
+                    expected.non_numbers.insert(key.clone(), value.to_string());
+                }
                 continue;
             };
             if let Some(figure) = number.as_i64() {
@@ -192,8 +201,8 @@ pub struct StatsCheck {
     pub compared: usize,
     /// Figures that differ, by key.
     pub mismatches: Vec<StatMismatch>,
-    /// Figures the replay produces whose recorded value is not a whole number in `i64`'s range:
-    /// `(key, recorded value as written)`. They cannot match.
+    /// Figures the replay produces whose recorded value is not a whole number in `i64`'s range, or
+    /// not a number at all (a string): `(key, recorded value as written)`. They cannot match.
     pub unreadable: Vec<(String, String)>,
 }
 
@@ -205,6 +214,13 @@ impl StatsCheck {
         };
         for (key, written) in &expected.unreadable {
             if replayed.contains_key(key) {
+                check.compared += 1;
+                check.unreadable.push((key.clone(), written.clone()));
+            }
+        }
+        for (key, written) in &expected.non_numbers {
+            if replayed.contains_key(key) {
+                check.recorded += 1;
                 check.compared += 1;
                 check.unreadable.push((key.clone(), written.clone()));
             }

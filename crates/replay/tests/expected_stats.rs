@@ -66,6 +66,24 @@ fn figures_beyond_i64_or_not_whole_are_kept_and_fail_the_check() {
 }
 
 #[test]
+fn figures_written_as_strings_are_kept_and_fail_the_check() {
+    let json = r#"{"num_device_alloc": "12", "device": "NVIDIA H200"}"#;
+    let stats = ExpectedStats::from_json(r#"{"a": 1, "num_device_alloc": "12"}"#).unwrap();
+    assert_eq!(stats.non_numbers["num_device_alloc"], r#""12""#);
+    assert!(!stats.figures.contains_key("num_device_alloc"));
+    // Strings alone are not a record.
+    assert!(ExpectedStats::from_json(json).is_err());
+    let (matches, check) = check_against(&json.replace("\"device\"", "\"wall_s\": 1, \"device\""));
+    assert_eq!(matches, Some(false));
+    assert_eq!(check.compared, 1);
+    assert_eq!(check.recorded, 2);
+    assert_eq!(
+        check.unreadable,
+        vec![("num_device_alloc".to_owned(), r#""12""#.to_owned())]
+    );
+}
+
+#[test]
 fn a_record_without_figures_is_an_error() {
     for json in ["{}", r#"{"device": "NVIDIA H200", "alloc_conf": ""}"#] {
         let message = refused(json);
