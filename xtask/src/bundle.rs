@@ -41,6 +41,8 @@ const TORCH_PLUGIN: (&str, &str, &str) = (
 
 /// The Python scripts of the plugin crate, relative to the workspace root.
 const TORCH_PYTHON_DIR: &str = "crates/torch-plugin/python";
+/// The plugin's C++ layer, compiled on the GPU host against its PyTorch.
+const TORCH_CPP_SOURCE: &str = "crates/torch-plugin/csrc/tensormem_allocator.cpp";
 
 /// Builds the bundle into `dir` (created if missing; files of an earlier bundle are replaced).
 pub(crate) fn build(dir: &Path) -> Result<()> {
@@ -150,19 +152,34 @@ fn bundle_torch_plugin(dir: &Path) -> Result<PathBuf> {
     let dest = torch_dir.join(file);
     fs::copy(&lib, &dest)
         .with_context(|| format!("could not copy {} to {}", lib.display(), dest.display()))?;
-    let python = crate::gpu_tests::workspace_root().join(TORCH_PYTHON_DIR);
-    for entry in
-        fs::read_dir(&python).with_context(|| format!("could not read {}", python.display()))?
-    {
+    let root = crate::gpu_tests::workspace_root();
+    copy_python(&root.join(TORCH_PYTHON_DIR), &torch_dir)?;
+    // The C++ layer's source, where the package looks for it (as in the wheel).
+    let csrc = torch_dir.join("tensormem_torch").join("csrc");
+    fs::create_dir_all(&csrc).with_context(|| format!("could not create {}", csrc.display()))?;
+    let source = root.join(TORCH_CPP_SOURCE);
+    let to = csrc.join(source.file_name().unwrap_or_default());
+    fs::copy(&source, &to)
+        .with_context(|| format!("could not copy {} to {}", source.display(), to.display()))?;
+    Ok(dest)
+}
+
+/// Copies the `.py` files of `from`, and of its folders (Python packages), into `to`.
+fn copy_python(from: &Path, to: &Path) -> Result<()> {
+    for entry in fs::read_dir(from).with_context(|| format!("could not read {}", from.display()))? {
         let path = entry?.path();
-        if path.extension().is_some_and(|e| e == "py") {
-            let to = torch_dir.join(path.file_name().unwrap_or_default());
-            fs::copy(&path, &to).with_context(|| {
-                format!("could not copy {} to {}", path.display(), to.display())
+        let dest = to.join(path.file_name().unwrap_or_default());
+        if path.is_dir() && path.file_name().is_some_and(|n| n != "__pycache__") {
+            fs::create_dir_all(&dest)
+                .with_context(|| format!("could not create {}", dest.display()))?;
+            copy_python(&path, &dest)?;
+        } else if path.extension().is_some_and(|e| e == "py") {
+            fs::copy(&path, &dest).with_context(|| {
+                format!("could not copy {} to {}", path.display(), dest.display())
             })?;
         }
     }
-    Ok(dest)
+    Ok(())
 }
 
 /// Runs `cargo <args> --release --message-format=json` with debug info off and stripping on, and returns

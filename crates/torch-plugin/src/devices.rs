@@ -37,7 +37,9 @@ pub(crate) fn allocator(device: c_int) -> Result<&'static Allocator> {
             return Ok(allocator);
         }
         let allocator = cuda::caching_allocator(Some(ordinal))?;
-        return Ok(*slot.get_or_init(|| allocator));
+        let allocator = *slot.get_or_init(|| allocator);
+        crate::native::attach_hooks(allocator);
+        return Ok(allocator);
     }
     Ok(cuda::caching_allocator(Some(ordinal))?)
 }

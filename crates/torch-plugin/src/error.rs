@@ -53,6 +53,29 @@ pub enum Error {
     /// A driver call made by the plugin itself failed.
     #[error(transparent)]
     Device(#[from] tensormem_cuda_alloc::DeviceError),
+    /// The C++ layer and this library disagree on a struct's layout (they come from different builds).
+    #[error(
+        "{what} is {got} bytes for the caller but {expected} bytes in libtensormem_torch.so: the C++ \
+         layer was built against another version of the library; rebuild it (tensormem_torch.install() \
+         rebuilds it when the library changes)"
+    )]
+    LayoutMismatch {
+        /// The struct.
+        what: &'static str,
+        /// Its size here.
+        expected: usize,
+        /// Its size for the caller.
+        got: usize,
+    },
+    /// An index past the end of a snapshot's list.
+    #[error("index {index} is past the end of the snapshot's list")]
+    IndexOutOfRange {
+        /// The index.
+        index: u64,
+    },
+    /// A CUDA IPC handle that is not one PyTorch or tensormem writes, or one of a kind not supported.
+    #[error("{0}")]
+    IpcHandle(String),
     /// Code under the plugin panicked; the panic was stopped at the C boundary.
     #[error("{call} panicked: {message}; this is a bug in tensormem, please report it")]
     Panicked {
@@ -61,6 +84,26 @@ pub enum Error {
         /// The panic's message.
         message: String,
     },
+}
+
+impl Error {
+    /// Whether this is an out-of-memory error (PyTorch raises `torch.OutOfMemoryError` for these).
+    #[must_use]
+    pub fn is_out_of_memory(&self) -> bool {
+        use tensormem_cuda_alloc::{DeviceError, Error as AllocError};
+        let alloc = match self {
+            Error::Alloc(e) => e,
+            Error::Cuda(tensormem::cuda::Error::Alloc(e)) => e,
+            Error::Device(DeviceError::OutOfMemory { .. }) => return true,
+            _ => return false,
+        };
+        matches!(
+            alloc,
+            AllocError::OutOfMemory(_)
+                | AllocError::TooLarge { .. }
+                | AllocError::Device(DeviceError::OutOfMemory { .. })
+        )
+    }
 }
 
 /// `Result` with the plugin's [`Error`].

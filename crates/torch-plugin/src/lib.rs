@@ -56,6 +56,7 @@ mod capture_mode;
 mod devices;
 mod error;
 mod hooks;
+pub mod native;
 mod stats;
 mod streams;
 

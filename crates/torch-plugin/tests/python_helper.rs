@@ -71,7 +71,9 @@ fn the_scripts_compile() {
     }
     let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
     for script in [
-        "tensormem_torch.py",
+        "tensormem_torch/__init__.py",
+        "real_clients.py",
+        "alloc_bench.py",
         "workloads.py",
         "torch_client.py",
         "step_bench.py",

@@ -52,30 +52,10 @@ impl<D: Device> CachingAllocator<D> {
                 message: "beginAllocateToPool: already recording to mempool_id",
             });
         }
-        {
-            let mut pools = self.private.lock();
-            match pools.get_mut(&pool) {
-                Some(p) if p.use_count > 0 => p.use_count += 1,
-                Some(_) => {
-                    return Err(Error::Pool {
-                        pool,
-                        message: "beginAllocateToPool: the pool was released by every capture",
-                    })
-                }
-                None => {
-                    pools.insert(
-                        pool,
-                        PrivatePool {
-                            use_count: 1,
-                            segments: 0,
-                            freeable: false,
-                            small_clock: Arc::new(AtomicU64::new(0)),
-                            large_clock: Arc::new(AtomicU64::new(0)),
-                        },
-                    );
-                }
-            }
-        }
+        self.create_or_incref_pool(pool).map_err(|_| Error::Pool {
+            pool,
+            message: "beginAllocateToPool: the pool was released by every capture",
+        })?;
         captures.push(Capture {
             pool,
             filter: Box::new(filter),
@@ -127,6 +107,50 @@ impl<D: Device> CachingAllocator<D> {
             p.freeable = true;
         }
         Ok(())
+    }
+
+    /// Makes private pool `pool` with one user, or adds a user to it if it exists (PyTorch's
+    /// `createOrIncrefPool`, called when a `torch.cuda.MemPool` is made). Each user gives the pool up
+    /// with [`release_pool`](Self::release_pool).
+    ///
+    /// # Errors
+    /// [`Error::Pool`] if the pool exists but every user released it (its memory is waiting to be
+    /// returned, and a released pool is never used again).
+    pub fn create_or_incref_pool(&self, pool: MempoolId) -> Result<()> {
+        let mut pools = self.private.lock();
+        match pools.get_mut(&pool) {
+            Some(p) if p.use_count > 0 => {
+                p.use_count += 1;
+                Ok(())
+            }
+            Some(_) => Err(Error::Pool {
+                pool,
+                message: "createOrIncrefPool: the pool was released by every user",
+            }),
+            None => {
+                pools.insert(
+                    pool,
+                    PrivatePool {
+                        use_count: 1,
+                        segments: 0,
+                        freeable: false,
+                        small_clock: Arc::new(AtomicU64::new(0)),
+                        large_clock: Arc::new(AtomicU64::new(0)),
+                    },
+                );
+                Ok(())
+            }
+        }
+    }
+
+    /// How many users hold private pool `pool` (PyTorch's `getPoolUseCount`); 0 for a pool that does
+    /// not exist or that every user released.
+    #[must_use]
+    pub fn pool_use_count(&self, pool: MempoolId) -> i64 {
+        self.private
+            .lock()
+            .get(&pool)
+            .map_or(0, |p| p.use_count.max(0))
     }
 
     /// Private pools that exist, with how many captures use each.

@@ -1,0 +1,573 @@
+// PyTorch's CUDA caching allocator interface (c10::cuda::CUDACachingAllocator::CUDAAllocator) on
+// tensormem. Built by tensormem_torch.py against the installed PyTorch; every method converts types,
+// calls one C function of libtensormem_torch.so (src/native/ in the crate) and turns a failure into
+// PyTorch's exception. No allocation policy lives here.
+
+#include <c10/core/Allocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace CCA = c10::cuda::CUDACachingAllocator;
+namespace CDA = c10::CachingDeviceAllocator;
+
+// The mirrors of the repr(C) structs of src/native/; the library checks each size on every call.
+struct TmStat {
+  int64_t current, peak, allocated, freed;
+};
+struct TmDeviceStats {
+  TmStat allocation[3], segment[3], active[3], inactive_split[3], allocated_bytes[3],
+      reserved_bytes[3], active_bytes[3], inactive_split_bytes[3], requested_bytes[3];
+  int64_t num_alloc_retries, num_ooms;
+  TmStat oversize_allocations, oversize_segments;
+  int64_t num_sync_all_streams, num_device_alloc, num_device_free, max_split_size;
+};
+struct TmTraceEntry {
+  int action, device;
+  uint64_t addr, size, stream;
+  int64_t time_us;
+};
+struct TmSegmentInfo {
+  int64_t device;
+  uint64_t address, total_size, requested_size, allocated_size, active_size, stream;
+  uint8_t is_large, is_expandable;
+  uint64_t pool_first, pool_second, block_count;
+};
+struct TmBlockInfo {
+  uint64_t size, requested_size;
+  uint8_t allocated, active;
+};
+struct TmConfigInfo {
+  double garbage_collection_threshold;
+  uint64_t max_split_size, pinned_num_register_threads;
+  uint8_t expandable_segments, release_lock_on_malloc, pinned_use_host_register,
+      graph_capture_record_stream_reuse;
+  const char* last_allocator_settings;
+  uint64_t roundup_power2_divisions[16];
+};
+struct TmSnapshot;
+struct TmCheckpoint;
+
+constexpr int TM_OK = 0;
+constexpr int TM_OUT_OF_MEMORY = 1;
+
+}  // namespace
+
+extern "C" {
+const char* tensormem_last_error();
+void tensormem_init(int device_count);
+int tensormem_malloc(size_t size, int device, cudaStream_t stream, void** out);
+int tensormem_raw_delete(void* ptr);
+int tensormem_record_stream_checked(void* ptr, int device, cudaStream_t stream);
+int tensormem_device_stats(int device, TmDeviceStats* out, size_t size);
+int tensormem_reset_accumulated_stats(int device);
+int tensormem_reset_peak_stats(int device);
+int tensormem_empty_cache_pool(uint64_t first, uint64_t second);
+int tensormem_cache_info(int device, size_t* largest);
+int tensormem_get_memory_fraction(int device, double* fraction);
+int tensormem_set_memory_fraction_checked(double fraction, int device);
+void* tensormem_base_alloc(void* ptr, size_t* size);
+int tensormem_pool_begin(int device, uint64_t first, uint64_t second,
+                         int (*filter)(void*, cudaStream_t), void (*drop)(void*), void* context);
+int tensormem_pool_end(int device, uint64_t first, uint64_t second);
+int tensormem_pool_release(int device, uint64_t first, uint64_t second);
+int tensormem_pool_create_or_incref(int device, uint64_t first, uint64_t second);
+int64_t tensormem_pool_use_count(int device, uint64_t first, uint64_t second);
+int tensormem_pool_check_live(int device, uint64_t first, uint64_t second, void* const* ptrs,
+                              size_t count);
+TmCheckpoint* tensormem_pool_checkpoint(int device, uint64_t first, uint64_t second);
+void tensormem_checkpoint_free(TmCheckpoint* checkpoint);
+int tensormem_pool_restore(int device, const TmCheckpoint* checkpoint, void (*freed)(void*, void*),
+                           void (*allocated)(void*, void*), void* context);
+TmSnapshot* tensormem_snapshot_take(uint64_t first, uint64_t second, int include_traces);
+uint64_t tensormem_snapshot_segment_count(const TmSnapshot* snapshot);
+int tensormem_snapshot_segment(const TmSnapshot* snapshot, uint64_t index, TmSegmentInfo* out,
+                               size_t size);
+int tensormem_snapshot_block(const TmSnapshot* snapshot, uint64_t segment, uint64_t block,
+                             TmBlockInfo* out, size_t size);
+int tensormem_snapshot_trace_devices(const TmSnapshot* snapshot);
+uint64_t tensormem_snapshot_trace_count(const TmSnapshot* snapshot, int device);
+int tensormem_snapshot_trace(const TmSnapshot* snapshot, int device, uint64_t index,
+                             TmTraceEntry* out, size_t size);
+int tensormem_snapshot_config(const TmSnapshot* snapshot, TmConfigInfo* out, size_t size);
+void tensormem_snapshot_free(TmSnapshot* snapshot);
+int tensormem_history(int enabled, size_t max_entries);
+int tensormem_history_enabled();
+int tensormem_attach_trace_tracker(void (*f)(const TmTraceEntry*));
+int tensormem_set_oom_observer(void (*f)(int, uint64_t, uint64_t, uint64_t));
+int tensormem_set_free_memory_hook(int (*f)());
+int tensormem_ipc_share(void* ptr, uint8_t* out, ptrdiff_t* offset);
+int tensormem_ipc_open(const uint8_t* handle, size_t len, int device, void** out);
+int tensormem_ipc_close(void* ptr);
+}
+
+namespace {
+
+std::string last_error() {
+  const char* message = tensormem_last_error();
+  return message ? std::string(message) : std::string("(no message)");
+}
+
+// Raises PyTorch's exception for a failed call: torch.OutOfMemoryError or RuntimeError.
+void check(int rc, const char* what) {
+  if (rc == TM_OK) return;
+  if (rc == TM_OUT_OF_MEMORY) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, last_error());
+  }
+  TORCH_CHECK(false, "tensormem: ", what, " failed: ", last_error());
+}
+
+void delete_ptr(void* ptr) {
+  // A deleter cannot throw: PyTorch calls it from destructors.
+  if (tensormem_raw_delete(ptr) != TM_OK) {
+    std::fprintf(stderr, "tensormem: freeing %p failed: %s\n", ptr, last_error().c_str());
+  }
+}
+
+CDA::Stat stat(const TmStat& s) {
+  CDA::Stat out;
+  out.current = s.current;
+  out.peak = s.peak;
+  out.allocated = s.allocated;
+  out.freed = s.freed;
+  return out;
+}
+
+void stat_array(CDA::StatArray& out, const TmStat (&in)[3]) {
+  for (size_t i = 0; i < 3; ++i) out[i] = stat(in[i]);
+}
+
+std::mutex hooks_mutex;
+std::vector<CCA::OutOfMemoryObserver> oom_observers;
+std::vector<CCA::AllocatorTraceTracker> trace_trackers;
+
+void oom_fanout(int device, uint64_t size, uint64_t total, uint64_t free_bytes) {
+  std::vector<CCA::OutOfMemoryObserver> observers;
+  {
+    std::lock_guard<std::mutex> lock(hooks_mutex);
+    observers = oom_observers;
+  }
+  for (auto& observer : observers) observer(device, size, total, free_bytes);
+}
+
+CDA::TraceEntry::Action action_of(int action) {
+  return static_cast<CDA::TraceEntry::Action>(action);
+}
+
+void trace_fanout(const TmTraceEntry* e) {
+  CDA::TraceEntry entry(action_of(e->action), static_cast<c10::DeviceIndex>(e->device), e->addr,
+                        e->size, reinterpret_cast<void*>(e->stream), {0, 0}, 0);
+  entry.time_.t_ = static_cast<time_t>(e->time_us);
+  std::lock_guard<std::mutex> lock(hooks_mutex);
+  for (auto& tracker : trace_trackers) tracker(entry);
+}
+
+int run_free_memory_callbacks() {
+  bool freed = false;
+  for (const auto& name : c10::FreeCudaMemoryCallbacksRegistry()->Keys()) {
+    freed |= c10::FreeCudaMemoryCallbacksRegistry()->Create(name)->Execute();
+  }
+  return freed ? 1 : 0;
+}
+
+using Filter = std::function<bool(cudaStream_t)>;
+
+int call_filter(void* context, cudaStream_t stream) {
+  return (*static_cast<Filter*>(context))(stream) ? 1 : 0;
+}
+
+void drop_filter(void* context) { delete static_cast<Filter*>(context); }
+
+struct CheckpointState : CCA::AllocatorState {
+  explicit CheckpointState(TmCheckpoint* c) : checkpoint(c) {}
+  ~CheckpointState() override { tensormem_checkpoint_free(checkpoint); }
+  TmCheckpoint* checkpoint;
+};
+
+struct Restore {
+  CCA::CheckpointDelta delta;
+  c10::DeviceIndex device;
+};
+
+void restored_freed(void* context, void* ptr) {
+  static_cast<Restore*>(context)->delta.ptrs_freed.push_back(ptr);
+}
+
+void restored_allocated(void* context, void* ptr) {
+  auto* restore = static_cast<Restore*>(context);
+  restore->delta.dataptrs_allocd.emplace_back(
+      ptr, ptr, &delete_ptr, c10::Device(c10::DeviceType::CUDA, restore->device));
+}
+
+class TensormemAllocator final : public CCA::CUDAAllocator {
+ public:
+  c10::DataPtr allocate(size_t size) override {
+    c10::DeviceIndex device = c10::cuda::current_device();
+    void* ptr = nullptr;
+    if (size != 0) {
+      cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+      check(tensormem_malloc(size, device, stream, &ptr), "allocate");
+    }
+    return {ptr, ptr, &delete_ptr, c10::Device(c10::DeviceType::CUDA, device)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &delete_ptr; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
+  }
+
+  void* raw_alloc(size_t nbytes) override {
+    c10::DeviceIndex device = c10::cuda::current_device();
+    return raw_alloc_with_stream(nbytes, c10::cuda::getCurrentCUDAStream(device).stream());
+  }
+
+  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    void* ptr = nullptr;
+    check(tensormem_malloc(nbytes, c10::cuda::current_device(), stream, &ptr), "raw_alloc");
+    return ptr;
+  }
+
+  void raw_delete(void* ptr) override { check(tensormem_raw_delete(ptr), "raw_delete"); }
+
+  void init(int device_count) override {
+    tensormem_init(device_count);
+    initialized_ = true;
+  }
+
+  bool initialized() override { return initialized_; }
+
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    double fraction = 1.0;
+    check(tensormem_get_memory_fraction(device, &fraction), "getMemoryFraction");
+    return fraction;
+  }
+
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+    check(tensormem_set_memory_fraction_checked(fraction, device), "setMemoryFraction");
+  }
+
+  std::vector<CCA::StreamSegmentSize> getExpandableSegmentSizes(
+      c10::DeviceIndex device) override {
+    std::vector<CCA::StreamSegmentSize> sizes;
+    for_each_segment({0, 0}, [&](const TmSegmentInfo& s, TmSnapshot*, uint64_t) {
+      if (s.is_expandable && s.device == device) {
+        sizes.emplace_back(reinterpret_cast<cudaStream_t>(s.stream), !s.is_large, s.total_size);
+      }
+    });
+    return sizes;
+  }
+
+  void emptyCache(c10::MempoolId_t mempool_id) override {
+    check(tensormem_empty_cache_pool(mempool_id.first, mempool_id.second), "emptyCache");
+  }
+
+  void enable(bool value) override { enabled_ = value; }
+  bool isEnabled() const override { return enabled_; }
+
+  void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
+    check(tensormem_cache_info(device, largestBlock), "cacheInfo");
+  }
+
+  void* getBaseAllocation(void* ptr, size_t* size) override {
+    void* base = tensormem_base_alloc(ptr, size);
+    TORCH_CHECK(base != nullptr, "tensormem: getBaseAllocation failed: ", last_error());
+    return base;
+  }
+
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
+    if (!ptr.get() || ptr.get_deleter() != &delete_ptr) return;
+    check(tensormem_record_stream_checked(ptr.get(), ptr.device().index(), stream.stream()),
+          "recordStream");
+  }
+
+  CDA::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    TmDeviceStats s{};
+    check(tensormem_device_stats(device, &s, sizeof s), "getDeviceStats");
+    CDA::DeviceStats out;
+    stat_array(out.allocation, s.allocation);
+    stat_array(out.segment, s.segment);
+    stat_array(out.active, s.active);
+    stat_array(out.inactive_split, s.inactive_split);
+    stat_array(out.allocated_bytes, s.allocated_bytes);
+    stat_array(out.reserved_bytes, s.reserved_bytes);
+    stat_array(out.active_bytes, s.active_bytes);
+    stat_array(out.inactive_split_bytes, s.inactive_split_bytes);
+    stat_array(out.requested_bytes, s.requested_bytes);
+    out.num_alloc_retries = s.num_alloc_retries;
+    out.num_ooms = s.num_ooms;
+    out.oversize_allocations = stat(s.oversize_allocations);
+    out.oversize_segments = stat(s.oversize_segments);
+    out.num_sync_all_streams = s.num_sync_all_streams;
+    out.num_device_alloc = s.num_device_alloc;
+    out.num_device_free = s.num_device_free;
+    out.max_split_size = s.max_split_size;
+    return out;
+  }
+
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    check(tensormem_reset_accumulated_stats(device), "resetAccumulatedStats");
+  }
+
+  void resetPeakStats(c10::DeviceIndex device) override {
+    check(tensormem_reset_peak_stats(device) == 0 ? TM_OK : -1, "resetPeakStats");
+  }
+
+  CCA::SnapshotInfo snapshot(c10::MempoolId_t mempool_id, bool include_traces) override {
+    CCA::SnapshotInfo info;
+    TmSnapshot* snap = take(mempool_id, include_traces);
+    std::unique_ptr<TmSnapshot, void (*)(TmSnapshot*)> owned(snap, &tensormem_snapshot_free);
+    uint64_t segments = tensormem_snapshot_segment_count(snap);
+    for (uint64_t i = 0; i < segments; ++i) {
+      TmSegmentInfo s{};
+      check(tensormem_snapshot_segment(snap, i, &s, sizeof s), "snapshot");
+      info.segments.push_back(segment_info(snap, i, s));
+    }
+    int devices = tensormem_snapshot_trace_devices(snap);
+    info.device_traces.resize(devices);
+    for (int d = 0; d < devices; ++d) {
+      uint64_t count = tensormem_snapshot_trace_count(snap, d);
+      auto& trace = info.device_traces[d];
+      trace.reserve(count);
+      for (uint64_t k = 0; k < count; ++k) {
+        TmTraceEntry e{};
+        check(tensormem_snapshot_trace(snap, d, k, &e, sizeof e), "snapshot");
+        trace.emplace_back(action_of(e.action), static_cast<c10::DeviceIndex>(e.device), e.addr,
+                           e.size, reinterpret_cast<void*>(e.stream), c10::MempoolId_t{0, 0}, 0);
+        trace.back().time_.t_ = static_cast<time_t>(e.time_us);
+      }
+    }
+    TmConfigInfo c{};
+    check(tensormem_snapshot_config(snap, &c, sizeof c), "snapshot");
+    auto& m = info.config_metadata;
+    m.garbage_collection_threshold = c.garbage_collection_threshold;
+    m.max_split_size = c.max_split_size;
+    m.pinned_num_register_threads = c.pinned_num_register_threads;
+    m.expandable_segments = c.expandable_segments != 0;
+    m.release_lock_on_malloc = c.release_lock_on_malloc != 0;
+    m.pinned_use_host_register = c.pinned_use_host_register != 0;
+    m.graph_capture_record_stream_reuse = c.graph_capture_record_stream_reuse != 0;
+    m.last_allocator_settings = c.last_allocator_settings ? c.last_allocator_settings : "";
+    m.roundup_power2_divisions.assign(std::begin(c.roundup_power2_divisions),
+                                      std::end(c.roundup_power2_divisions));
+    return info;
+  }
+
+  void beginAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id,
+                           std::function<bool(cudaStream_t)> filter) override {
+    auto* context = new Filter(std::move(filter));
+    // The library owns the context from here on, and destroys it on failure too.
+    check(tensormem_pool_begin(device, mempool_id.first, mempool_id.second, &call_filter,
+                               &drop_filter, context),
+          "beginAllocateToPool");
+  }
+
+  void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override {
+    check(tensormem_pool_end(device, mempool_id.first, mempool_id.second), "endAllocateToPool");
+  }
+
+  void releasePool(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override {
+    check(tensormem_pool_release(device, mempool_id.first, mempool_id.second), "releasePool");
+  }
+
+  int getPoolUseCount(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override {
+    int64_t count = tensormem_pool_use_count(device, mempool_id.first, mempool_id.second);
+    TORCH_CHECK(count >= 0, "tensormem: getPoolUseCount failed: ", last_error());
+    return static_cast<int>(count);
+  }
+
+  void createOrIncrefPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id,
+                          std::shared_ptr<CCA::CUDAAllocator> allocator) override {
+    TORCH_CHECK(allocator == nullptr,
+                "tensormem: a torch.cuda.MemPool with its own allocator is not supported while "
+                "tensormem is PyTorch's allocator; make the MemPool without an allocator (its "
+                "memory then comes from tensormem)");
+    check(tensormem_pool_create_or_incref(device, mempool_id.first, mempool_id.second),
+          "createOrIncrefPool");
+  }
+
+  void setUseOnOOM(c10::DeviceIndex, c10::MempoolId_t, bool use_on_oom) override {
+    // PyTorch turns the option off for every pool it destroys: that is always granted.
+    TORCH_CHECK(!use_on_oom,
+                "tensormem does not support torch.cuda.MemPool(use_on_oom=True) yet; make the "
+                "pool without use_on_oom");
+  }
+
+  void setNoSplit(c10::DeviceIndex, c10::MempoolId_t) override {
+    TORCH_CHECK(false,
+                "tensormem does not support torch.cuda.MemPool(no_split=True) yet; make the pool "
+                "without no_split");
+  }
+
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::MempoolId_t mempool_id,
+                                const std::unordered_set<void*>& expected) override {
+    std::vector<void*> ptrs(expected.begin(), expected.end());
+    int rc = tensormem_pool_check_live(device, mempool_id.first, mempool_id.second, ptrs.data(),
+                                       ptrs.size());
+    TORCH_CHECK(rc >= 0, "tensormem: checkPoolLiveAllocations failed: ", last_error());
+    return rc == 1;
+  }
+
+  CCA::ShareableHandle shareIpcHandle(void* ptr) override {
+    uint8_t bytes[66];
+    ptrdiff_t offset = 0;
+    check(tensormem_ipc_share(ptr, bytes, &offset), "shareIpcHandle");
+    return {offset, std::string(reinterpret_cast<const char*>(bytes), sizeof bytes)};
+  }
+
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    void* ptr = nullptr;
+    check(tensormem_ipc_open(reinterpret_cast<const uint8_t*>(handle.data()), handle.size(),
+                             c10::cuda::current_device(), &ptr),
+          "getIpcDevPtr");
+    return std::shared_ptr<void>(ptr, [](void* p) {
+      if (tensormem_ipc_close(p) != TM_OK) {
+        std::fprintf(stderr, "tensormem: closing IPC memory %p failed: %s\n", p,
+                     last_error().c_str());
+      }
+    });
+  }
+
+  bool isHistoryEnabled() override { return tensormem_history_enabled() != 0; }
+
+  void recordHistory(bool enabled, CCA::CreateContextFn, size_t alloc_trace_max_entries,
+                     CCA::RecordContext, bool, const std::vector<std::string>&) override {
+    check(tensormem_history(enabled ? 1 : 0, alloc_trace_max_entries), "recordHistory");
+  }
+
+  void attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) override {
+    std::lock_guard<std::mutex> lock(hooks_mutex);
+    oom_observers.push_back(std::move(observer));
+  }
+
+  void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker tracker) override {
+    {
+      std::lock_guard<std::mutex> lock(hooks_mutex);
+      trace_trackers.push_back(std::move(tracker));
+    }
+    check(tensormem_attach_trace_tracker(&trace_fanout), "attachAllocatorTraceTracker");
+  }
+
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+    c10::cuda::CUDAGuard guard(dev);
+    cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();
+      return;
+    }
+    C10_CUDA_CHECK(err);
+  }
+
+  cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice, size_t count,
+                          cudaStream_t stream, bool p2p_enabled) override {
+    if (p2p_enabled || dstDevice == srcDevice) {
+      return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    }
+    return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
+  }
+
+  std::shared_ptr<CCA::AllocatorState> getCheckpointState(c10::DeviceIndex device,
+                                                          c10::MempoolId_t id) override {
+    TmCheckpoint* checkpoint = tensormem_pool_checkpoint(device, id.first, id.second);
+    TORCH_CHECK(checkpoint != nullptr, "tensormem: getCheckpointState failed: ", last_error());
+    return std::make_shared<CheckpointState>(checkpoint);
+  }
+
+  CCA::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
+                                              std::shared_ptr<CCA::AllocatorState> pps) override {
+    auto state = std::dynamic_pointer_cast<CheckpointState>(pps);
+    TORCH_CHECK(state != nullptr,
+                "tensormem: setCheckpointPoolState was given a state tensormem did not make");
+    Restore restore{{}, device};
+    check(tensormem_pool_restore(device, state->checkpoint, &restored_freed, &restored_allocated,
+                                 &restore),
+          "setCheckpointPoolState");
+    return std::move(restore.delta);
+  }
+
+  std::string name() override { return "tensormem"; }
+
+ private:
+  TmSnapshot* take(c10::MempoolId_t mempool_id, bool include_traces) {
+    TmSnapshot* snap =
+        tensormem_snapshot_take(mempool_id.first, mempool_id.second, include_traces ? 1 : 0);
+    TORCH_CHECK(snap != nullptr, "tensormem: snapshot failed: ", last_error());
+    return snap;
+  }
+
+  template <typename F>
+  void for_each_segment(c10::MempoolId_t pool, F f) {
+    TmSnapshot* snap = take(pool, false);
+    std::unique_ptr<TmSnapshot, void (*)(TmSnapshot*)> owned(snap, &tensormem_snapshot_free);
+    uint64_t segments = tensormem_snapshot_segment_count(snap);
+    for (uint64_t i = 0; i < segments; ++i) {
+      TmSegmentInfo s{};
+      check(tensormem_snapshot_segment(snap, i, &s, sizeof s), "snapshot");
+      f(s, snap, i);
+    }
+  }
+
+  CDA::SegmentInfo segment_info(TmSnapshot* snap, uint64_t index, const TmSegmentInfo& s) {
+    CDA::SegmentInfo out;
+    out.device = static_cast<c10::DeviceIndex>(s.device);
+    out.address = s.address;
+    out.total_size = s.total_size;
+    out.requested_size = s.requested_size;
+    out.allocated_size = s.allocated_size;
+    out.active_size = s.active_size;
+    out.stream = reinterpret_cast<void*>(s.stream);
+    out.is_large = s.is_large != 0;
+    out.is_expandable = s.is_expandable != 0;
+    out.owner_private_pool_id = {s.pool_first, s.pool_second};
+    out.blocks.reserve(s.block_count);
+    for (uint64_t j = 0; j < s.block_count; ++j) {
+      TmBlockInfo b{};
+      check(tensormem_snapshot_block(snap, index, j, &b, sizeof b), "snapshot");
+      CDA::BlockInfo block;
+      block.size = b.size;
+      block.requested_size = b.requested_size;
+      block.allocated = b.allocated != 0;
+      block.active = b.active != 0;
+      out.blocks.push_back(std::move(block));
+    }
+    return out;
+  }
+
+  bool initialized_ = false;
+  bool enabled_ = true;
+};
+
+}  // namespace
+
+// Makes tensormem PyTorch's CUDA allocator. Returns 0, or -1 with the reason in `error` (at most
+// `error_len` bytes, NUL-terminated). Call before the first CUDA allocation.
+extern "C" int tensormem_torch_install(char* error, size_t error_len) {
+  try {
+    static std::shared_ptr<TensormemAllocator> instance = std::make_shared<TensormemAllocator>();
+    check(tensormem_set_oom_observer(&oom_fanout), "attachOutOfMemoryObserver");
+    check(tensormem_set_free_memory_hook(&run_free_memory_callbacks), "free-memory callbacks");
+    torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(instance);
+    return 0;
+  } catch (const std::exception& e) {
+    if (error != nullptr && error_len > 0) {
+      std::snprintf(error, error_len, "%s", e.what());
+    }
+    return -1;
+  }
+}

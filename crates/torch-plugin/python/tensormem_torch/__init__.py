@@ -1,0 +1,264 @@
+"""PyTorch on tensormem's CUDA caching allocator.
+
+``install()`` makes tensormem PyTorch's CUDA allocator, before the first CUDA allocation::
+
+    import tensormem_torch
+    tensormem_torch.install()
+    ...                                   # run the model as usual
+    torch.cuda.memory_stats()             # tensormem's statistics, under PyTorch's keys
+
+By default tensormem replaces PyTorch's caching allocator as a whole: a small C++ layer
+(``csrc/tensormem_allocator.cpp``, shipped with this package) implements PyTorch's
+``c10::cuda::CUDACachingAllocator::CUDAAllocator`` interface on ``libtensormem_torch.so``. It is compiled
+against the installed PyTorch the first time (``torch.utils.cpp_extension``, a minute or so) and cached
+under ``$TENSORMEM_TORCH_CACHE`` (default ``~/.cache/tensormem_torch``), keyed by the PyTorch version,
+the C++ source and the library, so that upgrading either rebuilds it. Everything PyTorch's own allocator
+answers then works on tensormem: ``torch.cuda.memory_stats()``, ``memory._snapshot()``,
+``_dump_snapshot()``, CUDA graphs and ``torch.compile(mode="reduce-overhead")``, ``torch.cuda.MemPool``,
+``torch.OutOfMemoryError``, ``torch.multiprocessing`` sharing of CUDA tensors.
+
+Where the C++ layer cannot be compiled (no compiler, no CUDA headers), ``install(mode="auto")`` falls back
+to PyTorch's ``CUDAPluggableAllocator`` with a warning; ``mode="pluggable"`` asks for it. Its limits are
+PyTorch's: no ``memory_stats()`` (use ``plugin.stats()``), no ``MemPool`` or graph trees, and an
+out-of-memory error is fatal to the process.
+
+The library is found at ``$TENSORMEM_TORCH_LIB``, else inside this package, else beside it, else in the
+workspace's ``target/release`` or ``target/debug``.
+"""
+import ctypes
+import hashlib
+import json
+import os
+import warnings
+
+__all__ = ["Plugin", "install", "mem_pool", "find_library", "find_source", "build_extension", "HOOKS"]
+
+LIB_NAME = "libtensormem_torch.so"
+SOURCE_NAME = "tensormem_allocator.cpp"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# (setter of PyTorch's _CUDAPluggableAllocator, the function of the library it is given)
+HOOKS = (
+    ("set_init_fn", "tensormem_init"),
+    ("set_reset_fn", "tensormem_empty_cache"),
+    ("set_memory_fraction_fn", "tensormem_set_memory_fraction"),
+    ("set_base_alloc_fn", "tensormem_base_alloc"),
+    ("set_record_stream_fn", "tensormem_record_stream"),
+    ("set_begin_allocate_to_pool", "tensormem_begin_allocate_to_pool"),
+    ("set_end_allocate_to_pool_fn", "tensormem_end_allocate_to_pool"),
+    ("set_release_pool", "tensormem_release_pool"),
+)
+
+
+def _first_file(candidates, what, hint):
+    for path in candidates:
+        if os.path.isfile(path):
+            return os.path.abspath(path)
+    raise FileNotFoundError(f"{what} not found (looked at {', '.join(candidates)}): {hint}")
+
+
+def find_library():
+    """The path of libtensormem_torch.so: $TENSORMEM_TORCH_LIB, in or beside this package, or a cargo build."""
+    env = os.environ.get("TENSORMEM_TORCH_LIB")
+    if env:
+        if not os.path.isfile(env):
+            raise FileNotFoundError(f"TENSORMEM_TORCH_LIB={env} is not a file")
+        return os.path.abspath(env)
+    candidates = [os.path.join(HERE, LIB_NAME), os.path.join(HERE, "..", LIB_NAME)]
+    crate = os.path.normpath(os.path.join(HERE, "..", ".."))
+    root = os.path.normpath(os.path.join(crate, "..", ".."))
+    target = os.environ.get("CARGO_TARGET_DIR", os.path.join(root, "target"))
+    candidates += [os.path.join(target, profile, LIB_NAME) for profile in ("release", "debug")]
+    return _first_file(candidates, LIB_NAME,
+                       "build it with `cargo build --release -p tensormem-torch`, install the wheel "
+                       "(`pip install crates/torch-plugin`) or set TENSORMEM_TORCH_LIB")
+
+
+def find_source():
+    """The path of the C++ layer's source: in this package (wheel) or in the crate (checkout)."""
+    crate = os.path.normpath(os.path.join(HERE, "..", ".."))
+    return _first_file([os.path.join(HERE, "csrc", SOURCE_NAME), os.path.join(crate, "csrc", SOURCE_NAME)],
+                       SOURCE_NAME, "reinstall the package")
+
+
+def _cache_key(lib, source):
+    import torch
+    digest = hashlib.sha256()
+    digest.update(torch.__version__.encode())
+    digest.update(str(torch.version.cuda).encode())
+    with open(source, "rb") as f:
+        digest.update(f.read())
+    st = os.stat(lib)
+    digest.update(f"{os.path.realpath(lib)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+def build_extension(lib=None, verbose=False):
+    """Compiles the C++ layer against the installed PyTorch (once; cached) and returns its path."""
+    from torch.utils import cpp_extension
+    lib = lib or find_library()
+    source = find_source()
+    key = _cache_key(lib, source)
+    cache = os.environ.get("TENSORMEM_TORCH_CACHE",
+                           os.path.join(os.path.expanduser("~"), ".cache", "tensormem_torch"))
+    build_dir = os.path.join(cache, key)
+    os.makedirs(build_dir, exist_ok=True)
+    name = f"tensormem_torch_cpp_{key}"
+    out = os.path.join(build_dir, name + ".so")
+    if os.path.isfile(out):
+        return out
+    libdir = os.path.dirname(os.path.realpath(lib))
+    cpp_extension.load(
+        name=name,
+        sources=[source],
+        build_directory=build_dir,
+        extra_cflags=["-O2"],
+        extra_ldflags=[f"-L{libdir}", "-ltensormem_torch", f"-Wl,-rpath,{libdir}"],
+        with_cuda=True,
+        is_python_module=False,
+        verbose=verbose,
+    )
+    if not os.path.isfile(out):
+        raise RuntimeError(f"tensormem: building the C++ layer left no {out}")
+    return out
+
+
+class Plugin:
+    """The loaded library: statistics, snapshots and errors through ctypes, and the allocator."""
+
+    def __init__(self, path=None):
+        self.path = path or find_library()
+        # The C++ layer links the same library (by its soname): one library, one allocator.
+        self.lib = ctypes.CDLL(self.path)
+        lib = self.lib
+        lib.tensormem_memory_stats_json.restype = ctypes.c_void_p
+        lib.tensormem_memory_stats_json.argtypes = [ctypes.c_int]
+        lib.tensormem_string_free.restype = None
+        lib.tensormem_string_free.argtypes = [ctypes.c_void_p]
+        lib.tensormem_last_error.restype = ctypes.c_char_p
+        lib.tensormem_last_error.argtypes = []
+        lib.tensormem_reset_peak_stats.restype = ctypes.c_int
+        lib.tensormem_reset_peak_stats.argtypes = [ctypes.c_int]
+        lib.tensormem_dump_snapshot.restype = ctypes.c_int
+        lib.tensormem_dump_snapshot.argtypes = [ctypes.c_char_p]
+        lib.tensormem_record_history.restype = ctypes.c_int
+        lib.tensormem_record_history.argtypes = [ctypes.c_int, ctypes.c_size_t]
+        self._allocator = None
+        self.mode = None  # "native" or "pluggable" once installed
+        self.extension = None  # the C++ layer's path, in native mode
+        self.hooks = []  # the setters that were wired (pluggable mode)
+        self.missing_hooks = []  # the setters this PyTorch does not have (pluggable mode)
+
+    def last_error(self):
+        """The last error a call of the library met on this thread, or None."""
+        err = self.lib.tensormem_last_error()
+        return err.decode("utf-8", "replace") if err else None
+
+    def _check(self, rc, what):
+        if rc != 0:
+            raise RuntimeError(f"tensormem: {what} failed: {self.last_error()}")
+
+    def stats(self, device=None):
+        """tensormem's torch.cuda.memory_stats(device): a dict under PyTorch's flat keys."""
+        if device is None:
+            import torch
+            device = torch.cuda.current_device()
+        raw = self.lib.tensormem_memory_stats_json(int(device))
+        if not raw:
+            raise RuntimeError(f"tensormem: memory_stats({device}) failed: {self.last_error()}")
+        try:
+            return json.loads(ctypes.string_at(raw).decode("utf-8"))
+        finally:
+            self.lib.tensormem_string_free(raw)
+
+    def reset_peak_stats(self, device=None):
+        """torch.cuda.reset_peak_memory_stats(device) for tensormem."""
+        if device is None:
+            import torch
+            device = torch.cuda.current_device()
+        self._check(self.lib.tensormem_reset_peak_stats(int(device)), "reset_peak_stats")
+
+    def record_history(self, enabled=True, max_entries=100_000):
+        """torch.cuda.memory._record_memory_history for tensormem (every device)."""
+        self._check(self.lib.tensormem_record_history(1 if enabled else 0, max_entries), "record_history")
+
+    def dump_snapshot(self, path):
+        """torch.cuda.memory._dump_snapshot for tensormem: a pickle _memory_viz opens."""
+        self._check(self.lib.tensormem_dump_snapshot(os.fsencode(path)), "dump_snapshot")
+
+    def allocator(self):
+        """The torch.cuda.memory.CUDAPluggableAllocator on tensormem, with every hook PyTorch accepts."""
+        if self._allocator is not None:
+            return self._allocator
+        import torch
+        allocator = torch.cuda.memory.CUDAPluggableAllocator(self.path, "tensormem_alloc", "tensormem_free")
+        native = allocator.allocator()
+        for setter, function in HOOKS:
+            set_hook = getattr(native, setter, None)
+            if set_hook is None:
+                self.missing_hooks.append(setter)
+                continue
+            set_hook(ctypes.cast(getattr(self.lib, function), ctypes.c_void_p).value)
+            self.hooks.append(setter)
+        self._allocator = allocator
+        return allocator
+
+    def install_native(self, verbose=False):
+        """Makes tensormem PyTorch's whole CUDA allocator through the C++ layer (built if needed)."""
+        self.extension = build_extension(self.path, verbose=verbose)
+        ext = ctypes.CDLL(self.extension)
+        ext.tensormem_torch_install.restype = ctypes.c_int
+        ext.tensormem_torch_install.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        error = ctypes.create_string_buffer(4096)
+        if ext.tensormem_torch_install(error, len(error)) != 0:
+            raise RuntimeError(f"tensormem: installing the allocator failed: {error.value.decode(errors='replace')}")
+        self.mode = "native"
+        return self
+
+    def install_pluggable(self):
+        """Makes tensormem PyTorch's allocator through CUDAPluggableAllocator (the limited fallback)."""
+        import torch
+        torch.cuda.memory.change_current_allocator(self.allocator())
+        missing_graph = {"set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn"} & set(self.missing_hooks)
+        if missing_graph:
+            warnings.warn(f"this PyTorch has no {sorted(missing_graph)}: do not capture CUDA graphs "
+                          "on tensormem's allocator", RuntimeWarning)
+        self.mode = "pluggable"
+        return self
+
+    def install(self, mode="auto", verbose=False):
+        """Makes tensormem PyTorch's CUDA allocator (before the first CUDA allocation).
+
+        mode: "native" (the whole CUDAAllocator; fails if the C++ layer cannot be built), "pluggable"
+        (CUDAPluggableAllocator), or "auto" (native, else pluggable with a warning).
+        """
+        mode = os.environ.get("TENSORMEM_TORCH_MODE", mode)
+        if mode == "pluggable":
+            return self.install_pluggable()
+        if mode not in ("native", "auto"):
+            raise ValueError(f"mode must be 'auto', 'native' or 'pluggable', not {mode!r}")
+        try:
+            return self.install_native(verbose=verbose)
+        except Exception as e:  # noqa: BLE001 - the fallback says why
+            if mode == "native":
+                raise
+            warnings.warn(f"tensormem: the C++ allocator layer could not be used ({e}); falling back to "
+                          "CUDAPluggableAllocator, without memory_stats(), MemPool, graph trees or "
+                          "recoverable out-of-memory errors", RuntimeWarning)
+            return self.install_pluggable()
+
+    def mem_pool(self):
+        """A torch.cuda.MemPool whose segments come from tensormem (PyTorch's allocator caches them)."""
+        import torch
+        return torch.cuda.MemPool(self.allocator().allocator())
+
+
+def install(path=None, mode="auto", verbose=False):
+    """Loads the library and makes tensormem PyTorch's CUDA allocator; returns the Plugin."""
+    return Plugin(path).install(mode=mode, verbose=verbose)
+
+
+def mem_pool(path=None):
+    """A torch.cuda.MemPool on tensormem, PyTorch's allocator staying current; returns (Plugin, pool)."""
+    plugin = Plugin(path)
+    return plugin, plugin.mem_pool()

@@ -1,0 +1,420 @@
+//! The C functions behind the plugin's C++ layer (`csrc/tensormem_allocator.cpp`), which implements
+//! PyTorch's whole `c10::cuda::CUDACachingAllocator::CUDAAllocator` interface on them.
+//!
+//! Unlike the `CUDAPluggableAllocator` functions, every one of these reports failure through its
+//! result, so that the C++ layer can raise PyTorch's own exception: [`TM_OK`] for success,
+//! [`TM_OUT_OF_MEMORY`] for an out-of-memory error (raised as `torch.OutOfMemoryError`) and
+//! [`TM_ERROR`] for anything else (raised as `RuntimeError`); the message is then the thread's
+//! [`tensormem_last_error`](crate::tensormem_last_error). The C++ layer holds no policy: each of its
+//! methods converts types, calls one function here and turns a failure into an exception.
+//!
+//! The structs here are `repr(C)` and mirrored field for field in the C++ source, which checks their
+//! sizes at compile time.
+
+mod hooks;
+mod ipc;
+mod pools;
+mod snapshot;
+
+use std::ffi::{c_int, c_void};
+
+use cudarc::driver::sys;
+use tensormem_cuda_alloc::{DeviceAddress, Error as AllocError, MempoolId, StreamId};
+
+use crate::boundary::call;
+use crate::capture_mode;
+use crate::devices::{self, Allocator};
+use crate::error::{Error, Result};
+use crate::streams;
+
+pub use hooks::{
+    tensormem_attach_trace_tracker, tensormem_set_free_memory_hook, tensormem_set_oom_observer,
+    FreeMemoryFn, OomFn, TorchTraceEntry, TraceFn,
+};
+pub use ipc::{tensormem_ipc_close, tensormem_ipc_open, tensormem_ipc_share, HANDLE_LEN};
+pub use pools::{
+    tensormem_checkpoint_free, tensormem_pool_begin, tensormem_pool_check_live,
+    tensormem_pool_checkpoint, tensormem_pool_create_or_incref, tensormem_pool_end,
+    tensormem_pool_release, tensormem_pool_restore, tensormem_pool_use_count, DropFn, FilterFn,
+    PointerFn,
+};
+pub use snapshot::{
+    tensormem_history, tensormem_history_enabled, tensormem_snapshot_block,
+    tensormem_snapshot_config, tensormem_snapshot_free, tensormem_snapshot_segment,
+    tensormem_snapshot_segment_count, tensormem_snapshot_take, tensormem_snapshot_trace,
+    tensormem_snapshot_trace_count, tensormem_snapshot_trace_devices, TorchBlockInfo,
+    TorchConfigInfo, TorchSegmentInfo, TorchSnapshot,
+};
+
+/// The call succeeded.
+pub const TM_OK: c_int = 0;
+/// The call failed because device memory ran out (PyTorch raises `torch.OutOfMemoryError`).
+pub const TM_OUT_OF_MEMORY: c_int = 1;
+/// The call failed for another reason (see [`tensormem_last_error`](crate::tensormem_last_error)).
+pub const TM_ERROR: c_int = -1;
+
+/// Runs `body` at the C boundary, turning its result into a status code.
+pub(crate) fn status(name: &'static str, body: impl FnOnce() -> Result<()>) -> c_int {
+    let mut oom = false;
+    let ok = call(name, false, || match body() {
+        Ok(()) => Ok(true),
+        Err(error) => {
+            oom = error.is_out_of_memory();
+            Err(error)
+        }
+    });
+    match (ok, oom) {
+        (true, _) => TM_OK,
+        (false, true) => TM_OUT_OF_MEMORY,
+        (false, false) => TM_ERROR,
+    }
+}
+
+/// Attaches the C++ layer's hooks set so far to `allocator` (when the plugin first uses a device).
+pub(crate) fn attach_hooks(allocator: &'static Allocator) {
+    hooks::attach(allocator);
+}
+
+/// PyTorch's `MempoolId_t` halves as the allocator's pool id.
+pub(crate) fn pool_id(first: u64, second: u64) -> MempoolId {
+    MempoolId(first, second)
+}
+
+/// Allocates `size` bytes on `device` for use on `stream` into `*out` (PyTorch's `raw_alloc_with_stream`
+/// and the allocation behind `allocate`). A `size` of 0 gives null, as in PyTorch.
+///
+/// Returns [`TM_OK`], [`TM_OUT_OF_MEMORY`] with PyTorch's out-of-memory message as the last error, or
+/// [`TM_ERROR`]; `*out` is null on failure.
+///
+/// # Safety
+///
+/// `out` is valid for a write of one pointer; `stream` is as for [`crate::tensormem_alloc`].
+#[no_mangle]
+pub unsafe extern "C" fn tensormem_malloc(
+    size: usize,
+    device: c_int,
+    stream: sys::CUstream,
+    out: *mut *mut c_void,
+) -> c_int {
+    if out.is_null() {
+        return status("tensormem_malloc", || {
+            Err(Error::NullArgument { what: "out" })
+        });
+    }
+    // SAFETY: `out` is non-null and valid for writes (the caller's obligation).
+    unsafe { out.write(std::ptr::null_mut()) };
+    if size == 0 {
+        return TM_OK;
+    }
+    status("tensormem_malloc", || {
+        let allocator = devices::allocator(device)?;
+        let _relaxed = capture_mode::relaxed_while_capturing();
+        // SAFETY: `stream` is live and kept alive by its owner (the caller's obligation).
+        let ptr = unsafe {
+            streams::with_stream(allocator.device(), stream, |id| {
+                allocator.raw_alloc(size, id)
+            })
+        }?;
+        // SAFETY: as above.
+        unsafe { out.write(ptr.0 as *mut c_void) };
+        Ok(())
+    })
+}
+
+/// Frees `ptr`, handed out by [`tensormem_malloc`] on any device (PyTorch's `raw_delete` and the
+/// deleter of the `DataPtr`s it hands out). Null is ignored.
+///
+/// Returns [`TM_OK`], or [`TM_ERROR`] for a pointer no device's allocator handed out (nothing is
+/// freed then).
+///
+/// # Safety
+///
+/// No work still to be queued uses the memory.
+#[no_mangle]
+pub unsafe extern "C" fn tensormem_raw_delete(ptr: *mut c_void) -> c_int {
+    if ptr.is_null() {
+        return TM_OK;
+    }
+    status("tensormem_raw_delete", || {
+        let ptr = DeviceAddress(ptr as u64);
+        for allocator in devices::used() {
+            match allocator.raw_free(ptr) {
+                Err(AllocError::InvalidPointer { .. } | AllocError::ForeignAllocation { .. }) => {}
+                other => return Ok(other?),
+            }
+        }
+        Err(Error::UnknownPointer { ptr: ptr.0 })
+    })
+}
+
+/// Marks memory handed out by [`tensormem_malloc`] as used on `stream` too (PyTorch's `recordStream`).
+///
+/// # Safety
+///
+/// As [`crate::tensormem_record_stream`].
+#[no_mangle]
+pub unsafe extern "C" fn tensormem_record_stream_checked(
+    ptr: *mut c_void,
+    device: c_int,
+    stream: sys::CUstream,
+) -> c_int {
+    status("tensormem_record_stream", || {
+        let allocator = devices::allocator(device)?;
+        let ptr = DeviceAddress(ptr as u64);
+        // SAFETY: `stream` is live and kept alive (the caller's obligation).
+        unsafe {
+            streams::with_stream(allocator.device(), stream, |id| {
+                allocator.record_stream_ptr(ptr, id)
+            })
+        }
+    })
+}
+
+/// One `Stat` of PyTorch's `DeviceStats`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TorchStat {
+    /// Now.
+    pub current: i64,
+    /// The most since the last peak reset.
+    pub peak: i64,
+    /// Added in all.
+    pub allocated: i64,
+    /// Taken away in all.
+    pub freed: i64,
+}
+
+/// PyTorch's `StatArray`: all pools, the small pool, the large pool.
+pub type TorchStatArray = [TorchStat; 3];
+
+/// PyTorch's `c10::CachingDeviceAllocator::DeviceStats`, field for field.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TorchDeviceStats {
+    /// Allocations handed out.
+    pub allocation: TorchStatArray,
+    /// Segments from the device.
+    pub segment: TorchStatArray,
+    /// Active blocks.
+    pub active: TorchStatArray,
+    /// Inactive split blocks.
+    pub inactive_split: TorchStatArray,
+    /// Bytes handed out.
+    pub allocated_bytes: TorchStatArray,
+    /// Bytes reserved from the device.
+    pub reserved_bytes: TorchStatArray,
+    /// Bytes in active blocks.
+    pub active_bytes: TorchStatArray,
+    /// Bytes in inactive split blocks.
+    pub inactive_split_bytes: TorchStatArray,
+    /// Bytes asked for.
+    pub requested_bytes: TorchStatArray,
+    /// Device allocations retried after freeing the cache.
+    pub num_alloc_retries: i64,
+    /// Out-of-memory errors.
+    pub num_ooms: i64,
+    /// Oversize blocks handed out from the cache.
+    pub oversize_allocations: TorchStat,
+    /// Oversize segments allocated.
+    pub oversize_segments: TorchStat,
+    /// Synchronisations of every stream.
+    pub num_sync_all_streams: i64,
+    /// Device allocations.
+    pub num_device_alloc: i64,
+    /// Device frees.
+    pub num_device_free: i64,
+    /// The largest block size that may be split.
+    pub max_split_size: i64,
+}
+
+fn stat(s: tensormem_cuda_alloc::stats::Stat) -> TorchStat {
+    TorchStat {
+        current: s.current,
+        peak: s.peak,
+        allocated: s.allocated,
+        freed: s.freed,
+    }
+}
+
+fn array(a: tensormem_cuda_alloc::stats::StatArray) -> TorchStatArray {
+    [stat(a.all), stat(a.small_pool), stat(a.large_pool)]
+}
+
+impl From<tensormem_cuda_alloc::stats::MemoryStats> for TorchDeviceStats {
+    fn from(s: tensormem_cuda_alloc::stats::MemoryStats) -> Self {
+        Self {
+            allocation: array(s.allocation),
+            segment: array(s.segment),
+            active: array(s.active),
+            inactive_split: array(s.inactive_split),
+            allocated_bytes: array(s.allocated_bytes),
+            reserved_bytes: array(s.reserved_bytes),
+            active_bytes: array(s.active_bytes),
+            inactive_split_bytes: array(s.inactive_split_bytes),
+            requested_bytes: array(s.requested_bytes),
+            num_alloc_retries: s.num_alloc_retries,
+            num_ooms: s.num_ooms,
+            oversize_allocations: stat(s.oversize_allocations),
+            oversize_segments: stat(s.oversize_segments),
+            num_sync_all_streams: s.num_sync_all_streams,
+            num_device_alloc: s.num_device_alloc,
+            num_device_free: s.num_device_free,
+            max_split_size: s.max_split_size,
+        }
+    }
+}
+
+/// Writes `device`'s statistics into `*out` (PyTorch's `getDeviceStats`). `size` is
+/// `sizeof(TorchDeviceStats)` as the caller knows it, checked against this library's.
+///
+/// # Safety
+///
+/// `out` is valid for a write of `size` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn tensormem_device_stats(
+    device: c_int,
+    out: *mut TorchDeviceStats,
+    size: usize,
+) -> c_int {
+    status("tensormem_device_stats", || {
+        check_layout::<TorchDeviceStats>(out, size)?;
+        let stats = TorchDeviceStats::from(devices::allocator(device)?.memory_stats());
+        // SAFETY: `out` is non-null, of the right size (checked above) and valid for writes.
+        unsafe { out.write(stats) };
+        Ok(())
+    })
+}
+
+/// `Ok` if `out` is non-null and the caller's struct has this library's size.
+pub(crate) fn check_layout<T>(out: *const T, size: usize) -> Result<()> {
+    if out.is_null() {
+        return Err(Error::NullArgument { what: "out" });
+    }
+    if size != std::mem::size_of::<T>() {
+        return Err(Error::LayoutMismatch {
+            what: std::any::type_name::<T>(),
+            expected: std::mem::size_of::<T>(),
+            got: size,
+        });
+    }
+    Ok(())
+}
+
+/// Resets `device`'s accumulated counts (`allocated`, `freed`, retries, OOMs) to 0 (PyTorch's
+/// `resetAccumulatedStats`).
+#[no_mangle]
+pub extern "C" fn tensormem_reset_accumulated_stats(device: c_int) -> c_int {
+    status("tensormem_reset_accumulated_stats", || {
+        devices::allocator(device)?.reset_accumulated_stats();
+        Ok(())
+    })
+}
+
+/// Returns the cached free blocks of private pool (`first`, `second`) to the device, or those of
+/// every pool for `(0, 0)` (PyTorch's `emptyCache(mempool_id)`), on every device the plugin used.
+#[no_mangle]
+pub extern "C" fn tensormem_empty_cache_pool(first: u64, second: u64) -> c_int {
+    status("tensormem_empty_cache_pool", || {
+        let pool = pool_id(first, second);
+        for allocator in devices::used() {
+            if pool == MempoolId::DEFAULT {
+                allocator.empty_cache()?;
+            } else if allocator.private_pools().iter().any(|&(id, _)| id == pool) {
+                allocator.empty_pool_cache(pool)?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Writes into `*largest` the larger of `device`'s free memory and its largest cached block
+/// (PyTorch's `cacheInfo`, which cuDNN uses to size its workspace).
+///
+/// # Safety
+///
+/// `largest` is valid for a write of one `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn tensormem_cache_info(device: c_int, largest: *mut usize) -> c_int {
+    status("tensormem_cache_info", || {
+        if largest.is_null() {
+            return Err(Error::NullArgument { what: "largest" });
+        }
+        let bytes = devices::allocator(device)?.cache_info()?;
+        // SAFETY: non-null (checked above) and valid for writes (the caller's obligation).
+        unsafe { largest.write(usize::try_from(bytes).unwrap_or(usize::MAX)) };
+        Ok(())
+    })
+}
+
+/// Writes `device`'s memory fraction into `*fraction` (PyTorch's `getMemoryFraction`; 1.0 when none
+/// was set).
+///
+/// # Safety
+///
+/// `fraction` is valid for a write of one `double`.
+#[no_mangle]
+pub unsafe extern "C" fn tensormem_get_memory_fraction(device: c_int, fraction: *mut f64) -> c_int {
+    status("tensormem_get_memory_fraction", || {
+        if fraction.is_null() {
+            return Err(Error::NullArgument { what: "fraction" });
+        }
+        let value = devices::allocator(device)?.memory_fraction()?;
+        // SAFETY: non-null (checked above) and valid for writes (the caller's obligation).
+        unsafe { fraction.write(value) };
+        Ok(())
+    })
+}
+
+/// Limits `device`'s memory to `fraction` of it (PyTorch's `setMemoryFraction`).
+#[no_mangle]
+pub extern "C" fn tensormem_set_memory_fraction_checked(fraction: f64, device: c_int) -> c_int {
+    status("tensormem_set_memory_fraction", || {
+        devices::allocator(device)?.set_memory_fraction(fraction)?;
+        Ok(())
+    })
+}
+
+/// Writes `device`'s bytes handed out and reserved now into `*allocated` and `*reserved` (for
+/// PyTorch's memory profiler, told after each allocation and free).
+///
+/// # Safety
+///
+/// Both pointers are valid for a write of one `int64_t`.
+#[no_mangle]
+pub unsafe extern "C" fn tensormem_usage(
+    device: c_int,
+    allocated: *mut i64,
+    reserved: *mut i64,
+) -> c_int {
+    status("tensormem_usage", || {
+        if allocated.is_null() || reserved.is_null() {
+            return Err(Error::NullArgument {
+                what: "allocated or reserved",
+            });
+        }
+        let stats = devices::allocator(device)?.memory_stats();
+        // SAFETY: non-null (checked above) and valid for writes (the caller's obligation).
+        unsafe {
+            allocated.write(stats.allocated_bytes.all.current);
+            reserved.write(stats.reserved_bytes.all.current);
+        }
+        Ok(())
+    })
+}
+
+/// The allocator of the device whose memory holds `ptr`, among the devices the plugin used.
+pub(crate) fn owner(ptr: DeviceAddress) -> Result<&'static Allocator> {
+    for allocator in devices::used() {
+        match allocator.base_allocation(ptr) {
+            Ok(_) | Err(AllocError::ExpandableNotShareable { .. }) => return Ok(allocator),
+            Err(AllocError::InvalidPointer { .. }) => {}
+            Err(other) => return Err(other.into()),
+        }
+    }
+    Err(Error::UnknownPointer { ptr: ptr.0 })
+}
+
+/// The stream id the allocator uses for PyTorch's raw handle (for filters handed a stream back).
+pub(crate) fn raw_stream(id: StreamId) -> sys::CUstream {
+    id.0 as sys::CUstream
+}

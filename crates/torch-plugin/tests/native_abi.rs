@@ -1,0 +1,141 @@
+//! The C functions behind the C++ `CUDAAllocator` layer, at the boundary: every failure is a status
+//! code with a message (never a panic, never a pointer PyTorch would use), out-of-memory errors are
+//! told apart from other failures, layouts are checked, and a pool filter handed over is destroyed
+//! exactly once even when the call fails. Runs without a GPU.
+
+use std::ffi::{c_int, c_void, CStr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use tensormem_torch::native::{
+    tensormem_device_stats, tensormem_malloc, tensormem_pool_begin, tensormem_raw_delete,
+    tensormem_snapshot_free, tensormem_snapshot_segment_count, tensormem_snapshot_take,
+    TorchDeviceStats, TM_ERROR, TM_OK, TM_OUT_OF_MEMORY,
+};
+use tensormem_torch::{tensormem_last_error, Error};
+
+fn last_error() -> String {
+    let ptr = tensormem_last_error();
+    assert!(!ptr.is_null(), "a failed call keeps its message");
+    // SAFETY: non-null, NUL-terminated, valid until the next failure on this thread.
+    unsafe { CStr::from_ptr(ptr) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+#[test]
+fn status_codes_are_distinct() {
+    assert_ne!(TM_OK, TM_OUT_OF_MEMORY);
+    assert_ne!(TM_OK, TM_ERROR);
+    assert_ne!(TM_OUT_OF_MEMORY, TM_ERROR);
+}
+
+#[test]
+fn a_null_out_pointer_is_an_error_not_a_crash() {
+    // SAFETY: a null `out` is what is being tested; the stream is the default one.
+    let rc = unsafe { tensormem_malloc(1024, 0, std::ptr::null_mut(), std::ptr::null_mut()) };
+    assert_eq!(rc, TM_ERROR);
+    assert!(
+        last_error().contains("out is a null pointer"),
+        "{}",
+        last_error()
+    );
+}
+
+#[test]
+fn zero_bytes_give_null_without_touching_a_device() {
+    let mut out = 1usize as *mut c_void;
+    // SAFETY: `out` is a valid out-parameter.
+    let rc = unsafe { tensormem_malloc(0, 0, std::ptr::null_mut(), &mut out) };
+    assert_eq!(rc, TM_OK);
+    assert!(out.is_null());
+}
+
+#[test]
+fn a_failed_allocation_leaves_null_and_a_reason() {
+    if tensormem::cuda::device_count().is_ok_and(|n| n > 0) {
+        eprintln!("skipped: a GPU is here; this checks the failure path without one");
+        return;
+    }
+    let mut out = 1usize as *mut c_void;
+    // SAFETY: `out` is a valid out-parameter; the default stream.
+    let rc = unsafe { tensormem_malloc(4096, 0, std::ptr::null_mut(), &mut out) };
+    assert_eq!(rc, TM_ERROR, "no driver is not an out-of-memory error");
+    assert!(out.is_null());
+    assert!(!last_error().is_empty());
+}
+
+#[test]
+fn a_negative_device_is_refused() {
+    let mut out = std::ptr::null_mut();
+    // SAFETY: `out` is a valid out-parameter.
+    let rc = unsafe { tensormem_malloc(4096, -2, std::ptr::null_mut(), &mut out) };
+    assert_eq!(rc, TM_ERROR);
+    assert!(last_error().contains("device -2"), "{}", last_error());
+}
+
+#[test]
+fn a_pointer_nobody_handed_out_is_refused() {
+    // SAFETY: the pointer is not used, only looked up.
+    let rc = unsafe { tensormem_raw_delete(0xdead_0000 as *mut c_void) };
+    assert_eq!(rc, TM_ERROR);
+    assert!(last_error().contains("0xdead0000"), "{}", last_error());
+}
+
+#[test]
+fn device_stats_check_the_callers_layout() {
+    let mut stats = TorchDeviceStats::default();
+    // SAFETY: `stats` is valid for writes of its size; the size passed is wrong on purpose.
+    let rc = unsafe { tensormem_device_stats(0, &mut stats, 8) };
+    assert_eq!(rc, TM_ERROR);
+    assert!(last_error().contains("rebuild"), "{}", last_error());
+    // PyTorch's DeviceStats: 9 arrays of 3 stats of 4 int64, 6 int64 and 2 stats.
+    assert_eq!(
+        std::mem::size_of::<TorchDeviceStats>(),
+        (9 * 3 * 4 + 6 + 2 * 4) * 8
+    );
+}
+
+#[test]
+fn out_of_memory_errors_are_told_apart() {
+    let oom = Error::Device(tensormem_cuda_alloc::DeviceError::OutOfMemory { bytes: 1 << 40 });
+    assert!(oom.is_out_of_memory());
+    assert!(!Error::InvalidDevice { device: -1 }.is_out_of_memory());
+}
+
+#[test]
+fn a_snapshot_of_no_device_is_empty() {
+    let snapshot = tensormem_snapshot_take(0, 0, 1);
+    assert!(!snapshot.is_null(), "{}", last_error());
+    // SAFETY: a live snapshot, freed once.
+    unsafe {
+        assert_eq!(tensormem_snapshot_segment_count(snapshot), 0);
+        tensormem_snapshot_free(snapshot);
+    }
+}
+
+static DROPPED: AtomicUsize = AtomicUsize::new(0);
+
+unsafe extern "C" fn accept_all(_: *mut c_void, _: cudarc::driver::sys::CUstream) -> c_int {
+    1
+}
+
+unsafe extern "C" fn count_drop(_: *mut c_void) {
+    DROPPED.fetch_add(1, Ordering::SeqCst);
+}
+
+#[test]
+fn a_pool_filter_is_destroyed_once_when_the_pool_cannot_open() {
+    // SAFETY: the filter accepts any thread; its context is unused.
+    let rc = unsafe {
+        tensormem_pool_begin(
+            -1,
+            1,
+            0,
+            Some(accept_all),
+            Some(count_drop),
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(rc, TM_ERROR);
+    assert_eq!(DROPPED.load(Ordering::SeqCst), 1);
+}

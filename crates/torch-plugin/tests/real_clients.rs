@@ -1,0 +1,79 @@
+//! Ordinary PyTorch programs run natively and on tensormem (`python/real_clients.py`), each in fresh
+//! processes, with tensormem installed as PyTorch's whole `CUDAAllocator` (the C++ layer, compiled here
+//! against the installed PyTorch): outputs equal, and peak reserved bytes and device allocations equal
+//! where the workload is deterministic.
+//!
+//! Needs a GPU and `python3` with torch and torchvision; skipped (and says so) elsewhere, unless
+//! `TENSORMEM_REQUIRE_TORCH=1` / `TENSORMEM_REQUIRE_GPU=1`.
+
+mod common;
+
+use std::process::Command;
+
+use common::{library, prerequisites_met, scripts};
+
+fn real_client(workload: &str) {
+    if !prerequisites_met() {
+        return;
+    }
+    let out = Command::new("python3")
+        .arg(scripts().join("real_clients.py"))
+        .arg("--lib")
+        .arg(library())
+        .arg(workload)
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(
+        out.status.success() && stdout.contains(&format!("PASS {workload}")),
+        "real_clients.py {workload} ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_cnn_with_amp_and_grad_scaler() {
+    real_client("cnn_amp");
+}
+
+#[test]
+fn a_transformer_with_variable_lengths_and_checkpointing() {
+    real_client("transformer_varlen");
+}
+
+#[test]
+fn torch_compile_reduce_overhead_inference() {
+    real_client("compile_infer");
+}
+
+#[test]
+fn torch_compile_reduce_overhead_training() {
+    real_client("compile_train");
+}
+
+#[test]
+fn a_mem_pool_with_use_mem_pool() {
+    real_client("mempool");
+}
+
+#[test]
+fn an_out_of_memory_error_is_caught_and_recovered_from() {
+    real_client("oom");
+}
+
+#[test]
+fn side_stream_copies_from_pinned_memory_with_record_stream() {
+    real_client("streams");
+}
+
+#[test]
+fn cuda_tensors_travel_to_a_native_process_and_back() {
+    real_client("ipc");
+}
+
+#[test]
+fn memory_stats_and_snapshots_through_pytorch() {
+    real_client("stats_snapshot");
+}
