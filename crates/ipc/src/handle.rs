@@ -178,13 +178,18 @@ impl IpcHandle {
                 TORCH_CUDA_MALLOC => array(&tuple.handle[2..]),
                 TORCH_EXPANDABLE => {
                     return Err(Error::InvalidTuple {
-                        problem: "the handle is an expandable segment's, which tensormem-ipc cannot                                   open; share from an allocator with expandable_segments:False"
-                            .into(),
+                        problem:
+                            "the handle is an expandable segment's, which tensormem-ipc cannot \
+                                  open; share from an allocator with expandable_segments:False"
+                                .into(),
                     })
                 }
                 other => {
                     return Err(Error::InvalidTuple {
-                        problem: format!("unknown handle type {other:#04x} (version {})", tuple.handle[0]),
+                        problem: format!(
+                            "unknown handle type {other:#04x} (version {})",
+                            tuple.handle[0]
+                        ),
                     })
                 }
             },

@@ -88,8 +88,9 @@ pub enum Error {
 
     /// The file descriptor or path does not refer to a regular file or shared memory object.
     #[error(
-        "{object} is a {kind}, not a regular file or shared memory object; only fds of shared \
-         regions (memfd, shm_open, regular files) can be mapped"
+        "{object} is {} {kind}, not a regular file or shared memory object; only fds of shared \
+         regions (memfd, shm_open, regular files) can be mapped",
+        kind.article()
     )]
     WrongKind {
         /// The object.
@@ -361,6 +362,16 @@ pub enum ObjectKind {
     Unknown,
 }
 
+impl ObjectKind {
+    /// The indefinite article that goes before the kind's name (`an object of unknown type`).
+    fn article(self) -> &'static str {
+        match self {
+            Self::Unknown => "an",
+            _ => "a",
+        }
+    }
+}
+
 impl fmt::Display for ObjectKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
@@ -433,5 +444,23 @@ impl Error {
 impl From<Error> for io::Error {
     fn from(err: Error) -> Self {
         io::Error::new(err.kind(), err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wrong_kind_messages_take_the_right_article() {
+        let message = |kind| {
+            Error::WrongKind {
+                object: "fd 3".into(),
+                kind,
+            }
+            .to_string()
+        };
+        assert!(message(ObjectKind::Unknown).starts_with("fd 3 is an object of unknown type,"));
+        assert!(message(ObjectKind::Socket).starts_with("fd 3 is a socket,"));
     }
 }

@@ -58,6 +58,12 @@ fn children_forked_after_cuda_initialisation_refuse_cuda() {
         message.starts_with("Cannot re-initialize CUDA in forked subprocess"),
         "{message}"
     );
+    // Where the parent's attempt failed (no driver here), the message says so.
+    assert_eq!(
+        message.contains("that attempt failed"),
+        parent.is_err(),
+        "{message}"
+    );
 
     // The parent is unaffected.
     assert!(!cuda::is_in_bad_fork());

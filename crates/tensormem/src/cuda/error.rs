@@ -8,11 +8,8 @@ use tensormem_cuda_alloc::DeviceError;
 pub enum Error {
     /// This process is a `fork()` child of a process that had initialised CUDA: the driver's state is not
     /// usable here (PyTorch's bad-fork guard).
-    #[error(
-        "Cannot re-initialize CUDA in forked subprocess: this process was forked after its parent had \
-         initialised CUDA. Start workers that use CUDA as fresh processes (spawn, or fork then exec), or \
-         fork before the parent's first CUDA call"
-    )]
+    /// The message says when the parent's only attempt to initialise CUDA had failed.
+    #[error("{}", super::fork::forked_child_message())]
     ForkedChild,
     /// A device ordinal past the devices this process sees.
     #[error("invalid device ordinal {device}: this process sees {count} CUDA device(s), numbered from 0")]

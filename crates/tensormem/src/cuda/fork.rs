@@ -6,13 +6,45 @@
 //! point of the device API refuses with [`Error::ForkedChild`] in a marked child. Checking costs one
 //! relaxed atomic load.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Once;
 
 use super::error::{Error, Result};
 
 /// Set in a child forked after [`poison_fork`] ran in an ancestor.
 static IN_BAD_FORK: AtomicBool = AtomicBool::new(false);
+
+/// What the first CUDA initialisation of this process (or of the parent it was forked from, whose
+/// memory a child inherits) came to: [`NOT_TRIED`], [`FAILED`] or [`INITIALISED`].
+static ATTEMPT: AtomicU8 = AtomicU8::new(NOT_TRIED);
+const NOT_TRIED: u8 = 0;
+const FAILED: u8 = 1;
+const INITIALISED: u8 = 2;
+
+/// Records how an attempt to initialise CUDA ended (after [`poison_fork`]); a success stays recorded.
+pub(crate) fn record_attempt(initialised: bool) {
+    if initialised {
+        ATTEMPT.store(INITIALISED, Ordering::Relaxed);
+    } else {
+        let _ = ATTEMPT.compare_exchange(NOT_TRIED, FAILED, Ordering::Relaxed, Ordering::Relaxed);
+    }
+}
+
+/// The message of [`Error::ForkedChild`]: it says whether the parent's CUDA initialisation had
+/// failed (no driver, no device), in which case the refusal may surprise.
+pub(crate) fn forked_child_message() -> &'static str {
+    if ATTEMPT.load(Ordering::Relaxed) == FAILED {
+        "Cannot re-initialize CUDA in forked subprocess: this process was forked after its parent tried \
+         to initialise CUDA, and that attempt failed (no usable CUDA driver or device); the child is \
+         refused all the same, as PyTorch refuses it, because the parent touched CUDA. Start workers \
+         that use CUDA as fresh processes (spawn, or fork then exec), or fork before the parent's first \
+         CUDA call"
+    } else {
+        "Cannot re-initialize CUDA in forked subprocess: this process was forked after its parent had \
+         initialised CUDA. Start workers that use CUDA as fresh processes (spawn, or fork then exec), or \
+         fork before the parent's first CUDA call"
+    }
+}
 
 /// Runs in the child right after `fork()`; only stores an atomic (async-signal-safe).
 extern "C" fn forked_child() {

@@ -131,7 +131,9 @@ pub(crate) fn get() -> Result<&'static Registry> {
     }
     // As PyTorch's `poison_fork`: armed before the first driver call, whether or not it succeeds.
     fork::poison_fork();
-    let count = backend::device_count()?;
+    let count = backend::device_count();
+    fork::record_attempt(count.is_ok());
+    let count = count?;
     Ok(REGISTRY.get_or_init(|| Registry {
         devices: (0..count).map(|_| OnceLock::new()).collect(),
     }))
