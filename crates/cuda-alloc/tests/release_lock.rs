@@ -128,3 +128,29 @@ fn a_cache_hit_on_the_same_stream_does_not_wait_for_a_device_allocation() {
     alloc.check_invariants().unwrap();
     assert_eq!(alloc.memory_stats().segment.all.current, 2);
 }
+
+#[test]
+fn the_invariant_walk_allows_for_a_device_allocation_under_way() {
+    let (started_tx, started) = channel();
+    let (go, go_rx) = channel();
+    let device = GatedDevice {
+        sim: SimDevice::new(1 << 30),
+        started: Mutex::new(started_tx),
+        go: Mutex::new(go_rx),
+    };
+    let config = AllocatorConfig::parse("release_lock_on_cudamalloc:True").unwrap();
+    let alloc = Arc::new(CachingAllocator::with_config(device, config));
+    let s = StreamId(0);
+    let small = alloc.allocate(4096, s).unwrap();
+    let slow = {
+        let alloc = Arc::clone(&alloc);
+        std::thread::spawn(move || alloc.allocate(64 << 20, s).map(|a| a.size()))
+    };
+    started.recv().unwrap(); // the budget is raised and the device is allocating, unlocked
+    let during = alloc.check_invariants();
+    go.send(()).unwrap();
+    assert_eq!(slow.join().unwrap().unwrap(), 64 << 20);
+    during.unwrap();
+    alloc.check_invariants().unwrap();
+    alloc.free(small).unwrap();
+}

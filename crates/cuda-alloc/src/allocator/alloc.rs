@@ -560,7 +560,9 @@ impl<D: Device> Locked<'_, D> {
             // that other calls on this stream (frees, cache hits) need not wait for it. Nothing here
             // depends on the shard's state from before: the new block is inserted after the lock is
             // taken again, and pool indices never change.
+            counters.reserving.fetch_add(alloc_size as u64, Relaxed);
             let made = ShardGuard::unlocked(&mut self.st, malloc);
+            counters.reserving.fetch_sub(alloc_size as u64, Relaxed);
             // A free meanwhile may have parked a block.
             self.st.settle(&self.shard.figures);
             made

@@ -27,7 +27,9 @@ impl<D: Device> CachingAllocator<D> {
     /// neighbour links agree, free sets are sorted views of exactly the free blocks, no two free
     /// neighbours are left unmerged, pointer lookups find exactly the allocated blocks, and every
     /// statistic's current value equals what the blocks add up to. Meant for tests (it takes every
-    /// lock and visits every block).
+    /// lock and visits every block). It may run while another thread's device allocation is under
+    /// way without its stream's lock (`release_lock_on_cudamalloc`): the bytes of such allocations
+    /// are allowed for.
     ///
     /// # Errors
     /// The first violation found.
@@ -37,10 +39,14 @@ impl<D: Device> CachingAllocator<D> {
         for locked in &locks {
             reserved_total += check_shard(locked, self.settings.max_split_size())?;
         }
+        // Segments a call is allocating without its shard's lock (`release_lock_on_cudamalloc`)
+        // are counted already but in no shard yet.
         let counted = self.counters.reserved.load(Relaxed);
+        let reserving = self.counters.reserving.load(Relaxed);
         ensure!(
-            counted == reserved_total,
-            "reserved counter {counted} but segments add up to {reserved_total}"
+            counted == reserved_total + reserving,
+            "reserved counter {counted} but segments add up to {reserved_total} and device \
+             allocations under way to {reserving}"
         );
         let pending = self.events.lock().outstanding();
         ensure!(

@@ -236,6 +236,10 @@ impl Drop for Allocation {
 pub(crate) struct Counters {
     /// Bytes reserved from the device (PyTorch's `total_allocated_memory`).
     pub(crate) reserved: AtomicU64,
+    /// The part of `reserved` whose device allocation is under way without its shard's lock
+    /// (`release_lock_on_cudamalloc`): counted already, in no shard yet. Changed only under that
+    /// lock, so a walk holding every lock sees it agree with `reserved`.
+    pub(crate) reserving: AtomicU64,
     /// Whether a memory fraction is set, and the resulting limit.
     pub(crate) set_fraction: AtomicBool,
     pub(crate) allowed: AtomicU64,
