@@ -97,6 +97,8 @@ pub mod anon;
 pub mod channel;
 pub mod copy;
 mod error;
+#[cfg(all(test, not(loom)))]
+mod hostile_peer_tests;
 pub mod housekeeping;
 pub mod manager;
 pub mod mapping;

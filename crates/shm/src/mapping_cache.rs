@@ -13,7 +13,7 @@
 //! socket it is given: region messages and releases are ring messages (no system call while the
 //! other side is awake), the socket carries the fds of regions seen for the first time.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -24,6 +24,7 @@ use crate::channel::{Channel, ChannelOptions, ChannelReceiver, ChannelSender, MA
 use crate::error::{Error, Result};
 use crate::mapping::{Access, Mapping};
 use crate::pool::wire::{self, Kind, Record, MAX_POOL_USER_DATA, POOL_SLOTS};
+use crate::pool::MAX_LEASES;
 use crate::region::{MapOptions, SharedRegion};
 use crate::transfer::RecvOptions;
 
@@ -112,7 +113,11 @@ impl PoolReceiver {
         Ok(Self {
             rx,
             releases: Arc::new(Releases {
-                tx: Mutex::new(tx),
+                state: Mutex::new(ReleaseState {
+                    tx,
+                    backlog: VecDeque::new(),
+                    live: 0,
+                }),
                 producer_gone: AtomicBool::new(false),
             }),
             stashed: None,
@@ -129,10 +134,13 @@ impl PoolReceiver {
     /// # Errors
     ///
     /// [`Error::Disconnected`] once the producer is gone (every cached mapping is dropped then);
-    /// [`Error::Protocol`] for a malformed message, an id this end does not know, or a producer
-    /// that overfills the cache; the attach errors of a received fd ([`Error::WrongKind`],
-    /// [`Error::TooSmall`], [`Error::ForeignOwner`]).
+    /// [`Error::Protocol`] for a malformed message, an id this end does not know, a producer
+    /// that overfills the cache, or one that lends more than [`MAX_LEASES`] leases at once (a
+    /// correct producer never does: its [`send`](crate::pool::PoolSender::send) refuses; the
+    /// lease is not taken and not given back); the attach errors of a received fd
+    /// ([`Error::WrongKind`], [`Error::TooSmall`], [`Error::ForeignOwner`]).
     pub fn recv(&mut self) -> Result<Lease> {
+        self.releases.flush_backlog();
         loop {
             let got = match self.stashed.take() {
                 Some(message) => Ok(message),
@@ -147,6 +155,9 @@ impl PoolReceiver {
                 Err(err) => return Err(err),
             };
             let header = wire::decode(&message)?;
+            if header.kind != Kind::Forget {
+                self.check_lease_limit(header.id)?;
+            }
             let region = match (header.kind, fd) {
                 (Kind::Forget, None) => {
                     self.forget(header.id);
@@ -219,6 +230,7 @@ impl PoolReceiver {
             let mut user = [0u8; MAX_POOL_USER_DATA];
             let user_len = usize::from(header.user_len);
             user[..user_len].copy_from_slice(&message[MESSAGE_HEADER..MESSAGE_HEADER + user_len]);
+            self.releases.lease_taken();
             return Ok(Lease {
                 id: header.id,
                 len,
@@ -243,6 +255,7 @@ impl PoolReceiver {
     /// producer's end closing is not an error here: every cached mapping is dropped, and the next
     /// `recv` reports [`Error::Disconnected`].
     pub fn poll(&mut self) -> Result<usize> {
+        self.releases.flush_backlog();
         let before = self.stats.forgotten;
         while self.stashed.is_none() {
             let (fd, message) = match self.try_next_message() {
@@ -314,9 +327,33 @@ impl PoolReceiver {
             .map_owned_fd(fd, map_len, 0)
     }
 
-    /// A lease this end cannot honour: give it back at once so the producer's count stays true.
+    /// A lease this end cannot honour: give it back at once so the producer's count stays true
+    /// (never waiting: queued if the ring is full).
     fn refuse(&self, id: u64) {
-        let _ = self.releases.send(id);
+        let _ = self.releases.send(id, false);
+    }
+
+    /// Fails if the producer already has [`MAX_LEASES`] leases open on this connection, as it
+    /// counts them: leases this end holds, and releases the producer has not read yet. A
+    /// correct producer stays below (its count is never lower than this end's), so the
+    /// releases of every lease accepted always fit the ring and a drop never waits.
+    fn check_lease_limit(&self, id: u64) -> Result<()> {
+        let open = self.releases.open_leases()?;
+        if open >= MAX_LEASES {
+            tracing::warn!(
+                id,
+                open,
+                "pool producer lent more leases than a connection carries; message refused"
+            );
+            return Err(Error::Protocol {
+                problem: format!(
+                    "the producer lent region {id} with {open} leases already open on this \
+                     connection, the most it carries is {MAX_LEASES}; the producer is broken \
+                     or hostile (drop this receiver)"
+                ),
+            });
+        }
+        Ok(())
     }
 
     fn forget(&mut self, id: u64) {
@@ -349,19 +386,92 @@ impl AsFd for PoolReceiver {
 /// lease; the ring has one producer, so sends are serialised here), and whether the receiver
 /// has seen the producer gone.
 struct Releases {
-    tx: Mutex<ChannelSender>,
+    state: Mutex<ReleaseState>,
     producer_gone: AtomicBool,
 }
 
+/// What [`Releases`] guards.
+struct ReleaseState {
+    tx: ChannelSender,
+    /// Releases the ring had no room for, oldest first; sent before any other (never happens
+    /// with a correct producer: the lease limit keeps the ring from filling).
+    backlog: VecDeque<u64>,
+    /// Leases handed out and not given back yet.
+    live: usize,
+}
+
+impl ReleaseState {
+    /// Sends what the backlog holds while the ring has room, never waiting.
+    fn flush(&mut self) -> Result<()> {
+        while let Some(&id) = self.backlog.front() {
+            if !self
+                .tx
+                .try_send(&Record::Release { id }.encode())
+                .map_err(gone)?
+            {
+                break;
+            }
+            self.backlog.pop_front();
+        }
+        Ok(())
+    }
+}
+
 impl Releases {
-    /// Tells the producer that one lease on `id` is released. The ring never fills with
-    /// releases: the producer keeps at most as many leases open as it has slots.
-    fn send(&self, id: u64) -> Result<()> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ReleaseState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Tells the producer that one lease on `id` is released (`lease`: one this end handed
+    /// out, `false`: a message refused). Never waits: with the ring full (a producer that
+    /// does not read), the release is queued and sent by a later call.
+    fn send(&self, id: u64, lease: bool) -> Result<()> {
+        let mut state = self.lock();
+        if lease {
+            state.live = state.live.saturating_sub(1);
+        }
         if self.producer_gone.load(Ordering::Relaxed) {
+            state.backlog.clear();
             return Err(Error::Disconnected);
         }
-        let mut tx = self.tx.lock().unwrap_or_else(PoisonError::into_inner);
-        tx.send(&Record::Release { id }.encode()).map_err(gone)
+        state.flush()?;
+        if state.backlog.is_empty()
+            && state
+                .tx
+                .try_send(&Record::Release { id }.encode())
+                .map_err(gone)?
+        {
+            return Ok(());
+        }
+        state.backlog.push_back(id);
+        tracing::warn!(
+            id,
+            queued = state.backlog.len(),
+            "pool producer does not read releases; one queued to send later"
+        );
+        Ok(())
+    }
+
+    /// Sends queued releases while the ring has room (errors are the next send's to report).
+    fn flush_backlog(&self) {
+        let mut state = self.lock();
+        if !state.backlog.is_empty() && !self.producer_gone.load(Ordering::Relaxed) {
+            if let Err(err) = state.flush() {
+                tracing::debug!(error = %err, "could not send queued pool releases");
+            }
+        }
+    }
+
+    /// A lease was handed out.
+    fn lease_taken(&self) {
+        self.lock().live += 1;
+    }
+
+    /// Leases the producer counts open: held here, queued, or released and not yet read.
+    fn open_leases(&self) -> Result<usize> {
+        let mut state = self.lock();
+        let unread = state.tx.unread()? as usize;
+        Ok(state.live + state.backlog.len() + unread)
     }
 }
 
@@ -486,7 +596,9 @@ impl Lease {
     }
 
     /// Gives the lease back now, reporting a failure to tell the producer (dropping does the
-    /// same and only logs it).
+    /// same and only logs it). Never waits: if the producer has left the connection's release
+    /// ring full (it does not read), the release is queued and sent by the next release,
+    /// [`PoolReceiver::recv`] or [`PoolReceiver::poll`].
     ///
     /// # Errors
     ///
@@ -494,7 +606,7 @@ impl Lease {
     /// its sender, or its receiver has seen its process gone.
     pub fn release(mut self) -> Result<()> {
         self.released = true;
-        self.releases.send(self.id)
+        self.releases.send(self.id, true)
     }
 
     fn check(&self, offset: usize, len: usize) -> Result<()> {
@@ -512,7 +624,7 @@ impl Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         if !self.released {
-            if let Err(err) = self.releases.send(self.id) {
+            if let Err(err) = self.releases.send(self.id, true) {
                 tracing::debug!(id = self.id, error = %err, "could not release a pool lease (producer gone?)");
             }
         }

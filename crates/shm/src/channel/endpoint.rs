@@ -3,12 +3,12 @@
 
 use std::fmt;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use super::frame::{self, FD_MAGIC, FRAME_LEN};
+use super::frame::{self, FrameRead, FrameWait, FD_MAGIC, FRAME_LEN};
 use super::layout::{self, Memory, MAGIC, VERSION};
 use super::ring::{self, Consumer, Corrupt, Producer, Stop, WaitPlan, SLOT_FD};
 use super::{ChannelOptions, MAX_MESSAGE, MAX_SLOTS};
@@ -22,6 +22,9 @@ struct Shared {
     /// 0: the creator (sends on ring 0), 1: the acceptor.
     side: usize,
     liveness: Duration,
+    /// Set when the peer broke the protocol in a way that leaves the channel out of step (an
+    /// fd frame missing or short): every later call on either half fails with it.
+    broken: OnceLock<String>,
 }
 
 impl Shared {
@@ -41,6 +44,32 @@ impl Shared {
     /// The peer dropped its end, or its process closed the socket (one `poll`).
     fn peer_gone(&self) -> bool {
         self.peer_closed() || frame::hung_up(self.socket.as_fd())
+    }
+
+    /// Fails if an earlier protocol error closed this end.
+    fn check_broken(&self) -> Result<()> {
+        match self.broken.get() {
+            Some(problem) => Err(Error::Protocol {
+                problem: format!(
+                    "this channel end was closed after the peer broke the protocol ({problem})"
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Closes this end for good after the peer broke the protocol: the peer sees it closed
+    /// (its sends fail, its receives end), and every later call here fails with `problem`.
+    fn break_off(&self, problem: String) -> Error {
+        tracing::warn!(
+            problem = %problem,
+            "shared-memory channel peer broke the protocol; closing this end"
+        );
+        let _ = self.broken.set(problem.clone());
+        self.memory.closed(self.side).store(1, Ordering::SeqCst);
+        ring::wake_unconditionally(&self.send_ring().control.rx_sleep.0);
+        ring::wake_unconditionally(&self.recv_ring().control.tx_sleep.0);
+        Error::Protocol { problem }
     }
 
     fn plan(&self, spin: Duration, deadline: Option<Instant>) -> WaitPlan {
@@ -169,6 +198,17 @@ impl ChannelSender {
         self.producer.in_flight()
     }
 
+    /// Messages sent that the receiver has not taken yet, reading the receiver's index now
+    /// (exact at the moment of the read; [`in_flight`](Self::in_flight) may be stale).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ChannelCorrupt`] if the receiver's index is not one a correct peer writes.
+    pub fn unread(&mut self) -> Result<u32> {
+        let ring = self.shared.send_ring();
+        self.producer.unread(ring).map_err(corrupt)
+    }
+
     /// `false` once the other end is known to be gone: it dropped its end, or its socket
     /// reports a hang-up (one `poll`).
     pub fn is_peer_alive(&self) -> bool {
@@ -178,6 +218,13 @@ impl ChannelSender {
     /// The socket the channel was set up over (it carries the fds).
     pub fn socket(&self) -> BorrowedFd<'_> {
         self.shared.socket.as_fd()
+    }
+
+    /// Publishes `message` flagged "an fd follows on the socket" without sending the frame:
+    /// what a broken or hostile peer does.
+    #[cfg(test)]
+    pub(crate) fn push_claiming_fd(&mut self, message: &[u8]) -> Result<bool> {
+        self.send_as(message, SLOT_FD, Wait::Never)
     }
 
     fn send_as(&mut self, message: &[u8], flags: u64, wait: Wait) -> Result<bool> {
@@ -192,6 +239,7 @@ impl ChannelSender {
     /// Makes sure a slot is free, waiting as `wait` says; `false` if it did not wait and none is.
     fn reserve(&mut self, wait: Wait) -> Result<bool> {
         let shared = &*self.shared;
+        shared.check_broken()?;
         if shared.peer_closed() {
             return Err(Error::PeerGone);
         }
@@ -226,7 +274,10 @@ impl ChannelReceiver {
     /// # Errors
     ///
     /// [`Error::PeerGone`] once the other end is gone and every message it sent was received;
-    /// [`Error::BufferTooSmall`] (the message stays queued); [`Error::ChannelCorrupt`].
+    /// [`Error::BufferTooSmall`] (the message stays queued); [`Error::ChannelCorrupt`];
+    /// [`Error::Protocol`] if the message says an fd follows on the socket and no whole fd
+    /// frame is there (waited for as long as the receive waits, here while the peer lives):
+    /// this end is then closed, and every later call on it fails the same way.
     pub fn recv(&mut self, buf: &mut [u8]) -> Result<usize> {
         self.recv_as(buf, Wait::Forever)
             .map(|got| got.map_or(0, |r| r.len))
@@ -237,16 +288,20 @@ impl ChannelReceiver {
     /// # Errors
     ///
     /// As [`recv`](Self::recv) ([`Error::PeerGone`] only once the other end dropped its end:
-    /// telling a killed peer takes a system call, [`ChannelSender::is_peer_alive`]).
+    /// telling a killed peer takes a system call, [`ChannelSender::is_peer_alive`]). An fd
+    /// frame that is not whole on the socket at once is [`Error::Protocol`]: a correct sender
+    /// queues it before it publishes the message.
     pub fn try_recv(&mut self, buf: &mut [u8]) -> Result<Option<usize>> {
         Ok(self.recv_as(buf, Wait::Never)?.map(|r| r.len))
     }
 
-    /// Receives the next message, waiting at most `timeout`; `Ok(None)` if none came.
+    /// Receives the next message, waiting at most `timeout` in all (an fd frame included);
+    /// `Ok(None)` if none came.
     ///
     /// # Errors
     ///
-    /// As [`recv`](Self::recv).
+    /// As [`recv`](Self::recv); an fd frame not whole by the end of `timeout` is
+    /// [`Error::Protocol`].
     pub fn recv_timeout(&mut self, buf: &mut [u8], timeout: Duration) -> Result<Option<usize>> {
         let wait = Instant::now()
             .checked_add(timeout)
@@ -259,7 +314,7 @@ impl ChannelReceiver {
     /// # Errors
     ///
     /// As [`recv`](Self::recv); [`Error::Protocol`] if the ring says an fd follows and the
-    /// socket does not carry one.
+    /// socket carries a frame without one or for another message.
     pub fn recv_with_fd(&mut self, buf: &mut [u8]) -> Result<Received> {
         self.recv_as(buf, Wait::Forever)?.ok_or(Error::PeerGone)
     }
@@ -268,7 +323,8 @@ impl ChannelReceiver {
     ///
     /// # Errors
     ///
-    /// As [`recv_with_fd`](Self::recv_with_fd).
+    /// As [`recv_with_fd`](Self::recv_with_fd), with [`try_recv`](Self::try_recv)'s rule for
+    /// the fd frame (it must be on the socket at once).
     pub fn try_recv_with_fd(&mut self, buf: &mut [u8]) -> Result<Option<Received>> {
         self.recv_as(buf, Wait::Never)
     }
@@ -277,7 +333,8 @@ impl ChannelReceiver {
     ///
     /// # Errors
     ///
-    /// As [`recv_with_fd`](Self::recv_with_fd).
+    /// As [`recv_with_fd`](Self::recv_with_fd), with [`recv_timeout`](Self::recv_timeout)'s
+    /// rule for the fd frame (it must be whole by the end of `timeout`).
     pub fn recv_timeout_with_fd(
         &mut self,
         buf: &mut [u8],
@@ -311,6 +368,7 @@ impl ChannelReceiver {
 
     fn recv_as(&mut self, buf: &mut [u8], wait: Wait) -> Result<Option<Received>> {
         let shared = &*self.shared;
+        shared.check_broken()?;
         let ring = shared.recv_ring();
         let consumer = &mut self.consumer;
         let peeked = match consumer.peek(ring).map_err(corrupt)? {
@@ -319,7 +377,7 @@ impl ChannelReceiver {
                 let deadline = match wait {
                     // The peer published everything before closing: look once more.
                     Wait::Never if shared.peer_closed() => match consumer.peek(ring) {
-                        Ok(Some(peeked)) => return self.take(peeked, buf),
+                        Ok(Some(peeked)) => return self.take(peeked, buf, wait),
                         Ok(None) => return Err(Error::PeerGone),
                         Err(c) => return Err(corrupt(c)),
                     },
@@ -340,11 +398,20 @@ impl ChannelReceiver {
                 }
             }
         };
-        self.take(peeked, buf)
+        self.take(peeked, buf, wait)
     }
 
-    /// Takes the message `peeked` describes into `buf`, with its fd if flagged.
-    fn take(&mut self, peeked: ring::Peeked, buf: &mut [u8]) -> Result<Option<Received>> {
+    /// Takes the message `peeked` describes into `buf`, with its fd if flagged. The fd frame is
+    /// read within the caller's `wait`: a correct sender queues it on the socket before it
+    /// publishes the message, so it is there at once; one that is missing or short by the end
+    /// of the wait is a protocol error, which closes this end (the socket's byte stream is out
+    /// of step with the ring from then on).
+    fn take(
+        &mut self,
+        peeked: ring::Peeked,
+        buf: &mut [u8],
+        wait: Wait,
+    ) -> Result<Option<Received>> {
         let shared = &*self.shared;
         let ring = shared.recv_ring();
         let consumer = &mut self.consumer;
@@ -356,28 +423,57 @@ impl ChannelReceiver {
         }
         let position = consumer.position();
         consumer.take(ring, peeked, buf);
-        let fd =
-            if peeked.flags & SLOT_FD != 0 {
-                let (got, fd) = frame::recv(shared.socket.as_fd())?;
+        if peeked.flags & SLOT_FD == 0 {
+            return Ok(Some(Received {
+                len: peeked.len,
+                fd: None,
+            }));
+        }
+        let frame_wait = match wait {
+            Wait::Never => FrameWait::Now,
+            Wait::Until(at) => FrameWait::Until(at),
+            Wait::Forever => FrameWait::Forever(shared.liveness),
+        };
+        let read =
+            match frame::recv_within(shared.socket.as_fd(), frame_wait, || shared.peer_gone()) {
+                Ok(read) => read,
+                Err(Error::Protocol { problem }) => return Err(shared.break_off(problem)),
+                Err(err) => return Err(err),
+            };
+        let problem = match read {
+            FrameRead::Whole(got, fd) => {
                 let mut expected = [0u8; FRAME_LEN];
                 expected[0..4].copy_from_slice(&FD_MAGIC);
                 expected[8..12].copy_from_slice(&position.to_le_bytes());
-                if got != expected || fd.is_none() {
-                    return Err(Error::Protocol {
-                        problem: format!(
-                        "message {position} says an fd follows on the socket; the socket has {}",
-                        if fd.is_none() { "no fd" } else { "a frame for another message" }
+                match fd {
+                    Some(fd) if got == expected => {
+                        return Ok(Some(Received {
+                            len: peeked.len,
+                            fd: Some(fd),
+                        }))
+                    }
+                    None => format!(
+                        "message {position} says an fd follows on the socket; the frame there carries no fd"
                     ),
-                    });
+                    Some(_) => format!(
+                        "message {position} says an fd follows on the socket; the frame there is for another message"
+                    ),
                 }
-                fd
-            } else {
-                None
-            };
-        Ok(Some(Received {
-            len: peeked.len,
-            fd,
-        }))
+            }
+            FrameRead::Short { got, closed } => {
+                let when = match (closed, wait) {
+                    (true, _) => "before the peer closed its socket",
+                    (false, Wait::Never) => "when it was received without waiting",
+                    (false, _) => "within the receive's timeout",
+                };
+                format!(
+                    "message {position} says an fd follows on the socket, but {got} of the fd \
+                     frame's {FRAME_LEN} bytes were there {when} (a sender queues the whole \
+                     frame before it publishes the message)"
+                )
+            }
+        };
+        Err(shared.break_off(problem))
     }
 }
 
@@ -504,6 +600,7 @@ impl Channel {
             socket,
             side,
             liveness: options.liveness_interval.max(Duration::from_millis(1)),
+            broken: OnceLock::new(),
         });
         Self {
             tx: ChannelSender {

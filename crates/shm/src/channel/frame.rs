@@ -6,6 +6,7 @@
 
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
+use std::time::{Duration, Instant};
 
 use rustix::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use rustix::io::Errno;
@@ -115,6 +116,142 @@ pub(crate) fn recv(socket: BorrowedFd<'_>) -> Result<([u8; FRAME_LEN], Option<Ow
         });
     }
     Ok((frame, fds.pop()))
+}
+
+/// How long [`recv_within`] may wait for the bytes of a frame that are not there yet.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum FrameWait {
+    /// Not at all: only what is queued on the socket now.
+    Now,
+    /// Until this instant.
+    Until(Instant),
+    /// As long as the peer lives, asking `peer_gone` this often.
+    Forever(Duration),
+}
+
+/// What [`recv_within`] read.
+#[derive(Debug)]
+pub(crate) enum FrameRead {
+    /// A whole frame and the fd it carried, if any.
+    Whole([u8; FRAME_LEN], Option<OwnedFd>),
+    /// Only `got` bytes came within the wait (`closed`: the peer then closed its socket).
+    Short {
+        /// Bytes of the frame that arrived (consumed from the socket).
+        got: usize,
+        /// The socket reported end of file.
+        closed: bool,
+    },
+}
+
+/// Receives one frame and the fd it carries, waiting for its bytes no longer than `wait` says
+/// (`MSG_DONTWAIT` reads, `poll` in between). With [`FrameWait::Forever`], `peer_gone` is asked
+/// whenever a wait of the interval passes with nothing new, and ends the wait with
+/// [`Error::PeerGone`].
+pub(crate) fn recv_within(
+    socket: BorrowedFd<'_>,
+    wait: FrameWait,
+    mut peer_gone: impl FnMut() -> bool,
+) -> Result<FrameRead> {
+    let mut frame = [0u8; FRAME_LEN];
+    let mut got = 0;
+    let mut fds: Vec<OwnedFd> = Vec::new();
+    while got < FRAME_LEN {
+        let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let result = rustix::net::recvmsg(
+            socket,
+            &mut [IoSliceMut::new(&mut frame[got..])],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC | RecvFlags::DONTWAIT,
+        );
+        // Take ownership of every fd first, so that none leaks whatever is wrong below.
+        for message in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(rights) = message {
+                fds.extend(rights);
+            }
+        }
+        match result {
+            Ok(received) if received.bytes == 0 => {
+                return Ok(FrameRead::Short { got, closed: true })
+            }
+            Ok(received) => {
+                if received
+                    .flags
+                    .intersects(ReturnFlags::CTRUNC | ReturnFlags::TRUNC)
+                {
+                    return Err(Error::Protocol {
+                        problem: "a channel frame or its ancillary data was truncated".into(),
+                    });
+                }
+                got += received.bytes;
+            }
+            Err(Errno::INTR) => {}
+            Err(Errno::AGAIN) => {
+                if !wait_readable(socket, wait, &mut peer_gone)? {
+                    return Ok(FrameRead::Short { got, closed: false });
+                }
+            }
+            Err(errno) => return Err(peer_error(errno, "recvmsg")),
+        }
+    }
+    if fds.len() > 1 {
+        return Err(Error::Protocol {
+            problem: format!(
+                "a channel frame carries at most one fd, this one {}",
+                fds.len()
+            ),
+        });
+    }
+    Ok(FrameRead::Whole(frame, fds.pop()))
+}
+
+/// Waits until the socket is readable (or reports a hang-up) within `wait`; `false` once the
+/// wait is over with nothing to read.
+fn wait_readable(
+    socket: BorrowedFd<'_>,
+    wait: FrameWait,
+    peer_gone: &mut impl FnMut() -> bool,
+) -> Result<bool> {
+    loop {
+        let timeout = match wait {
+            FrameWait::Now => return Ok(false),
+            FrameWait::Until(deadline) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Ok(false);
+                }
+                left
+            }
+            FrameWait::Forever(every) => every,
+        };
+        let mut pfd = libc::pollfd {
+            fd: socket.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let millis = i32::try_from(timeout.as_nanos().div_ceil(1_000_000)).unwrap_or(i32::MAX);
+        // SAFETY: one valid pollfd, the count says one; the timeout is bounded.
+        let rc = unsafe { libc::poll(&mut pfd, 1, millis) };
+        if rc > 0 {
+            return Ok(true);
+        }
+        if rc < 0 {
+            let errno = Errno::from_raw_os_error(io_errno());
+            if errno != Errno::INTR {
+                return Err(Error::from_errno(errno, "poll", "channel socket"));
+            }
+            continue;
+        }
+        if matches!(wait, FrameWait::Forever(_)) && peer_gone() {
+            return Err(Error::PeerGone);
+        }
+    }
+}
+
+fn io_errno() -> i32 {
+    std::io::Error::last_os_error()
+        .raw_os_error()
+        .unwrap_or(libc::EIO)
 }
 
 /// `true` if the socket's peer has closed its end (`POLLHUP`/`POLLERR`), without waiting.

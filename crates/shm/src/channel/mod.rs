@@ -44,6 +44,13 @@
 //!   atomic word loads and stores, so a peer writing a slot while it is read yields garbage bytes
 //!   (the peer's own fault), not undefined behaviour. A live peer that simply stops reading or
 //!   writing can still keep this side waiting: use [`Channel::recv_timeout`] where that matters.
+//! - A message flagged "an fd follows" is matched with its frame on the socket within the
+//!   receive's own wait: at once for [`Channel::try_recv`], within the timeout for
+//!   [`Channel::recv_timeout`]. A correct sender queues the frame before it publishes the
+//!   message, so a frame that is missing or short (a peer that set the flag, or sent part of a
+//!   frame, and stays alive) is [`Error::Protocol`](crate::Error::Protocol), never a wait
+//!   beyond the caller's: the socket is then out of step with the ring, so this end closes (the
+//!   peer sees it gone) and every later call on it returns the same error.
 //!
 //! # Example
 //!

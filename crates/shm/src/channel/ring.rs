@@ -113,6 +113,12 @@ impl Producer {
         if used < ring.slots {
             return Ok(ring.slots - used);
         }
+        Ok(ring.slots - self.unread(ring)?)
+    }
+
+    /// Messages published and not yet taken, reading the consumer's `tail` now.
+    pub(crate) fn unread(&mut self, ring: Ring<'_>) -> Result<u32, Corrupt> {
+        let used = self.head.wrapping_sub(self.tail_seen);
         let tail = ring.control.tail.0.load(Ordering::Acquire);
         // The consumer can only have taken messages that were published: tail moves forward
         // from the last value seen, and not past head.
@@ -123,7 +129,7 @@ impl Producer {
             )));
         }
         self.tail_seen = tail;
-        Ok(ring.slots - self.head.wrapping_sub(tail))
+        Ok(self.head.wrapping_sub(tail))
     }
 
     /// Writes `message` (at most [`MAX_MESSAGE`] bytes, checked by the caller) into the next
