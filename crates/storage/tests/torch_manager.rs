@@ -3,8 +3,15 @@
 //! records it receives (pid i32, free u8, 60-byte NUL-ended name, padding: 68 bytes).
 
 use std::io::{Read, Write};
+use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixListener;
 use std::sync::mpsc;
+use std::time::Duration;
+
+use rustix::io::Errno;
+use rustix::net::{
+    bind, connect, listen, socket_with, AddressFamily, SocketAddrUnix, SocketFlags, SocketType,
+};
 
 use tensormem_shm::{NameGenerator, RefcountedRegion, TORCH_PREFIX};
 use tensormem_storage::{Error, FilenameHandle, Storage};
@@ -105,4 +112,97 @@ fn an_unreachable_pytorch_manager_is_a_typed_error() {
     ));
     assert_eq!(region.refcount(), 1, "nothing was mapped or counted");
     assert!(region.close().unwrap());
+}
+
+/// A Unix socket bound and listening with a backlog of 0 that never accepts, its backlog filled
+/// by connections kept open: a further connect waits until it times out.
+fn stuck_manager() -> (tempfile::TempDir, std::path::PathBuf, Vec<OwnedFd>) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("manager.sock");
+    let address = SocketAddrUnix::new(&path).unwrap();
+    let listener = socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .unwrap();
+    bind(&listener, &address).unwrap();
+    listen(&listener, 0).unwrap();
+    let mut held = vec![listener];
+    loop {
+        let client = socket_with(
+            AddressFamily::UNIX,
+            SocketType::STREAM,
+            SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            None,
+        )
+        .unwrap();
+        match connect(&client, &address) {
+            Ok(()) => held.push(client),
+            Err(Errno::AGAIN) => break,
+            Err(other) => panic!("filling the backlog: {other}"),
+        }
+        assert!(held.len() < 64, "the backlog never filled");
+    }
+    (dir, path, held)
+}
+
+#[test]
+fn a_pytorch_manager_that_never_accepts_times_out_without_blocking_other_opens() {
+    let (_stuck_dir, stuck, _held) = stuck_manager();
+    let name = NameGenerator::with_prefix(TORCH_PREFIX)
+        .unwrap()
+        .next_name();
+    let region = RefcountedRegion::create(&name, 16).unwrap();
+    let handle = FilenameHandle::from_torch(
+        stuck.to_str().unwrap().as_bytes(),
+        name.as_str().as_bytes(),
+        16,
+    )
+    .unwrap();
+    let (done_tx, done) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done_tx.send(Storage::new_shared_filename(&handle).map(|_| ()));
+    });
+    // Give the stuck open time to be inside its connect.
+    std::thread::sleep(Duration::from_millis(200));
+
+    // Another manager's name opens meanwhile: the stuck connect holds no process-wide lock.
+    let (_dir, good, records) = fake_manager();
+    let other = NameGenerator::with_prefix(TORCH_PREFIX)
+        .unwrap()
+        .next_name();
+    let other_region = RefcountedRegion::create(&other, 16).unwrap();
+    let other_handle = FilenameHandle::from_torch(
+        good.to_str().unwrap().as_bytes(),
+        other.as_str().as_bytes(),
+        16,
+    )
+    .unwrap();
+    let (open_tx, opened) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = open_tx.send(Storage::new_shared_filename(&other_handle).map(drop));
+    });
+    opened
+        .recv_timeout(Duration::from_secs(60))
+        .expect("an open through a live manager waited for the stuck one")
+        .unwrap();
+    assert!(records.recv_timeout(Duration::from_secs(60)).is_ok());
+    assert!(
+        done.try_recv().is_err(),
+        "the stuck open finished before the other one: the test proves nothing"
+    );
+
+    let err = done
+        .recv_timeout(Duration::from_secs(60))
+        .expect("connecting to a manager that never accepts did not time out")
+        .unwrap_err();
+    assert!(matches!(err, Error::TorchManager { .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(text.contains("accepted no connection"), "{text}");
+    assert!(text.contains("must be running"), "{text}");
+    assert_eq!(region.refcount(), 1, "nothing was mapped or counted");
+    assert!(region.close().unwrap());
+    drop(other_region);
 }
