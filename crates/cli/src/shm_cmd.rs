@@ -7,7 +7,7 @@ use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 use tensormem_shm::housekeeping::{
-    self, GcReport, KeepReason, ShmObject, Verdict, DEFAULT_PREFIXES,
+    self, GcOptions, GcReport, KeepReason, PidNamespace, ShmObject, Verdict, DEFAULT_PREFIXES,
 };
 use tensormem_shm::NameGenerator;
 
@@ -18,7 +18,8 @@ pub(crate) enum ShmCommand {
     /// and how many live processes use each.
     List(ListArgs),
     /// Remove objects whose creating process is dead and that no live process maps or holds
-    /// open.
+    /// open. Outside the initial PID namespace (in a container) nothing is removed unless
+    /// --this-namespace-only says no process outside uses these objects.
     Gc(GcArgs),
 }
 
@@ -61,6 +62,11 @@ pub(crate) struct GcArgs {
     /// Only report what would be removed.
     #[arg(long)]
     dry_run: bool,
+    /// Every process that uses these objects runs in this PID namespace (a container with a
+    /// /dev/shm of its own): remove orphans even outside the initial namespace. Wrong with
+    /// --ipc=host or a /dev/shm shared with other containers: their live memory would go.
+    #[arg(long)]
+    this_namespace_only: bool,
     /// Print a JSON report instead of text.
     #[arg(long)]
     json: bool,
@@ -77,12 +83,23 @@ pub(crate) fn run(command: ShmCommand) -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string_pretty(&list_json(&objects))?);
             } else {
                 print!("{}", list_table(&objects, &prefixes));
+                let namespace = housekeeping::current_pid_namespace();
+                if namespace != PidNamespace::Initial && !objects.is_empty() {
+                    println!(
+                        "note: this runs in {namespace}, not the initial one: creators and \
+                         users in other namespaces are not seen (ALIVE and USERS may be wrong)"
+                    );
+                }
             }
             Ok(())
         }
         ShmCommand::Gc(args) => {
             let prefixes = args.filter.prefixes()?;
-            let report = housekeeping::collect_garbage(&as_strs(&prefixes), args.dry_run)
+            let options = GcOptions {
+                dry_run: args.dry_run,
+                this_namespace_only: args.this_namespace_only,
+            };
+            let report = housekeeping::collect_garbage_with(&as_strs(&prefixes), options)
                 .context("cannot collect shared memory garbage")?;
             if args.json {
                 println!("{}", serde_json::to_string_pretty(&gc_json(&report))?);
@@ -245,6 +262,7 @@ fn reason_name(reason: KeepReason) -> &'static str {
         KeepReason::UnknownCreator => "unknown_creator",
         KeepReason::CreatorAlive => "creator_alive",
         KeepReason::InUse => "in_use",
+        KeepReason::OtherNamespace => "other_namespace",
     }
 }
 
@@ -263,6 +281,11 @@ fn gc_json(report: &GcReport) -> Value {
             value
         }).collect::<Vec<_>>(),
         "uninspected_processes": report.uninspected,
+        "pid_namespace": match report.namespace {
+            PidNamespace::Initial => json!("initial"),
+            PidNamespace::Other { inode } => json!(format!("pid:[{inode}]")),
+            PidNamespace::Unknown => json!("unknown"),
+        },
     })
 }
 
@@ -300,6 +323,7 @@ fn gc_text(report: &GcReport) -> String {
             KeepReason::CreatorAlive,
             KeepReason::InUse,
             KeepReason::UnknownCreator,
+            KeepReason::OtherNamespace,
         ]
         .into_iter()
         .filter(|r| count(*r) > 0)
@@ -317,6 +341,20 @@ fn gc_text(report: &GcReport) -> String {
             "note: {} process(es) could not be inspected (permission denied); objects only \
              they use look unused\n",
             report.uninspected
+        ));
+    }
+    let foreign = report
+        .kept
+        .iter()
+        .filter(|(_, r)| *r == KeepReason::OtherNamespace)
+        .count();
+    if foreign > 0 {
+        out.push_str(&format!(
+            "note: gc runs in {}, not the initial one, where processes outside it are not seen: \
+             {foreign} object(s) that look orphaned were kept. Run gc on the host; or, if no \
+             process outside this namespace uses /dev/shm (a container with its own), run it \
+             again with --this-namespace-only\n",
+            report.namespace
         ));
     }
     out
@@ -423,6 +461,7 @@ mod tests {
             )],
             failed: vec![],
             uninspected: 0,
+            namespace: PidNamespace::Initial,
         };
         let text = gc_text(&report);
         assert!(

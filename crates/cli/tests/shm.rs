@@ -28,6 +28,10 @@ fn json_of(args: &[&str]) -> Value {
     serde_json::from_str(&stdout_of(args)).unwrap()
 }
 
+/// Every object and process of these tests lives in the test's own PID namespace, so gc may
+/// collect even where that is not the initial one (a CI container).
+const OURS: &str = "--this-namespace-only";
+
 /// A prefix no other test (or process) uses.
 fn prefix(tag: &str) -> String {
     format!("tmcli-{tag}-{}", std::process::id())
@@ -123,11 +127,11 @@ fn gc_dry_run_reports_and_gc_removes() {
     let object = Object::new(&prefix, dead_pid());
     let alive = Object::new(&prefix, std::process::id());
 
-    let dry = stdout_of(&["shm", "gc", "--dry-run", "--prefix", &prefix]);
+    let dry = stdout_of(&["shm", "gc", "--dry-run", "--prefix", &prefix, OURS]);
     assert!(dry.contains(&format!("would remove {}", object.0)), "{dry}");
     assert!(object.exists(), "--dry-run removed the object");
 
-    let report = json_of(&["shm", "gc", "--prefix", &prefix, "--json"]);
+    let report = json_of(&["shm", "gc", "--prefix", &prefix, "--json", OURS]);
     assert_eq!(report["dry_run"], false);
     assert_eq!(report["removed"][0]["name"], object.0.as_str());
     assert_eq!(report["kept"][0]["name"], alive.0.as_str());
@@ -135,7 +139,7 @@ fn gc_dry_run_reports_and_gc_removes() {
     assert!(!object.exists(), "gc left the orphan");
     assert!(alive.exists(), "gc removed an object whose creator lives");
 
-    let again = stdout_of(&["shm", "gc", "--prefix", &prefix]);
+    let again = stdout_of(&["shm", "gc", "--prefix", &prefix, OURS]);
     assert!(again.contains("removed 0 objects"), "{again}");
 }
 
@@ -152,7 +156,7 @@ fn gc_keeps_an_object_a_live_process_holds() {
     assert!(object.exists());
 
     drop(sleeper);
-    let report = json_of(&["shm", "gc", "--prefix", &prefix, "--json"]);
+    let report = json_of(&["shm", "gc", "--prefix", &prefix, "--json", OURS]);
     assert_eq!(report["removed"][0]["name"], object.0.as_str());
     assert!(!object.exists());
 }
@@ -186,4 +190,60 @@ fn list_and_gc_escape_hostile_names() {
         assert!(!out.contains("\nforged line"), "{out:?}");
     }
     assert!(list.contains("a\\u{1b}[2Jb\\nforged line"), "{list}");
+}
+
+#[test]
+fn gc_in_another_pid_namespace_keeps_memory_it_cannot_see_used() {
+    let probe = Command::new("unshare")
+        .args(["-p", "-f", "--mount-proc", "true"])
+        .output();
+    match &probe {
+        Ok(output) if output.status.success() => {}
+        Ok(output) => {
+            eprintln!(
+                "SKIPPED: `unshare -p -f --mount-proc` is not permitted here: {}",
+                String::from_utf8_lossy(&output.stderr).trim()
+            );
+            return;
+        }
+        Err(err) => {
+            eprintln!("SKIPPED: no `unshare` here ({err})");
+            return;
+        }
+    }
+    let prefix = prefix("pidns");
+    let object = Object::new(&prefix, dead_pid());
+    // A live process on this side of the namespace boundary holds it open.
+    let holder = Holder::new(&object);
+    let gc_inside = |extra: &[&str]| {
+        let output = Command::new("unshare")
+            .args(["-p", "-f", "--mount-proc", env!("CARGO_BIN_EXE_tensormem")])
+            .args(["shm", "gc", "--prefix", &prefix])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "gc in a new PID namespace failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8(output.stdout).unwrap()
+    };
+
+    let report: Value = serde_json::from_str(&gc_inside(&["--json"])).unwrap();
+    assert_eq!(report["removed"].as_array().unwrap().len(), 0, "{report}");
+    assert_eq!(report["kept"][0]["reason"], "other_namespace", "{report}");
+    assert_ne!(report["pid_namespace"], "initial", "{report}");
+    assert!(
+        object.exists(),
+        "gc in another PID namespace removed live memory"
+    );
+    let text = gc_inside(&["--dry-run"]);
+    assert!(text.contains("--this-namespace-only"), "{text}");
+    assert!(object.exists());
+
+    // Outside, the holder is seen.
+    let report = json_of(&["shm", "gc", "--prefix", &prefix, "--json"]);
+    assert_eq!(report["kept"][0]["reason"], "in_use", "{report}");
+    drop(holder);
 }

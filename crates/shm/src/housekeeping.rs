@@ -12,6 +12,18 @@
 //! handed to a peer that has not opened it yet looks unused. Run `gc` when the jobs that share
 //! memory are stopped, or accept that risk for objects whose creator died.
 //!
+//! # PID namespaces
+//!
+//! A name records its creator's pid as the creator saw it, in its own PID namespace, and
+//! `/proc` shows only the processes of one namespace (and those below it). Run in a container
+//! that shares `/dev/shm` with the host or with other containers (`--ipc=host`, a shared
+//! volume), `gc` would see the creators and users outside as dead or absent and unlink memory
+//! they still map. So `gc` removes objects only where `/proc` is the initial PID namespace's
+//! and shows this process ([`current_pid_namespace`]); anywhere else it keeps every object it
+//! would have removed ([`KeepReason::OtherNamespace`]) unless told that every process using
+//! these objects runs in this namespace ([`GcOptions::this_namespace_only`]: a container with
+//! a `/dev/shm` of its own). Names keep the shape PyTorch reads, so they carry no namespace.
+//!
 //! ```no_run
 //! use tensormem_shm::housekeeping::{collect_garbage, list, DEFAULT_PREFIXES};
 //!
@@ -28,6 +40,8 @@ use std::fs;
 use std::io;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
+
+use rustix::fs::FileType;
 
 use crate::error::{Error, Result};
 use crate::name::{ShmName, DEFAULT_PREFIX, SHM_DIR, TORCH_PREFIX};
@@ -97,6 +111,9 @@ pub enum KeepReason {
     CreatorAlive,
     /// A live process maps it or holds a descriptor of it.
     InUse,
+    /// Its creator looks dead and nobody seems to use it, but `gc` runs where `/proc` does not
+    /// show every process that may (outside the initial PID namespace): not removed.
+    OtherNamespace,
 }
 
 impl std::fmt::Display for KeepReason {
@@ -105,6 +122,7 @@ impl std::fmt::Display for KeepReason {
             Self::UnknownCreator => "name does not say who created it",
             Self::CreatorAlive => "creator alive",
             Self::InUse => "in use by a live process",
+            Self::OtherNamespace => "creator and users may be in another PID namespace",
         })
     }
 }
@@ -122,6 +140,74 @@ pub struct GcReport {
     pub failed: Vec<(ShmObject, Error)>,
     /// Processes whose `/proc` entries could not be read, so whose mappings were not seen.
     pub uninspected: usize,
+    /// The PID namespace `/proc` showed (objects are removed only in the initial one, unless
+    /// [`GcOptions::this_namespace_only`]).
+    pub namespace: PidNamespace,
+}
+
+/// How [`collect_garbage_with`] runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GcOptions {
+    /// Only report what would be removed.
+    pub dry_run: bool,
+    /// Every process that uses these objects runs in this PID namespace (a container with a
+    /// `/dev/shm` of its own): remove orphans even outside the initial namespace. Wrong where
+    /// `/dev/shm` is shared with processes outside (`--ipc=host`, a shared volume): their live
+    /// regions would be unlinked.
+    pub this_namespace_only: bool,
+}
+
+/// The PID namespace whose processes `/proc` shows, as far as `gc` is concerned.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum PidNamespace {
+    /// The initial (host) namespace, and `/proc` shows this process: every process of the
+    /// machine is visible.
+    Initial,
+    /// Another namespace (a container's), by the inode of its `/proc/self/ns/pid`: processes
+    /// outside it are invisible.
+    Other {
+        /// The namespace's inode number (as `readlink /proc/self/ns/pid` prints it).
+        inode: u64,
+    },
+    /// Unknown: no readable `/proc/self/ns/pid`, or a `/proc` mounted for another namespace
+    /// than this process's (`/proc/self` is not this process).
+    #[default]
+    Unknown,
+}
+
+impl std::fmt::Display for PidNamespace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Initial => f.write_str("the initial PID namespace"),
+            Self::Other { inode } => write!(f, "PID namespace pid:[{inode}]"),
+            Self::Unknown => f.write_str("an unknown PID namespace"),
+        }
+    }
+}
+
+/// Inode of the initial PID namespace (`PROC_PID_INIT_INO` in the kernel's `proc_ns.h`,
+/// fixed since Linux 3.8).
+const INITIAL_PID_NAMESPACE_INODE: u64 = 0xEFFF_FFFC;
+
+/// The PID namespace of this process, and whether `/proc` shows it: `stat` of
+/// `/proc/self/ns/pid` and `readlink` of `/proc/self`.
+pub fn current_pid_namespace() -> PidNamespace {
+    let Ok(ns) = rustix::fs::stat("/proc/self/ns/pid") else {
+        return PidNamespace::Unknown;
+    };
+    // `/proc/self` names this process's pid in the namespace `/proc` was mounted for.
+    let shows_us = fs::read_link("/proc/self").ok().and_then(|link| {
+        link.to_str()
+            .and_then(|pid| pid.parse::<u32>().ok())
+            .map(|pid| pid == std::process::id())
+    });
+    if shows_us != Some(true) || FileType::from_raw_mode(ns.st_mode) != FileType::RegularFile {
+        return PidNamespace::Unknown;
+    }
+    match ns.st_ino {
+        INITIAL_PID_NAMESPACE_INODE => PidNamespace::Initial,
+        inode => PidNamespace::Other { inode },
+    }
 }
 
 /// The objects in `/dev/shm` whose names start with `<prefix>_` for one of `prefixes`, sorted
@@ -143,15 +229,54 @@ pub fn list(prefixes: &[&str]) -> Result<Vec<ShmObject>> {
 /// [`Error::Os`] when `/dev/shm` cannot be read; failures to unlink single objects are
 /// reported in [`GcReport::failed`], not as an error.
 pub fn collect_garbage(prefixes: &[&str], dry_run: bool) -> Result<GcReport> {
+    collect_garbage_with(
+        prefixes,
+        GcOptions {
+            dry_run,
+            ..GcOptions::default()
+        },
+    )
+}
+
+/// [`collect_garbage`] with options: run outside the initial PID namespace, it keeps the
+/// objects it would remove ([`KeepReason::OtherNamespace`]) unless
+/// [`GcOptions::this_namespace_only`] says nobody outside uses them (see the
+/// [module docs](self)).
+///
+/// # Errors
+///
+/// As [`collect_garbage`].
+pub fn collect_garbage_with(prefixes: &[&str], options: GcOptions) -> Result<GcReport> {
+    collect_garbage_in(prefixes, options, current_pid_namespace())
+}
+
+/// [`collect_garbage_with`] for `/proc` of `namespace` (the probe, given by tests).
+fn collect_garbage_in(
+    prefixes: &[&str],
+    options: GcOptions,
+    namespace: PidNamespace,
+) -> Result<GcReport> {
+    let dry_run = options.dry_run;
     let (objects, uninspected) = scan(prefixes)?;
     let mut report = GcReport {
         dry_run,
         uninspected,
+        namespace,
         ..GcReport::default()
     };
+    let trusted = namespace == PidNamespace::Initial || options.this_namespace_only;
     for object in objects {
         match object.verdict() {
             Verdict::Keep(reason) => report.kept.push((object, reason)),
+            Verdict::Garbage if !trusted => {
+                tracing::warn!(
+                    name = %object.name,
+                    namespace = %namespace,
+                    "gc kept an object that looks orphaned: outside the initial PID namespace, \
+                     its creator and users may be invisible"
+                );
+                report.kept.push((object, KeepReason::OtherNamespace));
+            }
             Verdict::Garbage if dry_run => report.removed.push(object),
             Verdict::Garbage => match crate::unlink_shm(&object.name) {
                 Ok(()) => {
@@ -348,6 +473,13 @@ mod tests {
         name
     }
 
+    fn dry_run() -> GcOptions {
+        GcOptions {
+            dry_run: true,
+            ..GcOptions::default()
+        }
+    }
+
     fn unique_prefix(tag: &str) -> String {
         format!("tmhk-{tag}-{}", std::process::id())
     }
@@ -408,7 +540,7 @@ mod tests {
             .unwrap();
         let _cleanup = Cleanup(vec![orphan.clone(), odd.clone()]);
 
-        let dry = collect_garbage(&[&prefix], true).unwrap();
+        let dry = collect_garbage_in(&[&prefix], dry_run(), PidNamespace::Initial).unwrap();
         assert!(dry.dry_run);
         assert_eq!(dry.removed.len(), 1);
         assert_eq!(dry.removed[0].name, orphan);
@@ -416,7 +548,8 @@ mod tests {
         assert_eq!(dry.kept.len(), 1);
         assert_eq!(dry.kept[0].1, KeepReason::UnknownCreator);
 
-        let real = collect_garbage(&[&prefix], false).unwrap();
+        let real =
+            collect_garbage_in(&[&prefix], GcOptions::default(), PidNamespace::Initial).unwrap();
         assert_eq!(real.removed.len(), 1);
         assert!(real.failed.is_empty(), "{:?}", real.failed);
         assert!(!orphan.path().exists());
@@ -435,7 +568,8 @@ mod tests {
         let mapping = MapOptions::new().map_shm(&mapped).unwrap();
         let file = fs::File::open(held.path()).unwrap();
 
-        let report = collect_garbage(&[&prefix], false).unwrap();
+        let report =
+            collect_garbage_in(&[&prefix], GcOptions::default(), PidNamespace::Initial).unwrap();
         assert!(report.removed.is_empty(), "{:?}", report.removed);
         assert_eq!(report.kept.len(), 2);
         for (object, reason) in &report.kept {
@@ -445,7 +579,58 @@ mod tests {
         assert!(mapped.path().exists() && held.path().exists());
 
         drop((mapping, file));
-        let report = collect_garbage(&[&prefix], false).unwrap();
+        let report =
+            collect_garbage_in(&[&prefix], GcOptions::default(), PidNamespace::Initial).unwrap();
         assert_eq!(report.removed.len(), 2);
+    }
+
+    #[test]
+    fn gc_outside_the_initial_pid_namespace_keeps_what_looks_orphaned() {
+        let prefix = unique_prefix("pidns");
+        let orphan = make(&prefix, dead_pid());
+        let _cleanup = Cleanup(vec![orphan.clone()]);
+        let container = PidNamespace::Other { inode: 4026532178 };
+        for namespace in [container, PidNamespace::Unknown] {
+            for options in [GcOptions::default(), dry_run()] {
+                let report = collect_garbage_in(&[&prefix], options, namespace).unwrap();
+                assert!(
+                    report.removed.is_empty(),
+                    "{namespace}: {:?}",
+                    report.removed
+                );
+                assert_eq!(report.kept.len(), 1);
+                assert_eq!(report.kept[0].1, KeepReason::OtherNamespace);
+                assert_eq!(report.namespace, namespace);
+                assert!(orphan.path().exists(), "{namespace}: gc removed {orphan}");
+            }
+        }
+        // Told that nobody outside the namespace uses these objects, gc collects them.
+        let trusting = GcOptions {
+            dry_run: true,
+            this_namespace_only: true,
+        };
+        let report = collect_garbage_in(&[&prefix], trusting, container).unwrap();
+        assert_eq!(report.removed.len(), 1);
+        let report =
+            collect_garbage_in(&[&prefix], GcOptions::default(), PidNamespace::Initial).unwrap();
+        assert_eq!(report.removed.len(), 1);
+        assert!(!orphan.path().exists());
+    }
+
+    #[test]
+    fn the_probe_reads_this_process_namespace() {
+        let Ok(ns) = rustix::fs::stat("/proc/self/ns/pid") else {
+            eprintln!("skipped: no /proc/self/ns/pid here");
+            return;
+        };
+        match current_pid_namespace() {
+            PidNamespace::Initial => assert_eq!(ns.st_ino, INITIAL_PID_NAMESPACE_INODE),
+            PidNamespace::Other { inode } => assert_eq!(inode, ns.st_ino),
+            // `/proc` mounted for another namespace than this process's.
+            PidNamespace::Unknown => assert_ne!(
+                fs::read_link("/proc/self").ok(),
+                Some(std::process::id().to_string().into())
+            ),
+        }
     }
 }
