@@ -164,9 +164,16 @@ pub enum Error {
         refcount: i32,
     },
 
-    /// A message on a region socket did not follow the wire format.
-    #[error("bad region message on the socket: {problem}; both ends must use tensormem-shm's region protocol (same major version)")]
+    /// A message did not follow its wire format: a region message on a socket
+    /// ([`transfer`](crate::transfer)), a shared-memory [`channel`](crate::channel)'s setup,
+    /// frames or ring, or a [pool](crate::pool) connection's messages and records.
+    #[error(
+        "bad {wire} message: {problem}; both ends must use tensormem-shm's {wire} protocol \
+         (same major version), and a peer that breaks it is broken or hostile"
+    )]
     Protocol {
+        /// Which protocol.
+        wire: WireFormat,
         /// What was wrong.
         problem: String,
     },
@@ -278,6 +285,28 @@ pub enum Error {
     /// The shared-memory manager daemon could not be found, started or reached, or refused.
     #[error(transparent)]
     Manager(#[from] crate::manager::ManagerError),
+}
+
+/// Which of the crate's wire formats an [`Error::Protocol`] concerns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WireFormat {
+    /// A region message on a Unix socket ([`transfer`](crate::transfer)).
+    Region,
+    /// A shared-memory [`channel`](crate::channel): its setup, its fd frames, its ring.
+    Channel,
+    /// A [pool](crate::pool) connection: region messages to the consumer, its records back.
+    Pool,
+}
+
+impl fmt::Display for WireFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Region => "region",
+            Self::Channel => "channel",
+            Self::Pool => "pool",
+        })
+    }
 }
 
 /// Which naming rule a shared memory name broke.

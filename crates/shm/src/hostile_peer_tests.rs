@@ -39,6 +39,16 @@ fn assert_protocol<T: std::fmt::Debug>(what: &str, got: crate::Result<T>) {
     );
 }
 
+/// The error names the protocol that was broken, not another one.
+fn assert_worded_as<T: std::fmt::Debug>(wire: &str, got: &crate::Result<T>) {
+    let Err(err) = got else {
+        panic!("expected an error, got {got:?}");
+    };
+    let text = err.to_string();
+    assert!(text.starts_with(&format!("bad {wire} message: ")), "{text}");
+    assert!(!text.contains("region protocol"), "{text}");
+}
+
 /// How the hostile peer breaks the fd frame.
 #[derive(Debug, Clone, Copy)]
 enum Breakage {
@@ -89,6 +99,7 @@ fn a_peer_that_claims_an_fd_and_stays_alive_cannot_stall_bounded_receives() {
                         victim.recv_timeout_with_fd(&mut buf, timeout).map(|_| ())
                     }
                 };
+                assert_worded_as("channel", &got);
                 assert_protocol(&format!("{receive:?} after {breakage:?}"), got);
                 // The end stays closed: the socket is out of step with the ring.
                 assert_protocol("a later receive", victim.try_recv(&mut buf));
@@ -242,7 +253,10 @@ fn a_producer_over_the_lease_limit_is_refused_and_no_lease_drop_waits() {
             }
             match receiver.recv() {
                 Ok(lease) => leases.push(lease),
-                Err(Error::Protocol { .. }) => refused += 1,
+                Err(err @ Error::Protocol { .. }) => {
+                    assert_worded_as::<()>("pool", &Err(err));
+                    refused += 1;
+                }
                 Err(other) => panic!("lease {n}: {other:?}"),
             }
         }

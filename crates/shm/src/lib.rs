@@ -112,7 +112,7 @@ pub mod transfer;
 
 pub use anon::AnonymousKind;
 pub use copy::{copy_prefaulted, CopyMethod, CopyPlan};
-pub use error::{Error, NameProblem, ObjectKind, Result, SizeProblem};
+pub use error::{Error, NameProblem, ObjectKind, Result, SizeProblem, WireFormat};
 pub use mapping::{Access, Mapping, SharedAtomic};
 pub use name::{GeneratedName, NameGenerator, ShmName, DEFAULT_PREFIX, TORCH_PREFIX};
 pub use object::{unlink_shm, CreateMode};

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use crate::channel::{Channel, ChannelOptions, ChannelReceiver, ChannelSender, MAX_MESSAGE};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, WireFormat};
 use crate::mapping::{Access, Mapping};
 use crate::pool::wire::{self, Kind, Record, MAX_POOL_USER_DATA, POOL_SLOTS};
 use crate::pool::MAX_LEASES;
@@ -172,6 +172,7 @@ impl PoolReceiver {
                         None => {
                             self.refuse(header.id);
                             return Err(Error::Protocol {
+                            wire: WireFormat::Pool,
                             problem: format!("the producer sent region {} by id, which this end has not cached", header.id),
                         });
                         }
@@ -194,6 +195,7 @@ impl PoolReceiver {
                         {
                             self.refuse(header.id);
                             return Err(Error::Protocol {
+                                wire: WireFormat::Pool,
                                 problem: format!(
                                     "the producer overfilled this end's mapping cache (region {})",
                                     header.id
@@ -210,6 +212,7 @@ impl PoolReceiver {
                         self.refuse(header.id);
                     }
                     return Err(Error::Protocol {
+                        wire: WireFormat::Pool,
                         problem: format!(
                             "a {kind:?} message {} an fd",
                             if fd.is_some() { "with" } else { "without" }
@@ -221,6 +224,7 @@ impl PoolReceiver {
             if len > region.len() {
                 self.refuse(header.id);
                 return Err(Error::Protocol {
+                    wire: WireFormat::Pool,
                     problem: format!(
                         "a lease of {len} bytes on a region of {} bytes",
                         region.len()
@@ -346,6 +350,7 @@ impl PoolReceiver {
                 "pool producer lent more leases than a connection carries; message refused"
             );
             return Err(Error::Protocol {
+                wire: WireFormat::Pool,
                 problem: format!(
                     "the producer lent region {id} with {open} leases already open on this \
                      connection, the most it carries is {MAX_LEASES}; the producer is broken \

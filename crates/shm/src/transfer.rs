@@ -45,7 +45,7 @@ use rustix::net::{
     SendAncillaryMessage, SendFlags,
 };
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, WireFormat};
 use crate::mapping::Access;
 use crate::region::{MapOptions, SharedRegion};
 
@@ -96,7 +96,12 @@ impl RegionHeader {
     /// [`Error::Protocol`] for a short buffer, wrong magic or version, unknown flags, non-zero
     /// reserved bytes, `user_len` over [`MAX_USER_DATA`], or `len` of zero.
     pub fn decode(bytes: &[u8]) -> Result<Self> {
-        let protocol = |problem: String| Err(Error::Protocol { problem });
+        let protocol = |problem: String| {
+            Err(Error::Protocol {
+                wire: WireFormat::Region,
+                problem,
+            })
+        };
         let Some(b) = bytes.get(..HEADER_LEN) else {
             return protocol(format!(
                 "{} header bytes, expected {HEADER_LEN}",
@@ -185,6 +190,7 @@ pub fn send_fd(
         .ok()
         .filter(|&n| usize::from(n) <= MAX_USER_DATA)
         .ok_or_else(|| Error::Protocol {
+            wire: WireFormat::Region,
             problem: format!(
                 "{} bytes of application data, at most {MAX_USER_DATA} fit",
                 options.user.len()
@@ -325,6 +331,7 @@ pub fn recv_region_with(
         options.clone()
     };
     let offset = usize::try_from(header.offset).map_err(|_| Error::Protocol {
+        wire: WireFormat::Region,
         problem: format!("offset {} does not fit in memory", header.offset),
     })?;
     let region = options.map_owned_fd(fd, header.len, offset)?;
@@ -424,11 +431,13 @@ fn recv_message(socket: BorrowedFd<'_>, recv: RecvOptions) -> Result<(OwnedFd, [
     }
     if received.flags.contains(ReturnFlags::CTRUNC) {
         return Err(Error::Protocol {
+            wire: WireFormat::Region,
             problem: "ancillary data was truncated (more fds than one message carries)".into(),
         });
     }
     if received.flags.contains(ReturnFlags::TRUNC) {
         return Err(Error::Protocol {
+            wire: WireFormat::Region,
             problem: format!("a packet longer than {MESSAGE_LEN} bytes"),
         });
     }
@@ -439,6 +448,7 @@ fn recv_message(socket: BorrowedFd<'_>, recv: RecvOptions) -> Result<(OwnedFd, [
             .map_err(|errno| socket_error(errno, "getsockopt(SO_TYPE)"))?;
         if packets != rustix::net::SocketType::STREAM {
             return Err(Error::Protocol {
+                wire: WireFormat::Region,
                 problem: format!(
                     "a packet of {} bytes; region messages are {MESSAGE_LEN} bytes",
                     received.bytes
@@ -452,6 +462,7 @@ fn recv_message(socket: BorrowedFd<'_>, recv: RecvOptions) -> Result<(OwnedFd, [
     match <[OwnedFd; 1]>::try_from(fds) {
         Ok([fd]) => Ok((fd, message)),
         Err(_) => Err(Error::Protocol {
+            wire: WireFormat::Region,
             problem: format!("a region message carries exactly one fd, this one carried {count}"),
         }),
     }

@@ -212,7 +212,7 @@ fn a_short_packet_is_refused_and_the_next_message_survives() {
 
     let first = recv_region(&b, &MapOptions::new());
     assert!(
-        matches!(&first, Err(Error::Protocol { problem }) if problem.contains("40 bytes")),
+        matches!(&first, Err(Error::Protocol { problem, .. }) if problem.contains("40 bytes")),
         "{first:?}"
     );
     let second = recv_region(&b, &MapOptions::new()).unwrap();

@@ -12,7 +12,7 @@ use super::frame::{self, FrameRead, FrameWait, FD_MAGIC, FRAME_LEN};
 use super::layout::{self, Memory, MAGIC, VERSION};
 use super::ring::{self, Consumer, Corrupt, Producer, Stop, WaitPlan, SLOT_FD};
 use super::{ChannelOptions, MAX_MESSAGE, MAX_SLOTS};
-use crate::error::{Error, Result, SizeProblem};
+use crate::error::{Error, Result, SizeProblem, WireFormat};
 use crate::region::{MapOptions, SharedRegion};
 
 /// What both halves of one end share: the mapping, the socket, which side this is.
@@ -50,6 +50,7 @@ impl Shared {
     fn check_broken(&self) -> Result<()> {
         match self.broken.get() {
             Some(problem) => Err(Error::Protocol {
+                wire: WireFormat::Channel,
                 problem: format!(
                     "this channel end was closed after the peer broke the protocol ({problem})"
                 ),
@@ -69,7 +70,10 @@ impl Shared {
         self.memory.closed(self.side).store(1, Ordering::SeqCst);
         ring::wake_unconditionally(&self.send_ring().control.rx_sleep.0);
         ring::wake_unconditionally(&self.recv_ring().control.tx_sleep.0);
-        Error::Protocol { problem }
+        Error::Protocol {
+            wire: WireFormat::Channel,
+            problem,
+        }
     }
 
     fn plan(&self, spin: Duration, deadline: Option<Instant>) -> WaitPlan {
@@ -437,7 +441,7 @@ impl ChannelReceiver {
         let read =
             match frame::recv_within(shared.socket.as_fd(), frame_wait, || shared.peer_gone()) {
                 Ok(read) => read,
-                Err(Error::Protocol { problem }) => return Err(shared.break_off(problem)),
+                Err(Error::Protocol { problem, .. }) => return Err(shared.break_off(problem)),
                 Err(err) => return Err(err),
             };
         let problem = match read {
@@ -546,6 +550,7 @@ impl Channel {
         };
         if got[0..4] != MAGIC || word(1) != VERSION || word(3) != 0 {
             return Err(Error::Protocol {
+                wire: WireFormat::Channel,
                 problem: format!(
                     "not a channel setup (magic {:?}, version {}); both ends must use tensormem-shm's channel version {VERSION}",
                     &got[0..4],
@@ -555,11 +560,13 @@ impl Channel {
         }
         let slots = word(2);
         check_slots(slots).map_err(|_| Error::Protocol {
+            wire: WireFormat::Channel,
             problem: format!(
                 "the creator announced {slots} slots, not a power of two from 1 to {MAX_SLOTS}"
             ),
         })?;
         let fd = fd.ok_or_else(|| Error::Protocol {
+            wire: WireFormat::Channel,
             problem: "the channel setup carried no fd".into(),
         })?;
         let region = MapOptions::new().map_owned_fd(fd, layout::total_len(slots) as u64, 0)?;

@@ -15,7 +15,7 @@ use rustix::net::{
     SendAncillaryMessage, SendFlags,
 };
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, WireFormat};
 use crate::transfer::{self, RecvOptions};
 
 /// Bytes of every frame.
@@ -37,6 +37,7 @@ pub(crate) fn send(
         fds = [fd];
         if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
             return Err(Error::Protocol {
+                wire: WireFormat::Channel,
                 problem: "no room for one fd in a control buffer sized for one".into(),
             });
         }
@@ -96,6 +97,7 @@ pub(crate) fn recv(socket: BorrowedFd<'_>) -> Result<([u8; FRAME_LEN], Option<Ow
         .intersects(ReturnFlags::CTRUNC | ReturnFlags::TRUNC)
     {
         return Err(Error::Protocol {
+            wire: WireFormat::Channel,
             problem: "a channel frame or its ancillary data was truncated".into(),
         });
     }
@@ -109,6 +111,7 @@ pub(crate) fn recv(socket: BorrowedFd<'_>) -> Result<([u8; FRAME_LEN], Option<Ow
     }
     if fds.len() > 1 {
         return Err(Error::Protocol {
+            wire: WireFormat::Channel,
             problem: format!(
                 "a channel frame carries at most one fd, this one {}",
                 fds.len()
@@ -180,6 +183,7 @@ pub(crate) fn recv_within(
                     .intersects(ReturnFlags::CTRUNC | ReturnFlags::TRUNC)
                 {
                     return Err(Error::Protocol {
+                        wire: WireFormat::Channel,
                         problem: "a channel frame or its ancillary data was truncated".into(),
                     });
                 }
@@ -196,6 +200,7 @@ pub(crate) fn recv_within(
     }
     if fds.len() > 1 {
         return Err(Error::Protocol {
+            wire: WireFormat::Channel,
             problem: format!(
                 "a channel frame carries at most one fd, this one {}",
                 fds.len()

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 use loom::sync::atomic::{AtomicU32, AtomicU64};
 
 use super::ring::{Ring, RingControl, SLOT_BYTES, SLOT_WORDS};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, WireFormat};
 use crate::region::SharedRegion;
 
 pub(crate) const MAGIC: [u8; 4] = *b"TMCH";
@@ -52,6 +52,7 @@ impl Memory {
     pub(crate) fn new(region: SharedRegion, slots: u32) -> Result<Self> {
         if region.mapping().is_truncatable() {
             return Err(Error::Protocol {
+                wire: WireFormat::Channel,
                 problem: "the channel's memory is not sealed against shrinking; it must be a \
                           sealed memfd (memfd_create with sealing)"
                     .into(),
@@ -61,6 +62,7 @@ impl Memory {
             || region.mapping().as_ptr() != region.mapping().base_ptr().cast_const()
         {
             return Err(Error::Protocol {
+                wire: WireFormat::Channel,
                 problem: format!(
                     "the channel's memory has {} bytes, {slots} slots need {}",
                     region.mapping().map_len(),

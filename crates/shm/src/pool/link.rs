@@ -20,7 +20,7 @@ use rustix::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use super::wire::{self, Header, Kind, Record};
 use super::Inner;
 use crate::channel::{Channel, ChannelReceiver, ChannelSender, MAX_MESSAGE};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, WireFormat};
 
 /// One connection, shared by its sender and the pool. Every message to the consumer is sent
 /// under `mirror`'s lock, every release read under `leases'`.
@@ -292,9 +292,11 @@ impl Link {
                     continue;
                 }
                 Ok(Record::Release { id }) => Error::Protocol {
+                    wire: WireFormat::Pool,
                     problem: format!("the consumer released region {id}, which it did not hold"),
                 },
                 Ok(Record::Hello { .. }) => Error::Protocol {
+                    wire: WireFormat::Pool,
                     problem: "a second hello from the consumer".into(),
                 },
                 Err(err) => err,

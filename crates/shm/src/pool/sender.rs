@@ -10,7 +10,7 @@ use super::link::{to_pool_error, Leases, Link, Mirror, ReadWait};
 use super::wire::{self, Header, Kind, Record, POOL_SLOTS};
 use super::{Inner, PoolBuffer, ShmPool};
 use crate::channel::{Channel, ChannelOptions, MAX_MESSAGE};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, WireFormat};
 use crate::transfer::RecvOptions;
 
 /// The producer's end of a connection to one consumer (a
@@ -83,6 +83,7 @@ impl PoolSender {
         let n = channel.recv(&mut hello).map_err(to_pool_error)?;
         let Record::Hello { entries, bytes } = Record::decode(&hello[..n])? else {
             return Err(Error::Protocol {
+                wire: WireFormat::Pool,
                 problem: "the consumer's first record must be its hello".into(),
             });
         };
@@ -116,6 +117,7 @@ impl PoolSender {
     pub fn send(&mut self, buffer: &PoolBuffer, user: &[u8]) -> Result<()> {
         if !Arc::ptr_eq(buffer.pool(), &self.pool) {
             return Err(Error::Protocol {
+                wire: WireFormat::Pool,
                 problem: "this buffer belongs to another pool than the sender's".into(),
             });
         }

@@ -26,7 +26,7 @@
 //! = region id), `a` (u64), `b` (u64).
 
 use crate::channel::MAX_MESSAGE;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, WireFormat};
 
 /// Size of every producer-to-consumer message.
 pub(crate) const MESSAGE_LEN: usize = 256;
@@ -51,6 +51,7 @@ pub(crate) fn ring_len(message: &[u8; MESSAGE_LEN]) -> usize {
 pub(crate) fn padded(bytes: &[u8]) -> Result<[u8; MESSAGE_LEN]> {
     if bytes.len() < HEADER_LEN || bytes.len() > MESSAGE_LEN {
         return Err(Error::Protocol {
+            wire: WireFormat::Pool,
             problem: format!(
                 "a pool message of {} bytes; they have {HEADER_LEN} to {MESSAGE_LEN}",
                 bytes.len()
@@ -91,6 +92,7 @@ pub(crate) struct Header {
 pub(crate) fn encode(header: &Header, user: &[u8]) -> Result<[u8; MESSAGE_LEN]> {
     if user.len() > MAX_POOL_USER_DATA {
         return Err(Error::Protocol {
+            wire: WireFormat::Pool,
             problem: format!(
                 "{} bytes of application data, at most {MAX_POOL_USER_DATA} fit in a pool message",
                 user.len()
@@ -115,7 +117,12 @@ pub(crate) fn encode(header: &Header, user: &[u8]) -> Result<[u8; MESSAGE_LEN]> 
 }
 
 pub(crate) fn decode(b: &[u8; MESSAGE_LEN]) -> Result<Header> {
-    let protocol = |problem: String| Err(Error::Protocol { problem });
+    let protocol = |problem: String| {
+        Err(Error::Protocol {
+            wire: WireFormat::Pool,
+            problem,
+        })
+    };
     if b[0..4] != MAGIC {
         return protocol(format!(
             "pool message magic {:?}, expected {MAGIC:?}",
@@ -193,6 +200,7 @@ impl Record {
     pub(crate) fn decode(b: &[u8]) -> Result<Self> {
         if b.len() != RECORD_LEN || b[0..4] != RECORD_MAGIC {
             return Err(Error::Protocol {
+                wire: WireFormat::Pool,
                 problem: "a malformed record from the consumer".into(),
             });
         }
@@ -205,6 +213,7 @@ impl Record {
             }),
             2 => Ok(Self::Release { id: a }),
             other => Err(Error::Protocol {
+                wire: WireFormat::Pool,
                 problem: format!("unknown record kind {other} from the consumer"),
             }),
         }
