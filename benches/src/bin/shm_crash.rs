@@ -412,7 +412,13 @@ fn run_trial(
     tally.left_before_gc += left.len() as u64;
     tally.stuck_before_gc += stuck_refcounts(mode, &left);
 
-    let report = housekeeping::collect_garbage(&[prefix], false)?;
+    // Every process of a trial is this harness's child, in its PID namespace: gc may collect
+    // even where that is not the initial one (a container).
+    let options = housekeeping::GcOptions {
+        dry_run: false,
+        this_namespace_only: true,
+    };
+    let report = housekeeping::collect_garbage_with(&[prefix], options)?;
     if !report.failed.is_empty() {
         eprintln!("shm_crash: gc could not remove {:?}", report.failed);
     }
