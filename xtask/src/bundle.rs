@@ -12,7 +12,7 @@ use std::fmt::Write as _;
 use std::fs;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
 
@@ -41,8 +41,8 @@ const TORCH_PLUGIN: (&str, &str, &str) = (
 
 /// The Python scripts of the plugin crate, relative to the workspace root.
 const TORCH_PYTHON_DIR: &str = "crates/torch-plugin/python";
-/// The plugin's C++ layer, compiled on the GPU host against its PyTorch.
-const TORCH_CPP_SOURCE: &str = "crates/torch-plugin/csrc/tensormem_allocator.cpp";
+/// The plugin crate, whose wheel the bundle carries.
+const TORCH_PLUGIN_DIR: &str = "crates/torch-plugin";
 
 /// Builds the bundle into `dir` (created if missing; files of an earlier bundle are replaced).
 pub(crate) fn build(dir: &Path) -> Result<()> {
@@ -153,31 +153,55 @@ fn bundle_torch_plugin(dir: &Path) -> Result<PathBuf> {
     fs::copy(&lib, &dest)
         .with_context(|| format!("could not copy {} to {}", lib.display(), dest.display()))?;
     let root = crate::gpu_tests::workspace_root();
-    copy_python(&root.join(TORCH_PYTHON_DIR), &torch_dir)?;
-    // The C++ layer's source, where the package looks for it (as in the wheel).
-    let csrc = torch_dir.join("tensormem_torch").join("csrc");
-    fs::create_dir_all(&csrc).with_context(|| format!("could not create {}", csrc.display()))?;
-    let source = root.join(TORCH_CPP_SOURCE);
-    let to = csrc.join(source.file_name().unwrap_or_default());
-    fs::copy(&source, &to)
-        .with_context(|| format!("could not copy {} to {}", source.display(), to.display()))?;
+    copy_scripts(&root.join(TORCH_PYTHON_DIR), &torch_dir)?;
+    build_wheel(&root.join(TORCH_PLUGIN_DIR), &dest, &torch_dir)?;
     Ok(dest)
 }
 
-/// Copies the `.py` files of `from`, and of its folders (Python packages), into `to`.
-fn copy_python(from: &Path, to: &Path) -> Result<()> {
+/// Copies the scripts (`.py` files) of `from` into `to`; the package itself travels as a wheel.
+fn copy_scripts(from: &Path, to: &Path) -> Result<()> {
     for entry in fs::read_dir(from).with_context(|| format!("could not read {}", from.display()))? {
         let path = entry?.path();
-        let dest = to.join(path.file_name().unwrap_or_default());
-        if path.is_dir() && path.file_name().is_some_and(|n| n != "__pycache__") {
-            fs::create_dir_all(&dest)
-                .with_context(|| format!("could not create {}", dest.display()))?;
-            copy_python(&path, &dest)?;
-        } else if path.extension().is_some_and(|e| e == "py") {
+        if path.is_file() && path.extension().is_some_and(|e| e == "py") {
+            let dest = to.join(path.file_name().unwrap_or_default());
             fs::copy(&path, &dest).with_context(|| {
                 format!("could not copy {} to {}", path.display(), dest.display())
             })?;
         }
+    }
+    Ok(())
+}
+
+/// Builds the plugin's wheel (`pip install crates/torch-plugin` on a host without Rust) around the
+/// library just built, into `to`; the bundle's `run.sh` installs it for the real-client tests.
+fn build_wheel(crate_dir: &Path, lib: &Path, to: &Path) -> Result<()> {
+    // pip runs the build in a folder of its own: hand it absolute paths.
+    let lib = fs::canonicalize(lib).with_context(|| format!("no library at {}", lib.display()))?;
+    let to = fs::canonicalize(to).with_context(|| format!("no folder {}", to.display()))?;
+    let status = Command::new("python3")
+        .args([
+            "-m",
+            "pip",
+            "wheel",
+            "--no-build-isolation",
+            "--no-deps",
+            "-q",
+            "-w",
+        ])
+        .arg(&to)
+        .arg(crate_dir)
+        .env("TENSORMEM_TORCH_LIB", &lib)
+        .status()
+        .context("could not run python3 -m pip wheel (install pip, setuptools and wheel)")?;
+    anyhow::ensure!(
+        status.success(),
+        "building the tensormem-torch wheel failed ({status}); python3 needs pip, setuptools and wheel"
+    );
+    for leftover in [
+        crate_dir.join("build"),
+        crate_dir.join("python").join("tensormem_torch.egg-info"),
+    ] {
+        let _ = fs::remove_dir_all(leftover);
     }
     Ok(())
 }
@@ -333,6 +357,13 @@ export TENSORMEM_REQUIRE_GPU=1
 # PyTorch's pluggable allocator on tensormem and its scripts, for the real-client tests.
 export TENSORMEM_TORCH_LIB="$here/torch/libtensormem_torch.so"
 export TENSORMEM_TORCH_PYTHON="$here/torch"
+# The plugin's wheel, installed as a user would (its C++ layer compiles on first use, cached here).
+if python3 -m pip install -q --no-deps --no-index --target "$here/torch/site" "$here"/torch/tensormem_torch-*.whl; then
+  export PYTHONPATH="$here/torch/site${PYTHONPATH:+:$PYTHONPATH}"
+  export TENSORMEM_TORCH_CACHE="$here/torch/cache"
+else
+  echo "run.sh: installing the tensormem-torch wheel failed" >&2
+fi
 if python3 -c 'import torch' >/dev/null 2>&1; then
   export TENSORMEM_REQUIRE_TORCH=1
   echo "run.sh: python3 has torch: PyTorch interop checks are required"

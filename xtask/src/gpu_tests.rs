@@ -16,6 +16,8 @@ pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] = &[
     ("tensormem-storage", "torch_interop"),
     ("tensormem-torch", "gpu"),
     ("tensormem-torch", "torch_client"),
+    ("tensormem-torch", "real_clients"),
+    ("tensormem-torch", "native_abi"),
 ];
 
 /// Examples that run on a GPU as checks: (package, example). Each skips with a message when there is
