@@ -1,6 +1,6 @@
 """Benchmark: PyTorch programs on its native allocator and on tensormem's, alternated in one call.
 
-    python3 alloc_bench.py [--lib PATH/libtensormem_torch.so] [--rounds 3] [--threads 1,2,4,8]
+    python3 alloc_bench.py [--lib PATH/libtensormem_torch.so] [--rounds 5] [--threads 1,2,4,8]
 
 Each round runs native then tensormem, each in a fresh process (ABAB...): a ResNet-18 step with AMP and
 GradScaler (batch 64, 96x96, channels_last), a transformer step with variable lengths and activation
@@ -51,7 +51,7 @@ def cnn_step(torch):
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
-    return timed(step, 20)
+    return timed(step, 60)
 
 
 def transformer_step(torch):
@@ -70,7 +70,7 @@ def transformer_step(torch):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    return timed(step, 24)
+    return timed(step, 48)
 
 
 def small_ops(torch):
@@ -83,7 +83,7 @@ def small_ops(torch):
     return timed(loop, 5, warmup=1)
 
 
-def threaded_inference(torch, threads, iters=300):
+def threaded_inference(torch, threads, iters=1000):
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda().eval()
     streams = [torch.cuda.Stream() for _ in range(threads)]
     barrier = threading.Barrier(threads + 1)
@@ -117,7 +117,7 @@ def child(backend, lib, threads):
     out = {"cnn_step_ms": cnn_step(torch) * 1e3, "transformer_step_ms": transformer_step(torch) * 1e3,
            "small_ops_ms": small_ops(torch) * 1e3}
     for n in threads:
-        threaded_inference(torch, n, iters=50)
+        threaded_inference(torch, n, iters=100)
         out[f"threads{n}_iters_per_s"] = statistics.median(threaded_inference(torch, n) for _ in range(3))
     out["device"] = torch.cuda.get_device_name()
     out["torch"] = torch.__version__
@@ -140,7 +140,7 @@ def run(backend, lib, threads):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", default="1,2,4,8")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
