@@ -207,20 +207,74 @@ def stats_snapshot(torch):
     return {"out": out, "strict": True}
 
 
+def _ddp_rank(rank, backend, lib, port, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+    torch = setup(backend, lib)
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(
+        torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).cuda(), device_ids=[rank])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator(device="cuda").manual_seed(10 + rank)
+    losses = []
+    for _ in range(8):
+        x = torch.randn(64, 1024, device="cuda", generator=g)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(round(loss.item(), 4))
+    weight = round(next(model.parameters()).double().sum().item(), 3)
+    dist.barrier()
+    dist.destroy_process_group()
+    results.put((rank, losses, weight, figures(torch)))
+
+
 def ddp(torch):
     if torch.cuda.device_count() < 2:
         return {"skip": "needs two GPUs"}
-    return {"skip": "run ddp_check.py on a two-GPU host"}
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    backend = os.environ["TENSORMEM_REAL_CLIENT_BACKEND"]
+    procs = [ctx.Process(target=_ddp_rank, args=(r, backend, os.environ.get("TENSORMEM_TORCH_LIB"), port, results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(results.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    return {"out": [[r, losses, weight] for r, losses, weight, _ in got] + [[p.exitcode for p in procs]],
+            "strict": True,
+            "peak_reserved": [f["peak_reserved"] for *_, f in got],
+            "device_allocs": [f["device_allocs"] for *_, f in got]}
+
+
+def ddp_register(torch):
+    """DDP with NCCL registering the allocator's segments (PyTorch's trace-tracker hook)."""
+    os.environ["TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"] = "1"
+    return ddp(torch)
 
 
 WORKLOADS = {f.__name__: f for f in (cnn_amp, transformer_varlen, compile_infer, compile_train, mempool, oom,
-                                      streams, ipc, stats_snapshot)}
+                                      streams, ipc, stats_snapshot, ddp, ddp_register)}
 
 
 def child(backend, lib, name):
+    os.environ["TENSORMEM_REAL_CLIENT_BACKEND"] = backend
+    if lib:
+        os.environ["TENSORMEM_TORCH_LIB"] = lib
     torch = setup(backend, lib)
     result = WORKLOADS[name](torch)
-    result.update(figures(torch))
+    for key, value in figures(torch).items():
+        result.setdefault(key, value)
     print("result," + json.dumps(result), flush=True)
 
 
