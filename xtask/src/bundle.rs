@@ -350,7 +350,8 @@ fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
 /// The bundle's runner: every test executable, one test at a time, failing if any failed.
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs every tensormem GPU test executable, then every GPU example, of this bundle on this machine's
-# GPUs. Exits non-zero if any failed. Arguments are passed to every test executable.
+# GPUs. Exits non-zero if any failed. The GPU and PyTorch tests are #[ignore]d (a plain `cargo test`
+# lists them as ignored): --include-ignored runs them. Arguments are passed to every test executable.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 export TENSORMEM_REQUIRE_GPU=1
@@ -373,7 +374,7 @@ fi
 failed=()
 for t in "$here"/tests/*; do
   echo "== $(basename "$t")"
-  if ! "$t" --test-threads=1 "$@"; then
+  if ! "$t" --include-ignored --test-threads=1 "$@"; then
     failed+=("$(basename "$t")")
   fi
 done
@@ -394,7 +395,7 @@ echo "run.sh: all GPU tests passed"
 #[cfg(test)]
 mod tests {
     use super::RUN_SH;
-    use crate::gpu_tests::{REQUIRE_GPU, REQUIRE_TORCH};
+    use crate::gpu_tests::{INCLUDE_IGNORED, REQUIRE_GPU, REQUIRE_TORCH};
 
     #[test]
     fn run_sh_names_the_variables_the_tests_read() {
@@ -406,6 +407,11 @@ mod tests {
             super::TORCH_PLUGIN.2
         )));
         assert!(RUN_SH.contains("export TENSORMEM_TORCH_PYTHON=\"$here/torch\""));
+    }
+
+    #[test]
+    fn run_sh_runs_the_ignored_gpu_tests() {
+        assert!(RUN_SH.contains(&format!("\"$t\" {INCLUDE_IGNORED} ")));
     }
 
     #[test]

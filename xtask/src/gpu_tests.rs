@@ -5,10 +5,12 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
-/// The integration-test targets that hold GPU tests: (package, test target). Each GPU test checks for a
-/// driver and device itself and skips with a message on stderr when there is none, unless
-/// [`REQUIRE_GPU`] is set.
+/// The integration-test targets that hold GPU or PyTorch tests: (package, test target). Those tests are
+/// `#[ignore]`d (a plain `cargo test` reports them as ignored) and run here with [`INCLUDE_IGNORED`].
+/// Each checks for a driver and device (or for torch) itself and skips with a message on stderr when
+/// there is none, unless [`REQUIRE_GPU`] (or [`REQUIRE_TORCH`]) is set.
 pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] = &[
+    ("tensormem-shm", "torch_interop"),
     ("tensormem-cuda-alloc", "gpu"),
     ("tensormem", "gpu"),
     ("tensormem-ipc", "gpu"),
@@ -23,6 +25,9 @@ pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] = &[
 /// Examples that run on a GPU as checks: (package, example). Each skips with a message when there is
 /// no driver or device, unless [`REQUIRE_GPU`] is set, and exits non-zero when something is wrong.
 pub(crate) const GPU_EXAMPLES: &[(&str, &str)] = &[("tensormem-cuda-alloc", "cudarc_kernel")];
+
+/// The test harness flag that runs the `#[ignore]`d GPU and PyTorch tests beside the others.
+pub(crate) const INCLUDE_IGNORED: &str = "--include-ignored";
 
 /// Set to `1`, a GPU test fails instead of skipping when no driver or device is found.
 pub(crate) const REQUIRE_GPU: &str = "TENSORMEM_REQUIRE_GPU";
@@ -77,6 +82,7 @@ pub(crate) fn run_here() -> Result<()> {
             "--test",
             test,
             "--",
+            INCLUDE_IGNORED,
             "--test-threads=1",
         ])
         .env(REQUIRE_GPU, "1");

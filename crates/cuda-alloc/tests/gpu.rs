@@ -1,9 +1,10 @@
 //! Tests on a real GPU: the CUDA backend, and the caching allocator on top of it.
 //!
-//! Every test first looks for a CUDA driver and device. Where there is none it prints
-//! `skipped: no CUDA driver/device (...)` on stderr and passes, so `cargo test` passes on machines without a
-//! GPU; with `TENSORMEM_REQUIRE_GPU=1` (what `cargo xtask test-gpu` and the bundle's `run.sh` set) a missing
-//! GPU fails the test instead. Tests that need two GPUs skip on a machine with one, even then.
+//! Every test is `#[ignore]`d, so a plain `cargo test` lists it as ignored; `cargo xtask test-gpu` and the
+//! bundle's `run.sh` run them with `--include-ignored`. A test run without a CUDA driver and device prints
+//! `skipped: no CUDA driver/device (...)` on stderr and passes, unless `TENSORMEM_REQUIRE_GPU=1` (what
+//! `cargo xtask test-gpu` and `run.sh` set), which makes it fail. Tests that need two GPUs skip on a
+//! machine with one, even then.
 //!
 //! The tests hold one process-wide lock while they run: they measure device memory, so two of them must
 //! not allocate at the same time.

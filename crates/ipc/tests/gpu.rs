@@ -1,9 +1,10 @@
 //! CUDA IPC on a real GPU, between real processes, and against PyTorch.
 //!
-//! Every test first looks for a CUDA driver and device; without one it prints
-//! `skipped: no CUDA driver/device (...)` and passes, unless `TENSORMEM_REQUIRE_GPU=1` (set by
-//! `cargo xtask test-gpu` and the bundle's `run.sh`), which makes it fail. The PyTorch interop tests
-//! skip when `python3 -c 'import torch'` fails, unless `TENSORMEM_REQUIRE_TORCH=1`.
+//! Every test is `#[ignore]`d: `cargo xtask test-gpu` and the bundle's `run.sh` run them with
+//! `--include-ignored`. Run without a CUDA driver and device, a test prints
+//! `skipped: no CUDA driver/device (...)` and passes, unless `TENSORMEM_REQUIRE_GPU=1` (which they set)
+//! makes it fail. The PyTorch interop tests skip when `python3 -c 'import torch'` fails, unless
+//! `TENSORMEM_REQUIRE_TORCH=1`.
 //!
 //! The tests re-execute this binary (running only themselves) as the peer process: a consumer that
 //! reads commands on stdin, or a producer; an environment variable gives the role.
@@ -115,8 +116,14 @@ impl Peer {
     /// This binary running only `test`, in role `role`.
     fn this(test: &str, role: &str) -> Self {
         let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.args(["--exact", test, "--nocapture", "--test-threads=1"])
-            .env(ROLE, role);
+        cmd.args([
+            "--exact",
+            test,
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ROLE, role);
         Self::spawn(cmd)
     }
 
@@ -243,6 +250,7 @@ fn role() -> Option<String> {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn a_consumer_process_reads_and_writes_the_producers_memory() {
     if role().is_some() {
         return consumer_role();
@@ -302,6 +310,7 @@ fn a_consumer_process_reads_and_writes_the_producers_memory() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn ten_thousand_shares_rotate_files_between_processes() {
     if role().is_some() {
         return consumer_role();
@@ -334,6 +343,7 @@ fn ten_thousand_shares_rotate_files_between_processes() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn threads_share_at_once_with_one_consumer_process() {
     if role().is_some() {
         return consumer_role();
@@ -376,6 +386,7 @@ fn threads_share_at_once_with_one_consumer_process() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn kill9_of_the_consumer_frees_its_memory() {
     if role().is_some() {
         return consumer_role();
@@ -400,6 +411,7 @@ fn kill9_of_the_consumer_frees_its_memory() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn kill9_of_the_producer_leaves_nothing_behind() {
     if role().is_some() {
         let (allocator, producer, _lock) = gpu().unwrap();
@@ -427,6 +439,7 @@ fn kill9_of_the_producer_leaves_nothing_behind() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
 fn a_pytorch_consumer_opens_tensormem_memory() {
     if role().is_some() {
         return;
@@ -464,6 +477,7 @@ fn a_pytorch_consumer_opens_tensormem_memory() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
 fn tensormem_opens_a_pytorch_share() {
     if role().is_some() {
         return;

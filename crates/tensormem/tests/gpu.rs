@@ -1,6 +1,7 @@
-//! The device API on a real GPU. Each test skips with `skipped: no CUDA driver/device (...)` where there
-//! is none, and fails instead with `TENSORMEM_REQUIRE_GPU=1` (`cargo xtask test-gpu`, the bundle's
-//! `run.sh`). The per-device allocators are process-wide, so the tests hold one lock while they run.
+//! The device API on a real GPU. Each test is `#[ignore]`d (`cargo xtask test-gpu` and the bundle's
+//! `run.sh` run them with `--include-ignored`); run without a device, it says
+//! `skipped: no CUDA driver/device (...)`, and fails instead with `TENSORMEM_REQUIRE_GPU=1` (which they
+//! set). The per-device allocators are process-wide, so the tests hold one lock while they run.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -26,6 +27,7 @@ fn on_new_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn the_current_device_is_per_thread_and_guards_restore_it() {
     let Some((count, _lock)) = gpus() else { return };
     on_new_thread(move || {
@@ -59,6 +61,7 @@ fn the_current_device_is_per_thread_and_guards_restore_it() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn properties_peer_queries_memory_info_and_synchronize() {
     let Some((count, _lock)) = gpus() else { return };
     let props = cuda::get_device_properties(Some(0)).unwrap();
@@ -81,6 +84,7 @@ fn properties_peer_queries_memory_info_and_synchronize() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn current_streams_are_per_thread_and_per_device() {
     let Some(_) = gpus() else { return };
     on_new_thread(|| {
@@ -103,6 +107,7 @@ fn current_streams_are_per_thread_and_per_device() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn caching_allocator_alloc_and_delete_show_in_stats_and_snapshots() {
     let Some(_) = gpus() else { return };
     on_new_thread(|| {
@@ -163,6 +168,7 @@ fn caching_allocator_alloc_and_delete_show_in_stats_and_snapshots() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn the_memory_fraction_and_settings_apply_to_the_device_allocator() {
     let Some(_) = gpus() else { return };
     on_new_thread(|| {
@@ -202,6 +208,7 @@ fn the_memory_fraction_and_settings_apply_to_the_device_allocator() {
 }
 
 #[test]
+#[ignore = "needs two CUDA GPUs (cargo xtask test-gpu runs it)"]
 fn two_devices_have_their_own_allocators_and_can_share_memory() {
     let Some((count, _lock)) = gpus() else { return };
     if count < 2 {
@@ -255,6 +262,7 @@ fn two_devices_have_their_own_allocators_and_can_share_memory() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn is_current_stream_capturing_follows_a_capture_of_the_current_stream() {
     use cudarc::driver::sys;
     let Some((_, _lock)) = gpus() else { return };
@@ -294,6 +302,7 @@ fn is_current_stream_capturing_follows_a_capture_of_the_current_stream() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn cuda_malloc_async_is_refused_and_the_backend_reported_is_native() {
     use tensormem::cuda_alloc::config::{Backend, ConfigError};
     let Some((_, _lock)) = gpus() else { return };
@@ -310,6 +319,7 @@ fn cuda_malloc_async_is_refused_and_the_backend_reported_is_native() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn has_primary_context_is_true_once_a_device_is_used() {
     let Some((count, _lock)) = gpus() else { return };
     cuda::caching_allocator(Some(0)).unwrap();
@@ -321,6 +331,7 @@ fn has_primary_context_is_true_once_a_device_is_used() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn an_out_of_memory_observer_hears_of_every_devices_errors() {
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::Arc;
@@ -341,6 +352,7 @@ fn an_out_of_memory_observer_hears_of_every_devices_errors() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn pinned_host_memory_is_cached_per_device_with_pytorchs_host_keys() {
     let Some((_, _lock)) = gpus() else { return };
     on_new_thread(|| {

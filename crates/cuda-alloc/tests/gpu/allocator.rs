@@ -42,6 +42,7 @@ fn read_back(stream: &BackendStream, ptr: DeviceAddress, len: usize) -> Vec<u8> 
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn allocations_are_usable_device_memory_and_never_overlap() {
     let Some(gpus) = gpu() else { return };
     drop(gpus.devices);
@@ -99,6 +100,7 @@ fn allocations_are_usable_device_memory_and_never_overlap() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn a_block_used_by_another_stream_is_reused_only_after_that_stream_is_done() {
     let Some(gpus) = gpu() else { return };
     drop(gpus.devices);
@@ -157,6 +159,7 @@ fn a_block_used_by_another_stream_is_reused_only_after_that_stream_is_done() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn out_of_memory_retries_after_releasing_the_cache_then_fails_with_pytorchs_message() {
     let Some(gpus) = gpu() else { return };
     drop(gpus.devices);
@@ -230,6 +233,7 @@ fn out_of_memory_retries_after_releasing_the_cache_then_fails_with_pytorchs_mess
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn a_memory_fraction_of_one_half_is_enforced() {
     let Some(gpus) = gpu() else { return };
     drop(gpus.devices);
@@ -272,6 +276,7 @@ fn a_memory_fraction_of_one_half_is_enforced() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn expandable_segments_grow_in_place_and_empty_cache_unmaps_them() {
     let Some(gpus) = gpu() else { return };
     drop(gpus.devices);

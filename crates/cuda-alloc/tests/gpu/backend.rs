@@ -33,6 +33,7 @@ fn write_and_read_back(
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn malloc_returns_real_aligned_memory_and_free_returns_it() {
     let Some(gpus) = gpu() else { return };
     let dev = gpus.first();
@@ -65,6 +66,7 @@ fn malloc_returns_real_aligned_memory_and_free_returns_it() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn an_impossible_malloc_is_out_of_memory_and_the_device_still_works() {
     let Some(gpus) = gpu() else { return };
     let dev = gpus.first();
@@ -79,6 +81,7 @@ fn an_impossible_malloc_is_out_of_memory_and_the_device_still_works() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn events_complete_only_after_the_work_before_them() {
     let Some(gpus) = gpu() else { return };
     let dev = gpus.first();
@@ -111,6 +114,7 @@ fn events_complete_only_after_the_work_before_them() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn the_default_stream_and_device_synchronize_work() {
     let Some(gpus) = gpu() else { return };
     let dev = gpus.first();
@@ -130,6 +134,7 @@ fn the_default_stream_and_device_synchronize_work() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn virtual_memory_maps_chunks_contiguously_and_unmaps_them() {
     let Some(gpus) = gpu() else { return };
     let dev = gpus.first();
@@ -172,6 +177,7 @@ fn virtual_memory_maps_chunks_contiguously_and_unmaps_them() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn physical_memory_past_capacity_is_out_of_memory() {
     let Some(gpus) = gpu() else { return };
     let dev = gpus.first();
@@ -203,6 +209,7 @@ fn physical_memory_past_capacity_is_out_of_memory() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn interprocess_events_export_a_handle_and_plain_ones_refuse() {
     let Some(gpus) = gpu() else { return };
     let dev = gpus.first();
@@ -221,6 +228,7 @@ fn interprocess_events_export_a_handle_and_plain_ones_refuse() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn properties_and_errors_carry_the_drivers_facts() {
     let Some(gpus) = gpu() else { return };
     let dev = gpus.first();

@@ -24,6 +24,7 @@ fn setup() -> Option<(
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn cached_slices_take_cudarc_copies_and_go_back_to_the_cache() {
     let Some((ctx, alloc, _gpus)) = setup() else {
         return;
@@ -76,6 +77,7 @@ fn cached_slices_take_cudarc_copies_and_go_back_to_the_cache() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn cached_slices_are_kernel_arguments() {
     let Some((ctx, alloc, _gpus)) = setup() else {
         return;

@@ -121,16 +121,19 @@ fn capture_needing_a_new_segment(config: &str, size: usize, private: bool) {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn a_global_mode_capture_can_make_a_new_segment() {
     capture_needing_a_new_segment("", 8 * MIB, true);
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn a_global_mode_capture_can_map_expandable_memory() {
     capture_needing_a_new_segment("expandable_segments:True", 24 * MIB, false);
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn a_segment_made_beside_another_threads_global_capture_succeeds() {
     let Some(gpus) = gpu() else { return };
     drop(gpus.devices);

@@ -76,6 +76,7 @@ fn path_str(path: &Path) -> &str {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
 fn pytorch_memory_viz_reads_a_tensormem_snapshot() {
     let Some(_gpus) = gpu_and_torch() else { return };
     let alloc = CachingAllocator::new(CudaBackend::new(0).unwrap());
@@ -122,6 +123,7 @@ fn pytorch_memory_viz_reads_a_tensormem_snapshot() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
 fn tensormem_reads_a_snapshot_pytorch_dumped_on_this_gpu() {
     let Some(_gpus) = gpu_and_torch() else { return };
     let dir = tempfile::tempdir().unwrap();
@@ -156,6 +158,7 @@ fn tensormem_reads_a_snapshot_pytorch_dumped_on_this_gpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
 fn memory_stats_have_pytorchs_keys() {
     let Some(_gpus) = gpu_and_torch() else { return };
     let printed = python(&[

@@ -21,6 +21,7 @@ fn fill_and_check(dev: &CudaBackend, ptr: DeviceAddress, len: usize, value: u8) 
 }
 
 #[test]
+#[ignore = "needs two CUDA GPUs (cargo xtask test-gpu runs it)"]
 fn memory_is_copied_between_two_devices() {
     let Some(gpus) = gpus(2) else { return };
     let (d0, d1) = (&gpus.devices[0], &gpus.devices[1]);
@@ -42,6 +43,7 @@ fn memory_is_copied_between_two_devices() {
 }
 
 #[test]
+#[ignore = "needs two CUDA GPUs (cargo xtask test-gpu runs it)"]
 fn peer_access_covers_virtual_memory_mapped_before_and_after_it_is_enabled() {
     let Some(gpus) = gpus(2) else { return };
     let (d0, d1) = (&gpus.devices[0], &gpus.devices[1]);
@@ -74,6 +76,7 @@ fn peer_access_covers_virtual_memory_mapped_before_and_after_it_is_enabled() {
 }
 
 #[test]
+#[ignore = "needs two CUDA GPUs (cargo xtask test-gpu runs it)"]
 fn each_device_has_its_own_allocator_and_blocks_move_between_them() {
     use tensormem_cuda_alloc::config::AllocatorConfig;
     use tensormem_cuda_alloc::CachingAllocator;

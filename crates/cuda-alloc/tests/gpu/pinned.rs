@@ -45,6 +45,7 @@ fn round_trip(host: &HostCachingAllocator<CudaBackend>, size: usize) {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn pinned_blocks_from_host_alloc_and_from_registration_copy_both_ways() {
     let Some(gpus) = gpu() else { return };
     drop(gpus.devices);
@@ -70,6 +71,7 @@ fn pinned_blocks_from_host_alloc_and_from_registration_copy_both_ways() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn a_block_a_stream_still_reads_is_not_reused_until_it_completes() {
     let Some(gpus) = gpu() else { return };
     drop(gpus.devices);

@@ -52,11 +52,13 @@ fn drop_returns_memory(config: &str) {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn dropping_an_allocator_returns_its_segments_to_the_device() {
     drop_returns_memory("");
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn dropping_an_allocator_returns_its_expandable_segments_to_the_device() {
     drop_returns_memory("expandable_segments:True");
 }
