@@ -283,6 +283,8 @@ pub enum Error {
     ReadOnly,
 
     /// The shared-memory manager daemon could not be found, started or reached, or refused.
+    #[cfg(feature = "manager")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "manager")))]
     #[error(transparent)]
     Manager(#[from] crate::manager::ManagerError),
 }
@@ -463,6 +465,7 @@ impl Error {
             Self::InvalidFd { source, .. }
             | Self::PermissionDenied { source, .. }
             | Self::Os { source, .. } => source.kind(),
+            #[cfg(feature = "manager")]
             Self::Manager(e) => e.kind(),
         }
     }

@@ -92,6 +92,25 @@
 //! anonymous regions where the peer is not trusted.
 //!
 //! Linux only (memfd, `/dev/shm`, `MADV_POPULATE_WRITE`); no CUDA anywhere in the dependency tree.
+//!
+//! # Features
+//!
+//! - `manager` (default): managed names and their daemon ([`manager`]: `ManagedRegion`, `Manager`,
+//!   PyTorch's `torch_shm_manager` for the `file_system` strategy) and the `tensormem-shm-manager`
+//!   binary. **It runs code before `main`**: a start-up hook in `.init_array`, run in every program
+//!   that links this crate, returns at once unless `TENSORMEM_SHM_MANAGER_ROLE` is set; when a
+//!   managed region starts the daemon, the program's own image is re-run with that variable and
+//!   becomes the daemon without reaching `main`. That is what lets managed names work with no
+//!   binary and no setup. Programs that pass descriptors, use named, refcounted or pooled regions
+//!   or the channel do not need it: `default-features = false` leaves the hook and the daemon out.
+//!
+//! ```toml
+//! [dependencies]
+//! # everything but managed names; no code runs before main
+//! tensormem-shm = { version = "0.1", default-features = false }
+//! ```
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod anon;
 pub mod channel;
@@ -100,6 +119,8 @@ mod error;
 #[cfg(all(test, not(loom)))]
 mod hostile_peer_tests;
 pub mod housekeeping;
+#[cfg(feature = "manager")]
+#[cfg_attr(docsrs, doc(cfg(feature = "manager")))]
 pub mod manager;
 pub mod mapping;
 pub mod mapping_cache;

@@ -39,6 +39,7 @@ const TESTS: &[Test] = &[
         "named_region_opened_by_another_process",
         named_region_opened_by_another_process,
     ),
+    #[cfg(feature = "manager")]
     (
         "a_single_threaded_client_forks_a_clean_daemon",
         a_single_threaded_client_forks_a_clean_daemon,
@@ -316,6 +317,7 @@ fn named_reader() -> RoleResult {
     Ok(())
 }
 
+#[cfg(feature = "manager")]
 /// This harness runs tests on its one thread, so the manager's fork path (for programs whose
 /// image cannot run the daemon) can be exercised here: a daemon forked without `exec` that holds
 /// none of the client's descriptors or shared mappings and serves like any other.
