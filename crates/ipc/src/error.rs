@@ -18,9 +18,17 @@ pub enum Error {
     #[error("{}", RECEIVED_MEMORY_MESSAGE)]
     ReceivedMemory,
 
-    /// A zero-byte allocation has no device memory to share.
-    #[error("cannot share a zero-byte allocation: it has no device memory; send its size instead")]
-    EmptyAllocation,
+    /// The handle is an empty storage's ([`IpcHandle::empty`](crate::IpcHandle::empty)): it names no
+    /// memory, so there is nothing to open.
+    #[error(
+        "the handle is an empty (zero-byte) storage's and names no device memory, so there is \
+         nothing to open on device {device}; make an empty storage of that device instead \
+         (tensormem_storage::Storage::new_shared_cuda does)"
+    )]
+    EmptyHandle {
+        /// The device in the handle.
+        device: u32,
+    },
 
     /// A driver call failed (the call, the driver's code and its description).
     #[error(transparent)]

@@ -21,6 +21,14 @@
 //! | 174.. | the name (`/tensormem_...`, valid shm name) |
 //!
 //! Decoding checks the magic, version, known flags, exact length and the name's validity.
+//!
+//! # Empty storages
+//!
+//! A zero-byte storage has no device memory, and PyTorch still shares it: `_share_cuda_` gives
+//! `(device, None, 0, 0, None, 0, None, None)`, and the receiving side
+//! (`torch.multiprocessing`'s `rebuild_cuda_tensor`) makes a new empty storage on that device. Here
+//! that is [`IpcHandle::empty`]: no ref-counter file (`ref_counter` is `None`), size, offset and
+//! slot 0, no event, a zeroed memory handle; encoded with a name length of 0.
 
 use tensormem_shm::ShmName;
 
@@ -52,8 +60,9 @@ pub struct IpcHandle {
     pub size: u64,
     /// Where the shared memory starts in the base allocation.
     pub offset: u64,
-    /// The ref-counter file.
-    pub ref_counter: ShmName,
+    /// The ref-counter file; `None` only for an [empty](Self::empty) storage's handle, which
+    /// names no memory.
+    pub ref_counter: Option<ShmName>,
     /// The slot (index of the `int64` counter) in the ref-counter file.
     pub slot: u64,
     /// The event the consumer's stream must wait for before using the memory, if any
@@ -69,7 +78,10 @@ impl IpcHandle {
     /// The binary encoding (see the [module docs](self)).
     #[must_use]
     pub fn encode(&self) -> Vec<u8> {
-        let name = self.ref_counter.as_str().as_bytes();
+        let name = self
+            .ref_counter
+            .as_ref()
+            .map_or(&[][..], |name| name.as_str().as_bytes());
         let mut out = Vec::with_capacity(FIXED_LEN + name.len());
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&ENCODING_VERSION.to_le_bytes());
@@ -126,9 +138,7 @@ impl IpcHandle {
                 FIXED_LEN + name_len
             )));
         }
-        let ref_counter = ShmName::from_bytes(&bytes[FIXED_LEN..])
-            .map_err(|e| bad(format!("ref-counter file name: {e}")))?;
-        Ok(Self {
+        let handle = Self {
             device: u32_at(8),
             size: u64_at(12),
             offset: u64_at(20),
@@ -136,19 +146,67 @@ impl IpcHandle {
             mem_handle: MemHandle(array(&bytes[36..100])),
             event: (flags & FLAG_EVENT != 0).then(|| EventHandle(array(&bytes[100..164]))),
             producer: u64_at(164),
-            ref_counter,
+            ref_counter: None,
+        };
+        if name_len == 0 {
+            // An empty storage's handle: nothing else may be set.
+            let empty = Self {
+                producer: handle.producer,
+                ..Self::empty(handle.device)
+            };
+            if handle != empty {
+                return Err(bad(
+                    "no ref-counter file name, but the handle is not an empty storage's (size, \
+                     offset, slot, memory or event handle set)"
+                        .into(),
+                ));
+            }
+            return Ok(handle);
+        }
+        let ref_counter = ShmName::from_bytes(&bytes[FIXED_LEN..])
+            .map_err(|e| bad(format!("ref-counter file name: {e}")))?;
+        Ok(Self {
+            ref_counter: Some(ref_counter),
+            ..handle
         })
     }
 
-    /// The same content as PyTorch's `_share_cuda_` tuple.
+    /// The handle of an empty (zero-byte) storage on `device`: no memory, no ref-counter slot, no
+    /// event (PyTorch's `_share_cuda_` of an empty storage, `(device, None, 0, 0, None, 0, None,
+    /// None)`). Opening it maps nothing: the receiver makes an empty storage of the device.
+    #[must_use]
+    pub fn empty(device: u32) -> Self {
+        Self {
+            device,
+            mem_handle: MemHandle([0; IPC_HANDLE_SIZE]),
+            size: 0,
+            offset: 0,
+            ref_counter: None,
+            slot: 0,
+            event: None,
+            producer: 0,
+        }
+    }
+
+    /// Whether this is an [empty](Self::empty) storage's handle (it names no memory).
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.ref_counter.is_none()
+    }
+
+    /// The same content as PyTorch's `_share_cuda_` tuple. An [empty](Self::empty) storage's handle
+    /// gives PyTorch's tuple of an empty storage (see [`TorchShareTuple::is_empty`]).
     #[must_use]
     pub fn to_torch(&self) -> TorchShareTuple {
+        let Some(ref_counter) = &self.ref_counter else {
+            return TorchShareTuple::empty(i64::from(self.device));
+        };
         TorchShareTuple {
             device: i64::from(self.device),
             handle: self.mem_handle.0.to_vec(),
             size: self.size,
             offset: self.offset,
-            ref_counter: self.ref_counter.as_str().as_bytes().to_vec(),
+            ref_counter: ref_counter.as_str().as_bytes().to_vec(),
             ref_counter_offset: self.slot,
             event_handle: self.event.map_or([0; IPC_HANDLE_SIZE], |e| e.0).to_vec(),
             event_sync_required: self.event.is_some(),
@@ -165,14 +223,28 @@ impl IpcHandle {
     ///
     /// # Errors
     ///
+    /// A tuple of an empty storage (no memory handle, see [`TorchShareTuple::is_empty`]) gives
+    /// [`IpcHandle::empty`].
+    ///
     /// [`Error::HandleLength`] for a memory handle of another length (or a required event handle
     /// that is not 64 bytes); [`Error::InvalidTuple`] for an expandable segment's handle (not
     /// supported: PyTorch shares those through fds), an unknown handle type, a negative or too large
-    /// device, or an invalid file name.
+    /// device, an invalid file name, or no memory handle with a size other than 0.
     pub fn from_torch(tuple: &TorchShareTuple) -> Result<Self> {
         let device = u32::try_from(tuple.device).map_err(|_| Error::InvalidTuple {
             problem: format!("device {} is not a device ordinal", tuple.device),
         })?;
+        if tuple.handle.is_empty() {
+            if tuple.size != 0 {
+                return Err(Error::InvalidTuple {
+                    problem: format!(
+                        "no memory handle (an empty storage's tuple) but a size of {} bytes",
+                        tuple.size
+                    ),
+                });
+            }
+            return Ok(Self::empty(device));
+        }
         let mem_handle = MemHandle(match tuple.handle.len() {
             TORCH_HANDLE_LEN => match tuple.handle[1] {
                 TORCH_CUDA_MALLOC => array(&tuple.handle[2..]),
@@ -209,7 +281,7 @@ impl IpcHandle {
             mem_handle,
             size: tuple.size,
             offset: tuple.offset,
-            ref_counter,
+            ref_counter: Some(ref_counter),
             slot: tuple.ref_counter_offset,
             event,
             producer: 0,
@@ -238,6 +310,11 @@ fn fixed(field: &'static str, bytes: &[u8]) -> Result<[u8; IPC_HANDLE_SIZE]> {
 /// PyTorch's `_share_cuda_()` tuple, field for field: `(device, handle, size_bytes, offset_bytes,
 /// ref_counter, ref_counter_offset, event_handle, event_sync_required)`, what
 /// `torch.UntypedStorage._new_shared_cuda(*tuple)` takes.
+///
+/// An empty storage's tuple has `None` for `handle`, `ref_counter`, `event_handle` and
+/// `event_sync_required`: here empty byte strings and `false` ([`TorchShareTuple::empty`],
+/// [`TorchShareTuple::is_empty`]). PyTorch rebuilds it as a new empty storage of the device
+/// (`rebuild_cuda_tensor`), not with `_new_shared_cuda`, which takes bytes only.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TorchShareTuple {
     /// `device`: the device ordinal.
@@ -259,8 +336,30 @@ pub struct TorchShareTuple {
 }
 
 impl TorchShareTuple {
-    /// One line of text, fields separated by spaces, bytes in hex, the flag as `0`/`1`:
-    /// what the interop scripts exchange (`bytes.fromhex` on the Python side).
+    /// PyTorch's tuple of an empty storage on `device`: `(device, None, 0, 0, None, 0, None, None)`.
+    #[must_use]
+    pub fn empty(device: i64) -> Self {
+        Self {
+            device,
+            handle: Vec::new(),
+            size: 0,
+            offset: 0,
+            ref_counter: Vec::new(),
+            ref_counter_offset: 0,
+            event_handle: Vec::new(),
+            event_sync_required: false,
+        }
+    }
+
+    /// Whether this is an empty storage's tuple: no memory handle (PyTorch's `None`).
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.handle.is_empty()
+    }
+
+    /// One line of text, fields separated by spaces, bytes in hex (`-` for an empty string,
+    /// PyTorch's `None` in an empty storage's tuple), the flag as `0`/`1`: what the interop scripts
+    /// exchange (`bytes.fromhex` on the Python side).
     #[must_use]
     pub fn to_line(&self) -> String {
         format!(
@@ -313,10 +412,16 @@ impl TorchShareTuple {
 }
 
 fn to_hex(bytes: &[u8]) -> String {
+    if bytes.is_empty() {
+        return "-".into();
+    }
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn from_hex(text: &str) -> Option<Vec<u8>> {
+    if text == "-" {
+        return Some(Vec::new());
+    }
     if !text.len().is_multiple_of(2) {
         return None;
     }
@@ -337,7 +442,7 @@ mod tests {
             mem_handle: MemHandle([7; 64]),
             size: 4096,
             offset: 512,
-            ref_counter: ShmName::new("/tensormem_1_2_3").unwrap(),
+            ref_counter: Some(ShmName::new("/tensormem_1_2_3").unwrap()),
             slot: 9999,
             event: event.then_some(EventHandle([9; 64])),
             producer: 0,
@@ -452,6 +557,52 @@ mod tests {
         );
     }
 
+    #[test]
+    fn empty_storage_handles_round_trip_as_pytorch_sends_them() {
+        let empty = IpcHandle::empty(2);
+        assert!(empty.is_empty());
+        assert!(!sample(false).is_empty());
+        let bytes = empty.encode();
+        assert_eq!(bytes.len(), FIXED_LEN);
+        assert_eq!(IpcHandle::decode(&bytes).unwrap(), empty);
+        // PyTorch's `(device, None, 0, 0, None, 0, None, None)`.
+        let t = empty.to_torch();
+        assert_eq!(t, TorchShareTuple::empty(2));
+        assert!(t.is_empty() && t.handle.is_empty() && t.ref_counter.is_empty());
+        assert!(t.event_handle.is_empty() && !t.event_sync_required);
+        assert_eq!((t.size, t.offset, t.ref_counter_offset), (0, 0, 0));
+        assert_eq!(IpcHandle::from_torch(&t).unwrap(), empty);
+        assert_eq!(t.to_line(), "2 - 0 0 - 0 - 0");
+        assert_eq!(TorchShareTuple::from_line(&t.to_line()).unwrap(), t);
+        // No memory handle but a size: not an empty storage's tuple.
+        let sized = TorchShareTuple {
+            size: 1000,
+            ..TorchShareTuple::empty(0)
+        };
+        let err = IpcHandle::from_torch(&sized).unwrap_err().to_string();
+        assert!(err.contains("1000 bytes"), "{err}");
+        // No name but fields set: malformed.
+        for bad in [
+            IpcHandle {
+                size: 1,
+                ..IpcHandle::empty(0)
+            },
+            IpcHandle {
+                slot: 3,
+                ..IpcHandle::empty(0)
+            },
+            IpcHandle {
+                event: Some(EventHandle([1; 64])),
+                ..IpcHandle::empty(0)
+            },
+        ] {
+            assert!(matches!(
+                IpcHandle::decode(&bad.encode()),
+                Err(Error::MalformedHandle { .. })
+            ));
+        }
+    }
+
     proptest! {
         #[test]
         fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
@@ -466,7 +617,7 @@ mod tests {
             let h = IpcHandle {
                 device, size, offset, slot,
                 mem_handle: MemHandle(m),
-                ref_counter: ShmName::new("/tensormem_5_6_7").unwrap(),
+                ref_counter: Some(ShmName::new("/tensormem_5_6_7").unwrap()),
                 event: event.then_some(EventHandle(m)),
                 producer: slot ^ size,
             };

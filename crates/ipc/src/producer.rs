@@ -594,10 +594,17 @@ impl<D: Device, B: IpcDriver> SharedAllocation<D, B> {
         self.sent().allocation.ptr()
     }
 
-    /// The size in bytes (the block handed out).
+    /// The size in bytes of the block handed out (the request rounded up by the allocator).
     #[must_use]
     pub fn size(&self) -> usize {
         self.sent().allocation.size()
+    }
+
+    /// The bytes shared: the size the allocation was asked for, which every handle carries (a
+    /// 1000-byte allocation arrives as 1000 bytes, not as its 1024-byte block).
+    #[must_use]
+    pub fn nbytes(&self) -> usize {
+        self.sent().allocation.requested_size()
     }
 
     /// The stream the allocation belongs to.
@@ -616,7 +623,11 @@ impl<D: Device, B: IpcDriver> SharedAllocation<D, B> {
     }
 
     /// Shares the allocation once more (one handle per consumer): a new slot set to 1, an event
-    /// recorded on `stream` (the stream whose work the consumer must wait for).
+    /// recorded on `stream` (the stream whose work the consumer must wait for). The handle's size is
+    /// [`nbytes`](Self::nbytes), its offset where the allocation starts in its segment.
+    ///
+    /// A zero-byte allocation has no memory: its handle is [`IpcHandle::empty`] (no slot, no
+    /// event), as PyTorch shares an empty storage.
     ///
     /// # Errors
     ///
@@ -632,7 +643,7 @@ impl<D: Device, B: IpcDriver> SharedAllocation<D, B> {
         let device = sent.allocator.device().index();
         let ptr = sent.allocation.ptr();
         if sent.allocation.size() == 0 {
-            return Err(Error::EmptyAllocation);
+            return Ok(IpcHandle::empty(device));
         }
         check_shareable(device, ptr)?;
         let (base, base_size) = match self.base {
@@ -660,9 +671,9 @@ impl<D: Device, B: IpcDriver> SharedAllocation<D, B> {
         let handle = IpcHandle {
             device,
             mem_handle,
-            size: sent.allocation.size() as u64,
+            size: sent.allocation.requested_size() as u64,
             offset: ptr.0 - base.0,
-            ref_counter: file.name().clone(),
+            ref_counter: Some(file.name().clone()),
             slot: slot as u64,
             event: event_handle,
             producer: producer.id,

@@ -230,6 +230,11 @@ impl<B: IpcDriver> IpcConsumer<B> {
     /// changed then.
     pub fn open(&self, handle: &IpcHandle, stream: StreamId) -> Result<ReceivedMemory<B>> {
         let inner = &self.inner;
+        let Some(name) = &handle.ref_counter else {
+            return Err(Error::EmptyHandle {
+                device: handle.device,
+            });
+        };
         let count = inner.driver.device_count()?;
         if handle.device >= count {
             return Err(Error::InvalidDevice {
@@ -237,29 +242,8 @@ impl<B: IpcDriver> IpcConsumer<B> {
                 count,
             });
         }
-        let file = inner.files.acquire(&handle.ref_counter, || {
-            MappedCounterFile::open(&handle.ref_counter)
-        })?;
-        file.get().probe()?;
+        let (file, slot) = self.held_slot(name, handle.slot)?;
         let table = file.get().table();
-        let slot = usize::try_from(handle.slot)
-            .ok()
-            .filter(|&s| s < table.slots())
-            .ok_or_else(|| Error::SlotOutOfRange {
-                slot: handle.slot,
-                name: handle.ref_counter.to_string(),
-                slots: table.slots(),
-            })?;
-        let value = table
-            .counter(file.get().mapping(), slot)?
-            .load(Ordering::Acquire);
-        if value <= 0 {
-            return Err(Error::SlotNotHeld {
-                slot: handle.slot,
-                name: handle.ref_counter.to_string(),
-                value,
-            });
-        }
         let device = handle.device;
         let mem = inner.mems.acquire(&(device, handle.mem_handle), || {
             OpenedBase::open(&inner.driver, device, &handle.mem_handle)
@@ -276,7 +260,7 @@ impl<B: IpcDriver> IpcConsumer<B> {
         if let Err(pid) = table.claim(file.get().mapping(), slot)? {
             return Err(Error::SlotClaimed {
                 slot: handle.slot,
-                name: handle.ref_counter.to_string(),
+                name: name.to_string(),
                 pid,
             });
         }
@@ -297,6 +281,82 @@ impl<B: IpcDriver> IpcConsumer<B> {
             file,
             _mem: mem,
         })
+    }
+
+    /// Gives back the reference a handle carries without opening its memory (PyTorch's
+    /// `_release_ipc_counter_cuda`, which a receiver calls when it already holds the storage): the
+    /// handle's ref-counter slot is decremented, and nothing else is touched: no memory handle is
+    /// opened, no event waited on, no stream synchronized (nothing of this process used the
+    /// memory through this handle). An empty storage's handle holds no reference: nothing to do.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::RefCounterFile`] (the file is gone: the producer ended; PyTorch ignores this),
+    /// [`Error::NotRefCounterFile`], [`Error::SlotOutOfRange`], [`Error::SlotNotHeld`] (released
+    /// already), [`Error::SlotClaimed`] (a consumer opened this handle: its memory is in use, and
+    /// that consumer releases it when done). Nothing is changed then.
+    pub fn release(&self, handle: &IpcHandle) -> Result<()> {
+        let Some(name) = &handle.ref_counter else {
+            return Ok(());
+        };
+        let (file, slot) = self.held_slot(name, handle.slot)?;
+        let (table, map) = (file.get().table(), file.get().mapping());
+        // Claimed for the time of the decrement, so that an open of the same handle racing this
+        // release fails instead of holding a reference that is gone.
+        if let Err(pid) = table.claim(map, slot)? {
+            return Err(Error::SlotClaimed {
+                slot: handle.slot,
+                name: name.to_string(),
+                pid,
+            });
+        }
+        let counter = table.counter(map, slot)?;
+        let released = counter.fetch_update(Ordering::AcqRel, Ordering::Acquire, |value| {
+            (value > 0).then(|| value - 1)
+        });
+        let _ = table.unclaim(map, slot);
+        match released {
+            Ok(_) => Ok(()),
+            Err(value) => Err(Error::SlotNotHeld {
+                slot: handle.slot,
+                name: name.to_string(),
+                value,
+            }),
+        }
+    }
+
+    /// The mapped ref-counter file `name` (probed) and `slot` in it, checked to be in range and to
+    /// hold a reference.
+    fn held_slot(
+        &self,
+        name: &ShmName,
+        slot: u64,
+    ) -> Result<(Lease<ShmName, MappedCounterFile>, usize)> {
+        let file = self
+            .inner
+            .files
+            .acquire(name, || MappedCounterFile::open(name))?;
+        file.get().probe()?;
+        let table = file.get().table();
+        let index = usize::try_from(slot)
+            .ok()
+            .filter(|&s| s < table.slots())
+            .ok_or_else(|| Error::SlotOutOfRange {
+                slot,
+                name: name.to_string(),
+                slots: table.slots(),
+            })?;
+        let value = table
+            .counter(file.get().mapping(), index)?
+            .load(Ordering::Acquire);
+        if value <= 0 {
+            return Err(Error::SlotNotHeld {
+                slot,
+                name: name.to_string(),
+                value,
+            });
+        }
+        Ok((file, index))
     }
 }
 

@@ -328,7 +328,7 @@ fn ten_thousand_shares_rotate_files_between_processes() {
     let mut files = std::collections::HashSet::new();
     for _ in 0..REF_COUNTER_FILE_SIZE + 20 {
         let handle = shared.share(S).unwrap();
-        files.insert(handle.ref_counter.clone());
+        files.insert(handle.ref_counter.clone().unwrap());
         peer.send(&format!("open {} 5 5", hex(&handle.encode())));
         peer.expect("ok");
     }
@@ -407,7 +407,7 @@ fn kill9_of_the_consumer_frees_its_memory() {
     assert!(producer.collect());
     assert_eq!(producer.stats().slots_reclaimed, 1);
     assert_eq!(allocator.memory_stats().active_bytes.all.current, 0);
-    assert!(!handle.ref_counter.path().exists());
+    assert!(!handle.ref_counter.as_ref().unwrap().path().exists());
 }
 
 #[test]
@@ -433,7 +433,7 @@ fn kill9_of_the_producer_leaves_nothing_behind() {
     drop(received);
     drop(consumer);
     assert!(
-        !handle.ref_counter.path().exists(),
+        !handle.ref_counter.as_ref().unwrap().path().exists(),
         "the dead producer's file was removed"
     );
 }
@@ -503,7 +503,7 @@ fn tensormem_opens_a_pytorch_share() {
     drop(received);
     // The slot in PyTorch's own ref-counter file is back to 0.
     let file = tensormem_shm::MapOptions::new()
-        .map_shm(&handle.ref_counter)
+        .map_shm(handle.ref_counter.as_ref().unwrap())
         .unwrap();
     let slot: &std::sync::atomic::AtomicI64 = file
         .mapping()

@@ -158,7 +158,7 @@ fn slots_rotate_across_files_and_files_go_when_their_slots_return() {
     }
     let places: Vec<(String, u64)> = handles
         .iter()
-        .map(|h| (h.ref_counter.to_string(), h.slot))
+        .map(|h| (h.ref_counter.as_ref().unwrap().to_string(), h.slot))
         .collect();
     assert_eq!(
         places.iter().map(|p| p.1).collect::<Vec<_>>(),
@@ -218,7 +218,7 @@ fn ten_thousand_and_more_shares_rotate_through_full_size_files() {
     for i in 0..total {
         let handle = shared.share(S).unwrap();
         assert_eq!(handle.slot as usize, i % REF_COUNTER_FILE_SIZE);
-        names.insert(handle.ref_counter.to_string());
+        names.insert(handle.ref_counter.as_ref().unwrap().to_string());
         drop(consumer.open(&handle, S).unwrap());
     }
     assert_eq!(names.len(), 2);
@@ -333,7 +333,10 @@ fn many_threads_share_and_open_at_once() {
                             .unwrap();
                         let received = consumer.open(&handle, stream).unwrap();
                         assert_eq!(received.size(), shared.size() as u64);
-                        places.push((handle.ref_counter.to_string(), handle.slot));
+                        places.push((
+                            handle.ref_counter.as_ref().unwrap().to_string(),
+                            handle.slot,
+                        ));
                         if i % 2 == 0 {
                             drop(shared);
                             drop(received);
@@ -442,7 +445,7 @@ fn every_bad_handle_is_refused_before_anything_is_opened_or_written() {
     );
     check(
         IpcHandle {
-            ref_counter: ShmName::new("/tensormem_0_0_missing").unwrap(),
+            ref_counter: Some(ShmName::new("/tensormem_0_0_missing").unwrap()),
             ..good.clone()
         },
         |e| matches!(e, Error::RefCounterFile { .. }),
@@ -476,7 +479,7 @@ fn a_handle_naming_another_shared_memory_object_leaves_it_untouched() {
         let mut victim = RefcountedRegion::create(&name, data_len as u64).unwrap();
         victim.write_at(8, &1003i64.to_le_bytes()).unwrap();
         let forged = IpcHandle {
-            ref_counter: name.clone(),
+            ref_counter: Some(name.clone()),
             slot: 1,
             ..good.clone()
         };
@@ -506,7 +509,7 @@ fn a_ref_counter_file_truncated_while_open_is_an_error_not_a_crash() {
     // A process of the same user shrinks the file under both mappings.
     std::fs::OpenOptions::new()
         .write(true)
-        .open(handle.ref_counter.path())
+        .open(handle.ref_counter.as_ref().unwrap().path())
         .unwrap()
         .set_len(0)
         .unwrap();
@@ -690,4 +693,177 @@ fn threads_opening_one_base_allocation_at_once_open_it_once() {
     drop(received);
     assert_eq!(driver.counts.closes.load(Ordering::Relaxed), 1);
     assert_eq!(shared.outstanding(), 0);
+}
+
+/// Allocates `sizes` in turn on `stream` and keeps them, so that the next allocation of the size
+/// class lands inside a segment, past its start.
+fn occupy(
+    allocator: &CachingAllocator<SimDevice>,
+    sizes: &[usize],
+) -> Vec<tensormem_cuda_alloc::Allocation> {
+    sizes
+        .iter()
+        .map(|&n| allocator.allocate(n, S).unwrap())
+        .collect()
+}
+
+#[test]
+fn odd_sizes_and_offsets_inside_a_segment_round_trip_exactly() {
+    let (driver, allocator, producer) = setup(ProducerConfig::default());
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    // Small pool (2 MiB segments) and large pool (2^20 + 3 bytes: a 20 MiB segment, 3 MiB in).
+    let before = occupy(&allocator, &[512, 3 * MIB, 700]);
+    for size in [1usize, 1000, MIB + 3] {
+        let allocation = allocator.allocate(size, S).unwrap();
+        assert!(allocation.size() > size, "the block is rounded up");
+        let (base, _) = allocator.base_allocation(allocation.ptr()).unwrap();
+        let offset = allocation.ptr().0 - base.0;
+        assert!(offset > 0, "size {size} lies inside its segment");
+        let (shared, handle) = producer.share(&allocator, allocation, S).unwrap();
+        assert_eq!(shared.nbytes(), size);
+        assert_eq!(
+            handle.size, size as u64,
+            "the storage's bytes, not the block's"
+        );
+        assert_eq!(handle.offset, offset);
+        // Both wire formats carry the size and offset unchanged.
+        let decoded = IpcHandle::decode(&handle.encode()).unwrap();
+        assert_eq!((decoded.size, decoded.offset), (size as u64, offset));
+        let tuple = handle.to_torch();
+        assert_eq!((tuple.size, tuple.offset), (size as u64, offset));
+        let from_line = tensormem_ipc::TorchShareTuple::from_line(&tuple.to_line()).unwrap();
+        let from_torch = IpcHandle::from_torch(&from_line).unwrap();
+        assert_eq!((from_torch.size, from_torch.offset), (size as u64, offset));
+        // The consumer sees exactly `size` bytes at the producer's address (plus the fake mapping's
+        // offset).
+        let received = consumer.open(&from_torch, S).unwrap();
+        assert_eq!(received.size(), size as u64);
+        assert_eq!(
+            received.ptr().0,
+            shared.ptr().0 + tensormem_ipc::driver::fake::FAKE_MAPPING_OFFSET
+        );
+        assert_eq!(received.view::<u8>().unwrap().len(), size);
+        drop(received);
+        drop(shared);
+    }
+    for allocation in before {
+        allocator.free(allocation).unwrap();
+    }
+    assert!(producer.collect() || producer.stats().limbo == 0);
+    assert_eq!(active(&allocator), 0);
+}
+
+#[test]
+fn a_pytorch_tuple_of_odd_size_at_an_offset_opens_with_that_size() {
+    // What PyTorch sends for a 1000-byte storage that lies 512 bytes into its segment:
+    // `storage.nbytes()` and `data - base`.
+    let (driver, allocator, producer) = setup(ProducerConfig::default());
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let first = allocator.allocate(512, S).unwrap();
+    let (shared, handle) = producer
+        .share(&allocator, allocator.allocate(1000, S).unwrap(), S)
+        .unwrap();
+    let mut tuple = handle.to_torch();
+    tuple.handle = [&[2u8, b'c'][..], &handle.mem_handle.0[..]].concat();
+    assert_eq!((tuple.size, tuple.offset), (1000, 512));
+    let received = consumer
+        .open(&IpcHandle::from_torch(&tuple).unwrap(), S)
+        .unwrap();
+    assert_eq!(received.size(), 1000);
+    assert_eq!(received.view::<f32>().unwrap().len(), 250);
+    drop(received);
+    drop(shared);
+    allocator.free(first).unwrap();
+}
+
+#[test]
+fn empty_allocations_are_shared_as_pytorch_shares_empty_storages() {
+    let (driver, allocator, producer) = setup(ProducerConfig::default());
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let (mut shared, handle) = producer
+        .share(&allocator, allocator.allocate(0, S).unwrap(), S)
+        .unwrap();
+    assert!(handle.is_empty());
+    assert_eq!(handle, IpcHandle::empty(0));
+    assert_eq!(shared.nbytes(), 0);
+    assert_eq!(shared.outstanding(), 0, "no slot is taken");
+    let stats = producer.stats();
+    assert_eq!((stats.files_created, stats.events_in_use), (0, 0));
+    assert_eq!(driver.counts.handles_exported.load(Ordering::Relaxed), 0);
+    // PyTorch's `(device, None, 0, 0, None, 0, None, None)`, both ways.
+    let tuple = handle.to_torch();
+    assert!(tuple.is_empty());
+    assert_eq!(IpcHandle::from_torch(&tuple).unwrap(), handle);
+    assert_eq!(IpcHandle::decode(&handle.encode()).unwrap(), handle);
+    // Nothing to open, nothing to release.
+    assert!(matches!(
+        consumer.open(&handle, S),
+        Err(Error::EmptyHandle { device: 0 })
+    ));
+    consumer.release(&handle).unwrap();
+    assert_eq!(driver.counts.opens.load(Ordering::Relaxed), 0);
+    drop(shared);
+    assert_eq!(producer.stats().limbo, 0);
+}
+
+#[test]
+fn releasing_a_counter_touches_only_the_counter_file() {
+    let (driver, allocator, producer) = setup(ProducerConfig::default());
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let (mut shared, handle) = producer
+        .share(&allocator, allocator.allocate(1000, S).unwrap(), S)
+        .unwrap();
+    assert!(
+        handle.event.is_some(),
+        "the stream is busy: an event is sent"
+    );
+    let counts = &driver.counts;
+    let before = |c: &tensormem_ipc::driver::fake::FakeCounts| {
+        [
+            c.opens.load(Ordering::Relaxed),
+            c.events_opened.load(Ordering::Relaxed),
+            c.event_waits.load(Ordering::Relaxed),
+            c.stream_syncs.load(Ordering::Relaxed),
+        ]
+    };
+    let calls = before(counts);
+    consumer.release(&handle).unwrap();
+    assert_eq!(
+        before(counts),
+        calls,
+        "no memory opened, no event opened or waited on, no stream synchronized"
+    );
+    assert_eq!(shared.outstanding(), 0, "the slot is back to 0");
+    // Released once: a second release and an open are refused, and change nothing.
+    assert!(matches!(
+        consumer.release(&handle),
+        Err(Error::SlotNotHeld { value: 0, .. })
+    ));
+    assert!(matches!(
+        consumer.open(&handle, S),
+        Err(Error::SlotNotHeld { .. })
+    ));
+    // A handle a consumer opened is that consumer's to release.
+    let second = shared.share(S).unwrap();
+    let received = consumer.open(&second, S).unwrap();
+    assert!(matches!(
+        consumer.release(&second),
+        Err(Error::SlotClaimed { .. })
+    ));
+    assert_eq!(shared.outstanding(), 1);
+    drop(received);
+    assert_eq!(shared.outstanding(), 0);
+    // The producer frees at once: nothing is held.
+    drop(shared);
+    assert_eq!(producer.stats().limbo, 0);
+    assert_eq!(active(&allocator), 0);
+    // A handle whose file is gone (the producer ended): an error, as PyTorch's ignored exception.
+    let gone = IpcHandle {
+        ref_counter: Some(ShmName::new("/tensormem_0_0_gone").unwrap()),
+        ..second
+    };
+    assert!(matches!(
+        consumer.release(&gone),
+        Err(Error::RefCounterFile { .. })
+    ));
 }
