@@ -137,6 +137,6 @@ pub use error::{Error, NameProblem, ObjectKind, Result, SizeProblem, WireFormat}
 pub use mapping::{Access, Mapping, SharedAtomic};
 pub use name::{GeneratedName, NameGenerator, ShmName, DEFAULT_PREFIX, TORCH_PREFIX};
 pub use object::{unlink_shm, CreateMode};
-pub use pool::{PoolBuffer, PoolConfig, PoolSender, ShmPool};
+pub use pool::{Lease, PoolBuffer, PoolConfig, PoolReceiver, PoolSender, ReceiverOptions, ShmPool};
 pub use refcounted::{RefcountHeader, RefcountedRegion, REFCOUNT_HEADER_LEN};
 pub use region::{Backing, MapOptions, SharedRegion};

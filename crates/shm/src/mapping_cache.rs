@@ -1,4 +1,5 @@
-//! The consumer's side of a [pool](crate::pool) connection: a bounded cache of mappings of the
+//! The consumer's side of a [pool](crate::pool) connection (its types are re-exported in
+//! [`pool`](crate::pool) and at the crate root, beside the producer's): a bounded cache of mappings of the
 //! producer's regions, so a region received again is reached through the mapping made the first
 //! time (no fd, no `mmap`, no page faults, no `munmap`), and [`Lease`]s, the handles through which
 //! received regions are read.

@@ -7,7 +7,7 @@
 //! PyTorch's `share_memory_` and its `file_descriptor` strategy pay all of it again for every
 //! tensor they share, and a data loader shares a new batch every step. The pool keeps regions
 //! after use instead, already faulted in (and huge-page advised), and lends them again; a
-//! consumer connected with a [`PoolReceiver`](crate::mapping_cache::PoolReceiver) keeps its
+//! consumer connected with a [`PoolReceiver`] keeps its
 //! mapping of every region it has seen, so a region sent again travels as an id: no fd, no
 //! `mmap`, no faults, no `munmap` on either side. The ids and the releases travel on a
 //! shared-memory [`channel`](crate::channel): no system call while the other side is awake.
@@ -19,14 +19,27 @@
 //! | [`ShmPool`] | producer | size classes, cached regions, limits, statistics |
 //! | [`PoolBuffer`] | producer | one region lent by the pool; dropping it gives the producer's share back |
 //! | [`PoolSender`] | producer | one connection to one consumer: sends buffers (fd the first time, id after), tracks the consumer's leases and its mapping cache |
-//! | [`PoolReceiver`](crate::mapping_cache::PoolReceiver) | consumer | receives, keeps a bounded cache of mappings, hands out [`Lease`](crate::mapping_cache::Lease)s |
-//! | [`Lease`](crate::mapping_cache::Lease) | consumer | read (and write) access to a received region; dropping it tells the producer |
+//! | [`PoolReceiver`] | consumer | receives, keeps a bounded cache of mappings, hands out [`Lease`]s |
+//! | [`Lease`] | consumer | read (and write) access to a received region; dropping it tells the producer |
+//!
+//! Both ends are in this module (and at the crate root); the consumer's side is implemented in
+//! [`mapping_cache`](crate::mapping_cache).
+//!
+//! # The socket belongs to the connection
+//!
+//! [`PoolReceiver::new`] and [`PoolSender::new`] take the socket over: the channel's doorbells and
+//! the descriptors of regions sent for the first time travel on it, so the application must not
+//! write or read bytes of its own there (nor on a duplicate of it): the other end would read them as
+//! a broken pool message ([`Error::Protocol`]) and close the connection. A few bytes that belong to
+//! one buffer ride with it as its user data ([`PoolSender::send`]'s `user`, up to
+//! [`MAX_POOL_USER_DATA`] bytes, read with [`Lease::user_data`]); for anything else, connect a
+//! second socket, or open a [`channel`](crate::channel) of your own on it.
 //!
 //! # When a region comes back: leases bound to a connection
 //!
 //! A region returns to the cache only when nobody can still read it: the producer's
 //! [`PoolBuffer`] is gone and every lease a consumer took is released. A consumer releases a
-//! lease by sending a 24-byte record on its connection (done when the [`Lease`](crate::mapping_cache::Lease) drops). A consumer
+//! lease by sending a 24-byte record on its connection (done when the [`Lease`] drops). A consumer
 //! killed with `kill -9` cannot send anything, so the pool does not rely on it: every lease is
 //! bound to the connection it was sent over, and when the connection's consumer end is gone, all
 //! leases still open on it are released at once. "Gone" is the consumer's end of the
@@ -36,7 +49,7 @@
 //! because:
 //!
 //! - the consumer's channel end, and with it its socket, stays open while any lease lives (each
-//!   [`Lease`](crate::mapping_cache::Lease) holds a reference to it, so dropping the receiver
+//!   [`Lease`] holds a reference to it, so dropping the receiver
 //!   early does not count as "done");
 //! - a process's memory mappings are torn down before its descriptors are closed (`exit_mm`
 //!   precedes `exit_files` in the kernel's `do_exit`), and a dead process reads nothing anyway;
@@ -64,8 +77,7 @@
 //!
 //! ```
 //! use std::os::unix::net::UnixStream;
-//! use tensormem_shm::mapping_cache::{PoolReceiver, ReceiverOptions};
-//! use tensormem_shm::pool::{PoolConfig, PoolSender, ShmPool};
+//! use tensormem_shm::pool::{PoolConfig, PoolReceiver, PoolSender, ReceiverOptions, ShmPool};
 //!
 //! let (producer_end, consumer_end) = UnixStream::pair()?;
 //! // Consumer first: it announces how many mappings it caches.
@@ -102,6 +114,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
+pub use crate::mapping_cache::{CacheLimits, Lease, PoolReceiver, ReceiverOptions, ReceiverStats};
 pub use buffer::PoolBuffer;
 use link::Link;
 pub use sender::{PoolSender, SenderStats};

@@ -14,7 +14,7 @@ use crate::error::{Error, Result, WireFormat};
 use crate::transfer::RecvOptions;
 
 /// The producer's end of a connection to one consumer (a
-/// [`PoolReceiver`](crate::mapping_cache::PoolReceiver)): sends [`PoolBuffer`]s, the region's fd
+/// [`PoolReceiver`](crate::pool::PoolReceiver)): sends [`PoolBuffer`]s, the region's fd
 /// the first time and only its id once the consumer caches the mapping, and keeps account of the
 /// consumer's leases (see the [pool docs](super) for why a lease is bound to the connection).
 ///
@@ -28,7 +28,7 @@ use crate::transfer::RecvOptions;
 /// Messages travel on a shared-memory [`channel`](crate::channel) the consumer set up over the
 /// socket (the socket itself carries only the regions' fds and tells when the consumer's process
 /// is gone): a message to a consumer that is awake costs no system call, one to a consumer
-/// asleep in [`recv`](crate::mapping_cache::PoolReceiver::recv) one `futex` wake.
+/// asleep in [`recv`](crate::pool::PoolReceiver::recv) one `futex` wake.
 ///
 /// Releases arrive as records on the channel; they are read at every `send`, by
 /// [`poll_releases`](Self::poll_releases) (non-blocking), by
@@ -69,7 +69,7 @@ impl PoolSender {
     /// Wraps the producer's end of a connected Unix socket (stream or seqpacket), accepting the
     /// shared-memory channel the consumer set up on it and reading the consumer's announcement
     /// of its cache limits (it blocks until the consumer has made its
-    /// [`PoolReceiver`](crate::mapping_cache::PoolReceiver)).
+    /// [`PoolReceiver`](crate::pool::PoolReceiver)).
     ///
     /// # Errors
     ///
@@ -102,7 +102,7 @@ impl PoolSender {
 
     /// Lends `buffer` to the consumer with `user` (at most
     /// [`MAX_POOL_USER_DATA`](super::MAX_POOL_USER_DATA) bytes) beside it: one more lease on its
-    /// region, released when the consumer drops its [`Lease`](crate::mapping_cache::Lease) or
+    /// region, released when the consumer drops its [`Lease`](crate::pool::Lease) or
     /// dies. The same buffer may be sent several times (each send is a lease).
     ///
     /// # Errors

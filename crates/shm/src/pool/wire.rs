@@ -1,6 +1,6 @@
 //! The pool's wire format, carried by a shared-memory [`channel`](crate::channel) between one
 //! producer ([`PoolSender`](super::PoolSender)) and one consumer
-//! ([`PoolReceiver`](crate::mapping_cache::PoolReceiver)), which the consumer creates over the
+//! ([`PoolReceiver`](crate::pool::PoolReceiver)), which the consumer creates over the
 //! Unix socket it is given. Integers little-endian.
 //!
 //! Producer to consumer: messages of [`MESSAGE_LEN`] bytes, sent without their zero tail (the
