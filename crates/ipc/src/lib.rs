@@ -19,7 +19,10 @@
 //! | `REGISTER_FREE_MEMORY_CALLBACK("cuda_ipc_collect")` | registered on the allocator by [`IpcProducer::adopt`] |
 //! | `CUDA_IPC_MAXIMUM_EVENTS_TO_USE` | [`MAXIMUM_EVENTS_TO_USE`] |
 //! | `UntypedStorage._new_shared_cuda(*tuple)`, `getIpcDevPtr` | [`IpcConsumer::open`] (one open per base allocation) |
-//! | the received storage's deleter, `_release_ipc_counter` | dropping [`ReceivedMemory`] |
+//! | the received storage's deleter | dropping [`ReceivedMemory`] |
+//! | `_release_ipc_counter_cuda` | [`IpcConsumer::release`] (the counter file only) |
+//! | one `CUDACachingAllocator` per device, `CudaIPCGlobalEntities` per process | [`ProcessDevices`], `registry::cuda()` |
+//! | `torch.cuda.ipc_collect()` | `ipc_collect()` (feature `cuda`), [`ProcessDevices::ipc_collect`] |
 //!
 //! Where it goes beyond PyTorch: every field of a received handle is checked (device, slot inside the
 //! file, `offset + size` inside the real base allocation, handle lengths) before anything is mapped or
@@ -87,6 +90,7 @@ pub mod process;
 pub mod producer;
 pub mod received;
 mod refcounter;
+pub mod registry;
 
 pub use driver::{EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
 pub use error::{Error, Result, RECEIVED_MEMORY_MESSAGE};
@@ -99,3 +103,7 @@ pub use received::{
     check_shareable, ConsumerConfig, DeviceElement, DeviceView, IpcConsumer, ReceivedMemory,
 };
 pub use refcounter::REF_COUNTER_FILE_SIZE;
+#[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
+pub use registry::ipc_collect;
+pub use registry::ProcessDevices;
