@@ -234,6 +234,12 @@ def _ddp_rank(rank, backend, lib, port, results):
 
 
 def ddp(torch):
+    """DDP over NCCL on two GPUs, NCCL keeping its inputs alive by stashing them."""
+    os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
+    return _ddp(torch)
+
+
+def _ddp(torch):
     if torch.cuda.device_count() < 2:
         return {"skip": "needs two GPUs"}
     import socket
@@ -251,16 +257,19 @@ def ddp(torch):
     got = sorted(results.get(timeout=300) for _ in procs)
     for p in procs:
         p.join(timeout=60)
+    # Memory figures are reported, not compared: when a bucket's memory is reused depends on when
+    # NCCL's kernels finish, and native runs differ among themselves (peak reserved 200-236 MiB).
     return {"out": [[r, losses, weight] for r, losses, weight, _ in got] + [[p.exitcode for p in procs]],
-            "strict": True,
+            "strict": False,
             "peak_reserved": [f["peak_reserved"] for *_, f in got],
             "device_allocs": [f["device_allocs"] for *_, f in got]}
 
 
 def ddp_register(torch):
-    """DDP with NCCL registering the allocator's segments (PyTorch's trace-tracker hook)."""
+    """DDP with NCCL registering the allocator's segments (PyTorch's trace-tracker hook), inputs kept
+    alive by record_stream."""
     os.environ["TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"] = "1"
-    return ddp(torch)
+    return _ddp(torch)
 
 
 WORKLOADS = {f.__name__: f for f in (cnn_amp, transformer_varlen, compile_infer, compile_train, mempool, oom,
