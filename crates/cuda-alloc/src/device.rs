@@ -47,6 +47,20 @@ impl fmt::Display for DeviceAddress {
     }
 }
 
+/// `{:x}` / `{:#x}` (with width, fill and zero padding) as for the `u64` it holds.
+impl fmt::LowerHex for DeviceAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::LowerHex::fmt(&self.0, f)
+    }
+}
+
+/// `{:X}` / `{:#X}` (with width, fill and zero padding) as for the `u64` it holds.
+impl fmt::UpperHex for DeviceAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::UpperHex::fmt(&self.0, f)
+    }
+}
+
 /// A stream, named by the numeric value of its handle (`cudaStream_t` as an integer; `0` is the legacy
 /// default stream). Blocks belong to the stream they were allocated on.
 #[derive(

@@ -32,8 +32,9 @@ pub enum Error {
     /// An [`Allocation`](crate::Allocation) handed to an allocator other than the one that made it
     /// (nothing was freed or recorded).
     #[error(
-        "allocation {ptr} belongs to allocator #{owner}, not to this one (#{this}); free it (or record \
-         its streams) on the allocator that handed it out"
+        "allocation {ptr} belongs to allocator #{owner}, not to this one (#{this}); nothing was freed or \
+         recorded. Use allocator #{owner} (the one whose id() is {owner}): raw_free({ptr}) there frees \
+         the memory (free used up the handle); record_stream there records its streams"
     )]
     ForeignAllocation {
         /// The allocation's pointer.

@@ -61,6 +61,11 @@
 //! # Ok::<(), tensormem_cuda_alloc::Error>(())
 //! ```
 //!
+//! Every [`allocate`](CachingAllocator::allocate) needs a [`free`](CachingAllocator::free): a raw
+//! [`Allocation`] dropped without one keeps its memory until the allocator is dropped.
+//! [`CachingAllocator::allocate_owned`] and [`allocate_shared`](CachingAllocator::allocate_shared)
+//! return an [`OwnedAllocation`] instead, which frees itself when dropped, on every backend.
+//!
 //! # With cudarc
 //!
 //! The CUDA backend shares cudarc's context and streams (`CudaBackend::from_context`,
@@ -83,6 +88,7 @@
 //! | --- | --- |
 //! | [`CachingAllocator`] | `DeviceCachingAllocator` (one per device) |
 //! | [`Allocation`] | a `Block*` handed out (a `DataPtr`) |
+//! | [`OwnedAllocation`] | a `DataPtr` whose deleter frees the block |
 //! | [`config::AllocatorConfig`] | `CUDAAllocatorConfig`, the `PYTORCH_CUDA_ALLOC_CONF` grammar |
 //! | [`stats::MemoryStats`] | `DeviceStats` / `torch.cuda.memory_stats()` |
 //! | [`snapshot::Snapshot`] | `torch.cuda.memory._snapshot()` / `_dump_snapshot` pickles |
@@ -105,6 +111,7 @@ pub mod host;
 #[cfg(loom)]
 mod loom_sync;
 pub mod oom;
+mod owned;
 mod pointer_index;
 mod pool;
 mod pool_id;
@@ -124,6 +131,7 @@ pub use device::{
     CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, StreamId,
 };
 pub use error::{Error, Result};
+pub use owned::OwnedAllocation;
 pub use pool_id::MempoolId;
 pub use stack::RecordContext;
 pub use trace::TraceTracker;

@@ -51,6 +51,8 @@ impl<D: Device> CachingAllocator<D> {
     /// Allocates `size` bytes for use on `stream` (PyTorch's `malloc`).
     ///
     /// A zero-sized request returns a null allocation without touching any pool, as PyTorch does.
+    /// Every `allocate` needs a [`free`](Self::free) (see [`Allocation`]);
+    /// [`allocate_owned`](Self::allocate_owned) returns a handle that frees itself.
     ///
     /// # Errors
     /// [`Error::TooLarge`] for a request of 1 EB or more; [`Error::OutOfMemory`] when the device cannot

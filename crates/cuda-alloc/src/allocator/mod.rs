@@ -72,11 +72,14 @@ pub const DEFAULT_STREAM_CAPACITY: usize = 1024;
 /// Memory handed out by [`CachingAllocator::allocate`]: the pointer, and what the allocator needs to
 /// take it back without looking it up.
 ///
-/// Give it back with [`CachingAllocator::free`] (which consumes it, so it cannot be freed twice).
-/// It must be freed (or given up with [`Allocation::into_ptr`], to manage the memory by pointer with
-/// [`CachingAllocator::raw_free`]): dropping it keeps the memory allocated until the allocator is
-/// dropped (which returns everything to the device); debug builds report the first such drop (a
-/// `tracing` warning). For a handle that frees itself, see the CUDA backend's `CachedSlice`.
+/// Every `allocate` needs a `free`: give it back with [`CachingAllocator::free`] (which consumes it,
+/// so it cannot be freed twice), or give it up with [`Allocation::into_ptr`] to manage the memory by
+/// pointer with [`CachingAllocator::raw_free`]. Dropping it keeps the memory allocated until the
+/// allocator is dropped (which returns everything to the device); debug builds report the first
+/// such drop (a `tracing` warning). For a handle that frees itself when dropped, on every backend,
+/// use [`CachingAllocator::allocate_owned`] / [`allocate_shared`](CachingAllocator::allocate_shared)
+/// ([`OwnedAllocation`](crate::OwnedAllocation)); on the CUDA backend, `CachedSlice` also hands the
+/// memory to cudarc.
 #[must_use = "dropping an Allocation leaks the memory; pass it to CachingAllocator::free"]
 #[derive(Debug, PartialEq, Eq)]
 #[repr(C, align(16))] // the field order and alignment `handed_out` writes in three 16-byte stores
