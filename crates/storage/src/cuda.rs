@@ -4,8 +4,14 @@
 //!
 //! A [`CudaContext`] bundles, for one device, what every CUDA storage on it needs: the caching
 //! allocator, a stream on which its storages' memory is allocated and copied, the IPC producer
-//! (ref-counter files, limbo) and the IPC consumer (opened-handle cache). Make one per device and
-//! process, and pass it to [`Storage::new_cuda`] and [`Storage::new_shared_cuda`].
+//! (ref-counter files, limbo) and the IPC consumer (opened-handle cache). Pass it to
+//! [`Storage::new_cuda`] and [`Storage::new_shared_cuda`].
+//!
+//! The allocator, producer and consumer are the process's (`tensormem_ipc::registry::cuda()`), as in
+//! PyTorch: the device API (`tensormem::cuda`: `memory_stats`, `empty_cache`, snapshots) and the
+//! PyTorch plugin use the same allocator, so they see the storages' memory, and every context of the
+//! process shares one set of ref-counter files, one limbo and one event budget. Contexts differ only
+//! in their stream; [`ipc_collect`] frees what consumers released, for every context.
 //!
 //! Ordering: every storage of a context is allocated, filled and copied on the context's stream,
 //! so its operations are ordered with each other. A copy between two contexts first waits for the
@@ -21,6 +27,7 @@ use std::sync::Arc;
 use tensormem_cuda_alloc::backend::cuda::{BackendStream, CudaBackend};
 use tensormem_cuda_alloc::{CachingAllocator, DeviceAddress};
 use tensormem_ipc::driver::cuda::CudaIpcDriver;
+pub use tensormem_ipc::ipc_collect;
 use tensormem_ipc::{IpcConsumer, IpcHandle, IpcProducer, ReceivedMemory, SharedAllocation};
 
 use crate::device::Device;
@@ -52,17 +59,22 @@ macro_rules! cuda {
 }
 
 impl CudaContext {
-    /// A context for `device` with a caching allocator of its own.
+    /// A context for `device`, with a stream of its own, on the process's caching allocator of the
+    /// device (the one `tensormem::cuda` uses, made on first use) and the process's IPC producer and
+    /// consumer.
     ///
     /// # Errors
     ///
-    /// [`Error::Cuda`] when there is no driver or no such device.
+    /// [`Error::Cuda`] when there is no driver or no such device, or the allocator configuration in
+    /// the environment is malformed.
     pub fn new(device: u32) -> Result<Arc<CudaContext>> {
-        let cuda_device = cuda!("CudaContext::new", CudaBackend::new(device))?;
-        Self::with_allocator(Arc::new(CachingAllocator::new(cuda_device)))
+        let process = cuda!("CudaContext::new", tensormem_ipc::registry::cuda())?;
+        let allocator = cuda!("CudaContext::new", process.allocator(device))?;
+        Self::with_allocator(Arc::clone(allocator))
     }
 
-    /// A context over an existing allocator (shared with other users of the device).
+    /// A context over another allocator than the process's (a private one, for tests or
+    /// isolation); sharing still goes through the process's IPC producer and consumer.
     ///
     /// # Errors
     ///
@@ -71,14 +83,14 @@ impl CudaContext {
         allocator: Arc<CachingAllocator<CudaBackend>>,
     ) -> Result<Arc<CudaContext>> {
         let device = allocator.device().ordinal();
+        let process = cuda!("CudaContext::new", tensormem_ipc::registry::cuda())?;
         let stream = cuda!("CudaContext::new", BackendStream::new(allocator.device()))?;
-        let driver = Arc::new(cuda!("CudaContext::new", CudaIpcDriver::new())?);
         Ok(Arc::new(CudaContext {
             device,
             allocator,
             stream,
-            producer: IpcProducer::new(Arc::clone(&driver)),
-            consumer: IpcConsumer::new(driver),
+            producer: process.producer().clone(),
+            consumer: process.consumer().clone(),
         }))
     }
 
@@ -97,8 +109,8 @@ impl CudaContext {
         &self.stream
     }
 
-    /// The IPC producer (call [`IpcProducer::collect`] to free memory consumers released, as
-    /// `torch.cuda.ipc_collect()`).
+    /// The IPC producer: the process's, shared by every context ([`ipc_collect`] frees what
+    /// consumers released, as `torch.cuda.ipc_collect()`).
     pub fn producer(&self) -> &IpcProducer<CudaBackend, CudaIpcDriver> {
         &self.producer
     }
@@ -233,13 +245,18 @@ impl Storage {
 
     /// Shares a CUDA storage with another process (PyTorch: `_share_cuda_`): an IPC handle with a
     /// ref-counter slot and, when needed, an interprocess event ([`IpcHandle::to_torch`] gives
-    /// PyTorch's 8-tuple). The memory stays allocated until every consumer released it.
+    /// PyTorch's 8-tuple). The handle carries the storage's size in bytes exactly and its offset in
+    /// the allocator's segment. The memory stays allocated until every consumer released it.
+    ///
+    /// An empty storage has no memory: its handle is [`IpcHandle::empty`] (PyTorch's `(device,
+    /// None, 0, 0, None, 0, None, None)`), which [`Storage::new_shared_cuda`] turns into an empty
+    /// storage of the device.
     ///
     /// # Errors
     ///
     /// [`Error::ReceivedCuda`] for a storage this process received (PyTorch refuses too: clone it
     /// first); [`Error::WrongDevice`] for host storages; [`Error::Cuda`] from the IPC layer
-    /// (empty storage, driver failures).
+    /// (driver failures, ref-counter files that cannot be made).
     pub fn share_cuda(&self) -> Result<IpcHandle> {
         let mut owner = self.owner_mut();
         let device = owner.device();
@@ -261,7 +278,12 @@ impl Storage {
 
     /// Opens CUDA memory shared by another process (PyTorch: `_new_shared_cuda`), on `ctx`'s
     /// stream (which waits for the producer's event). Every field of the handle is checked before
-    /// anything is mapped (device, ref-counter slot, range inside the base allocation).
+    /// anything is mapped (device, ref-counter slot, range inside the base allocation). The storage
+    /// has the handle's size in bytes.
+    ///
+    /// An empty storage's handle ([`IpcHandle::is_empty`]) gives a new empty storage of the
+    /// device, as PyTorch rebuilds one (`rebuild_cuda_tensor`); it is not a received storage, so it
+    /// may be shared on.
     ///
     /// # Errors
     ///
@@ -274,6 +296,9 @@ impl Storage {
                 expected: "CUDA",
                 actual: Device::Cuda(ctx.device),
             });
+        }
+        if handle.is_empty() {
+            return Storage::new_cuda(ctx, 0);
         }
         let nbytes = usize::try_from(handle.size).map_err(|_| Error::InvalidSize {
             op: "new_shared_cuda",
@@ -296,16 +321,16 @@ impl Storage {
 }
 
 /// Releases the reference a CUDA handle carries without keeping its memory (PyTorch:
-/// `_release_ipc_counter_cuda`, used when the receiver already holds the storage): the handle's
-/// slot is claimed and given back at once, so the producer may free the memory when its other
-/// consumers are done.
+/// `_release_ipc_counter_cuda`, used when the receiver already holds the storage): only the
+/// handle's ref-counter slot is decremented, as PyTorch does; no memory handle is opened, no event
+/// waited on, no stream synchronized. An empty storage's handle holds no reference.
 ///
 /// # Errors
 ///
-/// As [`Storage::new_shared_cuda`].
+/// [`Error::Cuda`] from the IPC layer: the ref-counter file is gone (the producer ended), the slot
+/// was released already, or a consumer opened this handle (it releases the slot itself).
 pub fn release_ipc_counter(ctx: &Arc<CudaContext>, handle: &IpcHandle) -> Result<()> {
-    drop(Storage::new_shared_cuda(ctx, handle)?);
-    Ok(())
+    cuda!("release_ipc_counter", ctx.consumer.release(handle))
 }
 
 /// Copies between two owners of which at least one is CUDA memory (called by `storage_copy`,

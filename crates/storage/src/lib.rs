@@ -167,7 +167,7 @@ pub use tensormem_shm::ShmName;
 
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
-pub use cuda::{release_ipc_counter, CudaContext};
+pub use cuda::{ipc_collect, release_ipc_counter, CudaContext};
 #[cfg(feature = "cuda")]
 #[doc(no_inline)]
 pub use tensormem_ipc::{IpcHandle, TorchShareTuple};

@@ -40,7 +40,11 @@ fn producer() -> Result<(), Box<dyn std::error::Error>> {
     let wire: String = handle.encode().iter().map(|b| format!("{b:02x}")).collect();
     println!(
         "producer: shared {SIZE} bytes of cuda:0 (slot {} of {})",
-        handle.slot, handle.ref_counter
+        handle.slot,
+        handle
+            .ref_counter
+            .as_ref()
+            .expect("a non-empty storage's handle names its ref-counter file")
     );
     let status = Command::new(std::env::current_exe()?)
         .args(["consumer", &wire])

@@ -18,6 +18,7 @@
 //! | `reset_peak_memory_stats`, `reset_accumulated_memory_stats` | [`reset_peak_memory_stats`], [`reset_accumulated_memory_stats`] |
 //! | `memory_snapshot`, `memory._record_memory_history`, `memory._dump_snapshot` | [`memory_snapshot`], [`record_memory_history`] / [`record_memory_history_with_context`] (stacks), [`dump_snapshot`] |
 //! | `set_per_process_memory_fraction`, `empty_cache` | [`set_per_process_memory_fraction`], [`empty_cache`] |
+//! | `ipc_collect` | [`ipc_collect`] |
 //! | `memory._set_allocator_settings`, `_get_allocator_backend` | [`set_allocator_settings`], [`allocator_settings`], [`get_allocator_backend`] |
 //! | `caching_allocator_alloc`, `caching_allocator_delete` | [`caching_allocator_alloc`], [`caching_allocator_delete`] |
 //! | `_is_in_bad_fork` | [`is_in_bad_fork`] |
@@ -30,6 +31,11 @@
 //!
 //! The allocator of a device is configured from `TENSORMEM_ALLOC_CONF`, else `PYTORCH_CUDA_ALLOC_CONF`
 //! (PyTorch's grammar), read when the device is first used.
+//!
+//! There is one caching allocator per device in the process, as in PyTorch: the one kept by
+//! `tensormem_ipc::registry::cuda()`, which CUDA storages (`tensormem_storage::CudaContext::new`), CUDA
+//! IPC and the PyTorch plugin use too. So [`memory_stats`], [`empty_cache`], [`memory_snapshot`] and the
+//! settings cover the storages' memory, whichever of them touched the device first.
 //!
 //! # Fork
 //!
@@ -59,7 +65,7 @@ pub use host::{
 pub use memory::{
     allocator_settings, attach_out_of_memory_observer, caching_allocator, caching_allocator_alloc,
     caching_allocator_delete, caching_allocator_record_stream, device_memory_stats, dump_snapshot,
-    empty_cache, get_allocator_backend, max_memory_allocated, max_memory_reserved,
+    empty_cache, get_allocator_backend, ipc_collect, max_memory_allocated, max_memory_reserved,
     memory_allocated, memory_reserved, memory_snapshot, memory_stats, record_memory_history,
     record_memory_history_with_context, reset_accumulated_memory_stats, reset_peak_memory_stats,
     set_allocator_settings, set_per_process_memory_fraction,

@@ -46,6 +46,24 @@ pub enum Error {
     /// The caching allocator refused (out of memory with PyTorch's message, a bad configuration, ...).
     #[error(transparent)]
     Alloc(#[from] tensormem_cuda_alloc::Error),
+    /// The process-wide CUDA IPC layer failed (other than a driver or allocator error, which are
+    /// [`Error::Device`] and [`Error::Alloc`]).
+    #[error(transparent)]
+    Ipc(tensormem_ipc::Error),
+}
+
+impl From<tensormem_ipc::Error> for Error {
+    fn from(err: tensormem_ipc::Error) -> Self {
+        match err {
+            tensormem_ipc::Error::Driver(err) => Error::Device(err),
+            tensormem_ipc::Error::Allocator(err) => Error::Alloc(err),
+            tensormem_ipc::Error::InvalidDevice { device, count } => Error::InvalidDevice {
+                device: u32::try_from(device).unwrap_or(u32::MAX),
+                count,
+            },
+            other => Error::Ipc(other),
+        }
+    }
 }
 
 impl From<tensormem_cuda_alloc::config::ConfigError> for Error {

@@ -217,6 +217,21 @@ pub fn empty_cache() -> Result<()> {
     Ok(())
 }
 
+/// Frees the device memory this process shared with other processes (CUDA storages'
+/// `share_cuda`, `tensormem_ipc`'s process-wide producer) that their consumers have released since
+/// it was freed here (`torch.cuda.ipc_collect`): the memory returns to its allocator's cache, and
+/// slots of consumers that died holding memory are reclaimed. One call covers every device and every
+/// storage context of the process. The allocators also run it before they report running out of
+/// memory. Returns whether any memory was freed.
+///
+/// # Errors
+///
+/// [`Error::ForkedChild`](super::Error::ForkedChild) in a bad fork.
+pub fn ipc_collect() -> Result<bool> {
+    super::fork::check_not_forked()?;
+    Ok(tensormem_ipc::ipc_collect())
+}
+
 /// Applies a configuration string in `PYTORCH_CUDA_ALLOC_CONF` grammar to every device's allocator, now
 /// and for devices used later (`torch.cuda.memory._set_allocator_settings`).
 ///

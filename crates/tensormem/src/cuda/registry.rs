@@ -1,5 +1,7 @@
-//! The process-wide table of devices: one lazily opened [`CudaBackend`] and caching allocator per device
-//! ordinal, created on first use, never dropped (like PyTorch's per-device allocators).
+//! The device API's table of devices: per device ordinal, the process's caching allocator (the one
+//! `tensormem_ipc::registry::cuda()` keeps for every user of the device: storages, IPC, the PyTorch
+//! plugin) with the device API's settings applied, and a pinned host allocator; made on first use,
+//! never dropped (like PyTorch's per-device allocators).
 
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
@@ -8,6 +10,7 @@ use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::host::HostCachingAllocator;
 use tensormem_cuda_alloc::oom::OomEvent;
 use tensormem_cuda_alloc::{CachingAllocator, RecordContext};
+use tensormem_ipc::registry as process_devices;
 
 use super::error::{Error, Result};
 use super::fork;
@@ -19,10 +22,11 @@ pub(crate) struct Registry {
     devices: Box<[OnceLock<DeviceState>]>,
 }
 
-/// What the device API keeps per device: its caching allocator, which owns the [`CudaBackend`].
+/// What the device API keeps per device: the process's caching allocator of the device, which owns
+/// the [`CudaBackend`].
 #[derive(Debug)]
 pub(crate) struct DeviceState {
-    allocator: CachingAllocator<CudaBackend>,
+    allocator: &'static Arc<CachingAllocator<CudaBackend>>,
     /// The pinned host allocator whose blocks' reuse waits on this device's streams, made on first use.
     host: OnceLock<HostCachingAllocator<CudaBackend>>,
 }
@@ -65,20 +69,19 @@ fn settings() -> std::sync::MutexGuard<'static, ProcessSettings> {
 }
 
 impl DeviceState {
-    /// Opens the device and its allocator: configuration from the environment, then the strings applied
-    /// since, then history recording if it was turned on.
+    /// Takes the process's allocator of the device (made now, configured from the environment, if
+    /// no other user made it yet), then applies the strings applied since and history recording if
+    /// it was turned on.
     fn open(ordinal: u32, process: &ProcessSettings) -> Result<Self> {
-        let mut config = AllocatorConfig::from_env()?;
+        let allocator = process_devices::cuda()?.allocator(ordinal)?;
         for applied in &process.applied {
-            config.apply(applied)?;
+            allocator.apply_settings(applied)?;
         }
-        let allocator = CachingAllocator::with_config(CudaBackend::new(ordinal)?, config);
-        allocator.set_caching_disabled(tensormem_cuda_alloc::config::caching_disabled_by_env());
         if let Some((enabled, max_entries, context)) = process.history {
             allocator.record_history_with_context(enabled, max_entries, context);
         }
         for observer in &process.oom_observers {
-            attach_shared(&allocator, observer);
+            attach_shared(allocator, observer);
         }
         Ok(Self {
             allocator,
@@ -106,7 +109,7 @@ impl DeviceState {
 
     /// The device's caching allocator.
     pub(crate) fn allocator(&self) -> &CachingAllocator<CudaBackend> {
-        &self.allocator
+        self.allocator
     }
 }
 
@@ -156,32 +159,55 @@ pub(crate) fn check_ordinal(device: u32) -> Result<()> {
 /// [`Error::InvalidDevice`] for an ordinal past the device count; the errors of opening the device.
 #[inline]
 pub(crate) fn device(device: u32) -> Result<&'static DeviceState> {
-    let registry = get()?;
-    let Some(slot) = registry.devices.get(device as usize) else {
-        return Err(Error::InvalidDevice {
-            device,
-            count: registry.device_count(),
-        });
-    };
+    let slot = slot(device)?;
     if let Some(state) = slot.get() {
         return Ok(state);
     }
-    let process = settings();
+    device_with(device, &settings())
+}
+
+fn slot(device: u32) -> Result<&'static OnceLock<DeviceState>> {
+    let registry = get()?;
+    registry
+        .devices
+        .get(device as usize)
+        .ok_or(Error::InvalidDevice {
+            device,
+            count: registry.device_count(),
+        })
+}
+
+/// [`device`], with the settings' lock held by the caller.
+fn device_with(device: u32, process: &ProcessSettings) -> Result<&'static DeviceState> {
+    let slot = slot(device)?;
     if let Some(state) = slot.get() {
         return Ok(state); // opened by another thread while this one waited for the settings
     }
-    let state = DeviceState::open(device, &process)?;
+    let state = DeviceState::open(device, process)?;
     Ok(slot.get_or_init(|| state))
 }
 
-/// The devices opened so far, in ordinal order.
+/// The devices any user of the process opened so far (the device API, storages, the PyTorch
+/// plugin), in ordinal order, with the device API's settings applied.
 pub(crate) fn opened() -> Result<impl Iterator<Item = (u32, &'static DeviceState)>> {
-    let registry = get()?;
-    Ok(registry
-        .devices
-        .iter()
-        .enumerate()
-        .filter_map(|(i, slot)| slot.get().map(|s| (i as u32, s))))
+    opened_with(&settings())
+}
+
+/// [`opened`], with the settings' lock held by the caller.
+fn opened_with(
+    process: &ProcessSettings,
+) -> Result<impl Iterator<Item = (u32, &'static DeviceState)>> {
+    get()?;
+    let shared = process_devices::cuda_if_initialised();
+    let ordinals: Vec<u32> = shared
+        .into_iter()
+        .flat_map(|devices| devices.opened().map(|(i, _)| i))
+        .collect();
+    let states = ordinals
+        .into_iter()
+        .map(|i| Ok((i, device_with(i, process)?)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(states.into_iter())
 }
 
 /// Applies a configuration string to every opened device's allocator and remembers it for devices
@@ -193,7 +219,7 @@ pub(crate) fn apply_settings(config: &str) -> Result<()> {
     probe.apply(config)?;
     probe.check_supported()?;
     let mut process = settings();
-    for (_, state) in opened()? {
+    for (_, state) in opened_with(&process)? {
         state.allocator.apply_settings(config)?;
     }
     process.applied.push(config.to_owned());
@@ -208,7 +234,7 @@ pub(crate) fn record_history(
 ) -> Result<()> {
     get()?;
     let mut process = settings();
-    for (_, state) in opened()? {
+    for (_, state) in opened_with(&process)? {
         state
             .allocator
             .record_history_with_context(enabled, max_entries, context);
@@ -226,8 +252,8 @@ fn attach_shared(allocator: &CachingAllocator<CudaBackend>, observer: &SharedOom
 pub(crate) fn attach_oom_observer(observer: SharedOomObserver) -> Result<()> {
     get()?;
     let mut process = settings();
-    for (_, state) in opened()? {
-        attach_shared(&state.allocator, &observer);
+    for (_, state) in opened_with(&process)? {
+        attach_shared(state.allocator, &observer);
     }
     process.oom_observers.push(observer);
     Ok(())
