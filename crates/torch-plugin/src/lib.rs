@@ -1,12 +1,21 @@
 //! PyTorch on tensormem's CUDA caching allocator.
 //!
-//! PyTorch lets a program replace its CUDA caching allocator, before the first CUDA allocation, with
-//! any library that exports `void* alloc(size_t size, int device, cudaStream_t stream)` and
-//! `void free(void* ptr, size_t size, int device, cudaStream_t stream)`
-//! (`torch.cuda.memory.CUDAPluggableAllocator`, then `torch.cuda.memory.change_current_allocator`), or
-//! use such a library for one `torch.cuda.MemPool` only. This crate builds that library
-//! (`libtensormem_torch.so`) on tensormem's allocator, which follows PyTorch's own caching rules, so a
-//! PyTorch user can run a real model on tensormem and compare.
+//! This crate builds `libtensormem_torch.so`, through which PyTorch runs on tensormem's allocator
+//! (which follows PyTorch's own caching rules), in one of two ways:
+//!
+//! - **The whole allocator** (the default of the Python package `tensormem_torch`): a small C++ layer,
+//!   `csrc/tensormem_allocator.cpp`, compiled against the installed PyTorch on first use, implements
+//!   PyTorch's `c10::cuda::CUDACachingAllocator::CUDAAllocator` interface and is installed as PyTorch's
+//!   allocator. Each of its methods calls one function of [`native`], which reports failures through a
+//!   status code so that the C++ can raise PyTorch's own exceptions (`torch.OutOfMemoryError` for an
+//!   out-of-memory error). Every `torch.cuda` memory function then works on tensormem.
+//! - **PyTorch's `CUDAPluggableAllocator`** (the fallback): PyTorch calls
+//!   `void* alloc(size_t size, int device, cudaStream_t stream)` and
+//!   `void free(void* ptr, size_t size, int device, cudaStream_t stream)` and a few optional hooks,
+//!   exported below, with PyTorch's limits for pluggable allocators (no `memory_stats()`, no `MemPool`
+//!   or graph trees, an out-of-memory error returns null).
+//!
+//! The pluggable functions:
 //!
 //! | PyTorch calls | exported here |
 //! | --- | --- |
@@ -21,9 +30,9 @@
 //! | (`torch.cuda.memory._record_memory_history`, `_dump_snapshot`) | [`tensormem_record_history`], [`tensormem_dump_snapshot`] |
 //! | errors | [`tensormem_last_error`], [`tensormem_clear_last_error`] |
 //!
-//! `python/tensormem_torch.py`, beside this crate's sources, does the wiring from Python (no install
-//! needed): `tensormem_torch.install(path_to_so)` switches PyTorch to tensormem and sets every hook this
-//! PyTorch accepts; `tensormem_torch.stats()` reads the statistics. See `docs/torch-plugin.md`.
+//! `python/tensormem_torch/` (the Python package; `pip install crates/torch-plugin`) does the wiring:
+//! `tensormem_torch.install()` builds the C++ layer if needed and installs the allocator, or falls back to
+//! the pluggable functions. See `docs/torch-plugin.md`.
 //!
 //! No panic crosses the C boundary: each function catches it, and failures are reported by a null or
 //! `-1` result plus a message kept per thread ([`tensormem_last_error`]). A failed allocation or free is
