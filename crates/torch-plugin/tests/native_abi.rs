@@ -43,7 +43,7 @@ fn a_null_out_pointer_is_an_error_not_a_crash() {
 
 #[test]
 fn zero_bytes_give_null_without_touching_a_device() {
-    let mut out = 1usize as *mut c_void;
+    let mut out = std::ptr::dangling_mut::<c_void>();
     // SAFETY: `out` is a valid out-parameter.
     let rc = unsafe { tensormem_malloc(0, 0, std::ptr::null_mut(), &mut out) };
     assert_eq!(rc, TM_OK);
@@ -56,7 +56,7 @@ fn a_failed_allocation_leaves_null_and_a_reason() {
         eprintln!("skipped: a GPU is here; this checks the failure path without one");
         return;
     }
-    let mut out = 1usize as *mut c_void;
+    let mut out = std::ptr::dangling_mut::<c_void>();
     // SAFETY: `out` is a valid out-parameter; the default stream.
     let rc = unsafe { tensormem_malloc(4096, 0, std::ptr::null_mut(), &mut out) };
     assert_eq!(rc, TM_ERROR, "no driver is not an out-of-memory error");

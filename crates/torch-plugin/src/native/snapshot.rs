@@ -212,9 +212,10 @@ unsafe fn get<'a>(snapshot: *const TorchSnapshot) -> Result<&'a TorchSnapshot> {
 /// `snapshot` is from [`tensormem_snapshot_take`], not freed.
 #[no_mangle]
 pub unsafe extern "C" fn tensormem_snapshot_segment_count(snapshot: *const TorchSnapshot) -> u64 {
-    // SAFETY: the caller's obligation.
     call("tensormem_snapshot_segment_count", 0, || {
-        Ok(unsafe { get(snapshot) }?.snapshot.segments.len() as u64)
+        // SAFETY: a live snapshot (the caller's obligation).
+        let snapshot = unsafe { get(snapshot) }?;
+        Ok(snapshot.snapshot.segments.len() as u64)
     })
 }
 
