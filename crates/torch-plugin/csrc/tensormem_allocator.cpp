@@ -16,7 +16,10 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <atomic>
 #include <cstring>
+#include <deque>
+#include <unordered_map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -133,7 +136,107 @@ void check(int rc, const char* what) {
   TORCH_CHECK(false, "tensormem: ", what, " failed: ", last_error());
 }
 
+// PyTorch's Python stacks for snapshots (`_record_memory_history(context=...)`): the stacks are
+// PyTorch's own objects (its context recorder makes them), so they are kept here, beside the library's
+// trace, and attached to blocks and trace entries when a snapshot is converted.
+struct StackRecord {
+  CDA::TraceEntry::Action action;
+  void* ptr;
+  std::shared_ptr<c10::GatheredContext> context;
+};
+
+struct Stacks {
+  std::mutex mutex;
+  CCA::CreateContextFn recorder = nullptr;
+  CCA::RecordContext when = CCA::RecordContext::NEVER;
+  size_t max_entries = 0;
+  std::unordered_map<void*, std::shared_ptr<c10::GatheredContext>> live;
+  std::deque<StackRecord> trace;
+  // Whether stacks are recorded: the allocation path reads only this.
+  std::atomic<bool> recording{false};
+
+  bool on() const { return recording.load(std::memory_order_relaxed); }
+
+  void push(StackRecord record) {
+    trace.push_back(std::move(record));
+    while (trace.size() > max_entries) trace.pop_front();
+  }
+
+  void allocated(void* ptr) {
+    CCA::CreateContextFn make;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      make = recorder;
+    }
+    if (make == nullptr || ptr == nullptr) return;
+    auto context = make();  // outside the lock: it may take the GIL
+    std::lock_guard<std::mutex> lock(mutex);
+    live[ptr] = context;
+    if (when >= CCA::RecordContext::ALLOC) push({CDA::TraceEntry::ALLOC, ptr, context});
+  }
+
+  void freed(void* ptr) {
+    CCA::CreateContextFn make;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      make = when == CCA::RecordContext::ALL ? recorder : nullptr;
+    }
+    std::shared_ptr<c10::GatheredContext> at_free = make ? make() : nullptr;
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = live.find(ptr);
+    std::shared_ptr<c10::GatheredContext> at_alloc;
+    if (it != live.end()) {
+      at_alloc = std::move(it->second);
+      live.erase(it);
+    }
+    if (when >= CCA::RecordContext::ALLOC) {
+      push({CDA::TraceEntry::FREE_REQUESTED, ptr, at_free ? at_free : at_alloc});
+    }
+  }
+
+  void configure(bool enabled, CCA::CreateContextFn make, size_t entries, CCA::RecordContext level,
+                 bool clear) {
+    std::lock_guard<std::mutex> lock(mutex);
+    recorder = enabled ? make : nullptr;
+    when = enabled ? level : CCA::RecordContext::NEVER;
+    max_entries = entries;
+    if (!enabled) live.clear();
+    if (!enabled || clear) trace.clear();
+    recording.store(recorder != nullptr && when != CCA::RecordContext::NEVER,
+                    std::memory_order_relaxed);
+  }
+
+  std::shared_ptr<c10::GatheredContext> of_live(void* ptr) {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = live.find(ptr);
+    return it == live.end() ? nullptr : it->second;
+  }
+
+  // Gives each alloc / free-requested entry of `entries` (in order) the stack recorded for it.
+  void attach(std::vector<CDA::TraceEntry>& entries) {
+    std::lock_guard<std::mutex> lock(mutex);
+    size_t cursor = 0;
+    for (auto& entry : entries) {
+      if (entry.action_ != CDA::TraceEntry::ALLOC &&
+          entry.action_ != CDA::TraceEntry::FREE_REQUESTED) {
+        continue;
+      }
+      for (size_t k = cursor; k < trace.size(); ++k) {
+        if (trace[k].action == entry.action_ &&
+            reinterpret_cast<size_t>(trace[k].ptr) == entry.addr_) {
+          entry.context_ = trace[k].context;
+          cursor = k + 1;
+          break;
+        }
+      }
+    }
+  }
+};
+
+Stacks stacks;
+
 void delete_ptr(void* ptr) {
+  if (ptr != nullptr && stacks.on()) stacks.freed(ptr);
   // A deleter cannot throw: PyTorch calls it from destructors.
   if (tensormem_raw_delete(ptr) != TM_OK) {
     std::fprintf(stderr, "tensormem: freeing %p failed: %s\n", ptr, last_error().c_str());
@@ -223,6 +326,7 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
     if (size != 0) {
       cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
       check(tensormem_malloc(size, device, stream, &ptr), "allocate");
+      if (stacks.on()) stacks.allocated(ptr);
     }
     return {ptr, ptr, &delete_ptr, c10::Device(c10::DeviceType::CUDA, device)};
   }
@@ -241,10 +345,14 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
   void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
     void* ptr = nullptr;
     check(tensormem_malloc(nbytes, c10::cuda::current_device(), stream, &ptr), "raw_alloc");
+    if (stacks.on()) stacks.allocated(ptr);
     return ptr;
   }
 
-  void raw_delete(void* ptr) override { check(tensormem_raw_delete(ptr), "raw_delete"); }
+  void raw_delete(void* ptr) override {
+    if (ptr != nullptr && stacks.on()) stacks.freed(ptr);
+    check(tensormem_raw_delete(ptr), "raw_delete");
+  }
 
   void init(int device_count) override {
     tensormem_init(device_count);
@@ -352,6 +460,7 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
                            e.size, reinterpret_cast<void*>(e.stream), c10::MempoolId_t{0, 0}, 0);
         trace.back().time_.t_ = static_cast<time_t>(e.time_us);
       }
+      stacks.attach(trace);
     }
     TmConfigInfo c{};
     check(tensormem_snapshot_config(snap, &c, sizeof c), "snapshot");
@@ -446,9 +555,11 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
 
   bool isHistoryEnabled() override { return tensormem_history_enabled() != 0; }
 
-  void recordHistory(bool enabled, CCA::CreateContextFn, size_t alloc_trace_max_entries,
-                     CCA::RecordContext, bool, const std::vector<std::string>&) override {
+  void recordHistory(bool enabled, CCA::CreateContextFn context_recorder,
+                     size_t alloc_trace_max_entries, CCA::RecordContext when, bool clear_history,
+                     const std::vector<std::string>&) override {
     check(tensormem_history(enabled ? 1 : 0, alloc_trace_max_entries), "recordHistory");
+    stacks.configure(enabled, context_recorder, alloc_trace_max_entries, when, clear_history);
   }
 
   void attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) override {
@@ -536,6 +647,7 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
     out.is_expandable = s.is_expandable != 0;
     out.owner_private_pool_id = {s.pool_first, s.pool_second};
     out.blocks.reserve(s.block_count);
+    uint64_t address = s.address;
     for (uint64_t j = 0; j < s.block_count; ++j) {
       TmBlockInfo b{};
       check(tensormem_snapshot_block(snap, index, j, &b, sizeof b), "snapshot");
@@ -544,6 +656,10 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
       block.requested_size = b.requested_size;
       block.allocated = b.allocated != 0;
       block.active = b.active != 0;
+      if (block.allocated) {
+        block.context_when_allocated = stacks.of_live(reinterpret_cast<void*>(address));
+      }
+      address += b.size;
       out.blocks.push_back(std::move(block));
     }
     return out;
