@@ -187,6 +187,7 @@ def ipc(torch):
 
 def stats_snapshot(torch):
     import pickle
+    torch.cuda.memory._set_allocator_settings("garbage_collection_threshold:0.5")
     torch.cuda.memory._record_memory_history(max_entries=10000, stacks="python")
     xs = [torch.empty(n, device="cuda") for n in (1000, 300000, 5 << 20)]
     del xs[1]
@@ -204,6 +205,7 @@ def stats_snapshot(torch):
            torch.cuda.memory_allocated() == s["allocated_bytes.all.current"]]
     summary = torch.cuda.memory_summary()
     out.append("Allocated memory" in summary)
+    out.append(snap.get("allocator_settings", {}).get("garbage_collection_threshold"))
     # Python stacks: on the live blocks, and on the trace's allocations and frees.
     out.append(any(b.get("frames") for seg in snap["segments"] for b in seg["blocks"]
                    if b["state"] == "active_allocated"))

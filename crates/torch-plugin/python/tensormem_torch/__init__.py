@@ -212,8 +212,25 @@ class Plugin:
         error = ctypes.create_string_buffer(4096)
         if ext.tensormem_torch_install(error, len(error)) != 0:
             raise RuntimeError(f"tensormem: installing the allocator failed: {error.value.decode(errors='replace')}")
+        self._route_settings()
         self.mode = "native"
         return self
+
+    def _route_settings(self):
+        """torch.cuda.memory._set_allocator_settings reaches PyTorch's settings only: send it here too."""
+        import torch
+        lib = self.lib
+        lib.tensormem_set_allocator_settings.restype = ctypes.c_int
+        lib.tensormem_set_allocator_settings.argtypes = [ctypes.c_char_p]
+        original = torch.cuda.memory._set_allocator_settings
+
+        def _set_allocator_settings(env):
+            original(env)
+            if lib.tensormem_set_allocator_settings(env.encode()) != 0:
+                raise RuntimeError(f"tensormem: allocator settings {env!r}: {self.last_error()}")
+
+        _set_allocator_settings.__doc__ = original.__doc__
+        torch.cuda.memory._set_allocator_settings = _set_allocator_settings
 
     def install_pluggable(self):
         """Makes tensormem PyTorch's allocator through CUDAPluggableAllocator (the limited fallback)."""

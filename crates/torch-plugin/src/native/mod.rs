@@ -402,6 +402,30 @@ pub unsafe extern "C" fn tensormem_usage(
     })
 }
 
+/// Applies a configuration string in PyTorch's grammar to every device's allocator, now and for devices
+/// used later (`torch.cuda.memory._set_allocator_settings`, which the Python package routes here as well
+/// as to PyTorch's own settings).
+///
+/// # Safety
+///
+/// `config` is a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn tensormem_set_allocator_settings(
+    config: *const std::ffi::c_char,
+) -> c_int {
+    status("tensormem_set_allocator_settings", || {
+        if config.is_null() {
+            return Err(Error::NullArgument { what: "config" });
+        }
+        // SAFETY: non-null and NUL-terminated (the caller's obligation).
+        let text = unsafe { std::ffi::CStr::from_ptr(config) }
+            .to_str()
+            .map_err(|_| Error::InvalidPath)?;
+        tensormem::cuda::set_allocator_settings(text)?;
+        Ok(())
+    })
+}
+
 /// The allocator of the device whose memory holds `ptr`, among the devices the plugin used.
 pub(crate) fn owner(ptr: DeviceAddress) -> Result<&'static Allocator> {
     for allocator in devices::used() {
