@@ -377,3 +377,34 @@ fn pinned_host_memory_is_cached_per_device_with_pytorchs_host_keys() {
         assert_eq!(cuda::host_memory_stats().unwrap()["allocations.current"], 0);
     });
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
+fn the_accelerator_surface_answers_as_the_cuda_one() {
+    use tensormem::accelerator;
+    let Some((count, _lock)) = gpus() else { return };
+    assert_eq!(accelerator::current_accelerator(), Some("cuda"));
+    assert_eq!(accelerator::device_count().unwrap(), count);
+    let (free, total) = accelerator::get_memory_info(Some(0)).unwrap();
+    assert!(free > 0 && free <= total);
+    let before = accelerator::memory_allocated(Some(0)).unwrap();
+    let _device = accelerator::device_index(0).unwrap();
+    let ptr = cuda::caching_allocator_alloc(3 << 20, None).unwrap();
+    assert_eq!(
+        accelerator::memory_allocated(Some(0)).unwrap(),
+        before + (3 << 20)
+    );
+    assert_eq!(
+        accelerator::memory_stats(Some(0)).unwrap()["allocated_bytes.all.current"] as u64,
+        before + (3 << 20)
+    );
+    assert!(accelerator::max_memory_reserved(Some(0)).unwrap() >= 3 << 20);
+    cuda::caching_allocator_delete(ptr).unwrap();
+    accelerator::empty_cache().unwrap();
+    accelerator::reset_peak_memory_stats(Some(0)).unwrap();
+    assert_eq!(
+        accelerator::max_memory_allocated(Some(0)).unwrap(),
+        accelerator::memory_allocated(Some(0)).unwrap()
+    );
+    assert!(accelerator::host_memory_stats().is_ok());
+}
