@@ -270,7 +270,7 @@ impl<D: Device> StreamTable<D> {
         let shard = Shard {
             stream,
             index: index as u32,
-            figures: CachePadded::new(Figures::default()),
+            figures: CachePadded::new(Figures::new(index as u32)),
             state: CachePadded::new(ShardLock::new(ShardState::new(small, large))),
         };
         // Publish the shard before the slot that points to it, and the count after both.
@@ -320,5 +320,9 @@ impl<D: Device> FigureSet for StreamTable<D> {
         for shard in self.iter() {
             f(&shard.figures);
         }
+    }
+
+    fn figures(&self, index: u32) -> Option<&Figures> {
+        self.by_index(index).map(|shard| &*shard.figures)
     }
 }

@@ -467,8 +467,9 @@ impl<D: Device> Locked<'_, D> {
                 Source::New => p.free.insert(r_size, r_addr, remaining),
             }
             if already_split && !expandable {
-                // An already split free block shrinks by `size` bytes.
-                self.dec(Kind::InactiveSplitBytes, small, size);
+                // An already split free block shrinks by `size` bytes. (Covered by the allocation's
+                // increases below.)
+                self.dec_covered(Kind::InactiveSplitBytes, small, size);
             } else if !expandable {
                 // A new split free block of the remaining bytes appears.
                 self.inc(Kind::InactiveSplitBytes, small, r_size);
@@ -489,8 +490,9 @@ impl<D: Device> Locked<'_, D> {
             }
             if already_split && !expandable {
                 let b_size = self.st.blocks[block].size;
-                self.dec(Kind::InactiveSplitBytes, small, b_size);
-                self.dec(Kind::InactiveSplit, small, 1);
+                // Covered by the allocation's increases below.
+                self.dec_covered(Kind::InactiveSplitBytes, small, b_size);
+                self.dec_covered(Kind::InactiveSplit, small, 1);
             }
         }
         let b = &mut self.st.blocks[block];

@@ -332,7 +332,9 @@ impl<D: Device> Locked<'_, D> {
         }
         if size as usize >= self.a.settings.max_split_size() {
             std::hint::cold_path();
-            self.shard.figures.decrease(OVERSIZE_ALLOCATIONS, 1);
+            self.shard
+                .figures
+                .decrease(OVERSIZE_ALLOCATIONS, 1, &self.a.book);
         }
         if used_elsewhere {
             std::hint::cold_path();
@@ -341,7 +343,11 @@ impl<D: Device> Locked<'_, D> {
             let small = self.st.pools[pool as usize].small;
             self.shard
                 .figures
-                .decrease_kinds(small, [(Kind::Allocation, 1), (Kind::AllocatedBytes, size)]);
+                .decrease_kinds(
+                    small,
+                    [(Kind::Allocation, 1), (Kind::AllocatedBytes, size)],
+                    &self.a.book,
+                );
             if !QUIET && self.a.capturing() {
                 // Events recorded during a capture may not be queried: record them after it.
                 let mut events = self.a.events.lock();
@@ -593,15 +599,16 @@ impl<D: Device> Locked<'_, D> {
         }
         if !expandable {
             // Fully free chunks of expandable segments can always be released, so expandable
-            // segments are left out of the inactive-split figures.
+            // segments are left out of the inactive-split figures. (The decreases are covered by
+            // `decrease_kinds` below.)
             match net_blocks {
                 n if n > 0 => self.inc(Kind::InactiveSplit, small, n as u64),
-                n if n < 0 => self.dec(Kind::InactiveSplit, small, n.unsigned_abs()),
+                n if n < 0 => self.dec_covered(Kind::InactiveSplit, small, n.unsigned_abs()),
                 _ => {}
             }
             match net_bytes {
                 n if n > 0 => self.inc(Kind::InactiveSplitBytes, small, n as u64),
-                n if n < 0 => self.dec(Kind::InactiveSplitBytes, small, n.unsigned_abs()),
+                n if n < 0 => self.dec_covered(Kind::InactiveSplitBytes, small, n.unsigned_abs()),
                 _ => {}
             }
         }
@@ -615,6 +622,7 @@ impl<D: Device> Locked<'_, D> {
                     (Kind::ActiveBytes, original_size),
                     (Kind::RequestedBytes, requested),
                 ],
+                &self.a.book,
             );
         } else {
             self.shard.figures.decrease_kinds(
@@ -624,6 +632,7 @@ impl<D: Device> Locked<'_, D> {
                     (Kind::ActiveBytes, original_size),
                     (Kind::RequestedBytes, requested),
                 ],
+                &self.a.book,
             );
         }
         if self.a.settings.uncached() {
@@ -649,7 +658,7 @@ impl<D: Device> Locked<'_, D> {
         }
         self.shard
             .figures
-            .defer_free::<SMALL>(size, requested, 0, 0);
+            .defer_free::<SMALL>(size, requested, 0, 0, &self.a.book);
     }
 
     /// The figures of a free that parks its block (pool type `SMALL`): those of freeing an
@@ -668,10 +677,10 @@ impl<D: Device> Locked<'_, D> {
         if split {
             // One split free block (`next`) becomes another (the merged one): `+ original_size`.
             self.parked_split_freed(SMALL, original_size, false);
-            figures.defer_free::<SMALL>(original_size, requested, 0, 0);
+            figures.defer_free::<SMALL>(original_size, requested, 0, 0, &self.a.book);
         } else {
             // A split free block (`next`) becomes a whole segment.
-            figures.defer_free::<SMALL>(original_size, requested, 1, n_size);
+            figures.defer_free::<SMALL>(original_size, requested, 1, n_size, &self.a.book);
         }
     }
 

@@ -33,7 +33,7 @@ use super::parked::Verdict;
 use super::{Allocation, Locked, Parked};
 use crate::block::NIL;
 use crate::device::Device;
-use crate::stats::peaks::Figures;
+use crate::stats::peaks::{Figures, PeakBook};
 
 /// What the last parked block handed back after its checks leaves for the next pair (see the
 /// module documentation).
@@ -58,15 +58,21 @@ pub(crate) struct HotPair {
 }
 
 impl HotPair {
-    /// The pair `verdict` describes, handed back now (`figures`: the shard's).
+    /// The pair `verdict` describes, handed back now (`figures`: the shard's). Puts the shard on
+    /// the book's list of loose shards before it reads the record's stamp: while the stamp stands
+    /// still, the shard stays there, so the express lane's free, which decreases without
+    /// [`loosen`](Figures::loosen), needs no look at the list (see
+    /// [`defer_same_free`](Figures::defer_same_free)).
     #[inline(always)]
     pub(super) fn new(
         verdict: Verdict,
         figures: &Figures,
+        book: &PeakBook,
         express: bool,
         split: bool,
         clock: u64,
     ) -> Self {
+        figures.loosen(book);
         HotPair {
             verdict,
             record: figures.record_stamp(),
@@ -183,7 +189,7 @@ impl<D: Device> Locked<'_, D> {
         b.generation = b.generation.wrapping_add(1);
         let (addr, generation) = (b.addr, b.generation);
         if hot.split {
-            self.parked_split_taken(small, size as u64, parked.next == NIL);
+            self.parked_split_taken::<true>(small, size as u64, parked.next == NIL);
         }
         self.shard.figures.complete_pair();
         if self.a.pointer_index_on() {

@@ -681,7 +681,17 @@ impl<D: Device> Locked<'_, D> {
     /// Subtracts `amount` from statistic `kind` for all pools and for the pool type.
     #[inline]
     pub(crate) fn dec(&self, kind: Kind, small: bool, amount: u64) {
-        self.shard.figures.decrease_kind(kind, small, amount);
+        self.shard
+            .figures
+            .decrease_kind(kind, small, amount, &self.a.book);
+    }
+
+    /// [`dec`](Self::dec) without the look at the book's list of loose shards, for a caller that
+    /// covers it (see
+    /// [`Figures::decrease_kind_covered`](crate::stats::peaks::Figures::decrease_kind_covered)).
+    #[inline(always)]
+    pub(crate) fn dec_covered(&self, kind: Kind, small: bool, amount: u64) {
+        self.shard.figures.decrease_kind_covered(kind, small, amount);
     }
 
     /// Adds to a single figure (the oversize counts).

@@ -254,6 +254,7 @@ impl<D: Device> Locked<'_, D> {
         st.hot = Some(HotPair::new(
             verdict,
             &self.shard.figures,
+            &self.a.book,
             express,
             already_split,
             gc_now,
@@ -310,6 +311,7 @@ impl<D: Device> Locked<'_, D> {
         self.st.hot = Some(HotPair::new(
             verdict,
             &self.shard.figures,
+            &self.a.book,
             express,
             already_split,
             gc_now,
@@ -323,7 +325,7 @@ impl<D: Device> Locked<'_, D> {
         }
         if already_split {
             // A split free block leaves the free set (`alloc_found_block` without a split).
-            self.parked_split_taken(small, size as u64, true);
+            self.parked_split_taken::<false>(small, size as u64, true);
         }
         if restore {
             figures.complete_pair();
@@ -379,12 +381,20 @@ impl<D: Device> Locked<'_, D> {
     }
 
     /// The reverse of [`parked_split_freed`](Self::parked_split_freed), for the parked block handed
-    /// back.
+    /// back. `COVERED`: the caller covers the look at the book's list of loose shards (the express
+    /// lane, see [`Locked::dec_covered`]).
     #[inline(always)]
-    pub(super) fn parked_split_taken(&self, small: bool, size: u64, whole: bool) {
-        self.dec(Kind::InactiveSplitBytes, small, size);
-        if whole {
-            self.dec(Kind::InactiveSplit, small, 1);
+    pub(super) fn parked_split_taken<const COVERED: bool>(&self, small: bool, size: u64, whole: bool) {
+        if COVERED {
+            self.dec_covered(Kind::InactiveSplitBytes, small, size);
+            if whole {
+                self.dec_covered(Kind::InactiveSplit, small, 1);
+            }
+        } else {
+            self.dec(Kind::InactiveSplitBytes, small, size);
+            if whole {
+                self.dec(Kind::InactiveSplit, small, 1);
+            }
         }
     }
 
@@ -416,14 +426,14 @@ impl<D: Device> Locked<'_, D> {
             // Where the merged block was a whole segment, the free's split figures are on the
             // record too.
             if already_split {
-                self.parked_split_taken(SMALL, size, false);
+                self.parked_split_taken::<false>(SMALL, size, false);
             }
             figures.complete_pair();
             return;
         }
         figures.apply_deferred_free();
         if already_split {
-            self.parked_split_taken(SMALL, size, false);
+            self.parked_split_taken::<false>(SMALL, size, false);
         } else {
             self.inc(Kind::InactiveSplitBytes, SMALL, n_size);
             self.inc(Kind::InactiveSplit, SMALL, 1);

@@ -214,7 +214,9 @@ impl<D: Device> Locked<'_, D> {
         self.dec(Kind::Segment, small, 1);
         self.dec(Kind::ReservedBytes, small, size);
         if size as usize >= self.a.settings.max_split_size() {
-            self.shard.figures.decrease(OVERSIZE_SEGMENTS, 1);
+            self.shard
+                .figures
+                .decrease(OVERSIZE_SEGMENTS, 1, &self.a.book);
         }
         self.st.pools[pool as usize].free.remove(size, addr);
         self.st.blocks.remove(index);

@@ -36,10 +36,10 @@
 //! ([`Figures::limits_epoch`]): values that were within unchanged limits still are.
 
 #[cfg(not(loom))]
-use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering::Relaxed};
 
 #[cfg(loom)]
-use loom::sync::atomic::{AtomicI64, Ordering::Relaxed};
+use loom::sync::atomic::{AtomicBool, AtomicI64, Ordering::Relaxed};
 #[cfg(not(loom))]
 use parking_lot::Mutex;
 
@@ -164,26 +164,47 @@ pub(crate) struct Figures {
     /// still, values that were within the limits are still within them: see
     /// [`complete_pair`](Self::complete_pair).
     limits_epoch: AtomicI64,
+    /// The shard's index in its [`FigureSet`] (what the book's list of loose shards holds).
+    index: u32,
+    /// Whether the shard is on the book's list of loose shards (written under the book's lock).
+    /// A shard off the list is *tight*: every value equals its limit (see [`PeakBook`]).
+    loose: AtomicBool,
 }
 
-/// Every shard's figures, for the rare device-wide passes.
+/// Every shard's figures: all of them for the rare device-wide passes, one by index for the book's
+/// list of loose shards.
 pub(crate) trait FigureSet {
     /// Calls `f` with each shard's figures, in a fixed order.
     fn for_each_figures(&self, f: &mut dyn FnMut(&Figures));
+    /// The figures of the shard with the given index (see [`Figures::new`]).
+    fn figures(&self, index: u32) -> Option<&Figures>;
 }
 
-impl Default for Figures {
-    fn default() -> Self {
+impl Figures {
+    /// The figures of a new shard, the one with index `index` in its [`FigureSet`]: every value and
+    /// every limit zero (tight).
+    pub(crate) fn new(index: u32) -> Self {
         Figures {
             stored: std::array::from_fn(|_| Figure::default()),
             all_limits: std::array::from_fn(|_| AtomicI64::new(0)),
             deferred: Deferred::default(),
             limits_epoch: AtomicI64::new(0),
+            index,
+            loose: AtomicBool::new(false),
         }
     }
-}
 
-impl Figures {
+    /// Puts the shard on the book's list of loose shards if it is not there: what every decrease
+    /// does (a tight shard that decreases is below its limits, and the book must read it again).
+    /// Caller holds the shard's lock.
+    #[inline(always)]
+    pub(crate) fn loosen(&self, book: &PeakBook) {
+        if !self.loose.load(Relaxed) {
+            std::hint::cold_path();
+            book.enlist(self);
+        }
+    }
+
     /// Adds `amount` to statistic `kind` of the pool type (and so to its `all` figure): PyTorch's
     /// `increase_stat` on both. Caller holds the shard's lock.
     #[inline(always)]
@@ -253,24 +274,43 @@ impl Figures {
     }
 
     /// Subtracts from statistics of the pool type, `(kind, amount)` each, the pool type decided once
-    /// (see [`on_alloc`](Self::on_alloc)). Caller holds the shard's lock.
+    /// (see [`on_alloc`](Self::on_alloc)), and puts the shard on the book's list of loose shards
+    /// ([`loosen`](Self::loosen)). Caller holds the shard's lock.
     #[inline(always)]
-    pub(crate) fn decrease_kinds<const N: usize>(&self, small: bool, changes: [(Kind, u64); N]) {
+    pub(crate) fn decrease_kinds<const N: usize>(
+        &self,
+        small: bool,
+        changes: [(Kind, u64); N],
+        book: &PeakBook,
+    ) {
         if small {
             for (kind, amount) in changes {
-                self.decrease_kind(kind, true, amount);
+                self.decrease_stored(stored(kind, true), amount);
             }
         } else {
             for (kind, amount) in changes {
-                self.decrease_kind(kind, false, amount);
+                self.decrease_stored(stored(kind, false), amount);
             }
         }
+        self.loosen(book);
     }
 
-    /// Subtracts `amount` from statistic `kind` of the pool type (PyTorch's `decrease_stat`).
-    /// Caller holds the shard's lock.
+    /// Subtracts `amount` from statistic `kind` of the pool type (PyTorch's `decrease_stat`), and
+    /// puts the shard on the book's list of loose shards. Caller holds the shard's lock.
     #[inline(always)]
-    pub(crate) fn decrease_kind(&self, kind: Kind, small: bool, amount: u64) {
+    pub(crate) fn decrease_kind(&self, kind: Kind, small: bool, amount: u64, book: &PeakBook) {
+        self.decrease_stored(stored(kind, small), amount);
+        self.loosen(book);
+    }
+
+    /// [`decrease_kind`](Self::decrease_kind) without [`loosen`](Self::loosen), for a caller that
+    /// covers it before the shard's lock is released: the shard is known to be loose (the express
+    /// lane's hand-back: its free found the shard loose, and its limits did not change since; the
+    /// book takes a shard off the list only by setting its limits), or the caller goes on to a
+    /// decrease that loosens, or to an increase by a positive amount (a tight shard's increase
+    /// passes its limit, and the book puts the shard on the list). Caller holds the shard's lock.
+    #[inline(always)]
+    pub(crate) fn decrease_kind_covered(&self, kind: Kind, small: bool, amount: u64) {
         self.decrease_stored(stored(kind, small), amount);
     }
 
@@ -289,11 +329,12 @@ impl Figures {
         }
     }
 
-    /// Subtracts from an oversize count.
+    /// Subtracts from an oversize count, and puts the shard on the book's list of loose shards.
     #[inline]
-    pub(crate) fn decrease(&self, f: usize, amount: u64) {
+    pub(crate) fn decrease(&self, f: usize, amount: u64, book: &PeakBook) {
         if let Slot::Stored(i) = slot(f) {
             self.decrease_stored(i, amount);
+            self.loosen(book);
         }
     }
 
@@ -370,20 +411,93 @@ impl Figures {
 }
 
 /// The device-wide peaks and the lock under which limits are handed out.
+///
+/// Besides the peaks, the book keeps the sum of every shard's limit per figure (limits are only
+/// written under its lock, so the sum is exact) and a list of the *loose* shards: those that may be
+/// below one of their limits. Every shard off the list is *tight*, each of its values equal to its
+/// limit. A shard goes on the list when the book hands it a limit above its value (the shard that
+/// passed its limit) and when it decreases a figure ([`Figures::loosen`]); it leaves it when the
+/// book reads its values and sets its limits to them. A tight shard cannot increase unseen (any
+/// increase passes its limit), so with one thread the sum of the shards' values is the sum of the
+/// limits less what the loose shards are below theirs: a new peak reads the loose shards only, never
+/// the shards that did nothing since the book last read them.
 #[derive(Debug)]
 pub(crate) struct PeakBook {
-    peaks: Mutex<[i64; FIGURES]>,
+    inner: Mutex<Book>,
+}
+
+/// What the book's lock guards.
+#[derive(Debug)]
+struct Book {
+    /// The recorded peaks.
+    peaks: [i64; FIGURES],
+    /// Per figure, the sum of every shard's limit: at most the recorded peak.
+    limits: [i64; FIGURES],
+    /// The indices of the loose shards (each once, with its `loose` flag set).
+    loose: Vec<u32>,
 }
 
 impl Default for PeakBook {
     fn default() -> Self {
         PeakBook {
-            peaks: Mutex::new([0; FIGURES]),
+            inner: Mutex::new(Book {
+                peaks: [0; FIGURES],
+                limits: [0; FIGURES],
+                loose: Vec::new(),
+            }),
         }
     }
 }
 
+impl Book {
+    /// Puts `fig` on the list of loose shards, if it is not there.
+    fn enlist(&mut self, fig: &Figures) {
+        if !fig.loose.load(Relaxed) {
+            fig.loose.store(true, Relaxed);
+            self.loose.push(fig.index);
+        }
+    }
+
+    /// Sets limit `f` of shard `fig`, keeping the sum of the limits.
+    fn set_limit(&mut self, fig: &Figures, f: usize, limit: i64) {
+        self.limits[f] += limit - fig.limit(f);
+        fig.set_limit(f, limit);
+    }
+
+    /// Reads every loose shard but `me` and sets each of its limits to its value: they leave the
+    /// list, tight. Each value is read once, and the limit set is that value (a shard that rose
+    /// meanwhile, on another thread, passes its limit on its next increase). The record of deferred
+    /// figures gets a new stamp, so that the shard's next hot-pair free takes the usual path, which
+    /// puts it back on the list ([`Figures::loosen`]).
+    fn tighten_all_but(&mut self, me: &Figures, set: &dyn FigureSet) {
+        let loose = std::mem::take(&mut self.loose);
+        for &index in &loose {
+            if index == me.index {
+                continue;
+            }
+            let Some(fig) = set.figures(index) else {
+                continue;
+            };
+            fig.loose.store(false, Relaxed);
+            fig.new_record_stamp();
+            for f in 0..FIGURES {
+                let value = fig.current(f);
+                self.set_limit(fig, f, value);
+            }
+        }
+        self.loose = loose;
+        self.loose.retain(|&index| index == me.index);
+    }
+}
+
 impl PeakBook {
+    /// Puts shard `fig` on the list of loose shards (see [`Figures::loosen`]).
+    #[cold]
+    #[inline(never)]
+    fn enlist(&self, fig: &Figures) {
+        self.inner.lock().enlist(fig);
+    }
+
     /// Shard `me` may have passed its limit of statistic `kind` for the pool type, or for all pools.
     #[cold]
     #[inline(never)]
@@ -396,75 +510,65 @@ impl PeakBook {
     }
 
     /// Shard `me` passed its limit for figure `f`: record the exact device-wide sum as the peak if it
-    /// is higher, and share out the headroom again.
+    /// is higher, and give `me` a new limit.
     ///
-    /// Every way out leaves the shards' limits summing to exactly the recorded peak: limits are only
-    /// written here and in [`reset_peaks`](Self::reset_peaks), under the book's lock, and each one is
-    /// computed from values read once (another shard's value may change meanwhile; its limit is still the
-    /// value that was summed plus its share, never its newer value).
+    /// The other shards' values add up to at most their limits, whose sum the book keeps. If `me`'s
+    /// value fits under the peak with them, there is no new peak, and `me` takes what their limits
+    /// leave of the peak (shards taking turns settle this way). Otherwise the loose shards are read
+    /// and made tight, so that the others' limits add up to exactly their values: the sum is exact,
+    /// the peak is raised to it if it is higher, and `me` takes the rest. Either way the limits add up
+    /// to exactly the recorded peak, and `me` is loose.
     #[cold]
     #[inline(never)]
     fn overflow(&self, me: &Figures, f: usize, set: &dyn FigureSet) {
-        let mut peaks = self.peaks.lock();
-        let mut sum = 0i64;
-        let mut others = 0i64;
-        set.for_each_figures(&mut |fig| {
-            sum += fig.current(f);
-            if !std::ptr::eq(fig, me) {
-                others += fig.limit(f);
-            }
-        });
-        if sum > peaks[f] {
-            peaks[f] = sum;
-        }
-        // First choice: leave the other shards' limits alone and take what they leave. Shards that
-        // take turns (the usual pattern) then stop passing their limits once the peak is reached.
+        let mut guard = self.inner.lock();
+        let book = &mut *guard;
+        book.enlist(me);
         // `me`'s value is stable: the caller holds its shard's lock.
-        if peaks[f] - others >= me.current(f) {
-            me.set_limit(f, peaks[f] - others);
+        let mine = me.current(f);
+        let others = book.limits[f] - me.limit(f);
+        if mine + others <= book.peaks[f] {
+            book.set_limit(me, f, book.peaks[f] - others);
             return;
         }
-        // Otherwise share the headroom out again on top of everyone's value. Each value is read once,
-        // parked in its shard's limit and summed, so that the limits add up to exactly the peak even if
-        // other shards move meanwhile (finding F1 in docs/reliability.md: reading the values again
-        // when setting the limits let a shard's racing rise count on top of its share). A shard that
-        // rose after its value was read then passes its lower limit on its next increase.
-        let mut sum = 0i64;
-        let mut shards = 0i64;
-        set.for_each_figures(&mut |fig| {
-            let value = fig.current(f);
-            fig.set_limit(f, value);
-            sum += value;
-            shards += 1;
-        });
-        if sum > peaks[f] {
-            peaks[f] = sum;
+        book.tighten_all_but(me, set);
+        let others = book.limits[f] - me.limit(f);
+        if mine + others > book.peaks[f] {
+            book.peaks[f] = mine + others;
         }
-        let headroom = peaks[f] - sum;
-        let share = headroom / shards.max(1);
-        let extra = headroom - share * shards.max(1);
-        set.for_each_figures(&mut |fig| {
-            let mine = if std::ptr::eq(fig, me) { extra } else { 0 };
-            fig.set_limit(f, fig.limit(f) + share + mine);
-        });
+        book.set_limit(me, f, book.peaks[f] - others);
     }
 
-    /// Sets every peak to the current sum (PyTorch's `reset_peak_stat`), leaving no headroom.
+    /// Sets every peak to the current sum (PyTorch's `reset_peak_stat`), leaving no headroom: every
+    /// shard tight.
     pub(crate) fn reset_peaks(&self, set: &dyn FigureSet) {
-        let mut peaks = self.peaks.lock();
-        *peaks = [0; FIGURES];
+        let mut guard = self.inner.lock();
+        let book = &mut *guard;
+        book.peaks = [0; FIGURES];
+        book.limits = [0; FIGURES];
+        book.loose.clear();
         set.for_each_figures(&mut |fig| {
-            for (f, peak) in peaks.iter_mut().enumerate() {
+            fig.loose.store(false, Relaxed);
+            fig.new_record_stamp();
+            for f in 0..FIGURES {
                 let current = fig.current(f);
-                *peak += current;
+                book.peaks[f] += current;
+                book.limits[f] += current;
                 fig.set_limit(f, current);
             }
         });
     }
 
+    /// The recorded peak of figure `f` (tests).
+    #[cfg(test)]
+    fn recorded(&self, f: usize) -> i64 {
+        self.inner.lock().peaks[f]
+    }
+
     /// The device-wide figures: sums of the shards' values, with the recorded peaks.
     pub(crate) fn read(&self, set: &dyn FigureSet, into: &mut MemoryStats) {
-        let peaks = self.peaks.lock();
+        let book = self.inner.lock();
+        let peaks = &book.peaks;
         let mut stats = [Stat::default(); FIGURES];
         set.for_each_figures(&mut |fig| {
             for (f, stat) in stats.iter_mut().enumerate() {
@@ -509,19 +613,22 @@ mod tests {
                 f(fig);
             }
         }
+        fn figures(&self, index: u32) -> Option<&Figures> {
+            self.0.get(index as usize).copied()
+        }
     }
 
     #[test]
     fn peak_is_the_peak_of_the_sum() {
-        let (a, b) = (Figures::default(), Figures::default());
+        let (a, b) = (Figures::new(0), Figures::new(1));
         let book = PeakBook::default();
         let set = Set(vec![&a, &b]);
         let k = Kind::AllocatedBytes;
         a.increase_kind(k, true, 100, &book, &set);
-        a.decrease_kind(k, true, 100);
+        a.decrease_kind(k, true, 100, &book);
         b.increase_kind(k, false, 60, &book, &set);
         a.increase_kind(k, true, 30, &book, &set); // sum 90 < 100
-        b.decrease_kind(k, false, 60);
+        b.decrease_kind(k, false, 60, &book);
         b.increase_kind(k, true, 50, &book, &set); // sum 80
         a.increase_kind(k, false, 30, &book, &set); // sum 110: new peak
         let mut stats = MemoryStats::default();
@@ -532,8 +639,8 @@ mod tests {
         assert_eq!(stats.allocated_bytes.all.freed, 160);
         assert_eq!(stats.allocated_bytes.small_pool.peak, 100);
         assert_eq!(stats.allocated_bytes.large_pool.peak, 60);
-        a.decrease_kind(k, true, 30);
-        a.decrease_kind(k, false, 30);
+        a.decrease_kind(k, true, 30, &book);
+        a.decrease_kind(k, false, 30, &book);
         book.reset_peaks(&set);
         book.read(&set, &mut stats);
         assert_eq!(stats.allocated_bytes.all.peak, 50);
@@ -542,25 +649,25 @@ mod tests {
         assert_eq!(stats.allocated_bytes.all.peak, 51);
     }
 
-    /// Two shards whose set runs `between` once, before its second pass over the shards: a rise of
-    /// another thread's shard racing with an overflow, made deterministic.
+    /// Two shards whose set runs `between` once, when the book first looks a shard up: a rise of
+    /// another thread's shard racing with an overflow (that reads the loose shards), made
+    /// deterministic.
     struct Racing<'a> {
         shards: [&'a Figures; 2],
-        passes: std::cell::Cell<usize>,
         between: std::cell::RefCell<Option<Box<dyn FnOnce() + 'a>>>,
     }
     impl FigureSet for Racing<'_> {
         fn for_each_figures(&self, f: &mut dyn FnMut(&Figures)) {
-            let pass = self.passes.get() + 1;
-            self.passes.set(pass);
-            if pass == 2 {
-                if let Some(race) = self.between.borrow_mut().take() {
-                    race();
-                }
-            }
             for fig in self.shards {
                 f(fig);
             }
+        }
+        fn figures(&self, index: u32) -> Option<&Figures> {
+            let race = self.between.borrow_mut().take();
+            if let Some(race) = race {
+                race();
+            }
+            self.shards.get(index as usize).copied()
         }
     }
 
@@ -568,29 +675,28 @@ mod tests {
     /// overflow redistributes must not get its rise on top of its share.
     #[test]
     fn limits_never_add_up_to_more_than_the_peak() {
-        let (a, b) = (Figures::default(), Figures::default());
+        let (a, b) = (Figures::new(0), Figures::new(1));
         let book = PeakBook::default();
         let plain = Set(vec![&a, &b]);
         let k = Kind::AllocatedBytes;
         let f = all(k);
         // B has been at 60 in the large pool, so its next rise to 60 passes only its `all` limit.
         b.increase_kind(k, false, 60, &book, &plain);
-        b.decrease_kind(k, false, 60);
+        b.decrease_kind(k, false, 60, &book);
         a.increase_kind(k, true, 100, &book, &plain); // peak 100: A's limit 100, B's 0
-        a.decrease_kind(k, true, 100);
+        a.decrease_kind(k, true, 100, &book);
         assert_eq!((a.limit(f), b.limit(f)), (100, 0));
         let racing = Racing {
             shards: [&a, &b],
-            passes: std::cell::Cell::new(0),
             between: std::cell::RefCell::new(None),
         };
         // A rises by 30 (under its limit 100: no lock) while B's overflow of `all` holds the book's lock,
-        // after its first pass over the shards.
+        // as the book is about to read A.
         let race: Box<dyn FnOnce() + '_> = Box::new(|| a.increase_kind(k, true, 30, &book, &plain));
         *racing.between.borrow_mut() = Some(race);
         b.increase_kind(k, false, 60, &book, &racing);
         assert!(racing.between.borrow().is_none(), "the race ran");
-        let recorded = book.peaks.lock()[f];
+        let recorded = book.recorded(f);
         assert_eq!(recorded, 100);
         let limits = a.limit(f) + b.limit(f);
         assert!(
@@ -602,8 +708,8 @@ mod tests {
         let (room_a, room_b) = (a.limit(f) - a.current(f), b.limit(f) - b.current(f));
         b.increase_kind(k, false, room_b as u64, &book, &plain);
         a.increase_kind(k, true, room_a as u64 + 1, &book, &plain);
-        a.decrease_kind(k, true, 31 + room_a as u64);
-        b.decrease_kind(k, false, 60 + room_b as u64);
+        a.decrease_kind(k, true, 31 + room_a as u64, &book);
+        b.decrease_kind(k, false, 60 + room_b as u64, &book);
         let mut stats = MemoryStats::default();
         book.read(&plain, &mut stats);
         assert_eq!(stats.allocated_bytes.all.current, 0);
@@ -613,7 +719,7 @@ mod tests {
     #[test]
     fn every_sequence_matches_a_single_counter() {
         // A deterministic pseudo-random walk over three shards, checked against one global counter.
-        let shards = [Figures::default(), Figures::default(), Figures::default()];
+        let shards = [Figures::new(0), Figures::new(1), Figures::new(2)];
         let book = PeakBook::default();
         let set = Set(shards.iter().collect());
         let k = Kind::ActiveBytes;
@@ -632,7 +738,7 @@ mod tests {
                 sum += amount as i64;
                 peak = peak.max(sum);
             } else {
-                shards[shard].decrease_kind(k, true, amount);
+                shards[shard].decrease_kind(k, true, amount, &book);
                 values[shard] -= amount as i64;
                 sum -= amount as i64;
             }

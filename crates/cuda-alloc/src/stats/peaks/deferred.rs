@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 #[cfg(loom)]
 use loom::sync::atomic::{AtomicI64, Ordering::Relaxed};
 
-use super::{stored, Figures, Kind};
+use super::{stored, Figures, Kind, PeakBook};
 
 /// The figures of a shard's hot pairs (allocate and free one size again and again, see
 /// `allocator/parked.rs`), kept out of the stored figures. A free that parks its block lowers
@@ -39,8 +39,9 @@ pub(super) struct Deferred {
     /// The decrease of `inactive_split` (0 or 1) and of `inactive_split_bytes`.
     split_count: AtomicI64,
     split_bytes: AtomicI64,
-    /// Counts the changes of the amounts above: equal stamps, equal amounts (see
-    /// [`Figures::record_stamp`]).
+    /// Counts the changes of the amounts above, and the times the book made the shard tight
+    /// ([`Figures::new_record_stamp`]): equal stamps, equal amounts and no tightening in between
+    /// (see [`Figures::record_stamp`]).
     stamp: AtomicI64,
 }
 
@@ -48,7 +49,8 @@ impl Figures {
     /// A freed block of `size` bytes (`requested` asked for, pool type `SMALL`) parks: its
     /// allocation figures, and `inactive_split` by `split_count` (0 or 1) and
     /// `inactive_split_bytes` by `split_bytes`, are lowered on the record only (see [`Deferred`]).
-    /// Caller holds the shard's lock, with no parked free in the record.
+    /// Puts the shard on the book's list of loose shards ([`Figures::loosen`]). Caller holds the
+    /// shard's lock, with no parked free in the record.
     #[inline(always)]
     pub(crate) fn defer_free<const SMALL: bool>(
         &self,
@@ -56,6 +58,7 @@ impl Figures {
         requested: u64,
         split_count: u64,
         split_bytes: u64,
+        book: &PeakBook,
     ) {
         let d = &self.deferred;
         let (size, requested, small) = (size as i64, requested as i64, i64::from(SMALL));
@@ -69,6 +72,7 @@ impl Figures {
             self.defer_other(small, size, requested, split_count, split_bytes);
         }
         d.parked.store(1, Relaxed);
+        self.loosen(book);
     }
 
     /// [`defer_free`](Self::defer_free) of amounts other than the record's: its pairs go to the
@@ -92,7 +96,16 @@ impl Figures {
         d.requested.store(requested, Relaxed);
         d.split_count.store(split_count, Relaxed);
         d.split_bytes.store(split_bytes, Relaxed);
-        d.stamp.store(d.stamp.load(Relaxed) + 1, Relaxed);
+        d.stamp.fetch_add(1, Relaxed);
+    }
+
+    /// Gives the record a new stamp without changing its amounts: the book does so when it makes
+    /// the shard tight (its values read, its limits set to them), so that the shard's next hot-pair
+    /// free does not take the express lane (which decreases without [`loosen`](Figures::loosen))
+    /// but the usual path, which puts the shard back on the book's list of loose shards. Caller
+    /// holds the book's lock; the shard's lock holder may be changing the stamp too (both add).
+    pub(super) fn new_record_stamp(&self) {
+        self.deferred.stamp.fetch_add(1, Relaxed);
     }
 
     /// The number of times the record's amounts changed so far. While it stands still, a block
@@ -105,8 +118,10 @@ impl Figures {
     }
 
     /// [`defer_free`](Self::defer_free) of the record's own amounts, known equal by the caller
-    /// ([`record_stamp`](Self::record_stamp)): only the flag. Caller holds the shard's lock, with
-    /// no parked free in the record.
+    /// ([`record_stamp`](Self::record_stamp)): only the flag. The shard is on the book's list of
+    /// loose shards: it was when the caller read the stamp it compared (the hand-back that took it
+    /// put the shard there first), and the book takes a shard off the list only with a new stamp.
+    /// Caller holds the shard's lock, with no parked free in the record.
     #[inline(always)]
     pub(crate) fn defer_same_free(&self) {
         self.deferred.parked.store(1, Relaxed);
@@ -135,8 +150,10 @@ impl Figures {
         }
         d.parked.store(0, Relaxed);
         let (small, amounts) = self.deferred_amounts();
+        // The values the readers see do not change (the record's share moves into the stored
+        // figures): the shard stays where it was on the book's list.
         for (kind, amount) in amounts {
-            self.decrease_kind(kind, small, amount as u64);
+            self.decrease_stored(stored(kind, small), amount as u64);
         }
     }
 

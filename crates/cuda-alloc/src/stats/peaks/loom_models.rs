@@ -28,6 +28,9 @@ impl FigureSet for Pair {
             f(fig);
         }
     }
+    fn figures(&self, index: u32) -> Option<&Figures> {
+        self.0.get(index as usize)
+    }
 }
 
 /// A step of a shard's thread: raise or lower a figure of the given pool.
@@ -48,7 +51,7 @@ fn model(steps: [&'static [Step]; 2], reset: bool) {
     // `read` loads every figure of every shard: many branches per execution.
     builder.max_branches = 100_000;
     builder.check(move || {
-        let shards = Arc::new([Figures::default(), Figures::default()]);
+        let shards = Arc::new([Figures::new(0), Figures::new(1)]);
         let book = Arc::new(PeakBook::default());
         let threads: Vec<_> = (0..2)
             .map(|i| {
@@ -60,7 +63,7 @@ fn model(steps: [&'static [Step]; 2], reset: bool) {
                             Step::Up(small, n) => {
                                 shards[i].increase_kind(KIND, small, n, &book, &set)
                             }
-                            Step::Down(small, n) => shards[i].decrease_kind(KIND, small, n),
+                            Step::Down(small, n) => shards[i].decrease_kind(KIND, small, n, &book),
                         }
                     }
                 })
@@ -78,7 +81,7 @@ fn model(steps: [&'static [Step]; 2], reset: bool) {
         }
         let set = Pair(Arc::clone(&shards));
         let f = all(KIND);
-        let recorded = book.peaks.lock()[f];
+        let recorded = book.recorded(f);
         let limits: i64 = shards.iter().map(|s| s.limit(f)).sum();
         assert!(
             limits <= recorded,
@@ -114,7 +117,7 @@ fn model(steps: [&'static [Step]; 2], reset: bool) {
         shards[0].increase_kind(KIND, true, 1000, &book, &set);
         let sum: i64 = shards.iter().map(|s| s.current(f)).sum();
         assert!(
-            book.peaks.lock()[f] >= sum,
+            book.recorded(f) >= sum,
             "a sequential increase went unrecorded"
         );
     });
