@@ -31,15 +31,9 @@ pub unsafe extern "C" fn tensormem_alloc(
     stream: sys::CUstream,
 ) -> *mut c_void {
     let ptr = call("tensormem_alloc", std::ptr::null_mut(), || {
-        let allocator = devices::allocator(device)?;
-        let _relaxed = capture_mode::relaxed_while_capturing();
         // SAFETY: `stream` is a live stream of `device` kept alive by its owner (our caller's
         // obligation).
-        let ptr = unsafe {
-            streams::with_stream(allocator.device(), stream, |id| {
-                allocator.raw_alloc(size, id)
-            })
-        }?;
+        let ptr = unsafe { allocate_on(device, size, stream) }?;
         Ok(ptr.0 as *mut c_void)
     });
     if ptr.is_null() && size != 0 {
@@ -47,6 +41,28 @@ pub unsafe extern "C" fn tensormem_alloc(
         alloc_failed(size, device);
     }
     ptr
+}
+
+/// `size` bytes from `device`'s allocator for use on the raw stream `stream` (registered with the
+/// device the first time), with the thread in the relaxed capture mode while a capture is open.
+///
+/// # Safety
+///
+/// As [`tensormem_alloc`] for `stream`.
+#[inline]
+pub(crate) unsafe fn allocate_on(
+    device: c_int,
+    size: usize,
+    stream: sys::CUstream,
+) -> Result<DeviceAddress> {
+    let allocator = devices::allocator(device)?;
+    let _relaxed = capture_mode::relaxed_while_capturing();
+    // SAFETY: `stream` is live and kept alive by its owner (the caller's obligation).
+    unsafe {
+        streams::with_stream(allocator.device(), stream, |id| {
+            allocator.raw_alloc(size, id)
+        })
+    }
 }
 
 #[cold]
@@ -146,7 +162,7 @@ pub unsafe extern "C" fn tensormem_base_alloc(ptr: *mut c_void, size: *mut usize
 }
 
 /// The allocator that handed out `ptr` (live), among the devices the plugin used.
-fn owner(ptr: DeviceAddress) -> Result<&'static Allocator> {
+pub(crate) fn owner(ptr: DeviceAddress) -> Result<&'static Allocator> {
     for allocator in devices::used() {
         match allocator.base_allocation(ptr) {
             Ok(_) | Err(AllocError::ExpandableNotShareable { .. }) => return Ok(allocator),

@@ -15,7 +15,8 @@ use std::sync::Mutex;
 use cudarc::driver::sys;
 use tensormem_cuda_alloc::{DeviceAddress, DeviceError, Error as AllocError};
 
-use super::{owner, status};
+use super::status;
+use crate::allocate::owner;
 use crate::devices;
 use crate::error::{Error, Result};
 

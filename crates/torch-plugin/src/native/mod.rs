@@ -22,7 +22,6 @@ use cudarc::driver::sys;
 use tensormem_cuda_alloc::{DeviceAddress, Error as AllocError, MempoolId, StreamId};
 
 use crate::boundary::call;
-use crate::capture_mode;
 use crate::devices::{self, Allocator};
 use crate::error::{Error, Result};
 use crate::streams;
@@ -107,15 +106,9 @@ pub unsafe extern "C" fn tensormem_malloc(
         return TM_OK;
     }
     status("tensormem_malloc", || {
-        let allocator = devices::allocator(device)?;
-        let _relaxed = capture_mode::relaxed_while_capturing();
         // SAFETY: `stream` is live and kept alive by its owner (the caller's obligation).
-        let ptr = unsafe {
-            streams::with_stream(allocator.device(), stream, |id| {
-                allocator.raw_alloc(size, id)
-            })
-        }?;
-        // SAFETY: as above.
+        let ptr = unsafe { crate::allocate::allocate_on(device, size, stream) }?;
+        // SAFETY: `out` is non-null and valid for writes (checked above; the caller's obligation).
         unsafe { out.write(ptr.0 as *mut c_void) };
         Ok(())
     })
@@ -424,18 +417,6 @@ pub unsafe extern "C" fn tensormem_set_allocator_settings(
         tensormem::cuda::set_allocator_settings(text)?;
         Ok(())
     })
-}
-
-/// The allocator of the device whose memory holds `ptr`, among the devices the plugin used.
-pub(crate) fn owner(ptr: DeviceAddress) -> Result<&'static Allocator> {
-    for allocator in devices::used() {
-        match allocator.base_allocation(ptr) {
-            Ok(_) | Err(AllocError::ExpandableNotShareable { .. }) => return Ok(allocator),
-            Err(AllocError::InvalidPointer { .. }) => {}
-            Err(other) => return Err(other.into()),
-        }
-    }
-    Err(Error::UnknownPointer { ptr: ptr.0 })
 }
 
 /// The stream id the allocator uses for PyTorch's raw handle (for filters handed a stream back).
