@@ -128,6 +128,24 @@ impl<K: Hash + Eq + Clone, V> LeaseCache<K, V> {
         }
     }
 
+    /// Another lease on `key` if it is open now (never opens).
+    pub(crate) fn acquire_open(self: &Arc<Self>, key: &K) -> Option<Lease<K, V>> {
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        let entry = st.entries.get_mut(key)?;
+        let value = Arc::clone(entry.cell.get()?.as_ref()?);
+        if entry.users == 0 {
+            st.idle -= 1;
+        }
+        entry.users += 1;
+        Some(Lease {
+            cache: Arc::clone(self),
+            key: key.clone(),
+            cell: Arc::clone(&entry.cell),
+            value,
+        })
+    }
+
     /// Gives up one use of `key`; returns what must be dropped outside the lock.
     fn release(&self, key: &K, cell: &Cell<V>) -> Vec<Cell<V>> {
         let mut st = self.state.lock();

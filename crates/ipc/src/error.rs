@@ -74,6 +74,24 @@ pub enum Error {
         problem: String,
     },
 
+    /// Encoded batch handle bytes were malformed or hostile (truncated, counts that do not match
+    /// the length, a view past its segment, overlapping views, duplicate names, ...). Nothing was
+    /// opened or written.
+    #[error(
+        "malformed batch handle: {problem}; pass the bytes BatchHandle::encode produced, unchanged"
+    )]
+    MalformedBatch {
+        /// What was wrong.
+        problem: String,
+    },
+
+    /// A batch could not be built from what was added to it (nothing was shared, no slot taken).
+    #[error("cannot share the batch: {problem}")]
+    InvalidBatch {
+        /// What was wrong, and what to do.
+        problem: String,
+    },
+
     /// A handle field (in bytes) had the wrong length.
     #[error(
         "{field} is {len} bytes, but a CUDA IPC handle is {expected} bytes; pass the bytes \

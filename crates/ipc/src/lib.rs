@@ -21,6 +21,7 @@
 //! | `UntypedStorage._new_shared_cuda(*tuple)`, `getIpcDevPtr` | [`IpcConsumer::open`] (one open per base allocation) |
 //! | the received storage's deleter | dropping [`ReceivedMemory`] |
 //! | `_release_ipc_counter_cuda` | [`IpcConsumer::release`] (the counter file only) |
+//! | a state dict sent tensor by tensor | [`IpcProducer::batch`] → [`BatchHandle`] → [`IpcConsumer::open_batch`] → [`ReceivedBatch`]: many tensors in one message, one slot, one handle per segment ([`batch`]) |
 //! | one `CUDACachingAllocator` per device, `CudaIPCGlobalEntities` per process | [`ProcessDevices`], `registry::cuda()` |
 //! | `torch.cuda.ipc_collect()` | `ipc_collect()` (feature `cuda`), [`ProcessDevices::ipc_collect`] |
 //!
@@ -82,6 +83,7 @@
 //! with the consumer's handle cache warm and an idle producer stream (no event needed) tensormem takes
 //! 24 to 45 µs, 12 to 15 µs with both sides spinning on their pipe (`docs/performance.md`).
 
+pub mod batch;
 mod cache;
 pub mod driver;
 mod error;
@@ -92,6 +94,10 @@ pub mod received;
 mod refcounter;
 pub mod registry;
 
+pub use batch::{
+    BatchBuilder, BatchHandle, BatchSegment, BatchView, ReceivedBatch, ReceivedView,
+    BATCH_ENCODING_VERSION,
+};
 pub use driver::{EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
 pub use error::{Error, Result, RECEIVED_MEMORY_MESSAGE};
 pub use handle::{IpcHandle, TorchShareTuple};

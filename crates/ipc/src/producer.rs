@@ -17,6 +17,7 @@ use parking_lot::Mutex;
 use tensormem_cuda_alloc::{Allocation, CachingAllocator, Device, DeviceAddress, StreamId};
 use tensormem_shm::NameGenerator;
 
+use crate::batch::{BatchBuilder, BatchHandle, BatchSegment, BatchView, CheckedBatch};
 use crate::driver::{EventHandle, IpcDriver, MemHandle};
 use crate::error::{Error, Result};
 use crate::handle::IpcHandle;
@@ -218,6 +219,117 @@ impl<D: Device, B: IpcDriver> IpcProducer<D, B> {
         let mut shared = self.adopt(allocator, allocation);
         let handle = shared.share(stream)?;
         Ok((shared, handle))
+    }
+
+    /// A batch: many allocations and views of them shared as one message, with one slot, at most
+    /// one event and one memory handle per segment (see [`crate::batch`]).
+    pub fn batch(&self) -> BatchBuilder<'_, D, B> {
+        BatchBuilder {
+            producer: self,
+            allocations: Vec::new(),
+            views: Vec::new(),
+        }
+    }
+
+    /// [`BatchBuilder::share`]'s work.
+    pub(crate) fn share_batch(
+        &self,
+        allocations: &mut [&mut SharedAllocation<D, B>],
+        views: Vec<(usize, String, u64, u64)>,
+        stream: StreamId,
+    ) -> Result<BatchHandle> {
+        let invalid = |problem: String| Error::InvalidBatch { problem };
+        let producer = &self.inner;
+        let Some(first) = allocations.first() else {
+            return Err(invalid(
+                "nothing was added; add allocations and views first".into(),
+            ));
+        };
+        let device = first.sent().allocator.device().index();
+        let mut segments: Vec<BatchSegment> = Vec::new();
+        let mut index_of_base: HashMap<u64, u32> = HashMap::new();
+        // Per allocation: its segment and offset in it, `None` without memory.
+        let mut placed: Vec<Option<(u32, u64)>> = Vec::with_capacity(allocations.len());
+        for allocation in allocations.iter_mut() {
+            let on = allocation.sent().allocator.device().index();
+            if on != device {
+                return Err(invalid(format!(
+                    "allocations of devices {device} and {on}; a batch is of one device (send                      one batch per device)"
+                )));
+            }
+            placed.push(allocation.locate()?.map(|located| {
+                let index = *index_of_base.entry(located.base).or_insert_with(|| {
+                    segments.push(BatchSegment {
+                        mem_handle: located.mem_handle,
+                        size: located.base_size,
+                    });
+                    (segments.len() - 1) as u32
+                });
+                (index, located.offset)
+            }));
+        }
+        if segments.is_empty() {
+            return Err(invalid(
+                "no allocation of the batch has memory (all are zero-byte); share empty                  allocations one by one (IpcHandle::empty)"
+                    .into(),
+            ));
+        }
+        let views: Vec<BatchView> = views
+            .into_iter()
+            .map(|(index, name, offset, len)| match placed[index] {
+                Some((segment, at)) => BatchView {
+                    name,
+                    segment: Some(segment),
+                    offset: at + offset,
+                    len,
+                },
+                None => BatchView {
+                    name,
+                    segment: None,
+                    offset: 0,
+                    len: 0,
+                },
+            })
+            .collect();
+        // Checked before a slot is taken: the consumer refuses what fails here.
+        let checked = CheckedBatch::new(segments, views).map_err(invalid)?;
+        for allocation in allocations.iter_mut() {
+            if let Some(sent) = allocation.sent.as_mut() {
+                sent.prune(false);
+            }
+        }
+        let (file, slot) = producer.take_slot()?;
+        let event = match producer.event(device, stream) {
+            Ok(event) => event.map(Arc::new),
+            Err(err) => {
+                file.release_unsent(slot);
+                return Err(err);
+            }
+        };
+        let event_handle = event
+            .as_ref()
+            .and_then(|g| g.pooled.as_ref())
+            .map(|p| p.handle);
+        for (allocation, placed) in allocations.iter_mut().zip(&placed) {
+            if placed.is_none() {
+                continue; // no memory to hold
+            }
+            if let Some(sent) = allocation.sent.as_mut() {
+                sent.slots.push(SentSlot {
+                    file: Arc::clone(&file),
+                    slot,
+                    _event: event.clone(),
+                });
+            }
+        }
+        producer.counters.shares.fetch_add(1, Ordering::Relaxed);
+        Ok(checked.into_handle(
+            device,
+            file.name().clone(),
+            slot as u64,
+            event_handle,
+            producer.id,
+        ))
     }
 
     /// Frees what consumers released (PyTorch's `CudaIPCCollect`): limbo entries whose slots are all
@@ -498,10 +610,14 @@ impl<B: IpcDriver> Drop for EventGuard<B> {
 }
 
 /// One share: a slot of a file, and the event the consumer waits on.
+///
+/// The slot of a batch is held by every allocation of the batch (one `SentSlot` each, sharing the
+/// file, the slot and the event): each is pruned when the consumer releases the slot or the
+/// producer reclaims it, and the event goes back to the pool with the last of them.
 struct SentSlot<B: IpcDriver> {
     file: Arc<RefCounterFile>,
     slot: usize,
-    _event: Option<EventGuard<B>>,
+    _event: Option<Arc<EventGuard<B>>>,
 }
 
 /// An allocation that was shared, with its outstanding slots.
@@ -559,6 +675,14 @@ impl<D: Device, B: IpcDriver> Sent<D, B> {
     }
 }
 
+/// Where an allocation lies in its segment (see [`SharedAllocation::locate`]).
+struct Located {
+    base: u64,
+    base_size: u64,
+    mem_handle: MemHandle,
+    offset: u64,
+}
+
 /// An allocation owned by the IPC layer so that it can be shared; dropping it frees the allocation once
 /// every consumer released it (see the [module docs](self)).
 pub struct SharedAllocation<D: Device, B: IpcDriver> {
@@ -611,6 +735,41 @@ impl<D: Device, B: IpcDriver> SharedAllocation<D, B> {
     #[must_use]
     pub fn stream(&self) -> StreamId {
         self.sent().allocation.stream()
+    }
+
+    /// Whether `producer` adopted this allocation.
+    pub(crate) fn is_of(&self, producer: &IpcProducer<D, B>) -> bool {
+        Arc::ptr_eq(&self.producer, &producer.inner)
+    }
+
+    /// Where the allocation lies for sharing: its device, the memory handle and size of its base
+    /// allocation (segment), and its offset in it; `None` for a zero-byte allocation (no memory).
+    fn locate(&mut self) -> Result<Option<Located>> {
+        let sent = self
+            .sent
+            .as_ref()
+            .expect("a SharedAllocation holds its allocation until dropped");
+        let device = sent.allocator.device().index();
+        let ptr = sent.allocation.ptr();
+        if sent.allocation.size() == 0 {
+            return Ok(None);
+        }
+        check_shareable(device, ptr)?;
+        let (base, base_size) = match self.base {
+            Some(base) => base,
+            None => {
+                let base = sent.allocator.base_allocation(ptr)?;
+                self.base = Some(base);
+                base
+            }
+        };
+        let mem_handle = self.producer.mem_handle(device, base, base_size)?;
+        Ok(Some(Located {
+            base: base.0,
+            base_size: base_size as u64,
+            mem_handle,
+            offset: ptr.0 - base.0,
+        }))
     }
 
     /// Shares made whose consumers have not released them yet.
@@ -681,7 +840,7 @@ impl<D: Device, B: IpcDriver> SharedAllocation<D, B> {
         sent.slots.push(SentSlot {
             file,
             slot,
-            _event: event,
+            _event: event.map(Arc::new),
         });
         producer.counters.shares.fetch_add(1, Ordering::Relaxed);
         Ok(handle)

@@ -11,7 +11,7 @@
 //! Dropping a [`ReceivedMemory`] synchronizes the streams it was used on, then decrements its slot:
 //! from then on the producer may hand the memory out again.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::marker::PhantomData;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -20,6 +20,7 @@ use parking_lot::Mutex;
 use tensormem_cuda_alloc::{DeviceAddress, StreamId};
 use tensormem_shm::ShmName;
 
+use crate::batch::{BatchHandle, ReceivedBatch};
 use crate::cache::{Lease, LeaseCache};
 use crate::driver::{EventHandle, IpcDriver, MemHandle};
 use crate::error::{Error, Result};
@@ -64,6 +65,12 @@ pub struct ConsumerConfig {
     /// while it lives, so waiting on the kept event waits on the new record. Events of producers
     /// that do not say who they are (PyTorch's tuples) are opened and closed per share.
     pub idle_events: usize,
+    /// Segments opened for batches ([`IpcConsumer::open_batch`]) kept open after the batch is
+    /// dropped, most recently used first (default 4096): the next handoff of the same model opens
+    /// nothing. Like [`idle_mem_handles`](Self::idle_mem_handles), each keeps the producer's
+    /// allocation mapped here until it is evicted or [`IpcConsumer::trim`] is called; the producer's
+    /// ref counting is not affected (its memory is released with the batch's slot).
+    pub batch_segments: usize,
 }
 
 impl Default for ConsumerConfig {
@@ -72,17 +79,18 @@ impl Default for ConsumerConfig {
             idle_mem_handles: 0,
             idle_counter_files: 8,
             idle_events: 1024,
+            batch_segments: 4096,
         }
     }
 }
 
 /// A base allocation of another process, opened here.
 #[derive(Debug)]
-struct OpenedBase<B: IpcDriver> {
+pub(crate) struct OpenedBase<B: IpcDriver> {
     driver: Arc<B>,
     device: u32,
-    ptr: DeviceAddress,
-    size: usize,
+    pub(crate) ptr: DeviceAddress,
+    pub(crate) size: usize,
 }
 
 impl<B: IpcDriver> OpenedBase<B> {
@@ -134,27 +142,76 @@ impl<B: IpcDriver> Drop for OpenedBase<B> {
 /// Key of an opened event: producer id, device, handle.
 type EventKey = (u64, u32, EventHandle);
 
+/// A lease on an opened base allocation.
+type MemLease<B> = Lease<(u32, MemHandle), OpenedBase<B>>;
+
+/// Segments of batches kept open between messages: a lease each, with the tick of its last use.
+struct KeptSegments<B: IpcDriver> {
+    leases: HashMap<(u32, MemHandle), (MemLease<B>, u64)>,
+    tick: u64,
+    max: usize,
+}
+
 struct ConsumerInner<B: IpcDriver> {
     driver: Arc<B>,
     mems: Arc<LeaseCache<(u32, MemHandle), OpenedBase<B>>>,
     files: Arc<LeaseCache<ShmName, MappedCounterFile>>,
     events: Arc<LeaseCache<EventKey, B::ImportedEvent>>,
+    kept: Mutex<KeptSegments<B>>,
 }
 
 impl<B: IpcDriver> ConsumerInner<B> {
-    /// Makes `stream` wait for the producer's event, through the cache for known producers.
-    fn wait(&self, handle: &IpcHandle, event: &EventHandle, stream: StreamId) -> Result<()> {
-        let device = handle.device;
-        if handle.producer == 0 {
+    /// Makes `stream` wait for `producer`'s event, through the cache for known producers.
+    fn wait(
+        &self,
+        producer: u64,
+        device: u32,
+        event: &EventHandle,
+        stream: StreamId,
+    ) -> Result<()> {
+        if producer == 0 {
             let opened = self.driver.open_event_handle(device, event)?;
             return Ok(self.driver.wait_event(device, &opened, stream)?);
         }
-        let opened = self
-            .events
-            .acquire(&(handle.producer, device, *event), || {
-                Ok(self.driver.open_event_handle(device, event)?)
-            })?;
+        let opened = self.events.acquire(&(producer, device, *event), || {
+            Ok(self.driver.open_event_handle(device, event)?)
+        })?;
         Ok(self.driver.wait_event(device, opened.get(), stream)?)
+    }
+
+    /// Keeps a lease on each of `segments` (already open) for the next batches, evicting the least
+    /// recently used past the limit.
+    fn keep(&self, keys: impl Iterator<Item = (u32, MemHandle)>) {
+        let mut evicted = Vec::new();
+        {
+            let mut kept = self.kept.lock();
+            if kept.max == 0 {
+                return;
+            }
+            for key in keys {
+                kept.tick += 1;
+                let tick = kept.tick;
+                if let Some(entry) = kept.leases.get_mut(&key) {
+                    entry.1 = tick;
+                    continue;
+                }
+                // Open already (the batch holds it): this only adds a user.
+                if let Some(again) = self.mems.acquire_open(&key) {
+                    kept.leases.insert(key, (again, tick));
+                }
+            }
+            while kept.leases.len() > kept.max {
+                let oldest = kept
+                    .leases
+                    .iter()
+                    .min_by_key(|(_, (_, tick))| *tick)
+                    .map(|(k, _)| *k);
+                let Some(oldest) = oldest else { break };
+                evicted.extend(kept.leases.remove(&oldest));
+            }
+        }
+        // Closed (if nobody else uses them) outside the lock.
+        drop(evicted);
     }
 }
 
@@ -194,6 +251,11 @@ impl<B: IpcDriver> IpcConsumer<B> {
                 mems: LeaseCache::new(config.idle_mem_handles),
                 files: LeaseCache::new(config.idle_counter_files),
                 events: LeaseCache::new(config.idle_events),
+                kept: Mutex::new(KeptSegments {
+                    leases: HashMap::new(),
+                    tick: 0,
+                    max: config.batch_segments,
+                }),
             }),
         }
     }
@@ -209,8 +271,11 @@ impl<B: IpcDriver> IpcConsumer<B> {
         self.inner.mems.len()
     }
 
-    /// Closes the idle memory handles and events, and unmaps the idle ref-counter files.
+    /// Closes the idle memory handles and events (batch segments kept for the next batch too,
+    /// unless a batch still holds them), and unmaps the idle ref-counter files.
     pub fn trim(&self) {
+        let kept = std::mem::take(&mut self.inner.kept.lock().leases);
+        drop(kept);
         self.inner.mems.clear_idle();
         self.inner.files.clear_idle();
         self.inner.events.clear_idle();
@@ -265,7 +330,7 @@ impl<B: IpcDriver> IpcConsumer<B> {
             });
         }
         if let Some(event) = &handle.event {
-            if let Err(err) = inner.wait(handle, event, stream) {
+            if let Err(err) = inner.wait(handle.producer, device, event, stream) {
                 let _ = table.unclaim(file.get().mapping(), slot);
                 return Err(err);
             }
@@ -299,13 +364,27 @@ impl<B: IpcDriver> IpcConsumer<B> {
         let Some(name) = &handle.ref_counter else {
             return Ok(());
         };
-        let (file, slot) = self.held_slot(name, handle.slot)?;
+        self.release_slot(name, handle.slot)
+    }
+
+    /// Gives back the reference a batch carries without opening it, as [`release`](Self::release)
+    /// does for one handle: the batch's one slot is decremented, nothing is opened or waited on.
+    ///
+    /// # Errors
+    ///
+    /// As [`release`](Self::release).
+    pub fn release_batch(&self, batch: &BatchHandle) -> Result<()> {
+        self.release_slot(batch.ref_counter(), batch.slot())
+    }
+
+    fn release_slot(&self, name: &ShmName, handle_slot: u64) -> Result<()> {
+        let (file, slot) = self.held_slot(name, handle_slot)?;
         let (table, map) = (file.get().table(), file.get().mapping());
         // Claimed for the time of the decrement, so that an open of the same handle racing this
         // release fails instead of holding a reference that is gone.
         if let Err(pid) = table.claim(map, slot)? {
             return Err(Error::SlotClaimed {
-                slot: handle.slot,
+                slot: handle_slot,
                 name: name.to_string(),
                 pid,
             });
@@ -318,11 +397,91 @@ impl<B: IpcDriver> IpcConsumer<B> {
         match released {
             Ok(_) => Ok(()),
             Err(value) => Err(Error::SlotNotHeld {
-                slot: handle.slot,
+                slot: handle_slot,
                 name: name.to_string(),
                 value,
             }),
         }
+    }
+
+    /// Opens every view of a batch (see [`crate::batch`]): checks the device and the message's
+    /// slot, opens each segment once (through the process's cache: a segment open already, or
+    /// kept from an earlier batch, is not opened again) and checks the segment's declared size
+    /// against the real mapping, records this process as the slot's holder, makes `stream` wait for
+    /// the producer's event if there is one, and rebuilds the views.
+    ///
+    /// `stream` must be the default stream (0) or a live stream of the batch's device; it is
+    /// synchronized when the batch is dropped.
+    ///
+    /// # Errors
+    ///
+    /// As [`open`](Self::open): [`Error::InvalidDevice`], [`Error::RefCounterFile`],
+    /// [`Error::NotRefCounterFile`], [`Error::SlotOutOfRange`], [`Error::SlotNotHeld`],
+    /// [`Error::SlotClaimed`], [`Error::OutOfBounds`] (a segment larger than what its handle
+    /// opened), [`Error::Driver`]. Nothing is left claimed or changed then.
+    pub fn open_batch(&self, batch: &BatchHandle, stream: StreamId) -> Result<ReceivedBatch<B>> {
+        let inner = &self.inner;
+        let device = batch.device();
+        let count = inner.driver.device_count()?;
+        if device >= count {
+            return Err(Error::InvalidDevice {
+                device: i64::from(device),
+                count,
+            });
+        }
+        let (file, slot) = self.held_slot(batch.ref_counter(), batch.slot())?;
+        let mut segments = Vec::with_capacity(batch.segments().len());
+        for segment in batch.segments() {
+            let mem = inner.mems.acquire(&(device, segment.mem_handle), || {
+                OpenedBase::open(&inner.driver, device, &segment.mem_handle)
+            })?;
+            let real = mem.get().size as u64;
+            if segment.size > real {
+                return Err(Error::OutOfBounds {
+                    offset: 0,
+                    size: segment.size,
+                    base_size: real,
+                });
+            }
+            segments.push(mem);
+        }
+        let (table, map) = (file.get().table(), file.get().mapping());
+        if let Err(pid) = table.claim(map, slot)? {
+            return Err(Error::SlotClaimed {
+                slot: batch.slot(),
+                name: batch.ref_counter().to_string(),
+                pid,
+            });
+        }
+        if let Some(event) = batch.event() {
+            if let Err(err) = inner.wait(batch.producer(), device, event, stream) {
+                let _ = table.unclaim(map, slot);
+                return Err(err);
+            }
+        }
+        let views = batch
+            .views()
+            .iter()
+            .map(|view| {
+                let ptr = match view.segment {
+                    Some(s) => segments[s as usize].get().ptr.offset(view.offset as usize),
+                    None => DeviceAddress(0),
+                };
+                ReceivedBatch::<B>::make_view(view.name.clone(), ptr, view.len)
+            })
+            .collect();
+        inner.keep(batch.segments().iter().map(|s| (device, s.mem_handle)));
+        Ok(ReceivedBatch {
+            driver: Arc::clone(&inner.driver),
+            device,
+            stream,
+            more_streams: Vec::new(),
+            views,
+            by_name: batch.by_name().to_vec(),
+            slot,
+            file,
+            segments,
+        })
     }
 
     /// The mapped ref-counter file `name` (probed) and `slot` in it, checked to be in range and to
@@ -420,49 +579,52 @@ impl<B: IpcDriver> ReceivedMemory<B> {
     ///
     /// [`Error::BadView`] if the size is not a multiple of `T`'s or the address not aligned to it.
     pub fn view<T: DeviceElement>(&self) -> Result<DeviceView<'_, T>> {
-        let elem = std::mem::size_of::<T>();
-        let align = std::mem::align_of::<T>();
-        if !self.size.is_multiple_of(elem as u64) || !self.ptr.0.is_multiple_of(align as u64) {
-            return Err(Error::BadView {
-                bytes: self.size,
-                addr: self.ptr.0,
-                elem_size: elem,
-                align,
-            });
-        }
-        Ok(DeviceView {
-            ptr: self.ptr,
-            len: (self.size / elem as u64) as usize,
-            _memory: PhantomData,
-        })
+        DeviceView::new(self.ptr, self.size)
     }
 }
 
 impl<B: IpcDriver> Drop for ReceivedMemory<B> {
     fn drop(&mut self) {
-        for &stream in std::iter::once(&self.stream).chain(&self.more_streams) {
-            if let Err(err) = self.driver.synchronize_stream(self.device, stream) {
-                tracing::error!(target: "tensormem_ipc", %err, %stream, "synchronizing before releasing shared memory failed");
-            }
-        }
-        let file = self.file.get();
-        if let Err(err) = file.probe() {
-            // Another process truncated the file under the mapping: touching the counter would
-            // fault (SIGBUS), and the producer cannot read it any more either.
-            tracing::error!(target: "tensormem_ipc", %err, "releasing a ref-counter slot failed");
-            return;
-        }
-        match file.table().counter(file.mapping(), self.slot) {
-            Ok(counter) => {
-                counter.fetch_sub(1, Ordering::AcqRel);
-            }
-            Err(err) => {
-                tracing::error!(target: "tensormem_ipc", %err, "releasing a ref-counter slot failed")
-            }
-        }
-        let _ = file.table().unclaim(file.mapping(), self.slot);
+        release_held(
+            &*self.driver,
+            self.device,
+            std::iter::once(&self.stream).chain(&self.more_streams),
+            self.file.get(),
+            self.slot,
+        );
         // The leases (file mapping, opened memory handle) are released after this, in field order.
     }
+}
+
+/// What dropping received memory (one handle's or a batch's) does: synchronize the streams it was
+/// used on, then decrement its slot and clear the owner record.
+pub(crate) fn release_held<'s, B: IpcDriver>(
+    driver: &B,
+    device: u32,
+    streams: impl Iterator<Item = &'s StreamId>,
+    file: &MappedCounterFile,
+    slot: usize,
+) {
+    for &stream in streams {
+        if let Err(err) = driver.synchronize_stream(device, stream) {
+            tracing::error!(target: "tensormem_ipc", %err, %stream, "synchronizing before releasing shared memory failed");
+        }
+    }
+    if let Err(err) = file.probe() {
+        // Another process truncated the file under the mapping: touching the counter would
+        // fault (SIGBUS), and the producer cannot read it any more either.
+        tracing::error!(target: "tensormem_ipc", %err, "releasing a ref-counter slot failed");
+        return;
+    }
+    match file.table().counter(file.mapping(), slot) {
+        Ok(counter) => {
+            counter.fetch_sub(1, Ordering::AcqRel);
+        }
+        Err(err) => {
+            tracing::error!(target: "tensormem_ipc", %err, "releasing a ref-counter slot failed")
+        }
+    }
+    let _ = file.table().unclaim(file.mapping(), slot);
 }
 
 mod sealed {
@@ -489,6 +651,25 @@ pub struct DeviceView<'a, T: DeviceElement> {
 }
 
 impl<T: DeviceElement> DeviceView<'_, T> {
+    /// `bytes` at `ptr` as elements of `T`, checked to fit.
+    pub(crate) fn new(ptr: DeviceAddress, bytes: u64) -> Result<Self> {
+        let elem = std::mem::size_of::<T>();
+        let align = std::mem::align_of::<T>();
+        if !bytes.is_multiple_of(elem as u64) || !ptr.0.is_multiple_of(align as u64) {
+            return Err(Error::BadView {
+                bytes,
+                addr: ptr.0,
+                elem_size: elem,
+                align,
+            });
+        }
+        Ok(DeviceView {
+            ptr,
+            len: (bytes / elem as u64) as usize,
+            _memory: PhantomData,
+        })
+    }
+
     /// The device address of the first element.
     #[must_use]
     pub fn ptr(&self) -> DeviceAddress {
