@@ -341,13 +341,11 @@ impl<D: Device> Locked<'_, D> {
             // The block stays active until its uses complete; it is no longer allocated. (Without
             // other uses, `free_block_with` decreases these figures with the block's others.)
             let small = self.st.pools[pool as usize].small;
-            self.shard
-                .figures
-                .decrease_kinds(
-                    small,
-                    [(Kind::Allocation, 1), (Kind::AllocatedBytes, size)],
-                    &self.a.book,
-                );
+            self.shard.figures.decrease_kinds(
+                small,
+                [(Kind::Allocation, 1), (Kind::AllocatedBytes, size)],
+                &self.a.book,
+            );
             if !QUIET && self.a.capturing() {
                 // Events recorded during a capture may not be queried: record them after it.
                 let mut events = self.a.events.lock();

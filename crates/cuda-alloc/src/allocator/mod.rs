@@ -691,7 +691,9 @@ impl<D: Device> Locked<'_, D> {
     /// [`Figures::decrease_kind_covered`](crate::stats::peaks::Figures::decrease_kind_covered)).
     #[inline(always)]
     pub(crate) fn dec_covered(&self, kind: Kind, small: bool, amount: u64) {
-        self.shard.figures.decrease_kind_covered(kind, small, amount);
+        self.shard
+            .figures
+            .decrease_kind_covered(kind, small, amount);
     }
 
     /// Adds to a single figure (the oversize counts).

@@ -384,7 +384,12 @@ impl<D: Device> Locked<'_, D> {
     /// back. `COVERED`: the caller covers the look at the book's list of loose shards (the express
     /// lane, see [`Locked::dec_covered`]).
     #[inline(always)]
-    pub(super) fn parked_split_taken<const COVERED: bool>(&self, small: bool, size: u64, whole: bool) {
+    pub(super) fn parked_split_taken<const COVERED: bool>(
+        &self,
+        small: bool,
+        size: u64,
+        whole: bool,
+    ) {
         if COVERED {
             self.dec_covered(Kind::InactiveSplitBytes, small, size);
             if whole {

@@ -14,18 +14,27 @@
 //!
 //! So while every shard stays under its limit the sum cannot exceed the recorded peak, and an increase
 //! that stays under the limit needs no device-wide work at all. An increase that passes its shard's
-//! limit takes the book's lock ([`PeakBook`]), sums the figure over all shards exactly, raises the
-//! peak if the sum is higher, and sets limits again: the passing shard takes what the other shards'
-//! limits leave of the peak if that covers its value (shards taking turns settle this way), else the
-//! headroom (`peak - sum`) is shared out equally on top of every shard's current value. Peaks are therefore exact for a caller on one thread,
-//! whatever streams it uses (the decisions and figures a PyTorch trace replay checks).
+//! limit takes the book's lock ([`PeakBook`]). The book keeps the sum of all limits, so the other
+//! shards' limits are known at once: if the passing shard's value fits under the peak with them,
+//! there is no new peak and the shard takes what they leave (shards taking turns settle this way).
+//! Otherwise the book needs the exact sum, and it reads only the *loose* shards: those that may be
+//! below a limit. Every other shard is *tight* (each value equal to its limit), so its limits are its
+//! values; a shard becomes loose when it decreases a figure or is handed a limit above its value, and
+//! tight again when the book reads it and sets its limits to its values. The sum is then exact, the
+//! peak is raised if it is higher, and the passing shard takes the rest. A new peak therefore costs
+//! the shards that changed since the book last read them, not every shard of the device. Peaks are
+//! exact for a caller on one thread, whatever streams it uses (the decisions and figures a PyTorch
+//! trace replay checks).
 //!
-//! With several threads an increase may race with a redistribution: a shard may compare against its old,
-//! larger limit while the book lowers it. Limits are still handed out from the values the book summed
+//! With several threads an increase may race with the book: a shard may compare against its old,
+//! larger limit while the book lowers it. Limits are still set from the values the book read once
 //! (never from values read again), so they always add up to exactly the recorded peak; only such racing
 //! rises (each shard's rise over the value the book summed for it, until its next increase passes its
 //! new limit) can take the sum past the recorded peak unseen, and the peak is caught up with the
-//! current sum whenever statistics are read. Cumulative totals (`allocated`, `freed`) are
+//! current sum whenever statistics are read. Likewise a decrease that races with the book making its
+//! shard tight may find the shard still marked loose and stay unseen until the shard's next decrease
+//! or passed limit: until then the book counts that shard at the value it read, which the shard did
+//! reach. Cumulative totals (`allocated`, `freed`) are
 //! plain per-shard counters, summed on read. Only the small- and large-pool figures are stored; an
 //! `all` figure is their sum, with a limit of its own.
 //!
