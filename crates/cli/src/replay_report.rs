@@ -370,6 +370,16 @@ fn details(out: &mut impl Write, header: &Header<'_>, run: &ReplayRun) -> io::Re
                     m.key, m.replayed, m.recorded
                 )?;
             }
+            for m in &stats.undetermined {
+                writeln!(
+                    out,
+                    "  assumption: device {device}: {}: replay {}, PyTorch {} (not a mismatch: {})",
+                    m.key,
+                    m.replayed,
+                    m.recorded,
+                    tensormem_replay::StatsCheck::undetermined_reason(&m.key).unwrap_or("")
+                )?;
+            }
         }
     }
     for device in &run.devices {

@@ -97,7 +97,7 @@ mod pools;
 mod run;
 mod timeline;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 pub use capacity::CapacityInference;
 pub use check::{
@@ -114,7 +114,7 @@ use plan::{DevicePlan, PlanError};
 use pools::{PoolOf, PoolRun};
 use tensormem_cuda_alloc::config::{AllocatorConfig, ConfigError};
 use tensormem_cuda_alloc::snapshot::{Snapshot, SnapshotError};
-use tensormem_cuda_alloc::InvariantViolation;
+use tensormem_cuda_alloc::{InvariantViolation, MempoolId};
 
 /// The simulated device's memory when neither the caller nor the trace says how much the real one
 /// had: 1 TiB, so that nothing runs out.
@@ -483,20 +483,42 @@ impl Replay {
 }
 
 /// Infers the pool of every recorded segment of `plan` by replaying it under the recorded
-/// configuration, flipping assumptions the record contradicts (see [`pools`]).
+/// configuration, flipping assumptions the record contradicts (see [`pools`]). Segments one run of
+/// releases frees, all of private pools, were released by one `empty_cache` of one pool: when the
+/// inference gave them several pools, it is tried again with those pools made one, and the merged
+/// answer is kept if the record agrees with it as well.
 fn infer_pools(
     plan: &DevicePlan,
     recorded: &AllocatorConfig,
     capacity: &CapacityInference,
 ) -> ReplayResult<(Vec<Option<PoolOf>>, PoolAttribution)> {
+    let first = infer_pools_with(plan, recorded, capacity, HashMap::new())?;
+    let merges = pools::merged_release_pools(plan, &first.0);
+    if merges.is_empty() || first.1.gave_up {
+        return Ok((first.0, first.1));
+    }
+    let merged = infer_pools_with(plan, recorded, capacity, merges)?;
+    if merged.1.gave_up || merged.2 > first.2 {
+        return Ok((first.0, first.1));
+    }
+    Ok((merged.0, merged.1))
+}
+
+/// One inference from `forced` on; also the address mismatches of its last pass.
+fn infer_pools_with(
+    plan: &DevicePlan,
+    recorded: &AllocatorConfig,
+    capacity: &CapacityInference,
+    mut forced: HashMap<u32, MempoolId>,
+) -> ReplayResult<(Vec<Option<PoolOf>>, PoolAttribution, u64)> {
     let mut options = RunOptions::new(recorded.clone());
     options.timeline_points = 1;
+    options.check = true;
     let default = capacity.capacity.unwrap_or(DEFAULT_CAPACITY);
-    let mut forced = std::collections::HashMap::new();
     let mut flips = 0;
     loop {
         let mut pass = PoolRun::inferring(plan, forced.clone());
-        run::run_device(plan, &options, default, 0, None, &mut pass)?;
+        let run = run::run_device(plan, &options, default, 0, None, &mut pass)?;
         let stop = match pass.contradiction {
             Some((instance, pool)) if flips < pools::MAX_FLIPS => {
                 flips += 1;
@@ -515,6 +537,9 @@ fn infer_pools(
                     "pool inference gave up: the record contradicts every assignment tried"
                 );
             }
+            let mismatches = run
+                .check
+                .map_or(0, |c| c.address_mismatches + c.reserved_mismatches);
             return Ok((
                 pass.of,
                 PoolAttribution {
@@ -523,6 +548,7 @@ fn infer_pools(
                     flips,
                     gave_up,
                 },
+                mismatches,
             ));
         }
     }

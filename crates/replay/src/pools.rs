@@ -186,6 +186,48 @@ impl PoolAttribution {
     }
 }
 
+/// Pools inferred for the segments of one run of releases that frees only private segments get
+/// `(MERGED_POOL_BASE + run, 0)` when merged.
+const MERGED_POOL_BASE: u64 = UNNAMED_POOL_BASE + (2 << 40);
+
+/// The pools to impose so that the unnamed pools of every run of releases freeing only private
+/// segments are one.
+///
+/// PyTorch releases a private pool's segments only in `empty_cache` (of every pool, or of one:
+/// `MemPool`'s destruction), once per pool, and each such release synchronizes once. The inference
+/// gives a segment that no other pool could have made a pool of its own (always consistent with
+/// the addresses, so nothing else tells), which splits one real pool into several: the unnamed
+/// pools of one run are most likely one (`MemPool`s destroyed together are usually told apart by
+/// their addresses, which the caller checks). Every segment of those pools gets one new pool;
+/// pools the final segments name stay as they are. Empty when no run needs it.
+pub(crate) fn merged_release_pools(
+    plan: &DevicePlan,
+    of: &[Option<PoolOf>],
+) -> HashMap<u32, MempoolId> {
+    let mut forced = HashMap::new();
+    let pool_of = |id: u32| of.get(id as usize).copied().flatten().map(|p| p.pool);
+    for (run, set) in plan.release_sets.iter().enumerate() {
+        let pools: Option<Vec<MempoolId>> = set.iter().map(|&id| pool_of(id)).collect();
+        let Some(mut pools) = pools else { continue };
+        if pools.iter().any(|p| p.is_default()) {
+            continue;
+        }
+        pools.retain(|p| p.0 >= UNNAMED_POOL_BASE);
+        pools.sort_unstable();
+        pools.dedup();
+        if pools.len() < 2 {
+            continue;
+        }
+        let target = MempoolId(MERGED_POOL_BASE + run as u64, 0);
+        for (id, p) in of.iter().enumerate() {
+            if p.is_some_and(|p| pools.contains(&p.pool)) {
+                forced.entry(id as u32).or_insert(target);
+            }
+        }
+    }
+    forced
+}
+
 /// The pools of one run: fixed by an earlier inference, or inferred while replaying.
 #[derive(Debug, Default)]
 pub(crate) struct PoolRun {
