@@ -12,7 +12,7 @@ use common::{hex, unhex};
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::{CachingAllocator, StreamId};
 use tensormem_ipc::driver::fake::FakeDriver;
-use tensormem_ipc::{IpcConsumer, IpcHandle, IpcProducer};
+use tensormem_ipc::{BatchHandle, IpcConsumer, IpcHandle, IpcProducer};
 
 const ROLE: &str = "TENSORMEM_IPC_TEST_ROLE";
 const HANDLE: &str = "TENSORMEM_IPC_TEST_HANDLE";
@@ -190,4 +190,110 @@ fn a_producer_killed_while_shared_leaves_nothing_behind() {
         "the consumer removed the dead producer's file"
     );
     assert_eq!(driver.open_mappings(), 0);
+}
+
+/// A model of allocations of odd sizes in several segments, shared as one batch.
+fn share_model_batch(
+    allocator: &Arc<CachingAllocator<SimDevice>>,
+    producer: &IpcProducer<SimDevice, FakeDriver>,
+) -> (
+    Vec<tensormem_ipc::SharedAllocation<SimDevice, FakeDriver>>,
+    BatchHandle,
+) {
+    let mut model: Vec<_> = [1000, 3 << 20, 7, 25 << 20, 1 << 20]
+        .into_iter()
+        .map(|size| producer.adopt(allocator, allocator.allocate(size, S).unwrap()))
+        .collect();
+    let mut batch = producer.batch();
+    for (i, allocation) in model.iter_mut().enumerate() {
+        batch.whole(allocation, format!("layer{i}.weight")).unwrap();
+    }
+    let handle = batch.share(S).unwrap();
+    (model, handle)
+}
+
+fn spawn_batch(test: &str, role: &str, batch: &BatchHandle) -> (Peer, BufReader<ChildStdout>) {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(ROLE, role)
+        .env(HANDLE, hex(&batch.encode()))
+        .stdout(Stdio::piped());
+    let mut child = cmd.spawn().unwrap();
+    let stdout = BufReader::new(child.stdout.take().unwrap());
+    (Peer(child), stdout)
+}
+
+fn received_batch() -> BatchHandle {
+    BatchHandle::decode(&unhex(&std::env::var(HANDLE).unwrap())).unwrap()
+}
+
+#[test]
+fn a_consumer_process_releases_a_batch() {
+    if std::env::var(ROLE).is_ok() {
+        let consumer = IpcConsumer::new(Arc::new(FakeDriver::default()));
+        let received = consumer.open_batch(&received_batch(), S).unwrap();
+        println!("@@opened {}", received.len());
+        drop(received);
+        println!("@@released");
+        return;
+    }
+    let (allocator, producer) = setup();
+    let (model, handle) = share_model_batch(&allocator, &producer);
+    let (mut child, mut out) =
+        spawn_batch("a_consumer_process_releases_a_batch", "consumer", &handle);
+    assert_eq!(expect(&mut out, "opened"), "5");
+    expect(&mut out, "released");
+    assert!(child.wait().unwrap().success());
+    drop(model);
+    assert_eq!(
+        producer.stats().limbo,
+        0,
+        "released before the producer freed"
+    );
+    assert_eq!(allocator.memory_stats().active_bytes.all.current, 0);
+    producer.collect();
+    assert!(!handle.ref_counter().path().exists());
+}
+
+#[test]
+fn a_consumer_killed_holding_a_batch_does_not_pin_it() {
+    if std::env::var(ROLE).is_ok() {
+        let consumer = IpcConsumer::new(Arc::new(FakeDriver::default()));
+        let received = consumer.open_batch(&received_batch(), S).unwrap();
+        println!("@@opened {}", received.len());
+        std::thread::sleep(std::time::Duration::from_secs(600));
+        return;
+    }
+    let (allocator, producer) = setup();
+    let (model, handle) = share_model_batch(&allocator, &producer);
+    let (mut child, mut out) = spawn_batch(
+        "a_consumer_killed_holding_a_batch_does_not_pin_it",
+        "consumer",
+        &handle,
+    );
+    expect(&mut out, "opened");
+    drop(model);
+    assert_eq!(
+        producer.stats().limbo,
+        5,
+        "every allocation of the batch held"
+    );
+    assert!(
+        !producer.collect(),
+        "a live consumer's batch is not reclaimed"
+    );
+    assert!(allocator.memory_stats().active_bytes.all.current > 0);
+    kill9(&mut child);
+    assert!(producer.collect(), "the dead consumer's slot is reclaimed");
+    let stats = producer.stats();
+    assert_eq!(
+        (stats.limbo, stats.slots_reclaimed, stats.events_in_use),
+        (0, 1, 0),
+        "one slot for the whole batch"
+    );
+    assert_eq!(allocator.memory_stats().active_bytes.all.current, 0);
+    assert!(
+        !handle.ref_counter().path().exists(),
+        "nothing left in /dev/shm"
+    );
 }
