@@ -1,6 +1,7 @@
 //! `cargo xtask test-gpu --bundle DIR`: the GPU test executables, the GPU examples, the
-//! benchmark binaries (`alloc_patterns`, `shm_bench`, `shm_pool_bench`, `shm_loader_bench`,
-//! `storage_pool_bench`) and a `run.sh`, built here for a GPU host that has no Rust toolchain.
+//! benchmark binaries (`alloc_patterns`, `ipc_roundtrip`, `handoff_bench`, `shm_bench`,
+//! `shm_pool_bench`, `shm_loader_bench`, `storage_pool_bench`), the PyTorch anchors they are
+//! compared with (`anchors/`) and a `run.sh`, built here for a GPU host that has no Rust toolchain.
 //!
 //! The executables are built in release without debug info and stripped (through `CARGO_PROFILE_*`
 //! variables, so the workspace's profiles stay as they are), found through cargo's JSON messages, and
@@ -24,12 +25,20 @@ const BENCH_BINS: &[(&str, &str)] = &[
     ("tensormem-benches", "alloc_patterns"),
     ("tensormem-benches", "host_probe"),
     ("tensormem-benches", "ipc_roundtrip"),
+    ("tensormem-benches", "handoff_bench"),
     ("tensormem-benches", "pinned_patterns"),
     ("tensormem-benches", "shm_bench"),
     ("tensormem-benches", "shm_pool_bench"),
     ("tensormem-benches", "shm_loader_bench"),
     ("tensormem-benches", "storage_pool_bench"),
 ];
+
+/// PyTorch anchors copied into `DIR/anchors/` (from `../shared/anchors` beside the workspace), so
+/// that a benchmark and its anchor run from the bundle in one call.
+const ANCHOR_SCRIPTS: &[&str] = &["torch_handoff_bench.py"];
+
+/// Where the anchors live, relative to the workspace root.
+const ANCHORS_DIR: &str = "../shared/anchors";
 
 /// PyTorch's pluggable allocator library: (package, library target name, file name), copied into
 /// `DIR/torch/` with the crate's Python scripts.
@@ -98,6 +107,7 @@ pub(crate) fn build(dir: &Path) -> Result<()> {
         files.push(dest);
     }
 
+    files.extend(copy_anchors(dir)?);
     files.push(bundle_torch_plugin(dir)?);
 
     let run_sh = dir.join("run.sh");
@@ -156,6 +166,31 @@ fn bundle_torch_plugin(dir: &Path) -> Result<PathBuf> {
     copy_scripts(&root.join(TORCH_PYTHON_DIR), &torch_dir)?;
     build_wheel(&root.join(TORCH_PLUGIN_DIR), &dest, &torch_dir)?;
     Ok(dest)
+}
+
+/// Copies the [`ANCHOR_SCRIPTS`] into `DIR/anchors/`; returns the copies. An anchor missing here
+/// (a checkout without `../shared`) is left out with a note.
+fn copy_anchors(dir: &Path) -> Result<Vec<PathBuf>> {
+    let from = crate::gpu_tests::workspace_root().join(ANCHORS_DIR);
+    let to = dir.join("anchors");
+    fs::create_dir_all(&to).with_context(|| format!("could not create {}", to.display()))?;
+    let mut copied = Vec::new();
+    for script in ANCHOR_SCRIPTS {
+        let source = from.join(script);
+        if !source.is_file() {
+            eprintln!(
+                "xtask: {} not found: the bundle carries no copy of that anchor",
+                source.display()
+            );
+            continue;
+        }
+        let dest = to.join(script);
+        fs::copy(&source, &dest).with_context(|| {
+            format!("could not copy {} to {}", source.display(), dest.display())
+        })?;
+        copied.push(dest);
+    }
+    Ok(copied)
 }
 
 /// Copies the scripts (`.py` files) of `from` into `to`; the package itself travels as a wheel.
@@ -320,6 +355,10 @@ fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
          python3 ../shared/anchors/torch_pinned_bench.py\n\n\
          The CUDA IPC round trip against PyTorch's (same call, same machine):\n\n    \
          gpu-bundle/ipc_roundtrip; python3 ../shared/anchors/torch_sharing_bench.py\n\n\
+         A whole model handed to another process as one batch against PyTorch's state dict on a\n\
+         torch.multiprocessing Queue (GPT-2-small and 7B layouts; --quick for GPT-2 only, 3 rounds;\n\
+         the anchor is copied into anchors/):\n\n    \
+         gpu-bundle/handoff_bench; python3 gpu-bundle/anchors/torch_handoff_bench.py both 20\n\n\
          The sharing benchmarks, each beside its PyTorch anchor in the same call:\n\n    \
          gpu-bundle/shm_pool_bench --same-cpu; python3 ../shared/anchors/torch_sharing_bench.py\n    \
          gpu-bundle/shm_loader_bench 67108864 200 4; python3 ../shared/anchors/torch_loader_bench.py 67108864 200 4\n    \
