@@ -39,7 +39,7 @@ fn ptrs(allocations: &[Allocation]) -> HashSet<DeviceAddress> {
 
 #[test]
 fn a_restored_pool_has_the_checkpointed_blocks_live() {
-    for config in ["", "expandable_segments:True", "max_split_size_mb:20"] {
+    for config in ["", "max_split_size_mb:20"] {
         let alloc = allocator(config);
         // The capture: three small blocks in one 2 MiB segment, a large split block, one freed.
         let mut first = captured(&alloc, &[100_000, 200_000, 300_000, 6 * MIB, 3 * MIB]);
@@ -167,5 +167,21 @@ fn checkpoints_are_refused_with_typed_errors_and_change_nothing() {
     ));
     for a in other_made {
         other.free(a).unwrap();
+    }
+}
+
+/// Private pools grow expandable segments under `expandable_segments:True`, as in PyTorch; their
+/// checkpoints are refused.
+#[test]
+fn pools_with_expandable_segments_are_not_checkpointed() {
+    let alloc = allocator("expandable_segments:True");
+    let made = captured(&alloc, &[100_000, 6 * MIB]);
+    assert!(alloc.snapshot().segments.iter().all(|s| s.is_expandable));
+    assert!(matches!(
+        alloc.get_checkpoint_state(POOL),
+        Err(Error::Checkpoint { .. })
+    ));
+    for a in made {
+        alloc.free(a).unwrap();
     }
 }

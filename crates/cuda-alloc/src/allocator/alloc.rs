@@ -536,9 +536,10 @@ impl<D: Device> Locked<'_, D> {
         let limited = counters.set_fraction.load(Relaxed);
         let allowed = counters.allowed.load(Relaxed);
         let private = self.st.pools[pool as usize].private_id();
-        // Like PyTorch, private pools (CUDA graphs) take whole device allocations: checkpoints of a
-        // pool describe segments as blocks of one allocation.
-        if self.a.settings.expandable_segments() && private.is_none() {
+        // Private pools (CUDA graphs, `MemPool`) grow expandable segments of their own too, as in
+        // PyTorch 2.11 (each successful call counts as one device allocation of the pool, each
+        // unmap as one release); checkpoints refuse pools that have them.
+        if self.a.settings.expandable_segments() {
             if limited && counters.reserved.load(Relaxed) + alloc_size as u64 > allowed {
                 return Ok(None);
             }

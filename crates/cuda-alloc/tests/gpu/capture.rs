@@ -104,7 +104,7 @@ fn capture_needing_a_new_segment(config: &str, size: usize, private: bool) {
         check("cuGraphDestroy", sys::cuGraphDestroy(graph));
     }
 
-    let expandable = alloc.config().expandable_segments && !private;
+    let expandable = alloc.config().expandable_segments;
     let mapped = alloc
         .snapshot()
         .segments
