@@ -28,7 +28,10 @@ use tensormem_cuda_alloc::backend::cuda::{BackendStream, CudaBackend};
 use tensormem_cuda_alloc::{CachingAllocator, DeviceAddress};
 use tensormem_ipc::driver::cuda::CudaIpcDriver;
 pub use tensormem_ipc::ipc_collect;
-use tensormem_ipc::{IpcConsumer, IpcHandle, IpcProducer, ReceivedMemory, SharedAllocation};
+use tensormem_ipc::{
+    BatchHandle, IpcConsumer, IpcHandle, IpcProducer, ReceivedBatch, ReceivedMemory,
+    SharedAllocation,
+};
 
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -141,6 +144,12 @@ enum CudaMemory {
     Allocated(SharedAllocation<CudaBackend, CudaIpcDriver>),
     /// Opened from another process's handle; dropping it releases the producer's counter.
     Received(ReceivedMemory<CudaIpcDriver>),
+    /// View `index` of a batch opened from another process; the batch's one counter is released
+    /// when the last storage of the batch goes.
+    ReceivedView {
+        batch: Arc<ReceivedBatch<CudaIpcDriver>>,
+        index: usize,
+    },
 }
 
 /// Owner of a CUDA storage's bytes.
@@ -157,7 +166,10 @@ impl fmt::Debug for CudaOwner {
             .field("device", &self.ctx.device)
             .field("ptr", &self.ptr())
             .field("nbytes", &self.nbytes)
-            .field("received", &matches!(self.memory, CudaMemory::Received(_)))
+            .field(
+                "received",
+                &!matches!(self.memory, CudaMemory::Allocated(_)),
+            )
             .finish()
     }
 }
@@ -167,13 +179,14 @@ impl CudaOwner {
         match &self.memory {
             CudaMemory::Allocated(shared) => shared.ptr(),
             CudaMemory::Received(received) => received.ptr(),
+            CudaMemory::ReceivedView { batch, index } => batch.views()[*index].ptr(),
         }
     }
 
     pub(crate) fn kind(&self) -> StorageKind {
         match self.memory {
             CudaMemory::Allocated(_) => StorageKind::Cuda,
-            CudaMemory::Received(_) => StorageKind::CudaReceived,
+            CudaMemory::Received(_) | CudaMemory::ReceivedView { .. } => StorageKind::CudaReceived,
         }
     }
 
@@ -265,7 +278,9 @@ impl Storage {
                 let stream = cuda.ctx.stream.id();
                 match &mut cuda.memory {
                     CudaMemory::Allocated(shared) => cuda!("share_cuda", shared.share(stream)),
-                    CudaMemory::Received(_) => Err(Error::ReceivedCuda),
+                    CudaMemory::Received(_) | CudaMemory::ReceivedView { .. } => {
+                        Err(Error::ReceivedCuda)
+                    }
                 }
             }
             _ => Err(Error::WrongDevice {
@@ -318,6 +333,197 @@ impl Storage {
             }),
         ))
     }
+}
+
+/// One tensor of a batch: `len` bytes at `offset` of a CUDA storage, under a name (a state dict's
+/// key). See [`share_cuda_batch`].
+#[derive(Debug, Clone, Copy)]
+pub struct BatchEntry<'a> {
+    /// The name the consumer finds it by; distinct within a batch.
+    pub name: &'a str,
+    /// The storage it lies in (several entries may name one storage).
+    pub storage: &'a Storage,
+    /// Where it starts in the storage.
+    pub offset: usize,
+    /// Its length in bytes.
+    pub len: usize,
+}
+
+impl<'a> BatchEntry<'a> {
+    /// The whole of `storage`, named `name`.
+    pub fn whole(name: &'a str, storage: &'a Storage) -> Self {
+        Self {
+            name,
+            storage,
+            offset: 0,
+            len: storage.nbytes(),
+        }
+    }
+}
+
+/// Shares many CUDA storages (or ranges of them) with another process as one message
+/// (`tensormem_ipc::batch`): one ref-counter slot for the whole message, one memory handle per
+/// segment of the allocator, at most one event. [`new_shared_cuda_batch`] opens it. PyTorch peers
+/// do not read batches: share with them storage by storage ([`Storage::share_cuda`]).
+///
+/// The event, when one is needed, is recorded on the stream of the first entry's context; the
+/// streams of other contexts among the entries are synchronized first. Every storage stays
+/// allocated until the consumer dropped every storage it rebuilt from the batch (or died).
+///
+/// ```no_run
+/// use tensormem_storage::{new_shared_cuda_batch, share_cuda_batch, BatchEntry, CudaContext, Storage};
+///
+/// let ctx = CudaContext::new(0)?;
+/// let weight = Storage::new_cuda(&ctx, 4096 * 4096 * 2)?;
+/// let bias = Storage::new_cuda(&ctx, 4096 * 2)?;
+/// let batch = share_cuda_batch(&[
+///     BatchEntry::whole("layer.weight", &weight),
+///     BatchEntry::whole("layer.bias", &bias),
+/// ])?;
+/// let bytes = batch.encode(); // to the other process
+///
+/// // In the consumer process:
+/// let state: Vec<(String, Storage)> =
+///     new_shared_cuda_batch(&ctx, &tensormem_storage::BatchHandle::decode(&bytes).unwrap())?;
+/// # Ok::<(), tensormem_storage::Error>(())
+/// ```
+///
+/// # Errors
+///
+/// [`Error::WrongDevice`] for host storages; [`Error::ReceivedCuda`] for storages this process
+/// received; [`Error::Cuda`] from the IPC layer: no entries, storages of several devices, a range
+/// past its storage, duplicate names, overlapping ranges (other than exact aliases), driver
+/// failures. Nothing is shared then.
+pub fn share_cuda_batch(entries: &[BatchEntry<'_>]) -> Result<BatchHandle> {
+    let Some(first) = entries.first() else {
+        return Err(Error::Cuda {
+            op: "share_cuda_batch",
+            message: "no entries; a batch holds at least one storage".into(),
+        });
+    };
+    // The event goes on the first entry's context's stream (a CUDA storage keeps its context).
+    let ctx = match &*first.storage.owner() {
+        Owner::Cuda(cuda) => Arc::clone(&cuda.ctx),
+        other => {
+            return Err(Error::WrongDevice {
+                op: "share_cuda_batch",
+                expected: "CUDA",
+                actual: other.device(),
+            })
+        }
+    };
+    // Each storage once, locked in address order (no deadlock with another batch of the same
+    // storages in another order).
+    let mut storages: Vec<&Storage> = entries.iter().map(|e| e.storage).collect();
+    storages.sort_by_key(|s| s.lock_order());
+    storages.dedup_by_key(|s| s.lock_order());
+    let mut guards: Vec<_> = storages.iter().map(|s| s.owner_mut()).collect();
+    let mut contexts: Vec<Arc<CudaContext>> = Vec::new();
+    let mut allocations = Vec::with_capacity(guards.len());
+    for guard in guards.iter_mut() {
+        let device = guard.device();
+        match &mut **guard {
+            Owner::Cuda(cuda) => {
+                if !contexts.iter().any(|c| Arc::ptr_eq(c, &cuda.ctx)) {
+                    contexts.push(Arc::clone(&cuda.ctx));
+                }
+                match &mut cuda.memory {
+                    CudaMemory::Allocated(shared) => allocations.push(shared),
+                    _ => return Err(Error::ReceivedCuda),
+                }
+            }
+            _ => {
+                return Err(Error::WrongDevice {
+                    op: "share_cuda_batch",
+                    expected: "CUDA",
+                    actual: device,
+                })
+            }
+        }
+    }
+    for other in &contexts {
+        if !Arc::ptr_eq(other, &ctx) {
+            other.synchronize()?;
+        }
+    }
+    let mut batch = ctx.producer.batch();
+    let mut index = Vec::with_capacity(allocations.len());
+    for shared in allocations {
+        index.push(cuda!("share_cuda_batch", batch.allocation(shared))?);
+    }
+    for entry in entries {
+        let at = storages
+            .binary_search_by_key(&entry.storage.lock_order(), |s| s.lock_order())
+            .expect("every entry's storage is among the storages");
+        cuda!(
+            "share_cuda_batch",
+            batch.view(index[at], entry.name, entry.offset as u64, entry.len as u64)
+        )?;
+    }
+    cuda!("share_cuda_batch", batch.share(ctx.stream.id()))
+}
+
+/// Opens a batch another process shared with [`share_cuda_batch`], on `ctx`'s stream (which waits
+/// for the producer's event): one storage per view, in the producer's order, with its name. Every
+/// field of the batch was checked when it was decoded, and each segment's size is checked against
+/// the real mapping; segments are opened once per process and kept open for the next batch (a
+/// warm handoff opens nothing). The storages are received ones (they cannot be shared on); the
+/// batch's one reference goes back to the producer when the last of them is dropped.
+///
+/// # Errors
+///
+/// [`Error::WrongDevice`] when `ctx` is for another device than the batch's; [`Error::Cuda`] from
+/// the IPC layer (the producer ended, the batch was released or opened already, a segment larger
+/// than its mapping).
+pub fn new_shared_cuda_batch(
+    ctx: &Arc<CudaContext>,
+    batch: &BatchHandle,
+) -> Result<Vec<(String, Storage)>> {
+    if batch.device() != ctx.device {
+        return Err(Error::WrongDevice {
+            op: "new_shared_cuda_batch (the context's device must be the batch's)",
+            expected: "CUDA",
+            actual: Device::Cuda(ctx.device),
+        });
+    }
+    let received = Arc::new(cuda!(
+        "new_shared_cuda_batch",
+        ctx.consumer.open_batch(batch, ctx.stream.id())
+    )?);
+    let mut out = Vec::with_capacity(received.len());
+    for (index, view) in received.views().iter().enumerate() {
+        let nbytes = usize::try_from(view.len()).map_err(|_| Error::InvalidSize {
+            op: "new_shared_cuda_batch",
+            size: view.len(),
+            problem: "larger than the address space",
+        })?;
+        let storage = Storage::with_owner(
+            nbytes,
+            Owner::Cuda(CudaOwner {
+                ctx: Arc::clone(ctx),
+                memory: CudaMemory::ReceivedView {
+                    batch: Arc::clone(&received),
+                    index,
+                },
+                nbytes,
+            }),
+        );
+        out.push((view.name().to_owned(), storage));
+    }
+    Ok(out)
+}
+
+/// Gives back the reference a batch carries without opening it (as [`release_ipc_counter`] for one
+/// handle): only the batch's slot is decremented.
+///
+/// # Errors
+///
+/// As [`release_ipc_counter`].
+pub fn release_ipc_counter_batch(ctx: &Arc<CudaContext>, batch: &BatchHandle) -> Result<()> {
+    cuda!(
+        "release_ipc_counter_batch",
+        ctx.consumer.release_batch(batch)
+    )
 }
 
 /// Releases the reference a CUDA handle carries without keeping its memory (PyTorch:

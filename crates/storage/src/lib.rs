@@ -95,6 +95,7 @@
 //! | `_share_cuda_()` → 8-tuple | `Storage::share_cuda` → `IpcHandle` (`to_torch()` gives the tuple) |
 //! | `_new_shared_cuda(*tuple)` | `Storage::new_shared_cuda` |
 //! | `_release_ipc_counter_cuda(ref_counter, offset)` | `release_ipc_counter` |
+//! | a `state_dict()` of CUDA tensors on a `torch.multiprocessing` Queue (one handle per tensor) | `share_cuda_batch` → `BatchHandle` → `new_shared_cuda_batch`: the whole state dict in one message, one reference, one memory handle per segment (feature `cuda`) |
 //!
 //! # Pooled regions: when they are reused
 //!
@@ -167,7 +168,10 @@ pub use tensormem_shm::ShmName;
 
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
-pub use cuda::{ipc_collect, release_ipc_counter, CudaContext};
+pub use cuda::{
+    ipc_collect, new_shared_cuda_batch, release_ipc_counter, release_ipc_counter_batch,
+    share_cuda_batch, BatchEntry, CudaContext,
+};
 #[cfg(feature = "cuda")]
 #[doc(no_inline)]
-pub use tensormem_ipc::{IpcHandle, TorchShareTuple};
+pub use tensormem_ipc::{BatchHandle, IpcHandle, TorchShareTuple};
