@@ -227,12 +227,76 @@ impl Default for AllocatorConfig {
     }
 }
 
+/// What follows PyTorch's message for an unknown key: a did-you-mean and the grammar.
+fn unknown_key_hint(key: &str) -> String {
+    let grammar = "options are written key:value, separated by commas";
+    if let Some((name, value)) = key.split_once('=') {
+        let name = if KNOWN_KEYS.contains(&name) {
+            Some(name)
+        } else {
+            closest_key(name)
+        };
+        return match name {
+            Some(name) => format!(" Did you mean '{name}:{value}'? {grammar} (not key=value)."),
+            None => format!(" The {grammar} (not key=value)."),
+        };
+    }
+    match closest_key(key) {
+        Some(known) => format!(" Did you mean '{known}'? The {grammar}."),
+        None => format!(" The {grammar}; the keys are {}.", KNOWN_KEYS.join(", ")),
+    }
+}
+
+/// The known key closest to `key`: the same but for case, one `key` starts, or one within a third
+/// of its length in edits (at least 2).
+fn closest_key(key: &str) -> Option<&'static str> {
+    let lower = key.to_ascii_lowercase();
+    if lower.is_empty() || !lower.chars().any(char::is_alphanumeric) {
+        return None;
+    }
+    if let Some(known) = KNOWN_KEYS.iter().find(|k| **k == lower) {
+        return Some(known);
+    }
+    if lower.len() >= 4 {
+        if let Some(known) = KNOWN_KEYS.iter().find(|k| k.starts_with(&lower)) {
+            return Some(known);
+        }
+    }
+    let limit = (lower.len() / 3).max(2);
+    KNOWN_KEYS
+        .iter()
+        .map(|known| (edit_distance(&lower, known), *known))
+        .filter(|(distance, _)| *distance <= limit)
+        .min_by_key(|(distance, _)| *distance)
+        .map(|(_, known)| known)
+}
+
+/// Levenshtein distance between two strings, counted in bytes (the keys are ASCII).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let mut previous: Vec<usize> = (0..=b.len()).collect();
+    let mut current = vec![0; b.len() + 1];
+    for (i, &ca) in a.iter().enumerate() {
+        current[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let substitution = previous[j] + usize::from(ca != cb);
+            current[j + 1] = substitution.min(previous[j + 1] + 1).min(current[j] + 1);
+        }
+        std::mem::swap(&mut previous, &mut current);
+    }
+    previous[b.len()]
+}
+
 /// Why a configuration string was refused. Messages are PyTorch's where PyTorch has one.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
-    /// A key neither PyTorch nor tensormem knows.
-    #[error("Unrecognized key '{key}' in CUDA allocator config.")]
+    /// A key neither PyTorch nor tensormem knows. The message is PyTorch's, followed by the known key
+    /// closest to it (edit distance, case, or a prefix) and a reminder of the grammar.
+    #[error(
+        "Unrecognized key '{key}' in CUDA allocator config.{}",
+        unknown_key_hint(key)
+    )]
     UnknownKey {
         /// The key as written (whitespace removed).
         key: String,

@@ -287,14 +287,37 @@ fn reserve_keys_are_kept_verbatim() {
 
 #[test]
 fn unknown_keys() {
-    assert_eq!(
-        message("foo:1"),
-        "Unrecognized key 'foo' in CUDA allocator config."
+    // PyTorch's message, then the grammar (and the known keys when none is close).
+    let foo = message("foo:1");
+    assert!(
+        foo.starts_with(
+            "Unrecognized key 'foo' in CUDA allocator config. The options are written key:value"
+        ),
+        "{foo}"
     );
-    assert_eq!(
-        message("foo"),
-        "Unrecognized key 'foo' in CUDA allocator config."
-    );
+    assert!(foo.contains("expandable_segments"), "{foo}");
+    assert!(message("foo").starts_with("Unrecognized key 'foo' in CUDA allocator config."));
+    // A did-you-mean for a misspelt, truncated or miscased key, and for key=value.
+    for (written, meant) in [
+        ("expandable_segment:True", "'expandable_segments'"),
+        ("max_split_size:128", "'max_split_size_mb'"),
+        ("Expandable_Segments:True", "'expandable_segments'"),
+        (
+            "garbage_colection_threshold:0.5",
+            "'garbage_collection_threshold'",
+        ),
+        ("expandable:True", "'expandable_segments'"),
+        ("max_split_size_mb=128", "'max_split_size_mb:128'"),
+        ("expandable_segment=True", "'expandable_segments:True'"),
+    ] {
+        let text = message(written);
+        assert!(
+            text.contains(&format!("Did you mean {meant}?")),
+            "{written}: {text}"
+        );
+        assert!(text.contains("key:value"), "{written}: {text}");
+    }
+    assert!(!message("zzzzzz:1").contains("Did you mean"));
     // PyTorch's keys are case-sensitive.
     assert!(matches!(
         error("Expandable_Segments:True"),
@@ -574,9 +597,11 @@ fn environment_errors_name_the_variable() {
             ..
         }
     ));
-    assert_eq!(
-        e.to_string(),
-        "PYTORCH_CUDA_ALLOC_CONF is not a valid allocator configuration: Unrecognized key 'bogus' in CUDA allocator config."
+    assert!(
+        e.to_string().starts_with(
+            "PYTORCH_CUDA_ALLOC_CONF is not a valid allocator configuration: Unrecognized key 'bogus' in CUDA allocator config."
+        ),
+        "{e}"
     );
     let e =
         AllocatorConfig::from_env_with(env(&[("TENSORMEM_ALLOC_CONF", "expandable_segments:yes")]))

@@ -178,6 +178,31 @@ pub enum Error {
         problem: String,
     },
 
+    /// The peer speaks another of this crate's wire formats than the one this end expects: the two
+    /// ends of a socket were paired wrongly (for example [`transfer::send_region`](crate::transfer::send_region)
+    /// on one end and a [`PoolSender`](crate::pool::PoolSender) on the other).
+    #[error(
+        "expected a {expected} message but the peer sent a {got} message: pair send_region with \
+         recv_region, Channel::create with Channel::accept, and PoolReceiver with PoolSender"
+    )]
+    WrongProtocol {
+        /// What this end expected.
+        expected: WireFormat,
+        /// What the peer sent.
+        got: WireFormat,
+    },
+
+    /// A region whose descriptor was given away with
+    /// [`SharedRegion::take_fd`](crate::SharedRegion::take_fd) was asked to be sent.
+    #[error(
+        "{object} cannot be sent: its descriptor was taken with take_fd; send the region before \
+         taking the descriptor, or send the descriptor you took with transfer::send_fd"
+    )]
+    FdTaken {
+        /// The region.
+        object: String,
+    },
+
     /// A region without a kept descriptor was asked to be sent.
     #[error(
         "{object} kept no file descriptor, so it cannot be sent; map it with keep_fd(true) or \
@@ -188,8 +213,12 @@ pub enum Error {
         object: String,
     },
 
-    /// The peer closed the region socket.
-    #[error("the peer closed the region socket before a full message arrived; it probably exited")]
+    /// The peer closed its end of the connection (a region socket, or a pool connection) while this
+    /// end was sending or waiting for a message.
+    #[error(
+        "the peer closed the connection, so nothing more can be sent or received on it; the peer \
+         probably exited (or dropped its end)"
+    )]
     Disconnected,
 
     /// The other end of a shared-memory [`channel`](crate::channel) is gone: it dropped its
@@ -308,6 +337,42 @@ impl fmt::Display for WireFormat {
             Self::Channel => "channel",
             Self::Pool => "pool",
         })
+    }
+}
+
+impl WireFormat {
+    /// The first four bytes of this format's messages (a channel's: its setup frame).
+    const fn magic(self) -> [u8; 4] {
+        match self {
+            Self::Region => crate::transfer::MAGIC,
+            Self::Channel => crate::channel::layout::MAGIC,
+            Self::Pool => crate::pool::wire::MAGIC,
+        }
+    }
+
+    /// The error for a message of this format that starts with `got` instead of this format's
+    /// magic: [`Error::WrongProtocol`] when `got` is another of the crate's formats (the ends were
+    /// paired wrongly), [`Error::Protocol`] naming the bytes otherwise.
+    pub(crate) fn bad_magic(self, got: &[u8]) -> Error {
+        let known = [Self::Region, Self::Channel, Self::Pool];
+        if let Some(&other) = known
+            .iter()
+            .find(|w| **w != self && got.get(..4) == Some(&w.magic()[..]))
+        {
+            return Error::WrongProtocol {
+                expected: self,
+                got: other,
+            };
+        }
+        let got = got.get(..4).unwrap_or(got);
+        Error::Protocol {
+            wire: self,
+            problem: format!(
+                "the message starts with \"{}\", not \"{}\"",
+                got.escape_ascii(),
+                self.magic().escape_ascii()
+            ),
+        }
     }
 }
 
@@ -449,6 +514,7 @@ impl Error {
             | Self::OutOfBounds { .. }
             | Self::Misaligned { .. }
             | Self::NoFd { .. }
+            | Self::FdTaken { .. }
             | Self::MessageTooLarge { .. }
             | Self::BufferTooSmall { .. } => K::InvalidInput,
             Self::TooManyLeases { .. } => K::WouldBlock,
@@ -458,6 +524,7 @@ impl Error {
             Self::WrongKind { .. }
             | Self::TooSmall { .. }
             | Self::Protocol { .. }
+            | Self::WrongProtocol { .. }
             | Self::Truncated { .. }
             | Self::ChannelCorrupt { .. } => K::InvalidData,
             Self::Disconnected => K::UnexpectedEof,

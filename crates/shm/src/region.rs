@@ -54,6 +54,8 @@ pub enum Backing {
 pub struct SharedRegion {
     map: Mapping,
     fd: Option<OwnedFd>,
+    /// Whether [`take_fd`](Self::take_fd) gave the kept descriptor away (so a send can say so).
+    fd_taken: bool,
     backing: Backing,
 }
 
@@ -64,7 +66,12 @@ impl SharedRegion {
             Backing::Fd { sealed } | Backing::Anonymous { sealed } => !sealed,
         };
         map.set_truncatable(truncatable);
-        Self { map, fd, backing }
+        Self {
+            map,
+            fd,
+            fd_taken: false,
+            backing,
+        }
     }
 
     /// What the region maps.
@@ -85,9 +92,26 @@ impl SharedRegion {
         self.fd.as_ref().map(AsFd::as_fd)
     }
 
-    /// Gives up the kept descriptor, leaving the mapping in place.
+    /// Gives up the kept descriptor, leaving the mapping in place. The region cannot be sent
+    /// afterwards ([`Error::FdTaken`](crate::Error::FdTaken)); send the descriptor itself with
+    /// [`transfer::send_fd`](crate::transfer::send_fd).
     pub fn take_fd(&mut self) -> Option<OwnedFd> {
-        self.fd.take()
+        let fd = self.fd.take();
+        self.fd_taken |= fd.is_some();
+        fd
+    }
+
+    /// The error for a send of this region when it holds no descriptor.
+    pub(crate) fn no_fd_error(&self) -> Error {
+        if self.fd_taken {
+            Error::FdTaken {
+                object: self.describe(),
+            }
+        } else {
+            Error::NoFd {
+                object: self.describe(),
+            }
+        }
     }
 
     /// The underlying mapping.

@@ -58,7 +58,7 @@ pub const HEADER_LEN: usize = 32;
 /// Most application bytes a message carries.
 pub const MAX_USER_DATA: usize = MESSAGE_LEN - HEADER_LEN;
 
-const MAGIC: [u8; 4] = *b"TMSR";
+pub(crate) const MAGIC: [u8; 4] = *b"TMSR";
 const VERSION: u16 = 1;
 const FLAG_READ_ONLY: u16 = 1;
 
@@ -109,7 +109,7 @@ impl RegionHeader {
             ));
         };
         if b[0..4] != MAGIC {
-            return protocol(format!("magic {:?}, expected {MAGIC:?}", &b[0..4]));
+            return Err(WireFormat::Region.bad_magic(b));
         }
         let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
         let u64_at = |i: usize| {
@@ -161,16 +161,15 @@ pub struct SendOptions<'a> {
 /// # Errors
 ///
 /// [`Error::NoFd`] if the region kept no descriptor (map it with `keep_fd(true)` or create it
-/// with [`SharedRegion::create_anonymous`]); [`Error::Protocol`] for too much application data;
+/// with [`SharedRegion::create_anonymous`]); [`Error::FdTaken`] if its descriptor was taken with
+/// [`SharedRegion::take_fd`]; [`Error::Protocol`] for too much application data;
 /// [`Error::Disconnected`] if the peer is gone; [`Error::Os`] for other `sendmsg` failures.
 pub fn send_region(
     socket: impl AsFd,
     region: &SharedRegion,
     options: SendOptions<'_>,
 ) -> Result<()> {
-    let fd = region.fd().ok_or_else(|| Error::NoFd {
-        object: region.describe(),
-    })?;
+    let fd = region.fd().ok_or_else(|| region.no_fd_error())?;
     send_fd(socket, fd, region.len() as u64, 0, options)
 }
 

@@ -377,3 +377,72 @@ fn regions_are_as_fd_and_errors_convert_to_io_errors() {
     let io: std::io::Error = Error::ReadOnly.into();
     assert_eq!(io.kind(), std::io::ErrorKind::PermissionDenied);
 }
+
+#[test]
+fn a_region_whose_fd_was_taken_says_so_when_sent() {
+    let mut region = SharedRegion::create_anonymous(4096).unwrap();
+    let fd = region.take_fd().unwrap();
+    let (a, b) = stream_pair();
+    let err =
+        tensormem_shm::transfer::send_region(&a, &region, SendOptions::default()).unwrap_err();
+    assert!(matches!(err, Error::FdTaken { .. }), "{err:?}");
+    let msg = err.to_string();
+    assert!(msg.contains("take_fd") && msg.contains("send_fd"), "{msg}");
+    assert!(!msg.contains("keep_fd(true)"), "{msg}");
+    // The remedy works: the descriptor taken travels by itself.
+    send_fd(&a, fd.as_fd(), 4096, 0, SendOptions::default()).unwrap();
+    assert_eq!(
+        recv_region(&b, &MapOptions::new()).unwrap().region.len(),
+        4096
+    );
+}
+
+#[test]
+fn a_peer_that_hung_up_is_named_the_same_way_on_both_sides() {
+    let region = SharedRegion::create_anonymous(4096).unwrap();
+    let (a, b) = stream_pair();
+    drop(b);
+    let err =
+        tensormem_shm::transfer::send_region(&a, &region, SendOptions::default()).unwrap_err();
+    assert!(matches!(err, Error::Disconnected), "{err:?}");
+    let msg = err.to_string();
+    assert!(msg.contains("closed the connection"), "{msg}");
+    assert!(
+        !msg.contains("arrived"),
+        "a send side waits for no message: {msg}"
+    );
+}
+
+#[test]
+fn a_pool_sender_paired_with_send_region_names_both_formats_once() {
+    use tensormem_shm::{PoolSender, ShmPool, WireFormat};
+    let region = SharedRegion::create_anonymous(4096).unwrap();
+    let (a, b) = stream_pair();
+    tensormem_shm::transfer::send_region(&a, &region, SendOptions::default()).unwrap();
+    let pool = ShmPool::new(Default::default());
+    let err = PoolSender::new(&pool, b).map(|_| ()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::WrongProtocol {
+                expected: WireFormat::Pool,
+                got: WireFormat::Region
+            }
+        ),
+        "{err:?}"
+    );
+    let msg = err.to_string();
+    assert!(msg.contains("PoolReceiver with PoolSender"), "{msg}");
+    assert!(!msg.contains("[84"), "no magic as decimal bytes: {msg}");
+}
+
+#[test]
+fn an_unknown_magic_is_printed_as_text() {
+    let msg = tensormem_shm::transfer::RegionHeader::decode(&[b'X'; 256])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("\"XXXX\"") && msg.contains("\"TMSR\""),
+        "{msg}"
+    );
+}

@@ -548,13 +548,16 @@ impl Channel {
         let word = |i: usize| {
             u32::from_le_bytes([got[4 * i], got[4 * i + 1], got[4 * i + 2], got[4 * i + 3]])
         };
-        if got[0..4] != MAGIC || word(1) != VERSION || word(3) != 0 {
+        if got[0..4] != MAGIC {
+            return Err(WireFormat::Channel.bad_magic(&got));
+        }
+        if word(1) != VERSION || word(3) != 0 {
             return Err(Error::Protocol {
                 wire: WireFormat::Channel,
                 problem: format!(
-                    "not a channel setup (magic {:?}, version {}); both ends must use tensormem-shm's channel version {VERSION}",
-                    &got[0..4],
-                    word(1)
+                    "a channel setup of version {} (reserved word {}), this end speaks version {VERSION}",
+                    word(1),
+                    word(3)
                 ),
             });
         }

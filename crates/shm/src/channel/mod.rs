@@ -80,7 +80,7 @@
 mod endpoint;
 mod frame;
 mod futex;
-mod layout;
+pub(crate) mod layout;
 #[cfg(all(test, loom))]
 mod loom_models;
 mod ring;

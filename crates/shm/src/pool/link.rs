@@ -349,6 +349,15 @@ impl Link {
 pub(crate) fn to_pool_error(err: Error) -> Error {
     match err {
         Error::PeerGone => Error::Disconnected,
+        // A pool connection is a channel: a peer that speaks another format was expected to speak
+        // the pool's.
+        Error::WrongProtocol {
+            expected: WireFormat::Channel,
+            got,
+        } => Error::WrongProtocol {
+            expected: WireFormat::Pool,
+            got,
+        },
         other => other,
     }
 }

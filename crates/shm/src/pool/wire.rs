@@ -66,7 +66,7 @@ pub(crate) fn padded(bytes: &[u8]) -> Result<[u8; MESSAGE_LEN]> {
 /// A received message and the fd it carried, if any.
 pub(crate) type Message = (Option<rustix::fd::OwnedFd>, [u8; MESSAGE_LEN]);
 
-const MAGIC: [u8; 4] = *b"TMPL";
+pub(crate) const MAGIC: [u8; 4] = *b"TMPL";
 const RECORD_MAGIC: [u8; 4] = *b"TMRL";
 const VERSION: u16 = 1;
 const FLAG_TRANSIENT: u8 = 1;
@@ -124,10 +124,7 @@ pub(crate) fn decode(b: &[u8; MESSAGE_LEN]) -> Result<Header> {
         })
     };
     if b[0..4] != MAGIC {
-        return protocol(format!(
-            "pool message magic {:?}, expected {MAGIC:?}",
-            &b[0..4]
-        ));
+        return Err(WireFormat::Pool.bad_magic(b));
     }
     let version = u16::from_le_bytes([b[4], b[5]]);
     if version != VERSION {
