@@ -18,6 +18,12 @@ mod snapshot_cmd;
 
 use std::process::ExitCode;
 
+/// `n` and the noun in the right number: `1 object`, `2 objects`.
+pub(crate) fn count(n: impl Into<u64>, one: &str, many: &str) -> String {
+    let n = n.into();
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
 use clap::{Parser, Subcommand};
 
 /// tensormem: PyTorch's tensor-memory machinery in Rust.
@@ -87,5 +93,12 @@ mod tests {
     #[test]
     fn the_command_line_definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn counts_agree_with_their_noun() {
+        assert_eq!(super::count(1u64, "object", "objects"), "1 object");
+        assert_eq!(super::count(0u64, "object", "objects"), "0 objects");
+        assert_eq!(super::count(2u32, "process", "processes"), "2 processes");
     }
 }

@@ -1,5 +1,6 @@
 //! The SVG timeline of `tensormem replay --plot`: allocated, reserved and requested bytes over the
-//! trace, one panel per configuration, all on the same scale so that panels compare at a glance.
+//! trace, one panel per configuration, all on the same scale so that panels compare at a glance, with
+//! the device's capacity as a dashed line when `--capacity` set it.
 //!
 //! Written by hand (a few hundred points and some text need no plotting library).
 
@@ -17,32 +18,48 @@ const RIGHT: f64 = 24.0;
 const PLOT_TOP: f64 = 30.0;
 const PLOT_BOTTOM: f64 = 34.0;
 
-/// The figures drawn, with their colours.
-/// The figures drawn: name, colour, line width (allocated and requested are often nearly equal:
-/// the wider allocated line stays visible under requested), value.
-type Series = (&'static str, &'static str, f64, fn(&TimelinePoint) -> u64);
+/// The figures drawn, in drawing order: name, colour, line width, opacity, value. Requested bytes
+/// are never above allocated ones and often nearly equal to them, so requested is drawn first, wide
+/// and pale, and allocated over it, thin and solid: both stay visible where they coincide.
+type Series = (
+    &'static str,
+    &'static str,
+    f64,
+    f64,
+    fn(&TimelinePoint) -> u64,
+);
 const SERIES: [Series; 3] = [
-    ("reserved", "#d62728", 1.5, |p| p.reserved),
-    ("allocated", "#1f77b4", 3.0, |p| p.allocated),
-    ("requested", "#2ca02c", 1.2, |p| p.requested),
+    ("requested", "#2ca02c", 5.0, 0.45, |p| p.requested),
+    ("allocated", "#1f77b4", 1.5, 1.0, |p| p.allocated),
+    ("reserved", "#d62728", 1.5, 1.0, |p| p.reserved),
 ];
 
-/// Writes the timeline of `runs` (replays of the trace named `trace`) to `path`.
-pub(crate) fn write_timeline(path: &Path, trace: &str, runs: &[ReplayRun]) -> std::io::Result<()> {
-    std::fs::write(path, timeline_svg(trace, runs))
+/// The colour of the capacity line.
+const CAPACITY_COLOUR: &str = "#555";
+
+/// Writes the timeline of `runs` (replays of the trace named `trace`, on a device of `capacity`
+/// bytes when `--capacity` gave it) to `path`.
+pub(crate) fn write_timeline(
+    path: &Path,
+    trace: &str,
+    runs: &[ReplayRun],
+    capacity: Option<u64>,
+) -> std::io::Result<()> {
+    std::fs::write(path, timeline_svg(trace, runs, capacity))
 }
 
 /// The timeline of `runs` as an SVG document.
-pub(crate) fn timeline_svg(trace: &str, runs: &[ReplayRun]) -> String {
+pub(crate) fn timeline_svg(trace: &str, runs: &[ReplayRun], capacity: Option<u64>) -> String {
     let top = runs
         .iter()
         .flat_map(|r| &r.devices)
         .flat_map(|d| &d.timeline.points)
         .map(|p| p.reserved.max(p.allocated).max(p.requested))
+        .chain(capacity)
         .max()
         .unwrap_or(0)
         .max(1);
-    let y_max = nice_ceiling(top);
+    let y_axis = Axis::bytes(top);
     let height = TOP + PANEL_HEIGHT * runs.len() as f64 + 8.0;
     let mut svg = String::new();
     let _ = writeln!(
@@ -55,28 +72,45 @@ pub(crate) fn timeline_svg(trace: &str, runs: &[ReplayRun]) -> String {
         escape(trace)
     );
     let mut x = LEFT;
-    for (name, colour, _, _) in SERIES {
+    for (name, colour, width, opacity, _) in SERIES {
         let _ = writeln!(
             svg,
-            r#"<rect x="{x}" y="34" width="14" height="4" fill="{colour}"/><text x="{}" y="40">{name} bytes</text>"#,
+            r#"<line x1="{x}" y1="36" x2="{}" y2="36" stroke="{colour}" stroke-width="{width}" stroke-opacity="{opacity}"/><text x="{}" y="40">{name} bytes</text>"#,
+            x + 14.0,
             x + 18.0
         );
         x += 130.0;
     }
+    if let Some(capacity) = capacity {
+        let _ = writeln!(
+            svg,
+            r#"<line x1="{x}" y1="36" x2="{}" y2="36" stroke="{CAPACITY_COLOUR}" stroke-dasharray="4 3"/><text x="{}" y="40">capacity ({})</text>"#,
+            x + 14.0,
+            x + 18.0,
+            format_size(capacity)
+        );
+    }
     for (index, run) in runs.iter().enumerate() {
-        panel(&mut svg, TOP + PANEL_HEIGHT * index as f64, run, y_max);
+        panel(
+            &mut svg,
+            TOP + PANEL_HEIGHT * index as f64,
+            run,
+            &y_axis,
+            capacity,
+        );
     }
     svg.push_str("</svg>\n");
     svg
 }
 
-fn panel(svg: &mut String, top: f64, run: &ReplayRun, y_max: u64) {
+fn panel(svg: &mut String, top: f64, run: &ReplayRun, y_axis: &Axis, capacity: Option<u64>) {
+    let y_max = y_axis.max;
     let stats = run.flat_stats();
     let peak = |key: &str| format_size(stats.get(key).copied().unwrap_or(0).max(0) as u64);
     let title = format!(
         "{}{}: peak reserved {}, peak allocated {}",
         run.label(),
-        if run.recorded { " (recorded)" } else { "" },
+        if run.recorded { " [recorded]" } else { "" },
         peak("reserved_bytes.all.peak"),
         peak("allocated_bytes.all.peak")
     );
@@ -102,9 +136,8 @@ fn panel(svg: &mut String, top: f64, run: &ReplayRun, y_max: u64) {
         .max()
         .unwrap_or(0)
         .max(1);
-    for tick in 0..=4u64 {
-        let value = y_max / 4 * tick;
-        let y = y1 - (y1 - y0) * tick as f64 / 4.0;
+    for value in y_axis.ticks() {
+        let y = y1 - (y1 - y0) * value as f64 / y_max as f64;
         let _ = writeln!(
             svg,
             r##"<line x1="{x0}" y1="{y:.1}" x2="{x1}" y2="{y:.1}" stroke="#eee"/><text x="{}" y="{:.1}" text-anchor="end" fill="#555">{}</text>"##,
@@ -112,12 +145,20 @@ fn panel(svg: &mut String, top: f64, run: &ReplayRun, y_max: u64) {
             y + 4.0,
             format_size(value)
         );
-        let event = last_event / 4 * tick;
+    }
+    for event in Axis::events(last_event).ticks() {
         let x = x0 + (x1 - x0) * event as f64 / last_event as f64;
         let _ = writeln!(
             svg,
             r##"<text x="{x:.1}" y="{:.1}" text-anchor="middle" fill="#555">{event}</text>"##,
             y1 + 16.0
+        );
+    }
+    if let Some(capacity) = capacity {
+        let y = y1 - (y1 - y0) * capacity as f64 / y_max as f64;
+        let _ = writeln!(
+            svg,
+            r#"<line x1="{x0}" y1="{y:.1}" x2="{x1}" y2="{y:.1}" stroke="{CAPACITY_COLOUR}" stroke-dasharray="4 3"/>"#
         );
     }
     let _ = writeln!(
@@ -126,7 +167,7 @@ fn panel(svg: &mut String, top: f64, run: &ReplayRun, y_max: u64) {
         y1 + 30.0
     );
     for device in &run.devices {
-        for (_, colour, width, value) in SERIES {
+        for (_, colour, width, opacity, value) in SERIES {
             let mut points = String::new();
             for p in &device.timeline.points {
                 let x = x0 + (x1 - x0) * p.event as f64 / last_event as f64;
@@ -135,29 +176,62 @@ fn panel(svg: &mut String, top: f64, run: &ReplayRun, y_max: u64) {
             }
             let _ = writeln!(
                 svg,
-                r#"<polyline fill="none" stroke="{colour}" stroke-width="{width}" points="{}"/>"#,
+                r#"<polyline fill="none" stroke="{colour}" stroke-width="{width}" stroke-opacity="{opacity}" stroke-linejoin="round" points="{}"/>"#,
                 points.trim_end()
             );
         }
     }
 }
 
-/// The smallest "round" number of bytes (1, 2 or 5 times a power of two of GiB/MiB/KiB scale) at or
-/// above `bytes`, so axis ticks read well.
-fn nice_ceiling(bytes: u64) -> u64 {
-    let mut unit = 1u64;
-    while unit.saturating_mul(1024) <= bytes {
-        unit *= 1024;
+/// An axis from 0 with ticks every `step`, a round number, up to `max` (a multiple of `step`).
+struct Axis {
+    step: u64,
+    max: u64,
+}
+
+impl Axis {
+    /// A byte axis that holds `top`: ticks 1, 2 or 5 times a power of ten of B, KiB, MiB, GiB or TiB
+    /// (2 GiB, 500 MiB, ...), at most six of them, the axis ending on the first tick at or above
+    /// `top`.
+    fn bytes(top: u64) -> Self {
+        let mut unit = 1u64;
+        while unit < 1 << 40 && unit.saturating_mul(1024) <= top {
+            unit *= 1024;
+        }
+        Self::round(top, unit)
     }
-    for step in [
-        1, 2, 4, 5, 8, 10, 20, 40, 50, 80, 100, 200, 400, 500, 800, 1000, 1024,
-    ] {
-        let candidate = unit.saturating_mul(step);
-        if candidate >= bytes {
-            return candidate;
+
+    /// An event axis over `0..=last`: ticks 1, 2 or 5 times a power of ten, at most six, none past
+    /// `last`.
+    fn events(last: u64) -> Self {
+        let axis = Self::round(last, 1);
+        Self {
+            step: axis.step,
+            max: last,
         }
     }
-    bytes
+
+    fn round(top: u64, unit: u64) -> Self {
+        let top = top.max(1);
+        let mut decade = 1u64;
+        loop {
+            for m in [1, 2, 5] {
+                let step = unit.saturating_mul(decade).saturating_mul(m);
+                if top.div_ceil(step) <= 5 {
+                    return Self {
+                        step,
+                        max: top.div_ceil(step) * step,
+                    };
+                }
+            }
+            decade = decade.saturating_mul(10);
+        }
+    }
+
+    /// 0, step, 2 x step, ... up to `max`.
+    fn ticks(&self) -> impl Iterator<Item = u64> + '_ {
+        (0..=self.max / self.step).map(move |i| i * self.step)
+    }
 }
 
 fn escape(text: &str) -> String {
@@ -171,11 +245,31 @@ fn escape(text: &str) -> String {
 mod tests {
     use super::*;
 
+    fn ticks(axis: &Axis) -> Vec<u64> {
+        axis.ticks().collect()
+    }
+
     #[test]
-    fn axis_tops_are_round() {
-        assert_eq!(nice_ceiling(6_079_643_648), 8 << 30);
-        assert_eq!(nice_ceiling(92_274_688), 100 << 20);
-        assert_eq!(nice_ceiling(1), 1);
+    fn byte_ticks_are_round() {
+        const MIB: u64 = 1 << 20;
+        const GIB: u64 = 1 << 30;
+        // 5.66 GiB reserved: ticks every 2 GiB up to 6 GiB.
+        let axis = Axis::bytes(6_079_643_648);
+        assert_eq!(ticks(&axis), [0, 2 * GIB, 4 * GIB, 6 * GIB]);
+        // 88 MiB: every 20 MiB up to 100 MiB.
+        assert_eq!(Axis::bytes(92_274_688).step, 20 * MIB);
+        assert_eq!(Axis::bytes(92_274_688).max, 100 * MIB);
+        assert_eq!(ticks(&Axis::bytes(1)), [0, 1]);
+        for top in [1, 1000, 3 * MIB, 700 * MIB, 9 * GIB, 300 * GIB] {
+            let axis = Axis::bytes(top);
+            assert!(axis.max >= top && axis.max / axis.step <= 5, "{top}");
+        }
+    }
+
+    #[test]
+    fn event_ticks_are_round_and_stay_within_the_trace() {
+        assert_eq!(ticks(&Axis::events(9679)), [0, 2000, 4000, 6000, 8000]);
+        assert_eq!(ticks(&Axis::events(10)), [0, 2, 4, 6, 8, 10]);
     }
 
     #[test]

@@ -124,7 +124,7 @@ pub(crate) fn run(args: ReplayArgs) -> Result<()> {
     }
 
     if let Some(path) = &args.plot {
-        plot::write_timeline(path, &source.name, &runs)
+        plot::write_timeline(path, &source.name, &runs, args.capacity)
             .with_context(|| format!("cannot write the plot {}", path.display()))?;
     }
     if let Some(path) = &args.snapshot_out {

@@ -47,7 +47,6 @@ pub(crate) fn print(
         "retries",
         "OOMs",
         "matches record",
-        "events/s",
     ];
     let rows: Vec<Vec<String>> = runs
         .iter()
@@ -93,6 +92,7 @@ pub(crate) fn print(
     for r in &rows {
         writeln!(out, "{}", line(r))?;
     }
+    writeln!(out, "{LEGEND}")?;
     for (device, inference) in &header.capacity {
         capacity_line(out, *device, inference, header.capacity_given)?;
     }
@@ -146,7 +146,6 @@ fn row(run: &ReplayRun, device: Option<&DeviceRun>) -> Vec<String> {
         figure("num_alloc_retries").to_string(),
         figure("num_ooms").to_string(),
         matches.to_owned(),
-        rate(run.events_per_second()),
     ]
 }
 
@@ -239,9 +238,9 @@ fn pools_lines(
                 })
                 .collect();
             format!(
-                "{name}: {} allocations in {} segments ({})",
-                share.allocations,
-                share.segments,
+                "{name}: {} in {} ({})",
+                crate::count(share.allocations as u64, "allocation", "allocations"),
+                crate::count(share.segments as u64, "segment", "segments"),
                 why.join(", ")
             )
         })
@@ -277,16 +276,10 @@ fn pools_lines(
     Ok(())
 }
 
-/// Events per second with a unit prefix: `12.3 M`.
-fn rate(per_second: f64) -> String {
-    if per_second >= 1e6 {
-        format!("{:.1} M", per_second / 1e6)
-    } else if per_second >= 1e3 {
-        format!("{:.1} k", per_second / 1e3)
-    } else {
-        format!("{per_second:.0}")
-    }
-}
+/// The table's columns as `torch.cuda.memory_stats()` names them.
+const LEGEND: &str = "columns as memory_stats() keys: peak allocated = allocated_bytes.all.peak, \
+peak reserved = reserved_bytes.all.peak,\n  device allocs = num_device_alloc, device frees = \
+num_device_free, retries = num_alloc_retries, OOMs = num_ooms";
 
 /// What the recorded run was checked against, and what differed.
 fn details(out: &mut impl Write, header: &Header<'_>, run: &ReplayRun) -> io::Result<()> {
@@ -310,7 +303,11 @@ fn details(out: &mut impl Write, header: &Header<'_>, run: &ReplayRun) -> io::Re
         format!(
             "{allocations} allocations (address and bytes reserved after each, from the trace)"
         ),
-        format!("{segments} segments and {blocks} blocks (the snapshot's final state)"),
+        format!(
+            "{} and {} (the snapshot's final state)",
+            crate::count(segments as u64, "segment", "segments"),
+            crate::count(blocks as u64, "block", "blocks")
+        ),
     ];
     let stats: Vec<(usize, usize)> = run
         .devices
@@ -399,16 +396,4 @@ fn details(out: &mut impl Write, header: &Header<'_>, run: &ReplayRun) -> io::Re
         }
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn rates_have_unit_prefixes() {
-        assert_eq!(rate(12_345_678.0), "12.3 M");
-        assert_eq!(rate(4_500.0), "4.5 k");
-        assert_eq!(rate(12.0), "12");
-    }
 }

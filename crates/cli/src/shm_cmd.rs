@@ -245,8 +245,8 @@ fn list_table(objects: &[ShmObject], prefixes: &[String]) -> String {
         .filter(|o| o.verdict() == Verdict::Garbage)
         .count();
     out.push_str(&format!(
-        "{} objects, {}; {garbage} orphaned (creator dead, unused){}\n",
-        objects.len(),
+        "{}, {}; {garbage} orphaned (creator dead, unused){}\n",
+        crate::count(objects.len() as u64, "object", "objects"),
         human_size(total),
         if garbage > 0 {
             ": `tensormem shm gc` removes them"
@@ -313,8 +313,8 @@ fn gc_text(report: &GcReport) -> String {
     }
     let freed: u64 = report.removed.iter().map(|o| o.size).sum();
     out.push_str(&format!(
-        "{verb} {} objects ({})",
-        report.removed.len(),
+        "{verb} {} ({})",
+        crate::count(report.removed.len() as u64, "object", "objects"),
         human_size(freed)
     ));
     if !report.kept.is_empty() {
@@ -338,9 +338,9 @@ fn gc_text(report: &GcReport) -> String {
     out.push('\n');
     if report.uninspected > 0 {
         out.push_str(&format!(
-            "note: {} process(es) could not be inspected (permission denied); objects only \
-             they use look unused\n",
-            report.uninspected
+            "note: {} could not be inspected (permission denied); objects only they use look \
+             unused\n",
+            crate::count(report.uninspected as u64, "process", "processes")
         ));
     }
     let foreign = report
@@ -351,10 +351,13 @@ fn gc_text(report: &GcReport) -> String {
     if foreign > 0 {
         out.push_str(&format!(
             "note: gc runs in {}, not the initial one, where processes outside it are not seen: \
-             {foreign} object(s) that look orphaned were kept. Run gc on the host; or, if no \
+             {} that look{} orphaned {} kept. Run gc on the host; or, if no \
              process outside this namespace uses /dev/shm (a container with its own), run it \
              again with --this-namespace-only\n",
-            report.namespace
+            report.namespace,
+            crate::count(foreign as u64, "object", "objects"),
+            if foreign == 1 { "s" } else { "" },
+            if foreign == 1 { "was" } else { "were" },
         ));
     }
     out
@@ -469,7 +472,7 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("would remove 1 objects (4.0 KiB); kept 1 (1 creator alive)"),
+            text.contains("would remove 1 object (4.0 KiB); kept 1 (1 creator alive)"),
             "{text}"
         );
         let json = gc_json(&report);

@@ -150,17 +150,17 @@ pub(crate) fn write_summary(
     writeln!(out, "reserved:  {}", format_size(all.reserved))?;
     writeln!(
         out,
-        "allocated: {} in {} blocks (requested {})",
+        "allocated: {} in {} (requested {})",
         format_size(all.allocated),
-        all.allocated_blocks,
+        crate::count(all.allocated_blocks as u64, "block", "blocks"),
         format_size(all.requested)
     )?;
     writeln!(
         out,
-        "active:    {} (allocated, plus {} in {} blocks waiting for other streams)",
+        "active:    {} (allocated, plus {} in {} waiting for other streams)",
         format_size(all.active),
         format_size(all.pending),
-        all.pending_blocks
+        crate::count(all.pending_blocks as u64, "block", "blocks")
     )?;
     writeln!(out, "largest free block: {}", format_size(all.largest_free))?;
     writeln!(
@@ -171,12 +171,12 @@ pub(crate) fn write_summary(
     )?;
     writeln!(
         out,
-        "external fragmentation (reserved - allocated): {} ({} of reserved): {} free in {} pieces, {} \
+        "external fragmentation (reserved - allocated): {} ({} of reserved): {} free in {}, {} \
          waiting for other streams",
         format_size(all.external()),
         percent(all.external(), all.reserved),
         format_size(all.free),
-        all.free_blocks,
+        crate::count(all.free_blocks as u64, "piece", "pieces"),
         format_size(all.pending)
     )?;
     if !per_stream.is_empty() {

@@ -54,7 +54,7 @@ fn replay_with_no_arguments_replays_the_built_in_trace_and_matches_the_record() 
         row.contains("5.04 GiB") && row.contains("5.66 GiB"),
         "{row}"
     );
-    assert!(row.contains(" yes "), "{row}");
+    assert!(row.ends_with(" yes"), "{row}");
     assert!(text.contains("41 figures of memory_stats()"), "{text}");
 }
 
@@ -150,6 +150,52 @@ fn a_bad_configuration_fails_with_one_line_before_replaying() {
 }
 
 #[test]
+fn the_table_has_a_legend_and_no_timing_and_the_plot_draws_the_capacity() {
+    let dir = tempfile::tempdir().unwrap();
+    let svg = dir.path().join("timeline.svg");
+    let output = tensormem(&[
+        "replay",
+        "--capacity",
+        "6GiB",
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let text = stdout(&output);
+    assert!(!text.contains("events/s"), "{text}");
+    assert!(
+        text.contains("peak reserved = reserved_bytes.all.peak")
+            && text.contains("device allocs = num_device_alloc"),
+        "{text}"
+    );
+    let plot = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        plot.contains("capacity (6.00 GiB)"),
+        "the legend names the capacity"
+    );
+    assert!(plot.contains("stroke-dasharray"), "the capacity is drawn");
+    assert!(plot.contains("[recorded]") && !plot.contains("(recorded)"));
+    // Requested is drawn before allocated, which stays visible on top of it.
+    let first = |colour: &str| {
+        plot.find(&format!("<polyline fill=\"none\" stroke=\"{colour}\""))
+            .unwrap()
+    };
+    assert!(
+        first("#2ca02c") < first("#1f77b4"),
+        "requested under allocated"
+    );
+    // Round ticks: 2 GiB steps on the byte axis, 2000-event steps on the event axis.
+    assert!(
+        plot.contains(">2.00 GiB<") && plot.contains(">6.00 GiB<"),
+        "byte ticks"
+    );
+    assert!(
+        plot.contains(">8000<") && !plot.contains(">2419<"),
+        "event ticks"
+    );
+}
+
+#[test]
 fn plots_and_snapshots_are_written() {
     let dir = tempfile::tempdir().unwrap();
     let svg = dir.path().join("timeline.svg");
@@ -185,8 +231,9 @@ fn plots_and_snapshots_are_written() {
     );
     let again = tensormem(&["replay", pickle.to_str().unwrap()]);
     assert!(again.status.success(), "{}", stderr(&again));
-    let row = stdout(&again);
-    assert!(row.contains("5.66 GiB") && row.contains(" yes "), "{row}");
+    let text = stdout(&again);
+    let row = text.lines().find(|l| l.contains("[recorded]")).unwrap();
+    assert!(row.contains("5.66 GiB") && row.ends_with(" yes"), "{text}");
 
     let output = tensormem(&["replay", "--snapshot-out", json.to_str().unwrap()]);
     assert!(output.status.success(), "{}", stderr(&output));
@@ -214,7 +261,7 @@ fn snapshot_summary_describes_a_pytorch_trace() {
         "segments: 8 (4 small, 4 large; 0 expandable)",
         "reserved:  88.00 MiB",
         "largest free block: 20.00 MiB",
-        "2.75 MiB in 1 blocks waiting for other streams",
+        "2.75 MiB in 1 block waiting for other streams",
         "internal fragmentation (allocated - requested)",
         "external fragmentation (reserved - allocated): 88.00 MiB",
         "0x3f90e520",
@@ -255,7 +302,7 @@ fn replay_with_a_figure_beyond_i64_does_not_match_the_record() {
         .lines()
         .find(|l| l.contains("[recorded]"))
         .expect("a row for the recorded configuration");
-    assert!(row.contains(" NO "), "{text}");
+    assert!(row.ends_with(" NO"), "{text}");
     assert!(text.contains("1 figures of memory_stats()"), "{text}");
     assert!(
         text.contains("num_device_alloc: PyTorch 1e+30, which is not a whole number"),
@@ -287,7 +334,7 @@ fn a_two_device_trace_has_a_row_and_a_json_section_per_device() {
             .lines()
             .find(|l| l.contains("[recorded]") && l.contains(device))
             .unwrap_or_else(|| panic!("no row for {device} in:\n{text}"));
-        assert!(row.contains(" yes "), "{row}");
+        assert!(row.ends_with(" yes"), "{row}");
     }
     assert!(text.contains("41 of memory_stats(1)"), "{text}");
 
@@ -339,7 +386,7 @@ fn a_pressure_trace_reports_the_inferred_capacity_interval() {
     assert!(output.status.success(), "{}", stderr(&output));
     let text = stdout(&output);
     let row = text.lines().find(|l| l.contains("[recorded]")).unwrap();
-    assert!(row.contains(" yes "), "{text}");
+    assert!(row.ends_with(" yes"), "{text}");
     assert!(
         text.contains("per_process_memory_fraction 0.019 x device memory in [2.63 GiB, 2.74 GiB]"),
         "{text}"
@@ -354,7 +401,7 @@ fn a_graph_capture_trace_reports_its_private_pool() {
     assert!(output.status.success(), "{}", stderr(&output));
     let text = stdout(&output);
     let row = text.lines().find(|l| l.contains("[recorded]")).unwrap();
-    assert!(row.contains(" yes "), "{text}");
+    assert!(row.ends_with(" yes"), "{text}");
     assert!(
         text.contains("private pool (1, 0): 22 allocations in 6 segments"),
         "{text}"
