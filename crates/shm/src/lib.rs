@@ -36,6 +36,22 @@
 //! naming the object and saying what to do. Creating, attaching and unlinking emit `tracing`
 //! events (target `tensormem_shm`, level `debug`).
 //!
+//! # Pick a way to share
+//!
+//! | you want | use | PyTorch equivalent |
+//! | --- | --- | --- |
+//! | hand a buffer to a process you are connected to | [`SharedRegion::create_anonymous`] or [`SharedRegion::copy_from_bytes`], then [`transfer::send_region`] / [`transfer::recv_region`] | `file_descriptor` strategy |
+//! | a name any process can open, freed when the last user closes it | [`RefcountedRegion::create`] / [`RefcountedRegion::open`] | `RefcountedMapAllocator` (file_system strategy storages) |
+//! | a name that survives its creator being killed | `manager::ManagedRegion` (the manager daemon; feature `manager`) | `file_system` strategy + `torch_shm_manager` |
+//! | full control of the flags | [`MapOptions`] + [`map_shm`](MapOptions::map_shm) / [`map_path`](MapOptions::map_path) / [`map_fd`](MapOptions::map_fd) | `MapAllocator` flags |
+//! | share buffer after buffer with connected consumers (data loaders, steady state) | [`ShmPool`] + [`PoolSender`] / [`PoolReceiver`]: the [`pool`] module walks through it | none: PyTorch makes a new object per share |
+//! | small messages between two processes, a few microseconds a round trip | [`channel::Channel`] | none: `multiprocessing` queues are pipes and sockets |
+//!
+//! Runnable two-process programs are in the crate's `examples/`: `pass_fd` (a region by
+//! descriptor), `pool_batches` (the pool, batch after batch) and `channel` (messages and a
+//! descriptor beside them), each a producer that starts itself again as the consumer
+//! (`cargo run -p tensormem-shm --example pool_batches`).
+//!
 //! # Example: a producer hands a region to a consumer
 //!
 //! ```

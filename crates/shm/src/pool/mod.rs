@@ -45,22 +45,10 @@
 //! leases still open on it are released at once. "Gone" is the consumer's end of the
 //! connection's [`channel`](crate::channel) dropped (a flag in its shared memory), or its socket
 //! closed (the kernel closes every descriptor of a dying process; the [`PoolSender`] sees the
-//! hang-up when a read of releases finds none, and a sleeping wait within 50 ms). This is sound
-//! because:
-//!
-//! - the consumer's channel end, and with it its socket, stays open while any lease lives (each
-//!   [`Lease`] holds a reference to it, so dropping the receiver
-//!   early does not count as "done");
-//! - a process's memory mappings are torn down before its descriptors are closed (`exit_mm`
-//!   precedes `exit_files` in the kernel's `do_exit`), and a dead process reads nothing anyway;
-//! - if a consumer forked and the child still holds the socket, the hang-up does not come until
-//!   both have closed it: the pool then waits longer, never shorter.
-//!
-//! Alternatives considered: the refcounted header count (PyTorch's layout) is decremented by the
-//! consumer itself, so a `kill -9` leaves it stuck forever; per-consumer slots in a header with
-//! pid and start time need polling `/proc` to notice a death and trust what a peer wrote into
-//! shared memory; a memfd has no mapping count a peer could read. The connection is something
-//! the kernel closes for a dead process, atomically and with no polling.
+//! hang-up when a read of releases finds none, and a sleeping wait within 50 ms). Each [`Lease`]
+//! keeps the consumer's end open, so dropping the receiver while leases live does not count as
+//! done; a socket a forked child still holds closes only when both have let go (the pool then
+//! waits longer, never shorter).
 //!
 //! A region lent over a [`PoolSender`] that is dropped while the consumer still holds it is never
 //! reused ("abandoned"): the pool forgets it, and its memory goes when the consumer's mapping
@@ -102,6 +90,19 @@
 //! assert_eq!(receiver.stats().mapped, 1);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+
+// Why releasing every lease of a closed connection is sound, and why the connection:
+//
+// - the consumer's channel end, and with it its socket, stays open while any lease lives (each
+//   `Lease` holds a reference to it);
+// - a process's memory mappings are torn down before its descriptors are closed (`exit_mm`
+//   precedes `exit_files` in the kernel's `do_exit`), so once the hang-up is seen the dead
+//   consumer maps nothing;
+// - alternatives: the refcounted header count (PyTorch's layout) is decremented by the consumer
+//   itself, so a `kill -9` leaves it stuck forever; per-consumer slots in a header with pid and
+//   start time need polling `/proc` to notice a death and trust what a peer wrote into shared
+//   memory; a memfd has no mapping count a peer could read. The connection is something the
+//   kernel closes for a dead process, atomically and with no polling.
 
 mod buffer;
 mod link;
