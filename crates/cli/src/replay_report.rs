@@ -239,8 +239,8 @@ fn pools_lines(
                 .collect();
             format!(
                 "{name}: {} in {} ({})",
-                crate::count(share.allocations as u64, "allocation", "allocations"),
-                crate::count(share.segments as u64, "segment", "segments"),
+                crate::count(share.allocations, "allocation", "allocations"),
+                crate::count(share.segments, "segment", "segments"),
                 why.join(", ")
             )
         })
