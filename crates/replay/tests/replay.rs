@@ -9,7 +9,7 @@ use tensormem_cuda_alloc::snapshot::{Snapshot, TraceAction, TraceEntry};
 use tensormem_cuda_alloc::{CachingAllocator, StreamId, DEFAULT_STREAM_CAPACITY};
 use tensormem_replay::{ExpectedStats, Replay, RunOptions};
 
-const TRACES: [&str; 10] = [
+const TRACES: [&str; 14] = [
     "gpt2_train",
     "gpt2_train__expandable_segments-True",
     "multistream",
@@ -20,6 +20,10 @@ const TRACES: [&str; 10] = [
     "mempool",
     "varlen_pressure__per_process_memory_fraction-0.025_garbage_collection_threshold-0.6",
     "mempool2",
+    "compile_ro_shapes",
+    "compile_train_ro",
+    "compile_train_ro__expandable_segments-True",
+    "graph_expandable__expandable_segments-True",
 ];
 
 fn traces_dir() -> PathBuf {
@@ -260,6 +264,23 @@ fn mempools_destroyed_together_replay_exactly() {
         run.flat_stats()["num_sync_all_streams"],
         expected.figures["num_sync_all_streams"]
     );
+}
+
+/// Inductor's CUDA graph trees (`torch.compile(mode="reduce-overhead")`), inference over five batch
+/// sizes and training: the graph tree's private pool is inferred; the `empty_cache` of every capture
+/// that released nothing is reported as an assumption.
+#[test]
+fn cuda_graph_trees_replay_exactly() {
+    exact("compile_ro_shapes");
+    exact("compile_train_ro");
+}
+
+/// Expandable segments inside private pools (a `torch.cuda.graph` capture, graph trees): the pools
+/// map segments of their own, with no `segment.*` figures, as PyTorch 2.11 does.
+#[test]
+fn expandable_segments_in_private_pools_replay_exactly() {
+    exact("graph_expandable__expandable_segments-True");
+    exact("compile_train_ro__expandable_segments-True");
 }
 
 #[test]
