@@ -15,6 +15,7 @@ pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] = &[
     ("tensormem", "gpu"),
     ("tensormem-ipc", "gpu"),
     ("tensormem", "storage_gpu"),
+    ("tensormem", "storage_gpu_sharing"),
     ("tensormem-storage", "torch_interop"),
     ("tensormem-torch", "gpu"),
     ("tensormem-torch", "torch_client"),
