@@ -1047,6 +1047,31 @@ impl FreeSet {
         true
     }
 
+    /// The block ordered right after the one keyed `(size, addr)` (the smallest key above it), if
+    /// any. Unlike [`at_least`](Self::at_least) it builds no ordered copy of a bucket.
+    pub(crate) fn next_after(&self, size: u64, addr: u64) -> Option<(u64, u64, u32)> {
+        let key = match addr.checked_add(1) {
+            Some(next) => (size, next),
+            None => (size.checked_add(1)?, 0),
+        };
+        if !self.bucketed {
+            let at = lower_bound(&self.small, key);
+            return self.small.get(at).map(|e| e.triple());
+        }
+        let mut from = bucket(key.0);
+        while let Some(b) = self.next_nonempty(from) {
+            let bucket = &self.buckets[b];
+            if let Some((chunk, at)) = bucket.first_at_least(key) {
+                return bucket
+                    .chunk(chunk)
+                    .and_then(|c| c.get(at))
+                    .map(|e| e.triple());
+            }
+            from = b + 1;
+        }
+        None
+    }
+
     /// Blocks of at least `size` bytes, smallest (then lowest address) first.
     #[inline]
     pub(crate) fn at_least(&self, size: u64) -> impl Iterator<Item = (u64, u64, u32)> + '_ {

@@ -332,10 +332,7 @@ impl<D: Device> Locked<'_, D> {
     #[cold]
     fn expandable_best_fit(&self, pool: u16, size: usize, first: u32) -> Option<(u32, usize)> {
         let blocks = &self.st.blocks;
-        let mut candidates = self.st.pools[pool as usize]
-            .free
-            .at_least(size as u64)
-            .skip(1);
+        let free = &self.st.pools[pool as usize].free;
         let mut found = first;
         if self.a.settings.expandable_segments() {
             let expandable_size = |i: u32| {
@@ -347,15 +344,24 @@ impl<D: Device> Locked<'_, D> {
                         0
                     }
             };
-            for (_, _, next) in candidates {
-                if !blocks[found].is_expandable() || expandable_size(next) >= expandable_size(found)
-                {
+            // Walk the candidates in order (each the successor of the one before) while the next
+            // one can grow less than the current one.
+            while blocks[found].is_expandable() {
+                let b = &blocks[found];
+                let Some((_, _, next)) = free.next_after(b.size, b.addr) else {
+                    break;
+                };
+                if expandable_size(next) >= expandable_size(found) {
                     break;
                 }
                 found = next;
             }
         } else {
-            found = candidates.find(|&(_, _, i)| !blocks[i].is_expandable())?.2;
+            found = free
+                .at_least(size as u64)
+                .skip(1)
+                .find(|&(_, _, i)| !blocks[i].is_expandable())?
+                .2;
         }
         Some((found, blocks[found].size as usize))
     }
