@@ -9,7 +9,7 @@ use tensormem_cuda_alloc::snapshot::{Snapshot, TraceAction, TraceEntry};
 use tensormem_cuda_alloc::{CachingAllocator, StreamId, DEFAULT_STREAM_CAPACITY};
 use tensormem_replay::{ExpectedStats, Replay, RunOptions};
 
-const TRACES: [&str; 14] = [
+const TRACES: [&str; 18] = [
     "gpt2_train",
     "gpt2_train__expandable_segments-True",
     "multistream",
@@ -24,6 +24,10 @@ const TRACES: [&str; 14] = [
     "compile_train_ro",
     "compile_train_ro__expandable_segments-True",
     "graph_expandable__expandable_segments-True",
+    "graph_shared_pool",
+    "mempool_loop",
+    "record_stream_multi",
+    "mempool_expandable__expandable_segments-True",
 ];
 
 fn traces_dir() -> PathBuf {
