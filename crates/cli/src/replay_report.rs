@@ -198,7 +198,17 @@ fn capacity_line(
         "device {device}: {what} in [{}, {upper}] ({}; the least is the most the trace reserved): {verdict}",
         format_size(inference.lower),
         if reasons.is_empty() { "nothing bounds it above".to_owned() } else { reasons.join(", ") },
-    )
+    )?;
+    if inference.fraction_implied {
+        writeln!(
+            out,
+            "  assumption: device {device}: the trace records no memory fraction, but requests failed \
+             although the device had room: torch.cuda.set_per_process_memory_fraction() was in force; \
+             its value and the device's size are not in the trace, only the bytes the fraction allowed \
+             (the interval above), and the replay uses a fraction and a size that allow them"
+        )?;
+    }
+    Ok(())
 }
 
 /// Which allocations went to which pool, when any went to a private pool or any is undecided.

@@ -67,6 +67,10 @@ pub(crate) struct CapacityFacts {
 pub struct CapacityInference {
     /// The memory fraction the interval is under (`None`: the interval is the device's memory).
     pub fraction: Option<f64>,
+    /// Whether that fraction is not the recorded configuration's but implied by `oom` events the
+    /// device had room for (`torch.cuda.set_per_process_memory_fraction()` is not recorded): its
+    /// value is then a choice, only the bytes it allows are bounded by the trace.
+    pub fraction_implied: bool,
     /// The least the allocator was allowed: the most bytes the trace reserved.
     pub lower: u64,
     /// The most it was allowed, when a recorded decision bounds it.
@@ -144,6 +148,7 @@ impl CapacityInference {
             };
         CapacityInference {
             fraction,
+            fraction_implied: false,
             lower,
             upper,
             oom_bounds,
@@ -153,6 +158,36 @@ impl CapacityInference {
             consistent,
         }
     }
+}
+
+/// The memory fraction a trace recorded without one implies, if any: PyTorch's snapshot records the
+/// `PYTORCH_CUDA_ALLOC_CONF` settings but not `torch.cuda.set_per_process_memory_fraction()`, so a
+/// request that failed although the device had room for its segment (`device_free` at least that)
+/// failed a fraction's check. The fraction itself is not in the trace, only the bytes it allowed
+/// (the interval of [`CapacityInference`]); the one returned makes a device as large as the trace
+/// shows (the most of `reserved + device_free` over those events) allow the least upper end they
+/// give, so that the simulated device keeps the recorded room and the allowed bytes fall inside the
+/// interval. `None` when no `oom` event failed with room on the device.
+pub(crate) fn implied_fraction<'a>(
+    facts: impl IntoIterator<Item = &'a CapacityFacts>,
+) -> Option<f64> {
+    let mut seen_total = 0u64;
+    let mut upper: Option<u64> = None;
+    for oom in facts
+        .into_iter()
+        .flat_map(|f| &f.ooms)
+        .filter(|o| o.device_had_room())
+    {
+        seen_total = seen_total.max(oom.reserved.saturating_add(oom.device_free));
+        let bound = (oom.reserved + oom.segment()).saturating_sub(1);
+        upper = Some(upper.map_or(bound, |u| u.min(bound)));
+    }
+    let upper = upper?;
+    if seen_total == 0 {
+        return None;
+    }
+    let fraction = upper as f64 / seen_total as f64;
+    (fraction > 0.0 && fraction < 1.0).then_some(fraction)
 }
 
 /// The bytes the allocator may reserve on a device of `total` bytes (PyTorch's
@@ -227,6 +262,44 @@ mod tests {
         let allowed = (0.019 * total as f64) as u64;
         assert!(allowed >= facts.reached && allowed <= upper, "{allowed}");
         assert!((0.019 * (total + 1) as f64) as u64 > upper);
+    }
+
+    #[test]
+    fn a_fraction_set_in_the_program_is_implied_by_ooms_the_device_had_room_for() {
+        let room = OomFact {
+            reserved: 300 << 20,
+            size: 40 << 20,
+            device_free: 80 << 30,
+        };
+        let full = OomFact {
+            reserved: 300 << 20,
+            size: 40 << 20,
+            device_free: 1 << 20,
+        };
+        let facts = CapacityFacts {
+            reached: 320 << 20,
+            ooms: vec![room],
+            ..CapacityFacts::default()
+        };
+        let fraction = implied_fraction([&facts]).unwrap();
+        let inference = CapacityInference::infer(
+            &facts,
+            &config(&format!("per_process_memory_fraction:{fraction}")),
+        );
+        assert!(inference.consistent);
+        let total = inference.capacity.unwrap();
+        let allowed = (fraction * total as f64) as u64;
+        assert!((320 << 20..340 << 20).contains(&allowed), "{allowed}");
+        assert!(
+            total >= room.reserved + room.device_free - (1 << 20),
+            "{total}"
+        );
+        // A device that was full says nothing about a fraction.
+        let facts = CapacityFacts {
+            ooms: vec![full],
+            ..facts
+        };
+        assert_eq!(implied_fraction([&facts]), None);
     }
 
     #[test]

@@ -297,8 +297,8 @@ impl Replay {
                 .filter(|s| usize::try_from(s.device).ok() == Some(device))
                 .cloned()
                 .collect();
-            let plan =
-                DevicePlan::build(device, trace, segments).map_err(|e| ReplayError::Trace {
+            let plan = DevicePlan::build(device, trace, segments, recorded.max_split_size)
+                .map_err(|e| ReplayError::Trace {
                     device,
                     reason: match e {
                         PlanError::TooManyEvents => "it has more than 2^32 events",
@@ -317,9 +317,23 @@ impl Replay {
             }
             plans.push(plan);
         }
+        let mut recorded = recorded;
+        let fraction_recorded = recorded.per_process_memory_fraction > 0.0
+            && recorded.per_process_memory_fraction < 1.0;
+        let implied_fraction = if fraction_recorded {
+            None
+        } else {
+            capacity::implied_fraction(plans.iter().map(|p| &p.capacity))
+        };
+        if let Some(fraction) = implied_fraction {
+            recorded.per_process_memory_fraction = fraction;
+        }
         let capacities = plans
             .iter()
-            .map(|plan| CapacityInference::infer(&plan.capacity, &recorded))
+            .map(|plan| CapacityInference {
+                fraction_implied: implied_fraction.is_some(),
+                ..CapacityInference::infer(&plan.capacity, &recorded)
+            })
             .collect();
         let mut pools = Vec::with_capacity(plans.len());
         let mut attributions = Vec::with_capacity(plans.len());

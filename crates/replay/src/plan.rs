@@ -215,11 +215,13 @@ impl LiveSegments {
 }
 
 impl DevicePlan {
-    /// Reads device `device`'s events; `segments` are the snapshot's segments of that device.
+    /// Reads device `device`'s events; `segments` are the snapshot's segments of that device,
+    /// `max_split_size` the recorded configuration's (it tells which releases synchronized).
     pub(crate) fn build(
         device: usize,
         trace: &[TraceEntry],
         segments: Vec<Segment>,
+        max_split_size: usize,
     ) -> Result<DevicePlan, PlanError> {
         if u32::try_from(trace.len()).is_err() {
             return Err(PlanError::TooManyEvents);
@@ -301,7 +303,13 @@ impl DevicePlan {
                         // Completed at once, unless by the synchronization of the next
                         // allocation's out-of-memory sequence (nothing is recorded in between).
                         Some(&Some(done))
-                            if done == i + 1 && !completed_by_synchronizing(trace, done) =>
+                            if done == i + 1
+                                && (!completed_by_synchronizing(trace, done)
+                                    || released_without_synchronizing(
+                                        trace,
+                                        done,
+                                        max_split_size,
+                                    )) =>
                         {
                             None
                         }
@@ -480,6 +488,36 @@ fn completion_events(trace: &[TraceEntry]) -> HashMap<usize, Option<usize>> {
     completion
 }
 
+/// Whether the release run right after the `free_completed` event at `done` can be
+/// `release_available_cached_blocks`, which does not synchronize: under `max_split_size`, a request
+/// that finds no cached block and no room first releases just enough oversize cached blocks (each
+/// at least `max_split_size`) and tries again. A block freed right before such a run was free at
+/// once, not held back until a synchronization. A run that also releases smaller segments, or ends
+/// in an `oom`, was `release_cached_blocks`, which synchronizes first.
+fn released_without_synchronizing(
+    trace: &[TraceEntry],
+    done: usize,
+    max_split_size: usize,
+) -> bool {
+    if max_split_size == usize::MAX {
+        return false;
+    }
+    let Ok(max_split) = u64::try_from(max_split_size) else {
+        return false;
+    };
+    let mut released_any = false;
+    for e in trace[done + 1..].iter().filter(|e| !is_note(&e.action)) {
+        if e.action != TraceAction::SegmentFree {
+            return released_any && e.action == TraceAction::SegmentAlloc;
+        }
+        if e.size < max_split {
+            return false;
+        }
+        released_any = true;
+    }
+    false
+}
+
 /// Whether the `free_completed` event at `i` of a held-back block came from synchronizing with
 /// every stream (the out-of-memory sequence or `empty_cache`, which release segments right after)
 /// rather than from finding the block's event done at the start of an allocation. The difference
@@ -610,7 +648,7 @@ mod tests {
             entry(FreeCompleted, 0x1000_1000, 4096, 0),
             entry(FreeCompleted, 0x1000_0000, 4096, 0),
         ];
-        let plan = DevicePlan::build(0, &trace, Vec::new()).unwrap();
+        let plan = DevicePlan::build(0, &trace, Vec::new(), usize::MAX).unwrap();
         let held: Vec<Option<StreamId>> = plan
             .ops
             .iter()
@@ -653,7 +691,7 @@ mod tests {
             entry(SegmentFree, 0x5000_0000, 2 << 20, 0),
             entry(Oom, 0, 64 << 20, 0),
         ];
-        let plan = DevicePlan::build(0, &trace, Vec::new()).unwrap();
+        let plan = DevicePlan::build(0, &trace, Vec::new(), usize::MAX).unwrap();
         let releases: Vec<(u32, ReleaseRun)> = plan
             .ops
             .iter()
@@ -692,7 +730,7 @@ mod tests {
             entry(SegmentMap, small, 2 << 20, 0),
             entry(SegmentMap, large + (40 << 20), 20 << 20, 0),
         ];
-        let plan = DevicePlan::build(0, &trace, Vec::new()).unwrap();
+        let plan = DevicePlan::build(0, &trace, Vec::new(), usize::MAX).unwrap();
         assert_eq!(plan.reserve_addrs, vec![large, small]);
         let bound = plan.capacity.layout_bound.unwrap();
         let chunk = LARGE_BUFFER as u64;
@@ -711,7 +749,7 @@ mod tests {
             entry(SegmentFree, 0x1000_0000, 20 << 20, 0),
             entry(Oom, 1 << 20, 64 << 20, 0),
         ];
-        let plan = DevicePlan::build(0, &trace, Vec::new()).unwrap();
+        let plan = DevicePlan::build(0, &trace, Vec::new(), usize::MAX).unwrap();
         assert_eq!(
             plan.ops,
             vec![

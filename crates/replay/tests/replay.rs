@@ -9,7 +9,7 @@ use tensormem_cuda_alloc::snapshot::{Snapshot, TraceAction, TraceEntry};
 use tensormem_cuda_alloc::{CachingAllocator, StreamId, DEFAULT_STREAM_CAPACITY};
 use tensormem_replay::{ExpectedStats, Replay, RunOptions};
 
-const TRACES: [&str; 18] = [
+const TRACES: [&str; 21] = [
     "gpt2_train",
     "gpt2_train__expandable_segments-True",
     "multistream",
@@ -28,6 +28,9 @@ const TRACES: [&str; 18] = [
     "mempool_loop",
     "record_stream_multi",
     "mempool_expandable__expandable_segments-True",
+    "varlen_pressure2__fraction-0.004",
+    "oom_expandable__fraction-0.004_expandable_segments-True",
+    "oom_max_split__fraction-0.005_max_split_size_mb-32",
 ];
 
 fn traces_dir() -> PathBuf {
@@ -250,6 +253,25 @@ fn mempool_replays_exactly() {
 #[test]
 fn varlen_pressure_with_garbage_collection_replays_exactly_with_no_flag() {
     exact("varlen_pressure__per_process_memory_fraction-0.025_garbage_collection_threshold-0.6");
+}
+
+/// Out-of-memory errors caught by the program under `torch.cuda.set_per_process_memory_fraction()`,
+/// which the snapshot's settings do not record: the `oom` events the device had room for imply the
+/// fraction, and every failed request fails in the replay too.
+#[test]
+fn caught_ooms_under_a_fraction_set_in_the_program_replay_exactly_with_no_flag() {
+    for name in [
+        "varlen_pressure2__fraction-0.004",
+        "oom_expandable__fraction-0.004_expandable_segments-True",
+        "oom_max_split__fraction-0.005_max_split_size_mb-32",
+    ] {
+        exact(name);
+        let (snapshot, _) = load(name);
+        let replay = Replay::new(&snapshot).unwrap();
+        let inference = replay.capacity_inference(0).unwrap();
+        assert!(inference.fraction_implied, "{name}");
+        assert!(inference.consistent, "{name}");
+    }
 }
 
 /// Two `MemPool`s on one stream beside eager allocations, both destroyed at the end, one still
