@@ -11,7 +11,7 @@
 
 use std::sync::atomic::Ordering::Relaxed;
 
-use super::{Allocation, CachingAllocator, Locked, PoolChoice, Route};
+use super::{policy, Allocation, CachingAllocator, Locked, PoolChoice, Route};
 use crate::block::{Block, NIL};
 use crate::device::{Device, DeviceError, StreamId};
 use crate::error::{Error, Result};
@@ -19,7 +19,7 @@ use crate::free_set::FreePos;
 use crate::oom::{OomEvent, OutOfMemory};
 use crate::pool::PoolOwner;
 use crate::shard::ShardGuard;
-use crate::size::{allocation_size, is_small, round_size, MIN_BLOCK_SIZE, ONE_EXABYTE, SMALL_SIZE};
+use crate::size::{allocation_size, is_small, round_size, ONE_EXABYTE};
 use crate::stack::{RecordContext, Stack};
 use crate::stats::peaks::{Kind, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS};
 use crate::trace::Action;
@@ -311,14 +311,7 @@ impl<D: Device> Locked<'_, D> {
             (found, block_size) = self.expandable_best_fit(pool, size, found)?;
             source = Source::Free(None);
         }
-        let max_split = settings.max_split_size();
-        if (size < max_split) & (block_size >= max_split) {
-            std::hint::cold_path();
-            return None;
-        }
-        if (size >= max_split)
-            & (block_size >= size.saturating_add(settings.max_non_split_rounding_size()))
-        {
+        if !policy::best_fit_allows(settings, size, block_size) {
             std::hint::cold_path();
             return None;
         }
@@ -370,12 +363,14 @@ impl<D: Device> Locked<'_, D> {
     /// `should_split`).
     #[inline]
     fn should_split(&self, pool: u16, block: u32, size: usize) -> bool {
-        let remaining = self.st.blocks[block].size as usize - size;
-        if self.st.pools[pool as usize].small | self.a.settings.expandable_segments() {
-            remaining >= MIN_BLOCK_SIZE
-        } else {
-            size < self.a.settings.max_split_size() && remaining > SMALL_SIZE
-        }
+        let settings = &self.a.settings;
+        policy::should_split(
+            self.st.pools[pool as usize].small,
+            settings.expandable_segments(),
+            settings.max_split_size(),
+            size,
+            self.st.blocks[block].size as usize - size,
+        )
     }
 
     /// Splits `block` if worthwhile and hands out its first `size` bytes. `source`: whether the block

@@ -22,6 +22,7 @@ mod hot_pair;
 mod inspect;
 mod invariants;
 mod parked;
+mod policy;
 mod private;
 mod release;
 mod teardown;

@@ -51,11 +51,11 @@
 use std::sync::atomic::Ordering::Relaxed;
 
 use super::hot_pair::HotPair;
+use super::policy;
 use super::{Allocation, Locked};
 use crate::block::NIL;
 use crate::device::Device;
 use crate::shard::ShardState;
-use crate::size::{MIN_BLOCK_SIZE, SMALL_SIZE};
 use crate::stack::Stack;
 use crate::stats::peaks::{Figures, Kind, OVERSIZE_ALLOCATIONS};
 use crate::trace::Action;
@@ -135,34 +135,6 @@ pub(crate) struct Verdict {
     pub(super) settings_version: u64,
 }
 
-/// PyTorch's `should_split` for a block of `remaining + size` bytes in a pool of the given class.
-#[inline(always)]
-pub(crate) fn split_rule(
-    small_pool: bool,
-    expandable_segments: bool,
-    max_split: usize,
-    size: usize,
-    remaining: usize,
-) -> bool {
-    if small_pool || expandable_segments {
-        remaining >= MIN_BLOCK_SIZE
-    } else {
-        size < max_split && remaining > SMALL_SIZE
-    }
-}
-
-/// The oversize rules of best fit (PyTorch's `get_free_block`) for a request of `size` bytes and a
-/// free block of `block_size` bytes: whether they let best fit take the block.
-#[inline(always)]
-fn oversize_rules_pass(settings: &crate::settings::Settings, size: usize, block_size: u64) -> bool {
-    let max_split = settings.max_split_size();
-    if size < max_split && block_size as usize >= max_split {
-        return false;
-    }
-    !(size >= max_split
-        && block_size as usize >= size.saturating_add(settings.max_non_split_rounding_size()))
-}
-
 impl<D: Device> super::CachingAllocator<D> {
     /// Whether frees may defer merges: always, except in the tests that compare with the plain path.
     #[inline(always)]
@@ -224,8 +196,8 @@ impl<D: Device> Locked<'_, D> {
         let n_size = n.size;
         if !checked {
             let merged = size as u64 + n_size;
-            if !oversize_rules_pass(settings, size, merged)
-                || !split_rule(
+            if !policy::best_fit_allows(settings, size, merged as usize)
+                || !policy::should_split(
                     p.small,
                     settings.expandable_segments(),
                     settings.max_split_size(),
@@ -294,7 +266,7 @@ impl<D: Device> Locked<'_, D> {
         let b = &st.blocks[parked.block];
         let p = &st.pools[b.pool as usize];
         if !checked
-            && (!oversize_rules_pass(&self.a.settings, size, size as u64)
+            && (!policy::best_fit_allows(&self.a.settings, size, size)
                 || !p
                     .free
                     .merged_would_be_first(size as u64, None, (size as u64, b.addr)))
