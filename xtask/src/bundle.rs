@@ -35,7 +35,16 @@ const BENCH_BINS: &[(&str, &str)] = &[
 
 /// PyTorch anchors copied into `DIR/anchors/` (from `../shared/anchors` beside the workspace), so
 /// that a benchmark and its anchor run from the bundle in one call.
-const ANCHOR_SCRIPTS: &[&str] = &["torch_handoff_bench.py"];
+const ANCHOR_SCRIPTS: &[&str] = &[
+    "compare_alloc.sh",
+    "build_torch_bench.sh",
+    "torch_alloc_bench.cpp",
+    "torch_handoff_bench.py",
+    "torch_sharing_bench.py",
+    "torch_loader_bench.py",
+    "torch_pinned_bench.py",
+    "torch_step_bench.py",
+];
 
 /// Where the anchors live, relative to the workspace root.
 const ANCHORS_DIR: &str = "../shared/anchors";
