@@ -298,18 +298,8 @@ impl<D: Device, B: IpcDriver> IpcProducer<D, B> {
                 sent.prune(false);
             }
         }
-        let (file, slot) = producer.take_slot()?;
-        let event = match producer.event(device, stream) {
-            Ok(event) => event.map(Arc::new),
-            Err(err) => {
-                file.release_unsent(slot);
-                return Err(err);
-            }
-        };
-        let event_handle = event
-            .as_ref()
-            .and_then(|g| g.pooled.as_ref())
-            .map(|p| p.handle);
+        let (file, slot, event, event_handle) = producer.slot_and_event(device, stream)?;
+        let event = event.map(Arc::new);
         for (allocation, placed) in allocations.iter_mut().zip(&placed) {
             if placed.is_none() {
                 continue; // no memory to hold
@@ -427,6 +417,25 @@ impl<D: Device, B: IpcDriver> ProducerInner<D, B> {
             *current = None;
         }
         Ok((file, slot))
+    }
+
+    /// A ref-counter slot for one message, and the event (with its handle) that orders the
+    /// consumer after the work queued on `stream` so far; the slot goes back unsent if the event
+    /// cannot be had.
+    fn slot_and_event(&self, device: u32, stream: StreamId) -> Result<SlotAndEvent<B>> {
+        let (file, slot) = self.take_slot()?;
+        let event = match self.event(device, stream) {
+            Ok(event) => event,
+            Err(err) => {
+                file.release_unsent(slot);
+                return Err(err);
+            }
+        };
+        let event_handle = event
+            .as_ref()
+            .and_then(|g| g.pooled.as_ref())
+            .map(|p| p.handle);
+        Ok((file, slot, event, event_handle))
     }
 
     /// An event recorded on `stream` (from the pool, or new while fewer than the budget exist), or
@@ -593,6 +602,14 @@ struct EventPool<B: IpcDriver> {
     live: AtomicUsize,
     lent: AtomicUsize,
 }
+
+/// A message's ref-counter file and slot, its event if it needs one, and that event's handle.
+type SlotAndEvent<B> = (
+    Arc<RefCounterFile>,
+    usize,
+    Option<EventGuard<B>>,
+    Option<EventHandle>,
+);
 
 /// An event lent to one share; returns to the pool when the share goes.
 struct EventGuard<B: IpcDriver> {
@@ -815,18 +832,7 @@ impl<D: Device, B: IpcDriver> SharedAllocation<D, B> {
         };
         let mem_handle = producer.mem_handle(device, base, base_size)?;
         sent.prune(false);
-        let (file, slot) = producer.take_slot()?;
-        let event = match producer.event(device, stream) {
-            Ok(event) => event,
-            Err(err) => {
-                file.release_unsent(slot);
-                return Err(err);
-            }
-        };
-        let event_handle = event
-            .as_ref()
-            .and_then(|g| g.pooled.as_ref())
-            .map(|p| p.handle);
+        let (file, slot, event, event_handle) = producer.slot_and_event(device, stream)?;
         let handle = IpcHandle {
             device,
             mem_handle,

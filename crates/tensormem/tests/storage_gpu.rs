@@ -9,6 +9,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+mod torch_check;
 
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -17,6 +18,7 @@ use common::gpus;
 use tensormem::storage::{
     release_ipc_counter, storage_copy, CudaContext, Device, Error, IpcHandle, Storage, StorageKind,
 };
+use torch_check::torch_cuda;
 
 const ROLE: &str = "TENSORMEM_STORAGE_GPU_ROLE";
 const ARG: &str = "TENSORMEM_STORAGE_GPU_ARG";
@@ -196,25 +198,6 @@ fn cuda_storages_shared_with_another_process() {
     );
     drop(storage); // both handles were released: the memory goes back at once
     assert!(ctx.producer().collect() || ctx.producer().stats().limbo == 0);
-}
-
-/// Whether `python3 -c 'import torch'` works (and torch sees a GPU); says why not otherwise.
-fn torch_cuda() -> bool {
-    let ok = Command::new("python3")
-        .args([
-            "-c",
-            "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)",
-        ])
-        .output()
-        .is_ok_and(|out| out.status.success());
-    if !ok {
-        assert!(
-            std::env::var("TENSORMEM_REQUIRE_TORCH").as_deref() != Ok("1"),
-            "TENSORMEM_REQUIRE_TORCH=1 but python3 cannot use torch with CUDA"
-        );
-        eprintln!("skipped: python3 with a CUDA-enabled torch is not available here");
-    }
-    ok
 }
 
 const PY_VIEW: &str = r#"

@@ -10,6 +10,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+mod torch_check;
 
 use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
@@ -19,6 +20,7 @@ use common::gpus;
 use tensormem::cuda;
 use tensormem::ipc::TorchShareTuple;
 use tensormem::storage::{storage_copy, CudaContext, IpcHandle, Storage, StorageKind};
+use torch_check::torch_cuda;
 
 const ROLE: &str = "TENSORMEM_SHARING_GPU_ROLE";
 const MIB: usize = 1 << 20;
@@ -169,25 +171,6 @@ fn storages_use_the_device_apis_allocator() {
     if before == 0 {
         assert_eq!(cuda::memory_reserved(Some(0)).unwrap(), 0);
     }
-}
-
-/// Whether `python3` can use torch with CUDA; says why not otherwise.
-fn torch_cuda() -> bool {
-    let ok = Command::new("python3")
-        .args([
-            "-c",
-            "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)",
-        ])
-        .output()
-        .is_ok_and(|out| out.status.success());
-    if !ok {
-        assert!(
-            std::env::var("TENSORMEM_REQUIRE_TORCH").as_deref() != Ok("1"),
-            "TENSORMEM_REQUIRE_TORCH=1 but python3 cannot use torch with CUDA"
-        );
-        eprintln!("skipped: python3 with a CUDA-enabled torch is not available here");
-    }
-    ok
 }
 
 #[test]
