@@ -811,33 +811,22 @@ impl<D: Device, B: IpcDriver> SharedAllocation<D, B> {
     /// [`Error::RefCounterFile`] if a ref-counter file cannot be created; [`Error::Driver`] if a driver
     /// call fails. Nothing is handed out then, and the allocation stays owned here.
     pub fn share(&mut self, stream: StreamId) -> Result<IpcHandle> {
+        let Some(located) = self.locate()? else {
+            return Ok(IpcHandle::empty(self.sent().allocator.device().index()));
+        };
         let producer = Arc::clone(&self.producer);
         let sent = self
             .sent
             .as_mut()
             .expect("a SharedAllocation holds its allocation until dropped");
         let device = sent.allocator.device().index();
-        let ptr = sent.allocation.ptr();
-        if sent.allocation.size() == 0 {
-            return Ok(IpcHandle::empty(device));
-        }
-        check_shareable(device, ptr)?;
-        let (base, base_size) = match self.base {
-            Some(base) => base,
-            None => {
-                let base = sent.allocator.base_allocation(ptr)?;
-                self.base = Some(base);
-                base
-            }
-        };
-        let mem_handle = producer.mem_handle(device, base, base_size)?;
         sent.prune(false);
         let (file, slot, event, event_handle) = producer.slot_and_event(device, stream)?;
         let handle = IpcHandle {
             device,
-            mem_handle,
+            mem_handle: located.mem_handle,
             size: sent.allocation.requested_size() as u64,
-            offset: ptr.0 - base.0,
+            offset: located.offset,
             ref_counter: Some(file.name().clone()),
             slot: slot as u64,
             event: event_handle,
