@@ -85,8 +85,9 @@ unsafe impl Device for GatedDevice {
     }
 }
 
-#[test]
-fn a_cache_hit_on_the_same_stream_does_not_wait_for_a_device_allocation() {
+/// An allocator with `release_lock_on_cudamalloc:True` on a 1 GiB gated device, with the receiver
+/// told when a gated device allocation started and the sender that lets it go on.
+fn gated_allocator() -> (Arc<CachingAllocator<GatedDevice>>, Receiver<()>, Sender<()>) {
     let (started_tx, started) = channel();
     let (go, go_rx) = channel();
     let device = GatedDevice {
@@ -95,7 +96,16 @@ fn a_cache_hit_on_the_same_stream_does_not_wait_for_a_device_allocation() {
         go: Mutex::new(go_rx),
     };
     let config = AllocatorConfig::parse("release_lock_on_cudamalloc:True").unwrap();
-    let alloc = Arc::new(CachingAllocator::with_config(device, config));
+    (
+        Arc::new(CachingAllocator::with_config(device, config)),
+        started,
+        go,
+    )
+}
+
+#[test]
+fn a_cache_hit_on_the_same_stream_does_not_wait_for_a_device_allocation() {
+    let (alloc, started, go) = gated_allocator();
     let s = StreamId(0);
     let warm = alloc.allocate(4096, s).unwrap();
     alloc.free(warm).unwrap(); // a cached small block on `s`
@@ -131,15 +141,7 @@ fn a_cache_hit_on_the_same_stream_does_not_wait_for_a_device_allocation() {
 
 #[test]
 fn the_invariant_walk_allows_for_a_device_allocation_under_way() {
-    let (started_tx, started) = channel();
-    let (go, go_rx) = channel();
-    let device = GatedDevice {
-        sim: SimDevice::new(1 << 30),
-        started: Mutex::new(started_tx),
-        go: Mutex::new(go_rx),
-    };
-    let config = AllocatorConfig::parse("release_lock_on_cudamalloc:True").unwrap();
-    let alloc = Arc::new(CachingAllocator::with_config(device, config));
+    let (alloc, started, go) = gated_allocator();
     let s = StreamId(0);
     let small = alloc.allocate(4096, s).unwrap();
     let slow = {
