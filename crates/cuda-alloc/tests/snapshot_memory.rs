@@ -134,31 +134,30 @@ fn assert_memory_refusal(result: Result<Snapshot, SnapshotError>) {
     }
 }
 
+/// Reads `bomb` under a `limit` of `max_memory_bytes`: refused, having held at most the limit plus
+/// `beyond` bytes (and the allocator's slack).
+fn refused_within(bomb: &[u8], limit: u64, beyond: usize) {
+    let (result, peak) =
+        measured(|| Snapshot::from_pickle_bytes_with_limits(bomb, &memory_limit(limit)));
+    assert_memory_refusal(result);
+    let bound = limit as usize + beyond + SLACK;
+    assert!(
+        peak <= bound,
+        "held {peak} bytes, bound {bound} (limit {limit})"
+    );
+}
+
 #[test]
 fn one_entry_dicts_stop_at_max_memory_bytes() {
     // 300 000 dicts: 900 000 values, far below the default max_values.
     let bomb = list_of(ONE_ENTRY_DICT, 300_000);
-    let limit = 8 << 20;
-    let (result, peak) =
-        measured(|| Snapshot::from_pickle_bytes_with_limits(&bomb, &memory_limit(limit)));
-    assert_memory_refusal(result);
-    assert!(
-        peak <= limit as usize + SLACK,
-        "held {peak} bytes under a limit of {limit}"
-    );
+    refused_within(&bomb, 8 << 20, 0);
 }
 
 #[test]
 fn a_dict_of_many_int_keys_stops_at_max_memory_bytes() {
     let bomb = dict_of_int_keys(300_000);
-    let limit = 8 << 20;
-    let (result, peak) =
-        measured(|| Snapshot::from_pickle_bytes_with_limits(&bomb, &memory_limit(limit)));
-    assert_memory_refusal(result);
-    assert!(
-        peak <= limit as usize + SLACK,
-        "held {peak} bytes under a limit of {limit}"
-    );
+    refused_within(&bomb, 8 << 20, 0);
 }
 
 #[test]
@@ -172,14 +171,9 @@ fn a_gzip_bomb_of_small_dicts_stops_at_max_memory_bytes() {
         "{} bytes of gzip",
         bomb.len()
     );
-    let limit = 8 << 20;
-    let (result, peak) =
-        measured(|| Snapshot::from_pickle_bytes_with_limits(&bomb, &memory_limit(limit)));
-    assert_memory_refusal(result);
     // The decompressed pickle is held too (bounded by max_decompressed_bytes); a read buffer may
     // hold twice its length while it grows.
-    let bound = limit as usize + 2 * plain.len() + SLACK;
-    assert!(peak <= bound, "held {peak} bytes, bound {bound}");
+    refused_within(&bomb, 8 << 20, 2 * plain.len());
 }
 
 #[test]
