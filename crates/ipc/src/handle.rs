@@ -48,6 +48,51 @@ const TORCH_CUDA_MALLOC: u8 = b'c';
 /// The type byte of an expandable segment's handle (`SHAREABLE_CUDA_EXPANDABLE_SEGMENT`).
 const TORCH_EXPANDABLE: u8 = b'e';
 
+/// The version byte PyTorch 2.x writes before a handle's type (`SHAREABLE_HANDLE_VERSION`; later
+/// versions keep the `'c'` payload, so any version is read).
+const TORCH_HANDLE_VERSION: u8 = 2;
+
+impl MemHandle {
+    /// The CUDA handle inside a memory handle PyTorch sends: its versioned form (a version byte,
+    /// the type `'c'`, the 64-byte CUDA handle) or the bare 64 bytes older PyTorch sends.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidTuple`] for an expandable segment's handle (type `'e'`, which tensormem-ipc
+    /// cannot open) or an unknown type; [`Error::HandleLength`] for any other length.
+    pub fn from_torch(bytes: &[u8]) -> Result<Self> {
+        Ok(MemHandle(match bytes.len() {
+            TORCH_HANDLE_LEN => match bytes[1] {
+                TORCH_CUDA_MALLOC => array(&bytes[2..]),
+                TORCH_EXPANDABLE => {
+                    return Err(Error::InvalidTuple {
+                        problem: "the handle is an expandable segment's, which tensormem cannot \
+                                  open; share from an allocator with expandable_segments:False"
+                            .into(),
+                    })
+                }
+                other => {
+                    return Err(Error::InvalidTuple {
+                        problem: format!("unknown handle type {other:#04x} (version {})", bytes[0]),
+                    })
+                }
+            },
+            _ => fixed("handle", bytes)?,
+        }))
+    }
+
+    /// This handle in PyTorch 2.x's versioned form (version 2, type `'c'`, the CUDA handle), what
+    /// PyTorch's own allocator returns from `shareIpcHandle`.
+    #[must_use]
+    pub fn to_torch(&self) -> [u8; TORCH_HANDLE_LEN] {
+        let mut out = [0; TORCH_HANDLE_LEN];
+        out[0] = TORCH_HANDLE_VERSION;
+        out[1] = TORCH_CUDA_MALLOC;
+        out[2..].copy_from_slice(&self.0);
+        out
+    }
+}
+
 /// Everything a consumer needs to open memory another process shared (the content of PyTorch's
 /// `_share_cuda_` tuple).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -245,28 +290,7 @@ impl IpcHandle {
             }
             return Ok(Self::empty(device));
         }
-        let mem_handle = MemHandle(match tuple.handle.len() {
-            TORCH_HANDLE_LEN => match tuple.handle[1] {
-                TORCH_CUDA_MALLOC => array(&tuple.handle[2..]),
-                TORCH_EXPANDABLE => {
-                    return Err(Error::InvalidTuple {
-                        problem:
-                            "the handle is an expandable segment's, which tensormem-ipc cannot \
-                                  open; share from an allocator with expandable_segments:False"
-                                .into(),
-                    })
-                }
-                other => {
-                    return Err(Error::InvalidTuple {
-                        problem: format!(
-                            "unknown handle type {other:#04x} (version {})",
-                            tuple.handle[0]
-                        ),
-                    })
-                }
-            },
-            _ => fixed("handle", &tuple.handle)?,
-        });
+        let mem_handle = MemHandle::from_torch(&tuple.handle)?;
         let event = if tuple.event_sync_required {
             Some(EventHandle(fixed("event_handle", &tuple.event_handle)?))
         } else {
@@ -534,6 +558,13 @@ mod tests {
             IpcHandle::from_torch(&t),
             Err(Error::HandleLength { len: 67, .. })
         ));
+        // The versioned form PyTorch's allocator writes, read back; a later version byte too.
+        let written = MemHandle([7; 64]).to_torch();
+        assert_eq!(&written[..2], &[2, b'c']);
+        assert_eq!(MemHandle::from_torch(&written).unwrap(), MemHandle([7; 64]));
+        let mut later = written;
+        later[0] = 3;
+        assert_eq!(MemHandle::from_torch(&later).unwrap(), MemHandle([7; 64]));
         // Not required: PyTorch's event bytes are then meaningless and not checked.
         let mut t = sample(false).to_torch();
         t.event_handle.clear();

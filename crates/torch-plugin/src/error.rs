@@ -73,9 +73,12 @@ pub enum Error {
         /// The index.
         index: u64,
     },
-    /// A CUDA IPC handle that is not one PyTorch or tensormem writes, or one of a kind not supported.
+    /// Memory that cannot be shared through CUDA IPC (in an expandable segment).
     #[error("{0}")]
     IpcHandle(String),
+    /// A CUDA IPC handle that is not one PyTorch or tensormem writes, or one of a kind not supported.
+    #[error(transparent)]
+    Ipc(#[from] tensormem::ipc::Error),
     /// Code under the plugin panicked; the panic was stopped at the C boundary.
     #[error("{call} panicked: {message}; this is a bug in tensormem, please report it")]
     Panicked {

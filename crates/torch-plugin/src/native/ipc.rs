@@ -4,7 +4,8 @@
 //!
 //! The handle is PyTorch 2.x's: a version byte (2), the type byte `'c'` (memory from a device
 //! allocation) and the 64-byte `cudaIpcMemHandle_t` of the segment holding the memory; the memory's
-//! offset in the segment travels beside it. A consumer opens each segment once per process: handles of
+//! offset in the segment travels beside it (written and read by `tensormem_ipc::MemHandle`, as for
+//! PyTorch's tuples in tensormem-ipc; later version bytes are read too). A consumer opens each segment once per process: handles of
 //! one segment share the mapping, which is closed when the last user is done
 //! ([`tensormem_ipc_close`]).
 
@@ -13,6 +14,7 @@ use std::ffi::{c_int, c_void};
 use std::sync::Mutex;
 
 use cudarc::driver::sys;
+use tensormem::ipc::{MemHandle, IPC_HANDLE_SIZE};
 use tensormem_cuda_alloc::{DeviceAddress, DeviceError, Error as AllocError};
 
 use super::status;
@@ -20,15 +22,9 @@ use crate::allocate::owner;
 use crate::devices;
 use crate::error::{Error, Result};
 
-/// PyTorch's handle version byte (`SHAREABLE_HANDLE_VERSION`).
-const VERSION: u8 = 2;
-/// The type byte of a device allocation's handle (`SHAREABLE_CUDA_MALLOC`).
-const CUDA_MALLOC: u8 = b'c';
-/// The type byte of an expandable segment's handle (`SHAREABLE_CUDA_EXPANDABLE_SEGMENT`).
-const EXPANDABLE: u8 = b'e';
 /// `sizeof(cudaIpcMemHandle_t)`.
-const CUDA_HANDLE: usize = 64;
-/// The length of a versioned handle.
+const CUDA_HANDLE: usize = IPC_HANDLE_SIZE;
+/// The length of the versioned handle PyTorch's allocator writes.
 pub const HANDLE_LEN: usize = 2 + CUDA_HANDLE;
 
 fn driver(call: &'static str, result: sys::CUresult) -> Result<()> {
@@ -83,12 +79,7 @@ pub unsafe extern "C" fn tensormem_ipc_share(
         driver("cuIpcGetMemHandle", unsafe {
             sys::cuIpcGetMemHandle(&mut handle, base.0)
         })?;
-        let mut bytes = [0u8; HANDLE_LEN];
-        bytes[0] = VERSION;
-        bytes[1] = CUDA_MALLOC;
-        for (slot, &b) in bytes[2..].iter_mut().zip(&handle.reserved) {
-            *slot = b as u8;
-        }
+        let bytes = MemHandle(handle.reserved.map(|b| b as u8)).to_torch();
         // SAFETY: `out` is valid for `HANDLE_LEN` bytes and `offset` for one write (the caller's
         // obligation), both non-null (checked above).
         unsafe {
@@ -106,31 +97,6 @@ static OPENED: Mutex<Option<HashMap<[u8; CUDA_HANDLE], Opened>>> = Mutex::new(No
 struct Opened {
     ptr: u64,
     users: usize,
-}
-
-/// The CUDA handle inside a PyTorch handle (versioned, or the bare 64 bytes older PyTorch sends).
-fn cuda_handle(bytes: &[u8]) -> Result<[u8; CUDA_HANDLE]> {
-    let raw =
-        match bytes {
-            [VERSION, CUDA_MALLOC, rest @ ..] if rest.len() == CUDA_HANDLE => rest,
-            [_, EXPANDABLE, ..] => return Err(Error::IpcHandle(
-                "the handle is of an expandable segment (type 'e'), which tensormem cannot open \
-                 yet; run the producer without expandable_segments:True"
-                    .to_owned(),
-            )),
-            raw if raw.len() == CUDA_HANDLE => raw,
-            other => {
-                return Err(Error::IpcHandle(format!(
-            "a CUDA IPC handle of {} bytes starting {:02x?}: expected PyTorch's {HANDLE_LEN}-byte \
-                 handle (version {VERSION}, type 'c') or a bare {CUDA_HANDLE}-byte one",
-            other.len(),
-            &other[..other.len().min(2)]
-        )))
-            }
-        };
-    let mut handle = [0u8; CUDA_HANDLE];
-    handle.copy_from_slice(raw);
-    Ok(handle)
 }
 
 /// Opens the memory a handle from [`tensormem_ipc_share`] (or from PyTorch) names on `device`, into
@@ -154,7 +120,7 @@ pub unsafe extern "C" fn tensormem_ipc_open(
             });
         }
         // SAFETY: valid for `len` reads (the caller's obligation), non-null (checked above).
-        let key = cuda_handle(unsafe { std::slice::from_raw_parts(handle, len) })?;
+        let key = MemHandle::from_torch(unsafe { std::slice::from_raw_parts(handle, len) })?.0;
         let mut opened = OPENED.lock().unwrap_or_else(|e| e.into_inner());
         let table = opened.get_or_insert_with(HashMap::new);
         if let Some(entry) = table.get_mut(&key) {
@@ -212,20 +178,22 @@ pub extern "C" fn tensormem_ipc_close(ptr: *mut c_void) -> c_int {
 mod tests {
     use super::*;
 
+    fn opened(bytes: &[u8]) -> Result<[u8; CUDA_HANDLE]> {
+        Ok(MemHandle::from_torch(bytes)?.0)
+    }
+
     #[test]
     fn pytorch_handles_are_read_and_others_refused() {
-        let mut versioned = vec![VERSION, CUDA_MALLOC];
-        versioned.extend([7u8; CUDA_HANDLE]);
-        assert_eq!(cuda_handle(&versioned).unwrap(), [7u8; CUDA_HANDLE]);
-        assert_eq!(
-            cuda_handle(&[9u8; CUDA_HANDLE]).unwrap(),
-            [9u8; CUDA_HANDLE]
-        );
-        let mut expandable = vec![VERSION, EXPANDABLE];
-        expandable.extend([0u8; 40]);
-        let err = cuda_handle(&expandable).unwrap_err().to_string();
+        let written = MemHandle([7; CUDA_HANDLE]).to_torch();
+        assert_eq!(written.len(), HANDLE_LEN);
+        assert_eq!(&written[..2], &[2, b'c']);
+        assert_eq!(opened(&written).unwrap(), [7u8; CUDA_HANDLE]);
+        assert_eq!(opened(&[9u8; CUDA_HANDLE]).unwrap(), [9u8; CUDA_HANDLE]);
+        let mut expandable = written;
+        expandable[1] = b'e';
+        let err = opened(&expandable).unwrap_err().to_string();
         assert!(err.contains("expandable"), "{err}");
-        let err = cuda_handle(&[1, 2, 3]).unwrap_err().to_string();
+        let err = opened(&[1, 2, 3]).unwrap_err().to_string();
         assert!(err.contains("3 bytes"), "{err}");
     }
 }
