@@ -10,7 +10,9 @@
 //! [`AllocatorConfig`] is that string parsed: [`AllocatorConfig::parse`] reads it (with PyTorch's error
 //! messages for malformed values), [`AllocatorConfig::apply`] changes settings at run time the way PyTorch
 //! does, [`AllocatorConfig::from_env`] reads `TENSORMEM_ALLOC_CONF` (falling back to PyTorch's own
-//! variables), and [`Display`](fmt::Display) writes the canonical string that parses back to the same value.
+//! variables, in PyTorch's order: `PYTORCH_ALLOC_CONF`, then `PYTORCH_CUDA_ALLOC_CONF`, then
+//! `PYTORCH_HIP_ALLOC_CONF`), and [`Display`](fmt::Display) writes the canonical string that parses back
+//! to the same value.
 //!
 //! ```
 //! use tensormem_cuda_alloc::config::AllocatorConfig;
@@ -22,13 +24,17 @@
 //! # Ok::<(), tensormem_cuda_alloc::config::ConfigError>(())
 //! ```
 //!
-//! Keys (PyTorch 2.11, CUDA build): `backend`, `max_split_size_mb`, `max_non_split_rounding_mb`,
+//! Keys ([`KNOWN_KEYS`]: PyTorch's device-generic keys and its CUDA build's): `backend`,
+//! `max_split_size_mb`, `max_non_split_rounding_mb`, `large_segment_size_mb`,
 //! `garbage_collection_threshold`, `roundup_power2_divisions`, `expandable_segments`,
 //! `release_lock_on_cudamalloc` (alias `release_lock_on_hipmalloc`), `pinned_use_cuda_host_register` (alias
 //! `pinned_use_hip_host_register`), `pinned_num_register_threads`, `pinned_use_background_threads`,
-//! `pinned_reserve_segment_size_mb`, `graph_capture_record_stream_reuse`, `per_process_memory_fraction`,
-//! `pinned_free_catch_all`, `throw_on_cudamalloc_oom`, and the `expandable_segments_reserve` /
-//! `expandable_segments_reserve_by_class` pair, which is kept verbatim in [`AllocatorConfig::other`].
+//! `pinned_reserve_segment_size_mb`, `pinned_max_round_threshold_mb`, `pinned_max_cached_size_mb`,
+//! `graph_capture_record_stream_reuse`, `per_process_memory_fraction`, `pinned_free_catch_all`,
+//! `throw_on_cudamalloc_oom`, and the `expandable_segments_reserve` /
+//! `expandable_segments_reserve_by_class` pair, whose valid values are kept in
+//! [`AllocatorConfig::other`]. A key outside this list is refused, as PyTorch refuses it. What the
+//! allocators do with each key is listed in `docs/allocator.md` ("Configuration keys").
 
 mod parse;
 
@@ -52,11 +58,17 @@ const ROUNDUP_POWER2_START_LOG2: u32 = 20;
 /// The largest `pinned_num_register_threads` PyTorch accepts.
 pub const MAX_PINNED_REGISTER_THREADS: usize = 128;
 
-/// Every key the grammar accepts (PyTorch 2.11's, CUDA build, plus the ROCm spellings it also accepts).
-pub const KNOWN_KEYS: [&str; 19] = [
+/// `large_segment_size_mb` must exceed this many MiB (PyTorch's `kMinLargeAlloc`, 10 MiB: a large
+/// segment must hold any request that is packed into one).
+const LARGE_SEGMENT_EXCLUSIVE_MIN_MB: u64 = 10;
+
+/// Every key the grammar accepts: PyTorch's device-generic keys (`AcceleratorAllocatorConfig`), its CUDA
+/// build's (`CUDAAllocatorConfig`), and the ROCm spellings it also accepts.
+pub const KNOWN_KEYS: [&str; 22] = [
     "backend",
     "max_split_size_mb",
     "max_non_split_rounding_mb",
+    "large_segment_size_mb",
     "garbage_collection_threshold",
     "roundup_power2_divisions",
     "expandable_segments",
@@ -67,6 +79,8 @@ pub const KNOWN_KEYS: [&str; 19] = [
     "pinned_num_register_threads",
     "pinned_use_background_threads",
     "pinned_reserve_segment_size_mb",
+    "pinned_max_round_threshold_mb",
+    "pinned_max_cached_size_mb",
     "graph_capture_record_stream_reuse",
     "per_process_memory_fraction",
     "pinned_free_catch_all",
@@ -75,14 +89,18 @@ pub const KNOWN_KEYS: [&str; 19] = [
     "expandable_segments_reserve_by_class",
 ];
 
-/// Environment variables [`AllocatorConfig::from_env`] reads, first found wins.
+/// Environment variables [`AllocatorConfig::from_env`] reads, first found wins (only that one is parsed;
+/// the others are not merged in).
 ///
-/// `TENSORMEM_ALLOC_CONF` is tensormem's own; `PYTORCH_ALLOC_CONF` is the device-generic name PyTorch
-/// prefers since 2.9; `PYTORCH_CUDA_ALLOC_CONF` is the historical (now deprecated) one.
-pub const ENV_VARS: [&str; 3] = [
+/// `TENSORMEM_ALLOC_CONF` is tensormem's own. The rest are PyTorch's, in the order PyTorch 2.9 to 2.11
+/// read them: `PYTORCH_ALLOC_CONF`, the device-generic name, then the older `PYTORCH_CUDA_ALLOC_CONF`
+/// and `PYTORCH_HIP_ALLOC_CONF` (for which those versions print a deprecation warning). Set only one of
+/// PyTorch's variables, or the same string in each, so that PyTorch and tensormem read the same settings.
+pub const ENV_VARS: [&str; 4] = [
     "TENSORMEM_ALLOC_CONF",
     "PYTORCH_ALLOC_CONF",
     "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_HIP_ALLOC_CONF",
 ];
 
 /// The variables that turn caching off, for debugging (every allocation straight to the device; see
@@ -157,8 +175,14 @@ pub struct AllocatorConfig {
     /// unlimited. Parsed values are whole MiB, at least [`LARGE_BUFFER`].
     pub max_split_size: usize,
     /// `max_non_split_rounding_mb`, in bytes: how much larger than a request an unsplittable cached block
-    /// may be and still serve it. Default [`LARGE_BUFFER`] (20 MiB).
+    /// may be and still serve it. Default [`LARGE_BUFFER`] (20 MiB); a string that sets
+    /// `large_segment_size_mb` first resets it to that size, as PyTorch does.
     pub max_non_split_rounding_size: usize,
+    /// `large_segment_size_mb`, in bytes: the size of the segments that requests between 1 and 10 MiB
+    /// are packed in, and the smallest `max_split_size_mb` and `max_non_split_rounding_mb` accept.
+    /// Default [`LARGE_BUFFER`] (20 MiB); parsed values are whole MiB above 10. The device allocator's
+    /// segments stay [`LARGE_BUFFER`]: this value is checked and kept, not acted on.
+    pub large_segment_size: usize,
     /// `roundup_power2_divisions`: for each power-of-two size interval (see [`ROUNDUP_POWER2_INTERVALS`]),
     /// into how many equal steps the interval is divided when rounding a request up; `0` (the default)
     /// means no such rounding. Read it with [`roundup_divisions_for`](Self::roundup_divisions_for).
@@ -185,6 +209,14 @@ pub struct AllocatorConfig {
     /// `pinned_reserve_segment_size_mb`: size of the pinned memory segment reserved up front, in MiB;
     /// `0` (default) reserves none. Parsed values are greater than 0.
     pub pinned_reserve_segment_size_mb: usize,
+    /// `pinned_max_round_threshold_mb`, in bytes: pinned host requests larger than this are not rounded
+    /// up to a power of two (see [`pinned_block_size`](Self::pinned_block_size)). `usize::MAX` (the
+    /// default) rounds every request.
+    pub pinned_max_round_threshold: usize,
+    /// `pinned_max_cached_size_mb`, in bytes: freed pinned host blocks larger than this go back to the
+    /// system instead of the cache (see [`pinned_caches`](Self::pinned_caches)), and requests larger
+    /// than it are not rounded either. `usize::MAX` (the default) caches every block.
+    pub pinned_max_cached_size: usize,
     /// `graph_capture_record_stream_reuse`: while capturing a CUDA graph, decide whether a block freed with
     /// `record_stream` may be reused from the graph's topology instead of waiting for the capture to end.
     /// Default `false`.
@@ -210,6 +242,7 @@ impl Default for AllocatorConfig {
             backend: Backend::Native,
             max_split_size: usize::MAX,
             max_non_split_rounding_size: LARGE_BUFFER,
+            large_segment_size: LARGE_BUFFER,
             roundup_power2_divisions: [0; ROUNDUP_POWER2_INTERVALS],
             garbage_collection_threshold: 0.0,
             expandable_segments: false,
@@ -218,6 +251,8 @@ impl Default for AllocatorConfig {
             pinned_num_register_threads: 1,
             pinned_use_background_threads: false,
             pinned_reserve_segment_size_mb: 0,
+            pinned_max_round_threshold: usize::MAX,
+            pinned_max_cached_size: usize::MAX,
             graph_capture_record_stream_reuse: false,
             per_process_memory_fraction: 1.0,
             pinned_free_catch_all: false,
@@ -229,7 +264,7 @@ impl Default for AllocatorConfig {
 
 /// What follows PyTorch's message for an unknown key: a did-you-mean and the grammar.
 fn unknown_key_hint(key: &str) -> String {
-    let grammar = "options are written key:value, separated by commas";
+    let grammar = "options are written key:value (a colon, not '='), separated by commas";
     if let Some((name, value)) = key.split_once('=') {
         let name = if KNOWN_KEYS.contains(&name) {
             Some(name)
@@ -237,8 +272,8 @@ fn unknown_key_hint(key: &str) -> String {
             closest_key(name)
         };
         return match name {
-            Some(name) => format!(" Did you mean '{name}:{value}'? {grammar} (not key=value)."),
-            None => format!(" The {grammar} (not key=value)."),
+            Some(name) => format!(" Did you mean '{name}:{value}'? The {grammar}."),
+            None => format!(" The {grammar}."),
         };
     }
     match closest_key(key) {
@@ -339,15 +374,29 @@ pub enum ConfigError {
         /// The value as written.
         found: String,
     },
-    /// `max_split_size_mb` below 20.
-    #[error("CachingAllocator option max_split_size_mb too small, must be >= {}", LARGE_BUFFER / MB)]
+    /// `max_split_size_mb` below the large segment size (20 MiB unless `large_segment_size_mb` says).
+    #[error("CachingAllocator option max_split_size_mb too small, must be >= {min_mb}")]
     MaxSplitSizeTooSmall {
         /// The value given, in MiB.
         mb: u64,
+        /// The smallest value accepted, in MiB: the large segment size.
+        min_mb: u64,
     },
-    /// `max_non_split_rounding_mb` below 20.
-    #[error("CachingAllocator option max_non_split_rounding_mb too small, must be >= {}", LARGE_BUFFER / MB)]
+    /// `max_non_split_rounding_mb` below the large segment size (20 MiB unless `large_segment_size_mb`
+    /// says).
+    #[error("CachingAllocator option max_non_split_rounding_mb too small, must be >= {min_mb}")]
     MaxNonSplitRoundingTooSmall {
+        /// The value given, in MiB.
+        mb: u64,
+        /// The smallest value accepted, in MiB: the large segment size.
+        min_mb: u64,
+    },
+    /// `large_segment_size_mb` of 10 MiB or less.
+    #[error(
+        "CachingAllocator option large_segment_size_mb must be > {LARGE_SEGMENT_EXCLUSIVE_MIN_MB} MB, \
+         got {mb}"
+    )]
+    LargeSegmentSizeTooSmall {
         /// The value given, in MiB.
         mb: u64,
     },
@@ -452,8 +501,9 @@ impl AllocatorConfig {
     ///
     /// Like PyTorch, every call first resets `max_split_size`, `roundup_power2_divisions` and
     /// `garbage_collection_threshold` to their defaults (a key left out of the string goes back to its
-    /// default), while the other settings keep their values unless the string names them. Unlike PyTorch,
-    /// a string with an error changes nothing.
+    /// default), while the other settings keep their values unless the string names them; a string that
+    /// sets `large_segment_size_mb` also resets `max_non_split_rounding_size` to that size before its
+    /// other keys are read. Unlike PyTorch, a string with an error changes nothing.
     ///
     /// # Errors
     /// As [`parse`](Self::parse); `self` is then unchanged.
@@ -476,8 +526,8 @@ impl AllocatorConfig {
     }
 
     /// Reads the configuration from the environment: the first of [`ENV_VARS`] that is set
-    /// (`TENSORMEM_ALLOC_CONF`, then `PYTORCH_ALLOC_CONF`, then `PYTORCH_CUDA_ALLOC_CONF`); the defaults if
-    /// none is.
+    /// (`TENSORMEM_ALLOC_CONF`, then `PYTORCH_ALLOC_CONF`, `PYTORCH_CUDA_ALLOC_CONF` and
+    /// `PYTORCH_HIP_ALLOC_CONF`, PyTorch's order), and only that one; the defaults if none is.
     ///
     /// # Errors
     /// [`ConfigError::Env`] naming the variable when its value does not parse, or
@@ -538,6 +588,30 @@ impl AllocatorConfig {
     pub fn limits_split_size(&self) -> bool {
         self.max_split_size != usize::MAX
     }
+
+    /// The size of the pinned host block that serves a request of `size` bytes (PyTorch's host
+    /// `roundSize`): the next power of two when `size` is at most both
+    /// [`pinned_max_round_threshold`](Self::pinned_max_round_threshold) and
+    /// [`pinned_max_cached_size`](Self::pinned_max_cached_size), else `size` rounded up to a multiple
+    /// of `alignment` (a power of two: the host allocator's block alignment). `None` when that size
+    /// does not fit in `usize`.
+    #[must_use]
+    pub fn pinned_block_size(&self, size: usize, alignment: usize) -> Option<usize> {
+        let size = size.max(alignment);
+        if size <= self.pinned_max_round_threshold && size <= self.pinned_max_cached_size {
+            size.checked_next_power_of_two()
+        } else {
+            size.checked_next_multiple_of(alignment)
+        }
+    }
+
+    /// Whether a freed pinned host block of `size` bytes goes back to the host allocator's cache
+    /// (`true`) or to the system once its streams are done with it (`false`: larger than
+    /// [`pinned_max_cached_size`](Self::pinned_max_cached_size)).
+    #[must_use]
+    pub fn pinned_caches(&self, size: usize) -> bool {
+        size <= self.pinned_max_cached_size
+    }
 }
 
 /// Index into `roundup_power2_divisions` for a request of `size` bytes.
@@ -561,7 +635,11 @@ impl fmt::Display for AllocatorConfig {
         if self.max_split_size != defaults.max_split_size {
             pairs.pair("max_split_size_mb", self.max_split_size / MB)?;
         }
-        if self.max_non_split_rounding_size != defaults.max_non_split_rounding_size {
+        if self.large_segment_size != defaults.large_segment_size {
+            pairs.pair("large_segment_size_mb", self.large_segment_size / MB)?;
+        }
+        // Parsing resets the rounding limit to the large segment size before reading this key.
+        if self.max_non_split_rounding_size != self.large_segment_size {
             pairs.pair(
                 "max_non_split_rounding_mb",
                 self.max_non_split_rounding_size / MB,
@@ -631,6 +709,18 @@ impl fmt::Display for AllocatorConfig {
             pairs.pair(
                 "pinned_reserve_segment_size_mb",
                 self.pinned_reserve_segment_size_mb,
+            )?;
+        }
+        if self.pinned_max_round_threshold != defaults.pinned_max_round_threshold {
+            pairs.pair(
+                "pinned_max_round_threshold_mb",
+                self.pinned_max_round_threshold / MB,
+            )?;
+        }
+        if self.pinned_max_cached_size != defaults.pinned_max_cached_size {
+            pairs.pair(
+                "pinned_max_cached_size_mb",
+                self.pinned_max_cached_size / MB,
             )?;
         }
         if self.per_process_memory_fraction != defaults.per_process_memory_fraction {
@@ -714,3 +804,6 @@ impl fmt::Display for DivisionsText<'_> {
         f.write_str("]")
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -79,7 +79,7 @@ fn max_split_size_mb() {
     );
     assert_eq!(
         error("max_split_size_mb:0"),
-        ConfigError::MaxSplitSizeTooSmall { mb: 0 }
+        ConfigError::MaxSplitSizeTooSmall { mb: 0, min_mb: 20 }
     );
     // Values past what fits in bytes are capped, like PyTorch's.
     assert_eq!(
@@ -334,7 +334,11 @@ fn unknown_keys() {
     for key in KNOWN_KEYS {
         let value = match key {
             "backend" => "native",
-            "max_split_size_mb" | "max_non_split_rounding_mb" => "64",
+            "max_split_size_mb"
+            | "max_non_split_rounding_mb"
+            | "large_segment_size_mb"
+            | "pinned_max_round_threshold_mb"
+            | "pinned_max_cached_size_mb" => "64",
             "garbage_collection_threshold"
             | "per_process_memory_fraction"
             | "expandable_segments_reserve" => "0.5",
@@ -550,7 +554,7 @@ fn apply_with_an_error_changes_nothing() {
     let e = c
         .apply("expandable_segments:False,max_split_size_mb:1")
         .unwrap_err();
-    assert_eq!(e, ConfigError::MaxSplitSizeTooSmall { mb: 1 });
+    assert_eq!(e, ConfigError::MaxSplitSizeTooSmall { mb: 1, min_mb: 20 });
     assert_eq!(c, before);
 }
 

@@ -6,8 +6,8 @@
 //! from 0, as PyTorch's do.
 
 use super::{
-    AllocatorConfig, Backend, ConfigError, ConfigResult, KNOWN_KEYS, LARGE_BUFFER,
-    MAX_PINNED_REGISTER_THREADS, MB,
+    AllocatorConfig, Backend, ConfigError, ConfigResult, KNOWN_KEYS,
+    LARGE_SEGMENT_EXCLUSIVE_MIN_MB, MAX_PINNED_REGISTER_THREADS, MB,
 };
 
 /// Splits a configuration string into tokens.
@@ -89,19 +89,6 @@ impl Tokens {
             }),
         }
     }
-
-    /// The raw text of the value at `index` (one token, or a bracketed list through its `]`), and the
-    /// index of its last token.
-    fn raw_value(&self, index: usize, key: &str) -> ConfigResult<(String, usize)> {
-        let first = self.value(index, key)?;
-        if first != "[" {
-            return Ok((first.to_owned(), index));
-        }
-        let close = (index + 1..self.tokens.len())
-            .find(|&i| self.tokens[i] == "]")
-            .ok_or(ConfigError::UnclosedList)?;
-        Ok((self.tokens[index..=close].concat(), close))
-    }
 }
 
 fn parse_unsigned(text: &str, key: &str) -> ConfigResult<u64> {
@@ -114,11 +101,18 @@ fn parse_unsigned(text: &str, key: &str) -> ConfigResult<u64> {
 
 /// Applies every `key:value` pair of `config` to `target`, in order. Returns whether any option of the
 /// native allocator (any key but `backend`) was given.
+///
+/// As in PyTorch, `large_segment_size_mb` is applied before the other keys wherever it stands: it
+/// resets `max_non_split_rounding_mb` and is the smallest value `max_split_size_mb` and
+/// `max_non_split_rounding_mb` accept, so those two are checked once every pair is read.
 pub(super) fn apply_tokens(target: &mut AllocatorConfig, config: &str) -> ConfigResult<bool> {
     let tokens = Tokens {
         tokens: tokenize(config),
     };
     let mut native_options = false;
+    let mut large_segment_given = false;
+    let mut max_split_mb = None;
+    let mut max_non_split_mb = None;
     let mut i = 0;
     while i < tokens.tokens.len() {
         let key = tokens.tokens[i].clone();
@@ -141,14 +135,15 @@ pub(super) fn apply_tokens(target: &mut AllocatorConfig, config: &str) -> Config
                     }
                 };
             }
-            "max_split_size_mb" => {
+            "max_split_size_mb" => max_split_mb = Some(tokens.unsigned(value, &key)?),
+            "max_non_split_rounding_mb" => max_non_split_mb = Some(tokens.unsigned(value, &key)?),
+            "large_segment_size_mb" => {
                 let mb = tokens.unsigned(value, &key)?;
-                target.max_split_size = megabytes(mb, ConfigError::MaxSplitSizeTooSmall { mb })?;
-            }
-            "max_non_split_rounding_mb" => {
-                let mb = tokens.unsigned(value, &key)?;
-                target.max_non_split_rounding_size =
-                    megabytes(mb, ConfigError::MaxNonSplitRoundingTooSmall { mb })?;
+                if mb <= LARGE_SEGMENT_EXCLUSIVE_MIN_MB {
+                    return Err(ConfigError::LargeSegmentSizeTooSmall { mb });
+                }
+                target.large_segment_size = megabytes(mb);
+                large_segment_given = true;
             }
             "garbage_collection_threshold" => {
                 let threshold = tokens.float(value, &key)?;
@@ -187,6 +182,12 @@ pub(super) fn apply_tokens(target: &mut AllocatorConfig, config: &str) -> Config
                 }
                 target.pinned_reserve_segment_size_mb = usize::try_from(mb).unwrap_or(usize::MAX);
             }
+            "pinned_max_round_threshold_mb" => {
+                target.pinned_max_round_threshold = megabytes(tokens.unsigned(value, &key)?);
+            }
+            "pinned_max_cached_size_mb" => {
+                target.pinned_max_cached_size = megabytes(tokens.unsigned(value, &key)?);
+            }
             "graph_capture_record_stream_reuse" => {
                 target.graph_capture_record_stream_reuse = tokens.boolean(value, &key)?;
             }
@@ -203,8 +204,15 @@ pub(super) fn apply_tokens(target: &mut AllocatorConfig, config: &str) -> Config
             "throw_on_cudamalloc_oom" => {
                 target.throw_on_cudamalloc_oom = tokens.boolean(value, &key)?
             }
-            "expandable_segments_reserve" | "expandable_segments_reserve_by_class" => {
-                let (text, end) = tokens.raw_value(value, &key)?;
+            "expandable_segments_reserve" => {
+                let text = tokens.value(value, &key)?;
+                // PyTorch ignores a malformed reserve (with a warning) and keeps the default.
+                if reserve_spec(text, &key) {
+                    target.other.insert(key.clone(), text.to_owned());
+                }
+            }
+            "expandable_segments_reserve_by_class" => {
+                let (text, end) = reserve_classes(&tokens, value, &key)?;
                 target.other.insert(key.clone(), text);
                 i = end;
             }
@@ -217,18 +225,82 @@ pub(super) fn apply_tokens(target: &mut AllocatorConfig, config: &str) -> Config
         }
         i += 1;
     }
+    if large_segment_given {
+        target.max_non_split_rounding_size = target.large_segment_size;
+    }
+    let min_mb = (target.large_segment_size / MB) as u64;
+    if let Some(mb) = max_split_mb {
+        if mb < min_mb {
+            return Err(ConfigError::MaxSplitSizeTooSmall { mb, min_mb });
+        }
+        target.max_split_size = megabytes(mb);
+    }
+    if let Some(mb) = max_non_split_mb {
+        if mb < min_mb {
+            return Err(ConfigError::MaxNonSplitRoundingTooSmall { mb, min_mb });
+        }
+        target.max_non_split_rounding_size = megabytes(mb);
+    }
     Ok(native_options)
 }
 
-/// A `*_mb` size: at least 20 MiB (else `too_small`), capped at what `usize` can hold, in bytes.
-fn megabytes(mb: u64, too_small: ConfigError) -> ConfigResult<usize> {
-    if mb < (LARGE_BUFFER / MB) as u64 {
-        return Err(too_small);
-    }
+/// A `*_mb` size in bytes, capped at what `usize` can hold (PyTorch caps at `SIZE_MAX / 1 MiB` MiB).
+fn megabytes(mb: u64) -> usize {
     let mb = usize::try_from(mb)
         .unwrap_or(usize::MAX)
         .min(usize::MAX / MB);
-    Ok(mb * MB)
+    mb * MB
+}
+
+/// Whether `text` is a valid expandable-segment reserve (PyTorch's `parseReserveSpec`): a positive,
+/// finite fraction of the device's memory (`0.5`), or a size in GiB with a `G` or `g` suffix (`40G`).
+/// Logs a warning naming `key` for anything else, as PyTorch does before ignoring the value.
+fn reserve_spec(text: &str, key: &str) -> bool {
+    let number = text.strip_suffix(['G', 'g']).unwrap_or(text);
+    let valid = number
+        .parse::<f64>()
+        .is_ok_and(|value| value.is_finite() && value > 0.0);
+    if !valid {
+        tracing::warn!(
+            key,
+            value = text,
+            "ignoring an invalid expandable-segment reserve: write a positive fraction of the \
+             device's memory such as 0.5, or a size in GiB such as 40G"
+        );
+    }
+    valid
+}
+
+/// Parses an `expandable_segments_reserve_by_class` list (`[name:reserve,...]`) starting at token
+/// `index`: returns the list of its valid entries as text (a malformed reserve is left out with a
+/// warning, as PyTorch leaves it out) and the index of the closing `]`.
+fn reserve_classes(tokens: &Tokens, index: usize, key: &str) -> ConfigResult<(String, usize)> {
+    tokens.value(index, key)?;
+    tokens.expect(index, '[')?;
+    let mut entries = Vec::new();
+    let mut i = index;
+    loop {
+        i += 1;
+        let name = tokens.get(i).ok_or(ConfigError::UnclosedList)?;
+        if name == "]" {
+            break;
+        }
+        tokens.expect(i + 1, ':')?;
+        let reserve = tokens.get(i + 2).ok_or(ConfigError::UnclosedList)?;
+        if reserve_spec(reserve, key) {
+            entries.push(format!("{name}:{reserve}"));
+        }
+        i += 2;
+        match tokens.get(i + 1) {
+            Some("]") => {}
+            Some(_) => {
+                tokens.expect(i + 1, ',')?;
+                i += 1;
+            }
+            None => return Err(ConfigError::UnclosedList),
+        }
+    }
+    Ok((format!("[{}]", entries.join(",")), i))
 }
 
 /// Parses a `roundup_power2_divisions` value starting at token `index` into `table`; returns the index of
