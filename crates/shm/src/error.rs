@@ -182,7 +182,8 @@ pub enum Error {
     /// ends of a socket were paired wrongly (for example [`transfer::send_region`](crate::transfer::send_region)
     /// on one end and a [`PoolSender`](crate::pool::PoolSender) on the other).
     #[error(
-        "expected a {expected} message but the peer sent a {got} message: pair send_region with \
+        "expected a {expected} message but the peer sent a {got} message (a pool connection \
+         starts as a channel): the two ends were paired wrongly; pair send_region with \
          recv_region, Channel::create with Channel::accept, and PoolReceiver with PoolSender"
     )]
     WrongProtocol {
@@ -354,10 +355,18 @@ impl WireFormat {
     /// magic: [`Error::WrongProtocol`] when `got` is another of the crate's formats (the ends were
     /// paired wrongly), [`Error::Protocol`] naming the bytes otherwise.
     pub(crate) fn bad_magic(self, got: &[u8]) -> Error {
-        let known = [Self::Region, Self::Channel, Self::Pool];
-        if let Some(&other) = known
+        // Every first four bytes a peer of each format may send first: a channel's acceptor
+        // sends its accept frame (a pool's producer the pool's magic) before anything else.
+        let known = [
+            (Self::Region, Self::Region.magic()),
+            (Self::Channel, Self::Channel.magic()),
+            (Self::Channel, crate::channel::frame::ACCEPT_MAGIC),
+            (Self::Channel, crate::channel::frame::FD_MAGIC),
+            (Self::Pool, Self::Pool.magic()),
+        ];
+        if let Some(&(other, _)) = known
             .iter()
-            .find(|w| **w != self && got.get(..4) == Some(&w.magic()[..]))
+            .find(|(w, magic)| *w != self && got.get(..4) == Some(&magic[..]))
         {
             return Error::WrongProtocol {
                 expected: self,

@@ -485,6 +485,15 @@ impl Releases {
 fn gone(err: Error) -> Error {
     match err {
         Error::PeerGone => Error::Disconnected,
+        // A pool connection is a channel: a peer that speaks another format (a `send_region`
+        // producer) was expected to speak the pool's.
+        Error::WrongProtocol {
+            expected: WireFormat::Channel,
+            got,
+        } => Error::WrongProtocol {
+            expected: WireFormat::Pool,
+            got,
+        },
         other => other,
     }
 }

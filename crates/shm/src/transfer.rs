@@ -440,22 +440,32 @@ fn recv_message(socket: BorrowedFd<'_>, recv: RecvOptions) -> Result<(OwnedFd, [
             problem: format!("a packet longer than {MESSAGE_LEN} bytes"),
         });
     }
-    if received.bytes < MESSAGE_LEN {
+    let mut got = received.bytes;
+    if got < MESSAGE_LEN {
         // On a packet socket every message is one packet: a short one is malformed, and reading
         // on would splice the next message (and lose its fd) or block for one that never comes.
-        let packets = rustix::net::sockopt::socket_type(socket)
-            .map_err(|errno| socket_error(errno, "getsockopt(SO_TYPE)"))?;
-        if packets != rustix::net::SocketType::STREAM {
+        if !is_stream(socket)? {
             return Err(Error::Protocol {
                 wire: WireFormat::Region,
                 problem: format!(
-                    "a packet of {} bytes; region messages are {MESSAGE_LEN} bytes",
-                    received.bytes
+                    "a packet of {got} bytes; region messages are {MESSAGE_LEN} bytes"
                 ),
             });
         }
         // A stream socket may deliver the message in parts; the fd came with the first.
-        recv_exact(socket, &mut message[received.bytes..], recv)?;
+        if got < MAGIC.len() {
+            recv_exact(socket, &mut message[got..MAGIC.len()], recv)?;
+            got = MAGIC.len();
+        }
+    }
+    // A peer of another format (a pool producer's or a channel's first frame is 16 bytes) is
+    // told apart by its first four bytes, before waiting for the rest of a region message that
+    // would never come.
+    if message[0..4] != MAGIC {
+        return Err(WireFormat::Region.bad_magic(&message[..4]));
+    }
+    if got < MESSAGE_LEN {
+        recv_exact(socket, &mut message[got..], recv)?;
     }
     let count = fds.len();
     match <[OwnedFd; 1]>::try_from(fds) {
@@ -465,6 +475,13 @@ fn recv_message(socket: BorrowedFd<'_>, recv: RecvOptions) -> Result<(OwnedFd, [
             problem: format!("a region message carries exactly one fd, this one carried {count}"),
         }),
     }
+}
+
+/// `true` for a stream socket (its messages may arrive in parts), `false` for a packet socket.
+fn is_stream(socket: BorrowedFd<'_>) -> Result<bool> {
+    let kind = rustix::net::sockopt::socket_type(socket)
+        .map_err(|errno| socket_error(errno, "getsockopt(SO_TYPE)"))?;
+    Ok(kind == rustix::net::SocketType::STREAM)
 }
 
 pub(crate) fn socket_error(errno: Errno, op: &'static str) -> Error {

@@ -437,6 +437,102 @@ fn a_pool_sender_paired_with_send_region_names_both_formats_once() {
 }
 
 #[test]
+fn a_pool_receiver_paired_with_send_region_says_so_instead_of_waiting() {
+    use tensormem_shm::{PoolReceiver, ReceiverOptions, WireFormat};
+    let region = SharedRegion::create_anonymous(4096).unwrap();
+    let (a, b) = stream_pair();
+    tensormem_shm::transfer::send_region(&a, &region, SendOptions::default()).unwrap();
+    let mut receiver = PoolReceiver::new(b, ReceiverOptions::default()).unwrap();
+    let started = std::time::Instant::now();
+    let err = receiver.recv().map(|_| ()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::WrongProtocol {
+                expected: WireFormat::Pool,
+                got: WireFormat::Region
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "found within the liveness interval, not after a long wait"
+    );
+    assert!(
+        err.to_string().contains("PoolReceiver with PoolSender"),
+        "{err}"
+    );
+    // The end stays closed: the next receive says the same, without waiting.
+    assert!(receiver.recv().is_err());
+    // The plain end, reading, is told what its peer is.
+    let err = recv_region(&a, &MapOptions::new()).map(|_| ()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::WrongProtocol {
+                expected: WireFormat::Region,
+                got: WireFormat::Channel
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn recv_region_paired_with_a_pool_sender_says_so_instead_of_waiting() {
+    use tensormem_shm::{PoolSender, ShmPool, WireFormat};
+    let (a, b) = stream_pair();
+    // The producer blocks until its consumer set the connection up; a plain receiver never does.
+    let producer = std::thread::spawn(move || {
+        let pool = ShmPool::new(Default::default());
+        PoolSender::new(&pool, a).map(|_| ())
+    });
+    let err = recv_region(&b, &MapOptions::new()).map(|_| ()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::WrongProtocol {
+                expected: WireFormat::Region,
+                got: WireFormat::Pool
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().contains("PoolReceiver with PoolSender"),
+        "{err}"
+    );
+    // The consumer gives up and closes; the producer's wait ends too.
+    drop(b);
+    let err = producer.join().unwrap().unwrap_err();
+    assert!(matches!(err, Error::Disconnected), "{err:?}");
+}
+
+#[test]
+fn recv_region_paired_with_a_channel_acceptor_says_so_instead_of_waiting() {
+    use tensormem_shm::channel::{Channel, ChannelOptions};
+    use tensormem_shm::WireFormat;
+    let (a, b) = stream_pair();
+    let acceptor =
+        std::thread::spawn(move || Channel::accept(a, ChannelOptions::default()).map(|_| ()));
+    let err = recv_region(&b, &MapOptions::new()).map(|_| ()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::WrongProtocol {
+                expected: WireFormat::Region,
+                got: WireFormat::Channel
+            }
+        ),
+        "{err:?}"
+    );
+    drop(b);
+    let err = acceptor.join().unwrap().unwrap_err();
+    assert!(matches!(err, Error::PeerGone), "{err:?}");
+}
+
+#[test]
 fn an_unknown_magic_is_printed_as_text() {
     let msg = tensormem_shm::transfer::RegionHeader::decode(&[b'X'; 256])
         .unwrap_err()

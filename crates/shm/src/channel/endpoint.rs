@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use super::frame::{self, FrameRead, FrameWait, FD_MAGIC, FRAME_LEN};
+use super::frame::{self, FrameRead, FrameWait, ACCEPT_MAGIC, FD_MAGIC, FRAME_LEN};
 use super::layout::{self, Memory, MAGIC, VERSION};
 use super::ring::{self, Consumer, Corrupt, Producer, Stop, WaitPlan, SLOT_FD};
 use super::{ChannelOptions, MAX_MESSAGE, MAX_SLOTS};
@@ -76,6 +76,21 @@ impl Shared {
         }
     }
 
+    /// What the peer queued on the socket, if it is no frame of this channel: a peer that
+    /// speaks another of the crate's formats (a `send_region` peer, paired wrongly) writes its
+    /// messages on the socket and never on the ring, so a receive would otherwise wait for the
+    /// ring forever. One `MSG_PEEK`; the error closes this end as [`break_off`](Self::break_off)
+    /// does.
+    fn foreign_on_socket(&self) -> Option<Error> {
+        let (head, n) = frame::peek_head(self.socket.as_fd());
+        if n == 0 || is_frame_head(&head[..n]) {
+            return None;
+        }
+        let err = WireFormat::Channel.bad_magic(&head[..n]);
+        let _ = self.break_off(err.to_string());
+        Some(err)
+    }
+
     fn plan(&self, spin: Duration, deadline: Option<Instant>) -> WaitPlan {
         WaitPlan {
             spin,
@@ -93,6 +108,19 @@ impl Drop for Shared {
         ring::wake_unconditionally(&self.send_ring().control.rx_sleep.0);
         ring::wake_unconditionally(&self.recv_ring().control.tx_sleep.0);
     }
+}
+
+/// `true` if `head` (the first bytes queued on the socket) can start a frame this channel reads:
+/// an fd frame, or the acceptor's accept frame (a plain channel's or a pool's).
+fn is_frame_head(head: &[u8]) -> bool {
+    [FD_MAGIC, ACCEPT_MAGIC, crate::pool::wire::MAGIC]
+        .iter()
+        .any(|magic| magic.starts_with(head))
+}
+
+/// `true` if `frame` is an acceptor's accept frame (it carries no fd).
+fn is_accept_frame(frame: &[u8; FRAME_LEN]) -> bool {
+    frame[0..4] == ACCEPT_MAGIC || frame[0..4] == crate::pool::wire::MAGIC
 }
 
 fn corrupt(c: Corrupt) -> Error {
@@ -137,6 +165,9 @@ pub struct ChannelReceiver {
     shared: Arc<Shared>,
     consumer: Consumer,
     spin: Duration,
+    /// The creator's end: the acceptor's accept frame may still be queued on the socket, ahead
+    /// of the first fd frame, and is read and dropped there.
+    accept_frame_pending: bool,
 }
 
 /// One end of a shared-memory channel: sends to and receives from the other end (see the
@@ -394,7 +425,11 @@ impl ChannelReceiver {
                     shared.plan(self.spin, deadline),
                     || consumer.peek(ring),
                     || shared.peer_closed().then_some(Error::PeerGone),
-                    || shared.peer_gone().then_some(Error::PeerGone),
+                    || {
+                        shared
+                            .foreign_on_socket()
+                            .or_else(|| shared.peer_gone().then_some(Error::PeerGone))
+                    },
                 );
                 match waited {
                     Ok(peeked) => peeked,
@@ -438,12 +473,24 @@ impl ChannelReceiver {
             Wait::Until(at) => FrameWait::Until(at),
             Wait::Forever => FrameWait::Forever(shared.liveness),
         };
-        let read =
-            match frame::recv_within(shared.socket.as_fd(), frame_wait, || shared.peer_gone()) {
+        let read = loop {
+            let read = match frame::recv_within(shared.socket.as_fd(), frame_wait, || {
+                shared.peer_gone()
+            }) {
                 Ok(read) => read,
                 Err(Error::Protocol { problem, .. }) => return Err(shared.break_off(problem)),
                 Err(err) => return Err(err),
             };
+            // The acceptor queued its accept frame before anything else it sends.
+            if std::mem::take(&mut self.accept_frame_pending) {
+                if let FrameRead::Whole(got, None) = &read {
+                    if is_accept_frame(got) {
+                        continue;
+                    }
+                }
+            }
+            break read;
+        };
         let problem = match read {
             FrameRead::Whole(got, fd) => {
                 let mut expected = [0u8; FRAME_LEN];
@@ -528,7 +575,9 @@ impl Channel {
         })?;
         frame::send(socket.as_fd(), &frame_of(&header), Some(fd))?;
         tracing::debug!(slots = options.slots, "created a shared-memory channel");
-        Ok(Self::from_shared(memory, socket, 0, options))
+        let mut channel = Self::from_shared(memory, socket, 0, options);
+        channel.rx.accept_frame_pending = true;
+        Ok(channel)
     }
 
     /// Receives the channel's memory from the peer's [`create`](Self::create) on `socket`
@@ -543,7 +592,27 @@ impl Channel {
     /// [`Error::TooSmall`], [`Error::ForeignOwner`]); [`Error::ChannelCorrupt`] if the memory's
     /// header disagrees with the setup message.
     pub fn accept(socket: impl Into<OwnedFd>, options: ChannelOptions) -> Result<Self> {
-        let socket = socket.into();
+        Self::accept_as(socket.into(), options, ACCEPT_MAGIC)
+    }
+
+    /// [`accept`](Self::accept), announcing itself with an accept frame of magic `magic` first
+    /// (a pool's producer sends the pool's, so that a `recv_region` peer names the pool).
+    pub(crate) fn accept_as(
+        socket: OwnedFd,
+        options: ChannelOptions,
+        magic: [u8; 4],
+    ) -> Result<Self> {
+        // First write, then read: a peer that only reads (`recv_region`, another format's
+        // receiver) gets these bytes and reports the wrong pairing instead of both ends waiting
+        // for each other. A creator that already closed its end is no error here: what it sent
+        // before closing is still to be read.
+        let mut hello = [0u8; FRAME_LEN];
+        hello[0..4].copy_from_slice(&magic);
+        hello[4..8].copy_from_slice(&VERSION.to_le_bytes());
+        match frame::send(socket.as_fd(), &hello, None) {
+            Ok(()) | Err(Error::PeerGone) => {}
+            Err(err) => return Err(err),
+        }
         let (got, fd) = frame::recv(socket.as_fd())?;
         let word = |i: usize| {
             u32::from_le_bytes([got[4 * i], got[4 * i + 1], got[4 * i + 2], got[4 * i + 3]])
@@ -622,6 +691,7 @@ impl Channel {
                 shared,
                 consumer: Consumer::default(),
                 spin: options.spin,
+                accept_frame_pending: false,
             },
         }
     }

@@ -1,5 +1,7 @@
-//! The channel's frames on its Unix socket: the setup frame (the creator's memfd and the ring
-//! geometry) and the fd frames that go before a ring message flagged "an fd follows". Each frame
+//! The channel's frames on its Unix socket: the accept frame (the acceptor's first bytes, so that
+//! a peer that only reads, such as `recv_region`, is told it was paired wrongly instead of waiting
+//! forever), the setup frame (the creator's memfd and the ring geometry) and the fd frames that go
+//! before a ring message flagged "an fd follows". Each frame
 //! is [`FRAME_LEN`] bytes with at most one fd attached (`SCM_RIGHTS`); on a stream socket the
 //! kernel may split the bytes, and the rest is read after the first part (the fd comes with the
 //! first byte).
@@ -23,6 +25,23 @@ pub(crate) const FRAME_LEN: usize = 16;
 
 /// Magic of an fd frame.
 pub(crate) const FD_MAGIC: [u8; 4] = *b"TMFD";
+
+/// Magic of the accept frame of a plain [`Channel::accept`](super::Channel::accept) (a pool's
+/// producer sends the pool's magic instead).
+pub(crate) const ACCEPT_MAGIC: [u8; 4] = *b"TMCA";
+
+/// The first (up to four) bytes queued on the socket, without consuming them or waiting: empty
+/// when nothing is queued (or the socket fails; the next real read reports that).
+pub(crate) fn peek_head(socket: BorrowedFd<'_>) -> ([u8; 4], usize) {
+    let mut head = [0u8; 4];
+    loop {
+        match rustix::net::recv(socket, &mut head, RecvFlags::PEEK | RecvFlags::DONTWAIT) {
+            Ok((n, _)) => return (head, n.min(head.len())),
+            Err(Errno::INTR) => {}
+            Err(_) => return (head, 0),
+        }
+    }
+}
 
 /// Sends one frame with `fd` attached if given (blocking).
 pub(crate) fn send(

@@ -38,6 +38,11 @@
 //!   socket's hang-up, so it returns [`Error::PeerGone`](crate::Error::PeerGone) within that interval. (If the peer's
 //!   socket end was inherited by another live process, e.g. over a `fork`, there is no hang-up
 //!   to see until that process closes it too.)
+//! - A peer that speaks another of this crate's formats (a `send_region` or `recv_region` peer,
+//!   the ends paired wrongly) is [`Error::WrongProtocol`](crate::Error::WrongProtocol), never a
+//!   wait for each other: the acceptor writes a small accept frame before it reads the setup (so
+//!   a reading peer gets bytes it can name), and a receive that waits on an empty ring looks at
+//!   the socket every liveness interval for bytes no channel peer sends there.
 //! - Each side keeps its own index privately and checks every index and length the peer wrote
 //!   before using it: a peer scribbling on the shared memory makes this side return
 //!   [`Error::ChannelCorrupt`](crate::Error::ChannelCorrupt), never panic or read out of bounds. Message bytes are copied with
@@ -78,7 +83,7 @@
 //! ```
 
 mod endpoint;
-mod frame;
+pub(crate) mod frame;
 mod futex;
 pub(crate) mod layout;
 #[cfg(all(test, loom))]

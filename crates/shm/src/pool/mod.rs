@@ -35,6 +35,12 @@
 //! [`MAX_POOL_USER_DATA`] bytes, read with [`Lease::user_data`]); for anything else, connect a
 //! second socket, or open a [`channel`](crate::channel) of your own on it.
 //!
+//! Both ends must be the pool's: a [`PoolReceiver`] whose producer uses
+//! [`transfer::send_region`](crate::transfer::send_region), or a
+//! [`transfer::recv_region`](crate::transfer::recv_region) whose producer is a [`PoolSender`],
+//! fails with [`Error::WrongProtocol`] naming both formats (within the channel's liveness
+//! interval, 50 ms by default) instead of waiting.
+//!
 //! # When a region comes back: leases bound to a connection
 //!
 //! A region returns to the cache only when nobody can still read it: the producer's

@@ -78,7 +78,8 @@ impl PoolSender {
     /// ([`Channel::accept`]).
     pub fn new(pool: &ShmPool, socket: impl Into<OwnedFd>) -> Result<Self> {
         let mut channel =
-            Channel::accept(socket.into(), ChannelOptions::default()).map_err(to_pool_error)?;
+            Channel::accept_as(socket.into(), ChannelOptions::default(), super::wire::MAGIC)
+                .map_err(to_pool_error)?;
         let mut hello = [0u8; MAX_MESSAGE];
         let n = channel.recv(&mut hello).map_err(to_pool_error)?;
         let Record::Hello { entries, bytes } = Record::decode(&hello[..n])? else {
