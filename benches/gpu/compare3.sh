@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 15's form: RUNS interleaved runs of PyTorch's harness (the anchor), `alloc_patterns` and
+# RUNS interleaved runs of PyTorch's harness (the anchor), `alloc_patterns` and
 # `alloc_patterns --raw`; per row the per-run ratios PyTorch / tensormem, their median, the ratio of the
 # medians, and the 8-thread row's throughput against one thread's.
 #

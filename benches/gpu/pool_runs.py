@@ -3,10 +3,9 @@ every call together, with their median, quartiles and range, and each call's own
 
     python3 benches/gpu/pool_runs.py RESULTS/n1 RESULTS/n2 ...
 
-Each folder is one call's `$OUT/$TAG` (torch_N.csv, proj_N.csv for N = 1, 2, ...). The issue's form
-reads one call; a shared host gives each run its own draw of the CPU's state, so one call's median
-moves with the draw, and the pooled median over several calls is the steadier reading of the same
-runs (docs/allocator-performance.md, fifteenth round).
+Each folder is one call's `$OUT/$TAG` (torch_N.csv, proj_N.csv for N = 1, 2, ...). A shared host
+gives each run its own draw of the CPU's state, so one call's median moves with the draw; the pooled
+median over several calls is the steadier reading of the same runs.
 """
 import csv
 import os

@@ -9,16 +9,16 @@ For every conditional jump: its executions per unit (the second argument: the mi
 200 000 steps, say) and the share of them taken, p. The sum over branches of min(p, 1 - p) times
 executions bounds what branches could mispredict per unit if the predictor learned nothing from
 their history or from earlier branches; the largest terms are the candidates for branch-free code.
-A real predictor does better wherever a branch follows an earlier one on the same data (the
-fourteenth round of docs/allocator-performance.md measured seven such candidates level), so treat
-the list as where to look, and measure (benches/gpu/ab.sh). Map an address to source with
+A real predictor does better wherever a branch follows an earlier one on the same data (a branch whose
+outcome repeats an earlier branch's costs nothing extra however high its entropy), so treat the list as
+where to look, and measure (benches/gpu/ab.sh). Map an address to source with
 `addr2line -e BINARY -i ADDRESS` on a build with line tables.
 
 `--taken` ranks the other way round, for code layout: conditional jumps taken more than 90% of the
 time, by taken jumps per unit. Such a jump is predicted, but the common path then jumps over the rare
 one instead of falling through (each taken jump ends the front end's fetch block); the fix is a hint
-on the rare side (`std::hint::cold_path`), measured the same way (the fifteenth round of
-docs/allocator-performance.md: 52.8 -> 31.2 taken a mixed step).
+on the rare side (`std::hint::cold_path`), measured the same way: taken jumps per step before and
+after, and the time with benches/gpu/ab.sh.
 """
 import collections
 import re

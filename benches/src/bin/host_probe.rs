@@ -15,9 +15,9 @@
 //! ```
 //!
 //! The allocator's hot paths retire about four instructions a cycle, so they slow with
-//! `adds_per_cycle`; code that waits on memory slows with `load_ns_*` instead. Compare a host's
-//! figures with the development machine's before comparing allocator timings taken on both
-//! (docs/allocator-performance.md, tenth round). x86-64 only (the chains are inline assembly).
+//! `adds_per_cycle`; code that waits on memory slows with `load_ns_*` instead. Compare two hosts'
+//! figures before comparing allocator timings taken on them: timings of the same build scale with
+//! these figures. x86-64 only (the chains are inline assembly).
 
 use std::hint::black_box;
 use std::io::Write;

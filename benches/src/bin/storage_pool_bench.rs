@@ -1,6 +1,7 @@
 //! `storage_pool_bench`: the storage facade's pooled paths against the bare `tensormem-shm` pool,
-//! in one run, so the facade's cost is measured on the same machine at the same moment (issue
-//! 14: within 10%). Self-contained: each consumer is this binary re-executed.
+//! in one run, so the facade's cost is measured on the same machine at the same moment (the facade
+//! should stay within 10% of the bare pool). Self-contained: each consumer is this binary
+//! re-executed.
 //!
 //! Sections (each starts with its own CSV header line):
 //! 1. Round trips, `strategy,device,bytes,median_us_per_roundtrip`, blocking (both ends asleep in

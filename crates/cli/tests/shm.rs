@@ -176,7 +176,7 @@ fn bad_arguments_fail_with_one_line() {
     assert_eq!(output.status.code(), Some(2));
 }
 
-/// Issue 9 item 11: names with escape sequences or newlines reached the terminal raw.
+/// Regression: names with escape sequences or newlines reached the terminal raw.
 #[test]
 fn list_and_gc_escape_hostile_names() {
     let prefix = prefix("esc");

@@ -449,7 +449,7 @@ fn roundup_single_value() {
 
 #[test]
 fn roundup_list_form() {
-    // The example of the issue: 256 MiB is interval 8, 512 MiB interval 9.
+    // PyTorch's documented example: 256 MiB is interval 8, 512 MiB interval 9.
     let t = parse("roundup_power2_divisions:[256:1,512:2,>:8]").roundup_power2_divisions;
     assert_eq!(t, [1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 8, 8, 8, 8, 8, 8]);
     // PyTorch's documented example: gaps between listed boundaries stay 0.

@@ -1,5 +1,5 @@
 //! Bounds on reading snapshots (`ReadLimits`): pickle bombs, gzip bombs and inputs that never end get
-//! a typed error instead of exhausting memory or reading forever (issue 9, item 2).
+//! a typed error instead of exhausting memory or reading forever.
 
 #![cfg(feature = "snapshot-io")]
 

@@ -1,5 +1,5 @@
 //! The recorded `memory_stats()` a replay is checked against: figures that cannot be read are errors,
-//! never dropped, and a record that confirms nothing is not a match (issue 9, item 13).
+//! never dropped, and a record that confirms nothing is not a match.
 
 use std::path::PathBuf;
 

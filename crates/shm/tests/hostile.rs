@@ -1,5 +1,6 @@
-//! Regression tests for what a red-team pass broke (issue 9): truncation under a mapping, FIFOs
-//! planted in `/dev/shm`, 255-byte names, short packets, kills during anonymous creation.
+//! Regression tests for what hostile peers and hostile names once broke: truncation under a
+//! mapping, FIFOs planted in `/dev/shm`, 255-byte names, short packets, kills during anonymous
+//! creation.
 
 mod common;
 
@@ -39,7 +40,7 @@ fn assert_truncated<T: std::fmt::Debug>(result: tensormem_shm::Result<T>) {
     );
 }
 
-/// Issue 9 item 5: a peer's `ftruncate(0)` after attach made safe `read_at`/`write_at` raise
+/// Regression: a peer's `ftruncate(0)` after attach made safe `read_at`/`write_at` raise
 /// SIGBUS (killing this test process) on named, refcounted and file-backed regions.
 #[test]
 fn truncation_by_a_peer_is_an_error_not_a_sigbus() {
@@ -128,7 +129,7 @@ fn sealed_regions_are_not_truncatable_and_unsealed_received_ones_are() {
     assert_truncated(received.region.read_at(0, &mut buf));
 }
 
-/// Issue 9 item 6: opening a name that is a FIFO read-only blocked forever.
+/// Regression: opening a name that is a FIFO read-only blocked forever.
 #[test]
 fn a_fifo_in_dev_shm_is_refused_at_once() {
     let (name, _cleanup) = fresh_name();
@@ -154,7 +155,7 @@ fn a_fifo_in_dev_shm_is_refused_at_once() {
     }
 }
 
-/// Issue 9 item 9: a 255-byte name was created but could not be unlinked (`ENAMETOOLONG`).
+/// Regression: a 255-byte name was created but could not be unlinked (`ENAMETOOLONG`).
 #[test]
 fn the_longest_names_can_be_created_and_unlinked() {
     let head = format!("tmtest_{}_", std::process::id());
@@ -175,7 +176,7 @@ fn the_longest_names_can_be_created_and_unlinked() {
     assert!(!long.path().exists());
 }
 
-/// Issue 9 item 10: on a packet socket a short packet was spliced with the next message (losing
+/// Regression: on a packet socket a short packet was spliced with the next message (losing
 /// its region) or, alone, blocked the receiver forever.
 #[test]
 fn a_short_packet_is_refused_and_the_next_message_survives() {
@@ -231,7 +232,7 @@ fn a_short_packet_is_refused_and_the_next_message_survives() {
 
 const CREATOR_ROLE: &str = "TMTEST_HOSTILE_ROLE";
 
-/// Issue 9 item 8: unlinked-shm regions leaked when the creator was killed between `shm_open`
+/// Regression: unlinked-shm regions leaked when the creator was killed between `shm_open`
 /// and `shm_unlink` (8 of 200 kill trials). With `O_TMPFILE` there is no name to leak.
 #[test]
 fn killing_a_creator_of_unlinked_shm_regions_leaks_nothing() {

@@ -429,7 +429,7 @@ mod tests {
         assert!(prepare_dir(&file).is_err());
     }
 
-    /// Issue 9 item 12: another user pre-creating `/tmp/tensormem-<uid>` made every managed
+    /// Regression: another user pre-creating `/tmp/tensormem-<uid>` made every managed
     /// region fail.
     #[test]
     fn a_planted_default_directory_is_skipped_consistently() {
