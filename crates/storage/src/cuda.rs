@@ -47,17 +47,10 @@ pub struct CudaContext {
     consumer: IpcConsumer<CudaIpcDriver>,
 }
 
-fn cuda_err(op: &'static str) -> impl FnOnce(&dyn fmt::Display) -> Error {
-    move |e| Error::Cuda {
-        op,
-        message: e.to_string(),
-    }
-}
-
-/// Maps any displayable CUDA-layer error.
+/// Wraps a CUDA layer's error (allocator, driver or IPC) in [`Error`], keeping it as the source.
 macro_rules! cuda {
     ($op:expr, $result:expr) => {
-        $result.map_err(|e| cuda_err($op)(&e))
+        $result.map_err(|e| crate::error::CudaSource::during(e, $op))
     };
 }
 
@@ -68,8 +61,9 @@ impl CudaContext {
     ///
     /// # Errors
     ///
-    /// [`Error::Cuda`] when there is no driver or no such device, or the allocator configuration in
-    /// the environment is malformed.
+    /// [`Error::Ipc`] when there is no driver or no such device, or the allocator configuration in
+    /// the environment is malformed (the process registry's error, the driver's or configuration's
+    /// error inside); [`Error::Alloc`] when the stream cannot be made.
     pub fn new(device: u32) -> Result<Arc<CudaContext>> {
         let process = cuda!("CudaContext::new", tensormem_ipc::registry::cuda())?;
         let allocator = cuda!("CudaContext::new", process.allocator(device))?;
@@ -81,7 +75,7 @@ impl CudaContext {
     ///
     /// # Errors
     ///
-    /// [`Error::Cuda`] when the stream or the IPC driver cannot be made.
+    /// [`Error::Alloc`] when the stream cannot be made; [`Error::Ipc`] when the IPC driver cannot.
     pub fn with_allocator(
         allocator: Arc<CachingAllocator<CudaBackend>>,
     ) -> Result<Arc<CudaContext>> {
@@ -122,7 +116,7 @@ impl CudaContext {
     ///
     /// # Errors
     ///
-    /// [`Error::Cuda`] when the driver reports a failure.
+    /// [`Error::Alloc`] when the driver reports a failure (its `CUresult` inside).
     pub fn synchronize(&self) -> Result<()> {
         cuda!("synchronize", self.stream.synchronize())
     }
@@ -242,7 +236,7 @@ impl Storage {
     ///
     /// # Errors
     ///
-    /// [`Error::Cuda`] when the allocator fails (out of memory: PyTorch's message).
+    /// [`Error::Alloc`] when the allocator fails (out of memory: PyTorch's message and figures).
     pub fn new_cuda(ctx: &Arc<CudaContext>, nbytes: usize) -> Result<Storage> {
         let allocation = cuda!("new_cuda", ctx.allocator.allocate(nbytes, ctx.stream.id()))?;
         let shared = ctx.producer.adopt(&ctx.allocator, allocation);
@@ -268,7 +262,7 @@ impl Storage {
     /// # Errors
     ///
     /// [`Error::ReceivedCuda`] for a storage this process received (PyTorch refuses too: clone it
-    /// first); [`Error::WrongDevice`] for host storages; [`Error::Cuda`] from the IPC layer
+    /// first); [`Error::WrongDevice`] for host storages; [`Error::Ipc`] from the IPC layer
     /// (driver failures, ref-counter files that cannot be made).
     pub fn share_cuda(&self) -> Result<IpcHandle> {
         let mut owner = self.owner_mut();
@@ -302,7 +296,7 @@ impl Storage {
     ///
     /// # Errors
     ///
-    /// [`Error::WrongDevice`] when `ctx` is for another device than the handle's; [`Error::Cuda`]
+    /// [`Error::WrongDevice`] when `ctx` is for another device than the handle's; [`Error::Ipc`]
     /// from the IPC layer (the producer ended, slot released or claimed, range out of bounds).
     pub fn new_shared_cuda(ctx: &Arc<CudaContext>, handle: &IpcHandle) -> Result<Storage> {
         if handle.device != ctx.device {
@@ -391,15 +385,12 @@ impl<'a> BatchEntry<'a> {
 /// # Errors
 ///
 /// [`Error::WrongDevice`] for host storages; [`Error::ReceivedCuda`] for storages this process
-/// received; [`Error::Cuda`] from the IPC layer: no entries, storages of several devices, a range
-/// past its storage, duplicate names, overlapping ranges (other than exact aliases), driver
-/// failures. Nothing is shared then.
+/// received; [`Error::EmptyBatch`] for no entries; [`Error::Ipc`] from the IPC layer: storages of
+/// several devices, a range past its storage, duplicate names, overlapping ranges (other than exact
+/// aliases), driver failures. Nothing is shared then.
 pub fn share_cuda_batch(entries: &[BatchEntry<'_>]) -> Result<BatchHandle> {
     let Some(first) = entries.first() else {
-        return Err(Error::Cuda {
-            op: "share_cuda_batch",
-            message: "no entries; a batch holds at least one storage".into(),
-        });
+        return Err(Error::EmptyBatch);
     };
     // The event goes on the first entry's context's stream (a CUDA storage keeps its context).
     let ctx = match &*first.storage.owner() {
@@ -472,7 +463,7 @@ pub fn share_cuda_batch(entries: &[BatchEntry<'_>]) -> Result<BatchHandle> {
 ///
 /// # Errors
 ///
-/// [`Error::WrongDevice`] when `ctx` is for another device than the batch's; [`Error::Cuda`] from
+/// [`Error::WrongDevice`] when `ctx` is for another device than the batch's; [`Error::Ipc`] from
 /// the IPC layer (the producer ended, the batch was released or opened already, a segment larger
 /// than its mapping).
 pub fn new_shared_cuda_batch(
@@ -533,7 +524,7 @@ pub fn release_ipc_counter_batch(ctx: &Arc<CudaContext>, batch: &BatchHandle) ->
 ///
 /// # Errors
 ///
-/// [`Error::Cuda`] from the IPC layer: the ref-counter file is gone (the producer ended), the slot
+/// [`Error::Ipc`] from the IPC layer: the ref-counter file is gone (the producer ended), the slot
 /// was released already, or a consumer opened this handle (it releases the slot itself).
 pub fn release_ipc_counter(ctx: &Arc<CudaContext>, handle: &IpcHandle) -> Result<()> {
     cuda!("release_ipc_counter", ctx.consumer.release(handle))

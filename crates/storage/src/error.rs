@@ -9,8 +9,11 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything a storage operation can refuse or fail with.
 ///
-/// Failures of the shared-memory layer keep their [`tensormem_shm::Error`] (which names the
-/// object and keeps OS error codes) inside [`Error::Shm`].
+/// Failures of the layers below keep their own error as the [`source`](std::error::Error::source):
+/// the shared-memory layer's [`tensormem_shm::Error`] (which names the object and keeps OS error
+/// codes) inside [`Error::Shm`]; with the `cuda` feature, the allocator's and driver's
+/// `tensormem_cuda_alloc::Error` (CUDA result codes, out-of-memory figures) inside [`Error::Alloc`]
+/// and CUDA IPC's `tensormem_ipc::Error` inside [`Error::Ipc`], so a caller can match on them.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -133,14 +136,64 @@ pub enum Error {
     )]
     DefaultPoolSet,
 
-    /// The CUDA layer (allocator, driver or IPC) failed.
-    #[error("{op}: {message}")]
-    Cuda {
+    /// The caching allocator or the CUDA driver failed (out of memory, a driver error with its
+    /// `CUresult` code, an invalid device).
+    #[cfg(feature = "cuda")]
+    #[error("{op}: {source}")]
+    Alloc {
         /// The operation.
         op: &'static str,
-        /// What the CUDA layer reported.
-        message: String,
+        /// The allocator's or driver's error, codes kept.
+        #[source]
+        source: tensormem_cuda_alloc::Error,
     },
+
+    /// CUDA IPC failed (sharing, opening or releasing memory of another process, a malformed
+    /// handle, a ref-counter file gone).
+    #[cfg(feature = "cuda")]
+    #[error("{op}: {source}")]
+    Ipc {
+        /// The operation.
+        op: &'static str,
+        /// CUDA IPC's error, codes kept.
+        #[source]
+        source: tensormem_ipc::Error,
+    },
+
+    /// [`share_cuda_batch`](crate::cuda::share_cuda_batch) was given no storage.
+    #[error("share_cuda_batch: no entries; a batch holds at least one storage")]
+    EmptyBatch,
+}
+
+/// Wraps the CUDA layers' errors in [`Error`] with the operation that met them.
+#[cfg(feature = "cuda")]
+pub(crate) trait CudaSource {
+    /// This error as a storage [`Error`] of operation `op`.
+    fn during(self, op: &'static str) -> Error;
+}
+
+#[cfg(feature = "cuda")]
+impl CudaSource for tensormem_cuda_alloc::Error {
+    fn during(self, op: &'static str) -> Error {
+        Error::Alloc { op, source: self }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl CudaSource for tensormem_cuda_alloc::DeviceError {
+    fn during(self, op: &'static str) -> Error {
+        Error::Alloc {
+            op,
+            source: self.into(),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl CudaSource for tensormem_ipc::Error {
+    fn during(self, op: &'static str) -> Error {
+        Error::Ipc { op, source: self }
+    }
 }
 
 impl Error {
@@ -155,11 +208,20 @@ impl Error {
             | Self::SizeMismatch { .. }
             | Self::InvalidSize { .. }
             | Self::NotShared { .. }
-            | Self::ReceivedCuda => K::InvalidInput,
+            | Self::ReceivedCuda
+            | Self::EmptyBatch => K::InvalidInput,
             Self::DefaultPoolSet => K::AlreadyExists,
             Self::Expired => K::NotFound,
             Self::RefcountUnderflow { .. } => K::InvalidData,
-            Self::Cuda { .. } | Self::TorchManager { .. } => K::Other,
+            #[cfg(feature = "cuda")]
+            Self::Alloc { source, .. } => match source {
+                tensormem_cuda_alloc::Error::OutOfMemory(_)
+                | tensormem_cuda_alloc::Error::TooLarge { .. } => K::OutOfMemory,
+                _ => K::Other,
+            },
+            #[cfg(feature = "cuda")]
+            Self::Ipc { .. } => K::Other,
+            Self::TorchManager { .. } => K::Other,
         }
     }
 }

@@ -88,7 +88,7 @@
 //!
 //! ```no_run
 //! # #[cfg(feature = "cuda")]
-//! # fn main() -> Result<(), tensormem::storage::Error> {
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use tensormem::storage::{CudaContext, IpcHandle, Storage};
 //!
 //! // producer
@@ -98,10 +98,7 @@
 //! let wire: Vec<u8> = weights.share_cuda()?.encode(); // or .to_torch() for PyTorch's 8-tuple
 //!
 //! // consumer (another process, its own CudaContext)
-//! let handle = IpcHandle::decode(&wire).map_err(|e| tensormem::storage::Error::Cuda {
-//!     op: "decode",
-//!     message: e.to_string(),
-//! })?;
+//! let handle = IpcHandle::decode(&wire)?; // tensormem::ipc::Error, its own type
 //! let received = Storage::new_shared_cuda(&ctx, &handle)?;
 //! let mut first = [0u8; 1];
 //! received.read_at(0, &mut first)?;
