@@ -6,7 +6,7 @@
 //! rings (no system call while the other side is awake), and the parent sends a region's
 //! descriptor with a message ([`Channel::send_with_fd`]).
 //!
-//! Needs only `tensormem-shm = { ..., default-features = false }`.
+//! Needs only `tensormem-shm = { path = ... }` (no features: the manager is not needed).
 
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;

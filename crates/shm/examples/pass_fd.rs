@@ -6,7 +6,7 @@
 //! the same memory and answers; the producer then reads the consumer's write. No copy crosses the
 //! socket: both processes map the same pages.
 //!
-//! Needs only `tensormem-shm = { ..., default-features = false }`.
+//! Needs only `tensormem-shm = { path = ... }` (no features: the manager is not needed).
 
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};

@@ -10,7 +10,7 @@
 //! The socket belongs to the pool connection once it is wrapped: the application's own messages
 //! go elsewhere (here, each batch carries a few bytes of its own as user data).
 //!
-//! Needs only `tensormem-shm = { ..., default-features = false }`.
+//! Needs only `tensormem-shm = { path = ... }` (no features: the manager is not needed).
 
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::Command;

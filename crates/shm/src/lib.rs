@@ -111,19 +111,23 @@
 //!
 //! # Features
 //!
-//! - `manager` (default): managed names and their daemon ([`manager`]: `ManagedRegion`, `Manager`,
-//!   PyTorch's `torch_shm_manager` for the `file_system` strategy) and the `tensormem-shm-manager`
-//!   binary. **It runs code before `main`**: a start-up hook in `.init_array`, run in every program
-//!   that links this crate, returns at once unless `TENSORMEM_SHM_MANAGER_ROLE` is set; when a
-//!   managed region starts the daemon, the program's own image is re-run with that variable and
-//!   becomes the daemon without reaching `main`. That is what lets managed names work with no
-//!   binary and no setup. Programs that pass descriptors, use named, refcounted or pooled regions
-//!   or the channel do not need it: `default-features = false` leaves the hook and the daemon out.
+//! - `manager` (off by default): managed names and their daemon ([`manager`]: `ManagedRegion`,
+//!   `Manager`, PyTorch's `torch_shm_manager` for the `file_system` strategy) and the
+//!   `tensormem-shm-manager` binary. **It runs code before `main`**: a start-up hook in
+//!   `.init_array`, run in every program that links this crate with the feature on, returns at once
+//!   unless `TENSORMEM_SHM_MANAGER_ROLE` is set; when a managed region starts the daemon, the
+//!   program's own image is re-run with that variable and becomes the daemon without reaching
+//!   `main`. That is what lets managed names work with no binary and no setup. Programs that pass
+//!   descriptors, use named, refcounted or pooled regions or the channel do not need it; without it
+//!   no code of this crate runs before `main`. `tensormem-storage`'s `manager` feature (sharing by
+//!   name) turns it on.
 //!
 //! ```toml
 //! [dependencies]
 //! # everything but managed names; no code runs before main
-//! tensormem-shm = { version = "0.1", default-features = false }
+//! tensormem-shm = { version = "0.1" }
+//! # with managed names and the daemon (and its start-up hook)
+//! # tensormem-shm = { version = "0.1", features = ["manager"] }
 //! ```
 
 #![cfg_attr(docsrs, feature(doc_cfg))]

@@ -1,6 +1,7 @@
 //! `storage_copy` (PyTorch: `at::storage_copy`): bytes from one storage into another of the
 //! same size, whatever memory each lives in.
 
+#[cfg(feature = "manager")]
 use tensormem_shm::Mapping;
 
 use crate::error::{Error, Result};
@@ -65,6 +66,7 @@ pub(crate) fn copy_owner(dst: &mut Owner, src: &Owner, len: usize) -> Result<()>
 }
 
 /// Copies the first `len` bytes of a host owner into a fresh mapping.
+#[cfg(feature = "manager")] // its one caller moves a storage into a named region
 pub(crate) fn copy_host(src: &Owner, dst: &mut Mapping, len: usize) -> Result<()> {
     if let Some(bytes) = src.private_bytes() {
         dst.write_at(0, &bytes[..len])?;

@@ -303,6 +303,7 @@ impl fmt::Debug for NamedRegion {
     }
 }
 
+#[cfg_attr(docsrs, doc(cfg(feature = "manager")))]
 impl Storage {
     /// A new host storage of `size` zeroed bytes shared by name (PyTorch:
     /// `UntypedStorage._new_using_filename_cpu`).

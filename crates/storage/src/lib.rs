@@ -144,16 +144,20 @@ mod device;
 mod error;
 mod fd;
 mod file;
+#[cfg(feature = "manager")]
 mod filename;
 mod owner;
 mod pooled;
 mod storage;
+#[cfg(feature = "manager")]
 mod torch_manager;
 
 pub use copy::storage_copy;
 pub use device::Device;
 pub use error::{Error, Result};
 pub use fd::FdHandle;
+#[cfg(feature = "manager")]
+#[cfg_attr(docsrs, doc(cfg(feature = "manager")))]
 pub use filename::FilenameHandle;
 pub use owner::StorageKind;
 pub use pooled::{default_pool, set_default_pool, ReceivedStorage};

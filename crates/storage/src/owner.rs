@@ -6,6 +6,7 @@ use tensormem_shm::pool::PoolBuffer;
 use tensormem_shm::{Backing, SharedRegion, ShmName};
 
 use crate::error::{Error, Result};
+#[cfg(feature = "manager")]
 use crate::filename::NamedRegion;
 
 /// What kind of memory holds a storage's bytes, and how it is shared.
@@ -66,6 +67,7 @@ pub(crate) enum Owner {
     /// A lease on another process's pooled region; released when dropped.
     Lease(Lease),
     /// A refcounted name held at the manager.
+    #[cfg(feature = "manager")]
     Filename(NamedRegion),
     /// CUDA memory.
     #[cfg(feature = "cuda")]
@@ -86,6 +88,7 @@ impl Owner {
             Self::File(_) => StorageKind::CpuFile,
             Self::Pooled(_) => StorageKind::CpuPooled,
             Self::Lease(_) => StorageKind::CpuPooledLease,
+            #[cfg(feature = "manager")]
             Self::Filename(_) => StorageKind::CpuFilename,
             #[cfg(feature = "cuda")]
             Self::Cuda(cuda) => cuda.kind(),
@@ -95,6 +98,7 @@ impl Owner {
     /// The shm name of a filename storage.
     pub(crate) fn shm_name(&self) -> Option<&ShmName> {
         match self {
+            #[cfg(feature = "manager")]
             Self::Filename(named) => Some(named.name()),
             _ => None,
         }
@@ -110,6 +114,7 @@ impl Owner {
             Self::Fd(region) | Self::File(region) => Ok(region.read_at(offset, buf)?),
             Self::Pooled(buffer) => Ok(buffer.read_at(offset, buf)?),
             Self::Lease(lease) => Ok(lease.read_at(offset, buf)?),
+            #[cfg(feature = "manager")]
             Self::Filename(named) => Ok(named.mapping().read_at(offset, buf)?),
             #[cfg(feature = "cuda")]
             Self::Cuda(cuda) => cuda.read_at(offset, buf),
@@ -126,6 +131,7 @@ impl Owner {
             Self::Fd(region) | Self::File(region) => Ok(region.write_at(offset, data)?),
             Self::Pooled(buffer) => Ok(buffer.write_at(offset, data)?),
             Self::Lease(lease) => Ok(lease.write_at(offset, data)?),
+            #[cfg(feature = "manager")]
             Self::Filename(named) => Ok(named.mapping_mut().write_at(offset, data)?),
             #[cfg(feature = "cuda")]
             Self::Cuda(cuda) => cuda.write_at(offset, data),
@@ -151,6 +157,7 @@ impl Owner {
                 }
                 Ok(())
             }
+            #[cfg(feature = "manager")]
             Self::Filename(named) => Ok(named.mapping_mut().fill(value)?),
             #[cfg(feature = "cuda")]
             Self::Cuda(cuda) => cuda.fill(value),

@@ -1,9 +1,9 @@
 //! Producer/consumer by name (PyTorch's `file_system` strategy).
 //!
-//! Run `cargo run -p tensormem --example share_filename`: the producer moves a storage into a
-//! named, refcounted shm object held through the shm manager daemon (started on demand: the
-//! `tensormem-shm-manager` binary must be next to this program, on `PATH`, or named by
-//! `TENSORMEM_SHM_MANAGER`), adds a reference for the name in transit, and starts this program
+//! Run `cargo run -p tensormem --features manager --example share_filename`: the producer moves a
+//! storage into a named, refcounted shm object held through the shm manager daemon (started on
+//! demand: the `tensormem-shm-manager` binary must be next to this program, on `PATH`, or named
+//! by `TENSORMEM_SHM_MANAGER`), adds a reference for the name in transit, and starts this program
 //! again as the consumer with the name on its command line. The consumer opens the name, takes
 //! over the in-transit reference, checks and writes the bytes. The producer exits first; the
 //! name stays while the consumer holds it, and the consumer's close removes it.

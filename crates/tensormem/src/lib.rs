@@ -64,11 +64,14 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! **By name** (PyTorch's `file_system` strategy): the storage moves into a refcounted shm object
-//! laid out as PyTorch's, held through the shm manager daemon (started on demand), so no name
-//! leaks even when processes are killed. The name is a string you can send any way you like.
+//! **By name** (PyTorch's `file_system` strategy, feature `manager`): the storage moves into a
+//! refcounted shm object laid out as PyTorch's, held through the shm manager daemon (started on
+//! demand), so no name leaks even when processes are killed. The name is a string you can send
+//! any way you like.
 //!
 //! ```no_run
+//! # #[cfg(feature = "manager")]
+//! # fn main() -> Result<(), tensormem::storage::Error> {
 //! use tensormem::storage::{FilenameHandle, Storage};
 //!
 //! let weights = Storage::from_vec(vec![7u8; 1 << 20]);
@@ -78,7 +81,10 @@
 //! let received = Storage::new_shared_filename(&handle)?; // _new_shared_filename_cpu
 //! received.shared_decref()?; // it took over the sender's reference
 //! assert_eq!(received.to_vec()?, vec![7u8; 1 << 20]);
-//! # Ok::<(), tensormem::storage::Error>(())
+//! # Ok(())
+//! # }
+//! # #[cfg(not(feature = "manager"))]
+//! # fn main() {}
 //! ```
 //!
 //! **CUDA memory** (CUDA IPC, feature `cuda`): a storage from the caching allocator is shared by
@@ -110,8 +116,8 @@
 //! ```
 //!
 //! Runnable producer/consumer programs, each a producer that starts itself again as the
-//! consumer: `cargo run -p tensormem --example share_fd`, `--example share_filename`,
-//! `--example share_cuda`, `--example share_pooled` (recycled regions).
+//! consumer: `cargo run -p tensormem --example share_fd`, `--features manager --example
+//! share_filename`, `--example share_cuda`, `--example share_pooled` (recycled regions).
 //!
 //! # Features
 //!
@@ -119,7 +125,9 @@
 //! | --- | --- | --- |
 //! | `cuda` | yes | [`cuda`]: the device API (devices, streams, per-device caching allocators, memory statistics and snapshots), [`cuda_alloc`], the allocator crate, [`ipc`], CUDA IPC with PyTorch's reference counting, and CUDA storages in [`storage`]. Loads `libcuda.so` at run time; building needs no CUDA toolkit. Turn it off to embed only the CPU layer: no CUDA code (and no `cudarc`) is compiled then. |
 //!
-//! Always there: [`shm`], CPU shared memory (PyTorch's `file_descriptor` and `file_system` sharing), and
+//! | `manager` | no | Sharing by name (`Storage::share_filename`, PyTorch's `file_system` strategy) and [`shm`]'s managed names, held by tensormem-shm's manager daemon. **Runs code before `main`**: it links a start-up hook (`.init_array`) that returns at once unless `TENSORMEM_SHM_MANAGER_ROLE` is set, and lets the first name start the daemon from the program's own image with no setup. Without it no code of tensormem runs before `main`. |
+//!
+//! Always there: [`shm`], CPU shared memory (PyTorch's `file_descriptor` sharing; `file_system` with `manager`), and
 //! [`storage`], the storage facade over it.
 //!
 //! # The device API
