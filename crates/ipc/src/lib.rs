@@ -105,9 +105,7 @@ pub use producer::{
     IpcProducer, ProducerConfig, ProducerStats, SharedAllocation, MAXIMUM_EVENTS_TO_USE,
     PRODUCER_TERMINATED_WARNING, WARN_AFTER_X_BLOCKS_IN_LIMBO,
 };
-pub use received::{
-    check_shareable, ConsumerConfig, DeviceElement, DeviceView, IpcConsumer, ReceivedMemory,
-};
+pub use received::{ConsumerConfig, DeviceElement, DeviceView, IpcConsumer, ReceivedMemory};
 pub use refcounter::REF_COUNTER_FILE_SIZE;
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]

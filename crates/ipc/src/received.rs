@@ -37,7 +37,7 @@ static RECEIVED: Mutex<BTreeMap<(u32, u64), (u64, usize)>> = Mutex::new(BTreeMap
 ///
 /// [`Error::ReceivedMemory`] (PyTorch's message) if `ptr` lies in memory this process opened with
 /// [`IpcConsumer::open`].
-pub fn check_shareable(device: u32, ptr: DeviceAddress) -> Result<()> {
+pub(crate) fn check_shareable(device: u32, ptr: DeviceAddress) -> Result<()> {
     let received = RECEIVED.lock();
     let inside = received
         .range(..=(device, ptr.0))
@@ -692,5 +692,42 @@ impl<T: DeviceElement> DeviceView<'_, T> {
     #[must_use]
     pub fn element_ptr(&self, index: usize) -> Option<DeviceAddress> {
         (index < self.len).then(|| self.ptr.offset(index * std::mem::size_of::<T>()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use tensormem_cuda_alloc::backend::sim::SimDevice;
+    use tensormem_cuda_alloc::{CachingAllocator, StreamId};
+
+    use super::*;
+    use crate::driver::fake::FakeDriver;
+    use crate::IpcProducer;
+
+    #[test]
+    fn received_memory_cannot_be_shared_again() {
+        const S: StreamId = StreamId(0);
+        let driver = Arc::new(FakeDriver::default());
+        let allocator = Arc::new(CachingAllocator::new(SimDevice::new(1 << 30)));
+        let producer = IpcProducer::new(Arc::clone(&driver));
+        let consumer = IpcConsumer::new(Arc::clone(&driver));
+        let (_shared, handle) = producer
+            .share(&allocator, allocator.allocate(4096, S).unwrap(), S)
+            .unwrap();
+        let received = consumer.open(&handle, S).unwrap();
+        let err = check_shareable(0, received.ptr()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "Attempted to send CUDA tensor received from another process; this is not currently \
+             supported. Consider cloning before sending."
+        );
+        let ptr = received.ptr();
+        drop(received);
+        assert!(
+            check_shareable(0, ptr).is_ok(),
+            "closed: no longer received memory"
+        );
     }
 }

@@ -1,6 +1,7 @@
 //! Producer and consumer in one process, on the simulated device and the fake driver: limbo and
 //! collect, the free-memory callback, rotation, 10 000+ shares, the event budget, many threads, every
-//! bad-handle class, the opened-handle cache, re-sharing received memory, shutdown.
+//! bad-handle class, the opened-handle cache, shutdown. (Re-sharing received memory: `received.rs`'s
+//! unit tests.)
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -10,8 +11,8 @@ use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::{CachingAllocator, StreamId};
 use tensormem_ipc::driver::fake::FakeDriver;
 use tensormem_ipc::{
-    check_shareable, ConsumerConfig, Error, IpcConsumer, IpcHandle, IpcProducer, MemHandle,
-    ProducerConfig, REF_COUNTER_FILE_SIZE,
+    ConsumerConfig, Error, IpcConsumer, IpcHandle, IpcProducer, MemHandle, ProducerConfig,
+    REF_COUNTER_FILE_SIZE,
 };
 use tensormem_shm::{NameGenerator, RefcountedRegion, ShmName};
 
@@ -533,28 +534,6 @@ fn a_ref_counter_file_truncated_while_open_is_an_error_not_a_crash() {
             }
         ),
         "{err}"
-    );
-}
-
-#[test]
-fn received_memory_cannot_be_shared_again() {
-    let (driver, allocator, producer) = setup(ProducerConfig::default());
-    let consumer = IpcConsumer::new(Arc::clone(&driver));
-    let (_shared, handle) = producer
-        .share(&allocator, allocator.allocate(4096, S).unwrap(), S)
-        .unwrap();
-    let received = consumer.open(&handle, S).unwrap();
-    let err = check_shareable(0, received.ptr()).unwrap_err();
-    assert_eq!(
-        err.to_string(),
-        "Attempted to send CUDA tensor received from another process; this is not currently \
-         supported. Consider cloning before sending."
-    );
-    let ptr = received.ptr();
-    drop(received);
-    assert!(
-        check_shareable(0, ptr).is_ok(),
-        "closed: no longer received memory"
     );
 }
 
