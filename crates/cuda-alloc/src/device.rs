@@ -280,6 +280,20 @@ pub unsafe trait Device: Send + Sync + 'static {
         size: usize,
         chunk: Self::PhysicalChunk,
     ) -> DeviceResult<()>;
+
+    /// A file descriptor another process can import `chunk` from (`cuMemExportToShareableHandle`
+    /// with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`): how memory of expandable segments is shared.
+    /// The default refuses: a backend whose chunks cannot leave the process.
+    ///
+    /// # Errors
+    ///
+    /// [`DeviceError::Unsupported`] where chunks cannot be exported; the driver's error otherwise.
+    fn export_physical(&self, chunk: &Self::PhysicalChunk) -> DeviceResult<std::os::fd::OwnedFd> {
+        let _ = chunk;
+        Err(DeviceError::Unsupported {
+            what: "exporting physical memory to other processes (expandable-segment sharing)",
+        })
+    }
 }
 
 // SAFETY: every method delegates to the shared device, which upholds the obligations itself; sharing
@@ -355,5 +369,8 @@ unsafe impl<D: Device> Device for std::sync::Arc<D> {
     ) -> DeviceResult<()> {
         // SAFETY: the caller's obligations are the shared device's.
         unsafe { (**self).unmap(ptr, size, chunk) }
+    }
+    fn export_physical(&self, chunk: &Self::PhysicalChunk) -> DeviceResult<std::os::fd::OwnedFd> {
+        (**self).export_physical(chunk)
     }
 }

@@ -7,7 +7,30 @@
 //! unusable slivers at the ends of many fixed-size ones, and `empty_cache` can unmap every chunk no
 //! block uses, wherever it is in the range.
 
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+
 use crate::device::{Device, DeviceAddress, DeviceError, DeviceResult};
+
+/// A chunk mapped at a slot, with the file descriptor it was exported as (made on the first
+/// export, closed when the chunk is unmapped, so that every share of the chunk names the same
+/// descriptor while it lives).
+struct Mapped<D: Device> {
+    chunk: D::PhysicalChunk,
+    exported: Option<OwnedFd>,
+}
+
+/// The chunks under a range of an expandable segment, exported for another process (see
+/// [`ExpandableSegment::export`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkExport {
+    /// Where the first chunk starts.
+    pub base: DeviceAddress,
+    /// The size of each chunk in bytes.
+    pub chunk_size: u64,
+    /// One file descriptor of this process per chunk, in address order. Each stays open while its
+    /// chunk is mapped: at least as long as the allocation it was exported for is allocated.
+    pub fds: Vec<RawFd>,
+}
 
 /// One reserved range and the physical chunks mapped into it.
 pub(crate) struct ExpandableSegment<D: Device> {
@@ -18,7 +41,7 @@ pub(crate) struct ExpandableSegment<D: Device> {
     /// Number of chunk slots in the range.
     max_handles: u64,
     /// The chunk mapped at each slot; trailing empty slots are trimmed.
-    handles: Vec<Option<D::PhysicalChunk>>,
+    handles: Vec<Option<Mapped<D>>>,
 }
 
 impl<D: Device> std::fmt::Debug for ExpandableSegment<D> {
@@ -93,7 +116,10 @@ impl<D: Device> ExpandableSegment<D> {
                     // mapped (the handle table says so); the chunk was created with this size.
                     match unsafe { device.map(at, chunk_size, &chunk) } {
                         Ok(()) => {
-                            self.handles[i as usize] = Some(chunk);
+                            self.handles[i as usize] = Some(Mapped {
+                                chunk,
+                                exported: None,
+                            });
                             continue;
                         }
                         Err(e) => e,
@@ -141,7 +167,7 @@ impl<D: Device> ExpandableSegment<D> {
 
     fn unmap_slots(&mut self, device: &D, begin: u64, end: u64) -> DeviceResult<()> {
         for i in begin..end {
-            if let Some(chunk) = self.handles[i as usize].take() {
+            if let Some(Mapped { chunk, .. }) = self.handles[i as usize].take() {
                 let at = DeviceAddress(self.base + i * self.segment_size);
                 // SAFETY: `chunk` was mapped at slot `i` by `map` with the segment size, and the
                 // caller guarantees no queued work uses it.
@@ -162,7 +188,7 @@ impl<D: Device> ExpandableSegment<D> {
     pub(crate) fn tear_down(mut self, device: &D) -> Vec<DeviceError> {
         let mut errors = Vec::new();
         for i in 0..self.handles.len() {
-            if let Some(chunk) = self.handles[i].take() {
+            if let Some(Mapped { chunk, .. }) = self.handles[i].take() {
                 let at = DeviceAddress(self.base + i as u64 * self.segment_size);
                 // SAFETY: `chunk` was mapped at slot `i` by `map` with the segment size, and the
                 // caller guarantees no queued work uses it.
@@ -177,6 +203,46 @@ impl<D: Device> ExpandableSegment<D> {
             }
         }
         errors
+    }
+
+    /// The chunks under `[addr, addr + size)` (rounded out to whole chunks), each exported as a
+    /// file descriptor once and kept (PyTorch's `ExpandableSegment::share`): the same range always
+    /// gives the same descriptors while its chunks stay mapped.
+    ///
+    /// # Errors
+    ///
+    /// [`DeviceError::Driver`] with code `-1` if part of the range is not mapped (the allocator
+    /// asked for a range no allocated block covers); the device's export error otherwise (nothing
+    /// is kept from a failed call but the descriptors exported before it, which later calls reuse).
+    pub(crate) fn export(&mut self, device: &D, addr: u64, size: u64) -> DeviceResult<ChunkExport> {
+        let begin = self.slot_of(addr);
+        let end = self.slot_after(addr + size);
+        let mut fds = Vec::with_capacity((end - begin) as usize);
+        for i in begin..end {
+            let Some(mapped) = self.handles.get_mut(i as usize).and_then(Option::as_mut) else {
+                return Err(DeviceError::Driver {
+                    call: "cuMemExportToShareableHandle",
+                    code: -1,
+                    message: format!(
+                        "chunk {i} of the expandable segment at {:#x} is not mapped",
+                        self.base
+                    ),
+                });
+            };
+            let fd = match &mapped.exported {
+                Some(fd) => fd.as_raw_fd(),
+                None => mapped
+                    .exported
+                    .insert(device.export_physical(&mapped.chunk)?)
+                    .as_raw_fd(),
+            };
+            fds.push(fd);
+        }
+        Ok(ChunkExport {
+            base: DeviceAddress(self.base + begin * self.segment_size),
+            chunk_size: self.segment_size,
+            fds,
+        })
     }
 
     /// Releases the reserved range. Every chunk must have been unmapped.

@@ -125,12 +125,13 @@ mod trace;
 
 pub use allocator::{
     Allocation, CachingAllocator, CheckpointDelta, InvariantViolation, PoolCheckpoint,
-    DEFAULT_STREAM_CAPACITY,
+    ShareableSegment, DEFAULT_STREAM_CAPACITY,
 };
 pub use device::{
     CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, StreamId,
 };
 pub use error::{Error, Result};
+pub use expandable::ChunkExport;
 pub use owned::OwnedAllocation;
 pub use pool_id::MempoolId;
 pub use stack::RecordContext;

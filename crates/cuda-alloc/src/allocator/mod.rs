@@ -15,6 +15,7 @@
 
 mod alloc;
 mod checkpoint;
+mod export;
 mod free;
 mod grow;
 mod hint;
@@ -48,6 +49,7 @@ use crate::stats::peaks::{Kind, PeakBook};
 use crate::trace::{Action, Record, TraceRecorder};
 
 pub use checkpoint::{CheckpointDelta, PoolCheckpoint};
+pub use export::ShareableSegment;
 pub(crate) use hot_pair::HotPair;
 pub use invariants::InvariantViolation;
 pub(crate) use parked::Parked;

@@ -527,4 +527,8 @@ unsafe impl Device for CudaBackend {
         drop(vmm);
         chunk.release()
     }
+
+    fn export_physical(&self, chunk: &PhysicalChunk) -> DeviceResult<std::os::fd::OwnedFd> {
+        chunk.export_fd()
+    }
 }

@@ -38,6 +38,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ops::Bound;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use parking_lot::Mutex;
@@ -104,6 +105,8 @@ pub struct SimCounters {
     pub maps: u64,
     /// `unmap` calls.
     pub unmaps: u64,
+    /// Physical chunks exported to other processes ([`Device::export_physical`]).
+    pub exports: u64,
     /// Events created.
     pub events_created: u64,
     /// Events recorded.
@@ -664,6 +667,69 @@ unsafe impl Device for SimDevice {
         state.live_chunks -= 1;
         state.counters.unmaps += 1;
         Ok(())
+    }
+
+    fn export_physical(&self, chunk: &SimChunk) -> DeviceResult<OwnedFd> {
+        let fail = |e: rustix::io::Errno| DeviceError::Driver {
+            call: "cuMemExportToShareableHandle",
+            code: -1,
+            message: format!("the simulated export's memfd: {e}"),
+        };
+        let fd = rustix::fs::memfd_create("tensormem-sim-chunk", rustix::fs::MemfdFlags::CLOEXEC)
+            .map_err(fail)?;
+        let mut bytes = Vec::with_capacity(EXPORTED_CHUNK_LEN);
+        bytes.extend_from_slice(EXPORTED_CHUNK_MAGIC);
+        bytes.extend_from_slice(&u64::from(self.index).to_le_bytes());
+        bytes.extend_from_slice(&chunk.id.to_le_bytes());
+        bytes.extend_from_slice(&(chunk.size as u64).to_le_bytes());
+        let written = rustix::io::pwrite(&fd, &bytes, 0).map_err(fail)?;
+        if written != bytes.len() {
+            return Err(fail(rustix::io::Errno::IO));
+        }
+        self.state.lock().counters.exports += 1;
+        Ok(fd)
+    }
+}
+
+const EXPORTED_CHUNK_MAGIC: &[u8; 8] = b"TMSIMCHK";
+const EXPORTED_CHUNK_LEN: usize = 32;
+
+/// What a simulated chunk's exported file descriptor names (see [`SimChunk::read_exported`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExportedSimChunk {
+    /// The device ordinal of the [`SimDevice`] that exported it.
+    pub device: u32,
+    /// The chunk's id on that device.
+    pub id: u64,
+    /// Its size in bytes.
+    pub size: usize,
+}
+
+impl SimChunk {
+    /// Reads what a file descriptor from the simulated device's
+    /// [`export_physical`](Device::export_physical) names (a memfd holding the device, the chunk's id
+    /// and size): what a fake driver "imports" in another process, where no memory exists.
+    ///
+    /// # Errors
+    ///
+    /// [`DeviceError::Driver`] (code `-1`, `cuMemImportFromShareableHandle`) when the descriptor is
+    /// not such an export.
+    pub fn read_exported(fd: BorrowedFd<'_>) -> DeviceResult<ExportedSimChunk> {
+        let bad = |why: String| misuse("cuMemImportFromShareableHandle", why);
+        let mut bytes = [0u8; EXPORTED_CHUNK_LEN];
+        let read =
+            rustix::io::pread(fd, &mut bytes, 0).map_err(|e| bad(format!("reading: {e}")))?;
+        if read != EXPORTED_CHUNK_LEN || &bytes[..8] != EXPORTED_CHUNK_MAGIC {
+            return Err(bad(
+                "the descriptor is not a simulated chunk's export".to_string()
+            ));
+        }
+        let at = |i: usize| u64::from_le_bytes(bytes[i..i + 8].try_into().expect("8 bytes"));
+        Ok(ExportedSimChunk {
+            device: u32::try_from(at(8)).map_err(|_| bad("device out of range".into()))?,
+            id: at(16),
+            size: usize::try_from(at(24)).map_err(|_| bad("size out of range".into()))?,
+        })
     }
 }
 

@@ -17,6 +17,8 @@ pub struct PhysicalChunk {
     handle: sys::CUmemGenericAllocationHandle,
     /// Bytes of physical memory, a multiple of the allocation granularity.
     size: usize,
+    /// Whether it was created exportable as a POSIX file descriptor.
+    exportable: bool,
 }
 
 impl PhysicalChunk {
@@ -33,6 +35,42 @@ impl PhysicalChunk {
     #[must_use]
     pub fn as_raw(&self) -> sys::CUmemGenericAllocationHandle {
         self.handle
+    }
+
+    /// A file descriptor another process imports this chunk from (`cuMemExportToShareableHandle`,
+    /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`). Every call makes a new descriptor.
+    ///
+    /// # Errors
+    ///
+    /// [`DeviceError::Unsupported`] when the device cannot export file descriptors (the chunk was
+    /// created without that handle type); the driver's error otherwise.
+    pub(crate) fn export_fd(&self) -> DeviceResult<std::os::fd::OwnedFd> {
+        use std::os::fd::FromRawFd;
+        if !self.exportable {
+            return Err(DeviceError::Unsupported {
+                what: "exporting physical memory as file descriptors on this device",
+            });
+        }
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: `fd` is valid for writes of a C int (what the POSIX handle type writes); the handle
+        // is live (owned by `self`), and flags must be 0.
+        check("cuMemExportToShareableHandle", unsafe {
+            sys::cuMemExportToShareableHandle(
+                (&raw mut fd).cast(),
+                self.handle,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        if fd < 0 {
+            return Err(DeviceError::Driver {
+                call: "cuMemExportToShareableHandle",
+                code: -1,
+                message: format!("the driver returned file descriptor {fd}"),
+            });
+        }
+        // SAFETY: the driver just opened `fd` for this process and hands its ownership to the caller.
+        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
     }
 
     /// Releases the handle now and reports the driver's answer (`cuMemRelease`).
@@ -126,7 +164,11 @@ impl ChunkKind {
         // SAFETY: `prop` and `handle` are valid for the duration of the call; flags must be 0.
         let result = unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) };
         super::driver::check_alloc("cuMemCreate", result, size)?;
-        Ok(PhysicalChunk { handle, size })
+        Ok(PhysicalChunk {
+            handle,
+            size,
+            exportable: self.exportable,
+        })
     }
 }
 
