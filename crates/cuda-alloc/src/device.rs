@@ -374,3 +374,19 @@ unsafe impl<D: Device> Device for std::sync::Arc<D> {
         (**self).export_physical(chunk)
     }
 }
+
+#[cfg(test)]
+mod address_format_tests {
+    use super::DeviceAddress;
+
+    #[test]
+    fn addresses_format_as_hex_like_the_integer() {
+        let addr = DeviceAddress(0x7f3a_0000_2000);
+        assert_eq!(format!("{addr:#x}"), "0x7f3a00002000");
+        assert_eq!(format!("{addr:x}"), "7f3a00002000");
+        assert_eq!(format!("{addr:#X}"), "0x7F3A00002000");
+        assert_eq!(format!("{addr:#018x}"), "0x00007f3a00002000");
+        assert_eq!(format!("{addr}"), "0x7f3a00002000");
+        assert_eq!(format!("{addr:?}"), "0x7f3a00002000");
+    }
+}

@@ -5,6 +5,11 @@
 //! allocator goes. An [`OwnedAllocation`] holds the allocator beside the handle (borrowed, or an
 //! [`Arc`]) and frees on drop, as cudarc's `CudaSlice` does. It is a thin wrapper: the allocation is
 //! made and freed by the same calls as a raw one.
+//!
+//! A raw handle dropped without `free` is not lost silently: its bytes stay counted in the
+//! `allocated_bytes` of [`memory_stats`](CachingAllocator::memory_stats) (check that it is back
+//! to zero at the end of a test), and debug builds report the first such drop as a `tracing`
+//! warning.
 
 use std::fmt;
 use std::ops::Deref;
@@ -161,5 +166,25 @@ impl<D: Device> CachingAllocator<D> {
             allocation,
             Owner::Shared(Arc::clone(self)),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::backend::sim::SimDevice;
+    use crate::{CachingAllocator, StreamId};
+
+    /// A raw handle dropped without `free` stays counted as allocated (so `memory_stats` shows the
+    /// leak), while an owned one gives its memory back on drop, on the simulated device too.
+    #[test]
+    fn owned_allocations_free_on_drop_and_raw_leaks_stay_counted() {
+        let alloc = CachingAllocator::new(SimDevice::new(1 << 30));
+        drop(alloc.allocate_owned(3000, StreamId(0)).unwrap());
+        assert_eq!(alloc.memory_stats().allocated_bytes.all.current, 0);
+        #[allow(unused_must_use, clippy::let_underscore_must_use)]
+        {
+            let _ = alloc.allocate(3000, StreamId(0)).unwrap();
+        }
+        assert_eq!(alloc.memory_stats().allocated_bytes.all.current, 3072);
     }
 }
