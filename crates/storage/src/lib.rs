@@ -81,7 +81,7 @@
 //! | `_new_shared_fd_cpu(fd, size)` | [`Storage::new_shared_fd`] (or [`Storage::recv_shared_fd`]) |
 //! | `_new_using_fd_cpu(size)`, `at::new_shm_fd_storage` | [`Storage::new_shared_fd_storage`] |
 //! | `_get_shared_fd()` | [`Storage::get_shared_fd`] (a duplicate; detaches a pooled storage) |
-//! | `_share_filename_cpu_()` → `(manager, name, size)` | [`Storage::share_filename`] → [`FilenameHandle`] (refcounted named regions and the manager, never the pool: a name can be opened by any process, so no connection's close tells the pool that a killed opener is done) |
+//! | `_share_filename_cpu_()` → `(manager, name, size)` | [`Storage::share_filename`] → [`FilenameHandle`] (feature `manager`; refcounted named regions and the manager, never the pool: a name can be opened by any process, so no connection's close tells the pool that a killed opener is done) |
 //! | `_new_shared_filename_cpu(manager, name, size)` | [`Storage::new_shared_filename`] |
 //! | `_new_using_filename_cpu(size)` | [`Storage::new_shared_filename_storage`] |
 //! | `_shared_incref()`, `_shared_decref()` | [`Storage::shared_incref`], [`Storage::shared_decref`] |
@@ -133,6 +133,18 @@
 //! writes and the sharing operations that replace the owner take it exclusively. Shared bytes
 //! are reached by copies ([`Storage::read_at`], [`Storage::write_at`], [`Storage::to_vec`]),
 //! never by references, because other processes may write them at any time.
+//!
+//! # Features
+//!
+//! - `manager` (off by default): sharing by name, PyTorch's `file_system` strategy
+//!   (`Storage::share_filename`, `new_shared_filename`, `new_shared_filename_storage`,
+//!   `shared_incref` / `shared_decref`, `FilenameHandle`). It turns on tensormem-shm's `manager`
+//!   feature, whose start-up hook runs before `main` in every program that links it (it returns
+//!   at once unless the daemon is being started). Without it those methods do not exist ("no
+//!   method named `share_filename`": add `features = ["manager"]`), and no code of tensormem runs
+//!   before `main`.
+//! - `cuda` (off by default): CUDA storages (the caching allocator, CUDA IPC).
+
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(unsafe_code)]
 
