@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, Context, Result};
 use clap::Args;
 use tensormem_cuda_alloc::snapshot::{ReadLimits, Snapshot, SnapshotError};
-use tensormem_replay::{ExpectedStats, Replay, ReplayRun, RunOptions};
+use tensormem_replay::{ExpectedStats, Replay, ReplayRun, RestoreCount, RunOptions};
 
 use crate::embedded;
 use crate::plot;
@@ -287,6 +287,12 @@ fn json_report(trace: &str, events: u64, runs: &[ReplayRun]) -> serde_json::Valu
                     });
                     if let Some(check) = &d.check {
                         entry["matches_record"] = serde_json::Value::Bool(check.matches());
+                    }
+                    if d.restores != RestoreCount::default() {
+                        entry["checkpoint_restores"] = serde_json::json!({
+                            "applied": d.restores.applied,
+                            "not_applied": d.restores.not_applied,
+                        });
                     }
                     (d.device.to_string(), entry)
                 })

@@ -390,6 +390,30 @@ fn details(out: &mut impl Write, header: &Header<'_>, run: &ReplayRun) -> io::Re
         }
     }
     for device in &run.devices {
+        let restores = device.restores;
+        if restores.applied + restores.not_applied > 0 {
+            writeln!(
+                out,
+                "  inferred: device {}: {} of CUDA graph trees (setCheckpointPoolState; the trace \
+                 shows only the blocks they cut), {} through the allocator's checkpoint API{}",
+                device.device,
+                crate::count(
+                    restores.applied + restores.not_applied,
+                    "checkpoint restore",
+                    "checkpoint restores"
+                ),
+                restores.applied,
+                if restores.not_applied > 0 {
+                    format!(
+                        ", {} replayed as requests (no checkpoint the replay took agreed with it, \
+                         or the pool has expandable segments)",
+                        restores.not_applied
+                    )
+                } else {
+                    String::new()
+                }
+            )?;
+        }
         if device.addresses.invented > 0 {
             writeln!(
                 out,

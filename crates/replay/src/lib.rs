@@ -94,6 +94,7 @@ mod check;
 mod device;
 mod plan;
 mod pools;
+mod restore;
 mod run;
 mod timeline;
 
@@ -107,7 +108,7 @@ pub use device::{AddressUse, ReplayDevice};
 pub use pools::{
     PoolAttribution, PoolEvidence, PoolShare, UndecidedAllocation, MAX_FLIPS, UNNAMED_POOL_BASE,
 };
-pub use run::DeviceRun;
+pub use run::{DeviceRun, RestoreCount};
 pub use timeline::{Timeline, TimelinePoint};
 
 use plan::{DevicePlan, PlanError};

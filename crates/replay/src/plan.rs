@@ -17,6 +17,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use crate::capacity::{CapacityFacts, OomFact};
+use crate::restore;
 use tensormem_cuda_alloc::device::StreamId;
 use tensormem_cuda_alloc::size::{LARGE_BUFFER, SMALL_BUFFER};
 use tensormem_cuda_alloc::snapshot::{Segment, TraceAction, TraceEntry};
@@ -60,6 +61,26 @@ pub(crate) enum Op {
     /// [`DevicePlan::release_sets`]`[set]` (private pools they belong to were released by their
     /// users before).
     ReleaseStarts { set: u32 },
+    /// The recorded pool may have been in the state [`DevicePlan::restores`]`[restore]` returns it
+    /// to: checkpoint the pool.
+    Checkpoint { restore: u32 },
+    /// A restore of a private pool to a checkpoint ([`DevicePlan::restores`]`[restore]`) starts:
+    /// the allocations and frees up to its end are its work.
+    Restore { restore: u32 },
+}
+
+/// A restore of a private pool to a checkpoint (`setCheckpointPoolState`), as the trace shows it
+/// (see [`crate::restore`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct RestorePlan {
+    /// One past its last event.
+    pub(crate) end: u32,
+    /// The recorded segments it restores.
+    pub(crate) instances: Vec<u32>,
+    /// The blocks allocated in the checkpoint (address, size), in address order.
+    pub(crate) live: Vec<(u64, u64)>,
+    /// The addresses of the blocks free in the checkpoint.
+    pub(crate) free: Vec<u64>,
 }
 
 /// A run of segment releases that did not end in an `oom`.
@@ -137,6 +158,8 @@ pub(crate) struct DevicePlan {
     pub(crate) unmatched_frees: usize,
     /// The segments the snapshot holds for this device (its state when it was taken).
     pub(crate) segments: Vec<Segment>,
+    /// The checkpoint restores [`Op::Checkpoint`] and [`Op::Restore`] refer to.
+    pub(crate) restores: Vec<RestorePlan>,
 }
 
 /// Why a trace cannot be turned into a plan.
@@ -263,10 +286,41 @@ impl DevicePlan {
         let mut never_completed = 0u64;
         // Completions PyTorch saw by synchronizing, inside the allocation that follows.
         let mut synced: Vec<Op> = Vec::new();
+        let found = restore::find(trace);
+        let mut checkpoint_after: BTreeMap<usize, Vec<u32>> = BTreeMap::new();
+        let mut restore_at: HashMap<usize, u32> = HashMap::new();
+        for (id, r) in found.iter().enumerate() {
+            for &c in &r.candidates {
+                checkpoint_after.entry(c).or_default().push(id as u32);
+            }
+            restore_at.insert(r.start, id as u32);
+            plan.restores.push(RestorePlan {
+                end: r.end as u32,
+                instances: Vec::new(),
+                live: r.live.clone(),
+                free: r.free.clone(),
+            });
+        }
         for (i, e) in trace.iter().enumerate() {
             let event = i as u32;
+            if let Some(ids) = i
+                .checked_sub(1)
+                .and_then(|last| checkpoint_after.get(&last))
+            {
+                for &restore in ids {
+                    plan.push(event, Op::Checkpoint { restore });
+                }
+            }
             match &e.action {
                 TraceAction::Alloc => {
+                    if let Some(&restore) = restore_at.get(&i) {
+                        plan.restores[restore as usize].instances = found[restore as usize]
+                            .segments
+                            .iter()
+                            .map(|&(head, _)| segments_live.find(head))
+                            .collect();
+                        plan.push(event, Op::Restore { restore });
+                    }
                     let slot = spare_slots.pop().unwrap_or_else(|| {
                         plan.slots += 1;
                         (plan.slots - 1) as u32

@@ -538,6 +538,18 @@ impl PoolRun {
         (!pools.is_empty()).then_some(pools)
     }
 
+    /// The private pool every segment `restore` restores belongs to, if they all belong to one
+    /// that is still in use.
+    pub(crate) fn restored_pool(&self, restore: &crate::plan::RestorePlan) -> Option<MempoolId> {
+        let mut pools = restore
+            .instances
+            .iter()
+            .map(|&id| self.of.get(id as usize).copied().flatten().map(|p| p.pool));
+        let pool = pools.next()??;
+        let one = pools.all(|p| p == Some(pool));
+        (one && self.live_private(pool)).then_some(pool)
+    }
+
     /// While inferring: the allocation of recorded pool `pool` landed at `landed` instead of the
     /// recorded address. If it landed in a segment whose pool was only assumed, the assumption was
     /// wrong: the segment belongs to another pool than this allocation's.

@@ -1,20 +1,20 @@
 //! Running one device's plan through a fresh allocator.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use super::check::{Check, DivergenceKind, ExpectedStats, SegmentCheck, StatsCheck};
 use super::device::{AddressUse, ReplayDevice};
-use super::plan::{DevicePlan, Op, ReleaseRun};
+use super::plan::{DevicePlan, Op, ReleaseRun, RestorePlan};
 use super::pools::PoolRun;
 use super::timeline::{Sampler, Timeline};
 use super::{ReplayError, ReplayResult, RunOptions};
 use tensormem_cuda_alloc::config::AllocatorConfig;
-use tensormem_cuda_alloc::device::Device;
+use tensormem_cuda_alloc::device::{Device, DeviceAddress};
 use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_cuda_alloc::stats::MemoryStats;
 use tensormem_cuda_alloc::Error;
-use tensormem_cuda_alloc::{Allocation, CachingAllocator, DEFAULT_STREAM_CAPACITY};
+use tensormem_cuda_alloc::{Allocation, CachingAllocator, PoolCheckpoint, DEFAULT_STREAM_CAPACITY};
 
 /// How often (in operations) the progress callback is called.
 const PROGRESS_EVERY: usize = 1 << 13;
@@ -42,6 +42,8 @@ pub struct DeviceRun {
     pub snapshot: Option<Snapshot>,
     /// Seconds spent replaying the events (the allocator's work, without setup and checks).
     pub seconds: f64,
+    /// Checkpoint restores of CUDA graph trees found in the trace, and how they were replayed.
+    pub restores: RestoreCount,
 }
 
 /// Running figures for the timeline.
@@ -129,6 +131,11 @@ pub(crate) fn run_device(
     let mut figures = Figures::default();
     let mut refused = 0u64;
     let mut allocs = 0usize;
+    let mut checkpoints: Vec<Vec<PoolCheckpoint>> = vec![Vec::new(); plan.restores.len()];
+    let mut restoring: Option<Restoring> = None;
+    let mut restores = RestoreCount::default();
+    // Handles of restored blocks no recorded allocation claimed (a restore that differed).
+    let mut strays: Vec<Allocation> = Vec::new();
 
     let started = Instant::now();
     for (i, (op, &event)) in plan.ops.iter().zip(&plan.op_events).enumerate() {
@@ -142,20 +149,39 @@ pub(crate) fn run_device(
                 let expected = plan.expected[allocs];
                 let pool = pools.pool_for(plan, &allocator, instance, allocs, size, stream);
                 allocs += 1;
-                let bytes = usize::try_from(size).unwrap_or(usize::MAX);
-                let landed = match pools.allocate(&allocator, pool, bytes, stream) {
-                    Ok(a) => {
+                let restored = restoring
+                    .as_mut()
+                    .filter(|r| event < r.end)
+                    .map(|r| r.take(expected.addr));
+                let landed = match restored {
+                    // A block the restore made: live in the checkpoint (its handle), or free in it
+                    // (made and freed again by the restore).
+                    Some(Restored::Live(a)) => {
                         figures.allocated += a.size() as u64;
                         figures.requested += a.requested_size() as u64;
                         let ptr = a.ptr().0;
                         slots[slot as usize] = Some(a);
                         ptr
                     }
-                    Err(Error::OutOfMemory(_) | Error::TooLarge { .. }) => {
-                        refused += 1;
-                        0
+                    Some(Restored::Free) => expected.addr,
+                    Some(Restored::Missing) => 0,
+                    None => {
+                        let bytes = usize::try_from(size).unwrap_or(usize::MAX);
+                        match pools.allocate(&allocator, pool, bytes, stream) {
+                            Ok(a) => {
+                                figures.allocated += a.size() as u64;
+                                figures.requested += a.requested_size() as u64;
+                                let ptr = a.ptr().0;
+                                slots[slot as usize] = Some(a);
+                                ptr
+                            }
+                            Err(Error::OutOfMemory(_) | Error::TooLarge { .. }) => {
+                                refused += 1;
+                                0
+                            }
+                            Err(e) => return Err(fail(event, e)),
+                        }
                     }
-                    Err(e) => return Err(fail(event, e)),
                 };
                 if landed != expected.addr && landed != 0 {
                     pools.landed_elsewhere(pool, landed);
@@ -243,6 +269,26 @@ pub(crate) fn run_device(
                     Err(e) => return Err(fail(event, e)),
                 }
             }
+            Op::Checkpoint { restore } => {
+                let restore = restore as usize;
+                if let Some(pool) = pools.restored_pool(&plan.restores[restore]) {
+                    if let Ok(checkpoint) = allocator.get_checkpoint_state(pool) {
+                        checkpoints[restore].push(checkpoint);
+                    }
+                }
+            }
+            Op::Restore { restore } => {
+                if let Some(mut done) = restoring.take() {
+                    strays.extend(done.live.drain().map(|(_, a)| a));
+                }
+                let restore = restore as usize;
+                let candidates = std::mem::take(&mut checkpoints[restore]);
+                restoring = apply_restore(&allocator, pools, &plan.restores[restore], &candidates);
+                match &restoring {
+                    Some(_) => restores.applied += 1,
+                    None => restores.not_applied += 1,
+                }
+            }
             Op::ReleaseStarts { set } => {
                 pools.release_starts(plan, &allocator, &plan.release_sets[set as usize]);
             }
@@ -295,7 +341,10 @@ pub(crate) fn run_device(
         })?;
     // Blocks the trace never freed were live when it ended; the allocator (dropped with this
     // function) returns their memory, so their handles are given up rather than freed.
-    for allocation in slots.into_iter().flatten() {
+    if let Some(mut done) = restoring.take() {
+        strays.extend(done.live.drain().map(|(_, a)| a));
+    }
+    for allocation in slots.into_iter().flatten().chain(strays) {
         let _ = allocation.into_ptr();
     }
     Ok(DeviceRun {
@@ -309,5 +358,99 @@ pub(crate) fn run_device(
         check,
         snapshot: if options.snapshot { snapshot } else { None },
         seconds,
+        restores,
+    })
+}
+
+/// Checkpoint restores of CUDA graph trees (`setCheckpointPoolState`) a device's trace shows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RestoreCount {
+    /// Restores the replay made through the allocator's checkpoint API.
+    pub applied: u64,
+    /// Restores replayed as ordinary allocations: no checkpoint the replay took agreed with the
+    /// trace (or the pool could not be checkpointed: expandable segments).
+    pub not_applied: u64,
+}
+
+/// A restore in progress: the blocks it made, claimed by the recorded allocations of its events.
+struct Restoring {
+    /// One past its last event.
+    end: u32,
+    /// Blocks live in the checkpoint, by address.
+    live: HashMap<u64, Allocation>,
+    /// The blocks free in the checkpoint, by address (made and freed again by the restore).
+    free: HashSet<u64>,
+}
+
+/// What a restore made at one recorded allocation's address.
+enum Restored {
+    Live(Allocation),
+    Free,
+    Missing,
+}
+
+impl Restoring {
+    fn take(&mut self, addr: u64) -> Restored {
+        if let Some(a) = self.live.remove(&addr) {
+            Restored::Live(a)
+        } else if self.free.contains(&addr) {
+            Restored::Free
+        } else {
+            Restored::Missing
+        }
+    }
+}
+
+/// Restores the pool of `restore` to the latest of `candidates` that agrees with it: the same
+/// pool, as many segments, the same live blocks. Only a private pool with nothing allocated is
+/// restored (its blocks were freed by the events before the restore, as PyTorch frees them).
+/// `None` when none applies: the restore's events are then replayed as requests.
+fn apply_restore(
+    allocator: &CachingAllocator<ReplayDevice>,
+    pools: &PoolRun,
+    restore: &RestorePlan,
+    candidates: &[PoolCheckpoint],
+) -> Option<Restoring> {
+    let pool = pools.restored_pool(restore)?;
+    if !allocator
+        .check_pool_live_allocations(pool, &HashSet::new())
+        .unwrap_or(false)
+    {
+        return None;
+    }
+    let live: Vec<DeviceAddress> = restore
+        .live
+        .iter()
+        .map(|&(addr, _)| DeviceAddress(addr))
+        .collect();
+    let checkpoint = candidates.iter().rev().find(|c| {
+        c.pool() == pool
+            && c.segment_count() == restore.instances.len()
+            && c.live_allocations() == live
+    })?;
+    let delta = match allocator.set_checkpoint_pool_state(checkpoint) {
+        Ok(delta) => delta,
+        Err(e) => {
+            tracing::debug!(%pool, error = %e, "a checkpoint restore was refused");
+            return None;
+        }
+    };
+    let live: HashMap<u64, Allocation> =
+        delta.created.into_iter().map(|a| (a.ptr().0, a)).collect();
+    let exact = live.len() == restore.live.len()
+        && restore
+            .live
+            .iter()
+            .all(|&(addr, size)| live.get(&addr).is_some_and(|a| a.size() as u64 == size));
+    Some(Restoring {
+        end: restore.end,
+        live,
+        // Blocks free in the checkpoint are known to sit where the trace has them only when the
+        // live ones do.
+        free: if exact {
+            restore.free.iter().copied().collect()
+        } else {
+            HashSet::new()
+        },
     })
 }

@@ -9,7 +9,7 @@ use tensormem_cuda_alloc::snapshot::{Snapshot, TraceAction, TraceEntry};
 use tensormem_cuda_alloc::{CachingAllocator, StreamId, DEFAULT_STREAM_CAPACITY};
 use tensormem_replay::{ExpectedStats, Replay, RunOptions};
 
-const TRACES: [&str; 21] = [
+const TRACES: [&str; 22] = [
     "gpt2_train",
     "gpt2_train__expandable_segments-True",
     "multistream",
@@ -31,6 +31,7 @@ const TRACES: [&str; 21] = [
     "varlen_pressure2__fraction-0.004",
     "oom_expandable__fraction-0.004_expandable_segments-True",
     "oom_max_split__fraction-0.005_max_split_size_mb-32",
+    "compile_ro",
 ];
 
 fn traces_dir() -> PathBuf {
@@ -303,6 +304,23 @@ fn cuda_graph_trees_replay_exactly() {
 
 /// Expandable segments inside private pools (a `torch.cuda.graph` capture, graph trees): the pools
 /// map segments of their own, with no `segment.*` figures, as PyTorch 2.11 does.
+/// Graph trees that record a graph on a new path after replaying others restore their pool to a
+/// checkpoint first (`setCheckpointPoolState`): the trace shows only the blocks the restore cuts,
+/// and the replay restores the pool through the allocator's checkpoint API.
+#[test]
+fn checkpoint_restores_of_cuda_graph_trees_replay_exactly() {
+    exact("compile_ro");
+    let (snapshot, _) = load("compile_ro");
+    let run = Replay::new(&snapshot).unwrap().run_recorded().unwrap();
+    assert_eq!(
+        run.devices[0].restores,
+        tensormem_replay::RestoreCount {
+            applied: 3,
+            not_applied: 0
+        }
+    );
+}
+
 #[test]
 fn expandable_segments_in_private_pools_replay_exactly() {
     exact("graph_expandable__expandable_segments-True");
