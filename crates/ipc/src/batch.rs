@@ -722,7 +722,7 @@ pub struct ReceivedBatch<B: IpcDriver> {
     pub(crate) by_name: Vec<u32>,
     pub(crate) slot: usize,
     pub(crate) file: Lease<ShmName, MappedCounterFile>,
-    pub(crate) segments: Vec<Lease<(u32, MemHandle), OpenedBase<B>>>,
+    pub(crate) segments: Vec<Lease<crate::received::SegmentKey, OpenedBase<B>>>,
 }
 
 impl<B: IpcDriver> std::fmt::Debug for ReceivedBatch<B> {

@@ -34,6 +34,8 @@ struct State<K, V> {
 pub(crate) struct LeaseCache<K, V> {
     state: Mutex<State<K, V>>,
     max_idle: usize,
+    /// Whether an entry of this key may be kept with no user (else it is closed at once).
+    keep_idle: fn(&K) -> bool,
 }
 
 /// One user's hold on a cached value; letting go of it releases the hold.
@@ -62,6 +64,11 @@ impl<K: Hash + Eq + Clone, V> Drop for Lease<K, V> {
 impl<K: Hash + Eq + Clone, V> LeaseCache<K, V> {
     /// A cache keeping at most `max_idle` values nobody uses (0: close at once).
     pub(crate) fn new(max_idle: usize) -> Arc<Self> {
+        Self::with_keep_idle(max_idle, |_| true)
+    }
+
+    /// A cache that keeps up to `max_idle` unused entries, only of keys `keep_idle` accepts.
+    pub(crate) fn with_keep_idle(max_idle: usize, keep_idle: fn(&K) -> bool) -> Arc<Self> {
         Arc::new(Self {
             state: Mutex::new(State {
                 entries: HashMap::new(),
@@ -69,6 +76,7 @@ impl<K: Hash + Eq + Clone, V> LeaseCache<K, V> {
                 idle: 0,
             }),
             max_idle,
+            keep_idle,
         })
     }
 
@@ -162,7 +170,7 @@ impl<K: Hash + Eq + Clone, V> LeaseCache<K, V> {
             return out;
         }
         let failed = entry.cell.get().is_some_and(Option::is_none) || entry.cell.get().is_none();
-        if failed || self.max_idle == 0 {
+        if failed || self.max_idle == 0 || !(self.keep_idle)(key) {
             if let Some(e) = st.entries.remove(key) {
                 out.push(e.cell);
             }

@@ -89,6 +89,27 @@ pub trait IpcDriver: Send + Sync + 'static {
     /// work of this process uses it any more.
     unsafe fn close_mem_handle(&self, device: u32, ptr: DeviceAddress) -> DeviceResult<()>;
 
+    /// Maps chunks of physical memory another process exported (an expandable segment's, see
+    /// [`crate::chunks`]): reserves `chunk_size * fds.len()` bytes of address space, imports each
+    /// descriptor (`cuMemImportFromShareableHandle`) and maps it there in order, read-write for
+    /// `device`. Returns the start of the range; on failure nothing stays mapped or reserved. The
+    /// descriptors may be closed afterwards.
+    fn import_chunks(
+        &self,
+        device: u32,
+        chunk_size: usize,
+        fds: &[std::os::fd::OwnedFd],
+    ) -> DeviceResult<DeviceAddress>;
+
+    /// Unmaps and frees a range from [`import_chunks`](Self::import_chunks).
+    ///
+    /// # Safety
+    ///
+    /// `[ptr, ptr + size)` is exactly a range `import_chunks` returned on `device`, closed once, and
+    /// no queued work of this process uses it any more.
+    unsafe fn close_chunks(&self, device: u32, ptr: DeviceAddress, size: usize)
+        -> DeviceResult<()>;
+
     /// Opens the event another process exported as `handle` (`cuIpcOpenEventHandle`).
     fn open_event_handle(
         &self,

@@ -30,6 +30,16 @@ pub enum Error {
         device: u32,
     },
 
+    /// The descriptors of an expandable segment's chunks could not be taken from the producer
+    /// (see [`chunks`](crate::chunks)): what each way tried answered, and what to do.
+    #[error("cannot take the chunk descriptors of process {pid}: {problem}")]
+    ChunkDescriptors {
+        /// The producer's process id.
+        pid: u32,
+        /// What went wrong, per way tried.
+        problem: String,
+    },
+
     /// A driver call failed (the call, the driver's code and its description).
     #[error(transparent)]
     Driver(#[from] DeviceError),

@@ -20,6 +20,10 @@
 //! | 172..174 | length of the ref-counter file name |
 //! | 174.. | the name (`/tensormem_...`, valid shm name) |
 //!
+//! With flag bit 1 the memory is chunks of an expandable segment ([`SegmentMemory::Chunks`]): the
+//! 64-byte memory handle is zeros and after the name come the producer's pid (`u32`), the chunk
+//! size (`u64`), the number of chunks (`u32`) and one descriptor (`i32`) per chunk.
+//!
 //! Decoding checks the magic, version, known flags, exact length and the name's validity.
 //!
 //! # Empty storages
@@ -32,6 +36,7 @@
 
 use tensormem_shm::ShmName;
 
+use crate::chunks::{ChunkHandle, MAX_CHUNKS, TORCH_EXPANDABLE};
 use crate::driver::{EventHandle, MemHandle, IPC_HANDLE_SIZE};
 use crate::error::{Error, Result};
 
@@ -39,18 +44,53 @@ const MAGIC: &[u8; 4] = b"TMIH";
 /// The encoding version this crate writes and reads.
 pub const ENCODING_VERSION: u16 = 1;
 const FLAG_EVENT: u16 = 1;
+const FLAG_CHUNKS: u16 = 2;
 const FIXED_LEN: usize = 174;
 
 /// PyTorch 2.x's versioned memory handle: a version byte, a type byte, then the CUDA handle.
 const TORCH_HANDLE_LEN: usize = 2 + IPC_HANDLE_SIZE;
 /// The type byte of a `cudaMalloc` allocation's handle (`SHAREABLE_CUDA_MALLOC`).
 const TORCH_CUDA_MALLOC: u8 = b'c';
-/// The type byte of an expandable segment's handle (`SHAREABLE_CUDA_EXPANDABLE_SEGMENT`).
-const TORCH_EXPANDABLE: u8 = b'e';
-
 /// The version byte PyTorch 2.x writes before a handle's type (`SHAREABLE_HANDLE_VERSION`; later
 /// versions keep the `'c'` payload, so any version is read).
-const TORCH_HANDLE_VERSION: u8 = 2;
+use crate::chunks::TORCH_HANDLE_VERSION;
+
+/// What names the memory of a share: a device allocation's CUDA IPC handle, or the chunks of an
+/// expandable segment.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum SegmentMemory {
+    /// A device allocation (`cuMemAlloc`), by its CUDA IPC handle (`cuIpcGetMemHandle`; PyTorch's
+    /// handle type `'c'`).
+    Allocation(MemHandle),
+    /// Physical chunks of an expandable segment, by the producer's file descriptors (PyTorch's
+    /// handle type `'e'`, see [`crate::chunks`]).
+    Chunks(ChunkHandle),
+}
+
+impl SegmentMemory {
+    /// The memory named by the `handle` bytes of PyTorch's tuple: `'e'` handles of expandable
+    /// segments, `'c'` handles, or the bare 64-byte CUDA handle.
+    ///
+    /// # Errors
+    ///
+    /// As [`ChunkHandle::from_torch`] and [`MemHandle::from_torch`].
+    pub fn from_torch(bytes: &[u8]) -> Result<Self> {
+        if bytes.len() != IPC_HANDLE_SIZE && bytes.get(1) == Some(&TORCH_EXPANDABLE) {
+            return ChunkHandle::from_torch(bytes).map(Self::Chunks);
+        }
+        MemHandle::from_torch(bytes).map(Self::Allocation)
+    }
+
+    /// The `handle` bytes of PyTorch's tuple: a device allocation's bare 64-byte CUDA handle
+    /// (which every PyTorch 2.x accepts), or an expandable segment's `'e'` handle.
+    #[must_use]
+    pub fn to_torch(&self) -> Vec<u8> {
+        match self {
+            Self::Allocation(handle) => handle.0.to_vec(),
+            Self::Chunks(chunks) => chunks.to_torch(),
+        }
+    }
+}
 
 impl MemHandle {
     /// The CUDA handle inside a memory handle PyTorch sends: its versioned form (a version byte,
@@ -99,11 +139,12 @@ impl MemHandle {
 pub struct IpcHandle {
     /// The device ordinal.
     pub device: u32,
-    /// The IPC handle of the whole device allocation (the base allocation) the memory lies in.
-    pub mem_handle: MemHandle,
+    /// What names the segment the memory lies in: the device allocation's IPC handle, or the
+    /// expandable segment's chunks under the shared block.
+    pub memory: SegmentMemory,
     /// The shared memory's size in bytes.
     pub size: u64,
-    /// Where the shared memory starts in the base allocation.
+    /// Where the shared memory starts: in the device allocation, or from the first chunk's start.
     pub offset: u64,
     /// The ref-counter file; `None` only for an [empty](Self::empty) storage's handle, which
     /// names no memory.
@@ -130,17 +171,32 @@ impl IpcHandle {
         let mut out = Vec::with_capacity(FIXED_LEN + name.len());
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&ENCODING_VERSION.to_le_bytes());
-        let flags = if self.event.is_some() { FLAG_EVENT } else { 0 };
+        let mut flags = if self.event.is_some() { FLAG_EVENT } else { 0 };
+        let (mem_handle, chunks) = match &self.memory {
+            SegmentMemory::Allocation(handle) => (handle.0, None),
+            SegmentMemory::Chunks(chunks) => {
+                flags |= FLAG_CHUNKS;
+                ([0; IPC_HANDLE_SIZE], Some(chunks))
+            }
+        };
         out.extend_from_slice(&flags.to_le_bytes());
         out.extend_from_slice(&self.device.to_le_bytes());
         out.extend_from_slice(&self.size.to_le_bytes());
         out.extend_from_slice(&self.offset.to_le_bytes());
         out.extend_from_slice(&self.slot.to_le_bytes());
-        out.extend_from_slice(&self.mem_handle.0);
+        out.extend_from_slice(&mem_handle);
         out.extend_from_slice(&self.event.map_or([0; IPC_HANDLE_SIZE], |e| e.0));
         out.extend_from_slice(&self.producer.to_le_bytes());
         out.extend_from_slice(&(name.len() as u16).to_le_bytes());
         out.extend_from_slice(name);
+        if let Some(chunks) = chunks {
+            out.extend_from_slice(&chunks.pid.to_le_bytes());
+            out.extend_from_slice(&chunks.chunk_size.to_le_bytes());
+            out.extend_from_slice(&(chunks.fds.len() as u32).to_le_bytes());
+            for fd in &chunks.fds {
+                out.extend_from_slice(&fd.to_le_bytes());
+            }
+        }
         out
     }
 
@@ -172,23 +228,32 @@ impl IpcHandle {
             )));
         }
         let flags = u16_at(6);
-        if flags & !FLAG_EVENT != 0 {
+        if flags & !(FLAG_EVENT | FLAG_CHUNKS) != 0 {
             return Err(bad(format!("unknown flags {flags:#x}")));
         }
         let name_len = usize::from(u16_at(172));
-        if bytes.len() != FIXED_LEN + name_len {
-            return Err(bad(format!(
-                "{} bytes, but the header says {}",
-                bytes.len(),
-                FIXED_LEN + name_len
-            )));
-        }
+        let name_end = FIXED_LEN + name_len;
+        let memory = if flags & FLAG_CHUNKS == 0 {
+            if bytes.len() != name_end {
+                return Err(bad(format!(
+                    "{} bytes, but the header says {name_end}",
+                    bytes.len()
+                )));
+            }
+            SegmentMemory::Allocation(MemHandle(array(&bytes[36..100])))
+        } else {
+            let chunks = decode_chunks(bytes, name_end).map_err(bad)?;
+            if bytes[36..100].iter().any(|&b| b != 0) {
+                return Err(bad("chunks and a memory handle both set".into()));
+            }
+            SegmentMemory::Chunks(chunks)
+        };
         let handle = Self {
             device: u32_at(8),
             size: u64_at(12),
             offset: u64_at(20),
             slot: u64_at(28),
-            mem_handle: MemHandle(array(&bytes[36..100])),
+            memory,
             event: (flags & FLAG_EVENT != 0).then(|| EventHandle(array(&bytes[100..164]))),
             producer: u64_at(164),
             ref_counter: None,
@@ -208,7 +273,7 @@ impl IpcHandle {
             }
             return Ok(handle);
         }
-        let ref_counter = ShmName::from_bytes(&bytes[FIXED_LEN..])
+        let ref_counter = ShmName::from_bytes(&bytes[FIXED_LEN..name_end])
             .map_err(|e| bad(format!("ref-counter file name: {e}")))?;
         Ok(Self {
             ref_counter: Some(ref_counter),
@@ -223,7 +288,7 @@ impl IpcHandle {
     pub fn empty(device: u32) -> Self {
         Self {
             device,
-            mem_handle: MemHandle([0; IPC_HANDLE_SIZE]),
+            memory: SegmentMemory::Allocation(MemHandle([0; IPC_HANDLE_SIZE])),
             size: 0,
             offset: 0,
             ref_counter: None,
@@ -248,7 +313,7 @@ impl IpcHandle {
         };
         TorchShareTuple {
             device: i64::from(self.device),
-            handle: self.mem_handle.0.to_vec(),
+            handle: self.memory.to_torch(),
             size: self.size,
             offset: self.offset,
             ref_counter: ref_counter.as_str().as_bytes().to_vec(),
@@ -290,7 +355,7 @@ impl IpcHandle {
             }
             return Ok(Self::empty(device));
         }
-        let mem_handle = MemHandle::from_torch(&tuple.handle)?;
+        let memory = SegmentMemory::from_torch(&tuple.handle)?;
         let event = if tuple.event_sync_required {
             Some(EventHandle(fixed("event_handle", &tuple.event_handle)?))
         } else {
@@ -302,7 +367,7 @@ impl IpcHandle {
             })?;
         Ok(Self {
             device,
-            mem_handle,
+            memory,
             size: tuple.size,
             offset: tuple.offset,
             ref_counter: Some(ref_counter),
@@ -311,6 +376,43 @@ impl IpcHandle {
             producer: 0,
         })
     }
+}
+
+/// The chunk part after the name (see the [module docs](self)), which must end the bytes.
+fn decode_chunks(bytes: &[u8], from: usize) -> std::result::Result<ChunkHandle, String> {
+    let rest = bytes.get(from..).unwrap_or_default();
+    if rest.len() < 16 {
+        return Err(format!(
+            "{} bytes of chunks, shorter than their 16-byte header",
+            rest.len()
+        ));
+    }
+    let pid = u32::from_le_bytes(array(&rest[..4]));
+    let chunk_size = u64::from_le_bytes(array(&rest[4..12]));
+    let count = u32::from_le_bytes(array(&rest[12..16])) as usize;
+    if count == 0 || count > MAX_CHUNKS || rest.len() != 16 + 4 * count {
+        return Err(format!(
+            "{count} chunks in {} bytes (1 to {MAX_CHUNKS} chunks, 4 bytes each)",
+            rest.len() - 16
+        ));
+    }
+    if chunk_size == 0 || chunk_size % (2 << 20) != 0 {
+        return Err(format!(
+            "chunk size {chunk_size} is not a positive multiple of 2 MiB"
+        ));
+    }
+    let fds: Vec<i32> = rest[16..]
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes(array(b)))
+        .collect();
+    if fds.iter().any(|&fd| fd < 0) {
+        return Err("a negative descriptor".into());
+    }
+    Ok(ChunkHandle {
+        pid,
+        chunk_size,
+        fds,
+    })
 }
 
 fn array<const N: usize>(bytes: &[u8]) -> [u8; N] {
@@ -463,7 +565,7 @@ mod tests {
     fn sample(event: bool) -> IpcHandle {
         IpcHandle {
             device: 3,
-            mem_handle: MemHandle([7; 64]),
+            memory: SegmentMemory::Allocation(MemHandle([7; 64])),
             size: 4096,
             offset: 512,
             ref_counter: Some(ShmName::new("/tensormem_1_2_3").unwrap()),
@@ -545,9 +647,27 @@ mod tests {
         let mut t = sample(true).to_torch();
         t.handle = [&[2u8, b'c'][..], &[7u8; 64][..]].concat();
         assert_eq!(IpcHandle::from_torch(&t).unwrap(), sample(true));
+        // 'e' with garbage after it: a hostile expandable segment's handle, refused.
         t.handle[1] = b'e';
-        let err = IpcHandle::from_torch(&t).unwrap_err().to_string();
-        assert!(err.contains("expandable"), "{err}");
+        assert!(matches!(
+            IpcHandle::from_torch(&t),
+            Err(Error::InvalidTuple { .. })
+        ));
+        // A real expandable segment's handle round-trips, through PyTorch's tuple and the
+        // binary encoding.
+        let chunks = IpcHandle {
+            memory: SegmentMemory::Chunks(ChunkHandle {
+                pid: 4242,
+                chunk_size: 20 << 20,
+                fds: vec![33, 34, 35],
+            }),
+            offset: 1049088,
+            ..sample(true)
+        };
+        assert_eq!(IpcHandle::from_torch(&chunks.to_torch()).unwrap(), chunks);
+        assert_eq!(IpcHandle::decode(&chunks.encode()).unwrap(), chunks);
+        let mut t = sample(true).to_torch();
+        t.handle = [&[2u8, b'e'][..], &[7u8; 64][..]].concat();
         t.handle[1] = b'x';
         assert!(matches!(
             IpcHandle::from_torch(&t),
@@ -647,12 +767,25 @@ mod tests {
             m[..32].copy_from_slice(&mem);
             let h = IpcHandle {
                 device, size, offset, slot,
-                mem_handle: MemHandle(m),
+                memory: SegmentMemory::Allocation(MemHandle(m)),
                 ref_counter: Some(ShmName::new("/tensormem_5_6_7").unwrap()),
                 event: event.then_some(EventHandle(m)),
                 producer: slot ^ size,
             };
             prop_assert_eq!(IpcHandle::decode(&h.encode()).unwrap(), h);
+        }
+
+        #[test]
+        fn any_chunk_handle_round_trips(pid in any::<u32>(), granules in 1u64..1000,
+                                        fds in proptest::collection::vec(0i32..i32::MAX, 1..50)) {
+            let h = IpcHandle {
+                memory: SegmentMemory::Chunks(ChunkHandle { pid, chunk_size: granules << 21, fds }),
+                ..sample(true)
+            };
+            prop_assert_eq!(IpcHandle::decode(&h.encode()).unwrap(), h.clone());
+            if pid <= i32::MAX as u32 {
+                prop_assert_eq!(IpcHandle::from_torch(&h.to_torch()).unwrap(), h);
+            }
         }
     }
 }

@@ -85,6 +85,7 @@
 
 pub mod batch;
 mod cache;
+pub mod chunks;
 pub mod driver;
 mod error;
 pub mod handle;
@@ -98,9 +99,10 @@ pub use batch::{
     BatchBuilder, BatchHandle, BatchSegment, BatchView, ReceivedBatch, ReceivedView,
     BATCH_ENCODING_VERSION,
 };
+pub use chunks::{ChunkFdRoutes, ChunkHandle, FdRoute};
 pub use driver::{EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
 pub use error::{Error, Result, RECEIVED_MEMORY_MESSAGE};
-pub use handle::{IpcHandle, TorchShareTuple};
+pub use handle::{IpcHandle, SegmentMemory, TorchShareTuple};
 pub use producer::{
     IpcProducer, ProducerConfig, ProducerStats, SharedAllocation, MAXIMUM_EVENTS_TO_USE,
     PRODUCER_TERMINATED_WARNING, WARN_AFTER_X_BLOCKS_IN_LIMBO,

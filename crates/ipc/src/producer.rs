@@ -14,13 +14,16 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
-use tensormem_cuda_alloc::{Allocation, CachingAllocator, Device, DeviceAddress, StreamId};
+use tensormem_cuda_alloc::{
+    Allocation, CachingAllocator, Device, DeviceAddress, ShareableSegment, StreamId,
+};
 use tensormem_shm::NameGenerator;
 
 use crate::batch::{BatchBuilder, BatchHandle, BatchSegment, BatchView, CheckedBatch};
+use crate::chunks::ChunkHandle;
 use crate::driver::{EventHandle, IpcDriver, MemHandle};
 use crate::error::{Error, Result};
-use crate::handle::IpcHandle;
+use crate::handle::{IpcHandle, SegmentMemory};
 use crate::received::check_shareable;
 use crate::refcounter::{RefCounterFile, REF_COUNTER_FILE_SIZE};
 
@@ -257,10 +260,26 @@ impl<D: Device, B: IpcDriver> IpcProducer<D, B> {
                     "allocations of devices {device} and {on}; a batch is of one device (send                      one batch per device)"
                 )));
             }
-            placed.push(allocation.locate()?.map(|located| {
+            let located =
+                match allocation.locate()? {
+                    Some(Located {
+                        memory: SegmentMemory::Chunks(_),
+                        ..
+                    }) => return Err(invalid(
+                        "an allocation lies in an expandable segment, which batches do not carry \
+                         yet; share it on its own (SharedAllocation::share), or allocate the \
+                         batch's tensors with expandable_segments:False"
+                            .into(),
+                    )),
+                    other => other,
+                };
+            placed.push(located.map(|located| {
+                let SegmentMemory::Allocation(mem_handle) = located.memory else {
+                    unreachable!("chunks were refused above")
+                };
                 let index = *index_of_base.entry(located.base).or_insert_with(|| {
                     segments.push(BatchSegment {
-                        mem_handle: located.mem_handle,
+                        mem_handle,
                         size: located.base_size,
                     });
                     (segments.len() - 1) as u32
@@ -696,7 +715,7 @@ impl<D: Device, B: IpcDriver> Sent<D, B> {
 struct Located {
     base: u64,
     base_size: u64,
-    mem_handle: MemHandle,
+    memory: SegmentMemory,
     offset: u64,
 }
 
@@ -774,17 +793,34 @@ impl<D: Device, B: IpcDriver> SharedAllocation<D, B> {
         check_shareable(device, ptr)?;
         let (base, base_size) = match self.base {
             Some(base) => base,
-            None => {
-                let base = sent.allocator.base_allocation(ptr)?;
-                self.base = Some(base);
-                base
-            }
+            None => match sent.allocator.shareable_segment(ptr)? {
+                ShareableSegment::Allocation { base, size } => {
+                    self.base = Some((base, size));
+                    (base, size)
+                }
+                ShareableSegment::Chunks(export) => {
+                    // The descriptors stay open while the block is allocated, which this share
+                    // keeps it until the consumer lets go.
+                    crate::chunks::offer(&export.fds);
+                    let chunks = ChunkHandle {
+                        pid: std::process::id(),
+                        chunk_size: export.chunk_size,
+                        fds: export.fds,
+                    };
+                    return Ok(Some(Located {
+                        base: export.base.0,
+                        base_size: chunks.extent(),
+                        memory: SegmentMemory::Chunks(chunks),
+                        offset: ptr.0 - export.base.0,
+                    }));
+                }
+            },
         };
         let mem_handle = self.producer.mem_handle(device, base, base_size)?;
         Ok(Some(Located {
             base: base.0,
             base_size: base_size as u64,
-            mem_handle,
+            memory: SegmentMemory::Allocation(mem_handle),
             offset: ptr.0 - base.0,
         }))
     }
@@ -824,7 +860,7 @@ impl<D: Device, B: IpcDriver> SharedAllocation<D, B> {
         let (file, slot, event, event_handle) = producer.slot_and_event(device, stream)?;
         let handle = IpcHandle {
             device,
-            mem_handle: located.mem_handle,
+            memory: located.memory,
             size: sent.allocation.requested_size() as u64,
             offset: located.offset,
             ref_counter: Some(file.name().clone()),

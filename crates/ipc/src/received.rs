@@ -22,9 +22,10 @@ use tensormem_shm::ShmName;
 
 use crate::batch::{BatchHandle, ReceivedBatch};
 use crate::cache::{Lease, LeaseCache};
-use crate::driver::{EventHandle, IpcDriver, MemHandle};
+use crate::chunks::{self, ChunkFdRoutes, FdRoute};
+use crate::driver::{EventHandle, IpcDriver};
 use crate::error::{Error, Result};
-use crate::handle::IpcHandle;
+use crate::handle::{IpcHandle, SegmentMemory};
 use crate::refcounter::MappedCounterFile;
 
 /// Device ranges opened from other processes: (device, start) -> (end, opens).
@@ -71,6 +72,12 @@ pub struct ConsumerConfig {
     /// allocation mapped here until it is evicted or [`IpcConsumer::trim`] is called; the producer's
     /// ref counting is not affected (its memory is released with the batch's slot).
     pub batch_segments: usize,
+    /// How the descriptors of expandable-segment chunks are taken from the producer (default
+    /// [`ChunkFdRoutes::Auto`]: `pidfd_getfd`, then the producer's socket; see [`crate::chunks`]).
+    /// Opened chunks are never kept idle: they are unmapped when their last user lets go, as
+    /// PyTorch does, because the producer may reuse a descriptor number for other memory after
+    /// that.
+    pub chunk_fds: ChunkFdRoutes,
 }
 
 impl Default for ConsumerConfig {
@@ -80,21 +87,61 @@ impl Default for ConsumerConfig {
             idle_counter_files: 8,
             idle_events: 1024,
             batch_segments: 4096,
+            chunk_fds: ChunkFdRoutes::Auto,
         }
     }
 }
 
-/// A base allocation of another process, opened here.
+/// The key of an opened segment: device and what names its memory.
+pub(crate) type SegmentKey = (u32, SegmentMemory);
+
+/// Whether an opened segment may stay open with no user: device allocations may, chunks may not
+/// (see [`ConsumerConfig::chunk_fds`]).
+fn keep_idle(key: &SegmentKey) -> bool {
+    matches!(key.1, SegmentMemory::Allocation(_))
+}
+
+/// A base allocation (or an expandable segment's chunks) of another process, opened here.
 #[derive(Debug)]
 pub(crate) struct OpenedBase<B: IpcDriver> {
     driver: Arc<B>,
     device: u32,
     pub(crate) ptr: DeviceAddress,
     pub(crate) size: usize,
+    /// How the chunks' descriptors were obtained; `None` for a device allocation's handle.
+    route: Option<FdRoute>,
 }
 
 impl<B: IpcDriver> OpenedBase<B> {
-    fn open(driver: &Arc<B>, device: u32, handle: &MemHandle) -> Result<Self> {
+    fn open(
+        driver: &Arc<B>,
+        device: u32,
+        memory: &SegmentMemory,
+        routes: ChunkFdRoutes,
+    ) -> Result<Self> {
+        let handle = match memory {
+            SegmentMemory::Allocation(handle) => handle,
+            SegmentMemory::Chunks(handle) => {
+                let (fds, route) = chunks::fetch(handle, routes)?;
+                let chunk_size =
+                    usize::try_from(handle.chunk_size).map_err(|_| Error::InvalidTuple {
+                        problem: format!("chunk size {} does not fit", handle.chunk_size),
+                    })?;
+                let ptr = driver.import_chunks(device, chunk_size, &fds)?;
+                drop(fds);
+                let size = chunk_size * handle.fds.len();
+                register_received(device, ptr, size);
+                tracing::info!(target: "tensormem_ipc", device, %ptr, size, pid = handle.pid,
+                    chunks = handle.fds.len(), ?route, "opened an expandable segment's chunks");
+                return Ok(Self {
+                    driver: Arc::clone(driver),
+                    device,
+                    ptr,
+                    size,
+                    route: Some(route),
+                });
+            }
+        };
         let ptr = driver.open_mem_handle(device, handle)?;
         // Closes the mapping if the query below fails.
         let mut opened = Self {
@@ -102,21 +149,26 @@ impl<B: IpcDriver> OpenedBase<B> {
             device,
             ptr,
             size: 0,
+            route: None,
         };
         // The mapping's real extent, not what the handle claims.
         let (base, size) = driver.address_range(device, ptr)?;
         // `ptr` is the start of the mapping (what cuIpcOpenMemHandle returns); the usable extent is
         // what lies after it.
         opened.size = (base.0 + size as u64).saturating_sub(ptr.0) as usize;
-        let base = ptr;
-        let mut received = RECEIVED.lock();
-        let entry = received
-            .entry((device, base.0))
-            .or_insert((base.0 + size as u64, 0));
-        entry.1 += 1;
-        tracing::debug!(target: "tensormem_ipc", device, %base, size, "opened an IPC memory handle");
+        register_received(device, ptr, size);
+        tracing::debug!(target: "tensormem_ipc", device, base = %ptr, size, "opened an IPC memory handle");
         Ok(opened)
     }
+}
+
+/// Records `[ptr, ptr + size)` as memory received from another process (see [`check_shareable`]).
+fn register_received(device: u32, ptr: DeviceAddress, size: usize) {
+    let mut received = RECEIVED.lock();
+    let entry = received
+        .entry((device, ptr.0))
+        .or_insert((ptr.0 + size as u64, 0));
+    entry.1 += 1;
 }
 
 impl<B: IpcDriver> Drop for OpenedBase<B> {
@@ -130,10 +182,18 @@ impl<B: IpcDriver> Drop for OpenedBase<B> {
                 }
             }
         }
-        // SAFETY: `ptr` was returned by `open_mem_handle` on this device (an opened base starts where
-        // the mapping starts), this value closes it once, and every user synchronized its streams
-        // before letting go of its lease (`ReceivedMemory::drop`).
-        if let Err(err) = unsafe { self.driver.close_mem_handle(self.device, self.ptr) } {
+        let closed = if self.route.is_some() {
+            // SAFETY: `[ptr, ptr + size)` is the range `import_chunks` returned on this device,
+            // this value closes it once, and every user synchronized its streams before letting
+            // go of its lease (`ReceivedMemory::drop`).
+            unsafe { self.driver.close_chunks(self.device, self.ptr, self.size) }
+        } else {
+            // SAFETY: `ptr` was returned by `open_mem_handle` on this device (an opened base starts
+            // where the mapping starts), this value closes it once, and every user synchronized
+            // its streams before letting go of its lease (`ReceivedMemory::drop`).
+            unsafe { self.driver.close_mem_handle(self.device, self.ptr) }
+        };
+        if let Err(err) = closed {
             tracing::warn!(target: "tensormem_ipc", %err, ptr = %self.ptr, "closing an IPC memory handle failed");
         }
     }
@@ -143,18 +203,19 @@ impl<B: IpcDriver> Drop for OpenedBase<B> {
 type EventKey = (u64, u32, EventHandle);
 
 /// A lease on an opened base allocation.
-type MemLease<B> = Lease<(u32, MemHandle), OpenedBase<B>>;
+type MemLease<B> = Lease<SegmentKey, OpenedBase<B>>;
 
 /// Segments of batches kept open between messages: a lease each, with the tick of its last use.
 struct KeptSegments<B: IpcDriver> {
-    leases: HashMap<(u32, MemHandle), (MemLease<B>, u64)>,
+    leases: HashMap<SegmentKey, (MemLease<B>, u64)>,
     tick: u64,
     max: usize,
 }
 
 struct ConsumerInner<B: IpcDriver> {
     driver: Arc<B>,
-    mems: Arc<LeaseCache<(u32, MemHandle), OpenedBase<B>>>,
+    mems: Arc<LeaseCache<SegmentKey, OpenedBase<B>>>,
+    chunk_fds: ChunkFdRoutes,
     files: Arc<LeaseCache<ShmName, MappedCounterFile>>,
     events: Arc<LeaseCache<EventKey, B::ImportedEvent>>,
     kept: Mutex<KeptSegments<B>>,
@@ -181,7 +242,7 @@ impl<B: IpcDriver> ConsumerInner<B> {
 
     /// Keeps a lease on each of `segments` (already open) for the next batches, evicting the least
     /// recently used past the limit.
-    fn keep(&self, keys: impl Iterator<Item = (u32, MemHandle)>) {
+    fn keep(&self, keys: impl Iterator<Item = SegmentKey>) {
         let mut evicted = Vec::new();
         {
             let mut kept = self.kept.lock();
@@ -205,7 +266,7 @@ impl<B: IpcDriver> ConsumerInner<B> {
                     .leases
                     .iter()
                     .min_by_key(|(_, (_, tick))| *tick)
-                    .map(|(k, _)| *k);
+                    .map(|(k, _)| k.clone());
                 let Some(oldest) = oldest else { break };
                 evicted.extend(kept.leases.remove(&oldest));
             }
@@ -248,7 +309,8 @@ impl<B: IpcDriver> IpcConsumer<B> {
         Self {
             inner: Arc::new(ConsumerInner {
                 driver,
-                mems: LeaseCache::new(config.idle_mem_handles),
+                mems: LeaseCache::with_keep_idle(config.idle_mem_handles, keep_idle),
+                chunk_fds: config.chunk_fds,
                 files: LeaseCache::new(config.idle_counter_files),
                 events: LeaseCache::new(config.idle_events),
                 kept: Mutex::new(KeptSegments {
@@ -310,8 +372,9 @@ impl<B: IpcDriver> IpcConsumer<B> {
         let (file, slot) = self.held_slot(name, handle.slot)?;
         let table = file.get().table();
         let device = handle.device;
-        let mem = inner.mems.acquire(&(device, handle.mem_handle), || {
-            OpenedBase::open(&inner.driver, device, &handle.mem_handle)
+        let key = (device, handle.memory.clone());
+        let mem = inner.mems.acquire(&key, || {
+            OpenedBase::open(&inner.driver, device, &handle.memory, inner.chunk_fds)
         })?;
         let base = mem.get();
         let end = handle.offset.checked_add(handle.size);
@@ -432,8 +495,9 @@ impl<B: IpcDriver> IpcConsumer<B> {
         let (file, slot) = self.held_slot(batch.ref_counter(), batch.slot())?;
         let mut segments = Vec::with_capacity(batch.segments().len());
         for segment in batch.segments() {
-            let mem = inner.mems.acquire(&(device, segment.mem_handle), || {
-                OpenedBase::open(&inner.driver, device, &segment.mem_handle)
+            let memory = SegmentMemory::Allocation(segment.mem_handle);
+            let mem = inner.mems.acquire(&(device, memory.clone()), || {
+                OpenedBase::open(&inner.driver, device, &memory, inner.chunk_fds)
             })?;
             let real = mem.get().size as u64;
             if segment.size > real {
@@ -470,7 +534,12 @@ impl<B: IpcDriver> IpcConsumer<B> {
                 ReceivedBatch::<B>::make_view(view.name.clone(), ptr, view.len)
             })
             .collect();
-        inner.keep(batch.segments().iter().map(|s| (device, s.mem_handle)));
+        inner.keep(
+            batch
+                .segments()
+                .iter()
+                .map(|s| (device, SegmentMemory::Allocation(s.mem_handle))),
+        );
         Ok(ReceivedBatch {
             driver: Arc::clone(&inner.driver),
             device,
@@ -531,7 +600,7 @@ pub struct ReceivedMemory<B: IpcDriver> {
     more_streams: Vec<StreamId>,
     slot: usize,
     file: Lease<ShmName, MappedCounterFile>,
-    _mem: Lease<(u32, MemHandle), OpenedBase<B>>,
+    _mem: Lease<SegmentKey, OpenedBase<B>>,
 }
 
 impl<B: IpcDriver> std::fmt::Debug for ReceivedMemory<B> {
@@ -547,6 +616,13 @@ impl<B: IpcDriver> std::fmt::Debug for ReceivedMemory<B> {
 }
 
 impl<B: IpcDriver> ReceivedMemory<B> {
+    /// How the producer's chunk descriptors were obtained, for memory of an expandable segment
+    /// (see [`crate::chunks`]); `None` for a device allocation's handle.
+    #[must_use]
+    pub fn fd_route(&self) -> Option<FdRoute> {
+        self._mem.get().route
+    }
+
     /// The device address in this process.
     #[must_use]
     pub fn ptr(&self) -> DeviceAddress {

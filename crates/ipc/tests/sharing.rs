@@ -12,7 +12,7 @@ use tensormem_cuda_alloc::{CachingAllocator, StreamId};
 use tensormem_ipc::driver::fake::FakeDriver;
 use tensormem_ipc::{
     ConsumerConfig, Error, IpcConsumer, IpcHandle, IpcProducer, MemHandle, ProducerConfig,
-    REF_COUNTER_FILE_SIZE,
+    SegmentMemory, REF_COUNTER_FILE_SIZE,
 };
 use tensormem_shm::{NameGenerator, RefcountedRegion, ShmName};
 
@@ -439,7 +439,7 @@ fn every_bad_handle_is_refused_before_anything_is_opened_or_written() {
     );
     check(
         IpcHandle {
-            mem_handle: MemHandle([3; 64]),
+            memory: SegmentMemory::Allocation(MemHandle([3; 64])),
             ..good.clone()
         },
         |e| matches!(e, Error::Driver(_)),
@@ -547,7 +547,7 @@ fn one_open_per_base_allocation_and_idle_handles_stay_warm() {
     let (b, hb) = producer
         .share(&allocator, allocator.allocate(4096, S).unwrap(), S)
         .unwrap();
-    assert_eq!(ha.mem_handle, hb.mem_handle);
+    assert_eq!(ha.memory, hb.memory);
     assert_ne!(ha.offset, hb.offset);
     let cold = IpcConsumer::new(Arc::clone(&driver));
     let (ra, rb) = (cold.open(&ha, S).unwrap(), cold.open(&hb, S).unwrap());
@@ -743,7 +743,7 @@ fn a_pytorch_tuple_of_odd_size_at_an_offset_opens_with_that_size() {
         .share(&allocator, allocator.allocate(1000, S).unwrap(), S)
         .unwrap();
     let mut tuple = handle.to_torch();
-    tuple.handle = [&[2u8, b'c'][..], &handle.mem_handle.0[..]].concat();
+    tuple.handle = [&[2u8, b'c'][..], &handle.memory.to_torch()[..]].concat();
     assert_eq!((tuple.size, tuple.offset), (1000, 512));
     let received = consumer
         .open(&IpcHandle::from_torch(&tuple).unwrap(), S)

@@ -2,6 +2,7 @@
 //! loaded at run time).
 
 use std::ffi::CStr;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys;
@@ -206,6 +207,90 @@ impl IpcDriver for CudaIpcDriver {
         // once per open, and is idle.
         check("cuIpcCloseMemHandle", unsafe {
             sys::cuIpcCloseMemHandle(ptr.0)
+        })
+    }
+
+    fn import_chunks(
+        &self,
+        device: u32,
+        chunk_size: usize,
+        fds: &[OwnedFd],
+    ) -> DeviceResult<DeviceAddress> {
+        self.current(device)?;
+        let size = chunk_size * fds.len();
+        let mut base = 0;
+        // SAFETY: `base` is a valid out-parameter; no fixed address or flags are asked for.
+        check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut base, size, 0, 0, 0)
+        })?;
+        let mut mapped = 0;
+        let result = (|| {
+            for fd in fds {
+                let mut handle = 0;
+                // SAFETY: for the POSIX handle type the driver takes the descriptor's number as the
+                // pointer-sized argument; `fd` is open for the call (borrowed) and not consumed.
+                check("cuMemImportFromShareableHandle", unsafe {
+                    sys::cuMemImportFromShareableHandle(
+                        &mut handle,
+                        fd.as_raw_fd() as usize as *mut std::ffi::c_void,
+                        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                    )
+                })?;
+                let at = base + (mapped * chunk_size) as u64;
+                // SAFETY: `[at, at + chunk_size)` lies in the range reserved above and has nothing
+                // mapped (chunks are mapped in order); the imported handle is live.
+                let map = check("cuMemMap", unsafe {
+                    sys::cuMemMap(at, chunk_size, 0, handle, 0)
+                });
+                // SAFETY: the handle came from the import above and is released once; a mapping
+                // keeps its memory alive until unmapped.
+                let release = check("cuMemRelease", unsafe { sys::cuMemRelease(handle) });
+                map?;
+                mapped += 1;
+                release?;
+            }
+            let mut dev = 0;
+            // SAFETY: `dev` is a valid out-parameter.
+            check("cuDeviceGet", unsafe {
+                sys::cuDeviceGet(&mut dev, device as i32)
+            })?;
+            // SAFETY: a plain C struct; all-zero bytes is a valid value, every field is set below.
+            let mut access: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+            access.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+            access.location.id = dev;
+            access.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+            // SAFETY: the whole range is mapped (every chunk above); `access` lives for the call.
+            check("cuMemSetAccess", unsafe {
+                sys::cuMemSetAccess(base, size, &access, 1)
+            })
+        })();
+        if let Err(err) = result {
+            // SAFETY: exactly the first `mapped` chunks were mapped in the range reserved above,
+            // and nothing has used them.
+            unsafe {
+                if mapped > 0 {
+                    let _ = sys::cuMemUnmap(base, mapped * chunk_size);
+                }
+                let _ = sys::cuMemAddressFree(base, size);
+            }
+            return Err(err);
+        }
+        Ok(DeviceAddress(base))
+    }
+
+    unsafe fn close_chunks(
+        &self,
+        device: u32,
+        ptr: DeviceAddress,
+        size: usize,
+    ) -> DeviceResult<()> {
+        self.current(device)?;
+        // SAFETY: the caller guarantees the range came from `import_chunks` (fully mapped, and
+        // reserved with this size), is closed once and is idle.
+        check("cuMemUnmap", unsafe { sys::cuMemUnmap(ptr.0, size) })?;
+        // SAFETY: as above; nothing is mapped in the range any more.
+        check("cuMemAddressFree", unsafe {
+            sys::cuMemAddressFree(ptr.0, size)
         })
     }
 

@@ -2,15 +2,19 @@
 //!
 //! Memory handles encode the base address and size of the allocation they name, so a handle made in
 //! one process opens in another; an opened handle is "mapped" at the producer's address plus
-//! [`FAKE_MAPPING_OFFSET`] (no memory is behind either address). Every call is counted, so tests can check that a handle was opened once, that every
+//! [`FAKE_MAPPING_OFFSET`] (no memory is behind either address). Chunks of expandable segments
+//! are imported from the simulated device's exports ([`SimChunk::read_exported`]) into ranges from
+//! [`FAKE_CHUNKS_BASE`] on. Every call is counted, so tests can check that a handle was opened once, that every
 //! open was closed, that streams were synchronized before slots were released, and that no event is
 //! left alive.
 
 use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
+use tensormem_cuda_alloc::backend::sim::SimChunk;
 use tensormem_cuda_alloc::{DeviceAddress, DeviceError, DeviceResult, StreamId};
 
 use super::{EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
@@ -18,6 +22,8 @@ use super::{EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
 /// Where the fake maps an opened handle: the producer's address plus this, so that, as in a real
 /// second process, received memory never has the address of one of this process's allocations.
 pub const FAKE_MAPPING_OFFSET: u64 = 1 << 62;
+/// Where the fake maps imported chunks: ranges handed out one after another from here.
+pub const FAKE_CHUNKS_BASE: u64 = 3 << 61;
 
 const MEM_MAGIC: &[u8; 8] = b"FAKEMEM\0";
 const EVENT_MAGIC: &[u8; 8] = b"FAKEEVT\0";
@@ -45,6 +51,8 @@ pub struct FakeCounts {
     pub event_waits: AtomicUsize,
     /// Stream synchronizations.
     pub stream_syncs: AtomicUsize,
+    /// Chunks imported by `import_chunks` (ranges count in `opens` and `closes`).
+    pub chunk_imports: AtomicUsize,
 }
 
 /// An event of the fake driver.
@@ -67,6 +75,8 @@ pub struct FakeDriver {
     /// Open mappings of this process: base address -> (size, references).
     open: Mutex<HashMap<(u32, u64), (usize, usize)>>,
     next_event: AtomicU64,
+    /// Bytes of imported-chunk ranges handed out so far.
+    next_range: AtomicU64,
     /// What `stream_idle` answers (default: work pending, so shares record events).
     streams_idle: AtomicBool,
     /// Call counts.
@@ -87,6 +97,7 @@ impl FakeDriver {
             devices,
             open: Mutex::new(HashMap::new()),
             next_event: AtomicU64::new(1),
+            next_range: AtomicU64::new(0),
             streams_idle: AtomicBool::new(false),
             counts: FakeCounts::default(),
         }
@@ -235,6 +246,55 @@ impl IpcDriver for FakeDriver {
             self.counts.closes.fetch_add(1, Ordering::Relaxed);
         }
         Ok(())
+    }
+
+    fn import_chunks(
+        &self,
+        device: u32,
+        chunk_size: usize,
+        fds: &[OwnedFd],
+    ) -> DeviceResult<DeviceAddress> {
+        self.check_device(device)?;
+        for fd in fds {
+            let chunk = SimChunk::read_exported(fd.as_fd())?;
+            if chunk.device != device || chunk.size != chunk_size {
+                return Err(invalid(
+                    "cuMemImportFromShareableHandle",
+                    format!(
+                        "a {}-byte chunk of device {} imported as {chunk_size} bytes on device {device}",
+                        chunk.size, chunk.device
+                    ),
+                ));
+            }
+        }
+        let size = chunk_size * fds.len();
+        let base = FAKE_CHUNKS_BASE + self.next_range.fetch_add(size as u64, Ordering::Relaxed);
+        self.open.lock().insert((device, base), (size, 1));
+        self.counts.opens.fetch_add(1, Ordering::Relaxed);
+        self.counts
+            .chunk_imports
+            .fetch_add(fds.len(), Ordering::Relaxed);
+        Ok(DeviceAddress(base))
+    }
+
+    unsafe fn close_chunks(
+        &self,
+        device: u32,
+        ptr: DeviceAddress,
+        size: usize,
+    ) -> DeviceResult<()> {
+        let mut open = self.open.lock();
+        match open.get(&(device, ptr.0)) {
+            Some(&(mapped, 1)) if mapped == size => {
+                open.remove(&(device, ptr.0));
+                self.counts.closes.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            _ => Err(invalid(
+                "cuMemUnmap",
+                format!("{ptr} + {size} is not a range of imported chunks"),
+            )),
+        }
     }
 
     fn open_event_handle(&self, device: u32, handle: &EventHandle) -> DeviceResult<EventHandle> {
