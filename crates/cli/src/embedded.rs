@@ -9,7 +9,7 @@
 //! `cp traces/gpt2_train.stats.json crates/cli/data/`.
 
 use tensormem_cuda_alloc::snapshot::{Snapshot, SnapshotResult};
-use tensormem_replay::{ExpectedStats, ReplayResult};
+use tensormem_replay::ExpectedStats;
 
 /// How the built-in trace is named in output.
 pub(crate) const NAME: &str = "built-in gpt2_train";
@@ -26,7 +26,7 @@ pub(crate) fn gpt2_train() -> SnapshotResult<Snapshot> {
 }
 
 /// PyTorch's statistics after the built-in trace's run.
-pub(crate) fn gpt2_train_stats() -> ReplayResult<ExpectedStats> {
+pub(crate) fn gpt2_train_stats() -> tensormem_replay::Result<ExpectedStats> {
     ExpectedStats::from_json(STATS_JSON)
 }
 

@@ -15,7 +15,7 @@ use std::fmt;
 use std::io::Read;
 use std::path::Path;
 
-use super::{ReplayError, ReplayResult};
+use super::{Error, Result};
 use tensormem_cuda_alloc::device::StreamId;
 use tensormem_cuda_alloc::size::format_size;
 use tensormem_cuda_alloc::snapshot::{BlockState, Segment};
@@ -66,23 +66,21 @@ impl ExpectedStats {
     /// Reads the JSON object `json.dumps(torch.cuda.memory_stats())` writes.
     ///
     /// # Errors
-    /// [`ReplayError::ExpectedStats`] when the text is not a JSON object, or holds no number at all.
-    pub fn from_json(text: &str) -> ReplayResult<ExpectedStats> {
+    /// [`Error::ExpectedStats`] when the text is not a JSON object, or holds no number at all.
+    pub fn from_json(text: &str) -> Result<ExpectedStats> {
         let value: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| ReplayError::ExpectedStats {
+            serde_json::from_str(text).map_err(|e| Error::ExpectedStats {
                 reason: e.to_string(),
             })?;
-        let object = value
-            .as_object()
-            .ok_or_else(|| ReplayError::ExpectedStats {
-                reason: "expected a JSON object of memory_stats() keys".to_owned(),
-            })?;
+        let object = value.as_object().ok_or_else(|| Error::ExpectedStats {
+            reason: "expected a JSON object of memory_stats() keys".to_owned(),
+        })?;
         let expected = ExpectedStats::from_object(object)?;
         if expected.figures.is_empty()
             && expected.unreadable.is_empty()
             && expected.devices.is_empty()
         {
-            return Err(ReplayError::ExpectedStats {
+            return Err(Error::ExpectedStats {
                 reason: "no memory_stats() figure in it (expected what \
                          json.dumps(torch.cuda.memory_stats()) writes)"
                     .to_owned(),
@@ -92,9 +90,7 @@ impl ExpectedStats {
     }
 
     /// The numbers of one `memory_stats()` object, and its `"devices"` map if it has one.
-    fn from_object(
-        object: &serde_json::Map<String, serde_json::Value>,
-    ) -> ReplayResult<ExpectedStats> {
+    fn from_object(object: &serde_json::Map<String, serde_json::Value>) -> Result<ExpectedStats> {
         let mut expected = ExpectedStats::default();
         for (key, value) in object {
             let serde_json::Value::Number(number) = value else {
@@ -110,17 +106,17 @@ impl ExpectedStats {
             }
         }
         if let Some(map) = object.get("devices") {
-            let map = map.as_object().ok_or_else(|| ReplayError::ExpectedStats {
+            let map = map.as_object().ok_or_else(|| Error::ExpectedStats {
                 reason: "\"devices\" must map device indices to memory_stats(d) objects".to_owned(),
             })?;
             for (key, value) in map {
-                let device: usize = key.parse().map_err(|_| ReplayError::ExpectedStats {
+                let device: usize = key.parse().map_err(|_| Error::ExpectedStats {
                     reason: format!("\"devices\" has key '{key}', not a device index"),
                 })?;
                 let stats = value
                     .as_object()
                     .filter(|stats| !stats.contains_key("devices"))
-                    .ok_or_else(|| ReplayError::ExpectedStats {
+                    .ok_or_else(|| Error::ExpectedStats {
                         reason: format!("\"devices\".\"{key}\" is not a memory_stats() object"),
                     })?;
                 expected
@@ -147,12 +143,12 @@ impl ExpectedStats {
     /// Reads a `*.stats.json` file (see [`from_json`](Self::from_json)).
     ///
     /// # Errors
-    /// [`ReplayError::ExpectedStats`] when the file cannot be read, is larger than
+    /// [`Error::ExpectedStats`] when the file cannot be read, is larger than
     /// [`MAX_FILE_BYTES`](Self::MAX_FILE_BYTES) (a file that never ends, such as `/dev/zero`, is
     /// refused, not read forever), or as [`from_json`](Self::from_json).
-    pub fn read_file(path: impl AsRef<Path>) -> ReplayResult<ExpectedStats> {
+    pub fn read_file(path: impl AsRef<Path>) -> Result<ExpectedStats> {
         let path = path.as_ref();
-        let cannot_read = |e: std::io::Error| ReplayError::ExpectedStats {
+        let cannot_read = |e: std::io::Error| Error::ExpectedStats {
             reason: format!("cannot read {}: {e}", path.display()),
         };
         let mut text = String::new();
@@ -163,7 +159,7 @@ impl ExpectedStats {
             })
             .map_err(cannot_read)?;
         if text.len() as u64 > Self::MAX_FILE_BYTES {
-            return Err(ReplayError::ExpectedStats {
+            return Err(Error::ExpectedStats {
                 reason: format!(
                     "{} is larger than {} MiB; memory_stats() files are a few kB",
                     path.display(),
@@ -172,7 +168,7 @@ impl ExpectedStats {
             });
         }
         Self::from_json(&text).map_err(|e| match e {
-            ReplayError::ExpectedStats { reason } => ReplayError::ExpectedStats {
+            Error::ExpectedStats { reason } => Error::ExpectedStats {
                 reason: format!("{}: {reason}", path.display()),
             },
             other => other,

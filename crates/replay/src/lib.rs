@@ -124,7 +124,7 @@ pub const DEFAULT_CAPACITY: u64 = 1 << 40;
 /// Why a replay could not be prepared or run.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum ReplayError {
+pub enum Error {
     /// The snapshot holds no trace to replay.
     #[error(
         "the snapshot has no recorded allocator events to replay; record them with \
@@ -193,8 +193,8 @@ pub enum ReplayError {
     },
 }
 
-/// `Result` with a [`ReplayError`].
-pub type ReplayResult<T> = Result<T, ReplayError>;
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// How to run a replay.
 #[derive(Clone)]
@@ -268,13 +268,13 @@ impl Replay {
     /// Prepares the traces of every device of `snapshot`.
     ///
     /// # Errors
-    /// [`ReplayError::NoEvents`] when the snapshot has no trace; [`ReplayError::Settings`] when its
-    /// recorded allocator settings do not make a configuration; [`ReplayError::UnsupportedBackend`]
-    /// when they name `backend:cudaMallocAsync`; [`ReplayError::Trace`] for a trace
+    /// [`Error::NoEvents`] when the snapshot has no trace; [`Error::Settings`] when its
+    /// recorded allocator settings do not make a configuration; [`Error::UnsupportedBackend`]
+    /// when they name `backend:cudaMallocAsync`; [`Error::Trace`] for a trace
     /// of more than 2^32 events.
-    pub fn new(snapshot: &Snapshot) -> ReplayResult<Replay> {
+    pub fn new(snapshot: &Snapshot) -> Result<Replay> {
         if snapshot.event_count() == 0 {
-            return Err(ReplayError::NoEvents);
+            return Err(Error::NoEvents);
         }
         let (recorded, settings_recorded) = match &snapshot.allocator_settings {
             Some(settings) => (settings.to_config()?, true),
@@ -299,7 +299,7 @@ impl Replay {
                 .cloned()
                 .collect();
             let plan = DevicePlan::build(device, trace, segments, recorded.max_split_size)
-                .map_err(|e| ReplayError::Trace {
+                .map_err(|e| Error::Trace {
                     device,
                     reason: match e {
                         PlanError::TooManyEvents => "it has more than 2^32 events",
@@ -427,16 +427,14 @@ impl Replay {
     /// `torch.cuda.memory._set_allocator_settings(config)` would change it.
     ///
     /// # Errors
-    /// [`ReplayError::Config`] when the string does not parse; [`ReplayError::UnsupportedBackend`]
+    /// [`Error::Config`] when the string does not parse; [`Error::UnsupportedBackend`]
     /// when the result asks for `backend:cudaMallocAsync`.
-    pub fn what_if_config(&self, config: &str) -> ReplayResult<AllocatorConfig> {
+    pub fn what_if_config(&self, config: &str) -> Result<AllocatorConfig> {
         let mut applied = self.recorded.clone();
-        applied
-            .apply(config)
-            .map_err(|source| ReplayError::Config {
-                config: config.to_owned(),
-                source,
-            })?;
+        applied.apply(config).map_err(|source| Error::Config {
+            config: config.to_owned(),
+            source,
+        })?;
         supported(&applied)?;
         Ok(applied)
     }
@@ -445,7 +443,7 @@ impl Replay {
     ///
     /// # Errors
     /// As [`run`](Self::run).
-    pub fn run_recorded(&self) -> ReplayResult<ReplayRun> {
+    pub fn run_recorded(&self) -> Result<ReplayRun> {
         let mut options = RunOptions::new(self.recorded.clone());
         options.check = true;
         self.run(&options)
@@ -455,8 +453,8 @@ impl Replay {
     /// [`what_if_config`](Self::what_if_config)).
     ///
     /// # Errors
-    /// [`ReplayError::Config`] for a malformed string; as [`run`](Self::run).
-    pub fn run_with(&self, config: &str) -> ReplayResult<ReplayRun> {
+    /// [`Error::Config`] for a malformed string; as [`run`](Self::run).
+    pub fn run_with(&self, config: &str) -> Result<ReplayRun> {
         self.run(&RunOptions::new(self.what_if_config(config)?))
     }
 
@@ -464,10 +462,10 @@ impl Replay {
     /// has no memory for are counted ([`DeviceRun::refused`]) and the replay goes on.
     ///
     /// # Errors
-    /// [`ReplayError::UnsupportedBackend`] when `options.config` asks for `backend:cudaMallocAsync`;
-    /// [`ReplayError::Allocator`] when the allocator fails other than by running out of memory;
-    /// [`ReplayError::Invariant`] when its state is inconsistent at the end.
-    pub fn run(&self, options: &RunOptions<'_>) -> ReplayResult<ReplayRun> {
+    /// [`Error::UnsupportedBackend`] when `options.config` asks for `backend:cudaMallocAsync`;
+    /// [`Error::Allocator`] when the allocator fails other than by running out of memory;
+    /// [`Error::Invariant`] when its state is inconsistent at the end.
+    pub fn run(&self, options: &RunOptions<'_>) -> Result<ReplayRun> {
         supported(&options.config)?;
         let mut devices = Vec::with_capacity(self.plans.len());
         let mut events_before = 0u64;
@@ -506,7 +504,7 @@ fn infer_pools(
     plan: &DevicePlan,
     recorded: &AllocatorConfig,
     capacity: &CapacityInference,
-) -> ReplayResult<(Vec<Option<PoolOf>>, PoolAttribution)> {
+) -> Result<(Vec<Option<PoolOf>>, PoolAttribution)> {
     let first = infer_pools_with(plan, recorded, capacity, HashMap::new())?;
     let merges = pools::merged_release_pools(plan, &first.0);
     if merges.is_empty() || first.1.gave_up {
@@ -525,7 +523,7 @@ fn infer_pools_with(
     recorded: &AllocatorConfig,
     capacity: &CapacityInference,
     mut forced: HashMap<u32, MempoolId>,
-) -> ReplayResult<(Vec<Option<PoolOf>>, PoolAttribution, u64)> {
+) -> Result<(Vec<Option<PoolOf>>, PoolAttribution, u64)> {
     let mut options = RunOptions::new(recorded.clone());
     options.timeline_points = 1;
     options.check = true;
@@ -672,11 +670,11 @@ impl ReplayRun {
     }
 }
 
-/// [`ReplayError::UnsupportedBackend`] unless `config` runs the native allocator.
-fn supported(config: &AllocatorConfig) -> ReplayResult<()> {
+/// [`Error::UnsupportedBackend`] unless `config` runs the native allocator.
+fn supported(config: &AllocatorConfig) -> Result<()> {
     config
         .check_supported()
-        .map_err(|_| ReplayError::UnsupportedBackend {
+        .map_err(|_| Error::UnsupportedBackend {
             backend: config.backend,
         })
 }

@@ -8,12 +8,12 @@ use super::device::{AddressUse, ReplayDevice};
 use super::plan::{DevicePlan, Op, ReleaseRun, RestorePlan};
 use super::pools::PoolRun;
 use super::timeline::{Sampler, Timeline};
-use super::{ReplayError, ReplayResult, RunOptions};
+use super::{Error, Result, RunOptions};
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::device::{Device, DeviceAddress};
 use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_cuda_alloc::stats::MemoryStats;
-use tensormem_cuda_alloc::Error;
+use tensormem_cuda_alloc::Error as AllocError;
 use tensormem_cuda_alloc::{Allocation, CachingAllocator, PoolCheckpoint, DEFAULT_STREAM_CAPACITY};
 
 /// How often (in operations) the progress callback is called.
@@ -101,7 +101,7 @@ pub(crate) fn run_device(
     events_before: u64,
     expected: Option<&ExpectedStats>,
     pools: &mut PoolRun,
-) -> ReplayResult<DeviceRun> {
+) -> Result<DeviceRun> {
     let device_index = plan.device;
     let capacity = options.capacity.unwrap_or(default_capacity);
     let device = ReplayDevice::new(
@@ -118,7 +118,7 @@ pub(crate) fn run_device(
     if options.record_history {
         allocator.record_history(true, plan.events.saturating_mul(2).max(1));
     }
-    let fail = |event: u32, source: Error| ReplayError::Allocator {
+    let fail = |event: u32, source: AllocError| Error::Allocator {
         device: device_index,
         event: event as usize,
         source,
@@ -175,7 +175,7 @@ pub(crate) fn run_device(
                                 slots[slot as usize] = Some(a);
                                 ptr
                             }
-                            Err(Error::OutOfMemory(_) | Error::TooLarge { .. }) => {
+                            Err(AllocError::OutOfMemory(_) | AllocError::TooLarge { .. }) => {
                                 refused += 1;
                                 0
                             }
@@ -265,7 +265,7 @@ pub(crate) fn run_device(
                             );
                         }
                     }
-                    Err(Error::OutOfMemory(_) | Error::TooLarge { .. }) => refused += 1,
+                    Err(AllocError::OutOfMemory(_) | AllocError::TooLarge { .. }) => refused += 1,
                     Err(e) => return Err(fail(event, e)),
                 }
             }
@@ -335,7 +335,7 @@ pub(crate) fn run_device(
     }
     allocator
         .check_invariants()
-        .map_err(|source| ReplayError::Invariant {
+        .map_err(|source| Error::Invariant {
             device: device_index,
             source,
         })?;

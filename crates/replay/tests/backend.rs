@@ -5,7 +5,7 @@ use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::config::{AllocatorConfig, Backend};
 use tensormem_cuda_alloc::snapshot::{AllocatorSettings, Snapshot};
 use tensormem_cuda_alloc::{CachingAllocator, StreamId};
-use tensormem_replay::{Replay, ReplayError, RunOptions};
+use tensormem_replay::{Error, Replay, RunOptions};
 
 fn recorded() -> Snapshot {
     let allocator = CachingAllocator::new(SimDevice::new(1 << 30));
@@ -15,9 +15,9 @@ fn recorded() -> Snapshot {
     allocator.snapshot()
 }
 
-fn is_unsupported<T: std::fmt::Debug>(result: Result<T, ReplayError>) -> bool {
+fn is_unsupported<T: std::fmt::Debug>(result: Result<T, Error>) -> bool {
     match result {
-        Err(error @ ReplayError::UnsupportedBackend { backend }) => {
+        Err(error @ Error::UnsupportedBackend { backend }) => {
             assert_eq!(backend, Backend::CudaMallocAsync);
             let message = error.to_string();
             assert!(message.contains("backend:cudaMallocAsync"), "{message}");

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use tensormem_cuda_alloc::snapshot::Snapshot;
-use tensormem_replay::{ExpectedStats, Replay, ReplayError};
+use tensormem_replay::{Error, ExpectedStats, Replay};
 
 fn traces_dir() -> PathBuf {
     std::env::var_os("TENSORMEM_TRACES_DIR").map_or_else(
@@ -15,7 +15,7 @@ fn traces_dir() -> PathBuf {
 
 fn refused(json: &str) -> String {
     match ExpectedStats::from_json(json) {
-        Err(e @ ReplayError::ExpectedStats { .. }) => e.to_string(),
+        Err(e @ Error::ExpectedStats { .. }) => e.to_string(),
         Err(other) => panic!("{json}: unexpected error {other}"),
         Ok(stats) => panic!("{json}: read as {stats:?}"),
     }
