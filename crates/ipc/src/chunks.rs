@@ -193,6 +193,18 @@ pub enum ChunkFdRoutes {
     SocketOnly,
 }
 
+impl ChunkHandle {
+    /// Copies of the producer's descriptors, taken the ways `routes` allows (see the
+    /// [module docs](self)), and the way that worked: what a consumer imports the chunks from.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ChunkDescriptors`] saying what each way answered and what to do.
+    pub fn take_descriptors(&self, routes: ChunkFdRoutes) -> Result<(Vec<OwnedFd>, FdRoute)> {
+        fetch(self, routes)
+    }
+}
+
 /// Copies of the producer's descriptors `handle.fds`, taken the ways `routes` allows.
 pub(crate) fn fetch(
     handle: &ChunkHandle,
@@ -342,10 +354,12 @@ fn identity(fd: BorrowedFd<'_>) -> Option<(u64, u64)> {
     Some((stat.st_dev, stat.st_ino))
 }
 
-/// Records `fds` (this process's, open) as exported for a share, so that the descriptor socket
-/// may hand them out, and starts that socket on first use. The descriptors stay owned by their
-/// exporter (the allocator).
-pub(crate) fn offer(fds: &[RawFd]) {
+/// Records `fds` (this process's, open) as exported for a share, so that this process's
+/// descriptor socket may hand them out to consumers that cannot use `pidfd_getfd`, and starts that
+/// socket on first use. [`IpcProducer`](crate::IpcProducer) calls it for every share of chunks; call
+/// it when sharing a [`ChunkHandle`] built another way. The descriptors stay owned by their
+/// exporter (the allocator), which keeps them open while their chunks are mapped.
+pub fn offer(fds: &[RawFd]) {
     let exported = exported();
     {
         let mut table = exported.fds.lock();

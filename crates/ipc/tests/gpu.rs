@@ -19,11 +19,12 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use common::{hex, unhex};
 use cudarc::driver::sys;
 use tensormem_cuda_alloc::backend::cuda::{self, CudaBackend};
+use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::{CachingAllocator, DeviceAddress, StreamId};
 use tensormem_ipc::driver::cuda::CudaIpcDriver;
 use tensormem_ipc::{
-    ConsumerConfig, IpcConsumer, IpcHandle, IpcProducer, TorchShareTuple, RECEIVED_MEMORY_MESSAGE,
-    REF_COUNTER_FILE_SIZE,
+    ChunkFdRoutes, ConsumerConfig, IpcConsumer, IpcHandle, IpcProducer, TorchShareTuple,
+    RECEIVED_MEMORY_MESSAGE, REF_COUNTER_FILE_SIZE,
 };
 
 const ROLE: &str = "TENSORMEM_IPC_GPU_ROLE";
@@ -115,7 +116,13 @@ struct Peer {
 impl Peer {
     /// This binary running only `test`, in role `role`.
     fn this(test: &str, role: &str) -> Self {
+        Self::this_with(test, role, &[])
+    }
+
+    /// [`this`](Self::this) with more environment variables.
+    fn this_with(test: &str, role: &str, vars: &[(&str, &str)]) -> Self {
         let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.envs(vars.iter().copied());
         cmd.args([
             "--exact",
             test,
@@ -124,6 +131,19 @@ impl Peer {
             "--test-threads=1",
         ])
         .env(ROLE, role);
+        Self::spawn(cmd)
+    }
+
+    /// The interop script with `args`, expandable segments on in its allocator when `expandable`.
+    fn python_with(args: &[&str], expandable: bool) -> Self {
+        let script =
+            std::env::temp_dir().join(format!("tensormem_ipc_interop_{}.py", std::process::id()));
+        std::fs::write(&script, SCRIPT).unwrap();
+        let mut cmd = Command::new("python3");
+        cmd.arg(&script).args(args);
+        if expandable {
+            cmd.env("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True");
+        }
         Self::spawn(cmd)
     }
 
@@ -201,10 +221,16 @@ impl Drop for Peer {
 fn consumer_role() {
     let driver = Arc::new(CudaIpcDriver::new().unwrap());
     let idle = std::env::var("TENSORMEM_IPC_IDLE").map_or(0, |v| v.parse().unwrap());
+    let chunk_fds = match std::env::var("TENSORMEM_IPC_ROUTES").as_deref() {
+        Ok("socket") => ChunkFdRoutes::SocketOnly,
+        Ok("pidfd") => ChunkFdRoutes::PidfdOnly,
+        _ => ChunkFdRoutes::Auto,
+    };
     let consumer = IpcConsumer::with_config(
         driver,
         ConsumerConfig {
             idle_mem_handles: idle,
+            chunk_fds,
             ..ConsumerConfig::default()
         },
     );
@@ -228,8 +254,9 @@ fn consumer_role() {
                     write.parse().unwrap(),
                     len - len / 2,
                 );
+                let route = received.fd_route();
                 drop(received);
-                println!("@@ok");
+                println!("@@ok {route:?}");
             }
             ["hold", handle] => {
                 let handle = IpcHandle::decode(&unhex(handle)).unwrap();
@@ -518,5 +545,165 @@ fn tensormem_opens_a_pytorch_share() {
         done[2], "0",
         "PyTorch freed its memory: nothing left in its limbo"
     );
+    peer.finish();
+}
+
+/// Device 0's allocator with expandable segments, and a producer (see [`gpu`]).
+fn expandable_gpu() -> Option<(Allocator, Producer, MutexGuard<'static, ()>)> {
+    let (_, producer, lock) = gpu()?;
+    let config = AllocatorConfig::parse("expandable_segments:True").unwrap();
+    let device = CudaBackend::new(0).expect("opening device 0");
+    Some((
+        Arc::new(CachingAllocator::with_config(device, config)),
+        producer,
+        lock,
+    ))
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
+fn expandable_segment_memory_is_shared_between_processes_both_ways_of_taking_descriptors() {
+    const TEST: &str =
+        "expandable_segment_memory_is_shared_between_processes_both_ways_of_taking_descriptors";
+    if role().is_some() {
+        return consumer_role();
+    }
+    let Some((allocator, producer, _lock)) = expandable_gpu() else {
+        return;
+    };
+    // A first block, so that the shared ones start inside their chunks.
+    let first = allocator.allocate(512, S).unwrap();
+    for (routes, expected) in [("auto", None), ("socket", Some("Some(Socket)"))] {
+        let mut peer = Peer::this_with(TEST, "consumer", &[("TENSORMEM_IPC_ROUTES", routes)]);
+        for size in [1usize, 1000, (1 << 20) + 3, (25 << 20) + 7] {
+            let allocation = allocator.allocate(size, S).unwrap();
+            fill(allocation.ptr(), 0x22, size);
+            let (mut shared, handle) = producer.share(&allocator, allocation, S).unwrap();
+            let tensormem_ipc::SegmentMemory::Chunks(chunks) = &handle.memory else {
+                panic!("memory of an expandable segment is shared as chunks: {handle:?}");
+            };
+            assert_eq!(handle.size, size as u64, "the exact size travels");
+            assert!(handle.offset + handle.size <= chunks.extent());
+            // The same block shared again names the same descriptors (one export per chunk).
+            let again = shared.share(S).unwrap();
+            assert_eq!(again.memory, handle.memory);
+            peer.send(&format!("open {} 34 51", hex(&handle.encode())));
+            let route = peer.expect("ok").join(" ");
+            if let Some(expected) = expected {
+                assert_eq!(route, expected);
+            } else {
+                assert!(route.starts_with("Some("), "{route}");
+            }
+            peer.send(&format!("open {} 34 68", hex(&again.encode())));
+            peer.expect("ok");
+            let back = read(shared.ptr(), size);
+            assert!(
+                back[size / 2..].iter().all(|&b| b == 68),
+                "the consumer's writes are visible ({size} bytes)"
+            );
+            assert_eq!(shared.outstanding(), 0, "the consumer released its slots");
+            drop(shared);
+        }
+        peer.finish();
+    }
+    allocator.free(first).unwrap();
+    assert_eq!(producer.stats().limbo, 0);
+    assert_eq!(allocator.memory_stats().active_bytes.all.current, 0);
+    producer.collect();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
+fn a_pytorch_consumer_opens_tensormem_expandable_memory() {
+    if role().is_some() {
+        return;
+    }
+    let Some((allocator, producer, _lock)) = expandable_gpu() else {
+        return;
+    };
+    if !torch() {
+        return;
+    }
+    let first = allocator.allocate(512, S).unwrap();
+    for size in [1000usize, (25 << 20) + 7] {
+        let allocation = allocator.allocate(size, S).unwrap();
+        fill(allocation.ptr(), 9, size);
+        let (mut shared, handle) = producer.share(&allocator, allocation, S).unwrap();
+        let tuple = handle.to_torch();
+        assert_eq!(
+            &tuple.handle[..2],
+            &[2, b'e'],
+            "PyTorch's expandable-segment handle"
+        );
+        let mut peer = Peer::python(&["consume"]);
+        peer.send(&format!("{} 9 77", tuple.to_line()));
+        peer.expect("reshare-refused");
+        peer.expect("released");
+        peer.finish();
+        assert_eq!(
+            read(shared.ptr().offset(size - 1), 1)[0],
+            77,
+            "PyTorch's writes"
+        );
+        assert_eq!(read(shared.ptr(), 1)[0], 9);
+        assert_eq!(
+            shared.outstanding(),
+            0,
+            "PyTorch's release set the slot back to 0"
+        );
+        drop(shared);
+    }
+    allocator.free(first).unwrap();
+    assert_eq!(producer.stats().limbo, 0);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
+fn tensormem_opens_a_pytorch_expandable_share() {
+    if role().is_some() {
+        return;
+    }
+    let Some((_allocator, _producer, _lock)) = gpu() else {
+        return;
+    };
+    if !torch() {
+        return;
+    }
+    let size = (25 << 20) + 3;
+    let mut peer = Peer::python_with(&["produce", &size.to_string()], true);
+    let tuple = TorchShareTuple::from_line(&peer.expect("tuple").join(" ")).unwrap();
+    assert_eq!(
+        &tuple.handle[..2],
+        &[2, b'e'],
+        "PyTorch shared an expandable segment"
+    );
+    let handle = IpcHandle::from_torch(&tuple).unwrap();
+    let driver = Arc::new(CudaIpcDriver::new().unwrap());
+    // A PyTorch producer has no descriptor socket: the socket-only way fails and says so.
+    let socket_only = IpcConsumer::with_config(
+        Arc::clone(&driver),
+        ConsumerConfig {
+            chunk_fds: ChunkFdRoutes::SocketOnly,
+            ..ConsumerConfig::default()
+        },
+    );
+    let err = socket_only.open(&handle, S).unwrap_err().to_string();
+    assert!(err.contains("no descriptor socket"), "{err}");
+    let consumer = IpcConsumer::new(driver);
+    let received = consumer.open(&handle, S).unwrap();
+    assert_eq!(received.size(), size as u64);
+    assert_eq!(
+        received.fd_route(),
+        Some(tensormem_ipc::FdRoute::PidfdGetfd)
+    );
+    assert!(
+        read(received.ptr(), size).iter().all(|&b| b == 7),
+        "PyTorch's bytes"
+    );
+    fill(received.ptr().offset(size - 1), 0x33, 1);
+    drop(received);
+    peer.send("released");
+    let done = peer.expect("done");
+    assert_eq!(done[0], "51", "PyTorch sees our write (0x33)");
     peer.finish();
 }
