@@ -151,18 +151,103 @@ impl Arena {
         self.slots.get(index as usize).is_some_and(|b| b.live)
     }
 
-    /// Whether `index` names a block that is not in use and whose `mapped` is `mapped`: a neighbour
-    /// a free merges with. `NIL` (no neighbour) is not one. No branch on `NIL`: the slot read is
-    /// clamped into the arena (its fields do not matter when the answer is masked off), so a free can
-    /// ask about both neighbours before it branches on either, and their two reads (random slots,
-    /// often cache misses) overlap instead of waiting one for the other.
+    /// The block `index` names, or, for an index past the arena (such as `NIL`), the last one: a
+    /// read without a branch on `NIL`, for a caller that masks the answer off when `index` is
+    /// `NIL`. A free asks about both neighbours before it branches on either, so that their two
+    /// reads (random slots, often cache misses) overlap instead of waiting one for the other.
+    ///
+    /// # Panics
+    /// When the arena is empty.
     #[inline(always)]
-    pub(crate) fn is_free_neighbour(&self, index: u32, mapped: bool) -> bool {
-        let last = self.slots.len().saturating_sub(1);
-        let Some(b) = self.slots.get((index as usize).min(last)) else {
-            return false;
-        };
-        (index != NIL) & !b.is_active() & (b.mapped == mapped)
+    pub(crate) fn clamped(&self, index: u32) -> &Block {
+        &self.slots[(index as usize).min(self.slots.len() - 1)]
+    }
+
+    /// Splits the first `size` bytes of block `index` off as a new block linked before it (free,
+    /// mapped, of the same pool and segment, with [`Block::new`]'s other fields); `index` keeps the
+    /// rest. Returns the new block's index. The chain still tiles the segment.
+    #[inline(always)]
+    pub(crate) fn split_front(&mut self, index: u32, size: u64) -> u32 {
+        let r = &self[index];
+        debug_assert!(size < r.size, "a split leaves both parts non-empty");
+        let prev = r.prev;
+        let mut head = Block::new(r.addr, size, r.pool);
+        head.expandable = r.expandable;
+        head.prev = prev;
+        head.next = index;
+        let head = self.insert(head);
+        if prev != NIL {
+            self[prev].next = head;
+        }
+        let r = &mut self[index];
+        r.prev = head;
+        r.addr += size;
+        r.size -= size;
+        head
+    }
+
+    /// Splits the last `size` bytes of block `index` off as a new block linked after it (free,
+    /// mapped, of the same pool and segment, with [`Block::new`]'s other fields); `index` keeps the
+    /// front. Returns the new block's index. The chain still tiles the segment.
+    #[inline]
+    pub(crate) fn split_back(&mut self, index: u32, size: u64) -> u32 {
+        let b = &self[index];
+        debug_assert!(size < b.size, "a split leaves both parts non-empty");
+        let next = b.next;
+        let mut tail = Block::new(b.end() - size, size, b.pool);
+        tail.expandable = b.expandable;
+        tail.prev = index;
+        tail.next = next;
+        let tail = self.insert(tail);
+        if next != NIL {
+            self[next].prev = tail;
+        }
+        let b = &mut self[index];
+        b.next = tail;
+        b.size -= size;
+        tail
+    }
+
+    /// Merges block `index`'s next neighbour into it: `index` grows over it, and the neighbour is
+    /// unlinked and leaves the arena. Returns the neighbour's `(size, addr)` (its free-set key).
+    #[inline(always)]
+    pub(crate) fn absorb_next(&mut self, index: u32) -> (u64, u64) {
+        let next = self[index].next;
+        debug_assert!(next != NIL, "block {index} has no next neighbour");
+        let (size, addr) = self.unlink(next);
+        self[index].size += size;
+        (size, addr)
+    }
+
+    /// Merges block `index`'s previous neighbour into it: `index` grows down over it (its address
+    /// becomes the neighbour's), and the neighbour is unlinked and leaves the arena. Returns the
+    /// neighbour's `(size, addr)` (its free-set key).
+    #[inline(always)]
+    pub(crate) fn absorb_prev(&mut self, index: u32) -> (u64, u64) {
+        let prev = self[index].prev;
+        debug_assert!(prev != NIL, "block {index} has no previous neighbour");
+        let (size, addr) = self.unlink(prev);
+        let b = &mut self[index];
+        b.addr = addr;
+        b.size += size;
+        (size, addr)
+    }
+
+    /// Takes block `index` out of its chain (its neighbours linked to each other) and out of the
+    /// arena. Returns its `(size, addr)`. The caller makes a neighbour cover its bytes, or the
+    /// block was a whole segment.
+    #[inline(always)]
+    pub(crate) fn unlink(&mut self, index: u32) -> (u64, u64) {
+        let b = &self[index];
+        let (size, addr, prev, next) = (b.size, b.addr, b.prev, b.next);
+        if prev != NIL {
+            self[prev].next = next;
+        }
+        if next != NIL {
+            self[next].prev = prev;
+        }
+        self.remove(index);
+        (size, addr)
     }
 
     /// Live blocks with their indices.
@@ -206,27 +291,39 @@ mod tests {
         assert!(arena.iter().all(|b| std::ptr::from_ref(b).addr() % 64 == 0));
     }
 
-    /// The neighbour test reads a clamped slot without a branch on `NIL`: `NIL` must still never be
-    /// a free neighbour, even where the slot it is clamped to holds one.
+    /// An index past the arena (`NIL`) reads the last slot.
     #[test]
-    fn only_free_blocks_mapped_alike_are_free_neighbours() {
+    fn a_clamped_read_of_nil_is_the_last_block() {
         let mut arena = Arena::default();
-        assert!(!arena.is_free_neighbour(NIL, true), "an empty arena");
-        let free = arena.insert(Block::new(0, 512, 0));
-        let mut allocated = Block::new(512, 512, 0);
-        allocated.allocated = true;
-        let allocated = arena.insert(allocated);
-        let mut unmapped = Block::new(1024, 512, 0);
-        unmapped.mapped = false;
-        let unmapped = arena.insert(unmapped);
-        let last = arena.insert(Block::new(1536, 512, 0));
-        assert!(arena.is_free_neighbour(free, true));
-        assert!(arena.is_free_neighbour(last, true));
-        assert!(!arena.is_free_neighbour(allocated, true));
-        assert!(!arena.is_free_neighbour(unmapped, true));
-        assert!(arena.is_free_neighbour(unmapped, false));
-        assert!(!arena.is_free_neighbour(free, false));
-        // `NIL` clamps to the last slot, a free mapped block.
-        assert!(!arena.is_free_neighbour(NIL, true));
+        arena.insert(Block::new(0, 512, 0));
+        let last = arena.insert(Block::new(512, 512, 0));
+        assert_eq!(arena.clamped(NIL).addr, 512);
+        assert_eq!(arena.clamped(last).addr, 512);
+        assert_eq!(arena.clamped(0).addr, 0);
+    }
+
+    /// The list operations keep the chain tiling the segment.
+    #[test]
+    fn splits_and_merges_keep_the_chain() {
+        let mut arena = Arena::default();
+        let whole = arena.insert(Block::new(0, 4096, 0));
+        let head = arena.split_front(whole, 512);
+        let tail = arena.split_back(whole, 1024);
+        let addrs = |a: &Arena| {
+            let mut at = head;
+            let mut out = Vec::new();
+            while at != NIL {
+                out.push((a[at].addr, a[at].size));
+                at = a[at].next;
+            }
+            out
+        };
+        assert_eq!(addrs(&arena), [(0, 512), (512, 2560), (3072, 1024)]);
+        assert_eq!(arena[tail].prev, whole);
+        assert_eq!(arena.absorb_next(whole), (1024, 3072));
+        assert_eq!(arena.absorb_prev(whole), (512, 0));
+        assert_eq!((arena[whole].addr, arena[whole].size), (0, 4096));
+        assert_eq!((arena[whole].prev, arena[whole].next), (NIL, NIL));
+        assert!(!arena.is_live(head) && !arena.is_live(tail));
     }
 }

@@ -116,7 +116,6 @@ mod pointer_index;
 mod pool;
 mod pool_id;
 mod settings;
-mod shard;
 pub mod size;
 pub mod snapshot;
 mod stack;

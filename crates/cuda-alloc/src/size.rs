@@ -1,30 +1,30 @@
-//! Size classes: how a request is rounded, which pool serves it, and how large a new segment is.
+//! Size classes: the numbers by which a request is rounded, a pool chosen and a new segment sized
+//! (the rules that use them are in `allocator/policy.rs`; [`allocation_size`] is public for
+//! capacity planning).
 //!
 //! The numbers are PyTorch's (`c10/cuda/CUDACachingAllocator.cpp`):
 //!
 //! | constant | value | meaning |
 //! | --- | --- | --- |
-//! | [`MIN_BLOCK_SIZE`] | 512 B | every request is rounded up to a multiple of this |
-//! | [`SMALL_SIZE`] | 1 MiB | the largest request served by the small pool |
+//! | `MIN_BLOCK_SIZE` | 512 B | every request is rounded up to a multiple of this |
+//! | `SMALL_SIZE` | 1 MiB | the largest request served by the small pool |
 //! | [`SMALL_BUFFER`] | 2 MiB | the segment size of the small pool |
-//! | [`MIN_LARGE_ALLOC`] | 10 MiB | requests below this (and above 1 MiB) get a 20 MiB segment |
+//! | `MIN_LARGE_ALLOC` | 10 MiB | requests below this (and above 1 MiB) get a 20 MiB segment |
 //! | [`LARGE_BUFFER`] | 20 MiB | the segment size for requests between 1 and 10 MiB |
-//! | [`ROUND_LARGE`] | 2 MiB | larger requests get a segment of their size rounded up to this |
-
-use crate::settings::Settings;
+//! | `ROUND_LARGE` | 2 MiB | larger requests get a segment of their size rounded up to this |
 
 pub use crate::config::LARGE_BUFFER;
 
 /// Every size is rounded up to a multiple of 512 bytes (`kMinBlockSize`).
-pub const MIN_BLOCK_SIZE: usize = 512;
+pub(crate) const MIN_BLOCK_SIZE: usize = 512;
 /// The largest request the small pool serves: 1 MiB (`kSmallSize`).
-pub const SMALL_SIZE: usize = 1 << 20;
+pub(crate) const SMALL_SIZE: usize = 1 << 20;
 /// Small requests are packed in 2 MiB segments (`kSmallBuffer`).
 pub const SMALL_BUFFER: usize = 2 << 20;
 /// Requests between 1 MiB and this (10 MiB) are served from 20 MiB segments (`kMinLargeAlloc`).
-pub const MIN_LARGE_ALLOC: usize = 10 << 20;
+pub(crate) const MIN_LARGE_ALLOC: usize = 10 << 20;
 /// Larger requests get segments of their own size rounded up to 2 MiB (`kRoundLarge`).
-pub const ROUND_LARGE: usize = 2 << 20;
+pub(crate) const ROUND_LARGE: usize = 2 << 20;
 /// Requests of this size (one exabyte, 2^60 bytes) or more are refused outright.
 pub const ONE_EXABYTE: usize = 1 << 60;
 
@@ -41,7 +41,7 @@ pub(crate) const fn align_up(size: usize, align: usize) -> usize {
 /// 1792, so the answer is 1280. Powers of two are returned unchanged; `divisions` below 2 is treated
 /// as 2 would be for the step computation only through callers, which never pass it.
 #[must_use]
-pub fn roundup_power2_next_division(size: usize, divisions: usize) -> usize {
+pub(crate) fn roundup_power2_next_division(size: usize, divisions: usize) -> usize {
     if size.is_power_of_two() || size == 0 {
         return size;
     }
@@ -59,42 +59,7 @@ pub fn roundup_power2_next_division(size: usize, divisions: usize) -> usize {
     }
 }
 
-/// The size a request of `size` bytes occupies: at least 512 bytes, rounded up to a multiple of 512,
-/// or to a power-of-two division when `roundup_power2_divisions` asks for one at this size.
-#[inline]
-#[must_use]
-pub(crate) fn round_size(size: usize, settings: &Settings) -> usize {
-    if size < MIN_BLOCK_SIZE {
-        return MIN_BLOCK_SIZE;
-    }
-    let divisions = settings.roundup_divisions_for(size);
-    if divisions > 1 && size > MIN_BLOCK_SIZE * divisions {
-        roundup_power2_next_division(size, divisions)
-    } else {
-        align_up(size, MIN_BLOCK_SIZE)
-    }
-}
-
-/// The size of a new segment for a rounded request: 2 MiB for small requests, 20 MiB for requests up
-/// to 10 MiB, the request rounded up to 2 MiB beyond.
-#[inline]
-#[must_use]
-pub const fn allocation_size(size: usize) -> usize {
-    if size <= SMALL_SIZE {
-        SMALL_BUFFER
-    } else if size < MIN_LARGE_ALLOC {
-        LARGE_BUFFER
-    } else {
-        align_up(size, ROUND_LARGE)
-    }
-}
-
-/// Whether a rounded request belongs to the small pool (at most 1 MiB).
-#[inline]
-#[must_use]
-pub const fn is_small(size: usize) -> bool {
-    size <= SMALL_SIZE
-}
+pub use crate::allocator::policy::allocation_size;
 
 /// A byte count the way PyTorch prints it in messages: `"512 bytes"`, `"1.50 KiB"`, `"20.00 MiB"`,
 /// `"1.50 GiB"` (two decimals; a unit applies up to and including 1024 of the unit below it).
@@ -117,7 +82,9 @@ pub fn format_size(size: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::allocator::policy::{round_size, small_pool as is_small};
     use crate::config::AllocatorConfig;
+    use crate::settings::Settings;
 
     fn settings(config: &str) -> Settings {
         Settings::new(&AllocatorConfig::parse(config).unwrap())

@@ -11,6 +11,7 @@
 
 use std::sync::atomic::Ordering::Relaxed;
 
+use super::shard::ShardGuard;
 use super::{policy, Allocation, CachingAllocator, Locked, PoolChoice, Route};
 use crate::block::{Block, NIL};
 use crate::device::{Device, DeviceError, StreamId};
@@ -18,8 +19,7 @@ use crate::error::{Error, Result};
 use crate::free_set::FreePos;
 use crate::oom::{OomEvent, OutOfMemory};
 use crate::pool::PoolOwner;
-use crate::shard::ShardGuard;
-use crate::size::{allocation_size, is_small, round_size, ONE_EXABYTE};
+use crate::size::ONE_EXABYTE;
 use crate::stack::{RecordContext, Stack};
 use crate::stats::peaks::{Kind, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS};
 use crate::trace::Action;
@@ -84,8 +84,8 @@ impl<D: Device> CachingAllocator<D> {
         if self.pending.load(Relaxed) != 0 && (QUIET || !self.capturing()) {
             self.process_events()?;
         }
-        let rounded = round_size(size, &self.settings);
-        let small = is_small(rounded);
+        let rounded = policy::round_size(size, &self.settings);
+        let small = policy::small_pool(rounded);
         let choice = if QUIET {
             PoolChoice::Default
         } else {
@@ -107,7 +107,7 @@ impl<D: Device> CachingAllocator<D> {
         if !uncached {
             let mut locked = self.lock_unsettled(shard);
             let pool = locked.pool_index(choice, small);
-            if locked.st.parked.is_some() {
+            if locked.st.fast.is_parked() {
                 if let Some(allocation) = locked.unpark::<QUIET>(pool, rounded, size, stack_ref) {
                     return Ok(allocation);
                 }
@@ -125,7 +125,7 @@ impl<D: Device> CachingAllocator<D> {
                 alloc_size: if uncached {
                     rounded
                 } else {
-                    allocation_size(rounded)
+                    policy::allocation_size(rounded)
                 },
                 small,
                 choice,
@@ -444,22 +444,10 @@ impl<D: Device> Locked<'_, D> {
         if split {
             let remaining = block;
             let st = &mut *self.st;
-            let r = &st.blocks[remaining];
-            let prev = r.prev;
-            let mut head = Block::new(r.addr, size, pool);
-            head.expandable = r.expandable;
-            head.prev = prev;
-            head.next = remaining;
-            block = st.blocks.insert(head);
-            if prev != NIL {
-                st.blocks[prev].next = block;
-            }
+            let old = (st.blocks[remaining].size, st.blocks[remaining].addr);
+            block = st.blocks.split_front(remaining, size);
             let p = &mut st.pools[pool as usize];
             let r = &mut st.blocks[remaining];
-            let old = (r.size, r.addr);
-            r.prev = block;
-            r.addr += size;
-            r.size -= size;
             r.gc_count_base = p.gc_now();
             let (r_size, r_addr) = (r.size, r.addr);
             match source {
@@ -501,7 +489,7 @@ impl<D: Device> Locked<'_, D> {
         b.requested = orig;
         b.generation = b.generation.wrapping_add(1);
         let (addr, b_size) = (b.addr, b.size);
-        self.st.recent_size = b_size;
+        self.st.fast.handed_out(b_size);
         if let Some(stack) = stack {
             std::hint::cold_path();
             // The allocation's stack, for snapshots and its later trace entries.
@@ -512,7 +500,7 @@ impl<D: Device> Locked<'_, D> {
             self.st.allocated.insert(addr, block);
         }
         self.inc_alloc(small, b_size, orig);
-        if b_size as usize >= self.a.settings.max_split_size() {
+        if policy::is_oversize(b_size as usize, self.a.settings.max_split_size()) {
             std::hint::cold_path();
             self.inc_figure(OVERSIZE_ALLOCATIONS, 1);
         }
@@ -602,7 +590,7 @@ impl<D: Device> Locked<'_, D> {
         let small = self.st.pools[pool as usize].small;
         self.inc(Kind::Segment, small, 1);
         self.inc(Kind::ReservedBytes, small, alloc_size as u64);
-        if alloc_size >= self.a.settings.max_split_size() {
+        if policy::is_oversize(alloc_size, self.a.settings.max_split_size()) {
             self.inc_figure(OVERSIZE_SEGMENTS, 1);
         }
         counters.num_device_alloc.fetch_add(1, Relaxed);

@@ -3,8 +3,8 @@
 
 use std::sync::atomic::Ordering::Relaxed;
 
-use super::parked::Parked;
-use super::{Allocation, CachingAllocator, Locked};
+use super::fast::Freed;
+use super::{policy, Allocation, CachingAllocator, Locked};
 use crate::block::NIL;
 use crate::device::{Device, DeviceAddress, StreamId};
 use crate::error::{Error, Result};
@@ -330,7 +330,7 @@ impl<D: Device> Locked<'_, D> {
             let entry_stack = self.entry_stack(index);
             self.note::<QUIET>(Action::FreeRequested, addr, requested, entry_stack.as_ref());
         }
-        if size as usize >= self.a.settings.max_split_size() {
+        if policy::is_oversize(size as usize, self.a.settings.max_split_size()) {
             std::hint::cold_path();
             self.shard
                 .figures
@@ -462,8 +462,8 @@ impl<D: Device> Locked<'_, D> {
     }
 
     /// [`free_block`](Self::free_block), or where allowed (`may_park`, and the block has a free next
-    /// neighbour and no free previous one) the same with the merge deferred: see
-    /// `allocator/parked.rs`. Only the free calls, which return right after, may park; for them
+    /// neighbour and no free previous one) the same with the merge deferred ([`Locked::try_park`],
+    /// the fast path). Only the free calls, which return right after, may park; for them
     /// (`may_park`) the block was allocated until now, and its `allocation` and `allocated_bytes`
     /// figures are decreased here too, in one group with its other figures (the pool type decided
     /// once).
@@ -495,86 +495,52 @@ impl<D: Device> Locked<'_, D> {
         } else {
             self.note::<QUIET>(Action::FreeCompleted, addr, requested, None);
         }
+        // Whether each neighbour can merge into the block (`policy::may_merge`): both read before
+        // either is acted on (see `Arena::clamped`). Merging one neighbour does not change
+        // the other.
+        let (small, prev_free, next_free) = {
+            let st = &*self.st;
+            (
+                st.pools[pool as usize].small,
+                (prev != NIL) & policy::may_merge(st.blocks.clamped(prev), mapped),
+                (next != NIL) & policy::may_merge(st.blocks.clamped(next), mapped),
+            )
+        };
+        if may_park
+            && self.try_park(
+                index,
+                Freed {
+                    size: original_size,
+                    requested,
+                    prev,
+                    next,
+                    prev_free,
+                    next_free,
+                    had_stack,
+                    small,
+                },
+            )
+        {
+            return;
+        }
         let mut net_blocks = 0i64;
         let mut net_bytes = 0i64;
         let st = &mut *self.st;
         let blocks = &mut st.blocks;
         // The pool once (each `pools[pool]` is a bounds check, repeated after every store).
         let pool_state = &mut st.pools[pool as usize];
-        let small = pool_state.small;
-        // Whether each neighbour can merge into the block (it exists, is not in use, and is mapped
-        // alike): both read before either is acted on (see `Arena::is_free_neighbour`). Merging one
-        // neighbour does not change the other.
-        let prev_free = blocks.is_free_neighbour(prev, mapped);
-        let next_free = blocks.is_free_neighbour(next, mapped);
         // Merge with free neighbours (PyTorch's `try_merge_blocks` on both sides). A merged
         // neighbour's free-set entry is reused for the result, so that the common case (one free
         // neighbour) updates the set in place.
-        if may_park
-            && original_size == st.recent_size
-            && self.a.defers_merges()
-            && !had_stack
-            && !blocks[index].is_expandable()
-            && !prev_free
-            && !self.a.settings.uncached()
-        {
-            // Merge (or, with no free neighbour, insertion) deferred: the figures as if it were
-            // done now.
-            let gc_base = pool_state.gc_now();
-            let parked_next = if next_free {
-                let n = &blocks[next];
-                let (n_size, n_next) = (n.size, n.next);
-                let split = prev != NIL || n_next != NIL;
-                if small {
-                    self.park_figures::<true>(split, original_size, n_size, requested);
-                } else {
-                    self.park_figures::<false>(split, original_size, n_size, requested);
-                }
-                next
-            } else {
-                let split = prev != NIL || next != NIL;
-                if small {
-                    self.park_whole_figures::<true>(split, original_size, requested);
-                } else {
-                    self.park_whole_figures::<false>(split, original_size, requested);
-                }
-                NIL
-            };
-            // The limits as of after the figures' updates (one of them may have passed a limit).
-            self.st.parked = Some(Parked {
-                block: index,
-                next: parked_next,
-                gc_base,
-                limits_epoch: self.shard.figures.limits_epoch(),
-            });
-            return;
-        }
         let mut reuse: Option<(u64, u64)> = None;
         if prev_free {
-            let p = &blocks[prev];
-            let (p_size, p_addr, p_prev) = (p.size, p.addr, p.prev);
-            let b = &mut blocks[index];
-            b.addr = p_addr;
-            b.prev = p_prev;
-            b.size += p_size;
-            if p_prev != NIL {
-                blocks[p_prev].next = index;
-            }
-            blocks.remove(prev);
+            let (p_size, p_addr) = blocks.absorb_prev(index);
             reuse = Some((p_size, p_addr));
             net_blocks -= 1;
             net_bytes -= p_size as i64;
         }
         if next_free {
-            let n = &blocks[next];
-            let (n_size, n_addr, n_next) = (n.size, n.addr, n.next);
-            let b = &mut blocks[index];
-            b.next = n_next;
-            b.size += n_size;
-            if n_next != NIL {
-                blocks[n_next].prev = index;
-            }
-            blocks.remove(next);
+            let (n_size, n_addr) = blocks.absorb_next(index);
             if reuse.is_some() {
                 pool_state.free.remove(n_size, n_addr);
             } else {
@@ -646,42 +612,6 @@ impl<D: Device> Locked<'_, D> {
         }
     }
 
-    /// The figures of a free that parks a block with no free neighbour (pool type `SMALL`): those
-    /// of freeing an allocated block, and (`split`: the block is part of a split segment) of a split
-    /// free block appearing.
-    #[inline(always)]
-    fn park_whole_figures<const SMALL: bool>(&self, split: bool, size: u64, requested: u64) {
-        if split {
-            self.parked_split_freed(SMALL, size, true);
-        }
-        self.shard
-            .figures
-            .defer_free::<SMALL>(size, requested, 0, 0, &self.a.book);
-    }
-
-    /// The figures of a free that parks its block (pool type `SMALL`): those of freeing an
-    /// allocated block (`allocation`, `allocated_bytes`, `active`, `active_bytes`,
-    /// `requested_bytes` go down) and of merging its free next neighbour of `n_size` bytes into it
-    /// (`split`: the merged block is still part of a split segment).
-    #[inline(always)]
-    fn park_figures<const SMALL: bool>(
-        &self,
-        split: bool,
-        original_size: u64,
-        n_size: u64,
-        requested: u64,
-    ) {
-        let figures = &self.shard.figures;
-        if split {
-            // One split free block (`next`) becomes another (the merged one): `+ original_size`.
-            self.parked_split_freed(SMALL, original_size, false);
-            figures.defer_free::<SMALL>(original_size, requested, 0, 0, &self.a.book);
-        } else {
-            // A split free block (`next`) becomes a whole segment.
-            figures.defer_free::<SMALL>(original_size, requested, 1, n_size, &self.a.book);
-        }
-    }
-
     /// The stack for a free entry of block `index`: the freeing call's if kept, else the allocation's
     /// (PyTorch's `context ? context : block->context_when_allocated`). One emptiness check when no
     /// stacks are recorded (always inlined; the look-up is out of line).
@@ -713,26 +643,15 @@ impl<D: Device> Locked<'_, D> {
         }
         let st = &mut *self.st;
         let s = &st.blocks[src];
-        if s.allocated || s.event_count > 0 || s.used_elsewhere || s.mapped != st.blocks[dst].mapped
-        {
+        if !policy::may_merge(s, st.blocks[dst].mapped) {
             return 0;
         }
-        let (s_addr, s_size, s_prev, s_next, s_mapped, pool) =
-            (s.addr, s.size, s.prev, s.next, s.mapped, s.pool);
-        if st.blocks[dst].prev == src {
-            let d = &mut st.blocks[dst];
-            d.addr = s_addr;
-            d.prev = s_prev;
-            if s_prev != NIL {
-                st.blocks[s_prev].next = dst;
-            }
+        let (s_mapped, pool) = (s.mapped, s.pool);
+        let (s_size, s_addr) = if st.blocks[dst].prev == src {
+            st.blocks.absorb_prev(dst)
         } else {
-            st.blocks[dst].next = s_next;
-            if s_next != NIL {
-                st.blocks[s_next].prev = dst;
-            }
-        }
-        st.blocks[dst].size += s_size;
+            st.blocks.absorb_next(dst)
+        };
         let p = &mut st.pools[pool as usize];
         let removed = if s_mapped {
             p.free.remove(s_size, s_addr)
@@ -740,7 +659,6 @@ impl<D: Device> Locked<'_, D> {
             p.unmapped.remove(&s_addr)
         };
         debug_assert_eq!(removed, Some(src), "merged block was not in its set");
-        st.blocks.remove(src);
         s_size
     }
 }

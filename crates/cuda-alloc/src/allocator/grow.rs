@@ -136,18 +136,8 @@ impl<D: Device> Locked<'_, D> {
         st.pools[pool as usize].unmapped.remove(&addr);
         st.blocks[index].mapped = true;
         if mapped < total {
-            let mut rest = Block::new(addr + mapped, total - mapped, pool);
-            rest.mapped = false;
-            rest.expandable = slot;
-            rest.prev = index;
-            rest.next = st.blocks[index].next;
-            let rest_index = st.blocks.insert(rest);
-            let after = st.blocks[rest_index].next;
-            if after != NIL {
-                st.blocks[after].prev = rest_index;
-            }
-            st.blocks[index].next = rest_index;
-            st.blocks[index].size = mapped;
+            let rest_index = st.blocks.split_back(index, total - mapped);
+            st.blocks[rest_index].mapped = false;
             st.pools[pool as usize]
                 .unmapped
                 .insert(addr + mapped, rest_index);
@@ -193,37 +183,18 @@ impl<D: Device> Locked<'_, D> {
         let gc_now = st.pools[pool as usize].gc_now();
         let before = at - addr;
         if before > 0 {
-            let mut free = Block::new(addr, before, pool);
-            free.expandable = slot;
-            free.prev = st.blocks[index].prev;
-            free.next = index;
-            free.gc_count_base = gc_now;
-            let i = st.blocks.insert(free);
-            if st.blocks[i].prev != NIL {
-                let p = st.blocks[i].prev;
-                st.blocks[p].next = i;
-            }
-            st.blocks[index].prev = i;
+            let i = st.blocks.split_front(index, before);
+            st.blocks[i].gc_count_base = gc_now;
             st.pools[pool as usize].free.insert(before, addr, i);
         }
         let after = size - before - len;
         if after > 0 {
-            let mut free = Block::new(at + len, after, pool);
-            free.expandable = slot;
-            free.prev = index;
-            free.next = st.blocks[index].next;
-            free.gc_count_base = gc_now;
-            let i = st.blocks.insert(free);
-            if st.blocks[i].next != NIL {
-                let n = st.blocks[i].next;
-                st.blocks[n].prev = i;
-            }
-            st.blocks[index].next = i;
+            let i = st.blocks.split_back(index, after);
+            st.blocks[i].gc_count_base = gc_now;
             st.pools[pool as usize].free.insert(after, at + len, i);
         }
         let b = &mut st.blocks[index];
-        b.addr = at;
-        b.size = len;
+        debug_assert_eq!((b.addr, b.size), (at, len), "the slivers split off");
         b.mapped = false;
         let (prev, next) = (b.prev, b.next);
         self.try_merge(index, prev);

@@ -9,9 +9,9 @@
 
 use std::cell::Cell;
 
+use super::shard::Shard;
 use super::CachingAllocator;
 use crate::device::Device;
-use crate::shard::Shard;
 
 thread_local! {
     /// `(allocator id, shard index)` of this thread's last pointer-based allocation (allocator ids

@@ -2,13 +2,13 @@
 
 use std::sync::atomic::Ordering::Relaxed;
 
+use super::shard::Shard;
 use super::CachingAllocator;
 use crate::block::NIL;
 use crate::device::{Device, DeviceAddress, StreamId};
 use crate::error::{Error, Result};
 use crate::pool_id::MempoolId;
-use crate::shard::Shard;
-use crate::size::{is_small, round_size, ONE_EXABYTE};
+use crate::size::ONE_EXABYTE;
 use crate::snapshot::{AllocatorSettings, Block, BlockState, Segment, SegmentType, Snapshot};
 use crate::stats::MemoryStats;
 use crate::trace::Action;
@@ -293,10 +293,10 @@ impl<D: Device> CachingAllocator<D> {
         let Some(shard) = self.streams.get(stream) else {
             return false;
         };
-        let rounded = round_size(size, &self.settings);
+        let rounded = super::policy::round_size(size, &self.settings);
         let choice = self.pool_choice(stream);
         let mut locked = self.lock(shard);
-        let pool = locked.pool_index(choice, is_small(rounded));
+        let pool = locked.pool_index(choice, super::policy::small_pool(rounded));
         locked.best_fit(pool, rounded).is_some()
     }
 }

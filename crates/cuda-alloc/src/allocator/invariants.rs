@@ -3,7 +3,7 @@
 use std::collections::HashSet;
 use std::sync::atomic::Ordering::Relaxed;
 
-use super::{CachingAllocator, Locked};
+use super::{policy, CachingAllocator, Locked};
 use crate::block::NIL;
 use crate::device::Device;
 use crate::pool::PoolOwner;
@@ -26,7 +26,10 @@ impl<D: Device> CachingAllocator<D> {
     /// Walks the whole state and checks that it is consistent: blocks tile their segments exactly,
     /// neighbour links agree, free sets are sorted views of exactly the free blocks, no two free
     /// neighbours are left unmerged, pointer lookups find exactly the allocated blocks, and every
-    /// statistic's current value equals what the blocks add up to. Meant for tests (it takes every
+    /// statistic's current value equals what the blocks add up to. A block the fast path parked is
+    /// walked as it is, not settled first: it must be free and in no set, its free next neighbour
+    /// (if any) in its pool's set, its previous neighbour in use, and the statistics must read as
+    /// the merge would make them. Meant for tests (it takes every
     /// lock and visits every block). It may run while another thread's device allocation is under
     /// way without its stream's lock (`release_lock_on_cudamalloc`): the bytes of such allocations
     /// are allowed for.
@@ -34,7 +37,7 @@ impl<D: Device> CachingAllocator<D> {
     /// # Errors
     /// The first violation found.
     pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
-        let (_guard, locks) = self.lock_all();
+        let (_guard, locks) = self.lock_all_unsettled();
         let mut reserved_total = 0u64;
         for locked in &locks {
             reserved_total += check_shard(locked, self.settings.max_split_size())?;
@@ -85,6 +88,9 @@ fn check_shard<D: Device>(
     }
     let stream = locked.shard.stream;
     let blocks = &st.blocks;
+    // The parked block and its free next neighbour (`NIL` if none): the state is defined as the
+    // one with them merged (`allocator/fast`).
+    let (parked, parked_next) = st.fast.parked_pair().unwrap_or((NIL, NIL));
     let mut expected = [0i64; FIGURES];
     let mut in_sets = HashSet::new();
     for (p, pool) in st.pools.iter().enumerate() {
@@ -135,13 +141,16 @@ fn check_shard<D: Device>(
             );
         }
     }
+    if parked != NIL {
+        check_parked(locked, parked, parked_next, &in_sets)?;
+    }
     let mut reserved = 0u64;
     let mut allocated_seen = 0usize;
     for (index, b) in blocks.iter() {
         let small = st.pools[b.pool as usize].small;
         let free = !b.is_active();
         ensure!(
-            free == in_sets.contains(&index),
+            free == (in_sets.contains(&index) || index == parked),
             "stream {stream}: block {:#x} free={free} but in a set={}",
             b.addr,
             in_sets.contains(&index)
@@ -163,7 +172,8 @@ fn check_shard<D: Device>(
                 "stream {stream}: neighbours differ in pool"
             );
             ensure!(
-                !(free && !p.is_active() && p.mapped == b.mapped),
+                !(free && policy::may_merge(p, b.mapped))
+                    || (b.prev == parked && index == parked_next),
                 "stream {stream}: free neighbours {:#x} and {:#x} not merged",
                 p.addr,
                 b.addr
@@ -191,13 +201,22 @@ fn check_shard<D: Device>(
                 expected[OVERSIZE_ALLOCATIONS] += 1;
             }
         }
-        if b.is_active() {
+        // The parked pair counts as the merged block: the next neighbour's bytes in the parked one.
+        let (size, split) = if index == parked && parked_next != NIL {
+            let n = &blocks[parked_next];
+            (b.size + n.size, b.prev != NIL || n.next != NIL)
+        } else {
+            (b.size, b.is_split())
+        };
+        if index == parked_next {
+            // Counted with the parked block.
+        } else if b.is_active() {
             add(&mut expected, Kind::Active, small, 1);
             add(&mut expected, Kind::ActiveBytes, small, b.size);
             add(&mut expected, Kind::RequestedBytes, small, b.requested);
-        } else if b.is_split() && !b.is_expandable() {
+        } else if split && !b.is_expandable() {
             add(&mut expected, Kind::InactiveSplit, small, 1);
-            add(&mut expected, Kind::InactiveSplitBytes, small, b.size);
+            add(&mut expected, Kind::InactiveSplitBytes, small, size);
         }
         if b.mapped {
             reserved += b.size;
@@ -265,6 +284,64 @@ fn check_shard<D: Device>(
         );
     }
     Ok(reserved)
+}
+
+/// The fast path's parked block `parked` (with free next neighbour `next`, or `NIL`), as it is:
+/// free and in no set, of a pool the fast path may park in, and a merge (or insertion) the plain
+/// free would have made.
+fn check_parked<D: Device>(
+    locked: &Locked<'_, D>,
+    parked: u32,
+    next: u32,
+    in_sets: &HashSet<u32>,
+) -> Result<(), InvariantViolation> {
+    let st = &locked.st;
+    let stream = locked.shard.stream;
+    let blocks = &st.blocks;
+    ensure!(
+        st.fast.enabled(),
+        "stream {stream}: a block is parked with the fast path off"
+    );
+    ensure!(
+        blocks.is_live(parked),
+        "stream {stream}: parked block {parked} is dead"
+    );
+    let b = &blocks[parked];
+    ensure!(
+        !b.is_active() && b.mapped && !b.is_expandable(),
+        "stream {stream}: parked block {:#x} is in use, unmapped or expandable",
+        b.addr
+    );
+    ensure!(
+        !in_sets.contains(&parked),
+        "stream {stream}: parked block {:#x} is in a free set",
+        b.addr
+    );
+    ensure!(
+        b.prev == NIL || !policy::may_merge(&blocks[b.prev], b.mapped),
+        "stream {stream}: parked block {:#x} has a free previous neighbour",
+        b.addr
+    );
+    if next == NIL {
+        ensure!(
+            b.next == NIL || !policy::may_merge(&blocks[b.next], b.mapped),
+            "stream {stream}: parked block {:#x} has a free next neighbour it does not name",
+            b.addr
+        );
+    } else {
+        ensure!(
+            b.next == next && blocks.is_live(next),
+            "stream {stream}: parked block {:#x} names {next}, not its next neighbour",
+            b.addr
+        );
+        let n = &blocks[next];
+        ensure!(
+            policy::may_merge(n, b.mapped) && in_sets.contains(&next) && n.pool == b.pool,
+            "stream {stream}: the next neighbour {:#x} of a parked block is not free in its pool",
+            n.addr
+        );
+    }
+    Ok(())
 }
 
 fn add(expected: &mut [i64; FIGURES], kind: Kind, small: bool, amount: u64) {

@@ -1,7 +1,7 @@
 //! [`CachingAllocator`]: the caching allocator over a [`Device`].
 //!
 //! The policy follows PyTorch's `DeviceCachingAllocator` decision for decision; the state is split
-//! by stream (see [`crate::shard`]) so that calls on different streams take different locks. The
+//! by stream (see `shard.rs`) so that calls on different streams take different locks. The
 //! methods are spread over submodules by concern:
 //!
 //! | module | what |
@@ -16,16 +16,16 @@
 mod alloc;
 mod checkpoint;
 mod export;
+mod fast;
 mod free;
 mod grow;
 mod hint;
-mod hot_pair;
 mod inspect;
 mod invariants;
-mod parked;
-mod policy;
+pub(crate) mod policy;
 mod private;
 mod release;
+mod shard;
 mod teardown;
 
 use std::collections::BTreeMap;
@@ -42,17 +42,15 @@ use crate::events::EventQueues;
 use crate::oom::{FreeMemoryCallback, OomObserver};
 use crate::pool_id::MempoolId;
 use crate::settings::Settings;
-use crate::shard::{Shard, ShardGuard, ShardState, StreamTable};
 use crate::snapshot::TraceEntry;
 use crate::stack::{RecordContext, Stack};
 use crate::stats::peaks::{Kind, PeakBook};
 use crate::trace::{Action, Record, TraceRecorder};
+use shard::{Shard, ShardGuard, ShardState, StreamTable};
 
 pub use checkpoint::{CheckpointDelta, PoolCheckpoint};
 pub use export::ShareableSegment;
-pub(crate) use hot_pair::HotPair;
 pub use invariants::InvariantViolation;
-pub(crate) use parked::Parked;
 pub(crate) use private::PrivatePool;
 
 /// An out-of-memory observer as kept (cloned out of the list before being called).
@@ -316,11 +314,10 @@ pub struct CachingAllocator<D: Device> {
     small_clock: Arc<AtomicU64>,
     large_clock: Arc<AtomicU64>,
     max_split_size_at_start: i64,
-    /// Whether frees may defer merges (`parked.rs`); tests turn it off to compare with the plain
-    /// path.
-    #[cfg(test)]
-    pub(crate) defer_merges: AtomicBool,
-    /// Frees that took the express lane (`hot_pair.rs`), for the tests that check it is taken.
+    /// Whether new shards start with the fast path on (see
+    /// [`set_fast_path_enabled`](Self::set_fast_path_enabled)); changed under `maintenance`.
+    fast_path: AtomicBool,
+    /// Frees that took the express lane (`fast/express.rs`), for the tests that check it is taken.
     #[cfg(test)]
     pub(crate) express_frees: std::sync::atomic::AtomicU64,
 }
@@ -392,8 +389,7 @@ impl<D: Device> CachingAllocator<D> {
             maintenance: Mutex::new(()),
             small_clock: Arc::new(AtomicU64::new(0)),
             large_clock: Arc::new(AtomicU64::new(0)),
-            #[cfg(test)]
-            defer_merges: AtomicBool::new(true),
+            fast_path: AtomicBool::new(true),
             #[cfg(test)]
             express_frees: std::sync::atomic::AtomicU64::new(0),
         };
@@ -473,6 +469,27 @@ impl<D: Device> CachingAllocator<D> {
     #[must_use]
     pub fn is_caching_disabled(&self) -> bool {
         self.settings.uncached()
+    }
+
+    /// Turns the fast path on (the default) or off. The fast path is a cache of the plain path's
+    /// answers for hot pairs (the same size allocated and freed again and again on one stream): a
+    /// free defers its merge, and the next allocation of that size takes the block back where the
+    /// plain path would choose exactly it. Off, every call takes the plain path. Either way every
+    /// address, error, statistic and snapshot is the same (the tests, the fuzz target and the
+    /// replay tests check it by running both); off is slower, and is for that comparison and for
+    /// ruling the fast path out when hunting a bug.
+    pub fn set_fast_path_enabled(&self, enabled: bool) {
+        let (_pass, mut locks) = self.lock_all();
+        self.fast_path.store(enabled, Relaxed);
+        for locked in &mut locks {
+            locked.st.fast.set_enabled(enabled);
+        }
+    }
+
+    /// Whether the fast path is on (see [`set_fast_path_enabled`](Self::set_fast_path_enabled)).
+    #[must_use]
+    pub fn is_fast_path_enabled(&self) -> bool {
+        self.fast_path.load(Relaxed)
     }
 
     /// Limits the memory this allocator reserves to `fraction` of the device's total memory
@@ -600,7 +617,11 @@ impl<D: Device> CachingAllocator<D> {
         let _pass = self.maintenance.lock();
         self.streams
             .get_or_insert(stream, || {
-                (Arc::clone(&self.small_clock), Arc::clone(&self.large_clock))
+                (
+                    Arc::clone(&self.small_clock),
+                    Arc::clone(&self.large_clock),
+                    self.fast_path.load(Relaxed),
+                )
             })
             .ok_or(Error::TooManyStreams {
                 stream,
@@ -608,7 +629,7 @@ impl<D: Device> CachingAllocator<D> {
             })
     }
 
-    /// Takes `shard`'s lock, with a deferred merge carried out (see `parked.rs`).
+    /// Takes `shard`'s lock, with a deferred merge carried out (see `fast`).
     #[inline]
     pub(crate) fn lock<'a>(&'a self, shard: &'a Shard<D>) -> Locked<'a, D> {
         Locked {
@@ -619,7 +640,7 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// Takes `shard`'s lock leaving a deferred merge as it is: only for the allocation path, which
-    /// asks [`Locked::unpark`] first and settles otherwise.
+    /// asks `Locked::unpark` first and settles otherwise, and the invariant walk.
     #[inline]
     pub(crate) fn lock_unsettled<'a>(&'a self, shard: &'a Shard<D>) -> Locked<'a, D> {
         Locked {
@@ -637,6 +658,19 @@ impl<D: Device> CachingAllocator<D> {
             .in_stream_order()
             .into_iter()
             .map(|shard| self.lock(shard))
+            .collect();
+        (guard, locks)
+    }
+
+    /// [`lock_all`](Self::lock_all) leaving parked blocks as they are: for the invariant walk,
+    /// which checks the fast path's state rather than settling it.
+    pub(crate) fn lock_all_unsettled(&self) -> (MutexGuard<'_, ()>, Vec<Locked<'_, D>>) {
+        let guard = self.maintenance.lock();
+        let locks = self
+            .streams
+            .in_stream_order()
+            .into_iter()
+            .map(|shard| self.lock_unsettled(shard))
             .collect();
         (guard, locks)
     }
@@ -742,9 +776,9 @@ impl<D: Device> Locked<'_, D> {
         match choice {
             PoolChoice::Default => {
                 if small {
-                    crate::shard::SMALL_POOL
+                    shard::SMALL_POOL
                 } else {
-                    crate::shard::LARGE_POOL
+                    shard::LARGE_POOL
                 }
             }
             PoolChoice::Private(id) => {
@@ -762,9 +796,9 @@ impl<D: Device> Locked<'_, D> {
                 // The capture ended and its pool was released and emptied while this call was on
                 // its way here: it behaves as if it came after the capture, from the default pools.
                 part.unwrap_or(if small {
-                    crate::shard::SMALL_POOL
+                    shard::SMALL_POOL
                 } else {
-                    crate::shard::LARGE_POOL
+                    shard::LARGE_POOL
                 })
             }
         }

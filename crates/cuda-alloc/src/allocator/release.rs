@@ -8,12 +8,12 @@
 
 use std::sync::atomic::Ordering::Relaxed;
 
-use super::{CachingAllocator, Locked};
+use super::shard::{LARGE_POOL, SMALL_POOL};
+use super::{policy, CachingAllocator, Locked};
 use crate::device::{Device, DeviceAddress};
 use crate::error::Result;
 use crate::pool::PoolOwner;
 use crate::pool_id::MempoolId;
-use crate::shard::{LARGE_POOL, SMALL_POOL};
 use crate::stats::peaks::{Kind, OVERSIZE_SEGMENTS};
 use crate::trace::Action;
 
@@ -89,13 +89,13 @@ impl<D: Device> CachingAllocator<D> {
     /// `garbage_collection_threshold` of the allowed maximum (PyTorch's
     /// `garbage_collect_cached_blocks`).
     pub(crate) fn garbage_collect_cached_blocks(&self) -> Result<()> {
-        let threshold = (self.settings.garbage_collection_threshold()
-            * self.counters.allowed.load(Relaxed) as f64) as u64;
-        let total = self.counters.reserved.load(Relaxed);
-        if total <= threshold {
+        let Some(target) = policy::gc_target(
+            self.settings.garbage_collection_threshold(),
+            self.counters.allowed.load(Relaxed),
+            self.counters.reserved.load(Relaxed),
+        ) else {
             return Ok(());
-        }
-        let target = total - threshold;
+        };
         let (_guard, mut locks) = self.lock_all();
         let mut total_age = 0u64;
         let mut freeable = 0u64;
@@ -104,7 +104,7 @@ impl<D: Device> CachingAllocator<D> {
             let now = pool.gc_now();
             for (_, _, index) in pool.free.iter() {
                 let b = &locked.st.blocks[index];
-                if !b.is_split() {
+                if policy::gc_counts(b) {
                     total_age += now - b.gc_count_base;
                     freeable += 1;
                 }
@@ -127,8 +127,7 @@ impl<D: Device> CachingAllocator<D> {
                     .filter_map(|(size, _, index)| {
                         let b = &locked.st.blocks[index];
                         let age = now - b.gc_count_base;
-                        (!b.is_split() && !b.is_expandable() && age as f64 >= age_threshold)
-                            .then_some((index, size, age))
+                        policy::gc_releases(b, age, age_threshold).then_some((index, size, age))
                     })
                     .collect();
                 for (index, size, age) in old {

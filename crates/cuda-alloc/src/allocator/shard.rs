@@ -13,7 +13,7 @@ use std::sync::{Arc, OnceLock};
 use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 
-use crate::allocator::{HotPair, Parked};
+use super::fast::FastPath;
 use crate::block::Arena;
 use crate::device::{Device, StreamId};
 use crate::expandable::ExpandableSegment;
@@ -82,22 +82,13 @@ pub(crate) struct ShardState<D: Device> {
     /// The stack that made each segment (not expandable ones), by its address, while history kept
     /// stacks (snapshot segments' `frames`).
     pub(crate) segment_stacks: AddrMap<Stack>,
-    /// A freed block whose merge with its next neighbour is deferred (see `allocator/parked.rs`):
-    /// settled whenever the lock is taken, except by the allocation path.
-    pub(crate) parked: Option<Parked>,
-    /// The last parked block handed back after its checks, and what those checks depended on: the
-    /// same block parked again against the same free set and settings is handed back without them
-    /// (see `allocator/parked.rs`), and freed and handed back by the express lane where nothing
-    /// else changed (`allocator/hot_pair.rs`).
-    pub(crate) hot: Option<HotPair>,
-    /// The size of the block handed out last: a free parks only a block of this size (the hot
-    /// pair's), so that workloads of mixed sizes do not park blocks that the next allocation
-    /// cannot take back.
-    pub(crate) recent_size: u64,
+    /// The fast path's state (parked block, memo; see `allocator/fast`): opaque here, settled by
+    /// [`settle`](Self::settle).
+    pub(crate) fast: FastPath,
 }
 
 impl<D: Device> ShardState<D> {
-    fn new(small_clock: Arc<AtomicU64>, large_clock: Arc<AtomicU64>) -> Self {
+    fn new(small_clock: Arc<AtomicU64>, large_clock: Arc<AtomicU64>, fast_path: bool) -> Self {
         ShardState {
             blocks: Arena::default(),
             pools: vec![
@@ -111,10 +102,16 @@ impl<D: Device> ShardState<D> {
             stacks: AddrMap::default(),
             free_stacks: AddrMap::default(),
             segment_stacks: AddrMap::default(),
-            parked: None,
-            hot: None,
-            recent_size: 0,
+            fast: FastPath::new(fast_path),
         }
+    }
+
+    /// Carries out a deferred merge, if any (see `allocator/fast`): the state becomes what the
+    /// free of the parked block would have made it. `figures`: the shard's, whose record of the
+    /// parked free is applied too.
+    #[inline(always)]
+    pub(crate) fn settle(&mut self, figures: &Figures) {
+        self.fast.settle(&mut self.blocks, &mut self.pools, figures);
     }
 
     /// The index of this stream's part of private pool `id` for the given size class, if it exists.
@@ -172,7 +169,7 @@ pub(crate) struct Shard<D: Device> {
 }
 
 impl<D: Device> Shard<D> {
-    /// Takes the shard's lock with a deferred merge settled (see `allocator/parked.rs`): how every
+    /// Takes the shard's lock with a deferred merge settled (see `allocator/fast`): how every
     /// path but the allocation path reads or changes the shard's blocks.
     #[inline]
     pub(crate) fn lock_settled(&self) -> ShardGuard<'_, ShardState<D>> {
@@ -253,7 +250,7 @@ impl<D: Device> StreamTable<D> {
     pub(crate) fn get_or_insert(
         &self,
         stream: StreamId,
-        make: impl FnOnce() -> (Arc<AtomicU64>, Arc<AtomicU64>),
+        make: impl FnOnce() -> (Arc<AtomicU64>, Arc<AtomicU64>, bool),
     ) -> Option<&Shard<D>> {
         if let Some(shard) = self.get(stream) {
             return Some(shard);
@@ -266,12 +263,12 @@ impl<D: Device> StreamTable<D> {
         if index >= self.shards.len() {
             return None;
         }
-        let (small, large) = make();
+        let (small, large, fast_path) = make();
         let shard = Shard {
             stream,
             index: index as u32,
             figures: CachePadded::new(Figures::new(index as u32)),
-            state: CachePadded::new(ShardLock::new(ShardState::new(small, large))),
+            state: CachePadded::new(ShardLock::new(ShardState::new(small, large, fast_path))),
         };
         // Publish the shard before the slot that points to it, and the count after both.
         let _ = self.shards[index].set(shard);
