@@ -124,7 +124,7 @@ mod trace;
 
 pub use allocator::{
     Allocation, CachingAllocator, CheckpointDelta, InvariantViolation, PoolCheckpoint,
-    ShareableSegment, DEFAULT_STREAM_CAPACITY,
+    ShareableSegment, DEFAULT_STREAM_CAPACITY, FAST_PATH_ENV,
 };
 pub use device::{
     CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, StreamId,

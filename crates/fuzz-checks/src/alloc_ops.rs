@@ -11,7 +11,10 @@
 //! - a handle whose memory was freed by pointer is refused; a live handle frees `Ok`;
 //! - a handle or pointer of another allocator is refused and frees nothing;
 //! - live allocations never overlap, are 512-byte aligned and at least as large as asked;
-//! - after every operation, [`CachingAllocator::check_invariants`] passes.
+//! - after every operation, [`CachingAllocator::check_invariants`] passes;
+//! - a twin allocator with the fast path off ([`CachingAllocator::set_fast_path_enabled`]) gets
+//!   every call too, and gives the same outcome (address, size, error), the same statistics after
+//!   every operation and the same snapshot (segments and blocks) after a few of them and at the end.
 
 use std::collections::BTreeMap;
 
@@ -103,6 +106,10 @@ struct Live {
 /// The allocator, its model, and another allocator whose memory is foreign to it.
 struct Harness {
     alloc: CachingAllocator<SimDevice>,
+    /// The same allocator with the fast path off: the plain path, which the fast path must match.
+    plain: CachingAllocator<SimDevice>,
+    /// Live allocations of `plain`, by address (the same addresses as `alloc`'s).
+    plain_live: BTreeMap<u64, Option<Allocation>>,
     other: CachingAllocator<SimDevice>,
     foreign_ptr: DeviceAddress,
     foreign_handle: Option<Allocation>,
@@ -128,15 +135,30 @@ pub fn check(data: &[u8]) {
             break;
         };
         harness.run(op);
+        harness.run_plain(op);
         if let Err(violation) = harness.alloc.check_invariants() {
             panic!("after {op:?}: {violation:?}");
         }
+        harness.compare(op);
         harness.check_model();
         if u.is_empty() {
             break;
         }
     }
     harness.finish();
+}
+
+/// The fraction `SetFraction { fraction }` asks for: NaN, out of range, the bounds, or in between.
+fn fraction_value(fraction: u8) -> f64 {
+    match fraction % 8 {
+        0 => f64::NAN,
+        1 => -0.5,
+        2 => 1.5,
+        3 => f64::INFINITY,
+        4 => 0.0,
+        5 => 1.0,
+        _ => f64::from(fraction) / 255.0,
+    }
 }
 
 fn stream(index: u8) -> StreamId {
@@ -157,9 +179,15 @@ impl Harness {
         // 1 GiB, four streams (the fifth one, u64::MAX included, is refused when it comes).
         let alloc = CachingAllocator::with_stream_capacity(
             SimDevice::with_fixed_addresses(0, 1 << 30),
+            config.clone(),
+            4,
+        );
+        let plain = CachingAllocator::with_stream_capacity(
+            SimDevice::with_fixed_addresses(0, 1 << 30),
             config,
             4,
         );
+        plain.set_fast_path_enabled(false);
         // One stream: a table for the default 1024 would cost more than the rest of a short input.
         let other = CachingAllocator::with_stream_capacity(
             SimDevice::new(64 << 20),
@@ -176,6 +204,8 @@ impl Harness {
         );
         Harness {
             alloc,
+            plain,
+            plain_live: BTreeMap::new(),
             other,
             foreign_ptr,
             foreign_handle,
@@ -381,15 +411,7 @@ impl Harness {
                 .empty_cache()
                 .expect("empty_cache on the simulated device"),
             Op::SetFraction { fraction } => {
-                let value = match fraction % 8 {
-                    0 => f64::NAN,
-                    1 => -0.5,
-                    2 => 1.5,
-                    3 => f64::INFINITY,
-                    4 => 0.0,
-                    5 => 1.0,
-                    _ => f64::from(fraction) / 255.0,
-                };
+                let value = fraction_value(fraction);
                 let result = self.alloc.set_memory_fraction(value);
                 if (0.0..=1.0).contains(&value) {
                     assert!(
@@ -404,6 +426,106 @@ impl Harness {
                 }
             }
             Op::ResetPeaks => self.alloc.reset_peak_stats(),
+        }
+    }
+
+    /// Runs `op` on the twin with the fast path off, as [`run`](Self::run) ran it on `alloc`
+    /// (which already updated the model): the same calls with the same arguments. Outcomes are
+    /// compared through [`compare`](Self::compare) and the model's addresses.
+    fn run_plain(&mut self, op: Op) {
+        let plain = &self.plain;
+        match op {
+            Op::Allocate { size, stream: s } => {
+                if let Ok(a) = plain.allocate(size.bytes(), stream(s)) {
+                    if a.size() == 0 {
+                        plain.free(a).expect("a zero-sized allocation frees");
+                    } else {
+                        let addr = a.ptr().0;
+                        assert!(
+                            self.live.contains_key(&addr),
+                            "the plain path handed out {addr:#x}, the fast path did not"
+                        );
+                        self.plain_live.insert(addr, Some(a));
+                    }
+                }
+            }
+            Op::RawAlloc { size, stream: s } => {
+                if let Ok(ptr) = plain.raw_alloc(size.bytes(), stream(s)) {
+                    if ptr.0 != 0 {
+                        assert!(
+                            self.live.contains_key(&ptr.0),
+                            "the plain path handed out {ptr}, the fast path did not"
+                        );
+                        self.plain_live.insert(ptr.0, None);
+                    }
+                }
+            }
+            Op::Free { .. } | Op::RawFree { .. } => {
+                // Whatever `alloc` freed (by handle or pointer) the model no longer holds.
+                let gone: Vec<u64> = self
+                    .plain_live
+                    .keys()
+                    .filter(|addr| !self.live.contains_key(addr))
+                    .copied()
+                    .collect();
+                for addr in gone {
+                    let result = match self.plain_live.remove(&addr).expect("listed") {
+                        Some(handle) if matches!(op, Op::Free { .. }) => plain.free(handle),
+                        Some(handle) => plain.raw_free(handle.into_ptr()),
+                        None => plain.raw_free(DeviceAddress(addr)),
+                    };
+                    assert!(
+                        result.is_ok(),
+                        "the plain path's free of {addr:#x} gave {result:?}"
+                    );
+                }
+            }
+            Op::RecordStream { which, stream: s } => {
+                let addr = self
+                    .live
+                    .iter()
+                    .filter(|(_, l)| l.handle.is_some())
+                    .map(|(&addr, _)| addr)
+                    .nth(usize::from(which) % self.live.len().max(1));
+                if let Some(Some(handle)) = addr.and_then(|addr| self.plain_live.get(&addr)) {
+                    let _ = plain.record_stream(handle, stream(s));
+                }
+            }
+            Op::RecordStreamPtr { target, stream: s } => {
+                let addr = self.address(target);
+                let _ = plain.record_stream_ptr(DeviceAddress(addr), stream(s));
+            }
+            Op::BaseAllocation { .. } | Op::FreeForeignHandle => {}
+            Op::CompleteStream { stream: s } => plain.device().complete_stream_work(stream(s)),
+            Op::CompleteAll => plain.device().complete_all_work(),
+            Op::EmptyCache => plain
+                .empty_cache()
+                .expect("empty_cache on the simulated device"),
+            Op::SetFraction { fraction } => {
+                let _ = plain.set_memory_fraction(fraction_value(fraction));
+            }
+            Op::ResetPeaks => plain.reset_peak_stats(),
+        }
+    }
+
+    /// The fast path decided as the plain path: the same live addresses, statistics and (after
+    /// operations that take every lock anyway) snapshot segments.
+    fn compare(&self, op: Op) {
+        assert!(
+            self.plain_live.keys().eq(self.live.keys()),
+            "after {op:?}: live addresses differ with the fast path off"
+        );
+        assert_eq!(
+            self.alloc.memory_stats(),
+            self.plain.memory_stats(),
+            "after {op:?}: statistics differ with the fast path off"
+        );
+        if matches!(op, Op::EmptyCache | Op::CompleteAll | Op::ResetPeaks) {
+            assert_eq!(
+                self.alloc.snapshot().segments,
+                self.plain.snapshot().segments,
+                "after {op:?}: snapshots differ with the fast path off"
+            );
         }
     }
 
@@ -426,8 +548,30 @@ impl Harness {
             };
             assert!(result.is_ok(), "final free of {addr:#x} gave {result:?}");
         }
+        for (addr, handle) in std::mem::take(&mut self.plain_live) {
+            let result = match handle {
+                Some(handle) => self.plain.free(handle),
+                None => self.plain.raw_free(DeviceAddress(addr)),
+            };
+            assert!(
+                result.is_ok(),
+                "final plain free of {addr:#x} gave {result:?}"
+            );
+        }
         self.alloc.device().complete_all_work();
         self.alloc.empty_cache().expect("empty_cache");
+        self.plain.device().complete_all_work();
+        self.plain.empty_cache().expect("empty_cache");
+        assert_eq!(
+            self.alloc.memory_stats(),
+            self.plain.memory_stats(),
+            "at the end: statistics differ with the fast path off"
+        );
+        assert_eq!(
+            self.alloc.snapshot().segments,
+            self.plain.snapshot().segments,
+            "at the end: snapshots differ with the fast path off"
+        );
         if let Err(violation) = self.alloc.check_invariants() {
             panic!("at the end: {violation:?}");
         }

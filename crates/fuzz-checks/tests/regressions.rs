@@ -48,3 +48,21 @@ fn every_regression_directory_is_a_target() {
         );
     }
 }
+
+/// `alloc_ops` on pseudo-random inputs (a fixed generator, so every run is the same): the model,
+/// the invariant walk and the fast path against the plain path, beyond the saved corpus.
+#[test]
+fn alloc_ops_on_generated_inputs() {
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    for _ in 0..40 {
+        let data: Vec<u8> = (0..1024)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state as u8
+            })
+            .collect();
+        tensormem_fuzz_checks::alloc_ops::check(&data);
+    }
+}

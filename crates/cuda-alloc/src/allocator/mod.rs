@@ -67,6 +67,16 @@ fn next_allocator_id() -> u32 {
     }
 }
 
+/// The environment variable that switches the fast path off in every allocator made afterwards:
+/// `TENSORMEM_FAST_PATH=0` (see [`CachingAllocator::set_fast_path_enabled`]). For comparing a
+/// program's or a replay's results with the plain path's, without changing its code.
+pub const FAST_PATH_ENV: &str = "TENSORMEM_FAST_PATH";
+
+/// Whether the environment leaves the fast path on (anything but `TENSORMEM_FAST_PATH=0`).
+fn fast_path_by_env() -> bool {
+    std::env::var_os(FAST_PATH_ENV).is_none_or(|value| value != "0")
+}
+
 /// How many distinct streams an allocator serves unless told otherwise.
 pub const DEFAULT_STREAM_CAPACITY: usize = 1024;
 
@@ -389,7 +399,7 @@ impl<D: Device> CachingAllocator<D> {
             maintenance: Mutex::new(()),
             small_clock: Arc::new(AtomicU64::new(0)),
             large_clock: Arc::new(AtomicU64::new(0)),
-            fast_path: AtomicBool::new(true),
+            fast_path: AtomicBool::new(fast_path_by_env()),
             #[cfg(test)]
             express_frees: std::sync::atomic::AtomicU64::new(0),
         };
@@ -477,7 +487,8 @@ impl<D: Device> CachingAllocator<D> {
     /// plain path would choose exactly it. Off, every call takes the plain path. Either way every
     /// address, error, statistic and snapshot is the same (the tests, the fuzz target and the
     /// replay tests check it by running both); off is slower, and is for that comparison and for
-    /// ruling the fast path out when hunting a bug.
+    /// ruling the fast path out when hunting a bug. New allocators start with it on unless the
+    /// environment says otherwise ([`FAST_PATH_ENV`]).
     pub fn set_fast_path_enabled(&self, enabled: bool) {
         let (_pass, mut locks) = self.lock_all();
         self.fast_path.store(enabled, Relaxed);
