@@ -3,9 +3,9 @@
 //!
 //! A shard's lock is taken once per allocator call, and nearly always by the same thread (a stream
 //! is rarely used from several threads at once). A mutex acquires with a locked read-modify-write
-//! and, to learn whether to wake a waiter, releases with another: the four of an alloc+free pair
-//! took a fifth of the pair's time on the development box (docs/allocator-performance.md, seventh
-//! round). Here the lock is *biased* towards one thread, its owner:
+//! and, to learn whether to wake a waiter, releases with another: four locked instructions per
+//! alloc+free pair, each costing more than the rest of a hot pair's bookkeeping. Here the lock is
+//! *biased* towards one thread, its owner (docs/allocator-internals.md, "Stream shards"):
 //!
 //! - The owner enters by announcing itself (`busy`, a plain store), then checking that it still is
 //!   the owner (a plain load); it leaves by clearing `busy` (a plain release store).

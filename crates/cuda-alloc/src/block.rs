@@ -12,9 +12,9 @@
 pub(crate) const NIL: u32 = u32::MAX;
 
 /// One block: 64 bytes, aligned to 64, so one cache line. (Unaligned, as a `Vec`'s 16-byte-aligned
-/// buffer placed it, three blocks in four spanned two lines; a free reads the freed block and both
-/// neighbours at random slots. Aligned: the mixed pattern's L1 misses 13% fewer with a 48 KiB L1,
-/// 16% fewer with 24 KiB, in `cachegrind`; see docs/allocator-performance.md, change 46.)
+/// buffer places it, three blocks in four span two lines; a free reads the freed block and both
+/// neighbours at random slots, so each read is one line, not two. See docs/allocator-internals.md,
+/// "Arena of blocks".)
 ///
 /// Invariants (checked by the allocator's `check_invariants`):
 /// - `prev`/`next` are `NIL` or indices of live blocks of the same segment with

@@ -71,7 +71,8 @@ impl<D: Device> CachingAllocator<D> {
     /// [`allocate`](Self::allocate), compiled once for calls that start [`quiet`](Self::quiet)
     /// (`QUIET`: no trace entry, no stack, no capture to look for) and once for the others. Two
     /// functions rather than both inlined into one: the quiet copy's registers and stack frame are
-    /// then its own (the H100 host's hot pairs 3-4% faster).
+    /// then its own, not shaped by the other copy's needs (docs/allocator-internals.md, "Quiet
+    /// twins").
     #[inline(never)]
     fn allocate_in<const QUIET: bool>(&self, size: usize, stream: StreamId) -> Result<Allocation> {
         if size == 0 {

@@ -117,12 +117,11 @@ impl Allocation {
     /// On x86-64 the handle is written as three 16-byte stores, the width at which callers copy it
     /// (a `Result<Allocation>` or an `Allocation` moved into a variable, a vector, a call). Written
     /// field by field (eight stores of 4 or 8 bytes), every such 16-byte load right after the return
-    /// spanned several pending stores, which the store buffer cannot forward: the load waited for
-    /// the stores to reach the cache, a sixth of a hot pair's time on the dev box. The type's
-    /// 16-byte alignment makes every copy (of the handle, or of a `Result` or `Option` holding it)
-    /// take the same three pieces at the same offsets; with 8, a handle copied into an `Option` was
-    /// read in 8- and 16-byte pieces that straddled two stores (docs/allocator-performance.md,
-    /// change 47).
+    /// spanned several pending stores, which the store buffer cannot forward: the load waits for
+    /// the stores to reach the cache. The type's 16-byte alignment makes every copy (of the handle,
+    /// or of a `Result` or `Option` holding it) take the same three pieces at the same offsets; with
+    /// 8, a handle copied into an `Option` is read in 8- and 16-byte pieces that straddle two stores
+    /// (docs/allocator-internals.md, "Wide handle stores").
     #[inline(always)]
     #[allow(clippy::too_many_arguments)] // the handle's fields, each a plain value
     pub(crate) fn handed_out(
