@@ -9,7 +9,7 @@ use tensormem_cuda_alloc::snapshot::{Snapshot, TraceAction, TraceEntry};
 use tensormem_cuda_alloc::{CachingAllocator, StreamId, DEFAULT_STREAM_CAPACITY};
 use tensormem_replay::{ExpectedStats, Replay, RunOptions};
 
-const TRACES: [&str; 22] = [
+const TRACES: [&str; 25] = [
     "gpt2_train",
     "gpt2_train__expandable_segments-True",
     "multistream",
@@ -32,6 +32,9 @@ const TRACES: [&str; 22] = [
     "oom_expandable__fraction-0.004_expandable_segments-True",
     "oom_max_split__fraction-0.005_max_split_size_mb-32",
     "compile_ro",
+    "compile_ro_keep",
+    "compile_ro_keep_mix",
+    "compile_ro_keep__expandable_segments-True",
 ];
 
 fn traces_dir() -> PathBuf {
@@ -309,16 +312,22 @@ fn cuda_graph_trees_replay_exactly() {
 /// and the replay restores the pool through the allocator's checkpoint API.
 #[test]
 fn checkpoint_restores_of_cuda_graph_trees_replay_exactly() {
-    exact("compile_ro");
-    let (snapshot, _) = load("compile_ro");
-    let run = Replay::new(&snapshot).unwrap().run_recorded().unwrap();
-    assert_eq!(
-        run.devices[0].restores,
-        tensormem_replay::RestoreCount {
-            applied: 3,
-            not_applied: 0
-        }
-    );
+    for (name, restores) in [("compile_ro", 3), ("compile_ro_keep_mix", 1)] {
+        exact(name);
+        let (snapshot, _) = load(name);
+        let run = Replay::new(&snapshot).unwrap().run_recorded().unwrap();
+        assert_eq!(
+            run.devices[0].restores,
+            tensormem_replay::RestoreCount {
+                applied: restores,
+                not_applied: 0
+            },
+            "{name}"
+        );
+    }
+    // Graph trees that keep outputs alive across calls without restoring replay exactly too.
+    exact("compile_ro_keep");
+    exact("compile_ro_keep__expandable_segments-True");
 }
 
 #[test]
