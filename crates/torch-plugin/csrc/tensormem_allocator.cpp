@@ -115,7 +115,7 @@ int tensormem_history_enabled();
 int tensormem_attach_trace_tracker(void (*f)(const TmTraceEntry*));
 int tensormem_set_oom_observer(void (*f)(int, uint64_t, uint64_t, uint64_t));
 int tensormem_set_free_memory_hook(int (*f)());
-int tensormem_ipc_share(void* ptr, uint8_t* out, ptrdiff_t* offset);
+int tensormem_ipc_share(void* ptr, uint8_t* out, size_t capacity, size_t* len, ptrdiff_t* offset);
 int tensormem_ipc_open(const uint8_t* handle, size_t len, int device, void** out);
 int tensormem_ipc_close(void* ptr);
 }
@@ -533,11 +533,25 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
     return rc == 1;
   }
 
+  // PyTorch's handle: 66 bytes for memory of a device allocation ('c'), 26 + 4 per chunk for memory
+  // of an expandable segment ('e'). The library says how long it is; a longer one is asked for again.
   CCA::ShareableHandle shareIpcHandle(void* ptr) override {
-    uint8_t bytes[66];
+    std::string bytes(256, '\0');
+    size_t len = 0;
     ptrdiff_t offset = 0;
-    check(tensormem_ipc_share(ptr, bytes, &offset), "shareIpcHandle");
-    return {offset, std::string(reinterpret_cast<const char*>(bytes), sizeof bytes)};
+    check(tensormem_ipc_share(ptr, reinterpret_cast<uint8_t*>(bytes.data()), bytes.size(), &len,
+                              &offset),
+          "shareIpcHandle");
+    if (len > bytes.size()) {
+      bytes.assign(len, '\0');
+      check(tensormem_ipc_share(ptr, reinterpret_cast<uint8_t*>(bytes.data()), bytes.size(), &len,
+                                &offset),
+            "shareIpcHandle");
+      TORCH_CHECK(len <= bytes.size(), "tensormem: shareIpcHandle: the handle of ", ptr,
+                  " grew from ", bytes.size(), " to ", len, " bytes between two calls");
+    }
+    bytes.resize(len);
+    return {offset, std::move(bytes)};
   }
 
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override {

@@ -7,7 +7,9 @@ Each workload is seeded and runs with deterministic algorithms; it prints one JS
 which answers on either allocator). The driver runs each workload natively, then on tensormem
 (tensormem_torch.install(mode="native")), and prints a verdict per workload: PASS when the outputs are
 equal and, where the workload says they must be, peak reserved bytes and device allocations too.
-Exits 1 if any workload fails. Workloads that need what this host lacks (two GPUs) print SKIP.
+Exits 1 if any workload fails. Workloads that need what this host lacks (two GPUs; for ipc_expandable,
+the pidfd_getfd permission PyTorch itself needs) print SKIP. WORKLOAD_ENV gives a workload's processes
+their environment (allocator settings) on both allocators.
 """
 import argparse
 import json
@@ -185,6 +187,184 @@ def ipc(torch):
     return {"out": [got_sum, back, p.exitcode], "strict": True}
 
 
+# Expandable-segment sharing: byte tensors of odd sizes (both pools, one block over two 20 MiB
+# chunks) and views into them at odd offsets, none touching another's first or last byte.
+_EXPANDABLE_SIZES = (1, 1000, (1 << 20) + 3, (25 << 20) + 7)
+# Device memory a process may still miss after everything shared was released: less than one chunk.
+_LEAK = 2 << 20
+
+
+def _expandable_tensors(torch):
+    """The shared tensors (random bytes, made on the CPU and copied over) and their digests."""
+    bases = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+             for seed, n in enumerate(_EXPANDABLE_SIZES)]
+    bases = [b.cuda() for b in bases]
+    views = [bases[1][7:993], bases[2][12345:-17], bases[3][(3 << 20) + 1:(24 << 20) + 5]]
+    tensors = bases + views
+    return tensors, [_digest(t) for t in tensors]
+
+
+def _digest(t):
+    """A digest of a CUDA byte tensor's contents, read back with a copy (no kernel runs, so no module
+    loads and takes device memory while free memory is being compared)."""
+    import hashlib
+    return hashlib.sha1(t.cpu().numpy().tobytes()).hexdigest()
+
+
+def _mark(torch, tensors, value):
+    """Writes value + i to the first and last byte of tensor i (copies from the host), and waits."""
+    for i, t in enumerate(tensors):
+        byte = torch.tensor([value + i], dtype=torch.uint8)
+        t[:1].copy_(byte)
+        t[-1:].copy_(byte)
+    torch.cuda.synchronize()
+
+
+def _marked(tensors, value):
+    """Whether every tensor carries the marks _mark wrote."""
+    return all(int(t[:1].cpu()) == value + i and int(t[-1:].cpu()) == value + i for i, t in enumerate(tensors))
+
+
+def _free_device_bytes(torch):
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+def _all_expandable(torch):
+    segments = torch.cuda.memory._snapshot()["segments"]
+    return bool(segments) and all(s.get("is_expandable") for s in segments)
+
+
+def _warm_up(torch):
+    """Does once what the workload does (context, allocation, copies both ways), then gives it back, so
+    that free device memory measured afterwards moves only with what is shared."""
+    t = torch.zeros(3 << 20, dtype=torch.uint8).cuda()
+    _digest(t)
+    _mark(torch, [t], 1)
+    del t
+    torch.cuda.empty_cache()
+    _free_device_bytes(torch)
+
+
+def _release(torch, gc, tensors):
+    tensors.clear()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.ipc_collect()
+    torch.cuda.empty_cache()
+
+
+def _expect(queue, tag):
+    got, value = queue.get(timeout=120)
+    if got != tag:
+        raise RuntimeError(f"expected {tag!r} from the other process, got {got!r}: {value}")
+    return value
+
+
+def _child_expandable(to_child, to_parent):
+    """The native side of ipc_expandable: consumes the parent's tensors, then produces its own."""
+    import gc
+    import torch
+    _warm_up(torch)
+    to_parent.put(("ready", None))
+    # The parent produces, this process consumes.
+    try:
+        got = to_child.get(timeout=120)
+    except Exception as e:  # noqa: BLE001 - PyTorch could not open the memory; the parent says why
+        to_parent.put(("error", f"{type(e).__name__}: {e}"))
+        return
+    digests = [_digest(t) for t in got]
+    _mark(torch, got, 0xA0)
+    to_parent.put(("opened", digests))
+    _expect(to_child, "marked")
+    seen = _marked(got, 0x50)
+    _release(torch, gc, got)
+    to_parent.put(("released", seen))
+    # This process produces, the parent consumes.
+    _expect(to_child, "produce")
+    before = _free_device_bytes(torch)
+    tensors, digests = _expandable_tensors(torch)
+    expandable = _all_expandable(torch)
+    to_parent.put(("tensors", tensors))
+    opened = _expect(to_child, "opened")
+    if opened is None:
+        return
+    seen = _marked(tensors, 0xB0)
+    _mark(torch, tensors, 0x60)
+    to_parent.put(("marked", seen))
+    _expect(to_child, "released")
+    _release(torch, gc, tensors)
+    drop = before - _free_device_bytes(torch)
+    to_parent.put(("done", ([expandable, opened == digests, seen, drop < _LEAK,
+                             torch.cuda.memory_reserved() == 0], drop)))
+
+
+def _allow_ptrace_by(pid):
+    """Lets process `pid` take this process's descriptors with pidfd_getfd where Yama limits ptrace to
+    ancestors (kernel.yama.ptrace_scope 1): PyTorch consumes expandable-segment memory that way."""
+    import ctypes
+    pr_set_ptracer = 0x59616D61
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_ptracer, ctypes.c_ulong(pid), 0, 0, 0)
+
+
+def ipc_expandable(torch):
+    """Memory of expandable segments through torch.multiprocessing both ways with a native process:
+    this process produces and the child consumes, then the reverse; contents, writes seen on the other
+    side, and all device memory given back once both sides let go."""
+    import gc
+    import torch.multiprocessing as mp
+    native = os.environ["TENSORMEM_REAL_CLIENT_BACKEND"] == "native"
+    ctx = mp.get_context("spawn")
+    to_child, to_parent = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_child_expandable, args=(to_child, to_parent))
+    p.start()
+    _allow_ptrace_by(p.pid)
+    try:
+        _warm_up(torch)
+        _expect(to_parent, "ready")
+        # This process produces.
+        before = _free_device_bytes(torch)
+        tensors, digests = _expandable_tensors(torch)
+        expandable = _all_expandable(torch)
+        to_child.put(tensors)
+        tag, opened = to_parent.get(timeout=120)
+        if tag == "error" and native:
+            return {"skip": f"PyTorch cannot open another process's expandable-segment memory here: {opened}"}
+        if tag != "opened":
+            raise RuntimeError(f"the native consumer failed: {opened}")
+        seen = _marked(tensors, 0xA0)
+        _mark(torch, tensors, 0x50)
+        to_child.put(("marked", None))
+        seen_there = _expect(to_parent, "released")
+        _release(torch, gc, tensors)
+        drop = before - _free_device_bytes(torch)
+        produced = [expandable, opened == digests, seen, seen_there, drop < _LEAK, torch.cuda.memory_reserved() == 0]
+        # The child produces.
+        to_child.put(("produce", None))
+        try:
+            got = _expect(to_parent, "tensors")
+        except Exception as e:  # noqa: BLE001
+            to_child.put(("opened", None))
+            if native:
+                return {"skip": f"PyTorch cannot open another process's expandable-segment memory here: {e}"}
+            raise
+        digests = [_digest(t) for t in got]
+        _mark(torch, got, 0xB0)
+        to_child.put(("opened", digests))
+        _expect(to_parent, "marked")
+        seen = _marked(got, 0x60)
+        _release(torch, gc, got)
+        to_child.put(("released", None))
+        consumed, child_drop = _expect(to_parent, "done")
+        consumed.append(seen)
+        p.join(timeout=60)
+        return {"out": [produced, consumed, p.exitcode], "strict": False,
+                "notes": f"device memory not given back: {drop} B here, {child_drop} B in the child"}
+    finally:
+        if p.is_alive():
+            p.kill()
+
+
 def stats_snapshot(torch):
     import pickle
     torch.cuda.memory._set_allocator_settings("garbage_collection_threshold:0.5")
@@ -280,7 +460,15 @@ def ddp_register(torch):
 
 
 WORKLOADS = {f.__name__: f for f in (cnn_amp, transformer_varlen, compile_infer, compile_train, mempool, oom,
-                                      streams, ipc, stats_snapshot, ddp, ddp_register)}
+                                      streams, ipc, ipc_expandable, stats_snapshot, ddp, ddp_register)}
+
+# The environment a workload's processes start with, on either allocator (its children inherit it).
+WORKLOAD_ENV = {
+    "ipc_expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                       "TENSORMEM_ALLOC_CONF": "expandable_segments:True",
+                       # PyTorch builds that gate expandable-segment IPC behind it share with it set.
+                       "TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC": "1"},
+}
 
 
 def child(backend, lib, name):
@@ -296,6 +484,7 @@ def child(backend, lib, name):
 
 def run(backend, lib, name):
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="inductor-"), PYTHONUNBUFFERED="1")
+    env.update(WORKLOAD_ENV.get(name, {}))
     proc = subprocess.run([sys.executable, __file__, "--child", backend, "--lib", lib or "", name],
                           capture_output=True, text=True, env=env, timeout=600)
     for line in proc.stdout.splitlines():
@@ -339,6 +528,8 @@ def main():
                     problems.append(f"{key} {native[key]} vs {ours[key]}")
         line = (f"{name}: out {ours['out']}; peak reserved {native['peak_reserved']} / {ours['peak_reserved']}; "
                 f"device allocs {native['device_allocs']} / {ours['device_allocs']}")
+        if "notes" in ours:
+            line += f"; native: {native.get('notes')}; tensormem: {ours['notes']}"
         if problems:
             failed += 1
             print(f"FAIL {line}: " + "; ".join(problems), flush=True)

@@ -73,7 +73,7 @@ pub enum Error {
         /// The index.
         index: u64,
     },
-    /// Memory that cannot be shared through CUDA IPC (in an expandable segment).
+    /// A CUDA IPC share, open or close that cannot be done; the message says why and what to do.
     #[error("{0}")]
     IpcHandle(String),
     /// A CUDA IPC handle that is not one PyTorch or tensormem writes, or one of a kind not supported.

@@ -7,9 +7,10 @@ use std::ffi::{c_int, c_void, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tensormem_torch::native::{
-    tensormem_device_stats, tensormem_malloc, tensormem_pool_begin, tensormem_raw_delete,
-    tensormem_snapshot_free, tensormem_snapshot_segment_count, tensormem_snapshot_take,
-    TorchDeviceStats, TM_ERROR, TM_OK, TM_OUT_OF_MEMORY,
+    tensormem_device_stats, tensormem_ipc_close, tensormem_ipc_open, tensormem_ipc_share,
+    tensormem_malloc, tensormem_pool_begin, tensormem_raw_delete, tensormem_snapshot_free,
+    tensormem_snapshot_segment_count, tensormem_snapshot_take, TorchDeviceStats,
+    EXPANDABLE_HANDLE_HEADER_LEN, HANDLE_LEN, TM_ERROR, TM_OK, TM_OUT_OF_MEMORY,
 };
 use tensormem_torch::{tensormem_last_error, Error};
 
@@ -138,4 +139,95 @@ fn a_pool_filter_is_destroyed_once_when_the_pool_cannot_open() {
     };
     assert_eq!(rc, TM_ERROR);
     assert_eq!(DROPPED.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn ipc_share_checks_its_arguments_and_names_the_pointer() {
+    let (mut len, mut offset) = (0usize, 0isize);
+    let mut out = [0u8; HANDLE_LEN];
+    // SAFETY: `len` is null on purpose; the other arguments are valid.
+    let rc = unsafe {
+        tensormem_ipc_share(
+            0xdead_0000 as *mut c_void,
+            out.as_mut_ptr(),
+            out.len(),
+            std::ptr::null_mut(),
+            &mut offset,
+        )
+    };
+    assert_eq!(rc, TM_ERROR);
+    assert!(last_error().contains("null pointer"), "{}", last_error());
+    // SAFETY: a null buffer with a capacity is refused before anything is written.
+    let rc = unsafe {
+        tensormem_ipc_share(
+            0xdead_0000 as *mut c_void,
+            std::ptr::null_mut(),
+            16,
+            &mut len,
+            &mut offset,
+        )
+    };
+    assert_eq!(rc, TM_ERROR);
+    // SAFETY: every out-parameter is valid; the pointer is only looked up.
+    let rc = unsafe {
+        tensormem_ipc_share(
+            0xdead_0000 as *mut c_void,
+            out.as_mut_ptr(),
+            out.len(),
+            &mut len,
+            &mut offset,
+        )
+    };
+    assert_eq!(rc, TM_ERROR);
+    assert!(last_error().contains("0xdead0000"), "{}", last_error());
+}
+
+/// PyTorch's handle of expandable-segment memory: `[2]['e']`, pid, padding, chunk size, count, fds.
+fn expandable_handle(pid: i32, chunk_size: u64, fds: &[i32]) -> Vec<u8> {
+    let mut bytes = vec![2, b'e'];
+    bytes.extend_from_slice(&pid.to_ne_bytes());
+    bytes.extend_from_slice(&[0; 4]);
+    bytes.extend_from_slice(&chunk_size.to_ne_bytes());
+    bytes.extend_from_slice(&(fds.len() as u64).to_ne_bytes());
+    for fd in fds {
+        bytes.extend_from_slice(&fd.to_ne_bytes());
+    }
+    bytes
+}
+
+fn open(handle: &[u8]) -> (c_int, *mut c_void) {
+    let mut out = std::ptr::dangling_mut::<c_void>();
+    // SAFETY: `handle` is valid for its length; `out` is a valid out-parameter.
+    let rc = unsafe { tensormem_ipc_open(handle.as_ptr(), handle.len(), 0, &mut out) };
+    (rc, out)
+}
+
+#[test]
+fn ipc_open_refuses_handles_nobody_wrote_and_names_the_problem() {
+    let handle = expandable_handle(i32::MAX - 7, 2 << 20, &[3, 4]);
+    assert_eq!(handle.len(), EXPANDABLE_HANDLE_HEADER_LEN + 8);
+    let (rc, _) = open(&handle);
+    assert_eq!(rc, TM_ERROR);
+    let err = last_error();
+    assert!(
+        err.contains("gone") || err.contains("no descriptor socket"),
+        "{err}"
+    );
+    let (rc, _) = open(&handle[..handle.len() - 1]);
+    assert_eq!(rc, TM_ERROR);
+    assert!(last_error().contains("descriptors"), "{}", last_error());
+    let (rc, _) = open(&expandable_handle(1, 3 << 20, &[3]));
+    assert_eq!(rc, TM_ERROR, "a chunk size PyTorch never uses");
+    let (rc, _) = open(&[1, 2, 3]);
+    assert_eq!(rc, TM_ERROR);
+    assert!(last_error().contains("3 bytes"), "{}", last_error());
+    // SAFETY: a null handle is refused before it is read.
+    let rc = unsafe { tensormem_ipc_open(std::ptr::null(), 66, 0, &mut std::ptr::null_mut()) };
+    assert_eq!(rc, TM_ERROR);
+}
+
+#[test]
+fn ipc_close_of_memory_never_opened_is_refused() {
+    assert_eq!(tensormem_ipc_close(0xbeef_0000 as *mut c_void), TM_ERROR);
+    assert!(last_error().contains("0xbeef0000"), "{}", last_error());
 }

@@ -88,6 +88,12 @@ fn cuda_tensors_travel_to_a_native_process_and_back() {
 
 #[test]
 #[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
+fn expandable_segment_tensors_travel_to_a_native_process_and_back() {
+    real_client("ipc_expandable");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
 fn memory_stats_and_snapshots_through_pytorch() {
     real_client("stats_snapshot");
 }

@@ -30,7 +30,10 @@ pub use hooks::{
     tensormem_attach_trace_tracker, tensormem_set_free_memory_hook, tensormem_set_oom_observer,
     FreeMemoryFn, OomFn, TorchTraceEntry, TraceFn,
 };
-pub use ipc::{tensormem_ipc_close, tensormem_ipc_open, tensormem_ipc_share, HANDLE_LEN};
+pub use ipc::{
+    tensormem_ipc_close, tensormem_ipc_open, tensormem_ipc_share, EXPANDABLE_HANDLE_HEADER_LEN,
+    HANDLE_LEN,
+};
 pub use pools::{
     tensormem_checkpoint_free, tensormem_pool_begin, tensormem_pool_check_live,
     tensormem_pool_checkpoint, tensormem_pool_create_or_incref, tensormem_pool_end,
