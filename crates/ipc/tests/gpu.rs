@@ -594,6 +594,7 @@ fn expandable_segment_memory_is_shared_between_processes_both_ways_of_taking_des
             } else {
                 assert!(route.starts_with("Some("), "{route}");
             }
+            fill(shared.ptr(), 0x22, size);
             peer.send(&format!("open {} 34 68", hex(&again.encode())));
             peer.expect("ok");
             let back = read(shared.ptr(), size);
