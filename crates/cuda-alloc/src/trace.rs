@@ -17,54 +17,10 @@ use crate::device::StreamId;
 use crate::snapshot::{TraceAction, TraceEntry};
 use crate::stack::{RecordContext, Stack};
 
-/// What happened (PyTorch's `TraceEntry::Action`). Converted to the snapshot model's
-/// [`TraceAction`](crate::snapshot::TraceAction) when the trace is read.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum Action {
-    /// A caller was handed memory (`size`: the size asked for).
-    Alloc,
-    /// A caller freed memory (`size`: the size it had asked for).
-    FreeRequested,
-    /// Freed memory became reusable (at once, or once other streams finished with it).
-    FreeCompleted,
-    /// A segment was allocated from the device (`cudaMalloc`).
-    SegmentAlloc,
-    /// A segment was returned to the device (`cudaFree`).
-    SegmentFree,
-    /// Physical memory was mapped into an expandable segment.
-    SegmentMap,
-    /// Physical memory was unmapped from an expandable segment.
-    SegmentUnmap,
-    /// A snapshot was taken (`size`: bytes in active blocks).
-    Snapshot,
-    /// An out-of-memory error was raised (`addr`: the device's free bytes, `size`: the rounded
-    /// request).
-    Oom,
-    /// A user annotation.
-    UserDefined,
-}
-
-impl Action {
-    fn to_model(self) -> TraceAction {
-        match self {
-            Action::Alloc => TraceAction::Alloc,
-            Action::FreeRequested => TraceAction::FreeRequested,
-            Action::FreeCompleted => TraceAction::FreeCompleted,
-            Action::SegmentAlloc => TraceAction::SegmentAlloc,
-            Action::SegmentFree => TraceAction::SegmentFree,
-            Action::SegmentMap => TraceAction::SegmentMap,
-            Action::SegmentUnmap => TraceAction::SegmentUnmap,
-            Action::Snapshot => TraceAction::Snapshot,
-            Action::Oom => TraceAction::Oom,
-            Action::UserDefined => TraceAction::UserDefined,
-        }
-    }
-}
-
 /// One recorded event, as kept in the ring buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Record {
-    pub(crate) action: Action,
+    pub(crate) action: TraceAction,
     /// The address concerned (for `Oom`, the device's free bytes; 0 for snapshots and annotations).
     pub(crate) addr: u64,
     pub(crate) size: u64,
@@ -89,7 +45,7 @@ impl Record {
     /// The entry without its frames (for trace trackers, which run on the allocation path).
     pub(crate) fn to_entry_without_frames(&self) -> TraceEntry {
         TraceEntry {
-            action: self.action.to_model(),
+            action: self.action.clone(),
             addr: self.addr,
             size: self.size,
             stream: self.stream.0,
@@ -221,7 +177,7 @@ impl TraceRecorder {
 
     /// Appends an entry if recording is on, and tells the trackers.
     #[inline]
-    pub(crate) fn record(&self, action: Action, addr: u64, size: u64, stream: StreamId) {
+    pub(crate) fn record(&self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
         self.record_with(action, addr, size, stream, None);
     }
 
@@ -231,7 +187,7 @@ impl TraceRecorder {
     #[inline(always)]
     pub(crate) fn record_with(
         &self,
-        action: Action,
+        action: TraceAction,
         addr: u64,
         size: u64,
         stream: StreamId,
@@ -247,7 +203,7 @@ impl TraceRecorder {
     #[inline(never)]
     fn record_wanted(
         &self,
-        action: Action,
+        action: TraceAction,
         addr: u64,
         size: u64,
         stream: StreamId,
@@ -314,11 +270,11 @@ mod tests {
     #[test]
     fn ring_keeps_the_newest_entries_in_order() {
         let t = TraceRecorder::default();
-        t.record(Action::Alloc, 1, 1, StreamId(0));
+        t.record(TraceAction::Alloc, 1, 1, StreamId(0));
         assert!(t.entries().is_empty(), "off by default");
         t.configure(true, 3, RecordContext::Never);
         for addr in 0..5 {
-            t.record(Action::Alloc, addr, 512, StreamId(0));
+            t.record(TraceAction::Alloc, addr, 512, StreamId(0));
         }
         let addrs: Vec<u64> = t.entries().iter().map(|e| e.addr).collect();
         assert_eq!(addrs, [2, 3, 4]);
@@ -334,9 +290,9 @@ mod tests {
         t.attach(Box::new(move |e| {
             sink.lock().push((e.action.clone(), e.addr))
         }));
-        t.record(Action::SegmentAlloc, 7, 512, StreamId(0));
+        t.record(TraceAction::SegmentAlloc, 7, 512, StreamId(0));
         t.configure(true, 2, RecordContext::Never);
-        t.record(Action::Alloc, 8, 512, StreamId(0));
+        t.record(TraceAction::Alloc, 8, 512, StreamId(0));
         assert_eq!(
             *seen.lock(),
             [(TraceAction::SegmentAlloc, 7), (TraceAction::Alloc, 8)]

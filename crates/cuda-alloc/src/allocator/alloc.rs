@@ -20,9 +20,9 @@ use crate::free_set::FreePos;
 use crate::oom::{OomEvent, OutOfMemory};
 use crate::pool::PoolOwner;
 use crate::size::ONE_EXABYTE;
+use crate::snapshot::TraceAction;
 use crate::stack::{RecordContext, Stack};
 use crate::stats::peaks::{Kind, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS};
-use crate::trace::Action;
 
 /// Where a block about to be handed out comes from.
 #[derive(Clone, Copy, Debug)]
@@ -233,7 +233,7 @@ impl<D: Device> CachingAllocator<D> {
         let set_fraction = self.counters.set_fraction.load(Relaxed);
         let allowed = set_fraction.then(|| self.counters.allowed.load(Relaxed));
         self.trace
-            .record(Action::Oom, info.free, req.size as u64, req.stream);
+            .record(TraceAction::Oom, info.free, req.size as u64, req.stream);
         self.counters.num_ooms.fetch_add(1, Relaxed);
         let stats = self.memory_stats();
         let private_pools: u64 = self
@@ -496,7 +496,7 @@ impl<D: Device> Locked<'_, D> {
             // The allocation's stack, for snapshots and its later trace entries.
             self.st.stacks.insert(u64::from(block), stack.clone());
         }
-        self.note::<QUIET>(Action::Alloc, addr, orig, stack);
+        self.note::<QUIET>(TraceAction::Alloc, addr, orig, stack);
         if self.a.pointer_index_on() {
             self.st.allocated.insert(addr, block);
         }
@@ -598,7 +598,7 @@ impl<D: Device> Locked<'_, D> {
         if let Some(stack) = stack {
             self.st.segment_stacks.insert(ptr.0, stack.clone());
         }
-        self.record_with(Action::SegmentAlloc, ptr.0, alloc_size as u64, stack);
+        self.record_with(TraceAction::SegmentAlloc, ptr.0, alloc_size as u64, stack);
         Ok(Some(block))
     }
 }

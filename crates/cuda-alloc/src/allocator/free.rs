@@ -10,9 +10,9 @@ use crate::device::{Device, DeviceAddress, StreamId};
 use crate::error::{Error, Result};
 use crate::events::{BlockRef, PendingEvent};
 use crate::pool_id::MempoolId;
+use crate::snapshot::TraceAction;
 use crate::stack::{RecordContext, Stack};
 use crate::stats::peaks::{Kind, OVERSIZE_ALLOCATIONS};
-use crate::trace::Action;
 
 impl<D: Device> CachingAllocator<D> {
     /// Frees an allocation (PyTorch's `free`). If the block was used on other streams
@@ -328,7 +328,12 @@ impl<D: Device> Locked<'_, D> {
         if !QUIET {
             // The stack is only wanted for the entry (a quiet call records none).
             let entry_stack = self.entry_stack(index);
-            self.note::<QUIET>(Action::FreeRequested, addr, requested, entry_stack.as_ref());
+            self.note::<QUIET>(
+                TraceAction::FreeRequested,
+                addr,
+                requested,
+                entry_stack.as_ref(),
+            );
         }
         if policy::is_oversize(size as usize, self.a.settings.max_split_size()) {
             std::hint::cold_path();
@@ -491,9 +496,9 @@ impl<D: Device> Locked<'_, D> {
             std::hint::cold_path();
             self.st.stacks.remove(&u64::from(index));
             self.st.free_stacks.remove(&u64::from(index));
-            self.note::<QUIET>(Action::FreeCompleted, addr, requested, Some(&stack));
+            self.note::<QUIET>(TraceAction::FreeCompleted, addr, requested, Some(&stack));
         } else {
-            self.note::<QUIET>(Action::FreeCompleted, addr, requested, None);
+            self.note::<QUIET>(TraceAction::FreeCompleted, addr, requested, None);
         }
         // Whether each neighbour can merge into the block (`policy::may_merge`): both read before
         // either is acted on (see `Arena::clamped`). Merging one neighbour does not change

@@ -13,8 +13,8 @@ use crate::device::Device;
 use crate::error::Result;
 use crate::expandable::ExpandableSegment;
 use crate::size::{LARGE_BUFFER, SMALL_BUFFER};
+use crate::snapshot::TraceAction;
 use crate::stats::peaks::Kind;
-use crate::trace::Action;
 
 impl<D: Device> Locked<'_, D> {
     /// A free block that can be used now (not allocated, no uses pending).
@@ -155,7 +155,7 @@ impl<D: Device> Locked<'_, D> {
         let small = self.st.pools[pool as usize].small;
         self.inc(Kind::ReservedBytes, small, mapped);
         self.a.counters.num_device_alloc.fetch_add(1, Relaxed);
-        self.record(Action::SegmentMap, mapped_at, mapped);
+        self.record(TraceAction::SegmentMap, mapped_at, mapped);
         Ok(true)
     }
 
@@ -210,7 +210,7 @@ impl<D: Device> Locked<'_, D> {
             self.a.adjust_private_segments(id, -1);
         }
         self.a.counters.num_device_free.fetch_add(1, Relaxed);
-        self.record(Action::SegmentUnmap, at, len);
+        self.record(TraceAction::SegmentUnmap, at, len);
         Ok(())
     }
 

@@ -9,9 +9,9 @@ use crate::device::{Device, DeviceAddress, StreamId};
 use crate::error::{Error, Result};
 use crate::pool_id::MempoolId;
 use crate::size::ONE_EXABYTE;
+use crate::snapshot::TraceAction;
 use crate::snapshot::{AllocatorSettings, Block, BlockState, Segment, SegmentType, Snapshot};
 use crate::stats::MemoryStats;
-use crate::trace::Action;
 
 impl<D: Device> CachingAllocator<D> {
     /// The statistics (`torch.cuda.memory_stats()`; [`MemoryStats::to_flat`] gives its key names).
@@ -243,7 +243,7 @@ impl<D: Device> CachingAllocator<D> {
         segments.sort_by_key(|s| s.address);
         let total_active = segments.iter().map(|s| s.active_size).sum();
         self.trace
-            .record(Action::Snapshot, 0, total_active, StreamId(0));
+            .record(TraceAction::Snapshot, 0, total_active, StreamId(0));
         Snapshot {
             segments,
             device_traces,

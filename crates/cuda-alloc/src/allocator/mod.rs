@@ -42,10 +42,10 @@ use crate::events::EventQueues;
 use crate::oom::{FreeMemoryCallback, OomObserver};
 use crate::pool_id::MempoolId;
 use crate::settings::Settings;
-use crate::snapshot::TraceEntry;
+use crate::snapshot::{TraceAction, TraceEntry};
 use crate::stack::{RecordContext, Stack};
 use crate::stats::peaks::{Kind, PeakBook};
-use crate::trace::{Action, Record, TraceRecorder};
+use crate::trace::{Record, TraceRecorder};
 use shard::{Shard, ShardGuard, ShardState, StreamTable};
 
 pub use checkpoint::{CheckpointDelta, PoolCheckpoint};
@@ -590,7 +590,7 @@ impl<D: Device> CachingAllocator<D> {
     pub fn record_annotation(&self, name: impl Into<String>) {
         if self.trace.wanted() {
             self.trace.push(Record {
-                action: Action::UserDefined,
+                action: TraceAction::UserDefined,
                 addr: 0,
                 size: 0,
                 stream: StreamId(0),
@@ -753,7 +753,7 @@ impl<D: Device> Locked<'_, D> {
 
     /// Records a trace entry for this shard's stream.
     #[inline]
-    pub(crate) fn record(&self, action: Action, addr: u64, size: u64) {
+    pub(crate) fn record(&self, action: TraceAction, addr: u64, size: u64) {
         self.a.trace.record(action, addr, size, self.shard.stream);
     }
 
@@ -762,7 +762,7 @@ impl<D: Device> Locked<'_, D> {
     #[inline(always)]
     pub(crate) fn note<const QUIET: bool>(
         &self,
-        action: Action,
+        action: TraceAction,
         addr: u64,
         size: u64,
         stack: Option<&Stack>,
@@ -774,7 +774,13 @@ impl<D: Device> Locked<'_, D> {
 
     /// Records a trace entry with its call stack (kept at context level `Alloc` and above).
     #[inline]
-    pub(crate) fn record_with(&self, action: Action, addr: u64, size: u64, stack: Option<&Stack>) {
+    pub(crate) fn record_with(
+        &self,
+        action: TraceAction,
+        addr: u64,
+        size: u64,
+        stack: Option<&Stack>,
+    ) {
         self.a
             .trace
             .record_with(action, addr, size, self.shard.stream, stack);

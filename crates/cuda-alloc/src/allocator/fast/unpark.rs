@@ -7,9 +7,9 @@ use super::state::{HotPair, Lane, Parked, Verdict};
 use crate::allocator::{policy, Allocation, Locked};
 use crate::block::NIL;
 use crate::device::Device;
+use crate::snapshot::TraceAction;
 use crate::stack::Stack;
 use crate::stats::peaks::{Kind, OVERSIZE_ALLOCATIONS};
-use crate::trace::Action;
 
 impl<D: Device> Locked<'_, D> {
     /// Hands the parked block out again for a request of `size` bytes (rounded; `orig` asked for)
@@ -202,7 +202,7 @@ impl<D: Device> Locked<'_, D> {
         if let Some(stack) = stack {
             self.st.stacks.insert(u64::from(index), stack.clone());
         }
-        self.note::<QUIET>(Action::Alloc, addr, orig as u64, stack);
+        self.note::<QUIET>(TraceAction::Alloc, addr, orig as u64, stack);
         if self.a.pointer_index_on() {
             self.st.allocated.insert(addr, index);
         }
