@@ -101,6 +101,8 @@ mod allocator;
 pub mod backend;
 mod biased_lock;
 mod block;
+#[cfg(feature = "cuda")]
+mod cached_slice;
 pub mod config;
 pub mod device;
 mod error;

@@ -38,7 +38,6 @@
 //! cache can grow while a stream is being captured into a graph, even in global mode (PyTorch's
 //! `cudaMallocMaybeCapturing`). [`CudaBackend::is_capturing`] tells whether a stream is capturing.
 
-mod cached_slice;
 mod capture;
 mod context;
 mod driver;
@@ -59,9 +58,10 @@ use crate::device::{
     CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, StreamId,
 };
 
-pub use cached_slice::CachedSlice;
+pub use crate::cached_slice::CachedSlice;
 pub use context::has_primary_context;
 use context::PrimaryContext;
+pub(crate) use driver::error as driver_error;
 pub use driver::{device_count, init};
 pub use event::{BackendEvent, IPC_HANDLE_SIZE};
 pub use pinned::CudaPinnedSource;

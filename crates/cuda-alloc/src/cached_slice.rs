@@ -9,8 +9,8 @@ use cudarc::driver::{
     PushKernelArg, SyncOnDrop, ValidAsZeroBits,
 };
 
-use super::CudaBackend;
 use crate::allocator::{Allocation, CachingAllocator};
+use crate::backend::cuda::{driver_error, CudaBackend};
 use crate::device::{Device, StreamId};
 use crate::error::{Error, Result};
 
@@ -82,7 +82,7 @@ impl CachingAllocator<CudaBackend> {
         let mut slice = unsafe { self.alloc_uninit::<T>(len, stream)? };
         stream
             .memset_zeros(&mut slice)
-            .map_err(|e| super::driver::error("cuMemsetD8Async", e.0))?;
+            .map_err(|e| driver_error("cuMemsetD8Async", e.0))?;
         Ok(slice)
     }
 
