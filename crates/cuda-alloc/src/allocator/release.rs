@@ -14,8 +14,8 @@ use crate::device::{Device, DeviceAddress};
 use crate::error::Result;
 use crate::pool::PoolOwner;
 use crate::pool_id::MempoolId;
+use crate::snapshot::TraceAction;
 use crate::stats::peaks::{Kind, OVERSIZE_SEGMENTS};
-use crate::trace::Action;
 
 /// Which pool of every shard a device-wide release visits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -204,7 +204,7 @@ impl<D: Device> Locked<'_, D> {
         // returned at `addr` with `size` bytes; it is free (in the free set, no events pending), so no
         // queued work of this allocator's callers uses it, and it is forgotten below.
         unsafe { self.a.device.free(DeviceAddress(addr), size as usize)? };
-        self.record(Action::SegmentFree, addr, size);
+        self.record(TraceAction::SegmentFree, addr, size);
         self.a.counters.reserved.fetch_sub(size, Relaxed);
         if let Some(id) = self.st.pools[pool as usize].private_id() {
             self.a.adjust_private_segments(id, -1);
