@@ -19,8 +19,8 @@ struct Mapped<D: Device> {
     exported: Option<OwnedFd>,
 }
 
-/// The chunks under a range of an expandable segment, exported for another process (see
-/// [`ExpandableSegment::export`]).
+/// The chunks under an allocated block of an expandable segment, exported for another process
+/// (see [`CachingAllocator::shareable_segment`](crate::CachingAllocator::shareable_segment)).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChunkExport {
     /// Where the first chunk starts.
