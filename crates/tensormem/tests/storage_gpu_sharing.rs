@@ -277,3 +277,77 @@ sys.stdin.readline()
     drop(child.stdin.take());
     assert!(child.wait().unwrap().success());
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
+fn a_batch_of_storages_travels_between_processes_as_one_message() {
+    use tensormem::storage::{new_shared_cuda_batch, share_cuda_batch, BatchEntry, BatchHandle};
+    const TEST: &str = "a_batch_of_storages_travels_between_processes_as_one_message";
+    if std::env::var(ROLE).is_ok() {
+        let ctx = CudaContext::new(0).unwrap();
+        let mut line = String::new();
+        std::io::stdin().lock().read_line(&mut line).unwrap();
+        let batch = BatchHandle::decode(&unhex(line.trim())).unwrap();
+        let received = new_shared_cuda_batch(&ctx, &batch).unwrap();
+        for (name, storage) in &received {
+            let (kind, index) = name.split_once('.').unwrap();
+            let index: usize = index.parse().unwrap();
+            let size = SIZES[index];
+            let whole = pattern(size, index as u8);
+            let expected = match kind {
+                "whole" => whole,
+                // A view of the same storage without its first and last byte.
+                _ => whole[1..size - 1].to_vec(),
+            };
+            assert_eq!(storage.nbytes(), expected.len(), "{name}");
+            assert_eq!(storage.to_vec().unwrap(), expected, "{name}");
+        }
+        println!("@@ok {}", received.len());
+        return;
+    }
+    let Some(_) = gpus() else { return };
+    let ctx = CudaContext::new(0).unwrap();
+    let (storages, _fillers) = odd_storages(&ctx);
+    let names: Vec<(String, String)> = (0..SIZES.len())
+        .map(|i| (format!("whole.{i}"), format!("view.{i}")))
+        .collect();
+    let mut entries = Vec::new();
+    for (i, storage) in storages.iter().enumerate() {
+        // Views of one batch may not overlap: a storage travels whole, or as a view inside it.
+        if SIZES[i] <= 2 {
+            entries.push(BatchEntry::whole(&names[i].0, storage));
+        } else {
+            entries.push(BatchEntry {
+                name: &names[i].1,
+                storage,
+                offset: 1,
+                len: SIZES[i] - 2,
+            });
+        }
+    }
+    let batch = share_cuda_batch(&entries).unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            TEST,
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ROLE, "consumer")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    writeln!(child.stdin.take().unwrap(), "{}", hex(&batch.encode())).unwrap();
+    let output = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "consumer failed:\n{stdout}");
+    assert!(
+        stdout.contains(&format!("@@ok {}", entries.len())),
+        "{stdout}"
+    );
+    drop(entries);
+    drop(storages);
+    cuda::ipc_collect().unwrap();
+}
