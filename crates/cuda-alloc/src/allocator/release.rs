@@ -200,11 +200,13 @@ impl<D: Device> Locked<'_, D> {
             (b.addr, b.size, b.pool)
         };
         self.a.counters.num_device_free.fetch_add(1, Relaxed);
+        // Recorded before the memory goes back, as PyTorch does: a trace tracker that registered
+        // the segment somewhere (NCCL) lets go of it while it is still allocated.
+        self.record(TraceAction::SegmentFree, addr, size);
         // SAFETY: an unsplit block of a non-expandable segment is the whole allocation `malloc`
         // returned at `addr` with `size` bytes; it is free (in the free set, no events pending), so no
         // queued work of this allocator's callers uses it, and it is forgotten below.
         unsafe { self.a.device.free(DeviceAddress(addr), size as usize)? };
-        self.record(TraceAction::SegmentFree, addr, size);
         self.a.counters.reserved.fetch_sub(size, Relaxed);
         if let Some(id) = self.st.pools[pool as usize].private_id() {
             self.a.adjust_private_segments(id, -1);
