@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use crate::pool_id::MempoolId;
+use crate::pool_options::PoolAllocator;
 
 /// Which default pool, or a private one, a pool is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,7 +30,6 @@ pub(crate) enum PoolOwner {
 
 /// One pool of one stream: the free blocks of the small or the large size class of a default or
 /// private pool.
-#[derive(Debug)]
 pub(crate) struct Pool {
     /// Free mapped blocks.
     pub(crate) free: FreeSet,
@@ -42,6 +42,24 @@ pub(crate) struct Pool {
     /// PyTorch's `get_free_blocks_call_count`: ticks on each lookup while garbage collection is on.
     /// Shared by the pool's parts on every stream (PyTorch has one set per pool for all streams).
     pub(crate) gc_clock: Arc<AtomicU64>,
+    /// Its blocks are never split (a memory pool's `no_split`).
+    pub(crate) no_split: bool,
+    /// Where its segments come from, when not from the device (a memory pool's own allocator).
+    pub(crate) allocator: Option<Arc<dyn PoolAllocator>>,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("free", &self.free)
+            .field("unmapped", &self.unmapped)
+            .field("small", &self.small)
+            .field("owner", &self.owner)
+            .field("gc_clock", &self.gc_clock)
+            .field("no_split", &self.no_split)
+            .field("own_allocator", &self.allocator.is_some())
+            .finish()
+    }
 }
 
 impl Pool {
@@ -52,6 +70,8 @@ impl Pool {
             small,
             owner,
             gc_clock,
+            no_split: false,
+            allocator: None,
         }
     }
 

@@ -180,6 +180,12 @@ impl<D: Device> CachingAllocator<D> {
         if let Some(allocation) = self.try_new_block(req, false, stack)? {
             return Ok(allocation);
         }
+        let sizes = (req.size, req.orig);
+        if let Some(a) =
+            self.try_use_on_oom_pools(req.choice, req.stream, req.small, sizes, stack)?
+        {
+            return Ok(a);
+        }
         let released = {
             let mut locked = self.lock(shard);
             let pool = locked.pool_index(req.choice, req.small);
@@ -361,13 +367,18 @@ impl<D: Device> Locked<'_, D> {
     }
 
     /// Whether handing out `size` bytes of `block` should split off the rest (PyTorch's
-    /// `should_split`).
+    /// `should_split`; never in a `no_split` pool).
     #[inline]
     fn should_split(&self, pool: u16, block: u32, size: usize) -> bool {
         let settings = &self.a.settings;
+        let p = &self.st.pools[pool as usize];
+        if p.no_split {
+            std::hint::cold_path();
+            return false;
+        }
         policy::should_split(
-            self.st.pools[pool as usize].small,
-            settings.expandable_segments(),
+            p.small,
+            settings.expandable_segments() && p.allocator.is_none(),
             settings.max_split_size(),
             size,
             self.st.blocks[block].size as usize - size,
@@ -526,10 +537,12 @@ impl<D: Device> Locked<'_, D> {
         let limited = counters.set_fraction.load(Relaxed);
         let allowed = counters.allowed.load(Relaxed);
         let private = self.st.pools[pool as usize].private_id();
+        // A pool with its own allocator takes whole segments from it, never expandable ones.
+        let own = self.st.pools[pool as usize].allocator.clone();
         // Private pools (CUDA graphs, `MemPool`) grow expandable segments of their own too, as in
         // PyTorch 2.11 (each successful call counts as one device allocation of the pool, each
         // unmap as one release); checkpoints refuse pools that have them.
-        if self.a.settings.expandable_segments() {
+        if self.a.settings.expandable_segments() && own.is_none() {
             if limited && counters.reserved.load(Relaxed) + alloc_size as u64 > allowed {
                 return Ok(None);
             }
@@ -549,7 +562,10 @@ impl<D: Device> Locked<'_, D> {
             return Ok(None);
         }
         let a = self.a;
-        let malloc = || a.device.malloc(alloc_size);
+        let malloc = || match &own {
+            Some(own) => own.malloc(alloc_size),
+            None => a.device.malloc(alloc_size),
+        };
         let made = if a.settings.release_lock_on_cudamalloc() {
             // `release_lock_on_cudamalloc`: the stream's lock is let go while the driver allocates, so
             // that other calls on this stream (frees, cache hits) need not wait for it. Nothing here

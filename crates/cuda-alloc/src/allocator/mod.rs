@@ -800,14 +800,7 @@ impl<D: Device> Locked<'_, D> {
             PoolChoice::Private(id) => {
                 let private = &self.a.private;
                 let part = self.st.private_pool_or_insert(id, small, || {
-                    let pools = private.lock();
-                    pools.get(&id).map(|p| {
-                        Arc::clone(if small {
-                            &p.small_clock
-                        } else {
-                            &p.large_clock
-                        })
-                    })
+                    private.lock().get(&id).map(|p| p.part(id, small))
                 });
                 // The capture ended and its pool was released and emptied while this call was on
                 // its way here: it behaves as if it came after the capture, from the default pools.

@@ -204,9 +204,15 @@ impl<D: Device> Locked<'_, D> {
         // the segment somewhere (NCCL) lets go of it while it is still allocated.
         self.record(TraceAction::SegmentFree, addr, size);
         // SAFETY: an unsplit block of a non-expandable segment is the whole allocation `malloc`
-        // returned at `addr` with `size` bytes; it is free (in the free set, no events pending), so no
-        // queued work of this allocator's callers uses it, and it is forgotten below.
-        unsafe { self.a.device.free(DeviceAddress(addr), size as usize)? };
+        // returned at `addr` with `size` bytes (the pool's own allocator's `malloc` where it has one);
+        // it is free (in the free set, no events pending), so no queued work of this allocator's
+        // callers uses it, and it is forgotten below.
+        unsafe {
+            match &self.st.pools[pool as usize].allocator {
+                Some(own) => own.free(DeviceAddress(addr), size as usize)?,
+                None => self.a.device.free(DeviceAddress(addr), size as usize)?,
+            }
+        };
         self.a.counters.reserved.fetch_sub(size, Relaxed);
         if let Some(id) = self.st.pools[pool as usize].private_id() {
             self.a.adjust_private_segments(id, -1);

@@ -122,18 +122,18 @@ impl<D: Device> ShardState<D> {
             .map(|i| i as u16)
     }
 
-    /// The index of this stream's part of private pool `id`, created with the pool's clock if new;
-    /// `None` if `clock` says the pool no longer exists.
+    /// The index of this stream's part of private pool `id`, made by `make` if new; `None` if `make`
+    /// says the pool no longer exists.
     pub(crate) fn private_pool_or_insert(
         &mut self,
         id: MempoolId,
         small: bool,
-        clock: impl FnOnce() -> Option<Arc<AtomicU64>>,
+        make: impl FnOnce() -> Option<Pool>,
     ) -> Option<u16> {
         if let Some(index) = self.private_pool(id, small) {
             return Some(index);
         }
-        let mut pool = Pool::new(small, PoolOwner::Private(id), clock()?);
+        let mut pool = make()?;
         if let Some(slot) = self
             .pools
             .iter()

@@ -31,7 +31,7 @@ impl<D: Device> Drop for CachingAllocator<D> {
         self.pending.store(0, Relaxed);
         for shard in self.streams.iter() {
             let mut st = shard.lock_settled();
-            let heads: Vec<(u64, u64)> = st
+            let heads: Vec<(u64, u64, u16)> = st
                 .blocks
                 .iter()
                 .filter(|(_, b)| b.prev == NIL && !b.is_expandable())
@@ -42,10 +42,18 @@ impl<D: Device> Drop for CachingAllocator<D> {
                         size += st.blocks[at].size;
                         at = st.blocks[at].next;
                     }
-                    (head.addr, size)
+                    (head.addr, size, head.pool)
                 })
                 .collect();
-            for (addr, size) in heads {
+            for (addr, size, pool) in heads {
+                if let Some(own) = st.pools[pool as usize].allocator.clone() {
+                    // SAFETY: as below, a segment of the pool's own allocator.
+                    if let Err(e) = unsafe { own.free(DeviceAddress(addr), size as usize) } {
+                        errors.push(e);
+                    }
+                    self.counters.reserved.fetch_sub(size, Relaxed);
+                    continue;
+                }
                 // SAFETY: a block with no predecessor outside expandable segments starts a device
                 // allocation made by `malloc` at `addr`, and its chain of blocks covers exactly the
                 // `size` bytes allocated; each is freed once (the allocator is going away and forgets
