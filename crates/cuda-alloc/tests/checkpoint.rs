@@ -170,18 +170,78 @@ fn checkpoints_are_refused_with_typed_errors_and_change_nothing() {
     }
 }
 
-/// Private pools grow expandable segments under `expandable_segments:True`, as in PyTorch; their
-/// checkpoints are refused.
+/// Private pools grow expandable segments under `expandable_segments:True`, as in PyTorch; a
+/// checkpoint holds each one's mapped blocks, and a restore cuts them again where the segment is
+/// still mapped that far, leaving the unmapped rest as it is.
 #[test]
-fn pools_with_expandable_segments_are_not_checkpointed() {
+fn pools_with_expandable_segments_are_checkpointed_where_mapped() {
     let alloc = allocator("expandable_segments:True");
-    let made = captured(&alloc, &[100_000, 6 * MIB]);
+    let mut first = captured(
+        &alloc,
+        &[100_000, 200_000, 300_000, 6 * MIB, 3 * MIB, 5 * MIB],
+    );
     assert!(alloc.snapshot().segments.iter().all(|s| s.is_expandable));
-    assert!(matches!(
-        alloc.get_checkpoint_state(POOL),
-        Err(Error::Checkpoint { .. })
-    ));
-    for a in made {
+    let dead = first.remove(1);
+    alloc.free(dead).unwrap();
+    let dead = first.remove(3);
+    alloc.free(dead).unwrap();
+    let live = ptrs(&first);
+    let reserved = alloc.reserved_bytes();
+    let checkpoint = alloc.get_checkpoint_state(POOL).unwrap();
+    assert_eq!(checkpoint.segment_count(), 2, "a small and a large segment");
+    let mut listed = checkpoint.live_allocations();
+    listed.sort();
+    let mut expected: Vec<DeviceAddress> = live.iter().copied().collect();
+    expected.sort();
+    assert_eq!(listed, expected);
+    let before = alloc.memory_stats();
+
+    // Past the checkpoint, within what is mapped: blocks die and others are made.
+    let gone = first.remove(0);
+    alloc.free(gone).unwrap();
+    let second = captured(&alloc, &[150_000, 4 * MIB]);
+    assert_eq!(alloc.reserved_bytes(), reserved, "nothing new was mapped");
+    let mut held: Vec<DeviceAddress> = first.iter().chain(&second).map(Allocation::ptr).collect();
+    held.sort();
+
+    let delta = alloc.set_checkpoint_pool_state(&checkpoint).unwrap();
+    alloc.check_invariants().unwrap();
+    assert_eq!(delta.freed, held);
+    assert_eq!(ptrs(&delta.created), live);
+    assert_eq!(alloc.get_checkpoint_state(POOL).unwrap(), checkpoint);
+    let after = alloc.memory_stats();
+    assert_eq!(
+        after.allocated_bytes.all.current,
+        before.allocated_bytes.all.current
+    );
+    assert_eq!(
+        after.reserved_bytes.all.current,
+        before.reserved_bytes.all.current
+    );
+    assert_eq!(
+        after.inactive_split.all.current, 0,
+        "expandable blocks are not split blocks"
+    );
+    assert_eq!(after.segment.all.current, before.segment.all.current);
+
+    // Mapped further since the checkpoint: the checkpointed blocks no longer tile the mapped range.
+    let grown = captured(&alloc, &[40 * MIB]);
+    assert!(alloc.reserved_bytes() > reserved);
+    let snapshot = alloc.snapshot().segments;
+    match alloc.set_checkpoint_pool_state(&checkpoint) {
+        Err(Error::Checkpoint { .. }) => {}
+        other => panic!("expected a checkpoint error, got {other:?}"),
+    }
+    assert_eq!(alloc.snapshot().segments, snapshot, "nothing changed");
+
+    for a in delta.created.into_iter().chain(grown) {
         alloc.free(a).unwrap();
     }
+    // The three captures are destroyed.
+    for _ in 0..3 {
+        alloc.release_pool(POOL).unwrap();
+    }
+    alloc.empty_cache().unwrap();
+    alloc.check_invariants().unwrap();
+    assert_eq!(alloc.reserved_bytes(), 0);
 }

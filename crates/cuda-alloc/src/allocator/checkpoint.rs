@@ -7,6 +7,10 @@
 //! pool (every segment's blocks: address, size, allocated or not) is checkpointed after a capture and
 //! restored before the next one: every block the pool has allocated now is freed, and every
 //! segment of the checkpoint is cut into the same blocks, the live ones allocated again.
+//!
+//! An expandable segment is checkpointed as its mapped blocks, from its first byte up to the
+//! unmapped address space after them (the segment's last block, which a restore leaves as it is),
+//! as PyTorch does; a restore needs the segment mapped exactly that far again.
 
 use std::collections::HashSet;
 
@@ -29,12 +33,21 @@ pub struct PoolCheckpoint {
     segments: Vec<SegmentCheckpoint>,
 }
 
-/// One segment of a [`PoolCheckpoint`]: its stream and blocks in address order.
+/// One segment of a [`PoolCheckpoint`]: its stream and blocks in address order (of an expandable
+/// segment, the mapped ones).
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct SegmentCheckpoint {
     stream: StreamId,
     small: bool,
+    expandable: bool,
     blocks: Vec<BlockCheckpoint>,
+}
+
+impl SegmentCheckpoint {
+    /// The bytes the checkpointed blocks cover.
+    fn size(&self) -> u64 {
+        self.blocks.iter().map(|b| b.size).sum()
+    }
 }
 
 /// One block of a segment checkpoint.
@@ -83,6 +96,12 @@ pub struct CheckpointDelta {
 }
 
 /// The message PyTorch gives when a block has outstanding stream uses.
+/// Why an expandable segment with mapped memory after an unmapped gap is not checkpointed.
+const MAPPED_AFTER_GAP: &str =
+    "an expandable segment of the pool has mapped memory after an unmapped gap, which a \
+     checkpoint cannot cut again";
+
+/// The message PyTorch gives when a block has outstanding stream uses.
 const EVENTS_PENDING: &str =
     "Events should have synchronized when checkpointing or setting a checkpointed block: a block of \
      the pool is still used by another stream (record_stream) or waits for its events; synchronize \
@@ -94,17 +113,30 @@ impl<D: Device> CachingAllocator<D> {
     ///
     /// # Errors
     /// [`Error::Pool`] if the pool does not exist or was released by every user; [`Error::Checkpoint`]
-    /// if a block of the pool still waits for other streams, or the pool has expandable segments.
+    /// if a block of the pool still waits for other streams, or an expandable segment of the pool
+    /// has mapped memory after an unmapped gap (which a restore could not cut again).
     pub fn get_checkpoint_state(&self, pool: MempoolId) -> Result<PoolCheckpoint> {
         self.check_checkpointable(pool)?;
         let (_guard, locks) = self.lock_all();
         let mut segments = Vec::new();
         for locked in &locks {
-            for (head, _) in locked.pool_segment_heads(pool)? {
-                let mut blocks = Vec::new();
-                let mut at = head;
-                while at != NIL {
-                    let b = &locked.st.blocks[at];
+            for (head, _) in locked.pool_segment_heads(pool) {
+                let expandable = locked.st.blocks[head].is_expandable();
+                let mapped = locked.mapped_prefix(head);
+                if mapped.is_empty() {
+                    // An expandable segment with nothing mapped at its start: PyTorch's checkpoints
+                    // know only segments whose first block is mapped.
+                    if locked.mapped_after(head) {
+                        return Err(checkpoint_error(pool, MAPPED_AFTER_GAP.to_owned()));
+                    }
+                    continue;
+                }
+                if expandable && locked.mapped_after(*mapped.last().expect("not empty")) {
+                    return Err(checkpoint_error(pool, MAPPED_AFTER_GAP.to_owned()));
+                }
+                let mut blocks = Vec::with_capacity(mapped.len());
+                for index in mapped {
+                    let b = &locked.st.blocks[index];
                     if b.event_count > 0 || b.used_elsewhere {
                         return Err(checkpoint_error(pool, EVENTS_PENDING.to_owned()));
                     }
@@ -113,12 +145,12 @@ impl<D: Device> CachingAllocator<D> {
                         size: b.size,
                         allocated: b.allocated,
                     });
-                    at = b.next;
                 }
                 let small = locked.st.pools[locked.st.blocks[head].pool as usize].small;
                 segments.push(SegmentCheckpoint {
                     stream: locked.shard.stream,
                     small,
+                    expandable,
                     blocks,
                 });
             }
@@ -134,14 +166,16 @@ impl<D: Device> CachingAllocator<D> {
     /// Returns private pool `checkpoint.pool()` to the checkpointed state (PyTorch's
     /// `setCheckpointPoolState`): frees every block the pool has allocated now, then cuts every
     /// checkpointed segment into the checkpointed blocks and allocates those that were allocated.
-    /// Segments made since the checkpoint stay, free.
+    /// Segments made since the checkpoint stay, free. An expandable segment is cut where it is
+    /// mapped; its unmapped rest stays as it is.
     ///
     /// Everything is checked before anything changes: on an error the pool is as it was.
     ///
     /// # Errors
     /// [`Error::Pool`] if the pool does not exist or was released by every user;
     /// [`Error::Checkpoint`] if the checkpoint is another allocator's, a checkpointed segment is gone
-    /// or has another size now, or a block of the pool still waits for other streams.
+    /// or has another size now (an expandable one: is mapped to another extent, or has mapped memory
+    /// after an unmapped gap), or a block of the pool still waits for other streams.
     pub fn set_checkpoint_pool_state(
         &self,
         checkpoint: &PoolCheckpoint,
@@ -163,18 +197,32 @@ impl<D: Device> CachingAllocator<D> {
         let mut placed = Vec::with_capacity(checkpoint.segments.len());
         for segment in &checkpoint.segments {
             let first = segment.blocks[0].addr;
-            let total: u64 = segment.blocks.iter().map(|b| b.size).sum();
+            let total = segment.size();
             let found = locks
                 .iter()
                 .position(|l| l.shard.stream == segment.stream)
                 .and_then(|shard| {
-                    let heads = locks[shard].pool_segment_heads(pool).ok()?;
-                    let (head, size) = heads
+                    let locked = &locks[shard];
+                    let (head, size) = locked
+                        .pool_segment_heads(pool)
                         .into_iter()
-                        .find(|&(h, _)| locks[shard].st.blocks[h].addr == first)?;
-                    let small =
-                        locks[shard].st.pools[locks[shard].st.blocks[head].pool as usize].small;
-                    (size == total && small == segment.small).then_some(shard)
+                        .find(|&(h, _)| locked.st.blocks[h].addr == first)?;
+                    let b = &locked.st.blocks[head];
+                    let small = locked.st.pools[b.pool as usize].small;
+                    let size = if b.is_expandable() {
+                        let mapped = locked.mapped_prefix(head);
+                        let last = *mapped.last()?;
+                        if locked.mapped_after(last) {
+                            return None;
+                        }
+                        mapped.iter().map(|&i| locked.st.blocks[i].size).sum()
+                    } else {
+                        size
+                    };
+                    (size == total
+                        && small == segment.small
+                        && b.is_expandable() == segment.expandable)
+                        .then_some(shard)
                 });
             let Some(shard) = found else {
                 return Err(checkpoint_error(
@@ -190,7 +238,7 @@ impl<D: Device> CachingAllocator<D> {
             placed.push(shard);
         }
         for locked in &locks {
-            for (head, _) in locked.pool_segment_heads(pool)? {
+            for (head, _) in locked.pool_segment_heads(pool) {
                 let mut at = head;
                 while at != NIL {
                     let b = &locked.st.blocks[at];
@@ -205,7 +253,7 @@ impl<D: Device> CachingAllocator<D> {
         let mut freed = Vec::new();
         for locked in &mut locks {
             let allocated: Vec<u32> = locked
-                .pool_segment_heads(pool)?
+                .pool_segment_heads(pool)
                 .into_iter()
                 .flat_map(|(head, _)| locked.segment_blocks(head))
                 .filter(|&i| locked.st.blocks[i].allocated)
@@ -249,7 +297,7 @@ impl<D: Device> CachingAllocator<D> {
         let (_guard, locks) = self.lock_all();
         let mut live = 0usize;
         for locked in &locks {
-            for (head, _) in locked.pool_segment_heads_any(pool) {
+            for (head, _) in locked.pool_segment_heads(pool) {
                 for index in locked.segment_blocks(head) {
                     let b = &locked.st.blocks[index];
                     if b.allocated {
@@ -285,9 +333,9 @@ fn checkpoint_error(pool: MempoolId, reason: String) -> Error {
 }
 
 impl<D: Device> Locked<'_, D> {
-    /// The heads of this stream's segments of private pool `pool`, with each segment's size; every
-    /// kind of segment.
-    fn pool_segment_heads_any(&self, pool: MempoolId) -> Vec<(u32, u64)> {
+    /// The heads of this stream's segments of private pool `pool`, with each segment's size (of an
+    /// expandable segment, its whole reserved range).
+    fn pool_segment_heads(&self, pool: MempoolId) -> Vec<(u32, u64)> {
         let parts = [
             self.st.private_pool(pool, true),
             self.st.private_pool(pool, false),
@@ -307,20 +355,28 @@ impl<D: Device> Locked<'_, D> {
             .collect()
     }
 
-    /// As [`pool_segment_heads_any`](Self::pool_segment_heads_any), refusing expandable segments
-    /// (like PyTorch, checkpoints know only whole device allocations).
-    fn pool_segment_heads(&self, pool: MempoolId) -> Result<Vec<(u32, u64)>> {
-        let heads = self.pool_segment_heads_any(pool);
-        if heads
-            .iter()
-            .any(|&(head, _)| self.st.blocks[head].is_expandable())
-        {
-            return Err(checkpoint_error(
-                pool,
-                "the pool has expandable segments, which checkpoints do not cover".to_owned(),
-            ));
+    /// The mapped blocks of the segment starting at `head`, from its first byte up to its first
+    /// unmapped block (every block of a segment that is not expandable).
+    fn mapped_prefix(&self, head: u32) -> Vec<u32> {
+        let mut blocks = Vec::new();
+        let mut at = head;
+        while at != NIL && self.st.blocks[at].mapped {
+            blocks.push(at);
+            at = self.st.blocks[at].next;
         }
-        Ok(heads)
+        blocks
+    }
+
+    /// Whether a block after `index` in its segment is mapped.
+    fn mapped_after(&self, index: u32) -> bool {
+        let mut at = self.st.blocks[index].next;
+        while at != NIL {
+            if self.st.blocks[at].mapped {
+                return true;
+            }
+            at = self.st.blocks[at].next;
+        }
+        false
     }
 
     /// The blocks of the segment starting at `head`, in address order.
@@ -347,13 +403,18 @@ impl<D: Device> Locked<'_, D> {
             .map(|(i, b)| (i, b.pool))
             .expect("checked before anything changed");
         debug_assert!(
-            self.st.blocks[head].next == NIL && !self.st.blocks[head].is_active(),
+            !self.st.blocks[head].is_active()
+                && self.st.blocks[head].size == segment.size()
+                && (self.st.blocks[head].next == NIL
+                    || !self.st.blocks[self.st.blocks[head].next].mapped),
             "every block of the pool was freed and merged"
         );
         let mut cut = Vec::with_capacity(segment.blocks.len());
         let mut at = head;
-        for (i, state) in segment.blocks.iter().enumerate() {
-            let split = i + 1 < segment.blocks.len();
+        for state in &segment.blocks {
+            // The block left is as large as the rest of the checkpointed blocks: it is cut while
+            // it is larger than the next one.
+            let split = self.st.blocks[at].size > state.size;
             let index = self.alloc_found_block::<false>(
                 pool,
                 at,
