@@ -294,6 +294,52 @@ pub unsafe trait Device: Send + Sync + 'static {
             what: "exporting physical memory to other processes (expandable-segment sharing)",
         })
     }
+
+    /// Copies `len` bytes of device memory at `src` to host memory at `dst` and waits for the copy
+    /// (`cuMemcpyDtoH`): how a sleeping pool's contents are kept. The default refuses.
+    ///
+    /// # Safety
+    ///
+    /// `[src, src + len)` is mapped device memory no queued work writes; `dst` is valid for writes
+    /// of `len` bytes (pinned host memory for full bandwidth).
+    ///
+    /// # Errors
+    ///
+    /// [`DeviceError::Unsupported`] where the backend cannot copy; the driver's error otherwise.
+    unsafe fn copy_to_host(
+        &self,
+        src: DeviceAddress,
+        dst: *mut u8,
+        len: usize,
+    ) -> DeviceResult<()> {
+        let _ = (src, dst, len);
+        Err(DeviceError::Unsupported {
+            what: "copying device memory to the host (sleeping pools that keep their contents)",
+        })
+    }
+
+    /// Copies `len` bytes of host memory at `src` to device memory at `dst` and waits for the copy
+    /// (`cuMemcpyHtoD`): how a waking pool's contents come back. The default refuses.
+    ///
+    /// # Safety
+    ///
+    /// `[dst, dst + len)` is mapped device memory no queued work uses; `src` is valid for reads of
+    /// `len` bytes.
+    ///
+    /// # Errors
+    ///
+    /// [`DeviceError::Unsupported`] where the backend cannot copy; the driver's error otherwise.
+    unsafe fn copy_from_host(
+        &self,
+        src: *const u8,
+        dst: DeviceAddress,
+        len: usize,
+    ) -> DeviceResult<()> {
+        let _ = (src, dst, len);
+        Err(DeviceError::Unsupported {
+            what: "copying host memory to the device (sleeping pools that keep their contents)",
+        })
+    }
 }
 
 // SAFETY: every method delegates to the shared device, which upholds the obligations itself; sharing
@@ -372,6 +418,24 @@ unsafe impl<D: Device> Device for std::sync::Arc<D> {
     }
     fn export_physical(&self, chunk: &Self::PhysicalChunk) -> DeviceResult<std::os::fd::OwnedFd> {
         (**self).export_physical(chunk)
+    }
+    unsafe fn copy_to_host(
+        &self,
+        src: DeviceAddress,
+        dst: *mut u8,
+        len: usize,
+    ) -> DeviceResult<()> {
+        // SAFETY: the caller's obligations are the shared device's.
+        unsafe { (**self).copy_to_host(src, dst, len) }
+    }
+    unsafe fn copy_from_host(
+        &self,
+        src: *const u8,
+        dst: DeviceAddress,
+        len: usize,
+    ) -> DeviceResult<()> {
+        // SAFETY: the caller's obligations are the shared device's.
+        unsafe { (**self).copy_from_host(src, dst, len) }
     }
 }
 

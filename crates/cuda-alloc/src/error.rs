@@ -81,6 +81,9 @@ pub enum Error {
         /// What was wrong, and what to do.
         reason: String,
     },
+    /// A private pool could not sleep or wake, or was asked for memory while asleep.
+    #[error(transparent)]
+    Sleep(#[from] crate::allocator::SleepError),
     /// A device call failed for a reason other than running out of memory.
     #[error("device call failed: {0}")]
     Device(#[from] DeviceError),
@@ -128,6 +131,7 @@ impl From<Error> for std::io::Error {
             | Error::Config(_)
             | Error::InvalidFraction { .. } => ErrorKind::InvalidInput,
             Error::ExpandableNotShareable { .. } => ErrorKind::Unsupported,
+            Error::Sleep(_) => ErrorKind::InvalidInput,
             Error::TooManyStreams { .. } => ErrorKind::Other,
             Error::Device(device) => std::io::Error::from(device.clone()).kind(),
         };

@@ -42,6 +42,9 @@ pub(crate) struct ExpandableSegment<D: Device> {
     max_handles: u64,
     /// The chunk mapped at each slot; trailing empty slots are trimmed.
     handles: Vec<Option<Mapped<D>>>,
+    /// Slots whose chunk was released by [`sleep`](Self::sleep) and that [`wake`](Self::wake)
+    /// maps again, ascending. The allocator's books still count them as mapped.
+    asleep: Vec<u64>,
 }
 
 impl<D: Device> std::fmt::Debug for ExpandableSegment<D> {
@@ -51,6 +54,7 @@ impl<D: Device> std::fmt::Debug for ExpandableSegment<D> {
             .field("segment_size", &self.segment_size)
             .field("max_handles", &self.max_handles)
             .field("mapped", &self.handles.iter().flatten().count())
+            .field("asleep", &self.asleep.len())
             .finish()
     }
 }
@@ -67,6 +71,7 @@ impl<D: Device> ExpandableSegment<D> {
             segment_size,
             max_handles,
             handles: Vec::new(),
+            asleep: Vec::new(),
         })
     }
 
@@ -80,9 +85,9 @@ impl<D: Device> ExpandableSegment<D> {
         self.max_handles * self.segment_size
     }
 
-    /// Bytes mapped.
+    /// Bytes mapped, counting the slots asleep (which the allocator's books count as mapped).
     pub(crate) fn mapped_bytes(&self) -> u64 {
-        self.handles.iter().flatten().count() as u64 * self.segment_size
+        (self.handles.iter().flatten().count() + self.asleep.len()) as u64 * self.segment_size
     }
 
     fn slot_of(&self, addr: u64) -> u64 {
@@ -109,6 +114,7 @@ impl<D: Device> ExpandableSegment<D> {
         let chunk_size = self.segment_size as usize;
         for i in begin..end {
             debug_assert!(self.handles[i as usize].is_none(), "slot {i} mapped twice");
+            debug_assert!(self.asleep.binary_search(&i).is_err(), "slot {i} is asleep");
             let at = DeviceAddress(self.base + i * self.segment_size);
             let failure = match device.create_physical(chunk_size) {
                 Ok(chunk) => {
@@ -166,6 +172,10 @@ impl<D: Device> ExpandableSegment<D> {
     }
 
     fn unmap_slots(&mut self, device: &D, begin: u64, end: u64) -> DeviceResult<()> {
+        // Slots asleep have no chunk left to release: they just stop being owed one.
+        let lo = self.asleep.partition_point(|&s| s < begin);
+        let hi = self.asleep.partition_point(|&s| s < end);
+        self.asleep.drain(lo..hi);
         for i in begin..end {
             if let Some(Mapped { chunk, .. }) = self.handles[i as usize].take() {
                 let at = DeviceAddress(self.base + i * self.segment_size);
@@ -243,6 +253,107 @@ impl<D: Device> ExpandableSegment<D> {
             chunk_size: self.segment_size,
             fds,
         })
+    }
+
+    /// Whether any mapped chunk was exported to another process (see [`export`](Self::export)):
+    /// such a chunk may be in use there and is never released while mapped here.
+    pub(crate) fn first_exported(&self) -> Option<DeviceAddress> {
+        self.handles
+            .iter()
+            .position(|h| h.as_ref().is_some_and(|m| m.exported.is_some()))
+            .map(|i| DeviceAddress(self.base + i as u64 * self.segment_size))
+    }
+
+    /// The mapped parts of the range as `(start, length)` runs of consecutive chunks, ascending.
+    pub(crate) fn mapped_runs(&self) -> Vec<(u64, u64)> {
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for (i, h) in self.handles.iter().enumerate() {
+            if h.is_none() {
+                continue;
+            }
+            let at = self.base + i as u64 * self.segment_size;
+            match runs.last_mut() {
+                Some((start, len)) if *start + *len == at => *len += self.segment_size,
+                _ => runs.push((at, self.segment_size)),
+            }
+        }
+        runs
+    }
+
+    /// Bytes of the slots asleep (released by [`sleep`](Self::sleep), owed by
+    /// [`wake`](Self::wake)).
+    pub(crate) fn asleep_bytes(&self) -> u64 {
+        self.asleep.len() as u64 * self.segment_size
+    }
+
+    /// Unmaps and releases every mapped chunk, keeping the address range reserved and each slot
+    /// owed a fresh chunk by [`wake`](Self::wake); returns the bytes released. Stops at the first
+    /// failure (the chunks released before it stay asleep, the rest stay mapped). The caller has
+    /// made sure no queued device work uses the range and that no chunk was exported.
+    pub(crate) fn sleep(&mut self, device: &D) -> DeviceResult<u64> {
+        let mut released = 0;
+        for i in 0..self.handles.len() {
+            let Some(mapped) = self.handles[i].take() else {
+                continue;
+            };
+            debug_assert!(mapped.exported.is_none(), "an exported chunk put to sleep");
+            let at = DeviceAddress(self.base + i as u64 * self.segment_size);
+            // SAFETY: the chunk was mapped at slot `i` by `map` or `wake` with the segment size,
+            // and the caller guarantees no queued work uses it.
+            unsafe { device.unmap(at, self.segment_size as usize, mapped.chunk)? };
+            let slot = i as u64;
+            let pos = self.asleep.partition_point(|&s| s < slot);
+            self.asleep.insert(pos, slot);
+            released += self.segment_size;
+        }
+        Ok(released)
+    }
+
+    /// Maps a fresh chunk (with access set) at every slot asleep; returns the bytes mapped. On a
+    /// failure, the chunks this call mapped are released again (every slot stays asleep) and the
+    /// error is returned: [`DeviceError::OutOfMemory`] when the device has no room for them.
+    pub(crate) fn wake(&mut self, device: &D) -> DeviceResult<u64> {
+        let chunk_size = self.segment_size as usize;
+        let slots = std::mem::take(&mut self.asleep);
+        for (n, &i) in slots.iter().enumerate() {
+            while self.handles.len() as u64 <= i {
+                self.handles.push(None);
+            }
+            let at = DeviceAddress(self.base + i * self.segment_size);
+            let result = device.create_physical(chunk_size).and_then(|chunk| {
+                // SAFETY: slot `i` lies in the range this segment reserved and has nothing mapped
+                // (its chunk was released by `sleep`); the chunk was created with this size.
+                unsafe { device.map(at, chunk_size, &chunk) }.map(|()| chunk)
+            });
+            match result {
+                Ok(chunk) => {
+                    self.handles[i as usize] = Some(Mapped {
+                        chunk,
+                        exported: None,
+                    });
+                }
+                Err(e) => {
+                    for &j in &slots[..n] {
+                        if let Some(Mapped { chunk, .. }) = self.handles[j as usize].take() {
+                            let at = DeviceAddress(self.base + j * self.segment_size);
+                            // SAFETY: mapped just above by this call at slot `j`; nothing used
+                            // it yet.
+                            if let Err(undo) = unsafe { device.unmap(at, chunk_size, chunk) } {
+                                tracing::warn!(%undo, "undoing a partial wake failed");
+                            }
+                        }
+                    }
+                    self.asleep = slots;
+                    return Err(match e {
+                        DeviceError::OutOfMemory { .. } => DeviceError::OutOfMemory {
+                            bytes: self.asleep_bytes(),
+                        },
+                        other => other,
+                    });
+                }
+            }
+        }
+        Ok(slots.len() as u64 * self.segment_size)
     }
 
     /// Releases the reserved range. Every chunk must have been unmapped.

@@ -126,8 +126,8 @@ pub mod stats;
 mod trace;
 
 pub use allocator::{
-    Allocation, CachingAllocator, CheckpointDelta, InvariantViolation, PoolCheckpoint,
-    ShareableSegment, DEFAULT_STREAM_CAPACITY, FAST_PATH_ENV,
+    Allocation, CachingAllocator, CheckpointDelta, HostBackup, InvariantViolation, PoolCheckpoint,
+    ShareableSegment, SleepError, SleepReport, WakeReport, DEFAULT_STREAM_CAPACITY, FAST_PATH_ENV,
 };
 pub use device::{
     CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, StreamId,

@@ -26,6 +26,7 @@ pub(crate) mod policy;
 mod private;
 mod release;
 mod shard;
+mod sleep;
 mod teardown;
 
 use std::collections::BTreeMap;
@@ -51,6 +52,7 @@ use shard::{Shard, ShardGuard, ShardState, StreamTable};
 pub use checkpoint::{CheckpointDelta, PoolCheckpoint};
 pub use export::ShareableSegment;
 pub use invariants::InvariantViolation;
+pub use sleep::{HostBackup, SleepError, SleepReport, WakeReport};
 pub(crate) use private::PrivatePool;
 
 /// An out-of-memory observer as kept (cloned out of the list before being called).
@@ -310,6 +312,8 @@ pub struct CachingAllocator<D: Device> {
     pub(crate) captures_active: CachePadded<AtomicUsize>,
     pub(crate) captures: RwLock<Vec<Capture>>,
     pub(crate) private: Mutex<BTreeMap<MempoolId, PrivatePool>>,
+    /// Private pools asleep or on their way to sleep or to wake (see `sleep`).
+    pub(crate) asleep: sleep::SleepBook,
     pub(crate) counters: CachePadded<Counters>,
     pub(crate) routes: RwLock<BTreeMap<u64, Route>>,
     /// Whether shards index their allocated blocks by pointer (turned on by the first pointer-based
@@ -390,6 +394,7 @@ impl<D: Device> CachingAllocator<D> {
             captures_active: CachePadded::new(AtomicUsize::new(0)),
             captures: RwLock::new(Vec::new()),
             private: Mutex::new(BTreeMap::new()),
+            asleep: sleep::SleepBook::default(),
             counters: CachePadded::new(Counters::default()),
             routes: RwLock::new(BTreeMap::new()),
             pointer_index: AtomicBool::new(false),

@@ -531,4 +531,40 @@ unsafe impl Device for CudaBackend {
     fn export_physical(&self, chunk: &PhysicalChunk) -> DeviceResult<std::os::fd::OwnedFd> {
         chunk.export_fd()
     }
+
+    #[doc(alias = "cuMemcpyDtoH")]
+    unsafe fn copy_to_host(
+        &self,
+        src: DeviceAddress,
+        dst: *mut u8,
+        len: usize,
+    ) -> DeviceResult<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.ctx.make_current()?;
+        // SAFETY: this device's context is current; the caller guarantees `src` is mapped device
+        // memory of `len` bytes no queued work writes and `dst` is valid for writes of `len` bytes.
+        driver::check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(dst.cast(), src.0, len)
+        })
+    }
+
+    #[doc(alias = "cuMemcpyHtoD")]
+    unsafe fn copy_from_host(
+        &self,
+        src: *const u8,
+        dst: DeviceAddress,
+        len: usize,
+    ) -> DeviceResult<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.ctx.make_current()?;
+        // SAFETY: this device's context is current; the caller guarantees `dst` is mapped device
+        // memory of `len` bytes no queued work uses and `src` is valid for reads of `len` bytes.
+        driver::check("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(dst.0, src.cast(), len)
+        })
+    }
 }

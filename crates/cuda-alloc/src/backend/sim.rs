@@ -113,6 +113,10 @@ pub struct SimCounters {
     pub events_recorded: u64,
     /// `synchronize` calls (whole device).
     pub device_synchronizes: u64,
+    /// Bytes copied from the device to the host ([`Device::copy_to_host`]).
+    pub bytes_to_host: u64,
+    /// Bytes copied from the host to the device ([`Device::copy_from_host`]).
+    pub bytes_from_host: u64,
 }
 
 #[derive(Debug, Default)]
@@ -151,6 +155,9 @@ struct SimState {
     fail_releases: bool,
     /// Errors handed to `record_error`, oldest first.
     kept_errors: Vec<DeviceError>,
+    /// The bytes written into physical chunks, by chunk id (made on the first write; a chunk never
+    /// written reads as zeros; dropped with the chunk).
+    contents: HashMap<u64, Vec<u8>>,
     counters: SimCounters,
 }
 
@@ -245,6 +252,28 @@ impl SimState {
         Ok(())
     }
 
+    /// The chunk mapped over `addr`: its id, its size and the offset of `addr` in it.
+    fn mapped_at(&self, call: &'static str, addr: u64) -> DeviceResult<(u64, usize, usize)> {
+        let unmapped = || misuse(call, format!("{addr:#x} is not mapped"));
+        let (&base, reservation) = self
+            .reservations
+            .range(..=addr)
+            .next_back()
+            .ok_or_else(unmapped)?;
+        if addr >= base + reservation.size {
+            return Err(unmapped());
+        }
+        let (&start, &(len, id)) = reservation
+            .mapped
+            .range(..=addr)
+            .next_back()
+            .ok_or_else(unmapped)?;
+        if addr >= start + len {
+            return Err(unmapped());
+        }
+        Ok((id, len as usize, (addr - start) as usize))
+    }
+
     fn is_complete(&self, stream: StreamId, ticket: u64) -> bool {
         ticket == 0
             || self
@@ -301,6 +330,7 @@ impl SimDevice {
                 auto_complete: false,
                 fail_releases: false,
                 kept_errors: Vec::new(),
+                contents: HashMap::new(),
                 counters: SimCounters::default(),
             }),
         }
@@ -393,6 +423,49 @@ impl SimDevice {
     #[must_use]
     pub fn take_kept_errors(&self) -> Vec<DeviceError> {
         std::mem::take(&mut self.state.lock().kept_errors)
+    }
+
+    /// Writes `bytes` into the device memory at `addr`, which must be mapped (it may span chunks):
+    /// the memory model behind [`Device::copy_to_host`] and [`Device::copy_from_host`], for tests
+    /// that check contents survive unmapping and remapping. A chunk never written reads as zeros.
+    ///
+    /// # Errors
+    /// [`DeviceError::Driver`] (code `-1`) if part of the range is not mapped.
+    pub fn write_memory(&self, addr: DeviceAddress, bytes: &[u8]) -> DeviceResult<()> {
+        let mut state = self.state.lock();
+        let mut done = 0;
+        while done < bytes.len() {
+            let at = addr.0 + done as u64;
+            let (id, chunk_size, offset) = state.mapped_at("write_memory", at)?;
+            let n = (chunk_size - offset).min(bytes.len() - done);
+            let data = state
+                .contents
+                .entry(id)
+                .or_insert_with(|| vec![0; chunk_size]);
+            data[offset..offset + n].copy_from_slice(&bytes[done..done + n]);
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Reads `len` bytes of the device memory at `addr`, which must be mapped (see
+    /// [`write_memory`](Self::write_memory)).
+    ///
+    /// # Errors
+    /// [`DeviceError::Driver`] (code `-1`) if part of the range is not mapped.
+    pub fn read_memory(&self, addr: DeviceAddress, len: usize) -> DeviceResult<Vec<u8>> {
+        let state = self.state.lock();
+        let mut out = Vec::with_capacity(len);
+        while out.len() < len {
+            let at = addr.0 + out.len() as u64;
+            let (id, chunk_size, offset) = state.mapped_at("read_memory", at)?;
+            let n = (chunk_size - offset).min(len - out.len());
+            match state.contents.get(&id) {
+                Some(data) => out.extend_from_slice(&data[offset..offset + n]),
+                None => out.resize(out.len() + n, 0),
+            }
+        }
+        Ok(out)
     }
 
     /// How the device has been used so far.
@@ -666,6 +739,40 @@ unsafe impl Device for SimDevice {
         state.used -= chunk.size as u64;
         state.live_chunks -= 1;
         state.counters.unmaps += 1;
+        state.contents.remove(&chunk.id);
+        Ok(())
+    }
+
+    unsafe fn copy_to_host(
+        &self,
+        src: DeviceAddress,
+        dst: *mut u8,
+        len: usize,
+    ) -> DeviceResult<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let bytes = self.read_memory(src, len)?;
+        // SAFETY: the caller guarantees `dst` is valid for writes of `len` bytes; `bytes` holds
+        // exactly `len` bytes and is a fresh vector, so the two cannot overlap.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, len) };
+        self.state.lock().counters.bytes_to_host += len as u64;
+        Ok(())
+    }
+
+    unsafe fn copy_from_host(
+        &self,
+        src: *const u8,
+        dst: DeviceAddress,
+        len: usize,
+    ) -> DeviceResult<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller guarantees `src` is valid for reads of `len` bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(src, len) };
+        self.write_memory(dst, bytes)?;
+        self.state.lock().counters.bytes_from_host += len as u64;
         Ok(())
     }
 

@@ -1,0 +1,565 @@
+//! Pools that sleep and wake: a private pool on expandable segments hands its physical memory back
+//! to the device while every address it handed out stays reserved, and later gets fresh memory at
+//! the same addresses (what vLLM's sleep mode and SGLang's `torch_memory_saver` do to PyTorch's
+//! memory from the outside).
+//!
+//! [`CachingAllocator::sleep_pool`] waits for the device, optionally copies every mapped chunk of
+//! the pool's segments to pinned host memory, then unmaps and releases the chunks
+//! (`cuMemUnmap` + `cuMemRelease`), keeping the reserved ranges. The allocator's books do not
+//! change: blocks stay allocated or free at their addresses, tensors and captured CUDA graphs keep
+//! their pointers. [`CachingAllocator::wake_pool`] maps fresh chunks at the same addresses (with
+//! access set) and copies the contents back.
+//!
+//! # Statistics while asleep
+//!
+//! Reserved and allocated bytes (the allocator's and the pool's) are left as they were: the pool
+//! still owns its blocks and addresses, and they come back as they were. This is what PyTorch's
+//! statistics say under vLLM's `CuMemAllocator` and under `torch_memory_saver`, which release the
+//! memory behind the allocator's back. The memory actually returned shows in the device's free
+//! memory (`cuMemGetInfo`, [`CachingAllocator::device`]`.mem_info()`) and in
+//! [`CachingAllocator::asleep_bytes`].
+//!
+//! # Refusals
+//!
+//! A pool sleeps only when every one of its segments is expandable, none of its chunks was exported
+//! to another process ([`CachingAllocator::shareable_segment`]: that process may be using it), no
+//! capture or `MemPool` context allocates to it and no stream of the allocator is being captured
+//! (sleeping waits for the device). While asleep, allocating to the pool is refused
+//! ([`CachingAllocator::begin_allocate_to_pool`] fails); freeing its blocks is allowed.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use super::CachingAllocator;
+use crate::device::{CaptureStatus, Device, DeviceAddress, StreamId};
+use crate::error::{Error, Result};
+use crate::host::{HostCachingAllocator, PinnedBuffer};
+use crate::pool::PoolOwner;
+use crate::pool_id::MempoolId;
+
+/// The largest pinned buffer one piece of a backup takes (a power of two, so that the host
+/// allocator's rounding wastes nothing).
+const BACKUP_PIECE: u64 = 256 << 20;
+
+/// Where a sleeping pool's contents are kept: pinned host memory from a
+/// [`HostCachingAllocator`] (implemented for it, for `&'static` references to it and for `Arc`s
+/// of it).
+pub trait HostBackup: Send + Sync {
+    /// Pinned host memory of at least `size` bytes.
+    ///
+    /// # Errors
+    /// As [`HostCachingAllocator::allocate`].
+    fn allocate(&self, size: usize) -> Result<PinnedBuffer>;
+
+    /// Gives back memory from [`allocate`](Self::allocate).
+    ///
+    /// # Errors
+    /// As [`HostCachingAllocator::free`].
+    fn free(&self, buffer: PinnedBuffer) -> Result<()>;
+}
+
+impl<H: Device> HostBackup for HostCachingAllocator<H> {
+    fn allocate(&self, size: usize) -> Result<PinnedBuffer> {
+        HostCachingAllocator::allocate(self, size)
+    }
+    fn free(&self, buffer: PinnedBuffer) -> Result<()> {
+        HostCachingAllocator::free(self, buffer)
+    }
+}
+
+impl<T: HostBackup + ?Sized> HostBackup for &'static T {
+    fn allocate(&self, size: usize) -> Result<PinnedBuffer> {
+        (**self).allocate(size)
+    }
+    fn free(&self, buffer: PinnedBuffer) -> Result<()> {
+        (**self).free(buffer)
+    }
+}
+
+impl<T: HostBackup + ?Sized> HostBackup for Arc<T> {
+    fn allocate(&self, size: usize) -> Result<PinnedBuffer> {
+        (**self).allocate(size)
+    }
+    fn free(&self, buffer: PinnedBuffer) -> Result<()> {
+        (**self).free(buffer)
+    }
+}
+
+/// Why a pool could not sleep or wake (nothing was changed unless said otherwise).
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SleepError {
+    /// No private pool of that id exists (the default pools never sleep).
+    #[error("pool {pool} is not a private pool of this allocator; only private pools (MemPool, graph pools) sleep")]
+    NoSuchPool {
+        /// The pool named.
+        pool: MempoolId,
+    },
+    /// The pool has a segment that is not expandable: its memory cannot be released at a kept
+    /// address.
+    #[error(
+        "pool {pool} has a segment at {segment} that is not expandable; only pools on expandable \
+         segments sleep (set expandable_segments:True before the pool allocates)"
+    )]
+    NotExpandable {
+        /// The pool named.
+        pool: MempoolId,
+        /// The start of a segment that is not expandable.
+        segment: DeviceAddress,
+    },
+    /// A chunk of the pool was exported to another process, which may be using it.
+    #[error(
+        "pool {pool} has memory shared with another process (the chunk at {chunk} was exported); \
+         it cannot sleep until the shared allocation is freed and its chunks released (empty_cache)"
+    )]
+    Shared {
+        /// The pool named.
+        pool: MempoolId,
+        /// The start of an exported chunk.
+        chunk: DeviceAddress,
+    },
+    /// A capture or a `MemPool` context is allocating to the pool.
+    #[error(
+        "pool {pool} is being allocated to (a graph capture or a MemPool context is underway); end \
+         it before the pool sleeps"
+    )]
+    AllocatingTo {
+        /// The pool named.
+        pool: MempoolId,
+    },
+    /// A stream of this allocator is being captured into a graph: sleeping waits for the device,
+    /// which a capture forbids.
+    #[error("stream {stream} is being captured into a CUDA graph; pool {pool} cannot sleep during a capture")]
+    Capturing {
+        /// The pool named.
+        pool: MempoolId,
+        /// A stream being captured.
+        stream: StreamId,
+    },
+    /// The pool is asleep (or on its way to sleep or to wake): allocating to it, or putting it to
+    /// sleep again, is refused.
+    #[error("pool {pool} is asleep; wake it before allocating from it or putting it to sleep")]
+    Asleep {
+        /// The pool named.
+        pool: MempoolId,
+    },
+    /// The pool is not asleep: there is nothing to wake.
+    #[error("pool {pool} is not asleep; there is nothing to wake")]
+    NotAsleep {
+        /// The pool named.
+        pool: MempoolId,
+    },
+}
+
+/// What [`CachingAllocator::sleep_pool`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct SleepReport {
+    /// Bytes of physical memory unmapped and released to the device.
+    pub released_bytes: u64,
+    /// Bytes copied to pinned host memory (0 when the contents were discarded).
+    pub backed_up_bytes: u64,
+    /// Expandable segments (stream and size-class parts of the pool) that slept.
+    pub segments: usize,
+}
+
+/// What [`CachingAllocator::wake_pool`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct WakeReport {
+    /// Bytes of fresh physical memory mapped at the pool's addresses.
+    pub mapped_bytes: u64,
+    /// Bytes copied back from pinned host memory (0 when the contents were discarded).
+    pub restored_bytes: u64,
+}
+
+/// A sleeping pool's backup: pinned pieces and the device addresses they were copied from.
+pub(crate) struct Backup {
+    host: Box<dyn HostBackup>,
+    pieces: Vec<(u64, PinnedBuffer)>,
+}
+
+impl Backup {
+    fn bytes(&self) -> u64 {
+        self.pieces.iter().map(|(_, b)| b.len() as u64).sum()
+    }
+
+    /// Gives every piece back to the host allocator (logging failures: the memory is pinned host
+    /// memory the host allocator keeps either way).
+    fn give_back(self) {
+        for (_, buffer) in self.pieces {
+            if let Err(error) = self.host.free(buffer) {
+                tracing::warn!(%error, "giving a sleeping pool's backup back to the host allocator failed");
+            }
+        }
+    }
+}
+
+/// The state of a pool that is not plainly awake.
+pub(crate) enum Asleep {
+    /// `sleep_pool` or `wake_pool` is under way.
+    Changing,
+    /// Asleep: the segments that slept (shard index, segment slot, segment base) and the backup.
+    Sleeping {
+        segments: Vec<(u32, usize, u64)>,
+        released: u64,
+        backup: Option<Backup>,
+    },
+}
+
+/// Sleeping pools by id.
+pub(crate) type SleepBook = parking_lot::Mutex<BTreeMap<MempoolId, Asleep>>;
+
+impl<D: Device> CachingAllocator<D> {
+    /// Puts private pool `pool` to sleep: waits for the device, copies the bytes of every mapped
+    /// chunk of its segments to pinned host memory from `keep` (when given), then unmaps and
+    /// releases every chunk, keeping the address ranges reserved and the blocks where they are
+    /// (see the [module documentation](self) for statistics). Every allocator call waits while it
+    /// runs.
+    ///
+    /// # Errors
+    /// [`Error::Sleep`] when the pool cannot sleep ([`SleepError`]); [`Error::Device`] when waiting,
+    /// copying or releasing fails, and [`Error::Device`]/[`Error::TooLarge`] when the pinned
+    /// memory cannot be had. A failure before the release changes nothing; one during the release
+    /// leaves the pool asleep with the chunks released so far (waking maps them again).
+    pub fn sleep_pool(
+        &self,
+        pool: MempoolId,
+        keep: Option<Box<dyn HostBackup>>,
+    ) -> Result<SleepReport> {
+        if !self.private.lock().contains_key(&pool) {
+            return Err(SleepError::NoSuchPool { pool }.into());
+        }
+        {
+            let mut book = self.asleep.lock();
+            if book.contains_key(&pool) {
+                return Err(SleepError::Asleep { pool }.into());
+            }
+            // From here `begin_allocate_to_pool` refuses the pool; a capture that began before is
+            // in the list checked next.
+            book.insert(pool, Asleep::Changing);
+        }
+        match self.sleep_now(pool, keep) {
+            Ok((state, report)) => {
+                self.asleep.lock().insert(pool, state);
+                Ok(report)
+            }
+            Err((state, error)) => {
+                let mut book = self.asleep.lock();
+                match state {
+                    Some(state) => book.insert(pool, state),
+                    None => book.remove(&pool),
+                };
+                Err(error)
+            }
+        }
+    }
+
+    /// The work of [`sleep_pool`](Self::sleep_pool) once the pool is marked as changing. On
+    /// failure, the state to leave the pool in (`None`: awake).
+    #[allow(clippy::type_complexity)] // a pair and its failure, each used once
+    fn sleep_now(
+        &self,
+        pool: MempoolId,
+        keep: Option<Box<dyn HostBackup>>,
+    ) -> std::result::Result<(Asleep, SleepReport), (Option<Asleep>, Error)> {
+        let refuse = |e: SleepError| (None, Error::from(e));
+        if self.captures.read().iter().any(|c| c.pool == pool) {
+            return Err(refuse(SleepError::AllocatingTo { pool }));
+        }
+        let (_pass, mut locks) = self.lock_all();
+        let device = &self.device;
+        for locked in &locks {
+            let stream = locked.shard.stream;
+            match device
+                .capture_status(stream)
+                .map_err(|e| (None, e.into()))?
+            {
+                CaptureStatus::None => {}
+                CaptureStatus::Active { .. } | CaptureStatus::Invalidated => {
+                    return Err(refuse(SleepError::Capturing { pool, stream }));
+                }
+            }
+        }
+        // The pool's segments, and the checks that they can sleep.
+        let mut targets: Vec<(usize, usize)> = Vec::new();
+        for (li, locked) in locks.iter().enumerate() {
+            let st = &locked.st;
+            let owned: Vec<u16> = (0..st.pools.len() as u16)
+                .filter(|&i| st.pools[i as usize].owner == PoolOwner::Private(pool))
+                .collect();
+            if owned.is_empty() {
+                continue;
+            }
+            let mut slots: Vec<usize> = Vec::new();
+            for (_, block) in st.blocks.iter() {
+                if !owned.contains(&block.pool) {
+                    continue;
+                }
+                if !block.is_expandable() {
+                    let mut first = block;
+                    while first.prev != crate::block::NIL {
+                        first = &st.blocks[first.prev];
+                    }
+                    return Err(refuse(SleepError::NotExpandable {
+                        pool,
+                        segment: DeviceAddress(first.addr),
+                    }));
+                }
+                slots.push(block.expandable as usize);
+            }
+            slots.sort_unstable();
+            slots.dedup();
+            for slot in slots {
+                let segment = st.segments[slot]
+                    .as_ref()
+                    .expect("an expandable block's segment is live");
+                if let Some(chunk) = segment.first_exported() {
+                    return Err(refuse(SleepError::Shared { pool, chunk }));
+                }
+                targets.push((li, slot));
+            }
+        }
+        device.synchronize().map_err(|e| (None, e.into()))?;
+        let backup = match keep {
+            None => None,
+            Some(host) => {
+                let mut backup = Backup {
+                    host,
+                    pieces: Vec::new(),
+                };
+                for &(li, slot) in &targets {
+                    let segment = locks[li].st.segments[slot].as_ref().expect("live");
+                    for (start, len) in segment.mapped_runs() {
+                        if let Err(e) = copy_out(device, &mut backup, start, len) {
+                            backup.give_back();
+                            return Err((None, e));
+                        }
+                    }
+                }
+                Some(backup)
+            }
+        };
+        let backed_up_bytes = backup.as_ref().map_or(0, Backup::bytes);
+        let mut report = SleepReport {
+            released_bytes: 0,
+            backed_up_bytes,
+            segments: targets.len(),
+        };
+        let mut segments = Vec::with_capacity(targets.len());
+        let mut failure = None;
+        for &(li, slot) in &targets {
+            let shard = locks[li].shard.index;
+            let segment = locks[li].st.segments[slot].as_mut().expect("live");
+            segments.push((shard, slot, segment.base()));
+            match segment.sleep(device) {
+                Ok(bytes) => report.released_bytes += bytes,
+                Err(e) => {
+                    report.released_bytes += segment.asleep_bytes();
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        drop(locks);
+        let state = Asleep::Sleeping {
+            segments,
+            released: report.released_bytes,
+            backup,
+        };
+        tracing::debug!(
+            target: "tensormem_cuda_alloc",
+            %pool,
+            released = report.released_bytes,
+            backed_up = report.backed_up_bytes,
+            "a pool went to sleep"
+        );
+        match failure {
+            None => Ok((state, report)),
+            Some(e) => Err((Some(state), e.into())),
+        }
+    }
+
+    /// Wakes private pool `pool`: maps fresh physical memory (with access set) at every address
+    /// whose chunk [`sleep_pool`](Self::sleep_pool) released, copies the kept contents back and
+    /// gives the pinned memory back to its host allocator. Blocks freed while asleep and released
+    /// by `empty_cache` meanwhile are not mapped again. Every allocator call waits while it runs.
+    ///
+    /// # Errors
+    /// [`Error::Sleep`] ([`SleepError::NotAsleep`], or [`SleepError::Asleep`] while another call
+    /// is putting it to sleep or waking it); [`Error::Device`] when the device has no room for the
+    /// memory ([`DeviceError::OutOfMemory`](crate::DeviceError::OutOfMemory); the pool stays
+    /// asleep, nothing changed) or a driver call fails. A failure while copying back leaves the
+    /// pool awake with its contents undefined.
+    pub fn wake_pool(&self, pool: MempoolId) -> Result<WakeReport> {
+        let (segments, released, backup) = {
+            let mut book = self.asleep.lock();
+            match book.get(&pool) {
+                None => return Err(SleepError::NotAsleep { pool }.into()),
+                Some(Asleep::Changing) => return Err(SleepError::Asleep { pool }.into()),
+                Some(Asleep::Sleeping { .. }) => {}
+            }
+            let Some(Asleep::Sleeping {
+                segments,
+                released,
+                backup,
+            }) = book.insert(pool, Asleep::Changing)
+            else {
+                unreachable!("checked above")
+            };
+            (segments, released, backup)
+        };
+        let mut locks = self.lock_all();
+        let device = &self.device;
+        let mut report = WakeReport::default();
+        let mut woken: Vec<(usize, usize)> = Vec::new();
+        for &(shard, slot, base) in &segments {
+            let Some(li) = locks.1.iter().position(|l| l.shard.index == shard) else {
+                continue;
+            };
+            let Some(segment) = locks.1[li]
+                .st
+                .segments
+                .get_mut(slot)
+                .and_then(Option::as_mut)
+            else {
+                continue;
+            };
+            if segment.base() != base {
+                continue;
+            }
+            match segment.wake(device) {
+                Ok(bytes) => {
+                    report.mapped_bytes += bytes;
+                    woken.push((li, slot));
+                }
+                Err(e) => {
+                    for &(li, slot) in &woken {
+                        let segment = locks.1[li].st.segments[slot].as_mut().expect("live");
+                        if let Err(undo) = segment.sleep(device) {
+                            tracing::warn!(%undo, "putting a partly woken pool back to sleep failed");
+                        }
+                    }
+                    drop(locks);
+                    self.asleep.lock().insert(
+                        pool,
+                        Asleep::Sleeping {
+                            segments,
+                            released,
+                            backup,
+                        },
+                    );
+                    return Err(e.into());
+                }
+            }
+        }
+        // The ranges still mapped after `empty_cache` meanwhile: copy back only into those.
+        let mapped: Vec<(u64, u64)> = woken
+            .iter()
+            .flat_map(|&(li, slot)| {
+                locks.1[li].st.segments[slot]
+                    .as_ref()
+                    .expect("live")
+                    .mapped_runs()
+            })
+            .collect();
+        let result = match &backup {
+            None => Ok(()),
+            Some(backup) => copy_back(device, backup, &mapped, &mut report),
+        };
+        drop(locks);
+        self.asleep.lock().remove(&pool);
+        if let Some(backup) = backup {
+            backup.give_back();
+        }
+        result?;
+        tracing::debug!(
+            target: "tensormem_cuda_alloc",
+            %pool,
+            mapped = report.mapped_bytes,
+            restored = report.restored_bytes,
+            "a pool woke"
+        );
+        Ok(report)
+    }
+
+    /// Whether `pool` is asleep (or on its way to sleep or to wake).
+    #[must_use]
+    pub fn is_pool_asleep(&self, pool: MempoolId) -> bool {
+        self.asleep.lock().contains_key(&pool)
+    }
+
+    /// Bytes of physical memory released by sleeping pools (all of them, or `pool`'s), which the
+    /// reserved statistics still count (see the [module documentation](self)).
+    #[must_use]
+    pub fn asleep_bytes(&self, pool: Option<MempoolId>) -> u64 {
+        self.asleep
+            .lock()
+            .iter()
+            .filter(|(id, _)| pool.is_none_or(|p| p == **id))
+            .map(|(_, state)| match state {
+                Asleep::Changing => 0,
+                Asleep::Sleeping { released, .. } => *released,
+            })
+            .sum()
+    }
+
+    /// Refuses to allocate to `pool` while it is asleep (called by `begin_allocate_to_pool` with
+    /// the capture list's write lock held).
+    ///
+    /// # Errors
+    /// [`Error::Sleep`] with [`SleepError::Asleep`].
+    pub(crate) fn refuse_if_asleep(&self, pool: MempoolId) -> Result<()> {
+        if self.asleep.lock().contains_key(&pool) {
+            return Err(SleepError::Asleep { pool }.into());
+        }
+        Ok(())
+    }
+}
+
+/// Copies `[start, start + len)` to pinned pieces of `backup`.
+fn copy_out<D: Device>(device: &D, backup: &mut Backup, start: u64, len: u64) -> Result<()> {
+    let mut at = start;
+    let end = start + len;
+    while at < end {
+        let left = end - at;
+        let piece = if left >= BACKUP_PIECE {
+            BACKUP_PIECE
+        } else {
+            1 << (63 - left.leading_zeros())
+        };
+        let mut buffer = backup.host.allocate(piece as usize)?;
+        let dst = buffer.as_mut_slice().as_mut_ptr();
+        // SAFETY: `[at, at + piece)` lies in chunks mapped in this pool's segment, and the device
+        // was synchronized with every lock held, so no queued work writes it; `dst` is the pinned
+        // buffer of `piece` bytes owned here.
+        let copied = unsafe { device.copy_to_host(DeviceAddress(at), dst, piece as usize) };
+        backup.pieces.push((at, buffer));
+        copied?;
+        at += piece;
+    }
+    Ok(())
+}
+
+/// Copies the pieces of `backup` back, into the parts of them inside the `mapped` runs.
+fn copy_back<D: Device>(
+    device: &D,
+    backup: &Backup,
+    mapped: &[(u64, u64)],
+    report: &mut WakeReport,
+) -> Result<()> {
+    for (at, buffer) in &backup.pieces {
+        let (lo, hi) = (*at, *at + buffer.len() as u64);
+        for &(start, len) in mapped {
+            let (from, to) = (lo.max(start), hi.min(start + len));
+            if from >= to {
+                continue;
+            }
+            let offset = (from - lo) as usize;
+            let bytes = &buffer.as_slice()[offset..offset + (to - from) as usize];
+            // SAFETY: `[from, to)` lies in a run of chunks this call mapped and nothing has used
+            // yet (every allocator lock is held); `bytes` is valid for reads of that length.
+            unsafe { device.copy_from_host(bytes.as_ptr(), DeviceAddress(from), bytes.len())? };
+            report.restored_bytes += bytes.len() as u64;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,291 @@
+//! Pools that sleep and wake: chunks released and mapped again at the same addresses, contents
+//! kept through pinned host memory when asked, and the refusals.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use tensormem_cuda_alloc::backend::sim::SimDevice;
+use tensormem_cuda_alloc::host::{HeapSource, HostCachingAllocator};
+use tensormem_cuda_alloc::{
+    CachingAllocator, Device, DeviceError, Error, HostBackup, MempoolId, SleepError,
+};
+
+const POOL: MempoolId = MempoolId(0, 7);
+
+fn host() -> Box<dyn HostBackup> {
+    Box::new(Arc::new(HostCachingAllocator::new(
+        SimDevice::new(GIB as u64),
+        HeapSource,
+    )))
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+/// An allocator on expandable segments with `POOL` holding a 30 MiB and a 100 KiB block (one
+/// segment of each size class), filled with patterns.
+fn pool_with_data() -> (
+    CachingAllocator<SimDevice>,
+    tensormem_cuda_alloc::Allocation,
+    tensormem_cuda_alloc::Allocation,
+) {
+    let a = sim_with("expandable_segments:True", GIB);
+    a.create_or_incref_pool(POOL).unwrap();
+    a.begin_allocate_to_pool(POOL, |_| true).unwrap();
+    let big = a.allocate(30 * MIB, S0).unwrap();
+    let small = a.allocate(100 * KIB, S0).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    a.device()
+        .write_memory(big.ptr(), &pattern(1, big.size()))
+        .unwrap();
+    a.device()
+        .write_memory(small.ptr(), &pattern(2, small.size()))
+        .unwrap();
+    (a, big, small)
+}
+
+#[test]
+fn a_pool_sleeps_and_wakes_with_its_contents_at_the_same_addresses() {
+    let (a, big, small) = pool_with_data();
+    // Memory of the default pool is left alone.
+    let other = a.allocate(10 * MIB, S1).unwrap();
+    let before = checked(&a);
+    let mapped = a.device().counters().mapped_bytes;
+    let free_before = a.device().mem_info().unwrap().free;
+
+    let report = a.sleep_pool(POOL, Some(host())).unwrap();
+    // 40 MiB of the large segment (two 20 MiB chunks) and 2 MiB of the small one.
+    assert_eq!(report.released_bytes, 42 * MIB as u64);
+    assert_eq!(report.backed_up_bytes, 42 * MIB as u64);
+    assert_eq!(report.segments, 2);
+    assert!(a.is_pool_asleep(POOL));
+    assert_eq!(a.asleep_bytes(Some(POOL)), report.released_bytes);
+    assert_eq!(a.asleep_bytes(None), report.released_bytes);
+    let c = a.device().counters();
+    assert_eq!(c.mapped_bytes, mapped - report.released_bytes);
+    assert_eq!(
+        a.device().mem_info().unwrap().free,
+        free_before + report.released_bytes
+    );
+    assert!(
+        a.device().read_memory(big.ptr(), 16).is_err(),
+        "nothing is mapped under the pool"
+    );
+    // The books do not change: reserved and allocated stay as they were.
+    let asleep = checked(&a);
+    assert_eq!(
+        asleep.reserved_bytes.all.current,
+        before.reserved_bytes.all.current
+    );
+    assert_eq!(
+        asleep.allocated_bytes.all.current,
+        before.allocated_bytes.all.current
+    );
+
+    let woke = a.wake_pool(POOL).unwrap();
+    assert_eq!(woke.mapped_bytes, report.released_bytes);
+    assert_eq!(woke.restored_bytes, report.backed_up_bytes);
+    assert!(!a.is_pool_asleep(POOL));
+    assert_eq!(a.device().counters().mapped_bytes, mapped);
+    assert_eq!(
+        a.device().read_memory(big.ptr(), big.size()).unwrap(),
+        pattern(1, big.size())
+    );
+    assert_eq!(
+        a.device().read_memory(small.ptr(), small.size()).unwrap(),
+        pattern(2, small.size())
+    );
+    assert_eq!(
+        checked(&a).reserved_bytes.all.current,
+        before.reserved_bytes.all.current
+    );
+    // The pool is usable again: its blocks free, it allocates.
+    a.free(big).unwrap();
+    a.free(small).unwrap();
+    a.begin_allocate_to_pool(POOL, |_| true).unwrap();
+    let again = a.allocate(30 * MIB, S0).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    a.free(again).unwrap();
+    a.free(other).unwrap();
+    checked(&a);
+}
+
+#[test]
+fn sleeping_without_contents_releases_the_memory_and_wakes_to_fresh_chunks() {
+    let (a, big, small) = pool_with_data();
+    let report = a.sleep_pool(POOL, None).unwrap();
+    assert_eq!(report.backed_up_bytes, 0);
+    assert_eq!(a.device().counters().bytes_to_host, 0);
+    let woke = a.wake_pool(POOL).unwrap();
+    assert_eq!(woke.restored_bytes, 0);
+    assert_eq!(
+        a.device().read_memory(big.ptr(), 4096).unwrap(),
+        vec![0; 4096],
+        "fresh chunks"
+    );
+    a.free(big).unwrap();
+    a.free(small).unwrap();
+    checked(&a);
+}
+
+#[test]
+fn blocks_freed_and_released_while_asleep_are_not_mapped_again() {
+    let (a, big, small) = pool_with_data();
+    let mapped = a.device().counters().mapped_bytes;
+    a.sleep_pool(POOL, Some(host())).unwrap();
+    a.free(big).unwrap();
+    // Its users (the pool's maker and the capture) give it up: its free memory may go.
+    a.release_pool(POOL).unwrap();
+    a.release_pool(POOL).unwrap();
+    a.empty_cache().unwrap();
+    checked(&a);
+    let woke = a.wake_pool(POOL).unwrap();
+    assert_eq!(
+        woke.mapped_bytes,
+        2 * MIB as u64,
+        "only the small block's chunk"
+    );
+    assert_eq!(woke.restored_bytes, 2 * MIB as u64);
+    assert_eq!(a.device().counters().mapped_bytes, mapped - 40 * MIB as u64);
+    assert_eq!(
+        a.device().read_memory(small.ptr(), small.size()).unwrap(),
+        pattern(2, small.size())
+    );
+    a.free(small).unwrap();
+    a.empty_cache().unwrap();
+    let s = checked(&a);
+    assert_eq!(s.reserved_bytes.all.current, 0);
+    assert_eq!(a.device().counters().mapped_bytes, 0);
+}
+
+fn sleep_error(result: Result<impl std::fmt::Debug, Error>) -> SleepError {
+    match result {
+        Err(Error::Sleep(e)) => e,
+        other => panic!("expected a sleep error, got {other:?}"),
+    }
+}
+
+#[test]
+fn asleep_pools_refuse_allocation_second_sleeps_and_needless_wakes() {
+    let (a, big, small) = pool_with_data();
+    assert_eq!(
+        sleep_error(a.wake_pool(POOL)),
+        SleepError::NotAsleep { pool: POOL }
+    );
+    a.sleep_pool(POOL, None).unwrap();
+    assert_eq!(
+        sleep_error(a.sleep_pool(POOL, None)),
+        SleepError::Asleep { pool: POOL }
+    );
+    assert_eq!(
+        sleep_error(a.begin_allocate_to_pool(POOL, |_| true)),
+        SleepError::Asleep { pool: POOL }
+    );
+    a.wake_pool(POOL).unwrap();
+    assert_eq!(
+        sleep_error(a.wake_pool(POOL)),
+        SleepError::NotAsleep { pool: POOL }
+    );
+    assert_eq!(
+        sleep_error(a.sleep_pool(MempoolId::DEFAULT, None)),
+        SleepError::NoSuchPool {
+            pool: MempoolId::DEFAULT
+        }
+    );
+    a.free(big).unwrap();
+    a.free(small).unwrap();
+}
+
+#[test]
+fn a_pool_being_allocated_to_or_captured_does_not_sleep() {
+    let (a, big, small) = pool_with_data();
+    a.begin_allocate_to_pool(POOL, |_| true).unwrap();
+    assert_eq!(
+        sleep_error(a.sleep_pool(POOL, None)),
+        SleepError::AllocatingTo { pool: POOL }
+    );
+    a.end_allocate_to_pool(POOL).unwrap();
+    a.device().begin_capture(S0);
+    assert_eq!(
+        sleep_error(a.sleep_pool(POOL, None)),
+        SleepError::Capturing {
+            pool: POOL,
+            stream: S0
+        }
+    );
+    a.device().end_capture(S0);
+    assert!(!a.is_pool_asleep(POOL), "a refusal changes nothing");
+    a.sleep_pool(POOL, None).unwrap();
+    a.wake_pool(POOL).unwrap();
+    a.free(big).unwrap();
+    a.free(small).unwrap();
+}
+
+#[test]
+fn memory_shared_with_another_process_does_not_sleep() {
+    let (a, big, small) = pool_with_data();
+    let _shared = a.shareable_segment(big.ptr()).unwrap();
+    match sleep_error(a.sleep_pool(POOL, None)) {
+        SleepError::Shared { pool, chunk } => {
+            assert_eq!(pool, POOL);
+            assert_eq!(chunk, big.ptr());
+        }
+        other => panic!("{other:?}"),
+    }
+    // Once the shared block is freed and its chunks released, the pool sleeps.
+    a.free(big).unwrap();
+    // Its users (the pool's maker and the capture) give it up: its free memory may go.
+    a.release_pool(POOL).unwrap();
+    a.release_pool(POOL).unwrap();
+    a.empty_cache().unwrap();
+    a.sleep_pool(POOL, None).unwrap();
+    a.wake_pool(POOL).unwrap();
+    a.free(small).unwrap();
+}
+
+#[test]
+fn a_pool_not_on_expandable_segments_does_not_sleep() {
+    let a = sim(GIB);
+    a.create_or_incref_pool(POOL).unwrap();
+    a.begin_allocate_to_pool(POOL, |_| true).unwrap();
+    let x = a.allocate(30 * MIB, S0).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    match sleep_error(a.sleep_pool(POOL, None)) {
+        SleepError::NotExpandable { pool, segment } => {
+            assert_eq!(pool, POOL);
+            assert_eq!(segment, x.ptr());
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(!a.is_pool_asleep(POOL));
+    a.free(x).unwrap();
+}
+
+#[test]
+fn a_wake_without_room_leaves_the_pool_asleep() {
+    let (a, big, small) = pool_with_data();
+    let report = a.sleep_pool(POOL, Some(host())).unwrap();
+    let used = a.device().counters().used_bytes;
+    a.device().set_capacity(used + 10 * MIB as u64);
+    match a.wake_pool(POOL) {
+        Err(Error::Device(DeviceError::OutOfMemory { .. })) => {}
+        other => panic!("expected out of memory, got {other:?}"),
+    }
+    assert!(a.is_pool_asleep(POOL));
+    assert_eq!(a.device().counters().used_bytes, used, "nothing kept");
+    a.device().set_capacity(GIB as u64);
+    let woke = a.wake_pool(POOL).unwrap();
+    assert_eq!(woke.mapped_bytes, report.released_bytes);
+    assert_eq!(
+        a.device().read_memory(big.ptr(), big.size()).unwrap(),
+        pattern(1, big.size())
+    );
+    a.free(big).unwrap();
+    a.free(small).unwrap();
+    checked(&a);
+}
