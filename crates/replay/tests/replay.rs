@@ -9,7 +9,7 @@ use tensormem_cuda_alloc::snapshot::{Snapshot, TraceAction, TraceEntry};
 use tensormem_cuda_alloc::{CachingAllocator, StreamId, DEFAULT_STREAM_CAPACITY};
 use tensormem_replay::{ExpectedStats, Replay, RunOptions};
 
-const TRACES: [&str; 25] = [
+const TRACES: [&str; 26] = [
     "gpt2_train",
     "gpt2_train__expandable_segments-True",
     "multistream",
@@ -35,6 +35,7 @@ const TRACES: [&str; 25] = [
     "compile_ro_keep",
     "compile_ro_keep_mix",
     "compile_ro_keep__expandable_segments-True",
+    "compile_ro__expandable_segments-True",
 ];
 
 fn traces_dir() -> PathBuf {
@@ -312,7 +313,12 @@ fn cuda_graph_trees_replay_exactly() {
 /// and the replay restores the pool through the allocator's checkpoint API.
 #[test]
 fn checkpoint_restores_of_cuda_graph_trees_replay_exactly() {
-    for (name, restores) in [("compile_ro", 3), ("compile_ro_keep_mix", 1)] {
+    for (name, restores) in [
+        ("compile_ro", 3),
+        ("compile_ro_keep_mix", 1),
+        // The pool's expandable segments are checkpointed where they are mapped.
+        ("compile_ro__expandable_segments-True", 3),
+    ] {
         exact(name);
         let (snapshot, _) = load(name);
         let run = Replay::new(&snapshot).unwrap().run_recorded().unwrap();
