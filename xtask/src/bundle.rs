@@ -26,6 +26,7 @@ const BENCH_BINS: &[(&str, &str)] = &[
     ("tensormem-benches", "host_probe"),
     ("tensormem-benches", "ipc_roundtrip"),
     ("tensormem-benches", "handoff_bench"),
+    ("tensormem-benches", "nccl_pool_bench"),
     ("tensormem-benches", "pinned_patterns"),
     ("tensormem-benches", "shm_bench"),
     ("tensormem-benches", "shm_pool_bench"),
@@ -419,6 +420,12 @@ if python3 -c 'import torch' >/dev/null 2>&1; then
 else
   echo "run.sh: python3 -c 'import torch' failed: PyTorch interop checks will skip"
 fi
+# NCCL for the NCCL tests: the library PyTorch's wheels ship, when no other is on the loader's path.
+nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
+if [ -n "$nccl_lib" ] && [ -d "$nccl_lib" ]; then
+  export LD_LIBRARY_PATH="$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+export NCCL_NVLS_ENABLE=0
 failed=()
 for t in "$here"/tests/*; do
   echo "== $(basename "$t")"

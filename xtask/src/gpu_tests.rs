@@ -21,6 +21,7 @@ pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] = &[
     ("tensormem-torch", "torch_client"),
     ("tensormem-torch", "real_clients"),
     ("tensormem-torch", "native_abi"),
+    ("tensormem-nccl", "gpu"),
 ];
 
 /// Examples that run on a GPU as checks: (package, example). Each skips with a message when there is

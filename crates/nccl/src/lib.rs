@@ -1,0 +1,300 @@
+//! Memory of tensormem's CUDA caching allocator registered with an NCCL communicator: every
+//! segment (and every mapped range of an expandable segment) registered with `ncclCommRegister`
+//! as the allocator makes it and deregistered with `ncclCommDeregister` when the allocator lets it
+//! go, so that collectives on tensors from the allocator take NCCL's registered (zero-copy) paths.
+//! This is what PyTorch's `ProcessGroupNCCL` does through the allocator's trace tracker; here it
+//! works for a Rust program that drives NCCL through `cudarc::nccl`.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use cudarc::nccl::{result, sys};
+//! use tensormem_cuda_alloc::backend::cuda::CudaBackend;
+//! use tensormem_cuda_alloc::{CachingAllocator, StreamId};
+//! use tensormem_nccl::Registration;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // Two devices driven from one process: one communicator and one allocator each.
+//! let mut comms = vec![std::ptr::null_mut(); 2];
+//! // SAFETY: `comms` has room for two communicators; devices 0 and 1 exist.
+//! unsafe { result::comm_init_all(comms.as_mut_ptr(), 2, [0, 1].as_ptr()) }
+//!     .map_err(|e| format!("ncclCommInitAll: {e:?}"))?;
+//! let mut registrations = Vec::new();
+//! for (device, &comm) in comms.iter().enumerate() {
+//!     let allocator = Arc::new(CachingAllocator::new(CudaBackend::new(device as u32)?));
+//!     // SAFETY: `comm` is a live communicator of `device`, destroyed only after the registration.
+//!     registrations.push(unsafe { Registration::new(&allocator, comm)? });
+//!     let buffer = allocator.allocate(64 << 20, StreamId::DEFAULT)?; // registered with NCCL
+//!     // ... ncclAllReduce on `buffer` through cudarc::nccl::result::all_reduce ...
+//!     allocator.free(buffer)?;
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! # What is registered, and when
+//!
+//! - On [`Registration::new`]: every segment the allocator holds (each run of mapped blocks of an
+//!   expandable segment), then every segment made later: `segment_alloc` and `segment_map` trace
+//!   events. A failed registration is kept as an error ([`Registration::errors`]) and logged; the
+//!   memory is still usable, on NCCL's unregistered path.
+//! - `segment_free` and `segment_unmap` deregister what they release; the allocator records
+//!   `segment_free` before it frees the memory (as PyTorch does), so NCCL lets go of a registration
+//!   before its memory goes back to the driver. A registration of which only part is unmapped is
+//!   deregistered and its remaining parts registered again.
+//! - Dropping the [`Registration`] deregisters everything it registered; the allocator then
+//!   carries on without registering (its tracker stays attached and does nothing).
+//!
+//! The tracker runs on the allocating thread with the allocator's locks held (PyTorch's contract):
+//! NCCL's registration calls do not call back into the allocator.
+
+use std::collections::BTreeMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use cudarc::nccl::sys;
+use parking_lot::Mutex;
+use tensormem_cuda_alloc::backend::cuda::CudaBackend;
+use tensormem_cuda_alloc::snapshot::{TraceAction, TraceEntry};
+use tensormem_cuda_alloc::CachingAllocator;
+
+/// What can go wrong registering memory with NCCL.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An NCCL call failed.
+    #[error(
+        "{call}({addr:#x}, {size} bytes) failed: {result}; check that the communicator lives on \
+         the allocator's device and that NCCL supports buffer registration (2.19 or later)"
+    )]
+    Nccl {
+        /// The call, `ncclCommRegister` or `ncclCommDeregister`.
+        call: &'static str,
+        /// The range concerned.
+        addr: u64,
+        /// Its size in bytes.
+        size: u64,
+        /// NCCL's result code, as text.
+        result: String,
+    },
+    /// The communicator is null.
+    #[error("the NCCL communicator is null; pass one from ncclCommInitRank or ncclCommInitAll")]
+    NullCommunicator,
+}
+
+/// The crate's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// One registered range: its size and NCCL's handle.
+#[derive(Debug, Clone, Copy)]
+struct Registered {
+    size: u64,
+    handle: usize,
+}
+
+#[derive(Debug)]
+struct Inner {
+    /// The communicator (`ncclComm_t`), as an address so that the state is `Send`.
+    comm: usize,
+    /// Whether the tracker still acts (false once the registration is dropped).
+    active: AtomicBool,
+    /// Registered ranges by start address.
+    ranges: Mutex<BTreeMap<u64, Registered>>,
+    /// Failures met in the tracker, where they cannot be returned.
+    errors: Mutex<Vec<Error>>,
+}
+
+impl Inner {
+    fn comm(&self) -> sys::ncclComm_t {
+        self.comm as sys::ncclComm_t
+    }
+
+    fn register(&self, ranges: &mut BTreeMap<u64, Registered>, addr: u64, size: u64) {
+        if size == 0 || ranges.contains_key(&addr) {
+            return;
+        }
+        let mut handle: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the communicator is live (the caller of `Registration::new` promised it outlives
+        // the registration, and the tracker stops acting when the registration is dropped); the
+        // range is memory the allocator just mapped or holds; `handle` is a valid out-parameter.
+        let result = unsafe {
+            sys::ncclCommRegister(self.comm(), addr as *mut c_void, size as usize, &mut handle)
+        };
+        if result == sys::ncclResult_t::ncclSuccess {
+            tracing::debug!(target: "tensormem_nccl", addr, size, "registered with NCCL");
+            ranges.insert(
+                addr,
+                Registered {
+                    size,
+                    handle: handle as usize,
+                },
+            );
+        } else {
+            self.failed("ncclCommRegister", addr, size, result);
+        }
+    }
+
+    fn deregister(&self, addr: u64, registered: Registered) {
+        // SAFETY: `handle` came from `ncclCommRegister` on this communicator and is deregistered
+        // once (it was just removed from the table); the communicator is live (see `register`).
+        let result =
+            unsafe { sys::ncclCommDeregister(self.comm(), registered.handle as *mut c_void) };
+        if result == sys::ncclResult_t::ncclSuccess {
+            tracing::debug!(target: "tensormem_nccl", addr, size = registered.size, "deregistered from NCCL");
+        } else {
+            self.failed("ncclCommDeregister", addr, registered.size, result);
+        }
+    }
+
+    fn failed(&self, call: &'static str, addr: u64, size: u64, result: sys::ncclResult_t) {
+        let error = Error::Nccl {
+            call,
+            addr,
+            size,
+            result: format!("{result:?}"),
+        };
+        tracing::warn!(target: "tensormem_nccl", %error, "NCCL registration");
+        self.errors.lock().push(error);
+    }
+
+    /// Deregisters everything overlapping `[addr, addr + size)`, registering again the parts of
+    /// those registrations outside it.
+    fn release(&self, ranges: &mut BTreeMap<u64, Registered>, addr: u64, size: u64) {
+        let end = addr + size;
+        let overlapping: Vec<(u64, Registered)> = ranges
+            .range(..end)
+            .filter(|(&start, r)| start + r.size > addr)
+            .map(|(&start, &r)| (start, r))
+            .collect();
+        for (start, registered) in overlapping {
+            ranges.remove(&start);
+            self.deregister(start, registered);
+            if start < addr {
+                self.register(ranges, start, addr - start);
+            }
+            let stop = start + registered.size;
+            if stop > end {
+                self.register(ranges, end, stop - end);
+            }
+        }
+    }
+
+    fn on_trace(&self, entry: &TraceEntry) {
+        let registers = matches!(
+            entry.action,
+            TraceAction::SegmentAlloc | TraceAction::SegmentMap
+        );
+        let releases = matches!(
+            entry.action,
+            TraceAction::SegmentFree | TraceAction::SegmentUnmap
+        );
+        if !(registers || releases) {
+            return;
+        }
+        // Checked under the table's lock, which `Drop` holds while it switches the tracker off.
+        let mut ranges = self.ranges.lock();
+        if !self.active.load(Ordering::Acquire) {
+            return;
+        }
+        if registers {
+            self.register(&mut ranges, entry.addr, entry.size);
+        } else {
+            self.release(&mut ranges, entry.addr, entry.size);
+        }
+    }
+}
+
+/// An allocator's segments registered with one NCCL communicator (see the [crate docs](crate)).
+#[derive(Debug)]
+pub struct Registration {
+    inner: Arc<Inner>,
+}
+
+impl Registration {
+    /// Registers every segment of `allocator` with `comm`, now and as they are made, until the
+    /// registration is dropped.
+    ///
+    /// # Safety
+    ///
+    /// `comm` is a live NCCL communicator whose device is the allocator's, and it is destroyed only
+    /// after this registration is dropped.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NullCommunicator`] for a null `comm`. Failures to register single segments are
+    /// kept in [`errors`](Self::errors) instead (the memory stays usable).
+    pub unsafe fn new(
+        allocator: &Arc<CachingAllocator<CudaBackend>>,
+        comm: sys::ncclComm_t,
+    ) -> Result<Self> {
+        if comm.is_null() {
+            return Err(Error::NullCommunicator);
+        }
+        let inner = Arc::new(Inner {
+            comm: comm as usize,
+            active: AtomicBool::new(true),
+            ranges: Mutex::new(BTreeMap::new()),
+            errors: Mutex::new(Vec::new()),
+        });
+        // The tracker first, then what exists: a segment made in between is registered once (the
+        // table is keyed by address).
+        let tracked = Arc::clone(&inner);
+        allocator.attach_allocator_trace_tracker(Box::new(move |entry| tracked.on_trace(entry)));
+        let snapshot = allocator.snapshot();
+        let mut ranges = inner.ranges.lock();
+        for segment in &snapshot.segments {
+            if !segment.is_expandable {
+                inner.register(&mut ranges, segment.address, segment.total_size);
+                continue;
+            }
+            // Runs of adjacent mapped blocks (the snapshot lists mapped blocks only).
+            let mut run: Option<(u64, u64)> = None;
+            for block in &segment.blocks {
+                run = match run {
+                    Some((start, end)) if end == block.address => {
+                        Some((start, block.address + block.size))
+                    }
+                    Some((start, end)) => {
+                        inner.register(&mut ranges, start, end - start);
+                        Some((block.address, block.address + block.size))
+                    }
+                    None => Some((block.address, block.address + block.size)),
+                };
+            }
+            if let Some((start, end)) = run {
+                inner.register(&mut ranges, start, end - start);
+            }
+        }
+        drop(ranges);
+        Ok(Self { inner })
+    }
+
+    /// The ranges registered now: start address and size, in address order.
+    #[must_use]
+    pub fn ranges(&self) -> Vec<(u64, u64)> {
+        self.inner
+            .ranges
+            .lock()
+            .iter()
+            .map(|(&addr, r)| (addr, r.size))
+            .collect()
+    }
+
+    /// Registration failures met so far (NCCL refused a range); taken out of the registration.
+    #[must_use]
+    pub fn errors(&self) -> Vec<Error> {
+        std::mem::take(&mut *self.inner.errors.lock())
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let ranges = {
+            let mut ranges = self.inner.ranges.lock();
+            self.inner.active.store(false, Ordering::Release);
+            std::mem::take(&mut *ranges)
+        };
+        for (addr, registered) in ranges {
+            self.inner.deregister(addr, registered);
+        }
+    }
+}
