@@ -53,6 +53,7 @@ impl Record {
             frames: None,
             compile_context: Some("N/A".to_owned()),
             user_metadata: Some(self.user_metadata.as_deref().unwrap_or("").to_owned()),
+            pool_id: None,
             other: Vec::new(),
         }
     }

@@ -309,6 +309,8 @@ fn built_snapshot() -> Snapshot {
         ]],
         allocator_settings: Some(AllocatorSettings::from_config(&config)),
         external_annotations: None,
+        host_segments: None,
+        host_traces: None,
         other: vec![(
             "tensormem".into(),
             PyValue::Tuple(vec![PyValue::from(1i64), PyValue::None]),

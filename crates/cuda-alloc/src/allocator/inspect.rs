@@ -167,7 +167,22 @@ impl<D: Device> CachingAllocator<D> {
     /// trace is copied, as PyTorch does.
     #[must_use]
     pub fn snapshot(&self) -> Snapshot {
-        let device_traces = vec![self.trace.entries()];
+        self.snapshot_with(None, true)
+    }
+
+    /// The snapshot of PyTorch's `snapshot(mempool_id, include_traces)` (`MemPool.snapshot`,
+    /// `torch.cuda.memory_snapshot(mempool_id, include_traces)`): only the segments of `pool` when it
+    /// is given and not the default id `(0, 0)`; the trace (whole: PyTorch does not filter it by
+    /// pool) only when `include_traces`, else `device_traces` is an empty list and the trace is not
+    /// copied. A `snapshot` trace entry is recorded either way, as PyTorch does.
+    #[must_use]
+    pub fn snapshot_with(&self, pool: Option<MempoolId>, include_traces: bool) -> Snapshot {
+        let pool = pool.filter(|&p| p != MempoolId::DEFAULT);
+        let device_traces = if include_traces {
+            vec![self.trace.entries()]
+        } else {
+            Vec::new()
+        };
         let (guard, locks) = self.lock_all();
         let mut segments = Vec::new();
         // Stacks of blocks, symbolized after the locks are released: (segment, block, stack).
@@ -180,13 +195,16 @@ impl<D: Device> CachingAllocator<D> {
                 if !head.mapped || (head.prev != NIL && st.blocks[head.prev].mapped) {
                     continue;
                 }
-                let pool = &st.pools[head.pool as usize];
-                let id = pool.private_id().unwrap_or(MempoolId::DEFAULT);
+                let owner = &st.pools[head.pool as usize];
+                let id = owner.private_id().unwrap_or(MempoolId::DEFAULT);
+                if pool.is_some_and(|p| p != id) {
+                    continue;
+                }
                 let mut segment = Segment {
                     device: i64::from(self.device.index()),
                     address: head.addr,
                     stream: locked.shard.stream.0,
-                    segment_type: if pool.small {
+                    segment_type: if owner.small {
                         SegmentType::Small
                     } else {
                         SegmentType::Large
@@ -249,7 +267,7 @@ impl<D: Device> CachingAllocator<D> {
             device_traces,
             allocator_settings: Some(AllocatorSettings::from_config(&self.settings.config())),
             external_annotations: Some(Vec::new()),
-            other: Vec::new(),
+            ..Snapshot::default()
         }
     }
 }

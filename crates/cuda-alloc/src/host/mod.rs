@@ -5,15 +5,23 @@
 //! milliseconds) and makes the memory unswappable. So, like device memory, pinned memory is cached:
 //!
 //! - requests are rounded up to a power of two (at least a page) and served from a free list per
-//!   size; a miss allocates from a [`PinnedSource`] (`cuMemHostAlloc`, or `malloc` +
+//!   size class; a miss allocates from a [`PinnedSource`] (`cuMemHostAlloc`, or `malloc` +
 //!   `cuMemHostRegister` when `pinned_use_cuda_host_register` is set, its pages touched in parallel
 //!   by `pinned_num_register_threads` threads first);
+//! - with `pinned_max_round_threshold_mb` or `pinned_max_cached_size_mb` set
+//!   ([`with_config`](HostCachingAllocator::with_config)), a request above either is not rounded to
+//!   a power of two but to a whole page, and a freed block above `pinned_max_cached_size_mb` goes
+//!   back to the system (once its streams are done with it) instead of into the cache;
 //! - a block used by copies on streams is marked with [`record_stream`](HostCachingAllocator::record_stream)
 //!   (PyTorch's `record_event`); when it is freed an event is recorded on each of those streams, and
 //!   the block is reused only once they have all completed (checked at the next allocation), so a
 //!   copy still reading it is never overwritten;
 //! - [`empty_cache`](HostCachingAllocator::empty_cache) returns the cached blocks to the system;
-//! - [`stats`](HostCachingAllocator::stats) reports PyTorch's host statistics.
+//! - [`stats`](HostCachingAllocator::stats) reports PyTorch's host statistics;
+//! - [`record_history`](HostCachingAllocator::record_history) records its events
+//!   (`_record_memory_history(record_host=True)`), which
+//!   [`add_to_snapshot`](HostCachingAllocator::add_to_snapshot) writes as a snapshot's
+//!   `host_segments` and `host_traces`.
 //!
 //! Events come from a [`Device`] (the CUDA backend's, or the simulated device in tests).
 //!
@@ -53,8 +61,12 @@ pub(crate) use source::layout as heap_layout;
 pub use source::{HeapSource, PinnedSource, HOST_ALIGNMENT};
 pub use stats::{DurationStat, HostStats};
 
+use crate::config::AllocatorConfig;
 use crate::device::{Device, StreamId};
 use crate::error::{Error, Result};
+use crate::snapshot::{Block, BlockState, HostSegment, Snapshot, TraceAction, TraceEntry};
+use crate::stack::RecordContext;
+use crate::trace::TraceRecorder;
 use stats::adjust;
 
 /// Pinned host memory handed out by a [`HostCachingAllocator`]; give it back with
@@ -63,7 +75,7 @@ use stats::adjust;
 #[derive(Debug)]
 pub struct PinnedBuffer {
     ptr: NonNull<u8>,
-    /// The block's (rounded) size.
+    /// The block's size.
     size: usize,
     /// The size asked for.
     requested: usize,
@@ -96,7 +108,9 @@ impl PinnedBuffer {
         self.requested == 0
     }
 
-    /// The block's size (the request rounded up to a power of two, at least a page).
+    /// The block's size: the request rounded up to a power of two, at least a page (or to a whole
+    /// page above `pinned_max_round_threshold_mb` / `pinned_max_cached_size_mb`); a cached block
+    /// reused for a request may be larger than that.
     #[must_use]
     pub fn capacity(&self) -> usize {
         self.size
@@ -129,6 +143,8 @@ impl PinnedBuffer {
 #[derive(Debug)]
 struct HostBlock {
     size: usize,
+    /// What its last user asked for.
+    requested: usize,
     allocated: bool,
     /// Streams that used the block (`record_stream`), besides none: PyTorch's `streams_`.
     streams: Vec<StreamId>,
@@ -140,7 +156,7 @@ struct HostBlock {
 struct State<E> {
     /// Every block by address.
     blocks: HashMap<usize, HostBlock>,
-    /// Free blocks by size class (`log2(size)`), most recently freed last.
+    /// Free blocks by size class (`ceil(log2(size))`), most recently freed last.
     free: Vec<Vec<usize>>,
     /// Events recorded for freed blocks, oldest first: (event, block address).
     events: VecDeque<(E, usize)>,
@@ -149,13 +165,20 @@ struct State<E> {
     stats: HostStats,
 }
 
+/// Blocks taken out of the table, to go back to the system once the lock is released:
+/// (address, size).
+type Releases = Vec<(usize, usize)>;
+
 /// PyTorch's pinned host caching allocator over a [`PinnedSource`], with events from a [`Device`].
 /// See the [module docs](self).
 pub struct HostCachingAllocator<D: Device> {
     device: D,
     source: Box<dyn PinnedSource>,
     id: u32,
+    /// The size rules (`pinned_max_round_threshold_mb`, `pinned_max_cached_size_mb`).
+    config: AllocatorConfig,
     state: Mutex<State<D::Event>>,
+    trace: TraceRecorder,
 }
 
 impl<D: Device> std::fmt::Debug for HostCachingAllocator<D> {
@@ -164,16 +187,28 @@ impl<D: Device> std::fmt::Debug for HostCachingAllocator<D> {
             .field("device", &self.device.index())
             .field("source", &self.source)
             .field("id", &self.id)
+            .field(
+                "pinned_max_round_threshold",
+                &self.config.pinned_max_round_threshold,
+            )
+            .field(
+                "pinned_max_cached_size",
+                &self.config.pinned_max_cached_size,
+            )
             .finish_non_exhaustive()
     }
 }
 
-/// Size classes: powers of two up to 2^63.
-const CLASSES: usize = 64;
+/// Size classes: `ceil(log2(size))` for every `usize`.
+const CLASSES: usize = usize::BITS as usize + 1;
 
-/// The size class of a request: the log2 of its rounded size.
-fn rounded(size: usize) -> Option<usize> {
-    size.max(HOST_ALIGNMENT).checked_next_power_of_two()
+/// The size class of a block of `size` bytes (PyTorch's `size_index`: `ceil(log2(size))`).
+fn class_of(size: usize) -> usize {
+    if size <= 1 {
+        0
+    } else {
+        (usize::BITS - (size - 1).leading_zeros()) as usize
+    }
 }
 
 fn next_id() -> u32 {
@@ -182,12 +217,26 @@ fn next_id() -> u32 {
 }
 
 impl<D: Device> HostCachingAllocator<D> {
-    /// An allocator of memory from `source`, recording events on `device`'s streams.
+    /// An allocator of memory from `source`, recording events on `device`'s streams, with PyTorch's
+    /// default size rules (every request rounded to a power of two, every block cached).
     pub fn new(device: D, source: impl PinnedSource) -> Self {
+        Self::with_config(device, source, &AllocatorConfig::default())
+    }
+
+    /// [`new`](Self::new) following `config`'s host keys: `pinned_max_round_threshold_mb` and
+    /// `pinned_max_cached_size_mb` (see [`AllocatorConfig::pinned_block_size`] and
+    /// [`AllocatorConfig::pinned_caches`]). The other keys are the source's business
+    /// (`pinned_use_cuda_host_register`) or kept without effect.
+    pub fn with_config(device: D, source: impl PinnedSource, config: &AllocatorConfig) -> Self {
         Self {
             device,
             source: Box::new(source),
             id: next_id(),
+            config: AllocatorConfig {
+                pinned_max_round_threshold: config.pinned_max_round_threshold,
+                pinned_max_cached_size: config.pinned_max_cached_size,
+                ..AllocatorConfig::default()
+            },
             state: Mutex::new(State {
                 blocks: HashMap::new(),
                 free: (0..CLASSES).map(|_| Vec::new()).collect(),
@@ -195,6 +244,7 @@ impl<D: Device> HostCachingAllocator<D> {
                 spare_events: Vec::new(),
                 stats: HostStats::default(),
             }),
+            trace: TraceRecorder::default(),
         }
     }
 
@@ -203,13 +253,24 @@ impl<D: Device> HostCachingAllocator<D> {
         &self.device
     }
 
-    /// Allocates at least `size` bytes of pinned host memory (PyTorch's `allocate`): a cached block of
-    /// the rounded size whose streams have finished with it, else a new one from the source. A
-    /// zero-sized request returns an empty buffer without a block.
+    /// The size of the block a request of `size` bytes gets when no cached block serves it
+    /// (PyTorch's host `roundSize`), or `None` when there is no such size.
+    #[must_use]
+    pub fn block_size(&self, size: usize) -> Option<usize> {
+        self.config.pinned_block_size(size, HOST_ALIGNMENT)
+    }
+
+    /// Allocates at least `size` bytes of pinned host memory (PyTorch's `allocate`): a cached block
+    /// of the request's size class, at least [`block_size`](Self::block_size) bytes, whose streams
+    /// have finished with it (the most recently freed such block), else a new block of
+    /// `block_size` bytes from the source. A zero-sized request returns an empty buffer without a
+    /// block.
     ///
     /// # Errors
-    /// [`Error::TooLarge`] for a size with no power of two above it; [`Error::Device`] when the source
-    /// fails (out of memory included) or an event cannot be queried.
+    /// [`Error::TooLarge`] for a size with no block size ([`block_size`](Self::block_size));
+    /// [`Error::Device`] when the source fails (out of memory included) or an event cannot be
+    /// queried. A block too large to cache that cannot be returned to the system on the way is
+    /// logged and stays cached.
     pub fn allocate(&self, size: usize) -> Result<PinnedBuffer> {
         if size == 0 {
             return Ok(PinnedBuffer {
@@ -219,48 +280,87 @@ impl<D: Device> HostCachingAllocator<D> {
                 allocator: self.id,
             });
         }
-        let rounded = rounded(size).ok_or(Error::TooLarge { bytes: size })?;
-        let class = rounded.trailing_zeros() as usize;
-        {
+        let wanted = self
+            .block_size(size)
+            .ok_or(Error::TooLarge { bytes: size })?;
+        let class = class_of(wanted);
+        let mut releases = Releases::new();
+        let reused = {
             let mut state = self.state.lock();
-            self.process_events(&mut state)?;
-            if let Some(addr) = state.free[class].pop() {
-                let block = state.blocks.get_mut(&addr).expect("free blocks are known");
-                block.allocated = true;
-                adjust(&mut state.stats.active_requests, 1);
-                adjust(&mut state.stats.active_bytes, rounded as i64);
-                return Ok(self.buffer(addr, rounded, size));
-            }
+            self.process_events(&mut state, &mut releases)
+                .map(|()| self.take_cached(&mut state, class, wanted, size))
+        };
+        if let Err(error) = self.release(releases) {
+            // The blocks that could not be returned stay cached; this request goes on.
+            tracing::warn!(%error, "returning an uncached pinned host block failed");
+        }
+        if let Some((addr, block_size)) = reused? {
+            self.trace
+                .record(TraceAction::Alloc, addr as u64, size as u64, StreamId(0));
+            return Ok(self.buffer(addr, block_size, size));
         }
         // A new block, made without the lock (pinning is slow).
         let started = Instant::now();
-        let ptr = self.source.alloc(rounded)?;
+        let ptr = self.source.alloc(wanted)?;
         let took = started.elapsed();
         tracing::debug!(
-            bytes = rounded,
+            bytes = wanted,
             source = self.source.name(),
             ?took,
             "pinned host block"
         );
         let addr = ptr.as_ptr() as usize;
-        let mut state = self.state.lock();
-        state.blocks.insert(
-            addr,
-            HostBlock {
-                size: rounded,
-                allocated: true,
-                streams: Vec::new(),
-                event_count: 0,
-            },
+        {
+            let mut state = self.state.lock();
+            state.blocks.insert(
+                addr,
+                HostBlock {
+                    size: wanted,
+                    requested: size,
+                    allocated: true,
+                    streams: Vec::new(),
+                    event_count: 0,
+                },
+            );
+            let stats = &mut state.stats;
+            stats.num_host_alloc += 1;
+            stats.host_alloc_time.add(took);
+            adjust(&mut stats.allocations, 1);
+            adjust(&mut stats.allocated_bytes, wanted as i64);
+            adjust(&mut stats.active_requests, 1);
+            adjust(&mut stats.active_bytes, wanted as i64);
+        }
+        self.trace.record(
+            TraceAction::SegmentAlloc,
+            addr as u64,
+            wanted as u64,
+            StreamId(0),
         );
-        let stats = &mut state.stats;
-        stats.num_host_alloc += 1;
-        stats.host_alloc_time.add(took);
-        adjust(&mut stats.allocations, 1);
-        adjust(&mut stats.allocated_bytes, rounded as i64);
-        adjust(&mut stats.active_requests, 1);
-        adjust(&mut stats.active_bytes, rounded as i64);
-        Ok(self.buffer(addr, rounded, size))
+        self.trace
+            .record(TraceAction::Alloc, addr as u64, size as u64, StreamId(0));
+        Ok(self.buffer(addr, wanted, size))
+    }
+
+    /// The most recently freed block of size class `class` with at least `wanted` bytes, handed out
+    /// for a request of `size` bytes: (address, block size).
+    fn take_cached(
+        &self,
+        state: &mut State<D::Event>,
+        class: usize,
+        wanted: usize,
+        size: usize,
+    ) -> Option<(usize, usize)> {
+        let at = state.free[class]
+            .iter()
+            .rposition(|addr| state.blocks[addr].size >= wanted)?;
+        let addr = state.free[class].remove(at);
+        let block = state.blocks.get_mut(&addr).expect("free blocks are known");
+        block.allocated = true;
+        block.requested = size;
+        let block_size = block.size;
+        adjust(&mut state.stats.active_requests, 1);
+        adjust(&mut state.stats.active_bytes, block_size as i64);
+        Some((addr, block_size))
     }
 
     fn buffer(&self, addr: usize, size: usize, requested: usize) -> PinnedBuffer {
@@ -296,57 +396,68 @@ impl<D: Device> HostCachingAllocator<D> {
         Ok(())
     }
 
-    /// Gives `buffer` back (PyTorch's host `free`): cached at once if no stream used it, else once
-    /// events recorded now on each of those streams have completed.
+    /// Gives `buffer` back (PyTorch's host `free`): done at once if no stream used it, else once
+    /// events recorded now on each of those streams have completed. Done, the block is cached, or
+    /// returned to the system when it is larger than `pinned_max_cached_size_mb`.
     ///
     /// # Errors
     /// [`Error::InvalidPointer`] for another allocator's buffer; [`Error::Device`] when an event
-    /// cannot be created or recorded (the device is then synchronized instead, and the block cached).
+    /// cannot be created or recorded (the device is then synchronized instead, and the block done
+    /// with), or when returning a block to the system fails (it stays cached).
     pub fn free(&self, buffer: PinnedBuffer) -> Result<()> {
         if buffer.size == 0 {
             return Ok(());
         }
         self.check_owner(&buffer)?;
         let addr = buffer.ptr.as_ptr() as usize;
-        let mut state = self.state.lock();
-        let block = state
-            .blocks
-            .get_mut(&addr)
-            .ok_or_else(|| invalid(&buffer))?;
-        block.allocated = false;
-        let streams = std::mem::take(&mut block.streams);
-        let size = block.size;
-        let mut recorded = 0;
-        let mut failure = None;
-        for stream in streams {
-            let event = match state.spare_events.pop() {
-                Some(event) => Ok(event),
-                None => self.device.create_event(),
-            };
-            match event.and_then(|e| self.device.record_event(&e, stream).map(|()| e)) {
-                Ok(event) => {
-                    state.events.push_back((event, addr));
-                    recorded += 1;
-                }
-                Err(error) => {
-                    failure = Some(error);
-                    break;
+        let mut releases = Releases::new();
+        {
+            let mut state = self.state.lock();
+            let block = state
+                .blocks
+                .get_mut(&addr)
+                .ok_or_else(|| invalid(&buffer))?;
+            block.allocated = false;
+            let streams = std::mem::take(&mut block.streams);
+            let requested = block.requested;
+            self.trace.record(
+                TraceAction::FreeRequested,
+                addr as u64,
+                requested as u64,
+                StreamId(0),
+            );
+            let mut recorded = 0;
+            let mut failure = None;
+            for stream in streams {
+                let event = match state.spare_events.pop() {
+                    Some(event) => Ok(event),
+                    None => self.device.create_event(),
+                };
+                match event.and_then(|e| self.device.record_event(&e, stream).map(|()| e)) {
+                    Ok(event) => {
+                        state.events.push_back((event, addr));
+                        recorded += 1;
+                    }
+                    Err(error) => {
+                        failure = Some(error);
+                        break;
+                    }
                 }
             }
+            if let Some(error) = failure {
+                // Without all the events the block could be reused too early: wait for the device.
+                tracing::warn!(%error, "recording a pinned block's event failed; synchronizing the device");
+                self.device.synchronize()?;
+                recorded = 0;
+                state.events.retain(|&(_, a)| a != addr);
+            }
+            let block = state.blocks.get_mut(&addr).expect("looked up above");
+            block.event_count = recorded;
+            if recorded == 0 {
+                self.done(&mut state, addr, &mut releases);
+            }
         }
-        if let Some(error) = failure {
-            // Without all the events the block could be reused too early: wait for the device.
-            tracing::warn!(%error, "recording a pinned block's event failed; synchronizing the device");
-            self.device.synchronize()?;
-            recorded = 0;
-            state.events.retain(|&(_, a)| a != addr);
-        }
-        let block = state.blocks.get_mut(&addr).expect("looked up above");
-        block.event_count = recorded;
-        if recorded == 0 {
-            Self::make_free(&mut state, addr, size);
-        }
-        Ok(())
+        self.release(releases)
     }
 
     /// Returns every cached block to the system (PyTorch's host `empty_cache`); blocks handed out or
@@ -356,55 +467,77 @@ impl<D: Device> HostCachingAllocator<D> {
     /// [`Error::Device`] when the source fails to free (the blocks not yet freed stay cached) or an
     /// event cannot be queried.
     pub fn empty_cache(&self) -> Result<()> {
-        let freed: Vec<(usize, usize)> = {
+        let mut releases = Releases::new();
+        let processed = {
             let mut state = self.state.lock();
-            self.process_events(&mut state)?;
+            let processed = self.process_events(&mut state, &mut releases);
             let addrs: Vec<usize> = state.free.iter_mut().flat_map(std::mem::take).collect();
-            addrs
-                .into_iter()
-                .map(|addr| {
-                    let block = state.blocks.remove(&addr).expect("free blocks are known");
-                    (addr, block.size)
-                })
-                .collect()
+            for addr in addrs {
+                let block = state.blocks.remove(&addr).expect("free blocks are known");
+                releases.push((addr, block.size));
+            }
+            processed
         };
+        let released = self.release(releases);
+        processed.and(released)
+    }
+
+    /// Returns `releases` (blocks already out of the table, free and unused) to the system, then
+    /// counts them; on a failure the blocks not yet returned go back into the cache, and the error
+    /// is returned.
+    fn release(&self, releases: Releases) -> Result<()> {
+        if releases.is_empty() {
+            return Ok(());
+        }
         let mut result = Ok(());
         let mut returned = Vec::new();
-        for (at, &(addr, size)) in freed.iter().enumerate() {
+        let mut kept: &[(usize, usize)] = &[];
+        for (at, &(addr, size)) in releases.iter().enumerate() {
             let started = Instant::now();
             let ptr = NonNull::new(addr as *mut u8).expect("blocks are non-null");
             // SAFETY: the block came from `source.alloc` with this size, is free (not handed out, no
-            // events pending: it was in a free list) and was removed from the table above, so it is
+            // events pending) and was removed from the table before it was listed here, so it is
             // freed once and nothing uses it.
             match unsafe { self.source.free(ptr, size) } {
-                Ok(()) => returned.push((size, started.elapsed())),
+                Ok(()) => returned.push((addr, size, started.elapsed())),
                 Err(error) => {
-                    // Keep the rest cached: nothing is lost.
-                    let mut state = self.state.lock();
-                    for &(addr, size) in &freed[at..] {
-                        state.blocks.insert(
-                            addr,
-                            HostBlock {
-                                size,
-                                allocated: false,
-                                streams: Vec::new(),
-                                event_count: 0,
-                            },
-                        );
-                        state.free[size.trailing_zeros() as usize].push(addr);
-                    }
+                    kept = &releases[at..];
                     result = Err(error.into());
                     break;
                 }
             }
         }
-        let mut state = self.state.lock();
-        for (size, took) in returned {
+        {
+            let mut state = self.state.lock();
+            // Keep the rest cached: nothing is lost.
+            for &(addr, size) in kept {
+                state.blocks.insert(
+                    addr,
+                    HostBlock {
+                        size,
+                        requested: 0,
+                        allocated: false,
+                        streams: Vec::new(),
+                        event_count: 0,
+                    },
+                );
+                state.free[class_of(size)].push(addr);
+            }
             let stats = &mut state.stats;
-            stats.num_host_free += 1;
-            stats.host_free_time.add(took);
-            adjust(&mut stats.allocations, -1);
-            adjust(&mut stats.allocated_bytes, -(size as i64));
+            for &(_, size, took) in &returned {
+                stats.num_host_free += 1;
+                stats.host_free_time.add(took);
+                adjust(&mut stats.allocations, -1);
+                adjust(&mut stats.allocated_bytes, -(size as i64));
+            }
+        }
+        for (addr, size, _) in returned {
+            self.trace.record(
+                TraceAction::SegmentFree,
+                addr as u64,
+                size as u64,
+                StreamId(0),
+            );
         }
         result
     }
@@ -447,9 +580,78 @@ impl<D: Device> HostCachingAllocator<D> {
         stats.host_free_time = DurationStat::default();
     }
 
-    /// Frees the blocks whose events completed, oldest first, up to the first event still pending
-    /// (PyTorch's `process_events`).
-    fn process_events(&self, state: &mut State<D::Event>) -> Result<()> {
+    /// Starts or stops recording this allocator's events into a ring buffer of `max_entries`
+    /// (`torch.cuda.memory._record_memory_history(record_host=True)`): `segment_alloc` /
+    /// `segment_free` when a block is taken from or returned to the system, `alloc`,
+    /// `free_requested` and `free_completed` as on a device, at the block's address, with stream 0.
+    /// `context` says which entries keep call stacks ([`RecordContext::Alloc`] and above: all).
+    /// Stopping clears the recorded events.
+    pub fn record_history(&self, enabled: bool, max_entries: usize, context: RecordContext) {
+        self.trace.configure(enabled, max_entries, context);
+    }
+
+    /// Whether [`record_history`](Self::record_history) is on.
+    #[must_use]
+    pub fn history_enabled(&self) -> bool {
+        self.trace.enabled()
+    }
+
+    /// The recorded events, oldest first (a snapshot's `host_traces`).
+    #[must_use]
+    pub fn trace(&self) -> Vec<TraceEntry> {
+        self.trace.entries()
+    }
+
+    /// Every block held from the system, in address order, each as a segment of one block (the
+    /// host allocator does not split blocks): a snapshot's `host_segments`.
+    #[must_use]
+    pub fn segments(&self) -> Vec<HostSegment> {
+        let state = self.state.lock();
+        let mut segments: Vec<HostSegment> = state
+            .blocks
+            .iter()
+            .map(|(&addr, b)| {
+                let state = if b.allocated {
+                    BlockState::ActiveAllocated
+                } else if b.event_count > 0 {
+                    BlockState::ActivePendingFree
+                } else {
+                    BlockState::Inactive
+                };
+                let size = b.size as u64;
+                let active = state != BlockState::Inactive;
+                HostSegment {
+                    address: addr as u64,
+                    total_size: size,
+                    allocated_size: if b.allocated { size } else { 0 },
+                    active_size: if active { size } else { 0 },
+                    requested_size: if active { b.requested as u64 } else { 0 },
+                    blocks: vec![Block {
+                        address: addr as u64,
+                        size,
+                        requested_size: b.requested as u64,
+                        state,
+                        ..Block::default()
+                    }],
+                    ..HostSegment::default()
+                }
+            })
+            .collect();
+        drop(state);
+        segments.sort_by_key(|s| s.address);
+        segments
+    }
+
+    /// Adds this allocator to `snapshot` as PyTorch does when host recording is on: its blocks as
+    /// `host_segments`, and its recorded events as `host_traces` when `include_traces` is set.
+    pub fn add_to_snapshot(&self, snapshot: &mut Snapshot, include_traces: bool) {
+        snapshot.host_segments = Some(self.segments());
+        snapshot.host_traces = include_traces.then(|| self.trace());
+    }
+
+    /// Completes the frees whose events completed, oldest first, up to the first event still
+    /// pending (PyTorch's `process_events`). Blocks to return to the system go to `releases`.
+    fn process_events(&self, state: &mut State<D::Event>, releases: &mut Releases) -> Result<()> {
         while let Some((event, _)) = state.events.front() {
             if !self.device.query_event(event)? {
                 break;
@@ -462,18 +664,31 @@ impl<D: Device> HostCachingAllocator<D> {
                 .expect("pending blocks are known");
             block.event_count -= 1;
             if block.event_count == 0 {
-                let size = block.size;
-                Self::make_free(state, addr, size);
+                self.done(state, addr, releases);
             }
         }
         Ok(())
     }
 
-    /// A block no stream uses any more: into its free list.
-    fn make_free(state: &mut State<D::Event>, addr: usize, size: usize) {
-        state.free[size.trailing_zeros() as usize].push(addr);
+    /// A block no stream uses any more: into its free list, or out of the table into `releases`
+    /// when it is too large to cache.
+    fn done(&self, state: &mut State<D::Event>, addr: usize, releases: &mut Releases) {
+        let block = &state.blocks[&addr];
+        let (size, requested) = (block.size, block.requested);
         adjust(&mut state.stats.active_requests, -1);
         adjust(&mut state.stats.active_bytes, -(size as i64));
+        self.trace.record(
+            TraceAction::FreeCompleted,
+            addr as u64,
+            requested as u64,
+            StreamId(0),
+        );
+        if self.config.pinned_caches(size) {
+            state.free[class_of(size)].push(addr);
+        } else {
+            state.blocks.remove(&addr);
+            releases.push((addr, size));
+        }
     }
 
     fn check_owner(&self, buffer: &PinnedBuffer) -> Result<()> {
@@ -498,5 +713,19 @@ impl<D: Device> Drop for HostCachingAllocator<D> {
         if let Err(error) = self.empty_cache() {
             tracing::warn!(%error, "returning cached pinned host memory failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::class_of;
+
+    #[test]
+    fn size_classes_are_the_ceiling_of_log2() {
+        assert_eq!(class_of(1), 0);
+        assert_eq!(class_of(4096), 12);
+        assert_eq!(class_of(4097), 13);
+        assert_eq!(class_of(3 << 20), 22);
+        assert_eq!(class_of(usize::MAX), 64);
     }
 }

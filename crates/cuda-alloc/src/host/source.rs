@@ -19,7 +19,8 @@ pub const HOST_ALIGNMENT: usize = 4096;
 /// of `size` bytes, aligned to [`HOST_ALIGNMENT`], and handed out again only after it was passed to
 /// [`free`](Self::free); and that no method calls back into the allocator using it.
 pub unsafe trait PinnedSource: Send + Sync + std::fmt::Debug + 'static {
-    /// Allocates `size` bytes (a power of two, at least [`HOST_ALIGNMENT`]).
+    /// Allocates `size` bytes (a multiple of [`HOST_ALIGNMENT`]: a power of two, or a whole number
+    /// of pages above `pinned_max_round_threshold_mb`).
     ///
     /// # Errors
     /// [`DeviceError::OutOfMemory`] when the system has no memory to lock; driver errors.

@@ -4,8 +4,8 @@
 use std::fmt;
 
 use super::model::{
-    AllocatorSettings, Block, BlockState, ExternalAnnotation, Frame, OtherKeys, Segment,
-    SegmentType, Snapshot, TraceAction, TraceEntry,
+    AllocatorSettings, Block, BlockState, ExternalAnnotation, Frame, HostSegment, OtherKeys,
+    Segment, SegmentType, Snapshot, TraceAction, TraceEntry,
 };
 use super::pyvalue::PyValue;
 use super::{SnapshotError, SnapshotResult};
@@ -218,17 +218,88 @@ pub(crate) fn snapshot_from_value(value: PyValue) -> SnapshotResult<Snapshot> {
         });
     }
     let mut f = Fields::new(PyValue::Dict(items), &Path::Top)?;
+    let segments = f.required("segments", |v, path| list_of(v, path, segment))?;
+    let device_traces = f
+        .optional("device_traces", |v, path| {
+            list_of(v, path, |trace, path| list_of(trace, path, trace_entry))
+        })?
+        .unwrap_or_default();
+    let allocator_settings = f.optional("allocator_settings", settings)?;
+    let external_annotations = f.optional("external_annotations", |v, path| {
+        list_of(v, path, annotation)
+    })?;
+    // The host keys are newer than PyTorch 2.11; a form the model does not know stays as written.
+    let mut kept = Vec::new();
+    let host_segments = lenient(&mut f, &mut kept, "host_segments", |v, path| {
+        list_of(v, path, host_segment)
+    });
+    let host_traces = lenient(&mut f, &mut kept, "host_traces", |v, path| {
+        list_of(v, path, trace_entry)
+    });
+    let mut other = f.rest();
+    other.extend(kept);
     Ok(Snapshot {
-        segments: f.required("segments", |v, path| list_of(v, path, segment))?,
-        device_traces: f
-            .optional("device_traces", |v, path| {
-                list_of(v, path, |trace, path| list_of(trace, path, trace_entry))
-            })?
-            .unwrap_or_default(),
-        allocator_settings: f.optional("allocator_settings", settings)?,
-        external_annotations: f.optional("external_annotations", |v, path| {
-            list_of(v, path, annotation)
-        })?,
+        segments,
+        device_traces,
+        allocator_settings,
+        external_annotations,
+        host_segments,
+        host_traces,
+        other,
+    })
+}
+
+/// The value of `key` converted, or `None` when it is absent or does not convert (then it goes to
+/// `kept` as written).
+fn lenient<T>(
+    f: &mut Fields<'_>,
+    kept: &mut OtherKeys,
+    key: &str,
+    convert: impl FnOnce(PyValue, &Path<'_>) -> SnapshotResult<T>,
+) -> Option<T> {
+    let value = f.take(key)?;
+    match convert(value.clone(), &Path::Key(&Path::Top, key)) {
+        Ok(converted) => Some(converted),
+        Err(error) => {
+            tracing::debug!(%error, "snapshot key {key} kept as written");
+            kept.push((key.to_owned(), value));
+            None
+        }
+    }
+}
+
+fn host_segment(value: PyValue, path: &Path<'_>) -> SnapshotResult<HostSegment> {
+    let mut f = Fields::new(value, path)?;
+    let address = f.optional("address", unsigned)?.unwrap_or_default();
+    let total_size = f.optional("total_size", unsigned)?;
+    let allocated_size = f.optional("allocated_size", unsigned)?;
+    let active_size = f.optional("active_size", unsigned)?;
+    let requested_size = f.optional("requested_size", unsigned)?;
+    let segment_frames = f.optional("frames", frames)?.unwrap_or_default();
+    let mut next_address = address;
+    let blocks = f
+        .optional("blocks", |v, path| {
+            list_of(v, path, |item, path| {
+                let b = block(item, path, next_address)?;
+                next_address = b.address.wrapping_add(b.size);
+                Ok(b)
+            })
+        })?
+        .unwrap_or_default();
+    let sum = |keep: fn(&Block) -> bool, size: fn(&Block) -> u64| {
+        blocks.iter().filter(|b| keep(b)).map(size).sum()
+    };
+    Ok(HostSegment {
+        address,
+        total_size: total_size.unwrap_or_else(|| sum(|_| true, |b| b.size)),
+        allocated_size: allocated_size
+            .unwrap_or_else(|| sum(|b| b.state == BlockState::ActiveAllocated, |b| b.size)),
+        active_size: active_size
+            .unwrap_or_else(|| sum(|b| b.state != BlockState::Inactive, |b| b.size)),
+        requested_size: requested_size
+            .unwrap_or_else(|| sum(|b| b.state != BlockState::Inactive, |b| b.requested_size)),
+        frames: segment_frames,
+        blocks,
         other: f.rest(),
     })
 }
@@ -329,6 +400,7 @@ fn trace_entry(value: PyValue, path: &Path<'_>) -> SnapshotResult<TraceEntry> {
         frames: f.optional("frames", frames)?,
         compile_context: f.optional("compile_context", string)?,
         user_metadata: f.optional("user_metadata", string)?,
+        pool_id: f.optional("pool_id", pool_id)?,
         other: f.rest(),
     })
 }
@@ -473,26 +545,57 @@ pub(crate) fn snapshot_to_value(snapshot: &Snapshot) -> PyValue {
         snapshot.external_annotations.as_ref(),
         |list| PyValue::List(list.iter().map(annotation_value).collect()),
     );
+    optional(
+        &mut known,
+        "host_segments",
+        snapshot.host_segments.as_ref(),
+        |list| PyValue::List(list.iter().map(host_segment_value).collect()),
+    );
+    optional(
+        &mut known,
+        "host_traces",
+        snapshot.host_traces.as_ref(),
+        |list| PyValue::List(list.iter().map(trace_entry_value).collect()),
+    );
     dict(known, &snapshot.other)
 }
 
+fn blocks_value(blocks: &[Block]) -> PyValue {
+    PyValue::List(
+        blocks
+            .iter()
+            .map(|b| {
+                dict(
+                    vec![
+                        ("address", PyValue::from(b.address)),
+                        ("size", PyValue::from(b.size)),
+                        ("requested_size", PyValue::from(b.requested_size)),
+                        ("state", PyValue::from(b.state.as_str())),
+                        ("frames", frames_value(&b.frames)),
+                    ],
+                    &b.other,
+                )
+            })
+            .collect(),
+    )
+}
+
+fn host_segment_value(s: &HostSegment) -> PyValue {
+    dict(
+        vec![
+            ("address", PyValue::from(s.address)),
+            ("total_size", PyValue::from(s.total_size)),
+            ("allocated_size", PyValue::from(s.allocated_size)),
+            ("active_size", PyValue::from(s.active_size)),
+            ("requested_size", PyValue::from(s.requested_size)),
+            ("frames", frames_value(&s.frames)),
+            ("blocks", blocks_value(&s.blocks)),
+        ],
+        &s.other,
+    )
+}
+
 fn segment_value(s: &Segment) -> PyValue {
-    let blocks = s
-        .blocks
-        .iter()
-        .map(|b| {
-            dict(
-                vec![
-                    ("address", PyValue::from(b.address)),
-                    ("size", PyValue::from(b.size)),
-                    ("requested_size", PyValue::from(b.requested_size)),
-                    ("state", PyValue::from(b.state.as_str())),
-                    ("frames", frames_value(&b.frames)),
-                ],
-                &b.other,
-            )
-        })
-        .collect();
     dict(
         vec![
             ("device", PyValue::from(s.device)),
@@ -512,7 +615,7 @@ fn segment_value(s: &Segment) -> PyValue {
             ),
             ("is_expandable", PyValue::from(s.is_expandable)),
             ("frames", frames_value(&s.frames)),
-            ("blocks", PyValue::List(blocks)),
+            ("blocks", blocks_value(&s.blocks)),
         ],
         &s.other,
     )
@@ -543,6 +646,9 @@ fn trace_entry_value(e: &TraceEntry) -> PyValue {
         e.user_metadata.as_deref(),
         PyValue::from,
     );
+    optional(&mut known, "pool_id", e.pool_id, |(first, second)| {
+        PyValue::Tuple(vec![PyValue::from(first), PyValue::from(second)])
+    });
     optional(&mut known, "frames", e.frames.as_deref(), frames_value);
     dict(known, &e.other)
 }

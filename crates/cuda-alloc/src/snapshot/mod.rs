@@ -56,8 +56,8 @@ use std::path::PathBuf;
 #[cfg(feature = "snapshot-io")]
 pub use limits::ReadLimits;
 pub use model::{
-    AllocatorSettings, Block, BlockState, ExternalAnnotation, Frame, OtherKeys, Segment,
-    SegmentType, Snapshot, TraceAction, TraceEntry,
+    AllocatorSettings, Block, BlockState, ExternalAnnotation, Frame, HostSegment, OtherKeys,
+    Segment, SegmentType, Snapshot, TraceAction, TraceEntry,
 };
 pub use pyvalue::{PyValue, MAX_DEPTH};
 
@@ -222,9 +222,36 @@ impl Snapshot {
             .map(|(device, trace)| (device, trace.as_slice()))
     }
 
-    /// Total number of recorded events over all devices.
+    /// Total number of recorded events over all devices (the host's `host_traces` not counted).
     #[must_use]
     pub fn event_count(&self) -> usize {
         self.device_traces.iter().map(Vec::len).sum()
+    }
+
+    /// The recorded events of the pinned host allocator (`host_traces`), oldest first; empty when
+    /// none were recorded.
+    #[must_use]
+    pub fn host_trace(&self) -> &[TraceEntry] {
+        self.host_traces.as_deref().unwrap_or(&[])
+    }
+
+    /// The snapshot PyTorch's `snapshot(mempool_id, include_traces)` gives from this one: only the
+    /// segments of pool `pool` (all of them for `None` or `(0, 0)`, as PyTorch filters), and, unless
+    /// `include_traces`, no traces at all (`device_traces` an empty list, `host_traces` absent, no
+    /// `external_annotations` entries). The traces, when kept, are whole: PyTorch does not filter
+    /// them by pool.
+    #[must_use]
+    pub fn filtered(mut self, pool: Option<(u64, u64)>, include_traces: bool) -> Snapshot {
+        if let Some(pool) = pool.filter(|&p| p != (0, 0)) {
+            self.segments.retain(|s| s.segment_pool_id == pool);
+        }
+        if !include_traces {
+            self.device_traces.clear();
+            self.host_traces = None;
+            if let Some(annotations) = &mut self.external_annotations {
+                annotations.clear();
+            }
+        }
+        self
     }
 }

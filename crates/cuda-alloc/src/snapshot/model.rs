@@ -23,7 +23,14 @@ pub struct Snapshot {
     pub allocator_settings: Option<AllocatorSettings>,
     /// `external_annotations`: user annotations recorded with the trace (PyTorch 2.6 and later).
     pub external_annotations: Option<Vec<ExternalAnnotation>>,
-    /// Top-level keys not listed above.
+    /// `host_segments`: the pinned host allocator's blocks, written by PyTorch versions that record
+    /// host memory when `_record_memory_history(record_host=True)` is on; `None` when absent.
+    pub host_segments: Option<Vec<HostSegment>>,
+    /// `host_traces`: the pinned host allocator's recorded events, oldest first (as
+    /// [`host_segments`](Self::host_segments)); `None` when absent.
+    pub host_traces: Option<Vec<TraceEntry>>,
+    /// Top-level keys not listed above, and `host_segments` / `host_traces` in a form the model
+    /// does not know (kept as written).
     pub other: OtherKeys,
 }
 
@@ -65,6 +72,30 @@ impl Segment {
     pub fn stream_id(&self) -> StreamId {
         StreamId(self.stream)
     }
+}
+
+/// One entry of `host_segments`: a block the pinned host allocator holds from the system
+/// (`cudaHostAlloc`), as a segment of one block (the host allocator does not split blocks).
+/// Keys a file lacks read as their defaults, and the sizes as on a device [`Segment`]: computed
+/// from the blocks when absent.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct HostSegment {
+    /// `address`: the first byte.
+    pub address: u64,
+    /// `total_size`: bytes held from the system.
+    pub total_size: u64,
+    /// `allocated_size`: bytes handed out and not freed.
+    pub allocated_size: u64,
+    /// `active_size`: bytes handed out, or freed and waiting for streams that used them.
+    pub active_size: u64,
+    /// `requested_size`: bytes the callers of the active blocks asked for.
+    pub requested_size: u64,
+    /// `frames`: the stack that allocated the segment, when history recorded stacks; else empty.
+    pub frames: Vec<Frame>,
+    /// `blocks`: the segment's blocks (one).
+    pub blocks: Vec<Block>,
+    /// Keys not listed above.
+    pub other: OtherKeys,
 }
 
 /// `segment_type`: the pool a segment serves.
@@ -174,6 +205,10 @@ pub struct TraceEntry {
     /// `user_metadata`: metadata attached with `torch.cuda.memory._set_memory_metadata` (PyTorch 2.7 and
     /// later; empty when none).
     pub user_metadata: Option<String>,
+    /// `pool_id`: the memory pool of the block or segment, a tuple of two ints as a segment's
+    /// `segment_pool_id` (`(0, 0)` for the default pools), written by PyTorch versions after 2.11;
+    /// `None` when absent (PyTorch 2.11 does not write it).
+    pub pool_id: Option<(u64, u64)>,
     /// Keys not listed above.
     pub other: OtherKeys,
 }
