@@ -24,6 +24,8 @@
 //! | `_is_in_bad_fork` | [`is_in_bad_fork`] |
 //! | `_cuda_cudaHostAllocator`, `host_memory_stats`, `_host_emptyCache` | [`host_allocator`], [`alloc_pinned`] / [`free_pinned`] / [`record_pinned_stream`], [`host_memory_stats`], [`host_empty_cache`] |
 //! | `_cuda_hasPrimaryContext` | [`has_primary_context`] |
+//! | `MemPool(allocator, use_on_oom, no_split)`, `use_mem_pool` | [`MemPool::new`] / [`MemPool::with_options`] ([`PoolOptions`], [`PoolAllocator`] / [`FnPoolAllocator`] for an allocator of its own), [`use_mem_pool`] |
+//! | vLLM's `sleep`/`wake_up`, `torch_memory_saver`'s `pause`/`resume` | [`sleep_pool`], [`wake_pool`], [`is_pool_asleep`], [`asleep_bytes`] (private pools on expandable segments) |
 //! | `_cuda_attach_out_of_memory_observer` | [`attach_out_of_memory_observer`] (every device, including those used later) |
 //! | `PYTORCH_NO_CUDA_MEMORY_CACHING` | read with `TENSORMEM_NO_CUDA_MEMORY_CACHING` when a device is first used (see [`CachingAllocator::set_caching_disabled`](crate::cuda_alloc::CachingAllocator::set_caching_disabled)) |
 //!
@@ -47,8 +49,10 @@ mod device;
 mod error;
 mod fork;
 mod host;
+mod mem_pool;
 mod memory;
 mod registry;
+mod sleep;
 mod stream;
 
 pub use device::{
@@ -62,6 +66,7 @@ pub use host::{
     alloc_pinned, free_pinned, host_allocator, host_empty_cache, host_memory_stats, host_stats,
     record_pinned_stream,
 };
+pub use mem_pool::{use_mem_pool, MemPool, MemPoolGuard};
 pub use memory::{
     allocator_settings, attach_out_of_memory_observer, caching_allocator, caching_allocator_alloc,
     caching_allocator_delete, caching_allocator_record_stream, device_memory_stats, dump_snapshot,
@@ -70,6 +75,11 @@ pub use memory::{
     record_memory_history_with_context, reset_accumulated_memory_stats, reset_peak_memory_stats,
     set_allocator_settings, set_per_process_memory_fraction,
 };
+pub use sleep::{asleep_bytes, is_pool_asleep, sleep_pool, wake_pool};
 pub use stream::{current_stream, default_stream, is_current_stream_capturing, set_stream, Stream};
 pub use tensormem_cuda_alloc::backend::cuda::{DeviceProperties, DeviceUuid};
-pub use tensormem_cuda_alloc::{DeviceAddress, MemInfo, RecordContext, StreamId};
+pub use tensormem_cuda_alloc::{SleepError, SleepReport, WakeReport};
+pub use tensormem_cuda_alloc::{
+    DeviceAddress, FnPoolAllocator, MemInfo, MempoolId, PoolAllocator, PoolOptions, RecordContext,
+    StreamId,
+};

@@ -91,6 +91,12 @@ int tensormem_pool_begin(int device, uint64_t first, uint64_t second,
 int tensormem_pool_end(int device, uint64_t first, uint64_t second);
 int tensormem_pool_release(int device, uint64_t first, uint64_t second);
 int tensormem_pool_create_or_incref(int device, uint64_t first, uint64_t second);
+int tensormem_pool_create_with_allocator(int device, uint64_t first, uint64_t second,
+                                         int (*malloc)(void*, size_t, void**),
+                                         int (*free)(void*, void*, size_t), void (*drop)(void*),
+                                         void* context);
+int tensormem_pool_set_use_on_oom(int device, uint64_t first, uint64_t second, int use_on_oom);
+int tensormem_pool_set_no_split(int device, uint64_t first, uint64_t second);
 int64_t tensormem_pool_use_count(int device, uint64_t first, uint64_t second);
 int tensormem_pool_check_live(int device, uint64_t first, uint64_t second, void* const* ptrs,
                               size_t count);
@@ -296,6 +302,47 @@ int call_filter(void* context, cudaStream_t stream) {
 }
 
 void drop_filter(void* context) { delete static_cast<Filter*>(context); }
+
+// The allocator of a MemPool(allocator=...): the library calls it for the pool's segments, as
+// PyTorch's allocator calls `raw_alloc` and `raw_delete` (null from `raw_alloc`: out of memory).
+// Nothing may escape into the library: an exception becomes a status code and a warning.
+using PoolAllocatorPtr = std::shared_ptr<CCA::CUDAAllocator>;
+constexpr int POOL_ALLOC_OK = 0;
+constexpr int POOL_ALLOC_OUT_OF_MEMORY = 1;
+constexpr int POOL_ALLOC_ERROR = -1;
+
+int pool_malloc(void* context, size_t size, void** out) {
+  try {
+    *out = (*static_cast<PoolAllocatorPtr*>(context))->raw_alloc(size);
+    return *out ? POOL_ALLOC_OK : POOL_ALLOC_OUT_OF_MEMORY;
+  } catch (const c10::OutOfMemoryError&) {
+    *out = nullptr;
+    return POOL_ALLOC_OUT_OF_MEMORY;
+  } catch (const std::exception& e) {
+    *out = nullptr;
+    TORCH_WARN("tensormem: the MemPool's allocator raised in raw_alloc(", size, "): ", e.what());
+    return POOL_ALLOC_ERROR;
+  } catch (...) {
+    *out = nullptr;
+    TORCH_WARN("tensormem: the MemPool's allocator raised in raw_alloc(", size, ")");
+    return POOL_ALLOC_ERROR;
+  }
+}
+
+int pool_free(void* context, void* ptr, size_t) {
+  try {
+    (*static_cast<PoolAllocatorPtr*>(context))->raw_delete(ptr);
+    return POOL_ALLOC_OK;
+  } catch (const std::exception& e) {
+    TORCH_WARN("tensormem: the MemPool's allocator raised in raw_delete(", ptr, "): ", e.what());
+    return POOL_ALLOC_ERROR;
+  } catch (...) {
+    TORCH_WARN("tensormem: the MemPool's allocator raised in raw_delete(", ptr, ")");
+    return POOL_ALLOC_ERROR;
+  }
+}
+
+void drop_pool_allocator(void* context) { delete static_cast<PoolAllocatorPtr*>(context); }
 
 struct CheckpointState : CCA::AllocatorState {
   explicit CheckpointState(TmCheckpoint* c) : checkpoint(c) {}
@@ -503,25 +550,28 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
 
   void createOrIncrefPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id,
                           std::shared_ptr<CCA::CUDAAllocator> allocator) override {
-    TORCH_CHECK(allocator == nullptr,
-                "tensormem: a torch.cuda.MemPool with its own allocator is not supported while "
-                "tensormem is PyTorch's allocator; make the MemPool without an allocator (its "
-                "memory then comes from tensormem)");
-    check(tensormem_pool_create_or_incref(device, mempool_id.first, mempool_id.second),
+    if (allocator == nullptr) {
+      check(tensormem_pool_create_or_incref(device, mempool_id.first, mempool_id.second),
+            "createOrIncrefPool");
+      return;
+    }
+    // The pool's segments come from `allocator` (a CUDAPluggableAllocator, say). The library owns
+    // the context from here on, and destroys it on failure too.
+    auto* context = new PoolAllocatorPtr(std::move(allocator));
+    check(tensormem_pool_create_with_allocator(device, mempool_id.first, mempool_id.second,
+                                               &pool_malloc, &pool_free, &drop_pool_allocator,
+                                               context),
           "createOrIncrefPool");
   }
 
-  void setUseOnOOM(c10::DeviceIndex, c10::MempoolId_t, bool use_on_oom) override {
-    // PyTorch turns the option off for every pool it destroys: that is always granted.
-    TORCH_CHECK(!use_on_oom,
-                "tensormem does not support torch.cuda.MemPool(use_on_oom=True) yet; make the "
-                "pool without use_on_oom");
+  void setUseOnOOM(c10::DeviceIndex device, c10::MempoolId_t mempool_id, bool use_on_oom) override {
+    check(tensormem_pool_set_use_on_oom(device, mempool_id.first, mempool_id.second,
+                                        use_on_oom ? 1 : 0),
+          "setUseOnOOM");
   }
 
-  void setNoSplit(c10::DeviceIndex, c10::MempoolId_t) override {
-    TORCH_CHECK(false,
-                "tensormem does not support torch.cuda.MemPool(no_split=True) yet; make the pool "
-                "without no_split");
+  void setNoSplit(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override {
+    check(tensormem_pool_set_no_split(device, mempool_id.first, mempool_id.second), "setNoSplit");
   }
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::MempoolId_t mempool_id,

@@ -8,9 +8,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tensormem_torch::native::{
     tensormem_device_stats, tensormem_ipc_close, tensormem_ipc_open, tensormem_ipc_share,
-    tensormem_malloc, tensormem_pool_begin, tensormem_raw_delete, tensormem_snapshot_free,
-    tensormem_snapshot_segment_count, tensormem_snapshot_take, TorchDeviceStats,
-    EXPANDABLE_HANDLE_HEADER_LEN, HANDLE_LEN, TM_ERROR, TM_OK, TM_OUT_OF_MEMORY,
+    tensormem_malloc, tensormem_pool_begin, tensormem_pool_create_with_allocator,
+    tensormem_pool_set_no_split, tensormem_pool_set_use_on_oom, tensormem_raw_delete,
+    tensormem_snapshot_free, tensormem_snapshot_segment_count, tensormem_snapshot_take,
+    TorchDeviceStats, EXPANDABLE_HANDLE_HEADER_LEN, HANDLE_LEN, POOL_ALLOC_ERROR, POOL_ALLOC_OK,
+    POOL_ALLOC_OUT_OF_MEMORY, TM_ERROR, TM_OK, TM_OUT_OF_MEMORY,
 };
 use tensormem_torch::{tensormem_last_error, Error};
 
@@ -230,4 +232,65 @@ fn ipc_open_refuses_handles_nobody_wrote_and_names_the_problem() {
 fn ipc_close_of_memory_never_opened_is_refused() {
     assert_eq!(tensormem_ipc_close(0xbeef_0000 as *mut c_void), TM_ERROR);
     assert!(last_error().contains("0xbeef0000"), "{}", last_error());
+}
+
+static ALLOCATOR_DROPPED: AtomicUsize = AtomicUsize::new(0);
+
+unsafe extern "C" fn no_room(_: *mut c_void, _: usize, out: *mut *mut c_void) -> c_int {
+    // SAFETY: the library passes a valid out-parameter.
+    unsafe { *out = std::ptr::null_mut() };
+    POOL_ALLOC_OUT_OF_MEMORY
+}
+
+unsafe extern "C" fn free_nothing(_: *mut c_void, _: *mut c_void, _: usize) -> c_int {
+    POOL_ALLOC_OK
+}
+
+unsafe extern "C" fn count_allocator_drop(_: *mut c_void) {
+    ALLOCATOR_DROPPED.fetch_add(1, Ordering::SeqCst);
+}
+
+#[test]
+fn a_pool_allocator_is_destroyed_once_when_the_pool_cannot_be_made() {
+    assert_ne!(POOL_ALLOC_OK, POOL_ALLOC_ERROR);
+    assert_ne!(POOL_ALLOC_OUT_OF_MEMORY, POOL_ALLOC_ERROR);
+    // SAFETY: the functions ignore their context; a bad device on purpose.
+    let rc = unsafe {
+        tensormem_pool_create_with_allocator(
+            -1,
+            0,
+            1,
+            Some(no_room),
+            Some(free_nothing),
+            Some(count_allocator_drop),
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(rc, TM_ERROR);
+    assert!(last_error().contains("device -1"), "{}", last_error());
+    assert_eq!(ALLOCATOR_DROPPED.load(Ordering::SeqCst), 1);
+    // A missing function is refused before any device is touched, and the context goes too.
+    // SAFETY: as above.
+    let rc = unsafe {
+        tensormem_pool_create_with_allocator(
+            0,
+            0,
+            1,
+            None,
+            Some(free_nothing),
+            Some(count_allocator_drop),
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(rc, TM_ERROR);
+    assert!(last_error().contains("null pointer"), "{}", last_error());
+    assert_eq!(ALLOCATOR_DROPPED.load(Ordering::SeqCst), 2);
+}
+
+#[test]
+fn pool_options_on_a_bad_device_are_errors_with_a_reason() {
+    assert_eq!(tensormem_pool_set_use_on_oom(-3, 0, 1, 1), TM_ERROR);
+    assert!(last_error().contains("device -3"), "{}", last_error());
+    assert_eq!(tensormem_pool_set_no_split(-3, 0, 1), TM_ERROR);
+    assert!(last_error().contains("device -3"), "{}", last_error());
 }

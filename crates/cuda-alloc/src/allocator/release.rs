@@ -77,6 +77,9 @@ impl<D: Device> CachingAllocator<D> {
                         if pool.owner == PoolOwner::Private(id) {
                             debug_assert!(pool.free.is_empty() && pool.unmapped.is_empty());
                             pool.owner = PoolOwner::Released;
+                            // Its own allocator (and what it holds) goes with the pool.
+                            pool.allocator = None;
+                            pool.no_split = false;
                         }
                     }
                 }

@@ -36,9 +36,11 @@ pub use ipc::{
 };
 pub use pools::{
     tensormem_checkpoint_free, tensormem_pool_begin, tensormem_pool_check_live,
-    tensormem_pool_checkpoint, tensormem_pool_create_or_incref, tensormem_pool_end,
-    tensormem_pool_release, tensormem_pool_restore, tensormem_pool_use_count, DropFn, FilterFn,
-    PointerFn,
+    tensormem_pool_checkpoint, tensormem_pool_create_or_incref,
+    tensormem_pool_create_with_allocator, tensormem_pool_end, tensormem_pool_release,
+    tensormem_pool_restore, tensormem_pool_set_no_split, tensormem_pool_set_use_on_oom,
+    tensormem_pool_use_count, DropFn, FilterFn, PointerFn, PoolFreeFn, PoolMallocFn,
+    POOL_ALLOC_ERROR, POOL_ALLOC_OK, POOL_ALLOC_OUT_OF_MEMORY,
 };
 pub use snapshot::{
     tensormem_history, tensormem_history_enabled, tensormem_snapshot_block,

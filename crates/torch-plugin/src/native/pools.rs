@@ -8,9 +8,12 @@
 
 use std::collections::HashSet;
 use std::ffi::{c_int, c_void};
+use std::sync::Arc;
 
 use cudarc::driver::sys;
-use tensormem_cuda_alloc::{DeviceAddress, PoolCheckpoint};
+use tensormem_cuda_alloc::{
+    DeviceAddress, DeviceError, DeviceResult, PoolAllocator, PoolCheckpoint,
+};
 
 use super::{pool_id, raw_stream, status};
 use crate::capture_mode;
@@ -112,6 +115,178 @@ pub extern "C" fn tensormem_pool_release(device: c_int, first: u64, second: u64)
 pub extern "C" fn tensormem_pool_create_or_incref(device: c_int, first: u64, second: u64) -> c_int {
     status("tensormem_pool_create_or_incref", || {
         devices::allocator(device)?.create_or_incref_pool(pool_id(first, second))?;
+        Ok(())
+    })
+}
+
+/// A pool allocator's allocation: writes a segment of `size` bytes to `*out` and returns
+/// [`POOL_ALLOC_OK`], or returns [`POOL_ALLOC_OUT_OF_MEMORY`] (PyTorch's `raw_alloc` giving null) or
+/// [`POOL_ALLOC_ERROR`] (it raised; the C++ layer has said why).
+pub type PoolMallocFn =
+    unsafe extern "C" fn(context: *mut c_void, size: usize, out: *mut *mut c_void) -> c_int;
+/// A pool allocator's release of a segment its allocation returned (PyTorch's `raw_delete`):
+/// [`POOL_ALLOC_OK`] or [`POOL_ALLOC_ERROR`].
+pub type PoolFreeFn =
+    unsafe extern "C" fn(context: *mut c_void, ptr: *mut c_void, size: usize) -> c_int;
+
+/// A [`PoolMallocFn`] or [`PoolFreeFn`] succeeded.
+pub const POOL_ALLOC_OK: c_int = 0;
+/// A [`PoolMallocFn`] found no room.
+pub const POOL_ALLOC_OUT_OF_MEMORY: c_int = 1;
+/// A [`PoolMallocFn`] or [`PoolFreeFn`] failed otherwise.
+pub const POOL_ALLOC_ERROR: c_int = -1;
+
+/// The C++ layer's allocator of a `MemPool(allocator=...)` (a `CUDAAllocator` such as a
+/// `CUDAPluggableAllocator`), owned by the pool: its context is destroyed once, when the pool and
+/// every handle to it are gone.
+struct CppPoolAllocator {
+    malloc: PoolMallocFn,
+    free: PoolFreeFn,
+    drop: Option<DropFn>,
+    context: *mut c_void,
+}
+
+// SAFETY: the context is a `std::shared_ptr<CUDAAllocator>` that PyTorch's own allocator calls from
+// any allocating thread and that is destroyed once; `tensormem_pool_create_with_allocator` states
+// this contract.
+unsafe impl Send for CppPoolAllocator {}
+// SAFETY: as above; PyTorch calls `raw_alloc` and `raw_delete` concurrently too.
+unsafe impl Sync for CppPoolAllocator {}
+
+impl PoolAllocator for CppPoolAllocator {
+    fn malloc(&self, size: usize) -> DeviceResult<DeviceAddress> {
+        let mut out = std::ptr::null_mut();
+        // SAFETY: `malloc` and `context` come together from the C++ layer and the context lives
+        // until `drop` runs (in this value's `Drop`); `out` is a valid out-parameter.
+        let rc = unsafe { (self.malloc)(self.context, size, &mut out) };
+        match rc {
+            POOL_ALLOC_OK if !out.is_null() => Ok(DeviceAddress(out as u64)),
+            POOL_ALLOC_OK | POOL_ALLOC_OUT_OF_MEMORY => {
+                Err(DeviceError::OutOfMemory { bytes: size as u64 })
+            }
+            _ => Err(DeviceError::Driver {
+                call: "MemPool allocator raw_alloc",
+                code: rc,
+                message: "the pool's allocator raised an error (PyTorch printed it as a warning); \
+                          fix the allocator given to torch.cuda.MemPool"
+                    .to_owned(),
+            }),
+        }
+    }
+
+    unsafe fn free(&self, ptr: DeviceAddress, size: usize) -> DeviceResult<()> {
+        // SAFETY: as in `malloc`; `ptr` came from this allocator's `malloc` (the caller's obligation).
+        let rc = unsafe { (self.free)(self.context, ptr.0 as *mut c_void, size) };
+        if rc == POOL_ALLOC_OK {
+            Ok(())
+        } else {
+            Err(DeviceError::Driver {
+                call: "MemPool allocator raw_delete",
+                code: rc,
+                message: "the pool's allocator raised an error while freeing a segment (PyTorch \
+                          printed it as a warning)"
+                    .to_owned(),
+            })
+        }
+    }
+}
+
+impl Drop for CppPoolAllocator {
+    fn drop(&mut self) {
+        if let Some(drop) = self.drop {
+            // SAFETY: the context is destroyed once, here, after its last call.
+            unsafe { drop(self.context) };
+        }
+    }
+}
+
+/// Makes the pool with one user, its segments coming from the C++ layer's allocator rather than the
+/// driver (PyTorch's `createOrIncrefPool(device, id, allocator)` for `torch.cuda.MemPool(allocator=
+/// ...)`): `malloc(context, size, &out)` for each new segment, `free(context, ptr, size)` for each
+/// segment returned. The pool never uses expandable segments; its segments count in the statistics
+/// as `cudaMalloc`s do.
+///
+/// The pool owns the context from here on (and on failure destroys it here): `drop(context)` is
+/// called once, when the pool and its last segment are gone.
+///
+/// # Safety
+///
+/// `malloc` and `free` may be called with `context` from any thread, concurrently, until
+/// `drop(context)` is called; `drop` may be `None`.
+#[no_mangle]
+pub unsafe extern "C" fn tensormem_pool_create_with_allocator(
+    device: c_int,
+    first: u64,
+    second: u64,
+    malloc: Option<PoolMallocFn>,
+    free: Option<PoolFreeFn>,
+    drop: Option<DropFn>,
+    context: *mut c_void,
+) -> c_int {
+    // Made first so that every failure below destroys the context exactly once.
+    let owned = DropGuard { drop, context };
+    status("tensormem_pool_create_with_allocator", move || {
+        let (Some(malloc), Some(free)) = (malloc, free) else {
+            return Err(Error::NullArgument {
+                what: "the pool allocator's malloc or free",
+            });
+        };
+        let allocator = devices::allocator(device)?;
+        let own: Arc<dyn PoolAllocator> = Arc::new(CppPoolAllocator {
+            malloc,
+            free,
+            drop: owned.disarm(),
+            context,
+        });
+        allocator.create_or_incref_pool_with(pool_id(first, second), Some(own))?;
+        Ok(())
+    })
+}
+
+/// Destroys a context on the failure paths of [`tensormem_pool_create_with_allocator`].
+struct DropGuard {
+    drop: Option<DropFn>,
+    context: *mut c_void,
+}
+
+impl DropGuard {
+    /// Hands the destructor on (to the allocator that owns the context from now on).
+    fn disarm(mut self) -> Option<DropFn> {
+        self.drop.take()
+    }
+}
+
+impl Drop for DropGuard {
+    fn drop(&mut self) {
+        if let Some(drop) = self.drop {
+            // SAFETY: the context was never handed on; it is destroyed once, here.
+            unsafe { drop(self.context) };
+        }
+    }
+}
+
+/// Lets allocations outside any pool use the pool's free blocks as a last resort before
+/// out-of-memory, or stops it (PyTorch's `setUseOnOOM`, for `torch.cuda.MemPool(use_on_oom=True)`).
+/// Turning it off for a pool that is gone succeeds (PyTorch does it for every pool it destroys).
+#[no_mangle]
+pub extern "C" fn tensormem_pool_set_use_on_oom(
+    device: c_int,
+    first: u64,
+    second: u64,
+    use_on_oom: c_int,
+) -> c_int {
+    status("tensormem_pool_set_use_on_oom", || {
+        devices::allocator(device)?.set_use_on_oom(pool_id(first, second), use_on_oom != 0)?;
+        Ok(())
+    })
+}
+
+/// Stops the pool from splitting its blocks (PyTorch's `setNoSplit`, for
+/// `torch.cuda.MemPool(no_split=True)`).
+#[no_mangle]
+pub extern "C" fn tensormem_pool_set_no_split(device: c_int, first: u64, second: u64) -> c_int {
+    status("tensormem_pool_set_no_split", || {
+        devices::allocator(device)?.set_no_split(pool_id(first, second))?;
         Ok(())
     })
 }
@@ -228,4 +403,70 @@ pub unsafe extern "C" fn tensormem_pool_restore(
         }
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+
+    unsafe extern "C" fn answer(context: *mut c_void, _: usize, out: *mut *mut c_void) -> c_int {
+        // SAFETY: the test's context is a `c_int` status to answer with; `out` is valid.
+        let rc = unsafe { *(context as *const c_int) };
+        // SAFETY: as above.
+        unsafe {
+            *out = if rc == POOL_ALLOC_OK {
+                0x1000 as *mut c_void
+            } else {
+                std::ptr::null_mut()
+            }
+        };
+        rc
+    }
+
+    unsafe extern "C" fn answer_free(context: *mut c_void, _: *mut c_void, _: usize) -> c_int {
+        // SAFETY: as in `answer`.
+        unsafe { *(context as *const c_int) }
+    }
+
+    static DROPS: AtomicUsize = AtomicUsize::new(0);
+
+    unsafe extern "C" fn count(_: *mut c_void) {
+        DROPS.fetch_add(1, SeqCst);
+    }
+
+    fn with_status(rc: &mut c_int) -> CppPoolAllocator {
+        CppPoolAllocator {
+            malloc: answer,
+            free: answer_free,
+            drop: Some(count),
+            context: std::ptr::from_mut(rc).cast(),
+        }
+    }
+
+    #[test]
+    fn the_cpp_allocator_s_status_codes_become_device_results() {
+        let mut rc = POOL_ALLOC_OK;
+        let a = with_status(&mut rc);
+        assert_eq!(a.malloc(4096).unwrap(), DeviceAddress(0x1000));
+        // SAFETY: the test's allocator frees nothing.
+        assert!(unsafe { a.free(DeviceAddress(0x1000), 4096) }.is_ok());
+        drop(a);
+        let mut rc = POOL_ALLOC_OUT_OF_MEMORY;
+        let a = with_status(&mut rc);
+        assert!(matches!(
+            a.malloc(4096),
+            Err(DeviceError::OutOfMemory { bytes: 4096 })
+        ));
+        drop(a);
+        let mut rc = POOL_ALLOC_ERROR;
+        let a = with_status(&mut rc);
+        let err = a.malloc(4096).unwrap_err();
+        assert!(err.to_string().contains("raw_alloc"), "{err}");
+        // SAFETY: as above.
+        let err = unsafe { a.free(DeviceAddress(0x1000), 4096) }.unwrap_err();
+        assert!(err.to_string().contains("raw_delete"), "{err}");
+        drop(a);
+        assert_eq!(DROPS.load(SeqCst), 3, "each context destroyed once");
+    }
 }
