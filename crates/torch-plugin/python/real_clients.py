@@ -130,6 +130,110 @@ def mempool(torch):
     return {"out": out, "strict": True}
 
 
+def mempool_options(torch):
+    """MemPool(no_split=True): every block a whole segment; MemPool(use_on_oom=True) under a memory
+    fraction: a request that would run out of memory is served from the pool's free block (before the
+    cache is released), and one the pool cannot serve still raises."""
+    ns = torch.cuda.MemPool(no_split=True)
+    with torch.cuda.use_mem_pool(ns):
+        small1 = torch.empty(1000, dtype=torch.uint8, device="cuda")
+        large = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+        small2 = torch.empty(1000, dtype=torch.uint8, device="cuda")
+    segments = sorted((s["total_size"], len(s["blocks"]), s["allocated_size"]) for s in ns.snapshot())
+    no_split_allocated = torch.cuda.memory_allocated()
+    del small1, large, small2
+    del ns
+    torch.cuda.empty_cache()
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((256 << 20) / total)
+    pool = torch.cuda.MemPool(use_on_oom=True)
+    with torch.cuda.use_mem_pool(pool):
+        p = torch.empty(96 << 20, dtype=torch.uint8, device="cuda")
+    pool_ptr = p.data_ptr()
+    del p  # cached in the pool
+    hold = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    x = torch.empty(96 << 20, dtype=torch.uint8, device="cuda")  # 224 + 96 MiB > 256 MiB
+    served = x.data_ptr() == pool_ptr
+    x.fill_(7)
+    value = int(x[:1024].sum().item())
+    caught = 0
+    try:
+        torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError:
+        caught = 1
+    ooms = torch.cuda.memory_stats()["num_ooms"]
+    del x, hold
+    del pool
+    torch.cuda.empty_cache()
+    return {"out": [segments, no_split_allocated, served, value, caught, ooms], "strict": True}
+
+
+_OWN_ALLOCATOR_C = r"""
+#include <dlfcn.h>
+#include <stddef.h>
+#include <sys/types.h>
+typedef int (*alloc_t)(unsigned long long*, size_t);
+typedef int (*free_t)(unsigned long long);
+static alloc_t cu_alloc;
+static free_t cu_free;
+static long allocs, frees;
+static void load(void) {
+    if (cu_alloc) return;
+    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    cu_alloc = (alloc_t)dlsym(h, "cuMemAlloc_v2");
+    cu_free = (free_t)dlsym(h, "cuMemFree_v2");
+}
+void* own_alloc(ssize_t size, int device, void* stream) {
+    unsigned long long p = 0;
+    load();
+    if (cu_alloc(&p, (size_t)size) != 0) return NULL;
+    __atomic_add_fetch(&allocs, 1, __ATOMIC_SEQ_CST);
+    return (void*)p;
+}
+void own_free(void* ptr, ssize_t size, int device, void* stream) {
+    load();
+    cu_free((unsigned long long)ptr);
+    __atomic_add_fetch(&frees, 1, __ATOMIC_SEQ_CST);
+}
+long own_allocs(void) { return allocs; }
+long own_frees(void) { return frees; }
+"""
+
+
+def mempool_own_allocator(torch):
+    """MemPool(allocator=CUDAPluggableAllocator(...)), what sleep modes (vLLM's) build on: the pool's
+    segments come from the user's alloc function and go back through its free function."""
+    import ctypes
+    import shutil
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return {"skip": "no C compiler for the pluggable allocator", "out": None, "strict": False}
+    build = tempfile.mkdtemp(prefix="own-alloc-")
+    src, lib = os.path.join(build, "own.c"), os.path.join(build, "libown.so")
+    with open(src, "w") as f:
+        f.write(_OWN_ALLOCATOR_C)
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", lib, src, "-ldl"], check=True)
+    counters = ctypes.CDLL(lib)
+    torch.cuda.init()
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(lib, "own_alloc", "own_free")
+    pool = torch.cuda.MemPool(allocator.allocator())
+    with torch.cuda.use_mem_pool(pool):
+        a = torch.full((1 << 20,), 2.0, device="cuda")
+        b = torch.full((3 << 20,), 3.0, device="cuda")
+        c = torch.arange(1000, device="cuda", dtype=torch.float32)
+    outside = torch.ones(1 << 20, device="cuda")
+    value = (a.sum() + b.sum() + c.sum() + outside.sum()).item()
+    segments = sorted(s["total_size"] for s in pool.snapshot())
+    allocs_in_pool = counters.own_allocs()
+    stats = torch.cuda.memory_stats()
+    del a, b, c
+    del pool
+    torch.cuda.empty_cache()
+    return {"out": [value, segments, allocs_in_pool, counters.own_frees(), stats["segment.all.current"]],
+            "strict": True}
+
+
 def oom(torch):
     torch.cuda.set_per_process_memory_fraction(0.02)
     held, caught, message = [], 0, ""
@@ -459,8 +563,9 @@ def ddp_register(torch):
     return _ddp(torch)
 
 
-WORKLOADS = {f.__name__: f for f in (cnn_amp, transformer_varlen, compile_infer, compile_train, mempool, oom,
-                                      streams, ipc, ipc_expandable, stats_snapshot, ddp, ddp_register)}
+WORKLOADS = {f.__name__: f for f in (cnn_amp, transformer_varlen, compile_infer, compile_train, mempool,
+                                      mempool_options, mempool_own_allocator, oom, streams, ipc, ipc_expandable, stats_snapshot, ddp,
+                                      ddp_register)}
 
 # The environment a workload's processes start with, on either allocator (its children inherit it).
 WORKLOAD_ENV = {

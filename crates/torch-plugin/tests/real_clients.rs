@@ -70,6 +70,18 @@ fn a_mem_pool_with_use_mem_pool() {
 
 #[test]
 #[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
+fn mem_pools_with_no_split_and_use_on_oom_under_a_memory_fraction() {
+    real_client("mempool_options");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
+fn a_mem_pool_with_its_own_pluggable_allocator() {
+    real_client("mempool_own_allocator");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
 fn an_out_of_memory_error_is_caught_and_recovered_from() {
     real_client("oom");
 }
