@@ -12,7 +12,7 @@ use tensormem_cuda_alloc::config::{AllocatorConfig, Backend};
 use tensormem_cuda_alloc::oom::OomEvent;
 use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_cuda_alloc::stats::MemoryStats;
-use tensormem_cuda_alloc::{CachingAllocator, DeviceAddress, RecordContext};
+use tensormem_cuda_alloc::{CachingAllocator, DeviceAddress, MempoolId, RecordContext};
 
 use super::device::resolve;
 use super::error::{Error, Result};
@@ -122,20 +122,40 @@ pub fn reset_accumulated_memory_stats(device: Option<u32>) -> Result<()> {
 
 /// A snapshot of every device's allocator opened so far (`torch.cuda.memory._snapshot()`): all their
 /// segments, one trace per device ordinal (empty where history is off or the device unused), and the
-/// settings of the current device's allocator.
+/// settings of the current device's allocator. While the pinned host allocators record their
+/// history ([`record_memory_history_with_host`]), their blocks and events too, as `host_segments`
+/// and `host_traces`.
 ///
 /// # Errors
 ///
 /// The errors of initialising CUDA.
 pub fn memory_snapshot() -> Result<Snapshot> {
+    memory_snapshot_with(None, true)
+}
+
+/// [`memory_snapshot`] as PyTorch's `snapshot(mempool_id, include_traces)`
+/// (`torch.cuda.memory_snapshot(mempool_id, include_traces)`, `MemPool.snapshot(include_traces)`):
+/// only the segments of `pool` when it is given and not `(0, 0)`; without `include_traces`, no
+/// traces (`device_traces` an empty list, no `host_traces`), which is much faster when history
+/// holds many entries.
+///
+/// # Errors
+///
+/// The errors of initialising CUDA.
+pub fn memory_snapshot_with(pool: Option<MempoolId>, include_traces: bool) -> Result<Snapshot> {
     let count = super::device_count()?;
     let current = super::current_device()?;
     let mut merged = Snapshot {
-        device_traces: vec![Vec::new(); count as usize],
+        device_traces: if include_traces {
+            vec![Vec::new(); count as usize]
+        } else {
+            Vec::new()
+        },
         ..Snapshot::default()
     };
+    let mut host = Snapshot::default();
     for (ordinal, state) in registry::opened()? {
-        let snapshot = state.allocator().snapshot();
+        let snapshot = state.allocator().snapshot_with(pool, include_traces);
         merged.segments.extend(snapshot.segments);
         if let Some(trace) = snapshot.device_traces.into_iter().next() {
             merged.device_traces[ordinal as usize] = trace;
@@ -143,7 +163,21 @@ pub fn memory_snapshot() -> Result<Snapshot> {
         if ordinal == current || merged.allocator_settings.is_none() {
             merged.allocator_settings = snapshot.allocator_settings;
         }
+        if let Some(allocator) = state.host_if_made().filter(|h| h.history_enabled()) {
+            let mut one = Snapshot::default();
+            allocator.add_to_snapshot(&mut one, include_traces);
+            let segments = host.host_segments.get_or_insert_with(Vec::new);
+            segments.extend(one.host_segments.unwrap_or_default());
+            if let Some(trace) = one.host_traces {
+                host.host_traces.get_or_insert_with(Vec::new).extend(trace);
+            }
+        }
     }
+    if let Some(trace) = &mut host.host_traces {
+        trace.sort_by_key(|e| e.time_us);
+    }
+    merged.host_segments = host.host_segments;
+    merged.host_traces = host.host_traces;
     Ok(merged)
 }
 
@@ -171,7 +205,7 @@ pub fn dump_snapshot(path: impl AsRef<Path>) -> Result<()> {
 ///
 /// The errors of initialising CUDA.
 pub fn record_memory_history(enabled: bool, max_entries: usize) -> Result<()> {
-    registry::record_history(enabled, max_entries.max(1), RecordContext::Never)
+    registry::record_history(enabled, max_entries.max(1), RecordContext::Never, false)
 }
 
 /// [`record_memory_history`] keeping call stacks as `context` says
@@ -189,7 +223,24 @@ pub fn record_memory_history_with_context(
     max_entries: usize,
     context: RecordContext,
 ) -> Result<()> {
-    registry::record_history(enabled, max_entries.max(1), context)
+    registry::record_history(enabled, max_entries.max(1), context, false)
+}
+
+/// [`record_memory_history_with_context`] that also records the pinned host allocators' events when
+/// `record_host` (`torch.cuda.memory._record_memory_history(record_host=True)`): snapshots then carry
+/// `host_segments` and `host_traces`. Any call without `record_host`, and stopping, turns host
+/// recording off (and clears its events).
+///
+/// # Errors
+///
+/// The errors of initialising CUDA.
+pub fn record_memory_history_with_host(
+    enabled: bool,
+    max_entries: usize,
+    context: RecordContext,
+    record_host: bool,
+) -> Result<()> {
+    registry::record_history(enabled, max_entries.max(1), context, record_host)
 }
 
 /// Limits how much of `device`'s memory its allocator may hold to `fraction` of the total

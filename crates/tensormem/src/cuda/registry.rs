@@ -39,6 +39,8 @@ struct ProcessSettings {
     applied: Vec<String>,
     /// History recording: (enabled, max entries, stack context), when set.
     history: Option<(bool, usize, RecordContext)>,
+    /// Whether the pinned host allocators record their history too (`record_host`).
+    record_host: bool,
     /// Out-of-memory observers attached for every device, in order.
     oom_observers: Vec<SharedOomObserver>,
 }
@@ -48,6 +50,7 @@ impl std::fmt::Debug for ProcessSettings {
         f.debug_struct("ProcessSettings")
             .field("applied", &self.applied)
             .field("history", &self.history)
+            .field("record_host", &self.record_host)
             .field("oom_observers", &self.oom_observers.len())
             .finish()
     }
@@ -61,6 +64,7 @@ pub(crate) type SharedOomObserver = Arc<dyn Fn(&OomEvent) + Send + Sync>;
 static SETTINGS: Mutex<ProcessSettings> = Mutex::new(ProcessSettings {
     applied: Vec::new(),
     history: None,
+    record_host: false,
     oom_observers: Vec::new(),
 });
 
@@ -90,16 +94,31 @@ impl DeviceState {
     }
 
     /// The device's pinned host allocator, configured by the allocator's settings
-    /// (`pinned_use_cuda_host_register`, `pinned_num_register_threads`) when first used.
+    /// (`pinned_use_cuda_host_register`, `pinned_num_register_threads`,
+    /// `pinned_max_round_threshold_mb`, `pinned_max_cached_size_mb`) when first used, recording its
+    /// history if `record_host` recording is on.
     pub(crate) fn host(&self, ordinal: u32) -> Result<&HostCachingAllocator<CudaBackend>> {
         if let Some(host) = self.host.get() {
             return Ok(host);
         }
         let device = CudaBackend::new(ordinal)?;
-        let source = CudaPinnedSource::from_config(&device, &self.allocator.config());
-        Ok(self
-            .host
-            .get_or_init(|| HostCachingAllocator::new(device, source)))
+        let config = self.allocator.config();
+        let source = CudaPinnedSource::from_config(&device, &config);
+        let process = settings();
+        Ok(self.host.get_or_init(|| {
+            let host = HostCachingAllocator::with_config(device, source, &config);
+            if let (Some((true, max_entries, context)), true) =
+                (process.history, process.record_host)
+            {
+                host.record_history(true, max_entries, context);
+            }
+            host
+        }))
+    }
+
+    /// The device's pinned host allocator if it was made.
+    pub(crate) fn host_if_made(&self) -> Option<&HostCachingAllocator<CudaBackend>> {
+        self.host.get()
     }
 
     /// The device.
@@ -226,20 +245,28 @@ pub(crate) fn apply_settings(config: &str) -> Result<()> {
     Ok(())
 }
 
-/// Turns history recording on or off on every opened device's allocator and for devices opened later.
+/// Turns history recording on or off on every opened device's allocator and for devices opened later,
+/// and on the pinned host allocators when `record_host` (off for them otherwise, as PyTorch turns
+/// host recording off with any call that does not ask for it).
 pub(crate) fn record_history(
     enabled: bool,
     max_entries: usize,
     context: RecordContext,
+    record_host: bool,
 ) -> Result<()> {
     get()?;
     let mut process = settings();
+    let host = enabled && record_host;
     for (_, state) in opened_with(&process)? {
         state
             .allocator
             .record_history_with_context(enabled, max_entries, context);
+        if let Some(allocator) = state.host.get() {
+            allocator.record_history(host, max_entries, context);
+        }
     }
     process.history = Some((enabled, max_entries, context));
+    process.record_host = host;
     Ok(())
 }
 
