@@ -27,6 +27,8 @@ mod interop;
 mod multi_gpu;
 #[path = "gpu/pinned.rs"]
 mod pinned;
+#[path = "gpu/sleep.rs"]
+mod sleep;
 #[path = "gpu/streams.rs"]
 mod streams;
 #[path = "gpu/teardown.rs"]

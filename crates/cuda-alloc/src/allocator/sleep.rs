@@ -242,7 +242,8 @@ impl<D: Device> CachingAllocator<D> {
                 self.asleep.lock().insert(pool, state);
                 Ok(report)
             }
-            Err((state, error)) => {
+            Err(failure) => {
+                let (state, error) = *failure;
                 let mut book = self.asleep.lock();
                 match state {
                     Some(state) => book.insert(pool, state),
@@ -254,14 +255,14 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// The work of [`sleep_pool`](Self::sleep_pool) once the pool is marked as changing. On
-    /// failure, the state to leave the pool in (`None`: awake).
+    /// failure, the state to leave the pool in (`None`: awake) and the error.
     #[allow(clippy::type_complexity)] // a pair and its failure, each used once
     fn sleep_now(
         &self,
         pool: MempoolId,
         keep: Option<Box<dyn HostBackup>>,
-    ) -> std::result::Result<(Asleep, SleepReport), (Option<Asleep>, Error)> {
-        let refuse = |e: SleepError| (None, Error::from(e));
+    ) -> std::result::Result<(Asleep, SleepReport), Box<(Option<Asleep>, Error)>> {
+        let refuse = |e: SleepError| Box::new((None, Error::from(e)));
         if self.captures.read().iter().any(|c| c.pool == pool) {
             return Err(refuse(SleepError::AllocatingTo { pool }));
         }
@@ -271,7 +272,7 @@ impl<D: Device> CachingAllocator<D> {
             let stream = locked.shard.stream;
             match device
                 .capture_status(stream)
-                .map_err(|e| (None, e.into()))?
+                .map_err(|e| Box::new((None, e.into())))?
             {
                 CaptureStatus::None => {}
                 CaptureStatus::Active { .. } | CaptureStatus::Invalidated => {
@@ -318,7 +319,9 @@ impl<D: Device> CachingAllocator<D> {
                 targets.push((li, slot));
             }
         }
-        device.synchronize().map_err(|e| (None, e.into()))?;
+        device
+            .synchronize()
+            .map_err(|e| Box::new((None, e.into())))?;
         let backup = match keep {
             None => None,
             Some(host) => {
@@ -331,7 +334,7 @@ impl<D: Device> CachingAllocator<D> {
                     for (start, len) in segment.mapped_runs() {
                         if let Err(e) = copy_out(device, &mut backup, start, len) {
                             backup.give_back();
-                            return Err((None, e));
+                            return Err(Box::new((None, e)));
                         }
                     }
                 }
@@ -374,7 +377,7 @@ impl<D: Device> CachingAllocator<D> {
         );
         match failure {
             None => Ok((state, report)),
-            Some(e) => Err((Some(state), e.into())),
+            Some(e) => Err(Box::new((Some(state), e.into()))),
         }
     }
 
