@@ -113,8 +113,10 @@ impl Default for TorchConfigInfo {
 }
 
 /// Takes a snapshot of every device the plugin used (PyTorch's `snapshot(mempool_id, include_traces)`):
-/// the segments of private pool (`first`, `second`) only, unless it is (0, 0); the traces when
-/// `include_traces` is nonzero. Returns null on error. Free it with [`tensormem_snapshot_free`].
+/// the segments of private pool (`first`, `second`) only, unless it is (0, 0); the traces (one list
+/// per device, whole: PyTorch does not filter them by pool) when `include_traces` is nonzero, else
+/// none (no device lists: `device_traces` is `[]` as in PyTorch). Returns null on error. Free it with
+/// [`tensormem_snapshot_free`].
 #[no_mangle]
 pub extern "C" fn tensormem_snapshot_take(
     first: u64,
@@ -135,18 +137,14 @@ fn take(pool: MempoolId, include_traces: bool) -> Result<TorchSnapshot> {
     let mut config = None;
     for allocator in devices::used() {
         let ordinal = allocator.device().ordinal();
-        let snapshot = allocator.snapshot();
-        merged.segments.extend(
-            snapshot
-                .segments
-                .into_iter()
-                .filter(|s| pool == MempoolId::DEFAULT || s.segment_pool_id == (pool.0, pool.1)),
-        );
-        let slot = ordinal as usize;
-        if traces.len() <= slot {
-            traces.resize_with(slot + 1, Vec::new);
-        }
+        // Filtered by pool, and the trace left uncopied without `include_traces`, as PyTorch does.
+        let snapshot = allocator.snapshot_with(Some(pool), include_traces);
+        merged.segments.extend(snapshot.segments);
         if include_traces {
+            let slot = ordinal as usize;
+            if traces.len() <= slot {
+                traces.resize_with(slot + 1, Vec::new);
+            }
             if let Some(trace) = snapshot.device_traces.first() {
                 traces[slot] = trace
                     .iter()
@@ -158,7 +156,8 @@ fn take(pool: MempoolId, include_traces: bool) -> Result<TorchSnapshot> {
             config = Some((allocator.config(), snapshot.allocator_settings));
         }
     }
-    if traces.is_empty() {
+    // Without traces PyTorch's `device_traces` is an empty list; with them, one list per device.
+    if include_traces && traces.len() < cuda::device_count().unwrap_or(0) as usize {
         traces.resize_with(cuda::device_count().unwrap_or(0) as usize, Vec::new);
     }
     let (settings, mut info) = match config {
