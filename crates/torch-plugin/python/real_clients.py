@@ -563,12 +563,67 @@ def ddp_register(torch):
     return _ddp(torch)
 
 
+def sleep_wake(torch):
+    """A CUDA graph captured into a MemPool on expandable segments. On tensormem the pool sleeps with its
+    contents (its memory back to the device, seen in mem_get_info), wakes at the same addresses, and the
+    graph replays to the same result as before; PyTorch's allocator has no sleep, so natively the graph
+    just replays again. Either way: the replay after equals the replay before, bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        static_in = torch.randn(256, 1024, device="cuda", generator=g)
+        weight = torch.randn(1024, 1024, device="cuda", generator=g)
+        table = torch.randn(64 << 20, device="cuda", generator=g)  # 256 MiB, for the memory to show
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            torch.relu(static_in @ weight).sum(dim=1) + table[:256]
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool.id):
+        static_out = torch.relu(static_in @ weight).sum(dim=1) + table[:256]
+    graph.replay()
+    torch.cuda.synchronize()
+    before = static_out.clone()
+    ptrs = [t.data_ptr() for t in (static_in, weight, table, static_out)]
+    static_out.zero_()
+    notes, returned_enough, asleep_refused = "", True, True
+    if os.environ.get("TENSORMEM_REAL_CLIENT_BACKEND") == "tensormem":
+        import tensormem_torch
+        free_before = _free_device_bytes(torch)
+        reserved_before = torch.cuda.memory_reserved()
+        released = tensormem_torch.sleep(pool, keep_contents=True)
+        free_asleep = _free_device_bytes(torch)
+        returned_enough = released >= 256 << 20 and free_asleep - free_before >= 0.95 * released
+        asleep_refused = False
+        try:
+            with torch.cuda.use_mem_pool(pool):
+                torch.empty(1 << 20, device="cuda")
+        except RuntimeError:
+            asleep_refused = True
+        same_reserved = torch.cuda.memory_reserved() == reserved_before
+        tensormem_torch.wake(pool)
+        notes = (f"released {released >> 20} MiB, free memory +{(free_asleep - free_before) >> 20} MiB, "
+                 f"reserved unchanged while asleep: {same_reserved}")
+    graph.replay()
+    torch.cuda.synchronize()
+    out = [torch.equal(before, static_out), ptrs == [t.data_ptr() for t in (static_in, weight, table, static_out)],
+           returned_enough, asleep_refused, list(static_out.shape)]
+    del graph, static_in, weight, table, static_out, before
+    del pool
+    torch.cuda.empty_cache()
+    return {"out": out, "strict": False, "notes": notes}
+
+
 WORKLOADS = {f.__name__: f for f in (cnn_amp, transformer_varlen, compile_infer, compile_train, mempool,
                                       mempool_options, mempool_own_allocator, oom, streams, ipc, ipc_expandable, stats_snapshot, ddp,
-                                      ddp_register)}
+                                      ddp_register, sleep_wake)}
 
 # The environment a workload's processes start with, on either allocator (its children inherit it).
 WORKLOAD_ENV = {
+    "sleep_wake": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                   "TENSORMEM_ALLOC_CONF": "expandable_segments:True"},
     "ipc_expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
                        "TENSORMEM_ALLOC_CONF": "expandable_segments:True",
                        # PyTorch builds that gate expandable-segment IPC behind it share with it set.

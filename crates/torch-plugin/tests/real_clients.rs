@@ -121,3 +121,9 @@ fn ddp_over_nccl_on_two_gpus() {
 fn ddp_with_nccl_registering_the_allocators_segments() {
     real_client("ddp_register");
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
+fn a_graph_captured_into_a_mem_pool_replays_after_the_pool_sleeps_and_wakes() {
+    real_client("sleep_wake");
+}

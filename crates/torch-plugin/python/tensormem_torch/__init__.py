@@ -31,7 +31,8 @@ import json
 import os
 import warnings
 
-__all__ = ["Plugin", "install", "mem_pool", "find_library", "find_source", "build_extension", "HOOKS"]
+__all__ = ["Plugin", "install", "mem_pool", "find_library", "find_source", "build_extension", "HOOKS",
+           "sleep", "wake", "is_asleep"]
 
 LIB_NAME = "libtensormem_torch.so"
 SOURCE_NAME = "tensormem_allocator.cpp"
@@ -279,3 +280,6 @@ def mem_pool(path=None):
     """A torch.cuda.MemPool on tensormem, PyTorch's allocator staying current; returns (Plugin, pool)."""
     plugin = Plugin(path)
     return plugin, plugin.mem_pool()
+
+
+from .sleep import is_asleep, sleep, wake  # noqa: E402 - uses find_library above

@@ -14,6 +14,7 @@
 mod hooks;
 mod ipc;
 mod pools;
+mod sleep;
 mod snapshot;
 
 use std::ffi::{c_int, c_void};
@@ -42,6 +43,7 @@ pub use pools::{
     tensormem_pool_use_count, DropFn, FilterFn, PointerFn, PoolFreeFn, PoolMallocFn,
     POOL_ALLOC_ERROR, POOL_ALLOC_OK, POOL_ALLOC_OUT_OF_MEMORY,
 };
+pub use sleep::{tensormem_pool_is_asleep, tensormem_pool_sleep, tensormem_pool_wake};
 pub use snapshot::{
     tensormem_history, tensormem_history_enabled, tensormem_snapshot_block,
     tensormem_snapshot_config, tensormem_snapshot_free, tensormem_snapshot_segment,

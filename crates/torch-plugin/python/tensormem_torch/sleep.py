@@ -1,0 +1,111 @@
+"""Pools that sleep and wake: ``sleep(pool, keep_contents)`` and ``wake(pool)``.
+
+A private pool -- a ``torch.cuda.MemPool``, or a CUDA graph's pool -- whose memory is on expandable
+segments (``PYTORCH_CUDA_ALLOC_CONF`` / ``TENSORMEM_ALLOC_CONF`` ``expandable_segments:True``) can hand
+its physical memory back to the device while its addresses stay reserved: its tensors keep their
+``data_ptr()`` and a graph captured into it keeps its pointers. ``wake`` maps fresh memory at the same
+addresses and, if ``keep_contents`` was set, copies the bytes back from pinned host memory, after which
+the tensors hold what they held and the graph replays as before::
+
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        weights = torch.randn(4096, 4096, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool.id):
+        out = weights @ weights
+    tensormem_torch.sleep(pool, keep_contents=True)   # memory back to the device (mem_get_info)
+    ...                                                # another workload uses the GPU
+    tensormem_torch.wake(pool)                         # same addresses, same contents
+    graph.replay()
+
+While a pool sleeps, ``torch.cuda.memory_reserved()`` and ``memory_allocated()`` do not change (as under
+vLLM's sleep mode and ``torch_memory_saver``); ``torch.cuda.mem_get_info()`` shows the memory returned.
+Refused (``RuntimeError`` naming why): a pool not on expandable segments, one with memory shared with
+another process, one being captured or allocated to (``use_mem_pool``), a pool already asleep, waking a
+pool that is not; allocating to a sleeping pool (``use_mem_pool``, a capture into it) fails too. Needs the
+native install (``install(mode="native")``).
+"""
+import ctypes
+
+_LIB = None
+
+
+def _library():
+    global _LIB
+    if _LIB is None:
+        from . import find_library
+        lib = ctypes.CDLL(find_library())
+        lib.tensormem_pool_sleep.restype = ctypes.c_int
+        lib.tensormem_pool_sleep.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int,
+                                             ctypes.POINTER(ctypes.c_uint64)]
+        lib.tensormem_pool_wake.restype = ctypes.c_int
+        lib.tensormem_pool_wake.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64,
+                                            ctypes.POINTER(ctypes.c_uint64)]
+        lib.tensormem_pool_is_asleep.restype = ctypes.c_int
+        lib.tensormem_pool_is_asleep.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
+        lib.tensormem_last_error.restype = ctypes.c_char_p
+        _LIB = lib
+    return _LIB
+
+
+def _pool_id(pool):
+    """(first, second) of a torch.cuda.MemPool, a CUDAGraph (its pool) or a pool handle tuple."""
+    if hasattr(pool, "id") and not isinstance(pool, tuple):
+        pool = pool.id
+    elif hasattr(pool, "pool") and callable(pool.pool):
+        pool = pool.pool()
+    first, second = pool
+    return int(first), int(second)
+
+
+def _device(device):
+    import torch
+    if device is None:
+        return torch.cuda.current_device()
+    return torch.device("cuda", device).index if isinstance(device, int) else torch.device(device).index
+
+
+def _raise(lib, rc, what):
+    err = lib.tensormem_last_error()
+    message = f"tensormem: {what} failed: {err.decode('utf-8', 'replace') if err else 'unknown error'}"
+    if rc == 1:
+        import torch
+        raise torch.OutOfMemoryError(message)
+    raise RuntimeError(message)
+
+
+def sleep(pool, keep_contents=True, device=None):
+    """Releases the physical memory of ``pool`` (a MemPool, a CUDAGraph, or a pool id) on ``device``,
+    keeping its addresses; with ``keep_contents`` its bytes go to pinned host memory first. Returns the
+    bytes given back to the device."""
+    lib = _library()
+    first, second = _pool_id(pool)
+    released = ctypes.c_uint64(0)
+    rc = lib.tensormem_pool_sleep(_device(device), first, second, 1 if keep_contents else 0,
+                                  ctypes.byref(released))
+    if rc != 0:
+        _raise(lib, rc, f"sleep(pool {(first, second)})")
+    return released.value
+
+
+def wake(pool, device=None):
+    """Maps fresh memory at the addresses of sleeping ``pool`` and copies its contents back if they were
+    kept. Returns the bytes mapped. ``torch.OutOfMemoryError`` if the device has no room (the pool stays
+    asleep)."""
+    lib = _library()
+    first, second = _pool_id(pool)
+    mapped = ctypes.c_uint64(0)
+    rc = lib.tensormem_pool_wake(_device(device), first, second, ctypes.byref(mapped))
+    if rc != 0:
+        _raise(lib, rc, f"wake(pool {(first, second)})")
+    return mapped.value
+
+
+def is_asleep(pool, device=None):
+    """Whether ``pool`` is asleep."""
+    lib = _library()
+    first, second = _pool_id(pool)
+    rc = lib.tensormem_pool_is_asleep(_device(device), first, second)
+    if rc < 0:
+        _raise(lib, rc, f"is_asleep(pool {(first, second)})")
+    return bool(rc)
