@@ -31,6 +31,7 @@ const BENCH_BINS: &[(&str, &str)] = &[
     ("tensormem-benches", "shm_bench"),
     ("tensormem-benches", "shm_pool_bench"),
     ("tensormem-benches", "shm_loader_bench"),
+    ("tensormem-benches", "sleep_wake_bench"),
     ("tensormem-benches", "storage_pool_bench"),
 ];
 
@@ -363,6 +364,8 @@ fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
          The pinned host allocator against PyTorch's, in one call:\n\n    \
          gpu-bundle/pinned_patterns; gpu-bundle/pinned_patterns --register 8; \
          python3 ../shared/anchors/torch_pinned_bench.py\n\n\
+         A 10 GiB pool put to sleep and woken, with and without contents, against the pinned-copy\n\
+         bandwidth of the same run (--gib N for a smaller pool):\n\n    gpu-bundle/sleep_wake_bench\n\n\
          The CUDA IPC round trip against PyTorch's (same call, same machine):\n\n    \
          gpu-bundle/ipc_roundtrip; python3 ../shared/anchors/torch_sharing_bench.py\n\n\
          A whole model handed to another process as one batch against PyTorch's state dict on a\n\
