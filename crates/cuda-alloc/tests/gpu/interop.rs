@@ -124,6 +124,89 @@ fn pytorch_memory_viz_reads_a_tensormem_snapshot() {
 
 #[test]
 #[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
+fn pytorch_reads_pool_light_and_host_snapshots() {
+    use tensormem_cuda_alloc::host::{HeapSource, HostCachingAllocator};
+    use tensormem_cuda_alloc::{MempoolId, RecordContext};
+
+    let Some(_gpus) = gpu_and_torch() else { return };
+    let alloc = CachingAllocator::new(CudaBackend::new(0).unwrap());
+    alloc.record_history(true, 10_000);
+    let stream = alloc.device().create_stream().unwrap();
+    let pool = MempoolId(1, 0);
+    let outside = alloc.allocate(3 << 20, stream.id()).unwrap();
+    let sid = stream.id();
+    alloc
+        .begin_allocate_to_pool(pool, move |s| s == sid)
+        .unwrap();
+    let inside = alloc.allocate(5 << 20, stream.id()).unwrap();
+    alloc.end_allocate_to_pool(pool).unwrap();
+    let host = HostCachingAllocator::new(CudaBackend::new(0).unwrap(), HeapSource);
+    host.record_history(true, 1000, RecordContext::Never);
+    let pinned = host.allocate(5000).unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut full = alloc.snapshot();
+    for entry in full.device_traces.iter_mut().flatten() {
+        entry.pool_id = Some((0, 0));
+    }
+    host.add_to_snapshot(&mut full, true);
+    let pooled = alloc.snapshot_with(Some(pool), true);
+    assert_eq!(pooled.segments.len(), 1);
+    let light = alloc.snapshot_with(None, false);
+    for (name, snapshot) in [("full", &full), ("pooled", &pooled), ("light", &light)] {
+        let file = dir.path().join(format!("{name}.pickle"));
+        snapshot.write_pickle_file(&file).unwrap();
+        let stats = python(&["-m", "torch.cuda._memory_viz", "stats", path_str(&file)]);
+        assert!(
+            stats.contains(&format!("segments: {}\n", snapshot.segments.len())),
+            "{name}: {stats}"
+        );
+        python(&["-m", "torch.cuda._memory_viz", "trace", path_str(&file)]);
+    }
+    // The types PyTorch gives these keys.
+    let check = format!(
+        "import pickle\n\
+         full = pickle.load(open({:?}, 'rb'))\n\
+         light = pickle.load(open({:?}, 'rb'))\n\
+         assert light['device_traces'] == [], light['device_traces']\n\
+         assert all(type(e['pool_id']) is tuple for e in full['device_traces'][0])\n\
+         h = full['host_segments']\n\
+         assert len(h) == 1 and h[0]['blocks'][0]['requested_size'] == 5000, h\n\
+         assert [e['action'] for e in full['host_traces']] == ['segment_alloc', 'alloc'], full['host_traces']\n\
+         print('ok')\n",
+        path_str(&dir.path().join("full.pickle")),
+        path_str(&dir.path().join("light.pickle"))
+    );
+    assert_eq!(python(&["-c", &check]).trim(), "ok");
+
+    // And PyTorch's own light and pool snapshots read here.
+    let file = dir.path().join("torch_light.pickle");
+    let script = format!(
+        "import pickle, torch\n\
+         torch.cuda.memory._record_memory_history(max_entries=1000)\n\
+         p = torch.cuda.MemPool()\n\
+         a = torch.empty(1 << 20, dtype=torch.uint8, device='cuda')\n\
+         with torch.cuda.use_mem_pool(p):\n\
+         \x20   b = torch.empty(3 << 20, dtype=torch.uint8, device='cuda')\n\
+         s = torch._C._cuda_memorySnapshot((p.id[0], p.id[1], False))\n\
+         pickle.dump(s, open({:?}, 'wb'))\n",
+        path_str(&file)
+    );
+    python(&["-c", &script]);
+    let theirs = Snapshot::read_pickle_file(&file).unwrap();
+    assert!(theirs.device_traces.is_empty());
+    assert_eq!(theirs.segments.len(), 1, "{:?}", theirs.segments);
+    assert_ne!(theirs.segments[0].segment_pool_id, (0, 0));
+
+    host.free(pinned).unwrap();
+    alloc.free(inside).unwrap();
+    alloc.free(outside).unwrap();
+    alloc.release_pool(pool).unwrap();
+    alloc.empty_cache().unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
 fn tensormem_reads_a_snapshot_pytorch_dumped_on_this_gpu() {
     let Some(_gpus) = gpu_and_torch() else { return };
     let dir = tempfile::tempdir().unwrap();
