@@ -289,3 +289,24 @@ fn a_wake_without_room_leaves_the_pool_asleep() {
     a.free(small).unwrap();
     checked(&a);
 }
+
+#[test]
+fn a_device_that_cannot_release_leaves_the_pool_awake() {
+    let (a, big, small) = pool_with_data();
+    a.device().fail_releases(true);
+    match a.sleep_pool(POOL, Some(host())) {
+        Err(Error::Device(DeviceError::Driver { .. })) => {}
+        other => panic!("expected the device's error, got {other:?}"),
+    }
+    a.device().fail_releases(false);
+    // The first release failed: nothing was released, the pool is awake with its contents, and
+    // its backup went back to the host allocator.
+    assert!(!a.is_pool_asleep(POOL));
+    assert_eq!(a.asleep_bytes(None), 0);
+    assert_eq!(
+        a.device().read_memory(big.ptr(), big.size()).unwrap(),
+        pattern(1, big.size())
+    );
+    a.free(big).unwrap();
+    a.free(small).unwrap();
+}

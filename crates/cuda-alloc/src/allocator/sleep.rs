@@ -218,8 +218,8 @@ impl<D: Device> CachingAllocator<D> {
     /// # Errors
     /// [`Error::Sleep`] when the pool cannot sleep ([`SleepError`]); [`Error::Device`] when waiting,
     /// copying or releasing fails, and [`Error::Device`]/[`Error::TooLarge`] when the pinned
-    /// memory cannot be had. A failure before the release changes nothing; one during the release
-    /// leaves the pool asleep with the chunks released so far (waking maps them again).
+    /// memory cannot be had. A failure before the first chunk is released changes nothing; one
+    /// after it leaves the pool asleep with the chunks released so far (waking maps them again).
     pub fn sleep_pool(
         &self,
         pool: MempoolId,
@@ -363,6 +363,13 @@ impl<D: Device> CachingAllocator<D> {
             }
         }
         drop(locks);
+        if let (Some(e), 0) = (&failure, report.released_bytes) {
+            // Nothing was released: the pool stays awake, as if the call had not been made.
+            if let Some(backup) = backup {
+                backup.give_back();
+            }
+            return Err(Box::new((None, e.clone().into())));
+        }
         let state = Asleep::Sleeping {
             segments,
             released: report.released_bytes,
