@@ -89,7 +89,8 @@ impl<D: Device> CachingAllocator<D> {
     /// nor releases all cached blocks on out-of-memory.
     ///
     /// # Errors
-    /// [`Error::Pool`] if a capture is already allocating to `pool`, or if the pool was released.
+    /// [`Error::Pool`] if a capture is already allocating to `pool`, or if the pool was released;
+    /// [`Error::Sleep`] if the pool is asleep ([`sleep_pool`](Self::sleep_pool)).
     pub fn begin_allocate_to_pool(
         &self,
         pool: MempoolId,
