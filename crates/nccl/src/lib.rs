@@ -45,6 +45,14 @@
 //!
 //! The tracker runs on the allocating thread with the allocator's locks held (PyTorch's contract):
 //! NCCL's registration calls do not call back into the allocator.
+//!
+//! # One pool instead of the whole allocator
+//!
+//! [`NcclPoolAllocator`] is the per-pool form (PyTorch's `MemPool` backed by NCCL's allocator): a
+//! private pool made with it as its own allocator
+//! (`PoolOptions { allocator: Some(..), .. }`, `CachingAllocator::create_pool`) takes its segments
+//! from `ncclMemAlloc` and registers each with the communicator as it is made; only the tensors
+//! allocated to that pool are registered, the rest of the allocator is not.
 
 use std::collections::BTreeMap;
 use std::ffi::c_void;
@@ -55,7 +63,9 @@ use cudarc::nccl::sys;
 use parking_lot::Mutex;
 use tensormem_cuda_alloc::backend::cuda::CudaBackend;
 use tensormem_cuda_alloc::snapshot::{TraceAction, TraceEntry};
-use tensormem_cuda_alloc::CachingAllocator;
+use tensormem_cuda_alloc::{
+    CachingAllocator, DeviceAddress, DeviceError, DeviceResult, PoolAllocator,
+};
 
 /// What can go wrong registering memory with NCCL.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -79,6 +89,9 @@ pub enum Error {
     /// The communicator is null.
     #[error("the NCCL communicator is null; pass one from ncclCommInitRank or ncclCommInitAll")]
     NullCommunicator,
+    /// The device could not be opened.
+    #[error("opening the CUDA device failed: {0}")]
+    Device(#[from] DeviceError),
 }
 
 /// The crate's result type.
@@ -295,6 +308,100 @@ impl Drop for Registration {
         };
         for (addr, registered) in ranges {
             self.inner.deregister(addr, registered);
+        }
+    }
+}
+
+/// A pool allocator (tensormem-cuda-alloc's `PoolAllocator`) whose segments come from NCCL
+/// (`ncclMemAlloc`) and are registered with one communicator while they live; see the
+/// [crate docs](crate#one-pool-instead-of-the-whole-allocator).
+#[derive(Debug)]
+pub struct NcclPoolAllocator {
+    /// The device's context, made current around NCCL's allocation calls.
+    device: CudaBackend,
+    inner: Arc<Inner>,
+}
+
+impl NcclPoolAllocator {
+    /// An allocator of segments on device `ordinal`, registered with `comm`.
+    ///
+    /// # Safety
+    ///
+    /// `comm` is a live NCCL communicator on device `ordinal`, destroyed only after every pool
+    /// using this allocator released its segments (the allocator was dropped or emptied).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NullCommunicator`]; opening the device fails as
+    /// [`Error::Device`].
+    pub unsafe fn new(ordinal: u32, comm: sys::ncclComm_t) -> Result<Arc<Self>> {
+        if comm.is_null() {
+            return Err(Error::NullCommunicator);
+        }
+        let device = CudaBackend::new(ordinal)?;
+        Ok(Arc::new(Self {
+            device,
+            inner: Arc::new(Inner {
+                comm: comm as usize,
+                active: AtomicBool::new(true),
+                ranges: Mutex::new(BTreeMap::new()),
+                errors: Mutex::new(Vec::new()),
+            }),
+        }))
+    }
+
+    /// The segments registered now: start address and size, in address order.
+    #[must_use]
+    pub fn ranges(&self) -> Vec<(u64, u64)> {
+        self.inner
+            .ranges
+            .lock()
+            .iter()
+            .map(|(&addr, r)| (addr, r.size))
+            .collect()
+    }
+
+    /// Registration failures met so far; taken out of the allocator.
+    #[must_use]
+    pub fn errors(&self) -> Vec<Error> {
+        std::mem::take(&mut *self.inner.errors.lock())
+    }
+}
+
+impl PoolAllocator for NcclPoolAllocator {
+    fn malloc(&self, size: usize) -> DeviceResult<DeviceAddress> {
+        self.device.make_current()?;
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `ptr` is a valid out-parameter; the device's context is current.
+        let result = unsafe { sys::ncclMemAlloc(&mut ptr, size) };
+        if result != sys::ncclResult_t::ncclSuccess || ptr.is_null() {
+            // NCCL reports running out of device memory as a CUDA error; the pool goes on down
+            // its out-of-memory path either way.
+            tracing::debug!(target: "tensormem_nccl", size, ?result, "ncclMemAlloc failed");
+            return Err(DeviceError::OutOfMemory { bytes: size as u64 });
+        }
+        let mut ranges = self.inner.ranges.lock();
+        self.inner.register(&mut ranges, ptr as u64, size as u64);
+        Ok(DeviceAddress(ptr as u64))
+    }
+
+    unsafe fn free(&self, ptr: DeviceAddress, size: usize) -> DeviceResult<()> {
+        {
+            let mut ranges = self.inner.ranges.lock();
+            self.inner.release(&mut ranges, ptr.0, size as u64);
+        }
+        self.device.make_current()?;
+        // SAFETY: the caller guarantees `ptr` came from `malloc` above (so from `ncclMemAlloc`), is
+        // freed once and is idle; its registration was just dropped.
+        let result = unsafe { sys::ncclMemFree(ptr.0 as *mut c_void) };
+        if result == sys::ncclResult_t::ncclSuccess {
+            Ok(())
+        } else {
+            Err(DeviceError::Driver {
+                call: "ncclMemFree",
+                code: result as i32,
+                message: format!("{result:?}"),
+            })
         }
     }
 }

@@ -239,3 +239,84 @@ fn expandable_segments_are_registered_as_they_grow() {
         unsafe { result::comm_destroy(comm) }.unwrap();
     }
 }
+
+#[test]
+#[ignore = "needs two CUDA GPUs and NCCL (cargo xtask test-gpu runs it)"]
+fn a_pool_backed_by_nccl_registers_only_its_own_segments() {
+    use tensormem_cuda_alloc::{MempoolId, PoolOptions};
+    use tensormem_nccl::NcclPoolAllocator;
+    if !two_gpus_and_nccl() {
+        return;
+    }
+    let comms = comms();
+    let devices: Vec<CudaBackend> = (0..2).map(|d| CudaBackend::new(d).unwrap()).collect();
+    let allocators: Vec<Arc<CachingAllocator<CudaBackend>>> = (0..2)
+        .map(|d| Arc::new(CachingAllocator::new(CudaBackend::new(d).unwrap())))
+        .collect();
+    let pool = MempoolId(0, 7);
+    let mut pool_allocators = Vec::new();
+    for (d, (a, &comm)) in allocators.iter().zip(&comms).enumerate() {
+        // SAFETY: `comm` lives on device `d` and is destroyed after the allocators are dropped.
+        let nccl = unsafe { NcclPoolAllocator::new(d as u32, comm) }.unwrap();
+        a.create_pool(
+            pool,
+            PoolOptions {
+                allocator: Some(nccl.clone()),
+                ..PoolOptions::default()
+            },
+        )
+        .unwrap();
+        pool_allocators.push(nccl);
+    }
+    let count = 8 * MIB / 4;
+    let mut buffers = Vec::new();
+    let mut outside = Vec::new();
+    for (a, nccl) in allocators.iter().zip(&pool_allocators) {
+        a.begin_allocate_to_pool(pool, |_| true).unwrap();
+        let b = a.allocate(count * 4, S).unwrap();
+        a.end_allocate_to_pool(pool).unwrap();
+        let o = a.allocate(count * 4, S).unwrap();
+        let ranges = nccl.ranges();
+        assert!(
+            ranges
+                .iter()
+                .any(|&(addr, size)| addr <= b.ptr().0 && b.ptr().0 < addr + size),
+            "the pool's segment is registered"
+        );
+        assert!(
+            !ranges
+                .iter()
+                .any(|&(addr, size)| addr <= o.ptr().0 && o.ptr().0 < addr + size),
+            "memory outside the pool is not"
+        );
+        buffers.push(b);
+        outside.push(o);
+    }
+    for (rank, (device, buffer)) in devices.iter().zip(&buffers).enumerate() {
+        fill_f32(device, buffer.ptr(), 0.5 + rank as f32, count);
+    }
+    let ptrs: Vec<DeviceAddress> = buffers.iter().map(|b| b.ptr()).collect();
+    all_reduce(&devices, &comms, &ptrs, count);
+    for (device, ptr) in devices.iter().zip(&ptrs) {
+        assert!(read_f32(device, *ptr, count).iter().all(|&v| v == 2.0));
+    }
+    for ((a, b), o) in allocators.iter().zip(buffers).zip(outside) {
+        a.free(b).unwrap();
+        a.free(o).unwrap();
+        a.release_pool(pool).unwrap();
+        a.empty_cache().unwrap();
+    }
+    for nccl in &pool_allocators {
+        assert!(
+            nccl.ranges().is_empty(),
+            "the pool's segments were deregistered and freed"
+        );
+        assert_eq!(nccl.errors(), Vec::new());
+    }
+    drop(allocators);
+    drop(pool_allocators);
+    for comm in comms {
+        // SAFETY: as above.
+        unsafe { result::comm_destroy(comm) }.unwrap();
+    }
+}
