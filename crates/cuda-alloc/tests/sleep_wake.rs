@@ -310,3 +310,56 @@ fn a_device_that_cannot_release_leaves_the_pool_awake() {
     a.free(big).unwrap();
     a.free(small).unwrap();
 }
+
+#[test]
+fn sleeping_and_allocating_on_other_threads_neither_deadlock_nor_mix() {
+    let (a, big, small) = pool_with_data();
+    let a = Arc::new(a);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let workers: Vec<_> = (0..3)
+        .map(|i| {
+            let (a, stop) = (Arc::clone(&a), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let stream = tensormem_cuda_alloc::StreamId(0x100 * (i + 1));
+                let mut refused = 0u32;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    // Allocating to the sleeping pool is refused or happens while it is awake.
+                    let target = if i == 0 { POOL } else { MempoolId(0, 8 + i) };
+                    match a.begin_allocate_to_pool(target, move |s| s == stream) {
+                        Ok(()) => {
+                            let x = a.allocate(3 * MIB, stream).unwrap();
+                            a.end_allocate_to_pool(target).unwrap();
+                            a.free(x).unwrap();
+                        }
+                        Err(Error::Sleep(SleepError::Asleep { .. })) => refused += 1,
+                        Err(e) => panic!("{e}"),
+                    }
+                    let y = a.allocate(5 * MIB, stream).unwrap();
+                    a.free(y).unwrap();
+                }
+                refused
+            })
+        })
+        .collect();
+    for _ in 0..50 {
+        match a.sleep_pool(POOL, Some(host())) {
+            Ok(_) => {
+                a.wake_pool(POOL).unwrap();
+            }
+            Err(Error::Sleep(SleepError::AllocatingTo { .. })) => {}
+            Err(e) => panic!("{e}"),
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for w in workers {
+        w.join().unwrap();
+    }
+    assert!(!a.is_pool_asleep(POOL));
+    assert_eq!(
+        a.device().read_memory(big.ptr(), big.size()).unwrap(),
+        pattern(1, big.size())
+    );
+    a.free(big).unwrap();
+    a.free(small).unwrap();
+    checked(&a);
+}
