@@ -211,9 +211,19 @@ pub(crate) type SleepBook = parking_lot::Mutex<BTreeMap<MempoolId, Asleep>>;
 impl<D: Device> CachingAllocator<D> {
     /// Puts private pool `pool` to sleep: waits for the device, copies the bytes of every mapped
     /// chunk of its segments to pinned host memory from `keep` (when given), then unmaps and
-    /// releases every chunk, keeping the address ranges reserved and the blocks where they are
-    /// (see the [module documentation](self) for statistics). Every allocator call waits while it
-    /// runs.
+    /// releases every chunk, keeping the address ranges reserved and the blocks where they are.
+    /// Allocating to the pool is refused until [`wake_pool`](Self::wake_pool); freeing its blocks
+    /// is allowed. Every allocator call waits while it runs.
+    ///
+    /// Reserved and allocated statistics do not change while the pool sleeps (it keeps its blocks
+    /// and gets them back as they were; what PyTorch reports under vLLM's sleep mode and
+    /// `torch_memory_saver`): the memory returned shows in the device's free memory
+    /// (`cuMemGetInfo`) and in [`asleep_bytes`](Self::asleep_bytes).
+    ///
+    /// It refuses ([`SleepError`]) a pool with a segment that is not expandable, one with a chunk
+    /// exported to another process ([`shareable_segment`](Self::shareable_segment)), one a capture
+    /// or `MemPool` context allocates to, any pool while a stream of this allocator is being
+    /// captured, and a pool already asleep.
     ///
     /// # Errors
     /// [`Error::Sleep`] when the pool cannot sleep ([`SleepError`]); [`Error::Device`] when waiting,
@@ -498,7 +508,7 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// Bytes of physical memory released by sleeping pools (all of them, or `pool`'s), which the
-    /// reserved statistics still count (see the [module documentation](self)).
+    /// the reserved and allocated statistics still count.
     #[must_use]
     pub fn asleep_bytes(&self, pool: Option<MempoolId>) -> u64 {
         self.asleep
