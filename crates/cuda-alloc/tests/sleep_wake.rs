@@ -363,3 +363,18 @@ fn sleeping_and_allocating_on_other_threads_neither_deadlock_nor_mix() {
     a.free(small).unwrap();
     checked(&a);
 }
+
+#[test]
+fn an_allocator_dropped_with_a_pool_asleep_gives_everything_back() {
+    let host = Arc::new(HostCachingAllocator::new(
+        SimDevice::new(GIB as u64),
+        HeapSource,
+    ));
+    let (a, big, small) = pool_with_data();
+    a.sleep_pool(POOL, Some(Box::new(Arc::clone(&host))))
+        .unwrap();
+    assert!(host.stats().active_bytes.current > 0);
+    let _ = (big.into_ptr(), small.into_ptr());
+    drop(a);
+    assert_eq!(host.stats().active_bytes.current, 0, "the backup went back");
+}

@@ -182,10 +182,18 @@ impl Backup {
         self.pieces.iter().map(|(_, b)| b.len() as u64).sum()
     }
 
-    /// Gives every piece back to the host allocator (logging failures: the memory is pinned host
-    /// memory the host allocator keeps either way).
+    /// Gives every piece back to the host allocator (what dropping it does too).
     fn give_back(self) {
-        for (_, buffer) in self.pieces {
+        drop(self);
+    }
+}
+
+impl Drop for Backup {
+    /// Gives every piece back to the host allocator (logging failures: the memory is pinned host
+    /// memory the host allocator keeps either way), also when the allocator is dropped with the
+    /// pool asleep.
+    fn drop(&mut self) {
+        for (_, buffer) in std::mem::take(&mut self.pieces) {
             if let Err(error) = self.host.free(buffer) {
                 tracing::warn!(%error, "giving a sleeping pool's backup back to the host allocator failed");
             }
