@@ -132,6 +132,8 @@ pub use allocator::{
 pub use device::{
     CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, StreamId,
 };
+#[cfg(feature = "cuda")]
+pub use backend::cuda::async_alloc::AsyncAllocator;
 pub use error::{Error, Result};
 pub use expandable::ChunkExport;
 pub use owned::OwnedAllocation;

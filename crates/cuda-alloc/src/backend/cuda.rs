@@ -38,6 +38,7 @@
 //! cache can grow while a stream is being captured into a graph, even in global mode (PyTorch's
 //! `cudaMallocMaybeCapturing`). [`CudaBackend::is_capturing`] tells whether a stream is capturing.
 
+pub mod async_alloc;
 mod capture;
 mod context;
 mod driver;
