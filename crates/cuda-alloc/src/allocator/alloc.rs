@@ -456,12 +456,13 @@ impl<D: Device> Locked<'_, D> {
         if split {
             let remaining = block;
             let st = &mut *self.st;
-            let old = (st.blocks[remaining].size, st.blocks[remaining].addr);
             block = st.blocks.split_front(remaining, size);
             let p = &mut st.pools[pool as usize];
             let r = &mut st.blocks[remaining];
             r.gc_count_base = p.gc_now();
             let (r_size, r_addr) = (r.size, r.addr);
+            // The found block's key, from what the split left (nothing held across the split).
+            let old = (r_size + size, r_addr - size);
             match source {
                 Source::Free(Some(pos)) => p.free.rekey_at(pos, old, (r_size, r_addr), remaining),
                 Source::Free(None) => p.free.rekey(old, (r_size, r_addr), remaining),

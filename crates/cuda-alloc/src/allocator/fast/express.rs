@@ -68,7 +68,7 @@ impl<D: Device> Locked<'_, D> {
             block: b,
             figures,
             recent_size: st.fast.recent_size,
-            stacks_kept: !st.stacks.is_empty() || !st.free_stacks.is_empty(),
+            stacks_kept: &|| !st.stacks.is_empty() || !st.free_stacks.is_empty(),
         };
         if !hot.still_valid(&now, lane) {
             return false;

@@ -157,7 +157,7 @@ pub(super) struct HotPair {
 
 /// Which use of the memo [`HotPair::still_valid`] is asked about, with where that use reads the
 /// state of now (by reference: each is read only if the tests before it passed).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy)]
 pub(super) enum Lane<'a> {
     /// Handing the parked block back without repeating the policy checks (any call).
     Checks,
@@ -169,8 +169,9 @@ pub(super) enum Lane<'a> {
         figures: &'a Figures,
         /// The size handed out last.
         recent_size: u64,
-        /// The shard keeps any call stack (history was on).
-        stacks_kept: bool,
+        /// Whether the shard keeps any call stack (history was on); asked last, only if every
+        /// other test passed.
+        stacks_kept: &'a dyn Fn() -> bool,
     },
     /// Handing the parked block back by the express lane (a quiet call).
     ExpressAlloc {
@@ -252,7 +253,7 @@ impl HotPair {
                     && figures.record_stamp() == self.record
                     && block.size == recent_size
                     && !block.used_elsewhere
-                    && !stacks_kept
+                    && !stacks_kept()
             }
             Lane::ExpressAlloc {
                 block,

@@ -39,25 +39,21 @@ impl<D: Device> Locked<'_, D> {
         };
         // Plain matches rather than `Option::filter`: with one codegen unit the compiler kept
         // `filter` (of a `HotPair`) as a call, a quarter more instructions per hot pair.
-        let hot = match &st.fast.hot {
+        let hot = match st.fast.hot {
             Some(hot) if hot.still_valid(&verdict, Lane::Checks) => Some(hot),
             _ => None,
         };
         let checked = hot.is_some();
-        match hot {
-            Some(hot) if QUIET => {
-                let lane = Lane::ExpressAlloc {
-                    block: b,
-                    parked: &parked,
-                    orig: orig as u64,
-                    figures: &self.shard.figures,
-                };
-                if hot.still_valid(&verdict, lane) {
-                    let hot = *hot;
-                    return Some(self.unpark_express(hot, parked, size, orig));
-                }
+        if let Some(hot) = hot {
+            let lane = Lane::ExpressAlloc {
+                block: b,
+                parked: &parked,
+                orig: orig as u64,
+                figures: &self.shard.figures,
+            };
+            if QUIET && hot.still_valid(&verdict, lane) {
+                return Some(self.unpark_express(hot, parked, size, orig));
             }
-            _ => {}
         }
         if parked.next == NIL {
             return self.unpark_whole::<QUIET>(parked, size, orig, stack, verdict, checked);
