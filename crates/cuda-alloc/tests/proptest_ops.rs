@@ -1,5 +1,8 @@
 //! Random operation sequences: after every step the state is consistent, live blocks never overlap,
-//! statistics equal what a snapshot adds up to, and in the end everything can be given back.
+//! statistics equal what a snapshot adds up to, and in the end everything can be given back. The
+//! differential twin: the same operations on an allocator with the fast path off
+//! ([`CachingAllocator::set_fast_path_enabled`]) give the same addresses, errors, statistics and
+//! snapshot segments.
 
 mod common;
 
@@ -8,18 +11,38 @@ use std::collections::BTreeMap;
 use common::*;
 use proptest::prelude::*;
 use tensormem_cuda_alloc::backend::sim::SimDevice;
+use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::snapshot::BlockState;
-use tensormem_cuda_alloc::{Allocation, CachingAllocator, Error, StreamId};
+use tensormem_cuda_alloc::{Allocation, CachingAllocator, Error, RecordContext, StreamId};
 
 const STREAMS: [StreamId; 3] = [S0, S1, S2];
 
 #[derive(Clone, Debug)]
 enum Op {
-    Alloc { size: usize, stream: usize },
-    Free { pick: usize },
-    RecordStream { pick: usize, stream: usize },
-    Complete { stream: usize },
+    Alloc {
+        size: usize,
+        stream: usize,
+    },
+    Free {
+        pick: usize,
+    },
+    RecordStream {
+        pick: usize,
+        stream: usize,
+    },
+    Complete {
+        stream: usize,
+    },
     EmptyCache,
+    /// Frees the allocation made last.
+    FreeNewest,
+    /// Allocates the size freed last again, on its stream (a hot pair when it follows a free).
+    Again,
+    /// Switches memory history (trace entries, no stacks) on or off: calls stop or start being
+    /// quiet.
+    History {
+        on: bool,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -102,6 +125,12 @@ fn run(config: &str, ops: &[Op]) -> Result<(), TestCaseError> {
             Op::EmptyCache => a
                 .empty_cache()
                 .map_err(|e| TestCaseError::fail(e.to_string()))?,
+            Op::FreeNewest if !live.is_empty() => {
+                let x = live.pop().expect("not empty");
+                ranges.remove(&x.ptr().0);
+                a.free(x).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            }
+            Op::History { on } => a.record_history_with_context(on, 1000, RecordContext::Never),
             _ => {}
         }
         check_against_snapshot(&a)?;
@@ -119,6 +148,209 @@ fn run(config: &str, ops: &[Op]) -> Result<(), TestCaseError> {
     prop_assert_eq!(device.used_bytes, 0);
     prop_assert_eq!(device.reserved_ranges, 0);
     Ok(())
+}
+
+/// Operations for the differential twin: hot pairs (`FreeNewest`, `Again`) weigh more, so the fast
+/// path's lanes are taken often, between everything that stops them.
+fn twin_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (prop::sample::select(vec![512usize, 1000, 65_536, 1 << 20, 3 << 20, (3 << 20) - 100, 20 << 20]), 0usize..3)
+            .prop_map(|(size, stream)| Op::Alloc { size, stream }),
+        2 => (0u32..26, 0usize..3).prop_map(|(bits, stream)| Op::Alloc {
+            size: ((1usize << bits) | (bits as usize * 977)).max(1),
+            stream,
+        }),
+        3 => any::<usize>().prop_map(|pick| Op::Free { pick }),
+        6 => Just(Op::FreeNewest),
+        6 => Just(Op::Again),
+        1 => (any::<usize>(), 0usize..3).prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
+        1 => (0usize..3).prop_map(|stream| Op::Complete { stream }),
+        1 => Just(Op::EmptyCache),
+        1 => any::<bool>().prop_map(|on| Op::History { on }),
+    ]
+}
+
+/// One allocator of the twin: on a device that invents the same addresses as the other's.
+fn twin(config: &str, fast_path: bool) -> CachingAllocator<SimDevice> {
+    let a = CachingAllocator::with_config(
+        SimDevice::with_fixed_addresses(0, 256 * MIB as u64),
+        AllocatorConfig::parse(config).expect("valid config"),
+    );
+    a.set_fast_path_enabled(fast_path);
+    a
+}
+
+/// The fast path decided as the plain path: the same statistics, and (`snapshots`) the same
+/// snapshot segments. A snapshot settles a parked block, so it is taken only now and then, to leave
+/// the fast path's lanes open in between.
+fn same_state(
+    fast: &CachingAllocator<SimDevice>,
+    plain: &CachingAllocator<SimDevice>,
+    snapshots: bool,
+    step: &str,
+) -> Result<(), TestCaseError> {
+    prop_assert_eq!(
+        fast.memory_stats(),
+        plain.memory_stats(),
+        "{}: statistics differ with the fast path off",
+        step
+    );
+    if snapshots {
+        prop_assert_eq!(
+            fast.snapshot().segments,
+            plain.snapshot().segments,
+            "{}: snapshot segments differ with the fast path off",
+            step
+        );
+        fast.check_invariants()
+            .map_err(|e| TestCaseError::fail(format!("{step}: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Both outcomes of one call: equal, `Ok` or the same error.
+fn same_outcome<T: PartialEq + std::fmt::Debug>(
+    fast: &Result<T, Error>,
+    plain: &Result<T, Error>,
+    step: &str,
+) -> Result<(), TestCaseError> {
+    match (fast, plain) {
+        (Ok(f), Ok(p)) => prop_assert_eq!(f, p, "{}: outcomes differ with the fast path off", step),
+        (Err(f), Err(p)) => prop_assert_eq!(
+            f.to_string(),
+            p.to_string(),
+            "{}: errors differ with the fast path off",
+            step
+        ),
+        _ => {
+            return Err(TestCaseError::fail(format!(
+                "{step}: {:?} with the fast path on, {:?} off",
+                fast.as_ref().err(),
+                plain.as_ref().err()
+            )))
+        }
+    }
+    Ok(())
+}
+
+/// Runs `ops` on the differential twin: every outcome, statistic and (now and then) snapshot equal.
+fn run_twin(config: &str, ops: &[Op]) -> Result<(), TestCaseError> {
+    let (fast, plain) = (twin(config, true), twin(config, false));
+    prop_assert!(fast.is_fast_path_enabled() && !plain.is_fast_path_enabled());
+    // Live allocations of both, in allocation order (`FreeNewest` frees the last).
+    let mut live: Vec<(Allocation, Allocation)> = Vec::new();
+    // The size and stream freed last (what `Again` asks for).
+    let mut last_freed: Option<(usize, usize)> = None;
+    let free = |(f, p): (Allocation, Allocation), step: &str| -> Result<(), TestCaseError> {
+        let (rf, rp) = (fast.free(f), plain.free(p));
+        same_outcome(&rf, &rp, step)
+    };
+    for (i, op) in ops.iter().enumerate() {
+        let step = format!("step {i} ({op:?})");
+        let mut snapshots = false;
+        match *op {
+            Op::Alloc { size, stream } => {
+                twin_alloc(&fast, &plain, &mut live, size, stream, &step)?
+            }
+            Op::Again => {
+                if let Some((size, stream)) = last_freed {
+                    twin_alloc(&fast, &plain, &mut live, size, stream, &step)?;
+                }
+            }
+            Op::Free { pick } if !live.is_empty() => {
+                let pair = live.remove(pick % live.len());
+                last_freed = Some((pair.0.requested_size(), stream_index(pair.0.stream())));
+                free(pair, &step)?;
+            }
+            Op::FreeNewest if !live.is_empty() => {
+                let pair = live.pop().expect("not empty");
+                last_freed = Some((pair.0.requested_size(), stream_index(pair.0.stream())));
+                free(pair, &step)?;
+            }
+            Op::RecordStream { pick, stream } if !live.is_empty() => {
+                let (f, p) = &live[pick % live.len()];
+                let (rf, rp) = (
+                    fast.record_stream(f, STREAMS[stream]),
+                    plain.record_stream(p, STREAMS[stream]),
+                );
+                same_outcome(&rf, &rp, &step)?;
+            }
+            Op::Complete { stream } => {
+                fast.device().complete_stream_work(STREAMS[stream]);
+                plain.device().complete_stream_work(STREAMS[stream]);
+            }
+            Op::EmptyCache => {
+                let (rf, rp) = (fast.empty_cache(), plain.empty_cache());
+                same_outcome(&rf, &rp, &step)?;
+                snapshots = true;
+            }
+            Op::History { on } => {
+                fast.record_history_with_context(on, 1000, RecordContext::Never);
+                plain.record_history_with_context(on, 1000, RecordContext::Never);
+            }
+            _ => {}
+        }
+        same_state(&fast, &plain, snapshots || i % 16 == 15, &step)?;
+    }
+    for pair in live.drain(..).rev() {
+        free(pair, "final free")?;
+    }
+    same_state(&fast, &plain, true, "after the final frees")?;
+    let (rf, rp) = (fast.empty_cache(), plain.empty_cache());
+    same_outcome(&rf, &rp, "final empty_cache")?;
+    same_state(&fast, &plain, true, "at the end")?;
+    Ok(())
+}
+
+/// Allocates `size` bytes on `STREAMS[stream]` from both allocators of the twin: the same address
+/// and size, or the same error.
+fn twin_alloc(
+    fast: &CachingAllocator<SimDevice>,
+    plain: &CachingAllocator<SimDevice>,
+    live: &mut Vec<(Allocation, Allocation)>,
+    size: usize,
+    stream: usize,
+    step: &str,
+) -> Result<(), TestCaseError> {
+    let (rf, rp) = (
+        fast.allocate(size, STREAMS[stream]),
+        plain.allocate(size, STREAMS[stream]),
+    );
+    let key = |r: &Result<Allocation, Error>| {
+        r.as_ref()
+            .map(|x| (x.ptr(), x.size()))
+            .map_err(ToString::to_string)
+    };
+    prop_assert_eq!(
+        key(&rf),
+        key(&rp),
+        "{}: allocations differ with the fast path off",
+        step
+    );
+    if let (Ok(f), Ok(p)) = (rf, rp) {
+        live.push((f, p));
+    }
+    Ok(())
+}
+
+/// The index in [`STREAMS`] of `stream`.
+fn stream_index(stream: StreamId) -> usize {
+    STREAMS
+        .iter()
+        .position(|&s| s == stream)
+        .expect("one of the test's streams")
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn the_fast_path_decides_as_the_plain_path(
+        config in 0usize..CONFIGS.len(),
+        ops in proptest::collection::vec(twin_op(), 1..150),
+    ) {
+        run_twin(CONFIGS[config], &ops)?;
+    }
 }
 
 proptest! {
