@@ -95,7 +95,10 @@ pub const DEFAULT_STREAM_CAPACITY: usize = 1024;
 /// memory to cudarc.
 #[must_use = "dropping an Allocation leaks the memory; pass it to CachingAllocator::free"]
 #[derive(Debug, PartialEq, Eq)]
-#[repr(C, align(16))] // the field order and alignment `handed_out` writes in three 16-byte stores
+// The field order and alignment `handed_out` writes in three 16-byte stores (the A/B feature
+// `ab-no-align16-handles` keeps the order, drops the alignment).
+#[cfg_attr(not(feature = "ab-no-align16-handles"), repr(C, align(16)))]
+#[cfg_attr(feature = "ab-no-align16-handles", repr(C))]
 pub struct Allocation {
     ptr: DeviceAddress,
     size: usize,
@@ -136,7 +139,7 @@ impl Allocation {
         block: u32,
         generation: u32,
     ) -> Self {
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(all(target_arch = "x86_64", not(feature = "ab-no-sse2-handles")))]
         {
             use std::arch::x86_64::{__m128i, _mm_set_epi32, _mm_set_epi64x, _mm_storeu_si128};
             let mut out = std::mem::MaybeUninit::<Allocation>::uninit();
@@ -162,7 +165,7 @@ impl Allocation {
                 out.assume_init()
             }
         }
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(any(not(target_arch = "x86_64"), feature = "ab-no-sse2-handles"))]
         Allocation {
             ptr: DeviceAddress(ptr),
             size: size as usize,
@@ -848,6 +851,7 @@ mod tests {
             generation: 0x8000_0001,
         };
         assert_eq!(std::mem::size_of::<Allocation>(), 48);
+        #[cfg(not(feature = "ab-no-align16-handles"))]
         assert_eq!(std::mem::align_of::<Allocation>(), 16);
         assert_eq!(wide, by_field);
         assert_eq!(wide.ptr(), DeviceAddress(0x7f12_a400_1200));

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Builds, here (with Rust), the alloc_patterns binaries that ab.sh compares on the GPU host: the
+# allocator as it is, and one build per speed trick with that trick switched off by its cuda-alloc
+# feature. Each goes to OUT/<name>/alloc_patterns (ab.sh labels a build by its folder). Built as the
+# GPU bundle builds its binaries (release, one codegen unit, no debug info, stripped), so that the
+# baseline is the bundle's alloc_patterns.
+#
+#   OUT=.gpu/bin bash benches/gpu/ab_builds.sh                 # every variant below
+#   OUT=.gpu/bin bash benches/gpu/ab_builds.sh no-sse2-handles # main and the named ones
+#
+# Variants (name: the feature of tensormem-cuda-alloc it builds with):
+#   main                none: the allocator as shipped (the baseline, always built)
+#   no-sse2-handles     ab-no-sse2-handles: Allocation::handed_out writes the handle field by field
+#   no-align16-handles  ab-no-align16-handles: Allocation is repr(C), 8-byte aligned, not align(16)
+#   no-block-align64    ab-no-block-align64: Block is 8-byte aligned, not one 64-byte cache line
+set -euo pipefail
+OUT=${OUT:?OUT: the folder the builds go to, e.g. .gpu/bin}
+declare -A FEATURE=(
+  [no-sse2-handles]=ab-no-sse2-handles
+  [no-align16-handles]=ab-no-align16-handles
+  [no-block-align64]=ab-no-block-align64
+)
+wanted=("$@")
+[ ${#wanted[@]} -gt 0 ] || wanted=(no-sse2-handles no-align16-handles no-block-align64)
+cd "$(dirname "$0")/../.."
+build() { # name [feature]
+  local name=$1 feature=${2:-}
+  CARGO_PROFILE_RELEASE_DEBUG=false CARGO_PROFILE_RELEASE_STRIP=symbols \
+    CARGO_PROFILE_RELEASE_CODEGEN_UNITS=1 \
+    cargo build --release -q -p tensormem-benches --bin alloc_patterns \
+    ${feature:+--features "tensormem-cuda-alloc/$feature"}
+  mkdir -p "$OUT/$name"
+  cp target/release/alloc_patterns "$OUT/$name/alloc_patterns"
+  echo "$OUT/$name/alloc_patterns${feature:+ ($feature)}"
+}
+build main
+for name in "${wanted[@]}"; do
+  feature=${FEATURE[$name]:-}
+  [ -n "$feature" ] || { echo "ab_builds.sh: no variant $name (one of ${!FEATURE[*]})" >&2; exit 1; }
+  build "$name" "$feature"
+done
