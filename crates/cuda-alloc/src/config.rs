@@ -137,9 +137,12 @@ pub enum Backend {
     /// The caching allocator (this crate's).
     #[default]
     Native,
-    /// CUDA's stream-ordered allocator (`cudaMallocAsync`). The grammar accepts it (PyTorch's snapshots
-    /// record it), but this crate has no such backend: [`AllocatorConfig::check_supported`] refuses it,
-    /// and so do [`AllocatorConfig::from_env`] and the allocator's `apply_settings`.
+    /// CUDA's stream-ordered allocator (`cudaMallocAsync`), served by `AsyncAllocator` (feature
+    /// `cuda`): the driver's memory pool instead of a cache of ours. Under it PyTorch ignores the keys
+    /// of the caching allocator ([`ASYNC_IGNORED_KEYS`]). The caching allocator cannot serve it:
+    /// [`AllocatorConfig::check_supported`] refuses it, and so do [`AllocatorConfig::from_env`] and the
+    /// caching allocator's `apply_settings`; [`AllocatorConfig::read_env`] accepts it, for a caller
+    /// that picks the allocator from the configuration.
     CudaMallocAsync,
 }
 
@@ -153,6 +156,28 @@ impl Backend {
         }
     }
 }
+
+/// The keys of the caching allocator that PyTorch's `backend:cudaMallocAsync` ignores: the driver's
+/// pool decides splitting, rounding, segment sizes and reuse itself. PyTorch accepts them beside
+/// `backend:cudaMallocAsync` with a warning, and so does [`AllocatorConfig::parse`]; the pinned host
+/// allocator's keys (`pinned_*`) still configure the host allocator, which does not depend on the
+/// device backend. The memory fraction is set on the async allocator by a call
+/// (`AsyncAllocator::set_memory_fraction`), as with PyTorch's `set_per_process_memory_fraction`.
+pub const ASYNC_IGNORED_KEYS: [&str; 13] = [
+    "max_split_size_mb",
+    "max_non_split_rounding_mb",
+    "large_segment_size_mb",
+    "garbage_collection_threshold",
+    "roundup_power2_divisions",
+    "expandable_segments",
+    "release_lock_on_cudamalloc",
+    "release_lock_on_hipmalloc",
+    "graph_capture_record_stream_reuse",
+    "per_process_memory_fraction",
+    "throw_on_cudamalloc_oom",
+    "expandable_segments_reserve",
+    "expandable_segments_reserve_by_class",
+];
 
 impl fmt::Display for Backend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -435,12 +460,13 @@ pub enum ConfigError {
         /// The value given.
         value: String,
     },
-    /// The configuration asks for an allocator backend tensormem does not implement
-    /// (`backend:cudaMallocAsync`).
+    /// The configuration asks the caching allocator (the native backend) for another backend
+    /// (`backend:cudaMallocAsync`, which `AsyncAllocator` serves).
     #[error(
-        "backend:{backend} is not supported by tensormem, whose allocator is the native caching \
-         allocator; remove backend:{backend} from the configuration (where PYTORCH_CUDA_ALLOC_CONF must \
-         keep it for PyTorch, give tensormem its own TENSORMEM_ALLOC_CONF, which is read first)"
+        "backend:{backend} is not served by the caching allocator (the native backend): use \
+         AsyncAllocator for it, or remove backend:{backend} from the configuration (where \
+         PYTORCH_CUDA_ALLOC_CONF must keep it for PyTorch, give tensormem its own TENSORMEM_ALLOC_CONF, \
+         which is read first)"
     )]
     UnsupportedBackend {
         /// The backend asked for.
@@ -541,7 +567,29 @@ impl AllocatorConfig {
     ///
     /// # Errors
     /// As [`from_env`](Self::from_env).
-    pub fn from_env_with<F>(mut lookup: F) -> ConfigResult<Self>
+    pub fn from_env_with<F>(lookup: F) -> ConfigResult<Self>
+    where
+        F: FnMut(&'static str) -> Option<std::ffi::OsString>,
+    {
+        Self::env_config(lookup, true)
+    }
+
+    /// Reads the configuration from the environment like [`from_env`](Self::from_env), accepting
+    /// either backend: for a caller that picks the allocator by [`backend`](Self::backend) (the
+    /// caching allocator for `native`, `AsyncAllocator` for `cudaMallocAsync`). Under
+    /// `backend:cudaMallocAsync` the keys in [`ASYNC_IGNORED_KEYS`] are parsed and checked but mean
+    /// nothing to the device allocator, as in PyTorch.
+    ///
+    /// # Errors
+    /// [`ConfigError::Env`] naming the variable when its value does not parse, or
+    /// [`ConfigError::EnvNotUnicode`].
+    pub fn read_env() -> ConfigResult<Self> {
+        Self::env_config(std::env::var_os, false)
+    }
+
+    /// The environment as [`from_env_with`](Self::from_env_with) reads it; `native_only` refuses a
+    /// backend other than the native one.
+    fn env_config<F>(mut lookup: F, native_only: bool) -> ConfigResult<Self>
     where
         F: FnMut(&'static str) -> Option<std::ffi::OsString>,
     {
@@ -552,7 +600,12 @@ impl AllocatorConfig {
                     .map_err(|_| ConfigError::EnvNotUnicode { var })?;
                 tracing::debug!(var, config = %text, "allocator configuration from the environment");
                 return Self::parse(&text)
-                    .and_then(|config| config.check_supported().map(|()| config))
+                    .and_then(|config| {
+                        if native_only {
+                            config.check_supported()?;
+                        }
+                        Ok(config)
+                    })
                     .map_err(|source| ConfigError::Env {
                         var,
                         source: Box::new(source),
@@ -560,6 +613,80 @@ impl AllocatorConfig {
             }
         }
         Ok(AllocatorConfig::default())
+    }
+
+    /// [`read_env`](Self::read_env) with the environment given as a lookup function.
+    ///
+    /// # Errors
+    /// As [`read_env`](Self::read_env).
+    pub fn read_env_from<F>(lookup: F) -> ConfigResult<Self>
+    where
+        F: FnMut(&'static str) -> Option<std::ffi::OsString>,
+    {
+        Self::env_config(lookup, false)
+    }
+
+    /// The keys of [`ASYNC_IGNORED_KEYS`] whose settings here differ from the defaults: what a
+    /// `backend:cudaMallocAsync` configuration sets in vain (empty under the native backend, which
+    /// reads them all).
+    #[must_use]
+    pub fn ignored_by_backend(&self) -> Vec<&'static str> {
+        if self.backend == Backend::Native {
+            return Vec::new();
+        }
+        let d = AllocatorConfig::default();
+        // `release_lock_on_hipmalloc` is the other spelling of `release_lock_on_cudamalloc`: one field.
+        [
+            ("max_split_size_mb", self.max_split_size != d.max_split_size),
+            (
+                "max_non_split_rounding_mb",
+                self.max_non_split_rounding_size != d.max_non_split_rounding_size,
+            ),
+            (
+                "large_segment_size_mb",
+                self.large_segment_size != d.large_segment_size,
+            ),
+            (
+                "garbage_collection_threshold",
+                self.garbage_collection_threshold != d.garbage_collection_threshold,
+            ),
+            (
+                "roundup_power2_divisions",
+                self.roundup_power2_divisions != d.roundup_power2_divisions,
+            ),
+            (
+                "expandable_segments",
+                self.expandable_segments != d.expandable_segments,
+            ),
+            (
+                "release_lock_on_cudamalloc",
+                self.release_lock_on_cudamalloc != d.release_lock_on_cudamalloc,
+            ),
+            (
+                "graph_capture_record_stream_reuse",
+                self.graph_capture_record_stream_reuse != d.graph_capture_record_stream_reuse,
+            ),
+            (
+                "per_process_memory_fraction",
+                self.per_process_memory_fraction != d.per_process_memory_fraction,
+            ),
+            (
+                "throw_on_cudamalloc_oom",
+                self.throw_on_cudamalloc_oom != d.throw_on_cudamalloc_oom,
+            ),
+            (
+                "expandable_segments_reserve",
+                self.other.contains_key("expandable_segments_reserve"),
+            ),
+            (
+                "expandable_segments_reserve_by_class",
+                self.other
+                    .contains_key("expandable_segments_reserve_by_class"),
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(key, set)| set.then_some(key))
+        .collect()
     }
 
     /// How many divisions `roundup_power2_divisions` asks for when rounding a request of `size` bytes
@@ -570,9 +697,10 @@ impl AllocatorConfig {
         self.roundup_power2_divisions[roundup_interval(size)]
     }
 
-    /// Checks that tensormem can serve this configuration: its [`backend`](Self::backend) is
-    /// [`Backend::Native`]. The parser accepts `backend:cudaMallocAsync` (it is PyTorch's grammar, and
-    /// snapshots record it); the places that configure a running allocator refuse it with this check.
+    /// Checks that the caching allocator can serve this configuration: its [`backend`](Self::backend)
+    /// is [`Backend::Native`]. The parser accepts `backend:cudaMallocAsync` (it is PyTorch's grammar,
+    /// snapshots record it, and `AsyncAllocator` serves it); the places that configure a running
+    /// caching allocator refuse it with this check.
     ///
     /// # Errors
     /// [`ConfigError::UnsupportedBackend`] for any other backend.
@@ -805,5 +933,7 @@ impl fmt::Display for DivisionsText<'_> {
     }
 }
 
+#[cfg(test)]
+mod async_backend_tests;
 #[cfg(test)]
 mod tests;
