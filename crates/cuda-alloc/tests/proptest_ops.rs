@@ -150,11 +150,23 @@ fn run(config: &str, ops: &[Op]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// Sizes the twin's hot pairs repeat: small and large pools, blocks split and not, a request that
+/// rounds up, one of `max_split_size_mb:20`.
+const TWIN_SIZES: [usize; 7] = [
+    512,
+    1000,
+    65_536,
+    1 << 20,
+    3 << 20,
+    (3 << 20) - 100,
+    20 << 20,
+];
+
 /// Operations for the differential twin: hot pairs (`FreeNewest`, `Again`) weigh more, so the fast
 /// path's lanes are taken often, between everything that stops them.
 fn twin_op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (prop::sample::select(vec![512usize, 1000, 65_536, 1 << 20, 3 << 20, (3 << 20) - 100, 20 << 20]), 0usize..3)
+        4 => (prop::sample::select(&TWIN_SIZES[..]), 0usize..3)
             .prop_map(|(size, stream)| Op::Alloc { size, stream }),
         2 => (0u32..26, 0usize..3).prop_map(|(bits, stream)| Op::Alloc {
             size: ((1usize << bits) | (bits as usize * 977)).max(1),
@@ -163,7 +175,8 @@ fn twin_op() -> impl Strategy<Value = Op> {
         3 => any::<usize>().prop_map(|pick| Op::Free { pick }),
         6 => Just(Op::FreeNewest),
         6 => Just(Op::Again),
-        1 => (any::<usize>(), 0usize..3).prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
+        1 => (any::<usize>(), 0usize..3)
+            .prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
         1 => (0usize..3).prop_map(|stream| Op::Complete { stream }),
         1 => Just(Op::EmptyCache),
         1 => any::<bool>().prop_map(|on| Op::History { on }),
