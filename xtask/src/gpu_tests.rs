@@ -12,6 +12,7 @@ use anyhow::{bail, Context, Result};
 pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] = &[
     ("tensormem-shm", "torch_interop"),
     ("tensormem-cuda-alloc", "gpu"),
+    ("tensormem-cuda-alloc", "async_gpu"),
     ("tensormem", "gpu"),
     ("tensormem-ipc", "gpu"),
     ("tensormem", "storage_gpu"),
