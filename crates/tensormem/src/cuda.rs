@@ -20,6 +20,7 @@
 //! | `set_per_process_memory_fraction`, `empty_cache` | [`set_per_process_memory_fraction`], [`empty_cache`] |
 //! | `ipc_collect` | [`ipc_collect`] |
 //! | `memory._set_allocator_settings`, `_get_allocator_backend` | [`set_allocator_settings`], [`allocator_settings`], [`get_allocator_backend`] |
+//! | `PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync` | [`async_allocator`] (asked for explicitly; [`configured_backend`] reads what the environment asks for) |
 //! | `caching_allocator_alloc`, `caching_allocator_delete` | [`caching_allocator_alloc`], [`caching_allocator_delete`] |
 //! | `_is_in_bad_fork` | [`is_in_bad_fork`] |
 //! | `_cuda_cudaHostAllocator`, `host_memory_stats`, `_host_emptyCache` | [`host_allocator`], [`alloc_pinned`] / [`free_pinned`] / [`record_pinned_stream`], [`host_memory_stats`], [`host_empty_cache`] |
@@ -45,6 +46,7 @@
 //! guard, and in a child forked after that every function here returns [`Error::ForkedChild`] instead of
 //! touching the driver. Start CUDA workers as fresh processes.
 
+mod async_backend;
 mod device;
 mod error;
 mod fork;
@@ -55,6 +57,7 @@ mod registry;
 mod sleep;
 mod stream;
 
+pub use async_backend::{async_allocator, configured_backend};
 pub use device::{
     can_device_access_peer, current_device, device_count, device_guard, enable_peer_access,
     exchange_device, get_device_capability, get_device_name, get_device_properties,

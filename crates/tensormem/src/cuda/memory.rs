@@ -297,7 +297,8 @@ pub fn set_allocator_settings(config: &str) -> Result<()> {
 
 /// The name of the allocator backend that serves device memory (`torch.cuda.get_allocator_backend`):
 /// always [`Backend::Native`], tensormem's caching allocator. `backend:cudaMallocAsync` is refused
-/// wherever it can be set (the environment when a device is first used, [`set_allocator_settings`]).
+/// wherever it can be set (the environment when a device is first used, [`set_allocator_settings`]);
+/// its allocator is [`async_allocator`](super::async_allocator), asked for explicitly.
 ///
 /// # Errors
 ///
