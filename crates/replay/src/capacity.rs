@@ -11,6 +11,11 @@
 //!   allocator's own retry (the segment was refused, the cache released, the retry succeeded), so
 //!   the bytes reserved before the run plus the segment exceeded what was allowed: another upper end.
 //!   (A run that fits under the lower end was `torch.cuda.empty_cache()`.)
+//! - with garbage collection (a fraction and `garbage_collection_threshold`), such a run can also
+//!   be the collector's, which releases old cached segments only while the bytes reserved exceed
+//!   `threshold x allowed`: either way, the bytes reserved before the run exceeded
+//!   `threshold x allowed` or, with the segment, what was allowed; the larger of the two upper ends
+//!   holds. (One below the lower end was `torch.cuda.empty_cache()`.)
 //!
 //! Under a fraction the interval is on `fraction x total`, and the simulated device gets a total
 //! whose fraction lies inside it; otherwise it is on the device's memory itself. Expandable segments
@@ -94,20 +99,24 @@ impl CapacityInference {
     pub(crate) fn infer(facts: &CapacityFacts, recorded: &AllocatorConfig) -> Self {
         let fraction = recorded.per_process_memory_fraction;
         let fraction = (fraction > 0.0 && fraction < 1.0).then_some(fraction);
-        // With garbage collection the allocator also releases cached blocks on its own: releases say
-        // nothing about the limit.
-        let collects = fraction.is_some() && recorded.garbage_collection_threshold > 0.0;
+        // With garbage collection the allocator also releases cached blocks on its own, once the
+        // bytes reserved exceed the threshold's share of the limit.
+        let threshold = recorded.garbage_collection_threshold;
+        let collects = fraction.is_some() && threshold > 0.0;
         let lower = facts.reached;
         let mut upper: Option<u64> = None;
         let mut tighten = |bound: u64| upper = Some(upper.map_or(bound, |u| u.min(bound)));
         let mut retry_bounds = 0;
-        if !collects {
-            for &(before, size) in &facts.retries {
-                let needed = before + size;
-                if needed > lower {
-                    retry_bounds += 1;
-                    tighten(needed - 1);
-                }
+        for &(before, size) in &facts.retries {
+            let needed = before + size;
+            let bound = if collects {
+                (needed - 1).max(most_allowed_collecting_below(threshold, before))
+            } else {
+                needed - 1
+            };
+            if bound >= lower {
+                retry_bounds += 1;
+                tighten(bound);
             }
         }
         let mut oom_bounds = 0;
@@ -197,6 +206,23 @@ fn allowed(fraction: Option<f64>, total: u64) -> u64 {
         Some(f) => (f * total as f64) as u64,
         None => total,
     }
+}
+
+/// The most allowed bytes under which garbage collection with `threshold` still collects with
+/// `reserved` bytes reserved (`threshold x allowed`, rounded down, below `reserved`).
+fn most_allowed_collecting_below(threshold: f64, reserved: u64) -> u64 {
+    let collects = |allowed: u64| ((threshold * allowed as f64) as u64) < reserved;
+    if reserved == 0 {
+        return 0;
+    }
+    let mut allowed = (reserved as f64 / threshold) as u64;
+    while allowed > 0 && !collects(allowed) {
+        allowed -= 1;
+    }
+    while collects(allowed + 1) {
+        allowed += 1;
+    }
+    allowed
 }
 
 /// The largest device size whose `fraction` is at most `bytes`.
@@ -300,6 +326,38 @@ mod tests {
             ..facts
         };
         assert_eq!(implied_fraction([&facts]), None);
+    }
+
+    #[test]
+    fn garbage_collection_releases_bound_the_allowed_bytes() {
+        let facts = CapacityFacts {
+            reached: 322 << 20,
+            ooms: vec![OomFact {
+                reserved: 294 << 20,
+                size: 36 << 20,
+                device_free: 80 << 30,
+            }],
+            // Segments released before a new one with 196 MiB reserved: the collector's.
+            retries: vec![(196 << 20, 42 << 20)],
+            ..CapacityFacts::default()
+        };
+        let collecting =
+            config("per_process_memory_fraction:0.004,garbage_collection_threshold:0.6");
+        let inference = CapacityInference::infer(&facts, &collecting);
+        let upper = inference.upper.unwrap();
+        assert_eq!(inference.retry_bounds, 1);
+        assert!(((0.6 * upper as f64) as u64) < 196 << 20);
+        assert!(((0.6 * (upper + 1) as f64) as u64) >= 196 << 20);
+        let allowed = (0.004 * inference.capacity.unwrap() as f64) as u64;
+        assert!((322 << 20..=upper).contains(&allowed), "{allowed}");
+        // A release with little reserved was `empty_cache`: no bound.
+        let facts = CapacityFacts {
+            retries: vec![(20 << 20, 2 << 20)],
+            ..facts
+        };
+        let inference = CapacityInference::infer(&facts, &collecting);
+        assert_eq!(inference.retry_bounds, 0);
+        assert_eq!(inference.upper, Some((330 << 20) - 1));
     }
 
     #[test]

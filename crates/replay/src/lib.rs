@@ -298,16 +298,20 @@ impl Replay {
                 .filter(|s| usize::try_from(s.device).ok() == Some(device))
                 .cloned()
                 .collect();
-            let plan = DevicePlan::build(device, trace, segments, recorded.max_split_size)
-                .map_err(|e| Error::Trace {
-                    device,
-                    reason: match e {
-                        PlanError::TooManyEvents => "it has more than 2^32 events",
-                        PlanError::StreamIds => {
-                            "its stream ids leave no room for synthetic streams"
-                        }
-                    },
-                })?;
+            let plan = DevicePlan::build(
+                device,
+                trace,
+                segments,
+                recorded.max_split_size,
+                recorded.garbage_collection_threshold > 0.0,
+            )
+            .map_err(|e| Error::Trace {
+                device,
+                reason: match e {
+                    PlanError::TooManyEvents => "it has more than 2^32 events",
+                    PlanError::StreamIds => "its stream ids leave no room for synthetic streams",
+                },
+            })?;
             if plan.unmatched_frees > 0 {
                 tracing::warn!(
                     device,

@@ -239,12 +239,14 @@ impl LiveSegments {
 
 impl DevicePlan {
     /// Reads device `device`'s events; `segments` are the snapshot's segments of that device,
-    /// `max_split_size` the recorded configuration's (it tells which releases synchronized).
+    /// `max_split_size` the recorded configuration's and `collects` whether it sets a garbage
+    /// collection threshold (both tell which releases synchronized).
     pub(crate) fn build(
         device: usize,
         trace: &[TraceEntry],
         segments: Vec<Segment>,
         max_split_size: usize,
+        collects: bool,
     ) -> Result<DevicePlan, PlanError> {
         if u32::try_from(trace.len()).is_err() {
             return Err(PlanError::TooManyEvents);
@@ -363,6 +365,7 @@ impl DevicePlan {
                                         trace,
                                         done,
                                         max_split_size,
+                                        collects,
                                     )) =>
                         {
                             None
@@ -542,17 +545,27 @@ fn completion_events(trace: &[TraceEntry]) -> HashMap<usize, Option<usize>> {
     completion
 }
 
-/// Whether the release run right after the `free_completed` event at `done` can be
-/// `release_available_cached_blocks`, which does not synchronize: under `max_split_size`, a request
-/// that finds no cached block and no room first releases just enough oversize cached blocks (each
-/// at least `max_split_size`) and tries again. A block freed right before such a run was free at
-/// once, not held back until a synchronization. A run that also releases smaller segments, or ends
-/// in an `oom`, was `release_cached_blocks`, which synchronizes first.
+/// Whether the release run right after the `free_completed` event at `done` can be one that does
+/// not synchronize:
+/// - under `max_split_size`, `release_available_cached_blocks`: a request that finds no cached
+///   block and no room first releases just enough oversize cached blocks (each at least
+///   `max_split_size`) and tries again;
+/// - with garbage collection (`collects`), `garbage_collect_cached_blocks`: a request that finds
+///   no cached block first releases old cached segments while the bytes reserved are above the
+///   threshold, then makes a new segment.
+///
+/// A block freed right before such a run was free at once, not held back until a synchronization.
+/// A run that ends in an `oom` (or, under `max_split_size` alone, also releases smaller segments)
+/// was `release_cached_blocks`, which synchronizes first.
 fn released_without_synchronizing(
     trace: &[TraceEntry],
     done: usize,
     max_split_size: usize,
+    collects: bool,
 ) -> bool {
+    if collects {
+        return matches!(release_run_end(trace, done + 1), RunEnd::Segment(_));
+    }
     if max_split_size == usize::MAX {
         return false;
     }
@@ -702,7 +715,7 @@ mod tests {
             entry(FreeCompleted, 0x1000_1000, 4096, 0),
             entry(FreeCompleted, 0x1000_0000, 4096, 0),
         ];
-        let plan = DevicePlan::build(0, &trace, Vec::new(), usize::MAX).unwrap();
+        let plan = DevicePlan::build(0, &trace, Vec::new(), usize::MAX, false).unwrap();
         let held: Vec<Option<StreamId>> = plan
             .ops
             .iter()
@@ -745,7 +758,7 @@ mod tests {
             entry(SegmentFree, 0x5000_0000, 2 << 20, 0),
             entry(Oom, 0, 64 << 20, 0),
         ];
-        let plan = DevicePlan::build(0, &trace, Vec::new(), usize::MAX).unwrap();
+        let plan = DevicePlan::build(0, &trace, Vec::new(), usize::MAX, false).unwrap();
         let releases: Vec<(u32, ReleaseRun)> = plan
             .ops
             .iter()
@@ -784,7 +797,7 @@ mod tests {
             entry(SegmentMap, small, 2 << 20, 0),
             entry(SegmentMap, large + (40 << 20), 20 << 20, 0),
         ];
-        let plan = DevicePlan::build(0, &trace, Vec::new(), usize::MAX).unwrap();
+        let plan = DevicePlan::build(0, &trace, Vec::new(), usize::MAX, false).unwrap();
         assert_eq!(plan.reserve_addrs, vec![large, small]);
         let bound = plan.capacity.layout_bound.unwrap();
         let chunk = LARGE_BUFFER as u64;
@@ -803,7 +816,7 @@ mod tests {
             entry(SegmentFree, 0x1000_0000, 20 << 20, 0),
             entry(Oom, 1 << 20, 64 << 20, 0),
         ];
-        let plan = DevicePlan::build(0, &trace, Vec::new(), usize::MAX).unwrap();
+        let plan = DevicePlan::build(0, &trace, Vec::new(), usize::MAX, false).unwrap();
         assert_eq!(
             plan.ops,
             vec![
