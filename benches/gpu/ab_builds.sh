@@ -11,17 +11,12 @@
 # Variants (name: the feature of tensormem-cuda-alloc it builds with):
 #   main                none: the allocator as shipped (the baseline, always built)
 #   no-sse2-handles     ab-no-sse2-handles: Allocation::handed_out writes the handle field by field
-#   no-align16-handles  ab-no-align16-handles: Allocation is repr(C), 8-byte aligned, not align(16)
-#   no-block-align64    ab-no-block-align64: Block is 8-byte aligned, not one 64-byte cache line
 set -euo pipefail
 OUT=${OUT:?OUT: the folder the builds go to, e.g. .gpu/bin}
 declare -A FEATURE=(
   [no-sse2-handles]=ab-no-sse2-handles
-  [no-align16-handles]=ab-no-align16-handles
-  [no-block-align64]=ab-no-block-align64
 )
 wanted=("$@")
-[ ${#wanted[@]} -gt 0 ] || wanted=(no-sse2-handles no-align16-handles no-block-align64)
 cd "$(dirname "$0")/../.."
 build() { # name [feature]
   local name=$1 feature=${2:-}

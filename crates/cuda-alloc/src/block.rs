@@ -11,10 +11,8 @@
 /// The "no block" index (a sentinel instead of `Option<u32>`, to keep [`Block`] small).
 pub(crate) const NIL: u32 = u32::MAX;
 
-/// One block: 64 bytes, aligned to 64, so one cache line. (Unaligned, as a `Vec`'s 16-byte-aligned
-/// buffer places it, three blocks in four span two lines; a free reads the freed block and both
-/// neighbours at random slots, so each read is one line, not two. See docs/allocator-internals.md,
-/// "Arena of blocks".)
+/// One block: 64 bytes, naturally aligned (a 64-byte alignment, one cache line per block, measured
+/// paired against it, did not pay; see docs/allocator-internals.md, "Arena of blocks").
 ///
 /// Invariants (checked by the allocator's `check_invariants`):
 /// - `prev`/`next` are `NIL` or indices of live blocks of the same segment with
@@ -24,7 +22,6 @@ pub(crate) const NIL: u32 = u32::MAX;
 /// - `mapped` is `true` unless the block belongs to an expandable segment (`expandable != NIL`);
 /// - `used_elsewhere` is set exactly when the shard's stream-use table has an entry for the block.
 #[derive(Debug, Clone)]
-#[cfg_attr(not(feature = "ab-no-block-align64"), repr(align(64)))]
 pub(crate) struct Block {
     /// Device address of the first byte.
     pub(crate) addr: u64,
@@ -286,12 +283,6 @@ mod tests {
     #[test]
     fn a_block_is_one_cache_line() {
         assert_eq!(std::mem::size_of::<Block>(), 64);
-        #[cfg(not(feature = "ab-no-block-align64"))]
-        {
-            assert_eq!(std::mem::align_of::<Block>(), 64);
-            let arena: Vec<Block> = (0..3).map(|i| Block::new(i * 512, 512, 0)).collect();
-            assert!(arena.iter().all(|b| std::ptr::from_ref(b).addr() % 64 == 0));
-        }
     }
 
     /// An index past the arena (`NIL`) reads the last slot.

@@ -95,10 +95,8 @@ pub const DEFAULT_STREAM_CAPACITY: usize = 1024;
 /// memory to cudarc.
 #[must_use = "dropping an Allocation leaks the memory; pass it to CachingAllocator::free"]
 #[derive(Debug, PartialEq, Eq)]
-// The field order and alignment `handed_out` writes in three 16-byte stores (the A/B feature
-// `ab-no-align16-handles` keeps the order, drops the alignment).
-#[cfg_attr(not(feature = "ab-no-align16-handles"), repr(C, align(16)))]
-#[cfg_attr(feature = "ab-no-align16-handles", repr(C))]
+// The field order `handed_out` writes in three 16-byte stores.
+#[repr(C)]
 pub struct Allocation {
     ptr: DeviceAddress,
     size: usize,
@@ -123,10 +121,9 @@ impl Allocation {
     /// (a `Result<Allocation>` or an `Allocation` moved into a variable, a vector, a call). Written
     /// field by field (eight stores of 4 or 8 bytes), every such 16-byte load right after the return
     /// spanned several pending stores, which the store buffer cannot forward: the load waits for
-    /// the stores to reach the cache. The type's 16-byte alignment makes every copy (of the handle,
-    /// or of a `Result` or `Option` holding it) take the same three pieces at the same offsets; with
-    /// 8, a handle copied into an `Option` is read in 8- and 16-byte pieces that straddle two stores
-    /// (docs/allocator-internals.md, "Wide handle stores").
+    /// the stores to reach the cache (docs/allocator-internals.md, "Wide handle stores"). The type
+    /// keeps its natural 8-byte alignment: a 16-byte alignment, measured paired against it, did not
+    /// pay.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)] // the handle's fields, each a plain value
     pub(crate) fn handed_out(
@@ -851,8 +848,6 @@ mod tests {
             generation: 0x8000_0001,
         };
         assert_eq!(std::mem::size_of::<Allocation>(), 48);
-        #[cfg(not(feature = "ab-no-align16-handles"))]
-        assert_eq!(std::mem::align_of::<Allocation>(), 16);
         assert_eq!(wide, by_field);
         assert_eq!(wide.ptr(), DeviceAddress(0x7f12_a400_1200));
         assert_eq!(wide.size(), 64 << 30);
