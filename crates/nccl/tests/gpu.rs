@@ -275,6 +275,8 @@ fn a_pool_backed_by_nccl_registers_only_its_own_segments() {
         a.begin_allocate_to_pool(pool, |_| true).unwrap();
         let b = a.allocate(count * 4, S).unwrap();
         a.end_allocate_to_pool(pool).unwrap();
+        // As `torch.cuda.use_mem_pool` does: beginning to allocate to the pool took a use.
+        a.release_pool(pool).unwrap();
         let o = a.allocate(count * 4, S).unwrap();
         let ranges = nccl.ranges();
         assert!(
