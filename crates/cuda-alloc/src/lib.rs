@@ -129,11 +129,11 @@ pub use allocator::{
     Allocation, CachingAllocator, CheckpointDelta, HostBackup, InvariantViolation, PoolCheckpoint,
     ShareableSegment, SleepError, SleepReport, WakeReport, DEFAULT_STREAM_CAPACITY, FAST_PATH_ENV,
 };
+#[cfg(feature = "cuda")]
+pub use backend::cuda::async_alloc::AsyncAllocator;
 pub use device::{
     CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, StreamId,
 };
-#[cfg(feature = "cuda")]
-pub use backend::cuda::async_alloc::AsyncAllocator;
 pub use error::{Error, Result};
 pub use expandable::ChunkExport;
 pub use owned::OwnedAllocation;

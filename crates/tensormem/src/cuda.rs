@@ -82,8 +82,8 @@ pub use memory::{
 pub use sleep::{asleep_bytes, is_pool_asleep, sleep_pool, wake_pool};
 pub use stream::{current_stream, default_stream, is_current_stream_capturing, set_stream, Stream};
 pub use tensormem_cuda_alloc::backend::cuda::{DeviceProperties, DeviceUuid};
-pub use tensormem_cuda_alloc::{SleepError, SleepReport, WakeReport};
 pub use tensormem_cuda_alloc::{
     DeviceAddress, FnPoolAllocator, MemInfo, MempoolId, PoolAllocator, PoolOptions, RecordContext,
     StreamId,
 };
+pub use tensormem_cuda_alloc::{SleepError, SleepReport, WakeReport};
