@@ -3,12 +3,15 @@
 //! maps only the shared chunks, releases its slot, and neither side's death pins or leaks anything.
 //! Each test re-executes this binary, running only itself, as the other process.
 
+#[path = "common/child.rs"]
+mod child;
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::io::BufReader;
+use std::process::ChildStdout;
 use std::sync::Arc;
 
+use child::{expect, kill9, Peer};
 use common::{hex, unhex};
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::config::AllocatorConfig;
@@ -24,46 +27,18 @@ const ROUTES: &str = "TENSORMEM_IPC_EXPANDABLE_ROUTES";
 const S: StreamId = StreamId(0);
 const MIB: usize = 1 << 20;
 
-struct Peer(Child);
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn spawn(
     test: &str,
     role: &str,
     handle: Option<&IpcHandle>,
     routes: &str,
 ) -> (Peer, BufReader<ChildStdout>) {
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", test, "--nocapture", "--test-threads=1"])
-        .env(ROLE, role)
-        .env(ROUTES, routes)
-        .stdout(Stdio::piped());
-    if let Some(handle) = handle {
-        cmd.env(HANDLE, hex(&handle.encode()));
+    let wire = handle.map(|h| hex(&h.encode()));
+    let mut vars = vec![(ROLE, role), (ROUTES, routes)];
+    if let Some(wire) = &wire {
+        vars.push((HANDLE, wire.as_str()));
     }
-    let mut child = cmd.spawn().unwrap();
-    let stdout = BufReader::new(child.stdout.take().unwrap());
-    (Peer(child), stdout)
-}
-
-fn expect(out: &mut BufReader<ChildStdout>, prefix: &str) -> String {
-    let mut line = String::new();
-    loop {
-        line.clear();
-        assert!(
-            out.read_line(&mut line).unwrap() > 0,
-            "child ended before printing {prefix}"
-        );
-        if let Some(at) = line.find(&format!("@@{prefix}")) {
-            return line[at + 2 + prefix.len()..].trim().to_owned();
-        }
-    }
+    child::spawn(test, &vars)
 }
 
 fn setup() -> (
@@ -178,8 +153,7 @@ fn a_consumer_killed_holding_chunks_does_not_pin_them() {
         !producer.collect(),
         "a live consumer's memory is not reclaimed"
     );
-    child.0.kill().unwrap();
-    child.0.wait().unwrap();
+    kill9(&mut child);
     assert!(producer.collect(), "the dead consumer's slot is reclaimed");
     assert_eq!(producer.stats().limbo, 0);
     assert_eq!(allocator.memory_stats().active_bytes.all.current, 0);
@@ -205,8 +179,7 @@ fn a_producer_killed_while_shared_leaves_nothing_behind() {
     let driver = Arc::new(FakeDriver::default());
     let consumer = IpcConsumer::new(Arc::clone(&driver));
     let received = consumer.open(&handle, S).unwrap();
-    child.0.kill().unwrap();
-    child.0.wait().unwrap();
+    kill9(&mut child);
     // The mapping stays usable (the imported chunks live on here) until the consumer lets go.
     assert_eq!(received.size(), 3 * MIB as u64);
     drop(received);

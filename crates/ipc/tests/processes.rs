@@ -2,12 +2,15 @@
 //! cleanup need no GPU), including kill -9 of either side. Each test re-executes this binary, running
 //! only itself, as the other process; an environment variable gives the child its role.
 
+#[path = "common/child.rs"]
+mod child;
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::io::BufReader;
+use std::process::ChildStdout;
 use std::sync::Arc;
 
+use child::{expect, kill9, Peer};
 use common::{hex, unhex};
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::{CachingAllocator, StreamId};
@@ -18,62 +21,14 @@ const ROLE: &str = "TENSORMEM_IPC_TEST_ROLE";
 const HANDLE: &str = "TENSORMEM_IPC_TEST_HANDLE";
 const S: StreamId = StreamId(0);
 
-/// A child process killed if the test fails before it ends.
-struct Peer(Child);
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl std::ops::Deref for Peer {
-    type Target = Child;
-    fn deref(&self) -> &Child {
-        &self.0
-    }
-}
-
-impl std::ops::DerefMut for Peer {
-    fn deref_mut(&mut self) -> &mut Child {
-        &mut self.0
-    }
-}
-
 /// This test binary again, running only `test` in the role `role`.
 fn spawn(test: &str, role: &str, handle: Option<&IpcHandle>) -> (Peer, BufReader<ChildStdout>) {
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", test, "--nocapture", "--test-threads=1"])
-        .env(ROLE, role)
-        .stdout(Stdio::piped());
-    if let Some(handle) = handle {
-        cmd.env(HANDLE, hex(&handle.encode()));
+    let wire = handle.map(|h| hex(&h.encode()));
+    let mut vars = vec![(ROLE, role)];
+    if let Some(wire) = &wire {
+        vars.push((HANDLE, wire.as_str()));
     }
-    let mut child = cmd.spawn().unwrap();
-    let stdout = BufReader::new(child.stdout.take().unwrap());
-    (Peer(child), stdout)
-}
-
-/// The next line of the child's own protocol (libtest prints lines of its own too).
-fn expect(out: &mut BufReader<ChildStdout>, prefix: &str) -> String {
-    let mut line = String::new();
-    loop {
-        line.clear();
-        assert!(
-            out.read_line(&mut line).unwrap() > 0,
-            "child ended before printing {prefix}"
-        );
-        // libtest may print "test NAME ... " before the child's own output on the same line.
-        if let Some(at) = line.find(&format!("@@{prefix}")) {
-            return line[at + 2 + prefix.len()..].trim().to_owned();
-        }
-    }
-}
-
-fn kill9(child: &mut Peer) {
-    child.kill().unwrap(); // SIGKILL
-    child.wait().unwrap();
+    child::spawn(test, &vars)
 }
 
 fn received_handle() -> IpcHandle {
@@ -213,14 +168,7 @@ fn share_model_batch(
 }
 
 fn spawn_batch(test: &str, role: &str, batch: &BatchHandle) -> (Peer, BufReader<ChildStdout>) {
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", test, "--nocapture", "--test-threads=1"])
-        .env(ROLE, role)
-        .env(HANDLE, hex(&batch.encode()))
-        .stdout(Stdio::piped());
-    let mut child = cmd.spawn().unwrap();
-    let stdout = BufReader::new(child.stdout.take().unwrap());
-    (Peer(child), stdout)
+    child::spawn(test, &[(ROLE, role), (HANDLE, &hex(&batch.encode()))])
 }
 
 fn received_batch() -> BatchHandle {

@@ -117,6 +117,28 @@ struct Inner {
 }
 
 impl Inner {
+    /// A table for `comm`, acting.
+    fn new(comm: sys::ncclComm_t) -> Arc<Self> {
+        Arc::new(Inner {
+            comm: comm as usize,
+            active: AtomicBool::new(true),
+            ranges: Mutex::new(BTreeMap::new()),
+            errors: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn ranges(&self) -> Vec<(u64, u64)> {
+        self.ranges
+            .lock()
+            .iter()
+            .map(|(&addr, r)| (addr, r.size))
+            .collect()
+    }
+
+    fn take_errors(&self) -> Vec<Error> {
+        std::mem::take(&mut *self.errors.lock())
+    }
+
     fn comm(&self) -> sys::ncclComm_t {
         self.comm as sys::ncclComm_t
     }
@@ -242,12 +264,7 @@ impl Registration {
         if comm.is_null() {
             return Err(Error::NullCommunicator);
         }
-        let inner = Arc::new(Inner {
-            comm: comm as usize,
-            active: AtomicBool::new(true),
-            ranges: Mutex::new(BTreeMap::new()),
-            errors: Mutex::new(Vec::new()),
-        });
+        let inner = Inner::new(comm);
         // The tracker first, then what exists: a segment made in between is registered once (the
         // table is keyed by address).
         let tracked = Arc::clone(&inner);
@@ -284,18 +301,13 @@ impl Registration {
     /// The ranges registered now: start address and size, in address order.
     #[must_use]
     pub fn ranges(&self) -> Vec<(u64, u64)> {
-        self.inner
-            .ranges
-            .lock()
-            .iter()
-            .map(|(&addr, r)| (addr, r.size))
-            .collect()
+        self.inner.ranges()
     }
 
     /// Registration failures met so far (NCCL refused a range); taken out of the registration.
     #[must_use]
     pub fn errors(&self) -> Vec<Error> {
-        std::mem::take(&mut *self.inner.errors.lock())
+        self.inner.take_errors()
     }
 }
 
@@ -341,30 +353,20 @@ impl NcclPoolAllocator {
         let device = CudaBackend::new(ordinal)?;
         Ok(Arc::new(Self {
             device,
-            inner: Arc::new(Inner {
-                comm: comm as usize,
-                active: AtomicBool::new(true),
-                ranges: Mutex::new(BTreeMap::new()),
-                errors: Mutex::new(Vec::new()),
-            }),
+            inner: Inner::new(comm),
         }))
     }
 
     /// The segments registered now: start address and size, in address order.
     #[must_use]
     pub fn ranges(&self) -> Vec<(u64, u64)> {
-        self.inner
-            .ranges
-            .lock()
-            .iter()
-            .map(|(&addr, r)| (addr, r.size))
-            .collect()
+        self.inner.ranges()
     }
 
     /// Registration failures met so far; taken out of the allocator.
     #[must_use]
     pub fn errors(&self) -> Vec<Error> {
-        std::mem::take(&mut *self.inner.errors.lock())
+        self.inner.take_errors()
     }
 }
 
