@@ -224,6 +224,30 @@ impl TraceRecorder {
         });
     }
 
+    /// Tells the trackers, and only them, that the physical memory of a range went away or came
+    /// back under the allocator's books (`SegmentUnmap` / `SegmentMap` of a pool put to sleep or
+    /// woken): a tracker that registered the memory somewhere (NCCL) must let go of it and take the
+    /// new memory. The history is left alone: sleeping changes no block or statistic PyTorch
+    /// records, so a trace stays PyTorch's.
+    pub(crate) fn tell_trackers(&self, action: TraceAction, addr: u64, size: u64) {
+        if !self.tracking.load(Relaxed) {
+            return;
+        }
+        let model = Record {
+            action,
+            addr,
+            size,
+            stream: StreamId(0),
+            time_us: now_us(),
+            user_metadata: None,
+            stack: None,
+        }
+        .to_entry_without_frames();
+        for tracker in self.trackers.read().iter() {
+            tracker(&model);
+        }
+    }
+
     /// Tells the trackers about `entry`, then appends it to the ring buffer if recording is on.
     #[cold]
     pub(crate) fn push(&self, entry: Record) {

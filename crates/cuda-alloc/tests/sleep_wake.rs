@@ -378,3 +378,60 @@ fn an_allocator_dropped_with_a_pool_asleep_gives_everything_back() {
     drop(a);
     assert_eq!(host.stats().active_bytes.current, 0, "the backup went back");
 }
+
+#[test]
+fn trackers_see_the_memory_go_and_come_back_and_the_history_does_not() {
+    use std::sync::Mutex;
+    use tensormem_cuda_alloc::snapshot::TraceAction;
+    let (a, big, small) = pool_with_data();
+    a.record_history(true, 1000);
+    let seen: Arc<Mutex<Vec<(TraceAction, u64, u64)>>> = Arc::default();
+    let tracked = Arc::clone(&seen);
+    a.attach_allocator_trace_tracker(Box::new(move |e| {
+        tracked
+            .lock()
+            .unwrap()
+            .push((e.action.clone(), e.addr, e.size));
+    }));
+    let history_before = a.snapshot().device_traces[0].len();
+    let report = a.sleep_pool(POOL, None).unwrap();
+    let unmapped: u64 = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(action, ..)| *action == TraceAction::SegmentUnmap)
+        .map(|&(_, _, size)| size)
+        .sum();
+    assert_eq!(
+        unmapped, report.released_bytes,
+        "every released byte told as unmapped"
+    );
+    assert!(seen
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|&(_, addr, size)| addr <= big.ptr().0 && big.ptr().0 < addr + size));
+    seen.lock().unwrap().clear();
+    a.wake_pool(POOL).unwrap();
+    let mapped: u64 = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(action, ..)| *action == TraceAction::SegmentMap)
+        .map(|&(_, _, size)| size)
+        .sum();
+    assert_eq!(
+        mapped, report.released_bytes,
+        "the same ranges told as mapped again"
+    );
+    // The history (what replay reads, PyTorch's format) has no sleep or wake in it; the snapshot
+    // itself adds one `snapshot` entry each time.
+    let history = &a.snapshot().device_traces[0];
+    assert!(!history[history_before..].iter().any(|e| matches!(
+        e.action,
+        TraceAction::SegmentUnmap | TraceAction::SegmentMap
+    )));
+    a.free(big).unwrap();
+    a.free(small).unwrap();
+    checked(&a);
+}

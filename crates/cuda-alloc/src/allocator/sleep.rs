@@ -36,6 +36,7 @@ use crate::error::{Error, Result};
 use crate::host::{HostCachingAllocator, PinnedBuffer};
 use crate::pool::PoolOwner;
 use crate::pool_id::MempoolId;
+use crate::snapshot::TraceAction;
 
 /// The largest pinned buffer one piece of a backup takes (a power of two, so that the host
 /// allocator's rounding wastes nothing).
@@ -371,6 +372,11 @@ impl<D: Device> CachingAllocator<D> {
             let shard = locks[li].shard.index;
             let segment = locks[li].st.segments[slot].as_mut().expect("live");
             segments.push((shard, slot, segment.base()));
+            // Trackers let go of the memory before it is released.
+            for (addr, len) in segment.mapped_runs() {
+                self.trace
+                    .tell_trackers(TraceAction::SegmentUnmap, addr, len);
+            }
             match segment.sleep(device) {
                 Ok(bytes) => report.released_bytes += bytes,
                 Err(e) => {
@@ -489,6 +495,10 @@ impl<D: Device> CachingAllocator<D> {
                     .mapped_runs()
             })
             .collect();
+        // Trackers take the fresh memory at the same addresses.
+        for &(addr, len) in &mapped {
+            self.trace.tell_trackers(TraceAction::SegmentMap, addr, len);
+        }
         let result = match &backup {
             None => Ok(()),
             Some(backup) => copy_back(device, backup, &mapped, &mut report),
