@@ -376,6 +376,18 @@ impl PoolRun {
             return MempoolId::DEFAULT;
         };
         if let Some(p) = self.of[instance as usize] {
+            // The trace allocates into a segment of a pool it released: a released pool serves
+            // nothing, so the segment's pool was wrong (an assumed one was the default pools', a
+            // chosen one was a pool of its own).
+            if self.infer && self.contradiction.is_none() && self.released.contains(&p.pool) {
+                let own = MempoolId(UNNAMED_POOL_BASE + (1 << 40) + u64::from(instance), 0);
+                let other = match p.evidence {
+                    PoolEvidence::Assumed => MempoolId::DEFAULT,
+                    _ if p.chosen && p.pool != own => own,
+                    _ => return p.pool,
+                };
+                self.contradiction = Some((instance, other));
+            }
             return p.pool;
         }
         if !self.infer {
@@ -573,6 +585,11 @@ impl PoolRun {
         let other = match p.evidence {
             PoolEvidence::Assumed if pool.is_default() => FORCE_PRIVATE,
             PoolEvidence::Assumed => MempoolId::DEFAULT,
+            // Made the default pools' by an earlier contradiction (of an assumed private pool),
+            // and a default allocation went elsewhere: a private pool after all, another one.
+            PoolEvidence::Contradiction if pool.is_default() && p.pool.is_default() => {
+                FORCE_PRIVATE
+            }
             _ if p.chosen && !pool.is_default() && p.pool == pool => own,
             _ => return,
         };

@@ -9,7 +9,7 @@ use tensormem_cuda_alloc::snapshot::{Snapshot, TraceAction, TraceEntry};
 use tensormem_cuda_alloc::{CachingAllocator, StreamId, DEFAULT_STREAM_CAPACITY};
 use tensormem_replay::{ExpectedStats, Replay, RunOptions};
 
-const TRACES: [&str; 27] = [
+const TRACES: [&str; 28] = [
     "gpt2_train",
     "gpt2_train__expandable_segments-True",
     "multistream",
@@ -37,6 +37,7 @@ const TRACES: [&str; 27] = [
     "compile_ro_keep__expandable_segments-True",
     "compile_ro__expandable_segments-True",
     "oom_gc__fraction-0.004_garbage_collection_threshold-0.6",
+    "mempool_empty_cache",
 ];
 
 fn traces_dir() -> PathBuf {
@@ -281,6 +282,15 @@ fn caught_ooms_under_a_fraction_set_in_the_program_replay_exactly_with_no_flag()
         assert!(inference.fraction_implied, "{name}");
         assert!(inference.consistent, "{name}");
     }
+}
+
+/// Two `MemPool`s on one stream beside eager allocations, with `empty_cache()` between phases and
+/// one pool deleted in the middle: a segment whose assumed pool makes the trace allocate into a
+/// released pool, or a segment made the default pools' by a contradiction that a default
+/// allocation then skips, had its pool wrong, and the inference tries again.
+#[test]
+fn mempools_with_empty_cache_between_phases_replay_exactly() {
+    exact("mempool_empty_cache");
 }
 
 /// Two `MemPool`s on one stream beside eager allocations, both destroyed at the end, one still
