@@ -131,6 +131,9 @@ pub use allocator::{
 };
 #[cfg(feature = "cuda")]
 pub use backend::cuda::async_alloc::AsyncAllocator;
+#[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
+pub use cached_slice::CachedSlice;
 pub use device::{
     CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, StreamId,
 };

@@ -59,7 +59,6 @@ use crate::device::{
     CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, StreamId,
 };
 
-pub use crate::cached_slice::CachedSlice;
 pub use context::has_primary_context;
 use context::PrimaryContext;
 pub(crate) use driver::error as driver_error;
