@@ -63,6 +63,14 @@ impl std::fmt::Debug for Pool {
 }
 
 impl Pool {
+    /// Whether this pool's new segments are expandable: under `expandable_segments`, unless the
+    /// pool takes its segments from its own allocator (which, as in PyTorch, never grows
+    /// expandable ones).
+    #[inline]
+    pub(crate) fn expandable(&self, settings: &crate::settings::Settings) -> bool {
+        settings.expandable_segments() && self.allocator.is_none()
+    }
+
     pub(crate) fn new(small: bool, owner: PoolOwner, gc_clock: Arc<AtomicU64>) -> Self {
         Pool {
             free: FreeSet::default(),

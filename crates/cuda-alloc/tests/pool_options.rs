@@ -354,3 +354,39 @@ fn an_allocator_can_only_be_given_to_a_new_pool() {
     assert!(err.to_string().contains("new pool id"), "{err}");
     assert_eq!(a.pool_use_count(POOL), 1);
 }
+
+/// The fast path decides a `no_split` pool's splits as the plain path does: a block split off
+/// before `no_split` was set, freed next to the free rest of its segment (the fast path parks such a
+/// free) and asked for again at its size, comes back the same with the fast path on and off (whole,
+/// since the pool no longer splits).
+#[test]
+fn a_no_split_pool_splits_the_same_with_the_fast_path_on_and_off() {
+    let sizes = |fast: bool| {
+        let a = sim(8 * GIB);
+        a.set_fast_path_enabled(fast);
+        a.create_or_incref_pool(POOL).unwrap();
+        a.begin_allocate_to_pool(POOL, |_| true).unwrap();
+        let first = a.allocate(2 * MIB, S0).unwrap();
+        let x = a.allocate(3 * MIB, S0).unwrap();
+        a.set_no_split(POOL).unwrap();
+        let mut out = Vec::new();
+        let mut x = Some(x);
+        for _ in 0..3 {
+            a.free(x.take().unwrap()).unwrap();
+            let again = a.allocate(3 * MIB, S0).unwrap();
+            out.push(again.size());
+            x = Some(again);
+        }
+        a.free(x.unwrap()).unwrap();
+        a.free(first).unwrap();
+        a.end_allocate_to_pool(POOL).unwrap();
+        checked(&a);
+        out
+    };
+    let plain = sizes(false);
+    assert!(
+        plain.iter().all(|&s| s > 3 * MIB),
+        "the whole free block: {plain:?}"
+    );
+    assert_eq!(sizes(true), plain);
+}

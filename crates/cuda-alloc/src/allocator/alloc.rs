@@ -367,18 +367,15 @@ impl<D: Device> Locked<'_, D> {
     }
 
     /// Whether handing out `size` bytes of `block` should split off the rest (PyTorch's
-    /// `should_split`; never in a `no_split` pool).
+    /// `should_split`).
     #[inline]
     fn should_split(&self, pool: u16, block: u32, size: usize) -> bool {
         let settings = &self.a.settings;
         let p = &self.st.pools[pool as usize];
-        if p.no_split {
-            std::hint::cold_path();
-            return false;
-        }
         policy::should_split(
+            p.no_split,
             p.small,
-            settings.expandable_segments() && p.allocator.is_none(),
+            p.expandable(settings),
             settings.max_split_size(),
             size,
             self.st.blocks[block].size as usize - size,
@@ -542,8 +539,8 @@ impl<D: Device> Locked<'_, D> {
         let own = self.st.pools[pool as usize].allocator.clone();
         // Private pools (CUDA graphs, `MemPool`) grow expandable segments of their own too, as in
         // PyTorch 2.11 (each successful call counts as one device allocation of the pool, each
-        // unmap as one release); checkpoints refuse pools that have them.
-        if self.a.settings.expandable_segments() && own.is_none() {
+        // unmap as one release).
+        if self.st.pools[pool as usize].expandable(&self.a.settings) {
             if limited && counters.reserved.load(Relaxed) + alloc_size as u64 > allowed {
                 return Ok(None);
             }

@@ -51,18 +51,24 @@ pub const fn allocation_size(size: usize) -> usize {
 }
 
 /// PyTorch's `should_split`: whether handing out `size` bytes of a free block leaves a `remaining`
-/// part worth splitting off, in a pool of the small class (`small_pool`) or under expandable
-/// segments (both split any remainder of at least the minimum block size), or else only for
-/// requests below `max_split_size` with more than a small allocation left.
+/// part worth splitting off. Never in a `no_split` pool; in a pool of the small class
+/// (`small_pool`) or one growing expandable segments (`expandable`, see
+/// [`Pool::expandable`](crate::pool::Pool::expandable)) any remainder of at least the minimum block
+/// size; else only for requests below `max_split_size` with more than a small allocation left.
 #[inline(always)]
 pub(crate) fn should_split(
+    no_split: bool,
     small_pool: bool,
-    expandable_segments: bool,
+    expandable: bool,
     max_split: usize,
     size: usize,
     remaining: usize,
 ) -> bool {
-    if small_pool | expandable_segments {
+    if no_split {
+        std::hint::cold_path();
+        return false;
+    }
+    if small_pool | expandable {
         remaining >= MIN_BLOCK_SIZE
     } else {
         size < max_split && remaining > SMALL_SIZE

@@ -65,8 +65,9 @@ impl<D: Device> Locked<'_, D> {
             let merged = size as u64 + n_size;
             if !policy::best_fit_allows(settings, size, merged as usize)
                 || !policy::should_split(
+                    p.no_split,
                     p.small,
-                    settings.expandable_segments(),
+                    p.expandable(settings),
                     settings.max_split_size(),
                     size,
                     n_size as usize,
