@@ -201,37 +201,29 @@ impl ChunkHandle {
     ///
     /// [`Error::ChunkDescriptors`] saying what each way answered and what to do.
     pub fn take_descriptors(&self, routes: ChunkFdRoutes) -> Result<(Vec<OwnedFd>, FdRoute)> {
-        fetch(self, routes)
-    }
-}
-
-/// Copies of the producer's descriptors `handle.fds`, taken the ways `routes` allows.
-pub(crate) fn fetch(
-    handle: &ChunkHandle,
-    routes: ChunkFdRoutes,
-) -> Result<(Vec<OwnedFd>, FdRoute)> {
-    let fail = |problem: String| Error::ChunkDescriptors {
-        pid: handle.pid,
-        problem,
-    };
-    let pidfd_error = match routes {
-        ChunkFdRoutes::SocketOnly => None,
-        ChunkFdRoutes::Auto | ChunkFdRoutes::PidfdOnly => match via_pidfd(handle) {
-            Ok(fds) => return Ok((fds, FdRoute::PidfdGetfd)),
-            Err(errno) => Some(errno),
-        },
-    };
-    let denied = |e: Errno| matches!(e, Errno::PERM | Errno::ACCESS | Errno::NOSYS);
-    match (routes, pidfd_error) {
-        (ChunkFdRoutes::PidfdOnly, Some(e)) => Err(fail(pidfd_problem(e))),
-        (ChunkFdRoutes::Auto, Some(e)) if !denied(e) => Err(fail(pidfd_problem(e))),
-        _ => match via_socket(handle) {
-            Ok(fds) => Ok((fds, FdRoute::Socket)),
-            Err(problem) => Err(fail(match pidfd_error {
-                Some(e) => format!("{}; and {problem}", pidfd_problem(e)),
-                None => problem,
-            })),
-        },
+        let fail = |problem: String| Error::ChunkDescriptors {
+            pid: self.pid,
+            problem,
+        };
+        let pidfd_error = match routes {
+            ChunkFdRoutes::SocketOnly => None,
+            ChunkFdRoutes::Auto | ChunkFdRoutes::PidfdOnly => match via_pidfd(self) {
+                Ok(fds) => return Ok((fds, FdRoute::PidfdGetfd)),
+                Err(errno) => Some(errno),
+            },
+        };
+        let denied = |e: Errno| matches!(e, Errno::PERM | Errno::ACCESS | Errno::NOSYS);
+        match (routes, pidfd_error) {
+            (ChunkFdRoutes::PidfdOnly, Some(e)) => Err(fail(pidfd_problem(e))),
+            (ChunkFdRoutes::Auto, Some(e)) if !denied(e) => Err(fail(pidfd_problem(e))),
+            _ => match via_socket(self) {
+                Ok(fds) => Ok((fds, FdRoute::Socket)),
+                Err(problem) => Err(fail(match pidfd_error {
+                    Some(e) => format!("{}; and {problem}", pidfd_problem(e)),
+                    None => problem,
+                })),
+            },
+        }
     }
 }
 
@@ -571,7 +563,7 @@ mod tests {
         };
         offer(&wanted.fds);
         for routes in [ChunkFdRoutes::SocketOnly, ChunkFdRoutes::Auto] {
-            let (fds, route) = fetch(&wanted, routes).unwrap();
+            let (fds, route) = wanted.take_descriptors(routes).unwrap();
             if routes == ChunkFdRoutes::SocketOnly {
                 assert_eq!(route, FdRoute::Socket);
             }
@@ -598,7 +590,9 @@ mod tests {
             chunk_size: 2 << 20,
             fds: vec![shared.as_raw_fd(), secret.as_raw_fd()],
         };
-        let err = fetch(&asked, ChunkFdRoutes::SocketOnly).unwrap_err();
+        let err = asked
+            .take_descriptors(ChunkFdRoutes::SocketOnly)
+            .unwrap_err();
         assert!(
             matches!(&err, Error::ChunkDescriptors { problem, .. } if problem.contains("not exported")),
             "{err}"
@@ -612,7 +606,7 @@ mod tests {
             ..asked
         };
         if reused.as_raw_fd() == number {
-            assert!(fetch(&again, ChunkFdRoutes::SocketOnly).is_err());
+            assert!(again.take_descriptors(ChunkFdRoutes::SocketOnly).is_err());
         }
         assert!(is_open(reused.as_raw_fd()));
     }
@@ -624,7 +618,10 @@ mod tests {
             chunk_size: 2 << 20,
             fds: vec![3],
         };
-        let err = fetch(&gone, ChunkFdRoutes::Auto).unwrap_err().to_string();
+        let err = gone
+            .take_descriptors(ChunkFdRoutes::Auto)
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("gone") || err.contains("no descriptor socket"),
             "{err}"

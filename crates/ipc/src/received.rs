@@ -22,7 +22,7 @@ use tensormem_shm::ShmName;
 
 use crate::batch::{BatchHandle, ReceivedBatch};
 use crate::cache::{Lease, LeaseCache};
-use crate::chunks::{self, ChunkFdRoutes, FdRoute};
+use crate::chunks::{ChunkFdRoutes, FdRoute};
 use crate::driver::{EventHandle, IpcDriver};
 use crate::error::{Error, Result};
 use crate::handle::{IpcHandle, SegmentMemory};
@@ -122,7 +122,7 @@ impl<B: IpcDriver> OpenedBase<B> {
         let handle = match memory {
             SegmentMemory::Allocation(handle) => handle,
             SegmentMemory::Chunks(handle) => {
-                let (fds, route) = chunks::fetch(handle, routes)?;
+                let (fds, route) = handle.take_descriptors(routes)?;
                 let chunk_size =
                     usize::try_from(handle.chunk_size).map_err(|_| Error::InvalidTuple {
                         problem: format!("chunk size {} does not fit", handle.chunk_size),
