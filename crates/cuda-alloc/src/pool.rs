@@ -89,6 +89,18 @@ impl Pool {
         self.gc_clock.load(Relaxed)
     }
 
+    /// The memory pool this pool is part of, as trace entries name it (`pool_id`): the default
+    /// pools' [`MempoolId::DEFAULT`] or the private pool's id; `None` for a released slot, which
+    /// holds no memory.
+    #[inline]
+    pub(crate) fn trace_id(&self) -> Option<MempoolId> {
+        match self.owner {
+            PoolOwner::Default => Some(MempoolId::DEFAULT),
+            PoolOwner::Private(id) => Some(id),
+            PoolOwner::Released => None,
+        }
+    }
+
     /// The private pool this pool belongs to, if any.
     #[inline]
     pub(crate) fn private_id(&self) -> Option<MempoolId> {

@@ -14,6 +14,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use parking_lot::{Mutex, RwLock};
 
 use crate::device::StreamId;
+use crate::pool_id::MempoolId;
 use crate::snapshot::{TraceAction, TraceEntry};
 use crate::stack::{RecordContext, Stack};
 
@@ -31,10 +32,15 @@ pub(crate) struct Record {
     pub(crate) user_metadata: Option<Box<str>>,
     /// The call stack, when the context level keeps one for this entry.
     pub(crate) stack: Option<Stack>,
+    /// The memory pool concerned (`pool_id`): the pool owning the block or segment
+    /// ([`MempoolId::DEFAULT`] for the default pools), the pool a failed request was for, the pool a
+    /// snapshot was taken of; `None` for entries about no pool (annotations).
+    pub(crate) pool: Option<MempoolId>,
 }
 
 impl Record {
-    /// The entry as PyTorch 2.11 writes it in `device_traces` (its stack symbolized, if it has one).
+    /// The entry as PyTorch writes it in `device_traces` (its stack symbolized, if it has one), with
+    /// the `pool_id` that versions after 2.11 add.
     pub(crate) fn to_entry(&self) -> TraceEntry {
         TraceEntry {
             frames: self.stack.as_ref().map(|s| s.frames().to_vec()),
@@ -53,7 +59,7 @@ impl Record {
             frames: None,
             compile_context: Some("N/A".to_owned()),
             user_metadata: Some(self.user_metadata.as_deref().unwrap_or("").to_owned()),
-            pool_id: None,
+            pool_id: self.pool.map(|p| (p.0, p.1)),
             other: Vec::new(),
         }
     }
@@ -176,15 +182,29 @@ impl TraceRecorder {
         }
     }
 
-    /// Appends an entry if recording is on, and tells the trackers.
+    /// Appends an entry about no pool if recording is on, and tells the trackers.
     #[inline]
     pub(crate) fn record(&self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
-        self.record_with(action, addr, size, stream, None);
+        self.record_with(action, addr, size, stream, None, || None);
+    }
+
+    /// Appends an entry about memory of `pool` if recording is on, and tells the trackers.
+    #[inline]
+    pub(crate) fn record_in(
+        &self,
+        action: TraceAction,
+        addr: u64,
+        size: u64,
+        stream: StreamId,
+        pool: MempoolId,
+    ) {
+        self.record_with(action, addr, size, stream, None, || Some(pool));
     }
 
     /// [`record`](Self::record) with the entry's call stack, kept if the context level is at least
-    /// [`RecordContext::Alloc`]. Always inlined: on the allocation path with history off it is the
-    /// two flag loads of [`wanted`](Self::wanted); building the entry is out of line.
+    /// [`RecordContext::Alloc`], and its pool, which `pool` gives only when the entry is wanted.
+    /// Always inlined: on the allocation path with history off it is the two flag loads of
+    /// [`wanted`](Self::wanted) (the pool is not looked up); building the entry is out of line.
     #[inline(always)]
     pub(crate) fn record_with(
         &self,
@@ -193,9 +213,10 @@ impl TraceRecorder {
         size: u64,
         stream: StreamId,
         stack: Option<&Stack>,
+        pool: impl FnOnce() -> Option<MempoolId>,
     ) {
         if self.wanted() {
-            self.record_wanted(action, addr, size, stream, stack);
+            self.record_wanted(action, addr, size, stream, stack, pool());
         }
     }
 
@@ -209,6 +230,7 @@ impl TraceRecorder {
         size: u64,
         stream: StreamId,
         stack: Option<&Stack>,
+        pool: Option<MempoolId>,
     ) {
         let stack = stack
             .filter(|_| self.context() >= RecordContext::Alloc)
@@ -221,15 +243,16 @@ impl TraceRecorder {
             time_us: now_us(),
             user_metadata: None,
             stack,
+            pool,
         });
     }
 
-    /// Tells the trackers, and only them, that the physical memory of a range went away or came
-    /// back under the allocator's books (`SegmentUnmap` / `SegmentMap` of a pool put to sleep or
-    /// woken): a tracker that registered the memory somewhere (NCCL) must let go of it and take the
-    /// new memory. The history is left alone: sleeping changes no block or statistic PyTorch
-    /// records, so a trace stays PyTorch's.
-    pub(crate) fn tell_trackers(&self, action: TraceAction, addr: u64, size: u64) {
+    /// Tells the trackers, and only them, that the physical memory of a range of private pool
+    /// `pool` went away or came back under the allocator's books (`SegmentUnmap` / `SegmentMap` of
+    /// a pool put to sleep or woken): a tracker that registered the memory somewhere (NCCL) must
+    /// let go of it and take the new memory. The history is left alone: sleeping changes no block
+    /// or statistic PyTorch records, so a trace stays PyTorch's.
+    pub(crate) fn tell_trackers(&self, action: TraceAction, addr: u64, size: u64, pool: MempoolId) {
         if !self.tracking.load(Relaxed) {
             return;
         }
@@ -241,6 +264,7 @@ impl TraceRecorder {
             time_us: now_us(),
             user_metadata: None,
             stack: None,
+            pool: Some(pool),
         }
         .to_entry_without_frames();
         for tracker in self.trackers.read().iter() {
@@ -305,6 +329,25 @@ mod tests {
         assert_eq!(addrs, [2, 3, 4]);
         t.configure(false, 3, RecordContext::Never);
         assert!(t.entries().is_empty());
+    }
+
+    #[test]
+    fn the_pool_is_looked_up_only_for_a_wanted_entry_and_kept_as_pool_id() {
+        let t = TraceRecorder::default();
+        let looked_up = std::cell::Cell::new(0);
+        let pool = || {
+            looked_up.set(looked_up.get() + 1);
+            Some(MempoolId(0, 3))
+        };
+        t.record_with(TraceAction::Alloc, 1, 512, StreamId(0), None, pool);
+        assert_eq!(looked_up.get(), 0, "history off: no entry, no lookup");
+        t.configure(true, 4, RecordContext::Never);
+        t.record_with(TraceAction::Alloc, 2, 512, StreamId(0), None, pool);
+        t.record(TraceAction::UserDefined, 0, 0, StreamId(0));
+        t.record_in(TraceAction::Oom, 0, 512, StreamId(0), MempoolId::DEFAULT);
+        assert_eq!(looked_up.get(), 1);
+        let pools: Vec<Option<(u64, u64)>> = t.entries().iter().map(|e| e.pool_id).collect();
+        assert_eq!(pools, [Some((0, 3)), None, Some((0, 0))]);
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! Random operation sequences: after every step the state is consistent, live blocks never overlap,
 //! statistics equal what a snapshot adds up to, and in the end everything can be given back. The
 //! differential twin: the same operations on an allocator with the fast path off
-//! ([`CachingAllocator::set_fast_path_enabled`]) give the same addresses, errors, statistics and
-//! snapshot segments.
+//! ([`CachingAllocator::set_fast_path_enabled`]) give the same addresses, errors, statistics,
+//! snapshot segments and trace entries (their pool ids included: some allocations go to a private
+//! pool).
 
 mod common;
 
@@ -43,7 +44,17 @@ enum Op {
     History {
         on: bool,
     },
+    /// Allocates in private pool `TWIN_POOL` (a `MemPool` context around one allocation).
+    PoolAlloc {
+        size: usize,
+        stream: usize,
+    },
+    /// `Again` in `TWIN_POOL` (a hot pair there when the block freed last was the pool's).
+    PoolAgain,
 }
+
+/// The private pool the twin's `PoolAlloc` allocates in.
+const TWIN_POOL: tensormem_cuda_alloc::MempoolId = tensormem_cuda_alloc::MempoolId(0, 9);
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
@@ -180,6 +191,9 @@ fn twin_op() -> impl Strategy<Value = Op> {
         1 => (0usize..3).prop_map(|stream| Op::Complete { stream }),
         1 => Just(Op::EmptyCache),
         1 => any::<bool>().prop_map(|on| Op::History { on }),
+        2 => (prop::sample::select(&TWIN_SIZES[..]), 0usize..3)
+            .prop_map(|(size, stream)| Op::PoolAlloc { size, stream }),
+        2 => Just(Op::PoolAgain),
     ]
 }
 
@@ -194,7 +208,7 @@ fn twin(config: &str, fast_path: bool) -> CachingAllocator<SimDevice> {
 }
 
 /// The fast path decided as the plain path: the same statistics, and (`snapshots`) the same
-/// snapshot segments. A snapshot settles a parked block, so it is taken only now and then, to leave
+/// snapshot segments and trace entries (times aside; pool ids included). A snapshot settles a parked block, so it is taken only now and then, to leave
 /// the fast path's lanes open in between.
 fn same_state(
     fast: &CachingAllocator<SimDevice>,
@@ -213,6 +227,18 @@ fn same_state(
             fast.snapshot().segments,
             plain.snapshot().segments,
             "{}: snapshot segments differ with the fast path off",
+            step
+        );
+        let untimed = |a: &CachingAllocator<SimDevice>| {
+            a.trace()
+                .into_iter()
+                .map(|e| (e.action, e.addr, e.size, e.stream, e.pool_id))
+                .collect::<Vec<_>>()
+        };
+        prop_assert_eq!(
+            untimed(fast),
+            untimed(plain),
+            "{}: trace entries differ with the fast path off",
             step
         );
         fast.check_invariants()
@@ -250,6 +276,10 @@ fn same_outcome<T: PartialEq + std::fmt::Debug>(
 fn run_twin(config: &str, ops: &[Op]) -> Result<(), TestCaseError> {
     let (fast, plain) = (twin(config, true), twin(config, false));
     prop_assert!(fast.is_fast_path_enabled() && !plain.is_fast_path_enabled());
+    for a in [&fast, &plain] {
+        a.create_or_incref_pool(TWIN_POOL)
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    }
     // Live allocations of both, in allocation order (`FreeNewest` frees the last).
     let mut live: Vec<(Allocation, Allocation)> = Vec::new();
     // The size and stream freed last (what `Again` asks for).
@@ -300,6 +330,28 @@ fn run_twin(config: &str, ops: &[Op]) -> Result<(), TestCaseError> {
             Op::History { on } => {
                 fast.record_history_with_context(on, 1000, RecordContext::Never);
                 plain.record_history_with_context(on, 1000, RecordContext::Never);
+            }
+            Op::PoolAlloc { .. } | Op::PoolAgain => {
+                let (size, stream) = match *op {
+                    Op::PoolAlloc { size, stream } => (size, stream),
+                    _ => match last_freed {
+                        Some(last) => last,
+                        None => continue,
+                    },
+                };
+                let routed = STREAMS[stream];
+                for a in [&fast, &plain] {
+                    a.begin_allocate_to_pool(TWIN_POOL, move |s| s == routed)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                }
+                let outcome = twin_alloc(&fast, &plain, &mut live, size, stream, &step);
+                for a in [&fast, &plain] {
+                    a.end_allocate_to_pool(TWIN_POOL)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    a.release_pool(TWIN_POOL)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                }
+                outcome?;
             }
             _ => {}
         }

@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::free_set::FreePos;
 use crate::oom::{OomEvent, OutOfMemory};
 use crate::pool::PoolOwner;
+use crate::pool_id::MempoolId;
 use crate::size::ONE_EXABYTE;
 use crate::snapshot::TraceAction;
 use crate::stack::{RecordContext, Stack};
@@ -238,8 +239,18 @@ impl<D: Device> CachingAllocator<D> {
         let info = self.device.mem_info().unwrap_or_default();
         let set_fraction = self.counters.set_fraction.load(Relaxed);
         let allowed = set_fraction.then(|| self.counters.allowed.load(Relaxed));
-        self.trace
-            .record(TraceAction::Oom, info.free, req.size as u64, req.stream);
+        // The pool the request was for, as PyTorch records it.
+        let pool = match req.choice {
+            PoolChoice::Default => MempoolId::DEFAULT,
+            PoolChoice::Private(id) => id,
+        };
+        self.trace.record_in(
+            TraceAction::Oom,
+            info.free,
+            req.size as u64,
+            req.stream,
+            pool,
+        );
         self.counters.num_ooms.fetch_add(1, Relaxed);
         let stats = self.memory_stats();
         let private_pools: u64 = self
@@ -505,7 +516,7 @@ impl<D: Device> Locked<'_, D> {
             // The allocation's stack, for snapshots and its later trace entries.
             self.st.stacks.insert(u64::from(block), stack.clone());
         }
-        self.note::<QUIET>(TraceAction::Alloc, addr, orig, stack);
+        self.note::<QUIET>(TraceAction::Alloc, addr, orig, pool, stack);
         if self.a.pointer_index_on() {
             self.st.allocated.insert(addr, block);
         }
@@ -612,7 +623,13 @@ impl<D: Device> Locked<'_, D> {
         if let Some(stack) = stack {
             self.st.segment_stacks.insert(ptr.0, stack.clone());
         }
-        self.record_with(TraceAction::SegmentAlloc, ptr.0, alloc_size as u64, stack);
+        self.record_with(
+            TraceAction::SegmentAlloc,
+            ptr.0,
+            alloc_size as u64,
+            pool,
+            stack,
+        );
         Ok(Some(block))
     }
 }

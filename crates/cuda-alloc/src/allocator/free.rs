@@ -332,6 +332,7 @@ impl<D: Device> Locked<'_, D> {
                 TraceAction::FreeRequested,
                 addr,
                 requested,
+                pool,
                 entry_stack.as_ref(),
             );
         }
@@ -496,9 +497,15 @@ impl<D: Device> Locked<'_, D> {
             std::hint::cold_path();
             self.st.stacks.remove(&u64::from(index));
             self.st.free_stacks.remove(&u64::from(index));
-            self.note::<QUIET>(TraceAction::FreeCompleted, addr, requested, Some(&stack));
+            self.note::<QUIET>(
+                TraceAction::FreeCompleted,
+                addr,
+                requested,
+                pool,
+                Some(&stack),
+            );
         } else {
-            self.note::<QUIET>(TraceAction::FreeCompleted, addr, requested, None);
+            self.note::<QUIET>(TraceAction::FreeCompleted, addr, requested, pool, None);
         }
         // Whether each neighbour can merge into the block (`policy::may_merge`): both read before
         // either is acted on (see `Arena::clamped`). Merging one neighbour does not change

@@ -155,7 +155,7 @@ impl<D: Device> Locked<'_, D> {
         let small = self.st.pools[pool as usize].small;
         self.inc(Kind::ReservedBytes, small, mapped);
         self.a.counters.num_device_alloc.fetch_add(1, Relaxed);
-        self.record(TraceAction::SegmentMap, mapped_at, mapped);
+        self.record(TraceAction::SegmentMap, mapped_at, mapped, pool);
         Ok(true)
     }
 
@@ -210,7 +210,7 @@ impl<D: Device> Locked<'_, D> {
             self.a.adjust_private_segments(id, -1);
         }
         self.a.counters.num_device_free.fetch_add(1, Relaxed);
-        self.record(TraceAction::SegmentUnmap, at, len);
+        self.record(TraceAction::SegmentUnmap, at, len, pool);
         Ok(())
     }
 

@@ -260,8 +260,14 @@ impl<D: Device> CachingAllocator<D> {
         }
         segments.sort_by_key(|s| s.address);
         let total_active = segments.iter().map(|s| s.active_size).sum();
-        self.trace
-            .record(TraceAction::Snapshot, 0, total_active, StreamId(0));
+        // PyTorch's entry names the pool the snapshot was asked for (`(0, 0)`: all of them).
+        self.trace.record_in(
+            TraceAction::Snapshot,
+            0,
+            total_active,
+            StreamId(0),
+            pool.unwrap_or(MempoolId::DEFAULT),
+        );
         Snapshot {
             segments,
             device_traces,

@@ -602,6 +602,8 @@ impl<D: Device> CachingAllocator<D> {
                 time_us: crate::trace::now_us(),
                 user_metadata: Some(name.into().into_boxed_str()),
                 stack: None,
+                // An annotation concerns no pool.
+                pool: None,
             });
         }
     }
@@ -756,10 +758,11 @@ impl<D: Device> Locked<'_, D> {
             .increase(figure, amount, &self.a.book, &self.a.streams);
     }
 
-    /// Records a trace entry for this shard's stream.
+    /// Records a trace entry for this shard's stream about memory of pool `pool` (an index in the
+    /// shard's pool table; its id is looked up only when the entry is wanted).
     #[inline]
-    pub(crate) fn record(&self, action: TraceAction, addr: u64, size: u64) {
-        self.a.trace.record(action, addr, size, self.shard.stream);
+    pub(crate) fn record(&self, action: TraceAction, addr: u64, size: u64, pool: u16) {
+        self.record_with(action, addr, size, pool, None);
     }
 
     /// [`record_with`](Self::record_with) in a call that runs `QUIET` (see
@@ -770,25 +773,33 @@ impl<D: Device> Locked<'_, D> {
         action: TraceAction,
         addr: u64,
         size: u64,
+        pool: u16,
         stack: Option<&Stack>,
     ) {
         if !QUIET {
-            self.record_with(action, addr, size, stack);
+            self.record_with(action, addr, size, pool, stack);
         }
     }
 
-    /// Records a trace entry with its call stack (kept at context level `Alloc` and above).
+    /// Records a trace entry about memory of pool `pool` with its call stack (kept at context level
+    /// `Alloc` and above).
     #[inline]
     pub(crate) fn record_with(
         &self,
         action: TraceAction,
         addr: u64,
         size: u64,
+        pool: u16,
         stack: Option<&Stack>,
     ) {
+        let pools = &self.st.pools;
         self.a
             .trace
-            .record_with(action, addr, size, self.shard.stream, stack);
+            .record_with(action, addr, size, self.shard.stream, stack, || {
+                pools
+                    .get(usize::from(pool))
+                    .and_then(crate::pool::Pool::trace_id)
+            });
     }
 
     /// The pool index for a request of the given size class.

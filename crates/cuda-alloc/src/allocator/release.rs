@@ -205,7 +205,7 @@ impl<D: Device> Locked<'_, D> {
         self.a.counters.num_device_free.fetch_add(1, Relaxed);
         // Recorded before the memory goes back, as PyTorch does: a trace tracker that registered
         // the segment somewhere (NCCL) lets go of it while it is still allocated.
-        self.record(TraceAction::SegmentFree, addr, size);
+        self.record(TraceAction::SegmentFree, addr, size, pool);
         // SAFETY: an unsplit block of a non-expandable segment is the whole allocation `malloc`
         // returned at `addr` with `size` bytes (the pool's own allocator's `malloc` where it has one);
         // it is free (in the free set, no events pending), so no queued work of this allocator's

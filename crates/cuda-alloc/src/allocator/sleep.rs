@@ -375,7 +375,7 @@ impl<D: Device> CachingAllocator<D> {
             // Trackers let go of the memory before it is released.
             for (addr, len) in segment.mapped_runs() {
                 self.trace
-                    .tell_trackers(TraceAction::SegmentUnmap, addr, len);
+                    .tell_trackers(TraceAction::SegmentUnmap, addr, len, pool);
             }
             match segment.sleep(device) {
                 Ok(bytes) => report.released_bytes += bytes,
@@ -497,7 +497,8 @@ impl<D: Device> CachingAllocator<D> {
             .collect();
         // Trackers take the fresh memory at the same addresses.
         for &(addr, len) in &mapped {
-            self.trace.tell_trackers(TraceAction::SegmentMap, addr, len);
+            self.trace
+                .tell_trackers(TraceAction::SegmentMap, addr, len, pool);
         }
         let result = match &backup {
             None => Ok(()),

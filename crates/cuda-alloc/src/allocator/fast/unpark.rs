@@ -195,11 +195,13 @@ impl<D: Device> Locked<'_, D> {
         b.allocated = true;
         b.requested = orig as u64;
         b.generation = b.generation.wrapping_add(1);
-        let (addr, generation) = (b.addr, b.generation);
+        // The pool is read for the trace entry only (a quiet call drops it): the parked block's,
+        // as the plain path's best fit would record.
+        let (addr, generation, pool) = (b.addr, b.generation, b.pool);
         if let Some(stack) = stack {
             self.st.stacks.insert(u64::from(index), stack.clone());
         }
-        self.note::<QUIET>(TraceAction::Alloc, addr, orig as u64, stack);
+        self.note::<QUIET>(TraceAction::Alloc, addr, orig as u64, pool, stack);
         if self.a.pointer_index_on() {
             self.st.allocated.insert(addr, index);
         }
