@@ -19,8 +19,8 @@
 //! | `memory_snapshot`, `memory._record_memory_history`, `memory._dump_snapshot` | [`memory_snapshot`] / [`memory_snapshot_with`] (`mempool_id`, `include_traces`), [`record_memory_history`] / [`record_memory_history_with_context`] (stacks) / [`record_memory_history_with_host`] (`record_host`), [`dump_snapshot`] |
 //! | `set_per_process_memory_fraction`, `empty_cache` | [`set_per_process_memory_fraction`], [`empty_cache`] |
 //! | `ipc_collect` | [`ipc_collect`] |
-//! | `memory._set_allocator_settings`, `_get_allocator_backend` | [`set_allocator_settings`], [`allocator_settings`], [`get_allocator_backend`] |
-//! | `PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync` | [`async_allocator`] (asked for explicitly; [`configured_backend`] reads what the environment asks for) |
+//! | `memory._set_allocator_settings`, `get_allocator_backend` | [`set_allocator_settings`], [`allocator_settings`], [`get_allocator_backend`] |
+//! | `PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync` | every function here serves memory from the device's [`async_allocator`] ([`device_allocator`] gives the one in use; the refusals are [`AsyncUnsupported`]) |
 //! | `caching_allocator_alloc`, `caching_allocator_delete` | [`caching_allocator_alloc`], [`caching_allocator_delete`] |
 //! | `_is_in_bad_fork` | [`is_in_bad_fork`] |
 //! | `_cuda_cudaHostAllocator`, `host_memory_stats`, `_host_emptyCache` | [`host_allocator`], [`alloc_pinned`] / [`free_pinned`] / [`record_pinned_stream`], [`host_memory_stats`], [`host_empty_cache`] |
@@ -32,13 +32,26 @@
 //!
 //! Functions that take `device: Option<u32>` act on the calling thread's current device for `None`.
 //!
-//! The allocator of a device is configured from `TENSORMEM_ALLOC_CONF`, else `PYTORCH_CUDA_ALLOC_CONF`
-//! (PyTorch's grammar), read when the device is first used.
+//! The allocator of a device is configured from `TENSORMEM_ALLOC_CONF`, else `PYTORCH_ALLOC_CONF`,
+//! `PYTORCH_CUDA_ALLOC_CONF` (PyTorch's grammar), read when the device is first used.
 //!
-//! There is one caching allocator per device in the process, as in PyTorch: the one kept by
-//! `tensormem_ipc::registry::cuda()`, which CUDA storages (`tensormem_storage::CudaContext::new`), CUDA
-//! IPC and the PyTorch plugin use too. So [`memory_stats`], [`empty_cache`], [`memory_snapshot`] and the
-//! settings cover the storages' memory, whichever of them touched the device first.
+//! # Backends
+//!
+//! As in PyTorch, the configuration's `backend` key picks the allocator of the whole process, once,
+//! when the device API first needs one ([`get_allocator_backend`]): `backend:native` (the default)
+//! is tensormem's caching allocator; `backend:cudaMallocAsync` is the driver's stream-ordered
+//! allocator ([`AsyncAllocator`](crate::cuda_alloc::AsyncAllocator), one per device on its default
+//! memory pool). Under the latter, raw allocation, `record_stream`, the statistics (PyTorch's six
+//! figures), peak resets, [`empty_cache`] (the pool trimmed) and the memory fraction serve from it,
+//! and what PyTorch's `cudaMallocAsync` backend refuses is refused with PyTorch's error in
+//! [`Error::AsyncUnsupported`]: snapshots, memory history, out-of-memory observers, [`MemPool`]s,
+//! CUDA IPC of its memory. The backend cannot change afterwards ([`Error::BackendChanged`]).
+//!
+//! There is one caching allocator per device in the process (under `backend:native`), as in PyTorch:
+//! the one kept by `tensormem_ipc::registry::cuda()`, which CUDA storages
+//! (`tensormem_storage::CudaContext::new`), CUDA IPC and the PyTorch plugin use too. So
+//! [`memory_stats`], [`empty_cache`], [`memory_snapshot`] and the settings cover the storages' memory,
+//! whichever of them touched the device first.
 //!
 //! # Fork
 //!
@@ -47,6 +60,7 @@
 //! touching the driver. Start CUDA workers as fresh processes.
 
 mod async_backend;
+mod backend;
 mod device;
 mod error;
 mod fork;
@@ -58,6 +72,9 @@ mod sleep;
 mod stream;
 
 pub use async_backend::{async_allocator, configured_backend};
+pub use backend::{
+    backend_supports, device_allocator, get_allocator_backend, AsyncUnsupported, DeviceAllocator,
+};
 pub use device::{
     can_device_access_peer, current_device, device_count, device_guard, enable_peer_access,
     exchange_device, get_device_capability, get_device_name, get_device_properties,
@@ -73,9 +90,9 @@ pub use mem_pool::{use_mem_pool, MemPool, MemPoolGuard};
 pub use memory::{
     allocator_settings, attach_out_of_memory_observer, caching_allocator, caching_allocator_alloc,
     caching_allocator_delete, caching_allocator_record_stream, device_memory_stats, dump_snapshot,
-    empty_cache, get_allocator_backend, ipc_collect, max_memory_allocated, max_memory_reserved,
-    memory_allocated, memory_reserved, memory_snapshot, memory_snapshot_with, memory_stats,
-    record_memory_history, record_memory_history_with_context, record_memory_history_with_host,
+    empty_cache, ipc_collect, max_memory_allocated, max_memory_reserved, memory_allocated,
+    memory_reserved, memory_snapshot, memory_snapshot_with, memory_stats, record_memory_history,
+    record_memory_history_with_context, record_memory_history_with_host,
     reset_accumulated_memory_stats, reset_peak_memory_stats, set_allocator_settings,
     set_per_process_memory_fraction,
 };

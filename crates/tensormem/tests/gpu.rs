@@ -4,6 +4,8 @@
 //! set). The per-device allocators are process-wide, so the tests hold one lock while they run.
 #![cfg(feature = "cuda")]
 
+#[path = "common/child.rs"]
+mod child;
 mod common;
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -303,19 +305,164 @@ fn is_current_stream_capturing_follows_a_capture_of_the_current_stream() {
 
 #[test]
 #[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
-fn cuda_malloc_async_is_refused_and_the_backend_reported_is_native() {
-    use tensormem::cuda_alloc::config::{Backend, ConfigError};
+fn cuda_malloc_async_at_run_time_is_refused_and_the_backend_reported_is_native() {
+    use tensormem::cuda_alloc::config::Backend;
     let Some((_, _lock)) = gpus() else { return };
     let before = cuda::allocator_settings(Some(0)).unwrap();
     match cuda::set_allocator_settings("backend:cudaMallocAsync") {
-        Err(Error::Alloc(tensormem::cuda_alloc::Error::Config(
-            ConfigError::UnsupportedBackend { backend },
-        ))) => assert_eq!(backend, Backend::CudaMallocAsync),
+        Err(Error::BackendChanged { asked, running }) => {
+            assert_eq!(
+                (asked, running),
+                (Backend::CudaMallocAsync, Backend::Native)
+            );
+        }
         other => panic!("backend:cudaMallocAsync gave {other:?}"),
     }
     assert_eq!(cuda::allocator_settings(Some(0)).unwrap(), before);
     assert_eq!(cuda::get_allocator_backend().unwrap(), Backend::Native);
     assert_eq!(cuda::get_allocator_backend().unwrap().name(), "native");
+    assert!(matches!(
+        cuda::device_allocator(Some(0)).unwrap(),
+        cuda::DeviceAllocator::Native(_)
+    ));
+}
+
+/// The six statistics PyTorch fills under `backend:cudaMallocAsync`.
+const ASYNC_STATS: [&str; 6] = [
+    "allocated_bytes.all.current",
+    "allocated_bytes.all.peak",
+    "active_bytes.all.current",
+    "active_bytes.all.peak",
+    "reserved_bytes.all.current",
+    "reserved_bytes.all.peak",
+];
+
+#[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
+fn with_backend_cuda_malloc_async_configured_the_device_api_serves_from_the_pool() {
+    use tensormem::cuda::{AsyncUnsupported, DeviceAllocator, MemPool};
+    use tensormem::cuda_alloc::config::Backend;
+    if !child::is_child() {
+        // The backend is chosen once per process: this test's half below runs in a child whose
+        // configuration asks for it.
+        let Some(_) = gpus() else { return };
+        return child::run(
+            "with_backend_cuda_malloc_async_configured_the_device_api_serves_from_the_pool",
+            &[("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")],
+        );
+    }
+    let Some(_) = gpus() else { return };
+    assert_eq!(
+        cuda::get_allocator_backend().unwrap(),
+        Backend::CudaMallocAsync
+    );
+    // Devices, streams and the pinned host allocator work as under the native backend.
+    cuda::set_device(0).unwrap();
+    cuda::synchronize(None).unwrap();
+    assert!(cuda::mem_get_info(None).unwrap().total > 0);
+    assert!(!cuda::is_current_stream_capturing().unwrap());
+    let pinned = cuda::alloc_pinned(4096).unwrap();
+    cuda::free_pinned(pinned).unwrap();
+    let DeviceAllocator::Async(pool) = cuda::device_allocator(Some(0)).unwrap() else {
+        panic!("device 0 is not served by its AsyncAllocator");
+    };
+    assert!(std::ptr::eq(pool, cuda::async_allocator(Some(0)).unwrap()));
+    assert_eq!(
+        cuda::allocator_settings(Some(0)).unwrap().backend,
+        Backend::CudaMallocAsync
+    );
+
+    let stream = Stream::new(Some(0)).unwrap();
+    let other = Stream::new(Some(0)).unwrap();
+    cuda::empty_cache().unwrap();
+    cuda::reset_peak_memory_stats(Some(0)).unwrap();
+    let ptr = cuda::caching_allocator_alloc(3 * MIB, Some(&stream)).unwrap();
+    assert_ne!(ptr.addr(), 0);
+    assert_eq!(pool.allocation_size(ptr), Some(3 * MIB));
+    let stats = cuda::memory_stats(Some(0)).unwrap();
+    for (key, value) in &stats {
+        if ASYNC_STATS.contains(&key.as_str()) {
+            assert!(*value >= 3 * MIB as i64, "{key} = {value}");
+        } else {
+            assert_eq!(
+                *value, 0,
+                "{key} is not filled under backend:cudaMallocAsync"
+            );
+        }
+    }
+    assert_eq!(
+        stats["allocated_bytes.all.current"],
+        stats["active_bytes.all.current"]
+    );
+    assert!(cuda::memory_allocated(Some(0)).unwrap() >= 3 * MIB as u64);
+    assert!(cuda::max_memory_reserved(Some(0)).unwrap() >= 3 * MIB as u64);
+    cuda::caching_allocator_record_stream(ptr, &other).unwrap();
+    cuda::reset_accumulated_memory_stats(Some(0)).unwrap(); // no effect, no error
+    cuda::caching_allocator_delete(ptr).unwrap();
+    assert!(matches!(
+        cuda::caching_allocator_delete(ptr),
+        Err(Error::Alloc(
+            tensormem::cuda_alloc::Error::InvalidPointer { .. }
+        ))
+    ));
+    // empty_cache synchronizes and trims the pool to nothing: no memory of this process is live.
+    cuda::empty_cache().unwrap();
+    assert_eq!(cuda::memory_reserved(Some(0)).unwrap(), 0);
+    assert_eq!(cuda::memory_allocated(Some(0)).unwrap(), 0);
+    cuda::reset_peak_memory_stats(Some(0)).unwrap();
+    assert_eq!(cuda::max_memory_reserved(Some(0)).unwrap(), 0);
+
+    // The memory fraction limits what the allocator hands out, with that backend's message.
+    cuda::set_per_process_memory_fraction(0.01, Some(0)).unwrap();
+    let total = cuda::mem_get_info(Some(0)).unwrap().total;
+    let too_big = usize::try_from(total / 50).unwrap();
+    match cuda::caching_allocator_alloc(too_big, Some(&stream)) {
+        Err(Error::Alloc(tensormem::cuda_alloc::Error::OutOfMemory(oom))) => {
+            assert!(
+                oom.message().contains("would exceed allowed memory"),
+                "{}",
+                oom.message()
+            );
+        }
+        other => panic!("{too_big} bytes past a 1% fraction gave {other:?}"),
+    }
+    cuda::set_per_process_memory_fraction(1.0, Some(0)).unwrap();
+    let ptr = cuda::caching_allocator_alloc(too_big, None).unwrap();
+    cuda::caching_allocator_delete(ptr).unwrap();
+
+    // What PyTorch refuses for this backend, with its messages.
+    for (result, what) in [
+        (
+            cuda::memory_snapshot().map(drop),
+            AsyncUnsupported::Snapshot,
+        ),
+        (
+            cuda::record_memory_history(true, 10),
+            AsyncUnsupported::RecordHistory,
+        ),
+        (
+            MemPool::new(Some(0)).map(drop),
+            AsyncUnsupported::CreateOrIncrefPool,
+        ),
+        (
+            cuda::attach_out_of_memory_observer(|_| {}),
+            AsyncUnsupported::AttachOutOfMemoryObserver,
+        ),
+    ] {
+        match result {
+            Err(Error::AsyncUnsupported(got)) => assert_eq!(got, what),
+            other => panic!("expected {what:?}, got {other:?}"),
+        }
+    }
+    // Run-time settings keep the backend.
+    cuda::set_allocator_settings("backend:cudaMallocAsync,pinned_use_cuda_host_register:False")
+        .unwrap();
+    assert!(matches!(
+        cuda::set_allocator_settings("backend:native"),
+        Err(Error::BackendChanged { .. })
+    ));
+    cuda::synchronize(Some(0)).unwrap();
+    cuda::empty_cache().unwrap();
 }
 
 #[test]

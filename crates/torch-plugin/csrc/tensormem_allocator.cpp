@@ -88,7 +88,7 @@ int tensormem_set_memory_fraction_checked(double fraction, int device);
 void* tensormem_base_alloc(void* ptr, size_t* size);
 int tensormem_pool_begin(int device, uint64_t first, uint64_t second,
                          int (*filter)(void*, cudaStream_t), void (*drop)(void*), void* context);
-int tensormem_pool_end(int device, uint64_t first, uint64_t second);
+int tensormem_pool_end_on(int device, uint64_t first, uint64_t second, cudaStream_t stream);
 int tensormem_pool_release(int device, uint64_t first, uint64_t second);
 int tensormem_pool_create_or_incref(int device, uint64_t first, uint64_t second);
 int tensormem_pool_create_with_allocator(int device, uint64_t first, uint64_t second,
@@ -124,6 +124,9 @@ int tensormem_set_free_memory_hook(int (*f)());
 int tensormem_ipc_share(void* ptr, uint8_t* out, size_t capacity, size_t* len, ptrdiff_t* offset);
 int tensormem_ipc_open(const uint8_t* handle, size_t len, int device, void** out);
 int tensormem_ipc_close(void* ptr);
+int tensormem_backend_supports(const char* method);
+const char* tensormem_allocator_name();
+int tensormem_pool_peer_access(int device, int peer);
 }
 
 namespace {
@@ -420,6 +423,7 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
 
   std::vector<CCA::StreamSegmentSize> getExpandableSegmentSizes(
       c10::DeviceIndex device) override {
+    check(tensormem_backend_supports("getExpandableSegmentSizes"), "getExpandableSegmentSizes");
     std::vector<CCA::StreamSegmentSize> sizes;
     for_each_segment({0, 0}, [&](const TmSegmentInfo& s, TmSnapshot*, uint64_t) {
       if (s.is_expandable && s.device == device) {
@@ -535,7 +539,10 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
   }
 
   void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override {
-    check(tensormem_pool_end(device, mempool_id.first, mempool_id.second), "endAllocateToPool");
+    // The capture stream: the device's current stream, as PyTorch's cudaMallocAsync backend has it.
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+    check(tensormem_pool_end_on(device, mempool_id.first, mempool_id.second, stream),
+          "endAllocateToPool");
   }
 
   void releasePool(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override {
@@ -617,7 +624,10 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
     });
   }
 
-  bool isHistoryEnabled() override { return tensormem_history_enabled() != 0; }
+  bool isHistoryEnabled() override {
+    check(tensormem_backend_supports("isHistoryEnabled"), "isHistoryEnabled");
+    return tensormem_history_enabled() != 0;
+  }
 
   void recordHistory(bool enabled, CCA::CreateContextFn context_recorder,
                      size_t alloc_trace_max_entries, CCA::RecordContext when, bool clear_history,
@@ -627,19 +637,20 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
   }
 
   void attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) override {
+    check(tensormem_backend_supports("attachOutOfMemoryObserver"), "attachOutOfMemoryObserver");
     std::lock_guard<std::mutex> lock(hooks_mutex);
     oom_observers.push_back(std::move(observer));
   }
 
   void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker tracker) override {
-    {
-      std::lock_guard<std::mutex> lock(hooks_mutex);
-      trace_trackers.push_back(std::move(tracker));
-    }
     check(tensormem_attach_trace_tracker(&trace_fanout), "attachAllocatorTraceTracker");
+    std::lock_guard<std::mutex> lock(hooks_mutex);
+    trace_trackers.push_back(std::move(tracker));
   }
 
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+    // Memory pools are not covered by context peer access (backend:cudaMallocAsync's memory).
+    check(tensormem_pool_peer_access(dev, dev_to_access), "enablePeerAccess");
     c10::cuda::CUDAGuard guard(dev);
     cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
     if (err == cudaErrorPeerAccessAlreadyEnabled) {
@@ -676,7 +687,7 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
     return std::move(restore.delta);
   }
 
-  std::string name() override { return "tensormem"; }
+  std::string name() override { return tensormem_allocator_name(); }
 
  private:
   TmSnapshot* take(c10::MempoolId_t mempool_id, bool include_traces) {

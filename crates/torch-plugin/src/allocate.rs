@@ -1,18 +1,22 @@
 //! The functions PyTorch's `CUDAPluggableAllocator` calls for every tensor: allocate and free, and its
-//! optional `record_stream` and base-allocation hooks.
+//! optional `record_stream` and base-allocation hooks. Each serves from the device's allocator of the
+//! process's backend: tensormem's caching allocator, or under `backend:cudaMallocAsync` the device's
+//! `AsyncAllocator`.
 
 use std::ffi::{c_int, c_void};
 
 use cudarc::driver::sys;
 use tensormem_cuda_alloc::{DeviceAddress, Error as AllocError};
 
+use tensormem::cuda::DeviceAllocator;
+
 use crate::boundary::call;
 use crate::capture_mode;
-use crate::devices::{self, Allocator};
+use crate::devices;
 use crate::error::{Error, Result};
 use crate::streams;
 
-/// Allocates `size` bytes on device `device` for use on `stream`, from tensormem's caching allocator
+/// Allocates `size` bytes on device `device` for use on `stream`, from tensormem's allocator
 /// (PyTorch's `alloc_fn`: `void* alloc(size_t size, int device, cudaStream_t stream)`; PyTorch's
 /// documentation spells the size `ssize_t`, which has the same size and passing).
 ///
@@ -44,7 +48,9 @@ pub unsafe extern "C" fn tensormem_alloc(
 }
 
 /// `size` bytes from `device`'s allocator for use on the raw stream `stream` (registered with the
-/// device the first time), with the thread in the relaxed capture mode while a capture is open.
+/// device the first time): from the caching allocator with the thread in the relaxed capture mode
+/// while a capture is open, or under `backend:cudaMallocAsync` a `cuMemAllocFromPoolAsync` on the
+/// stream (which a capture records as a graph node).
 ///
 /// # Safety
 ///
@@ -55,12 +61,21 @@ pub(crate) unsafe fn allocate_on(
     size: usize,
     stream: sys::CUstream,
 ) -> Result<DeviceAddress> {
-    let allocator = devices::allocator(device)?;
-    let _relaxed = capture_mode::relaxed_while_capturing();
+    let allocator = devices::served(device)?;
     // SAFETY: `stream` is live and kept alive by its owner (the caller's obligation).
     unsafe {
         streams::with_stream(allocator.device(), stream, |id| {
-            allocator.raw_alloc(size, id)
+            allocator.serve(
+                |a| {
+                    let _relaxed = capture_mode::relaxed_while_capturing();
+                    a.raw_alloc(size, id)
+                },
+                |a| {
+                    let ptr = a.allocate(size, id)?;
+                    capture_mode::async_capture::allocated(a.device(), id);
+                    Ok(ptr)
+                },
+            )
         })
     }
 }
@@ -71,7 +86,8 @@ fn alloc_failed(size: usize, device: c_int) {
     eprintln!("tensormem: allocating {size} bytes on CUDA device {device} failed: {reason}");
 }
 
-/// Frees `ptr`, handed out by [`tensormem_alloc`], back to tensormem's cache (PyTorch's `free_fn`:
+/// Frees `ptr`, handed out by [`tensormem_alloc`], back to tensormem's cache or the device's memory
+/// pool (PyTorch's `free_fn`:
 /// `void free(void* ptr, size_t size, int device, cudaStream_t stream)`). The memory is reused only
 /// after the work queued on the streams it was used on (its allocation stream and those given to
 /// [`tensormem_record_stream`]) has finished. `size` and `stream` are those of the allocation, which the
@@ -96,8 +112,8 @@ pub unsafe extern "C" fn tensormem_free(
         return;
     }
     let freed = call("tensormem_free", false, || {
-        let allocator = devices::allocator(device)?;
-        allocator.raw_free(DeviceAddress(ptr as u64))?;
+        let ptr = DeviceAddress(ptr as u64);
+        devices::served(device)?.serve(|a| a.raw_free(ptr), |a| a.free(ptr))?;
         Ok(true)
     });
     if !freed {
@@ -124,7 +140,10 @@ pub unsafe extern "C" fn tensormem_record_stream(ptr: *mut c_void, stream: sys::
         // SAFETY: `stream` is live and kept alive (our caller's obligation).
         unsafe {
             streams::with_stream(allocator.device(), stream, |id| {
-                allocator.record_stream_ptr(ptr, id)
+                allocator.serve(
+                    |a| a.record_stream_ptr(ptr, id),
+                    |a| a.record_stream(ptr, id),
+                )
             })
         }
     });
@@ -132,8 +151,9 @@ pub unsafe extern "C" fn tensormem_record_stream(ptr: *mut c_void, stream: sys::
 
 /// The start of the device allocation (segment) that holds `ptr`, and its size in `*size` (PyTorch's
 /// `base_alloc_fn`: `void* base_alloc(void* ptr, size_t* size)`, used when sharing memory by CUDA IPC,
-/// which works on whole driver allocations). Returns null, leaving `*size` alone, if `ptr` is not in
-/// memory tensormem's allocator holds.
+/// which works on whole driver allocations). Under `backend:cudaMallocAsync` every live pointer is
+/// its own base, with the size it was allocated with (PyTorch's `getBaseAllocation` there). Returns
+/// null, leaving `*size` alone, if `ptr` is not in memory tensormem's allocator holds.
 ///
 /// # Safety
 ///
@@ -146,7 +166,15 @@ pub unsafe extern "C" fn tensormem_base_alloc(ptr: *mut c_void, size: *mut usize
         }
         let ptr = DeviceAddress(ptr as u64);
         for allocator in devices::used() {
-            match allocator.base_allocation(ptr) {
+            let base = allocator.serve(
+                |a| a.base_allocation(ptr),
+                |a| {
+                    a.allocation_size(ptr)
+                        .map(|bytes| (ptr, bytes))
+                        .ok_or(AllocError::InvalidPointer { ptr })
+                },
+            );
+            match base {
                 Ok((base, bytes)) => {
                     // SAFETY: `size` is non-null (checked above) and valid for writes (our caller's
                     // obligation).
@@ -162,12 +190,18 @@ pub unsafe extern "C" fn tensormem_base_alloc(ptr: *mut c_void, size: *mut usize
 }
 
 /// The allocator that handed out `ptr` (live), among the devices the plugin used.
-pub(crate) fn owner(ptr: DeviceAddress) -> Result<&'static Allocator> {
+pub(crate) fn owner(ptr: DeviceAddress) -> Result<DeviceAllocator> {
     for allocator in devices::used() {
-        match allocator.base_allocation(ptr) {
-            Ok(_) | Err(AllocError::ExpandableNotShareable { .. }) => return Ok(allocator),
-            Err(AllocError::InvalidPointer { .. }) => {}
-            Err(other) => return Err(other.into()),
+        let live = allocator.serve(
+            |a| match a.base_allocation(ptr) {
+                Ok(_) | Err(AllocError::ExpandableNotShareable { .. }) => Ok(true),
+                Err(AllocError::InvalidPointer { .. }) => Ok(false),
+                Err(other) => Err(other),
+            },
+            |a| Ok(a.allocation_size(ptr).is_some()),
+        )?;
+        if live {
+            return Ok(allocator);
         }
     }
     Err(Error::UnknownPointer { ptr: ptr.0 })

@@ -69,3 +69,57 @@ impl Drop for RelaxedCaptureMode {
         }
     }
 }
+
+/// Under `backend:cudaMallocAsync`, the capture stream when PyTorch does not name it.
+///
+/// That backend's end of a capture makes the capture stream wait for every stream a free was queued
+/// on during the capture (`AsyncAllocator::end_capture`). PyTorch's own allocator takes the current
+/// stream; the C++ layer passes it (`tensormem_pool_end_on`), but `CUDAPluggableAllocator`'s
+/// `end_allocate_to_pool` hook has no stream. There, the capture stream is taken to be the stream
+/// of the first allocation made on a capturing stream since the capture began: the stream the
+/// capture allocates on first, usually the one it began on. Without such an allocation no free was
+/// queued during the capture (frees of memory allocated before it are deferred), so no stream needs
+/// joining and any stream does.
+pub(crate) mod async_capture {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    use tensormem_cuda_alloc::backend::cuda::CudaBackend;
+    use tensormem_cuda_alloc::{CaptureStatus, Device, StreamId};
+
+    /// No stream seen yet.
+    const NONE: u64 = u64::MAX;
+
+    /// Between the capture's beginning and its end.
+    static OPEN: AtomicBool = AtomicBool::new(false);
+    /// The first capturing stream allocated on since the beginning, or [`NONE`].
+    static STREAM: AtomicU64 = AtomicU64::new(NONE);
+
+    /// A capture's bookkeeping began.
+    pub(crate) fn began() {
+        STREAM.store(NONE, Ordering::Relaxed);
+        OPEN.store(true, Ordering::Release);
+    }
+
+    /// An allocation was made on `stream` of `device`.
+    #[inline]
+    pub(crate) fn allocated(device: &CudaBackend, stream: StreamId) {
+        if OPEN.load(Ordering::Acquire)
+            && STREAM.load(Ordering::Relaxed) == NONE
+            && matches!(
+                device.capture_status(stream),
+                Ok(CaptureStatus::Active { .. })
+            )
+        {
+            let _ = STREAM.compare_exchange(NONE, stream.0, Ordering::Relaxed, Ordering::Relaxed);
+        }
+    }
+
+    /// The capture ends: its stream as far as known (see the [module docs](self)).
+    pub(crate) fn ended() -> StreamId {
+        OPEN.store(false, Ordering::Release);
+        match STREAM.swap(NONE, Ordering::Relaxed) {
+            NONE => StreamId::DEFAULT,
+            stream => StreamId(stream),
+        }
+    }
+}

@@ -41,6 +41,15 @@ pub enum Error {
         /// The argument.
         what: &'static str,
     },
+    /// A method name the library does not know (`tensormem_backend_supports`).
+    #[error(
+        "{method} is not a method of PyTorch's CUDAAllocator that a backend refuses; pass the name \
+         as PyTorch spells it (getExpandableSegmentSizes, isHistoryEnabled, ...)"
+    )]
+    UnknownMethod {
+        /// The name given.
+        method: String,
+    },
     /// A path argument that is not UTF-8.
     #[error("the path is not valid UTF-8")]
     InvalidPath,

@@ -3,12 +3,15 @@
 //! private pools of CUDA graph capture and `torch.cuda.MemPool`.
 //!
 //! PyTorch sets them through the `set_*` methods of its `_CUDAPluggableAllocator` object, each taking
-//! the address of a C function (the Python helper does this).
+//! the address of a C function (the Python helper does this). Under `backend:cudaMallocAsync` they do
+//! what PyTorch's `CudaMallocAsyncAllocator` does: the empty-cache trims each device's memory pool,
+//! the memory fraction limits what the allocator hands out, and the pool hooks are a capture's
+//! bookkeeping (there are no private pools).
 
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use tensormem::cuda;
+use tensormem::cuda::{self, DeviceAllocator};
 use tensormem_cuda_alloc::{CaptureStatus, Device, MempoolId};
 
 use crate::boundary::call;
@@ -52,12 +55,13 @@ pub extern "C" fn tensormem_init(device_count: c_int) {
 }
 
 /// Returns every cached, unused block of every device to the driver (PyTorch's `reset_fn`,
-/// `void reset()`, called by `torch.cuda.empty_cache()`). Memory handed out stays. Errors are kept.
+/// `void reset()`, called by `torch.cuda.empty_cache()`; under `backend:cudaMallocAsync` each device
+/// is synchronized and its memory pool trimmed to nothing). Memory handed out stays. Errors are kept.
 #[no_mangle]
 pub extern "C" fn tensormem_empty_cache() {
     call("tensormem_empty_cache", (), || {
         for allocator in devices::used() {
-            allocator.empty_cache()?;
+            allocator.serve(|a| a.empty_cache(), |a| a.empty_cache())?;
         }
         Ok(())
     });
@@ -69,7 +73,10 @@ pub extern "C" fn tensormem_empty_cache() {
 #[no_mangle]
 pub extern "C" fn tensormem_set_memory_fraction(fraction: f64, device: c_int) {
     call("tensormem_set_memory_fraction", (), || {
-        devices::allocator(device)?.set_memory_fraction(fraction)?;
+        devices::served(device)?.serve(
+            |a| a.set_memory_fraction(fraction),
+            |a| a.set_memory_fraction(fraction),
+        )?;
         Ok(())
     });
 }
@@ -83,8 +90,10 @@ pub extern "C" fn tensormem_set_memory_fraction(fraction: f64, device: c_int) {
 /// that allocates while the pool is open (a capture's side streams share its id). Allocations outside
 /// captures, including those in a `torch.cuda.use_mem_pool` block, come from the ordinary pools.
 /// Until the pool is closed, allocations switch their thread to the relaxed capture mode, in which new
-/// device memory may be had during a global-mode capture (as PyTorch's allocator does). Errors (the
-/// pool is already being recorded to) are kept.
+/// device memory may be had during a global-mode capture (as PyTorch's allocator does). Under
+/// `backend:cudaMallocAsync` this begins the capture's bookkeeping instead
+/// (`AsyncAllocator::begin_capture`; one capture at a time). Errors (the pool is already being
+/// recorded to) are kept.
 ///
 /// # Safety
 ///
@@ -98,7 +107,14 @@ pub unsafe extern "C" fn tensormem_begin_allocate_to_pool(
 ) {
     let _ = filter;
     call("tensormem_begin_allocate_to_pool", (), || {
-        let allocator = devices::allocator(device)?;
+        let allocator = match devices::served(device)? {
+            DeviceAllocator::Native(allocator) => allocator,
+            DeviceAllocator::Async(allocator) => {
+                allocator.begin_capture()?;
+                capture_mode::async_capture::began();
+                return Ok(());
+            }
+        };
         /// No capture bound yet (capture ids are never this).
         const UNBOUND: u64 = u64::MAX;
         let bound = AtomicU64::new(UNBOUND);
@@ -120,23 +136,33 @@ pub unsafe extern "C" fn tensormem_begin_allocate_to_pool(
 }
 
 /// Stops sending allocations to private pool `pool` (PyTorch's `end_allocate_to_pool_fn`:
-/// `void(int device, MempoolId_t pool)`, called when a capture ends). Errors are kept.
+/// `void(int device, MempoolId_t pool)`, called when a capture ends). Under
+/// `backend:cudaMallocAsync` this ends the capture's bookkeeping, joining the streams frees were
+/// queued on into the capture stream (`AsyncAllocator::end_capture`; the hook is not told the capture
+/// stream: see `capture_mode::async_capture`). Errors are kept.
 #[no_mangle]
 pub extern "C" fn tensormem_end_allocate_to_pool(device: c_int, pool: TorchMempoolId) {
     call("tensormem_end_allocate_to_pool", (), || {
-        devices::allocator(device)?.end_allocate_to_pool(pool.into())?;
-        capture_mode::closed();
+        devices::served(device)?.serve(
+            |a| {
+                a.end_allocate_to_pool(pool.into())?;
+                capture_mode::closed();
+                Ok(())
+            },
+            |a| a.end_capture(capture_mode::async_capture::ended()),
+        )?;
         Ok(())
     });
 }
 
 /// One user of private pool `pool` is done with it (PyTorch's `release_pool`: `void(int device,
 /// MempoolId_t pool)`, called when a graph or `MemPool` is destroyed); once none is left, its free
-/// memory goes back to the device with the next [`tensormem_empty_cache`]. Errors are kept.
+/// memory goes back to the device with the next [`tensormem_empty_cache`]. Nothing under
+/// `backend:cudaMallocAsync` (PyTorch's `releasePool` there does nothing). Errors are kept.
 #[no_mangle]
 pub extern "C" fn tensormem_release_pool(device: c_int, pool: TorchMempoolId) {
     call("tensormem_release_pool", (), || {
-        devices::allocator(device)?.release_pool(pool.into())?;
+        devices::served(device)?.serve(|a| a.release_pool(pool.into()), |_| Ok(()))?;
         Ok(())
     });
 }

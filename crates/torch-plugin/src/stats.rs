@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 #[no_mangle]
 pub extern "C" fn tensormem_memory_stats_json(device: c_int) -> *mut c_char {
     call("tensormem_memory_stats_json", std::ptr::null_mut(), || {
-        let stats = devices::allocator(device)?.memory_stats().to_flat();
+        let stats = crate::native::device_stats(device)?.to_flat();
         let json = serde_json::Value::from_iter(
             stats
                 .into_iter()
@@ -47,11 +47,18 @@ pub unsafe extern "C" fn tensormem_string_free(text: *mut c_char) {
 }
 
 /// Resets the peaks of `device`'s statistics to their current values
-/// (`torch.cuda.reset_peak_memory_stats`). Returns 0, or -1 on error.
+/// (`torch.cuda.reset_peak_memory_stats`; under `backend:cudaMallocAsync` the memory pool's
+/// high-water marks). Returns 0, or -1 on error.
 #[no_mangle]
 pub extern "C" fn tensormem_reset_peak_stats(device: c_int) -> c_int {
     call("tensormem_reset_peak_stats", -1, || {
-        devices::allocator(device)?.reset_peak_stats();
+        devices::served(device)?.serve(
+            |a| {
+                a.reset_peak_stats();
+                Ok(())
+            },
+            |a| a.reset_peak_stats(),
+        )?;
         Ok(0)
     })
 }

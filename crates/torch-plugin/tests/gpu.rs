@@ -5,7 +5,10 @@
 //! with `TENSORMEM_REQUIRE_GPU=1` (which they set). The
 //! allocators are process-wide, so the tests hold one lock and compare figures before and after.
 
-use std::ffi::{c_void, CStr};
+#[path = "common/child.rs"]
+mod child;
+
+use std::ffi::{c_int, c_void, CStr};
 use std::ptr;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
@@ -252,4 +255,201 @@ fn allocations_of_a_graph_capture_go_to_its_private_pool() {
     );
     // SAFETY: the graph made by the capture, destroyed once.
     unsafe { sys::cuGraphDestroy(graph) };
+}
+
+static FILTERS_DROPPED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+unsafe extern "C" fn accept_all(_: *mut c_void, _: sys::CUstream) -> c_int {
+    1
+}
+
+unsafe extern "C" fn count_filter_drop(_: *mut c_void) {
+    FILTERS_DROPPED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Begins a global-mode capture of `stream`, runs `body`, and ends the capture, which must have
+/// stayed valid; the graph is destroyed.
+fn captured(stream: sys::CUstream, body: impl FnOnce()) {
+    // SAFETY: a live stream of device 0, in PyTorch's (global) capture mode.
+    let begun = unsafe {
+        sys::cuStreamBeginCapture_v2(
+            stream,
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+        )
+    };
+    assert_eq!(begun, sys::CUresult::CUDA_SUCCESS);
+    body();
+    let mut graph = ptr::null_mut();
+    // SAFETY: ends the capture begun above; `graph` is a valid out-parameter.
+    let ended = unsafe { sys::cuStreamEndCapture(stream, &mut graph) };
+    assert_eq!(
+        ended,
+        sys::CUresult::CUDA_SUCCESS,
+        "the capture stayed valid"
+    );
+    // SAFETY: the graph made by the capture, destroyed once.
+    unsafe { sys::cuGraphDestroy(graph) };
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
+fn with_backend_cuda_malloc_async_configured_the_functions_serve_from_the_pool() {
+    use tensormem::cuda_alloc::DeviceAddress;
+    use tensormem_torch::native::*;
+    if !child::is_child() {
+        // The backend is chosen once per process: this test's half below runs in a child whose
+        // configuration asks for it.
+        let Some(_) = gpus() else { return };
+        return child::run(
+            "with_backend_cuda_malloc_async_configured_the_functions_serve_from_the_pool",
+            &[("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")],
+        );
+    }
+    let Some((_, _lock)) = gpus() else { return };
+    // SAFETY: a static NUL-terminated string.
+    let name = unsafe { CStr::from_ptr(tensormem_allocator_name()) };
+    assert_eq!(name.to_str().unwrap(), "cudaMallocAsync");
+    let stream = foreign_stream(0);
+
+    // The C++ layer's route: allocation, statistics, record_stream, base allocation, free.
+    let mut p = ptr::null_mut();
+    // SAFETY: a stream of device 0 kept for the process; `p` is a valid out-parameter.
+    let rc = unsafe { tensormem_malloc(3 * MIB, 0, stream, &mut p) };
+    assert_eq!(rc, TM_OK, "{}", last_error());
+    let cuda::DeviceAllocator::Async(pool) = cuda::device_allocator(Some(0)).unwrap() else {
+        panic!("device 0 is not served by its AsyncAllocator");
+    };
+    assert_eq!(pool.allocation_size(DeviceAddress(p as u64)), Some(3 * MIB));
+    let mut stats = TorchDeviceStats::default();
+    // SAFETY: `stats` is valid for its size.
+    let rc = unsafe { tensormem_device_stats(0, &mut stats, std::mem::size_of_val(&stats)) };
+    assert_eq!(rc, TM_OK, "{}", last_error());
+    assert!(stats.allocated_bytes[0].current >= 3 * MIB as i64);
+    assert_eq!(stats.active_bytes[0], stats.allocated_bytes[0]);
+    assert!(stats.reserved_bytes[0].current >= stats.allocated_bytes[0].current);
+    assert_eq!(
+        stats.allocation[0].current, 0,
+        "only six figures are filled"
+    );
+    assert_eq!(stats.segment[0].current, 0);
+    assert_eq!(stats.num_device_alloc, 0);
+    assert!(stat(0, "reserved_bytes.all.current") >= 3 * MIB as i64);
+    // SAFETY: null is the default stream.
+    let rc = unsafe { tensormem_record_stream_checked(p, 0, ptr::null_mut()) };
+    assert_eq!(rc, TM_OK, "{}", last_error());
+    let mut size = 0usize;
+    // SAFETY: `size` is a valid out-parameter.
+    let base = unsafe { tensormem_base_alloc(p, &mut size) };
+    assert_eq!((base, size), (p, 3 * MIB), "every pointer is its own base");
+    // SAFETY: no work uses the memory any more.
+    let rc = unsafe { tensormem_raw_delete(p) };
+    assert_eq!(rc, TM_OK, "{}", last_error());
+    // SAFETY: as above (it is refused: already freed).
+    assert_eq!(unsafe { tensormem_raw_delete(p) }, TM_ERROR);
+    // empty_cache synchronizes and trims the pool to nothing.
+    assert_eq!(tensormem_empty_cache_pool(0, 0), TM_OK, "{}", last_error());
+    assert_eq!(stat(0, "reserved_bytes.all.current"), 0);
+    assert_eq!(tensormem_reset_peak_stats(0), 0, "{}", last_error());
+    assert_eq!(stat(0, "reserved_bytes.all.peak"), 0);
+    assert_eq!(tensormem_reset_accumulated_stats(0), TM_OK);
+
+    // The pluggable route.
+    let q = alloc(MIB, 0, stream);
+    free(q, 0);
+    tensormem_empty_cache();
+    assert_eq!(stat(0, "reserved_bytes.all.current"), 0);
+
+    // The memory fraction: that backend's limit on what is handed out, and cacheInfo's guess.
+    assert_eq!(tensormem_set_memory_fraction_checked(0.5, 0), TM_OK);
+    let mut fraction = 0.0;
+    // SAFETY: a valid out-parameter.
+    let rc = unsafe { tensormem_get_memory_fraction(0, &mut fraction) };
+    assert_eq!(rc, TM_OK, "{}", last_error());
+    assert!((fraction - 0.5).abs() < 1e-6, "{fraction}");
+    let total = cuda::mem_get_info(Some(0)).unwrap().total;
+    let mut largest = 0usize;
+    // SAFETY: a valid out-parameter.
+    let rc = unsafe { tensormem_cache_info(0, &mut largest) };
+    assert_eq!(rc, TM_OK, "{}", last_error());
+    assert!(largest > 0 && largest as u64 <= total / 2, "{largest}");
+    let mut big = ptr::null_mut();
+    // SAFETY: as above.
+    let rc = unsafe {
+        tensormem_malloc(
+            usize::try_from(total / 10 * 6).unwrap(),
+            0,
+            stream,
+            &mut big,
+        )
+    };
+    assert_eq!(rc, TM_OUT_OF_MEMORY);
+    assert!(big.is_null());
+    assert!(
+        last_error().contains("would exceed allowed memory"),
+        "{}",
+        last_error()
+    );
+    assert_eq!(tensormem_set_memory_fraction_checked(1.0, 0), TM_OK);
+
+    // A graph capture, in PyTorch's order: the bookkeeping ends before the capture does, joining the
+    // streams frees were queued on into the capture stream.
+    let before = FILTERS_DROPPED.load(std::sync::atomic::Ordering::SeqCst);
+    // SAFETY: the filter and its context stay valid until dropped.
+    let rc = unsafe {
+        tensormem_pool_begin(
+            0,
+            1,
+            0,
+            Some(accept_all),
+            Some(count_filter_drop),
+            ptr::null_mut(),
+        )
+    };
+    assert_eq!(rc, TM_OK, "{}", last_error());
+    captured(stream, || {
+        let mut inside = ptr::null_mut();
+        // SAFETY: the capturing stream of device 0; a valid out-parameter.
+        let rc = unsafe { tensormem_malloc(MIB, 0, stream, &mut inside) };
+        assert_eq!(rc, TM_OK, "{}", last_error());
+        // SAFETY: nothing captured uses it after this free.
+        let rc = unsafe { tensormem_raw_delete(inside) };
+        assert_eq!(rc, TM_OK, "{}", last_error());
+        // SAFETY: the capture stream, kept for the process.
+        let rc = unsafe { tensormem_pool_end_on(0, 1, 0, stream) };
+        assert_eq!(rc, TM_OK, "{}", last_error());
+    });
+    assert_eq!(
+        FILTERS_DROPPED.load(std::sync::atomic::Ordering::SeqCst),
+        before + 1,
+        "PyTorch's filter is dropped once"
+    );
+    assert_eq!(tensormem_pool_release(0, 1, 0), TM_OK);
+    // The pluggable hooks, whose end is not told the capture stream.
+    let pool_id = TorchMempoolId {
+        first: 2,
+        second: 0,
+    };
+    tensormem_clear_last_error();
+    // SAFETY: the filter argument is not used.
+    unsafe { tensormem_begin_allocate_to_pool(0, pool_id, ptr::null_mut()) };
+    assert!(tensormem_last_error().is_null(), "{}", last_error());
+    captured(stream, || {
+        let inside = alloc(MIB, 0, stream);
+        // SAFETY: nothing captured uses it after this free.
+        unsafe { tensormem_free(inside, MIB, 0, stream) };
+        tensormem_end_allocate_to_pool(0, pool_id);
+        assert!(tensormem_last_error().is_null(), "{}", last_error());
+    });
+    tensormem_release_pool(0, pool_id);
+
+    // Refused with PyTorch's message, on a GPU too.
+    assert_eq!(tensormem_pool_create_or_incref(0, 0, 1), TM_ERROR);
+    assert!(
+        last_error().starts_with("cudaMallocAsync does not yet support createOrIncrefPool."),
+        "{}",
+        last_error()
+    );
+    assert!(tensormem_snapshot_take(0, 0, 1).is_null());
+    cuda::synchronize(Some(0)).unwrap();
+    tensormem_empty_cache();
 }

@@ -136,7 +136,9 @@ pub fn can_device_access_peer(device: u32, peer: u32) -> Result<bool> {
 
 /// Lets kernels and copies on `device` access `peer`'s memory directly, including `peer`'s expandable
 /// segments (`cuCtxEnablePeerAccess` and `cuMemSetAccess`; what PyTorch does on the first copy between
-/// two devices). Enabling twice is not an error.
+/// two devices). Under `backend:cudaMallocAsync` also `peer`'s memory pool, which context peer access
+/// does not cover (`cuMemPoolSetAccess`, PyTorch's `enablePeerAccess` for that backend). Enabling
+/// twice is not an error.
 ///
 /// # Errors
 ///
@@ -145,7 +147,9 @@ pub fn can_device_access_peer(device: u32, peer: u32) -> Result<bool> {
 /// the errors of [`set_device`].
 pub fn enable_peer_access(device: u32, peer: u32) -> Result<()> {
     let (d, p) = (registry::device(device)?, registry::device(peer)?);
-    Ok(d.device().enable_peer_access(p.device())?)
+    d.device().enable_peer_access(p.device())?;
+    Ok(p.allocator()
+        .serve(|_| Ok(()), |pool| pool.enable_peer_access(d.device()))?)
 }
 
 /// The properties of `device`, or of the current device (`torch.cuda.get_device_properties`): name,

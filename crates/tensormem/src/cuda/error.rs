@@ -43,9 +43,30 @@ pub enum Error {
         /// Why.
         source: tensormem_cuda_alloc::snapshot::SnapshotError,
     },
-    /// The caching allocator refused (out of memory with PyTorch's message, a bad configuration, ...).
+    /// The allocator refused (out of memory with PyTorch's message, a bad configuration, ...).
     #[error(transparent)]
     Alloc(#[from] tensormem_cuda_alloc::Error),
+    /// The process runs `backend:cudaMallocAsync`, which refuses this (PyTorch's error for it, then
+    /// what to do).
+    #[error("{0}")]
+    AsyncUnsupported(super::AsyncUnsupported),
+    /// A configuration string given at run time names another backend than the one the process
+    /// chose when it first used the device API (PyTorch's error for it, then what to do).
+    #[error(
+        "Allocator async backend parsed at runtime != allocator async backend parsed at load time, \
+         {} != {}: this process runs backend:{running}, chosen from the environment's allocator \
+         configuration when it first used CUDA, and the backend cannot change afterwards; to run \
+         backend:{asked}, set it in TENSORMEM_ALLOC_CONF (or PYTORCH_ALLOC_CONF) before the process \
+         starts",
+        u8::from(*asked != tensormem_cuda_alloc::config::Backend::Native),
+        u8::from(*running != tensormem_cuda_alloc::config::Backend::Native)
+    )]
+    BackendChanged {
+        /// The backend the string names.
+        asked: tensormem_cuda_alloc::config::Backend,
+        /// The backend the process runs.
+        running: tensormem_cuda_alloc::config::Backend,
+    },
     /// The process-wide CUDA IPC layer failed (other than a driver or allocator error, which are
     /// [`Error::Device`] and [`Error::Alloc`]).
     #[error(transparent)]

@@ -1,6 +1,7 @@
 //! Memory pools (`torch.cuda.MemPool`, `torch.cuda.use_mem_pool`): private pools of a device's
 //! caching allocator that allocations are sent to on purpose, with PyTorch's options
-//! (`use_on_oom`, `no_split`, an allocator of their own).
+//! (`use_on_oom`, `no_split`, an allocator of their own). Under `backend:cudaMallocAsync` there are
+//! none: making one is refused with PyTorch's error, so there is nothing to send allocations to.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -9,9 +10,9 @@ use std::thread;
 use tensormem_cuda_alloc::backend::cuda::CudaBackend;
 use tensormem_cuda_alloc::{CachingAllocator, MempoolId, PoolAllocator, PoolOptions};
 
+use super::backend::{backend_supports, device_allocator, AsyncUnsupported};
 use super::device::resolve;
 use super::error::Result;
-use super::memory::caching_allocator;
 
 /// The next pool id's second half. PyTorch numbers the pools of `torch.cuda.MemPool` `(0, 1)`,
 /// `(0, 2)`, ... in each process; these start at 2^63 so that a process that also runs PyTorch on
@@ -43,7 +44,7 @@ impl MemPool {
     ///
     /// # Errors
     ///
-    /// As [`caching_allocator`](super::caching_allocator).
+    /// As [`with_options`](Self::with_options).
     pub fn new(device: Option<u32>) -> Result<Self> {
         Self::with_options(PoolOptions::default(), device)
     }
@@ -53,11 +54,15 @@ impl MemPool {
     ///
     /// # Errors
     ///
-    /// As [`caching_allocator`](super::caching_allocator); [`Error::Alloc`](super::Error::Alloc)
-    /// if the allocator refuses the pool.
+    /// [`Error::AsyncUnsupported`](super::Error::AsyncUnsupported) under `backend:cudaMallocAsync`
+    /// (PyTorch: "cudaMallocAsync does not yet support createOrIncrefPool"); as
+    /// [`device_allocator`](super::device_allocator); [`Error::Alloc`](super::Error::Alloc) if the
+    /// allocator refuses the pool.
     pub fn with_options(options: PoolOptions, device: Option<u32>) -> Result<Self> {
+        backend_supports(AsyncUnsupported::CreateOrIncrefPool)?;
         let device = resolve(device)?;
-        let allocator = caching_allocator(Some(device))?;
+        let allocator =
+            device_allocator(Some(device))?.native(AsyncUnsupported::CreateOrIncrefPool)?;
         let id = MempoolId(0, NEXT_ID.fetch_add(1, Relaxed));
         allocator.create_pool(id, options)?;
         Ok(MemPool {

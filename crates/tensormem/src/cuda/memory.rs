@@ -1,19 +1,25 @@
-//! The per-device caching allocators: statistics, snapshots, history, limits, settings, and raw
-//! allocation (`torch.cuda.memory`).
+//! The per-device allocators: statistics, snapshots, history, limits, settings, and raw allocation
+//! (`torch.cuda.memory`).
 //!
-//! Each device gets one [`CachingAllocator`] on first use, configured from `TENSORMEM_ALLOC_CONF` (else
-//! `PYTORCH_CUDA_ALLOC_CONF`) and then by every [`set_allocator_settings`] call made so far.
+//! Each device gets one allocator on first use, of the process's backend
+//! ([`get_allocator_backend`](super::get_allocator_backend)): under `backend:native` a
+//! [`CachingAllocator`] configured from `TENSORMEM_ALLOC_CONF` (else PyTorch's variables) and then
+//! by every [`set_allocator_settings`] call made so far; under `backend:cudaMallocAsync` an
+//! [`AsyncAllocator`](tensormem_cuda_alloc::AsyncAllocator), which serves these functions as
+//! PyTorch's `CudaMallocAsyncAllocator` does and refuses the rest with PyTorch's errors
+//! ([`Error::AsyncUnsupported`]).
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use tensormem_cuda_alloc::backend::cuda::CudaBackend;
-use tensormem_cuda_alloc::config::{AllocatorConfig, Backend};
+use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::oom::OomEvent;
 use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_cuda_alloc::stats::MemoryStats;
 use tensormem_cuda_alloc::{CachingAllocator, DeviceAddress, MempoolId, RecordContext};
 
+use super::backend::{backend_supports, device_allocator, AsyncUnsupported};
 use super::device::resolve;
 use super::error::{Error, Result};
 use super::registry;
@@ -25,18 +31,23 @@ use super::stream::{current_stream, Stream};
 ///
 /// # Errors
 ///
-/// [`Error::InvalidDevice`]; the errors of opening the device; [`Error::Alloc`] when the configuration
-/// in the environment is malformed.
+/// [`Error::AsyncUnsupported`] when the process runs `backend:cudaMallocAsync` (no caching
+/// allocator serves it); [`Error::InvalidDevice`]; the errors of opening the device;
+/// [`Error::Alloc`] when the configuration in the environment is malformed.
 pub fn caching_allocator(device: Option<u32>) -> Result<&'static CachingAllocator<CudaBackend>> {
-    Ok(registry::device(resolve(device)?)?.allocator())
+    backend_supports(AsyncUnsupported::CachingAllocator)?;
+    device_allocator(device)?.native(AsyncUnsupported::CachingAllocator)
 }
 
 /// The allocator statistics of `device`, or of the current device, under the flat keys of
-/// `torch.cuda.memory_stats()` (`"allocated_bytes.all.current"`, `"num_alloc_retries"`, ...).
+/// `torch.cuda.memory_stats()` (`"allocated_bytes.all.current"`, `"num_alloc_retries"`, ...). Under
+/// `backend:cudaMallocAsync`, PyTorch's six figures of the device's memory pool
+/// ([`AsyncAllocator::memory_stats`](tensormem_cuda_alloc::AsyncAllocator::memory_stats)), the rest 0.
 ///
 /// # Errors
 ///
-/// As [`caching_allocator`].
+/// As [`device_allocator`](super::device_allocator); the driver's errors under
+/// `backend:cudaMallocAsync`.
 pub fn memory_stats(device: Option<u32>) -> Result<BTreeMap<String, i64>> {
     Ok(device_memory_stats(device)?.to_flat())
 }
@@ -45,16 +56,16 @@ pub fn memory_stats(device: Option<u32>) -> Result<BTreeMap<String, i64>> {
 ///
 /// # Errors
 ///
-/// As [`caching_allocator`].
+/// As [`memory_stats`].
 pub fn device_memory_stats(device: Option<u32>) -> Result<MemoryStats> {
-    Ok(caching_allocator(device)?.memory_stats())
+    Ok(device_allocator(device)?.serve(|a| Ok(a.memory_stats()), |a| a.memory_stats())?)
 }
 
 /// Bytes currently handed out on `device` (`torch.cuda.memory_allocated`).
 ///
 /// # Errors
 ///
-/// As [`caching_allocator`].
+/// As [`memory_stats`].
 pub fn memory_allocated(device: Option<u32>) -> Result<u64> {
     Ok(non_negative(
         device_memory_stats(device)?.allocated_bytes.all.current,
@@ -66,7 +77,7 @@ pub fn memory_allocated(device: Option<u32>) -> Result<u64> {
 ///
 /// # Errors
 ///
-/// As [`caching_allocator`].
+/// As [`memory_stats`].
 pub fn max_memory_allocated(device: Option<u32>) -> Result<u64> {
     Ok(non_negative(
         device_memory_stats(device)?.allocated_bytes.all.peak,
@@ -77,7 +88,7 @@ pub fn max_memory_allocated(device: Option<u32>) -> Result<u64> {
 ///
 /// # Errors
 ///
-/// As [`caching_allocator`].
+/// As [`memory_stats`].
 pub fn memory_reserved(device: Option<u32>) -> Result<u64> {
     Ok(non_negative(
         device_memory_stats(device)?.reserved_bytes.all.current,
@@ -88,7 +99,7 @@ pub fn memory_reserved(device: Option<u32>) -> Result<u64> {
 ///
 /// # Errors
 ///
-/// As [`caching_allocator`].
+/// As [`memory_stats`].
 pub fn max_memory_reserved(device: Option<u32>) -> Result<u64> {
     Ok(non_negative(
         device_memory_stats(device)?.reserved_bytes.all.peak,
@@ -99,25 +110,40 @@ fn non_negative(value: i64) -> u64 {
     u64::try_from(value).unwrap_or(0)
 }
 
-/// Resets the peaks of `device`'s statistics to their current values (`torch.cuda.reset_peak_memory_stats`).
+/// Resets the peaks of `device`'s statistics to their current values (`torch.cuda.reset_peak_memory_stats`;
+/// under `backend:cudaMallocAsync` the pool's high-water marks).
 ///
 /// # Errors
 ///
-/// As [`caching_allocator`].
+/// As [`memory_stats`].
 pub fn reset_peak_memory_stats(device: Option<u32>) -> Result<()> {
-    caching_allocator(device)?.reset_peak_stats();
-    Ok(())
+    Ok(device_allocator(device)?.serve(
+        |a| {
+            a.reset_peak_stats();
+            Ok(())
+        },
+        |a| a.reset_peak_stats(),
+    )?)
 }
 
 /// Resets the accumulated counts of `device`'s statistics (`allocated`, `freed`, `num_*`) to zero
-/// (`torch.cuda.reset_accumulated_memory_stats`).
+/// (`torch.cuda.reset_accumulated_memory_stats`). Under `backend:cudaMallocAsync` it has no effect
+/// (PyTorch warns once).
 ///
 /// # Errors
 ///
-/// As [`caching_allocator`].
+/// As [`device_allocator`](super::device_allocator).
 pub fn reset_accumulated_memory_stats(device: Option<u32>) -> Result<()> {
-    caching_allocator(device)?.reset_accumulated_stats();
-    Ok(())
+    device_allocator(device)?.serve(
+        |a| {
+            a.reset_accumulated_stats();
+            Ok(())
+        },
+        |a| {
+            a.reset_accumulated_stats();
+            Ok(())
+        },
+    )
 }
 
 /// A snapshot of every device's allocator opened so far (`torch.cuda.memory._snapshot()`): all their
@@ -128,7 +154,8 @@ pub fn reset_accumulated_memory_stats(device: Option<u32>) -> Result<()> {
 ///
 /// # Errors
 ///
-/// The errors of initialising CUDA.
+/// [`Error::AsyncUnsupported`] under `backend:cudaMallocAsync` (PyTorch: "Calling snapshot with
+/// backend:cudaMallocAsync is not meaningful"); the errors of initialising CUDA.
 pub fn memory_snapshot() -> Result<Snapshot> {
     memory_snapshot_with(None, true)
 }
@@ -141,8 +168,9 @@ pub fn memory_snapshot() -> Result<Snapshot> {
 ///
 /// # Errors
 ///
-/// The errors of initialising CUDA.
+/// As [`memory_snapshot`].
 pub fn memory_snapshot_with(pool: Option<MempoolId>, include_traces: bool) -> Result<Snapshot> {
+    backend_supports(AsyncUnsupported::Snapshot)?;
     let count = super::device_count()?;
     let current = super::current_device()?;
     let mut merged = Snapshot {
@@ -155,7 +183,10 @@ pub fn memory_snapshot_with(pool: Option<MempoolId>, include_traces: bool) -> Re
     };
     let mut host = Snapshot::default();
     for (ordinal, state) in registry::opened()? {
-        let snapshot = state.allocator().snapshot_with(pool, include_traces);
+        let snapshot = state
+            .allocator()
+            .native(AsyncUnsupported::Snapshot)?
+            .snapshot_with(pool, include_traces);
         merged.segments.extend(snapshot.segments);
         if let Some(trace) = snapshot.device_traces.into_iter().next() {
             merged.device_traces[ordinal as usize] = trace;
@@ -203,9 +234,10 @@ pub fn dump_snapshot(path: impl AsRef<Path>) -> Result<()> {
 ///
 /// # Errors
 ///
-/// The errors of initialising CUDA.
+/// [`Error::AsyncUnsupported`] under `backend:cudaMallocAsync` (PyTorch: "cudaMallocAsync does not
+/// yet support recordHistory"), starting or stopping; the errors of initialising CUDA.
 pub fn record_memory_history(enabled: bool, max_entries: usize) -> Result<()> {
-    registry::record_history(enabled, max_entries.max(1), RecordContext::Never, false)
+    record_memory_history_with_host(enabled, max_entries, RecordContext::Never, false)
 }
 
 /// [`record_memory_history`] keeping call stacks as `context` says
@@ -217,13 +249,13 @@ pub fn record_memory_history(enabled: bool, max_entries: usize) -> Result<()> {
 ///
 /// # Errors
 ///
-/// The errors of initialising CUDA.
+/// As [`record_memory_history`].
 pub fn record_memory_history_with_context(
     enabled: bool,
     max_entries: usize,
     context: RecordContext,
 ) -> Result<()> {
-    registry::record_history(enabled, max_entries.max(1), context, false)
+    record_memory_history_with_host(enabled, max_entries, context, false)
 }
 
 /// [`record_memory_history_with_context`] that also records the pinned host allocators' events when
@@ -233,37 +265,45 @@ pub fn record_memory_history_with_context(
 ///
 /// # Errors
 ///
-/// The errors of initialising CUDA.
+/// As [`record_memory_history`].
 pub fn record_memory_history_with_host(
     enabled: bool,
     max_entries: usize,
     context: RecordContext,
     record_host: bool,
 ) -> Result<()> {
+    backend_supports(AsyncUnsupported::RecordHistory)?;
     registry::record_history(enabled, max_entries.max(1), context, record_host)
 }
 
 /// Limits how much of `device`'s memory its allocator may hold to `fraction` of the total
 /// (`torch.cuda.set_per_process_memory_fraction`): requests beyond it fail with the out-of-memory error,
-/// whose message then names the allowed amount.
+/// whose message then names the allowed amount. Under `backend:cudaMallocAsync` the limit is PyTorch's
+/// for that backend: on the bytes the allocator hands out (the pool itself is not limited).
 ///
 /// # Errors
 ///
 /// [`Error::Alloc`] with [`InvalidFraction`](tensormem_cuda_alloc::Error::InvalidFraction) outside
-/// `[0, 1]`; as [`caching_allocator`].
+/// `[0, 1]`; as [`device_allocator`](super::device_allocator).
 pub fn set_per_process_memory_fraction(fraction: f64, device: Option<u32>) -> Result<()> {
-    Ok(caching_allocator(device)?.set_memory_fraction(fraction)?)
+    Ok(device_allocator(device)?.serve(
+        |a| a.set_memory_fraction(fraction),
+        |a| a.set_memory_fraction(fraction),
+    )?)
 }
 
 /// Returns every cached, unused block of every device's allocator to the driver
-/// (`torch.cuda.empty_cache`). Memory handed out stays.
+/// (`torch.cuda.empty_cache`). Memory handed out stays. Under `backend:cudaMallocAsync`, as PyTorch:
+/// each device is synchronized and its memory pool trimmed to nothing (`cuMemPoolTrimTo(pool, 0)`).
 ///
 /// # Errors
 ///
 /// The driver's errors while freeing.
 pub fn empty_cache() -> Result<()> {
     for (_, state) in registry::opened()? {
-        state.allocator().empty_cache()?;
+        state
+            .allocator()
+            .serve(|a| a.empty_cache(), |a| a.empty_cache())?;
     }
     Ok(())
 }
@@ -284,36 +324,27 @@ pub fn ipc_collect() -> Result<bool> {
 }
 
 /// Applies a configuration string in `PYTORCH_CUDA_ALLOC_CONF` grammar to every device's allocator, now
-/// and for devices used later (`torch.cuda.memory._set_allocator_settings`).
+/// and for devices used later (`torch.cuda.memory._set_allocator_settings`). The string may name the
+/// process's backend again; under `backend:cudaMallocAsync` the caching allocator's keys mean
+/// nothing (as in PyTorch) and the `pinned_*` keys configure the pinned host allocators made later.
 ///
 /// # Errors
 ///
 /// [`Error::Alloc`] with the configuration error (PyTorch's messages) for a malformed string, or
-/// [`UnsupportedBackend`](tensormem_cuda_alloc::config::ConfigError::UnsupportedBackend) for one asking
-/// for `backend:cudaMallocAsync`, in which case nothing changes.
+/// [`Error::BackendChanged`] for one naming the other backend (the backend is chosen once per
+/// process), in which case nothing changes.
 pub fn set_allocator_settings(config: &str) -> Result<()> {
     registry::apply_settings(config)
 }
 
-/// The name of the allocator backend that serves device memory (`torch.cuda.get_allocator_backend`):
-/// always [`Backend::Native`], tensormem's caching allocator. `backend:cudaMallocAsync` is refused
-/// wherever it can be set (the environment when a device is first used, [`set_allocator_settings`]);
-/// its allocator is [`async_allocator`](super::async_allocator), asked for explicitly.
+/// The settings `device`'s allocator runs with, or the current device's (under
+/// `backend:cudaMallocAsync`, the environment's configuration and the strings applied since).
 ///
 /// # Errors
 ///
-/// As [`caching_allocator`] for the current device.
-pub fn get_allocator_backend() -> Result<Backend> {
-    Ok(caching_allocator(None)?.config().backend)
-}
-
-/// The settings `device`'s allocator runs with, or the current device's.
-///
-/// # Errors
-///
-/// As [`caching_allocator`].
+/// As [`device_allocator`](super::device_allocator).
 pub fn allocator_settings(device: Option<u32>) -> Result<AllocatorConfig> {
-    Ok(caching_allocator(device)?.config())
+    registry::config_of(registry::device(resolve(device)?)?)
 }
 
 /// Attaches `observer` to every device's allocator, those used so far and those used later
@@ -323,27 +354,32 @@ pub fn allocator_settings(device: Option<u32>) -> Result<AllocatorConfig> {
 ///
 /// # Errors
 ///
-/// The errors of initialising CUDA.
+/// [`Error::AsyncUnsupported`] under `backend:cudaMallocAsync` (PyTorch: "cudaMallocAsync does not
+/// yet support attachOutOfMemoryObserver"); the errors of initialising CUDA.
 pub fn attach_out_of_memory_observer(
     observer: impl Fn(&OomEvent) + Send + Sync + 'static,
 ) -> Result<()> {
+    backend_supports(AsyncUnsupported::AttachOutOfMemoryObserver)?;
     registry::attach_oom_observer(std::sync::Arc::new(observer))
 }
 
-/// Allocates `size` bytes with the caching allocator for use on `stream`, or on the current stream of the
-/// current device (`torch.cuda.caching_allocator_alloc`). Free it with [`caching_allocator_delete`].
+/// Allocates `size` bytes with the device's allocator for use on `stream`, or on the current stream
+/// of the current device (`torch.cuda.caching_allocator_alloc`; under `backend:cudaMallocAsync`, a
+/// `cuMemAllocFromPoolAsync` on the stream). Free it with [`caching_allocator_delete`].
 ///
 /// # Errors
 ///
 /// [`Error::Alloc`] with PyTorch's out-of-memory error when the device cannot provide the memory even
-/// after the cache was emptied; as [`caching_allocator`].
+/// after the cache was emptied (or, under `backend:cudaMallocAsync`, that backend's); as
+/// [`device_allocator`](super::device_allocator).
 pub fn caching_allocator_alloc(size: usize, stream: Option<&Stream>) -> Result<DeviceAddress> {
     let stream = match stream {
         Some(stream) => stream.clone(),
         None => current_stream(None)?,
     };
-    let allocator = registry::device(stream.device_index())?.allocator();
-    Ok(allocator.raw_alloc(size, stream.id())?)
+    let id = stream.id();
+    Ok(device_allocator(Some(stream.device_index()))?
+        .serve(|a| a.raw_alloc(size, id), |a| a.allocate(size, id))?)
 }
 
 /// Frees memory from [`caching_allocator_alloc`] (`torch.cuda.caching_allocator_delete`), whichever
@@ -360,7 +396,10 @@ pub fn caching_allocator_delete(ptr: DeviceAddress) -> Result<()> {
     tried.sort_by_key(|&(ordinal, _)| ordinal != current);
     let mut last = tensormem_cuda_alloc::Error::InvalidPointer { ptr };
     for (_, state) in tried {
-        match state.allocator().raw_free(ptr) {
+        match state
+            .allocator()
+            .serve(|a| a.raw_free(ptr), |a| a.free(ptr))
+        {
             Ok(()) => return Ok(()),
             Err(err @ tensormem_cuda_alloc::Error::InvalidPointer { .. }) => last = err,
             Err(other) => return Err(other.into()),
@@ -377,6 +416,9 @@ pub fn caching_allocator_delete(ptr: DeviceAddress) -> Result<()> {
 /// [`Error::Alloc`] with [`InvalidPointer`](tensormem_cuda_alloc::Error::InvalidPointer) when `ptr` is
 /// not live memory of `stream`'s device.
 pub fn caching_allocator_record_stream(ptr: DeviceAddress, stream: &Stream) -> Result<()> {
-    let allocator = registry::device(stream.device_index())?.allocator();
-    Ok(allocator.record_stream_ptr(ptr, stream.id())?)
+    let id = stream.id();
+    Ok(device_allocator(Some(stream.device_index()))?.serve(
+        |a| a.record_stream_ptr(ptr, id),
+        |a| a.record_stream(ptr, id),
+    )?)
 }

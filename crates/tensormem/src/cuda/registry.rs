@@ -1,17 +1,20 @@
-//! The device API's table of devices: per device ordinal, the process's caching allocator (the one
-//! `tensormem_ipc::registry::cuda()` keeps for every user of the device: storages, IPC, the PyTorch
-//! plugin) with the device API's settings applied, and a pinned host allocator; made on first use,
-//! never dropped (like PyTorch's per-device allocators).
+//! The device API's table of devices: per device ordinal, the allocator that serves it as the
+//! process's backend says ([`backend`](super::backend)): under `backend:native` the process's
+//! caching allocator (the one `tensormem_ipc::registry::cuda()` keeps for every user of the device:
+//! storages, IPC, the PyTorch plugin) with the device API's settings applied, under
+//! `backend:cudaMallocAsync` the device's `AsyncAllocator`; and a pinned host allocator. Made on
+//! first use, never dropped (like PyTorch's per-device allocators).
 
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use tensormem_cuda_alloc::backend::cuda::{self as backend, CudaBackend, CudaPinnedSource};
-use tensormem_cuda_alloc::config::AllocatorConfig;
+use tensormem_cuda_alloc::config::{AllocatorConfig, Backend};
 use tensormem_cuda_alloc::host::HostCachingAllocator;
 use tensormem_cuda_alloc::oom::OomEvent;
 use tensormem_cuda_alloc::{CachingAllocator, RecordContext};
 use tensormem_ipc::registry as process_devices;
 
+use super::backend::{self as process_backend, DeviceAllocator};
 use super::error::{Error, Result};
 use super::fork;
 
@@ -22,11 +25,11 @@ pub(crate) struct Registry {
     devices: Box<[OnceLock<DeviceState>]>,
 }
 
-/// What the device API keeps per device: the process's caching allocator of the device, which owns
-/// the [`CudaBackend`].
+/// What the device API keeps per device: the allocator that serves it, which owns the
+/// [`CudaBackend`].
 #[derive(Debug)]
 pub(crate) struct DeviceState {
-    allocator: &'static Arc<CachingAllocator<CudaBackend>>,
+    allocator: DeviceAllocator,
     /// The pinned host allocator whose blocks' reuse waits on this device's streams, made on first use.
     host: OnceLock<HostCachingAllocator<CudaBackend>>,
 }
@@ -73,20 +76,17 @@ fn settings() -> std::sync::MutexGuard<'static, ProcessSettings> {
 }
 
 impl DeviceState {
-    /// Takes the process's allocator of the device (made now, configured from the environment, if
-    /// no other user made it yet), then applies the strings applied since and history recording if
-    /// it was turned on.
+    /// Takes the allocator of the device that the process's backend says: the device's
+    /// `AsyncAllocator`, or the process's caching allocator of the device (made now, configured from
+    /// the environment, if no other user made it yet) with the strings applied since, history
+    /// recording if it was turned on, and the out-of-memory observers.
     fn open(ordinal: u32, process: &ProcessSettings) -> Result<Self> {
-        let allocator = process_devices::cuda()?.allocator(ordinal)?;
-        for applied in &process.applied {
-            allocator.apply_settings(applied)?;
-        }
-        if let Some((enabled, max_entries, context)) = process.history {
-            allocator.record_history_with_context(enabled, max_entries, context);
-        }
-        for observer in &process.oom_observers {
-            attach_shared(allocator, observer);
-        }
+        let allocator = match process_backend::choice()?.backend() {
+            Backend::Native => DeviceAllocator::Native(open_native(ordinal, process)?),
+            Backend::CudaMallocAsync => {
+                DeviceAllocator::Async(super::async_backend::async_allocator_of(ordinal)?)
+            }
+        };
         Ok(Self {
             allocator,
             host: OnceLock::new(),
@@ -102,9 +102,12 @@ impl DeviceState {
             return Ok(host);
         }
         let device = CudaBackend::new(ordinal)?;
-        let config = self.allocator.config();
-        let source = CudaPinnedSource::from_config(&device, &config);
         let process = settings();
+        let config = self.allocator.serve(
+            |allocator| Ok(allocator.config()),
+            |_| async_config(&process),
+        )?;
+        let source = CudaPinnedSource::from_config(&device, &config);
         Ok(self.host.get_or_init(|| {
             let host = HostCachingAllocator::with_config(device, source, &config);
             if let (Some((true, max_entries, context)), true) =
@@ -122,14 +125,52 @@ impl DeviceState {
     }
 
     /// The device.
-    pub(crate) fn device(&self) -> &CudaBackend {
+    pub(crate) fn device(&self) -> &'static CudaBackend {
         self.allocator.device()
     }
 
-    /// The device's caching allocator.
-    pub(crate) fn allocator(&self) -> &CachingAllocator<CudaBackend> {
+    /// The allocator that serves the device.
+    pub(crate) fn allocator(&self) -> DeviceAllocator {
         self.allocator
     }
+}
+
+/// The process's caching allocator of `ordinal` with the device API's settings (see
+/// [`DeviceState::open`]).
+fn open_native(
+    ordinal: u32,
+    process: &ProcessSettings,
+) -> Result<&'static CachingAllocator<CudaBackend>> {
+    let allocator: &'static CachingAllocator<CudaBackend> =
+        process_devices::cuda()?.allocator(ordinal)?;
+    for applied in &process.applied {
+        allocator.apply_settings(applied)?;
+    }
+    if let Some((enabled, max_entries, context)) = process.history {
+        allocator.record_history_with_context(enabled, max_entries, context);
+    }
+    for observer in &process.oom_observers {
+        attach_shared(allocator, observer);
+    }
+    Ok(allocator)
+}
+
+/// The settings under `backend:cudaMallocAsync`: the environment's, then the strings applied since
+/// (they configure the pinned host allocators; the keys of the caching allocator mean nothing here).
+fn async_config(process: &ProcessSettings) -> Result<AllocatorConfig> {
+    let mut config = process_backend::choice()?.config.clone();
+    for applied in &process.applied {
+        config.apply(applied)?;
+    }
+    Ok(config)
+}
+
+/// The settings `state`'s allocator runs with.
+pub(crate) fn config_of(state: &DeviceState) -> Result<AllocatorConfig> {
+    state.allocator.serve(
+        |allocator| Ok(allocator.config()),
+        |_| async_config(&settings()),
+    )
 }
 
 impl Registry {
@@ -207,7 +248,8 @@ fn device_with(device: u32, process: &ProcessSettings) -> Result<&'static Device
 }
 
 /// The devices any user of the process opened so far (the device API, storages, the PyTorch
-/// plugin), in ordinal order, with the device API's settings applied.
+/// plugin), in ordinal order, with the device API's settings applied. Under
+/// `backend:cudaMallocAsync`, the devices whose `AsyncAllocator` was made.
 pub(crate) fn opened() -> Result<impl Iterator<Item = (u32, &'static DeviceState)>> {
     opened_with(&settings())
 }
@@ -217,11 +259,13 @@ fn opened_with(
     process: &ProcessSettings,
 ) -> Result<impl Iterator<Item = (u32, &'static DeviceState)>> {
     get()?;
-    let shared = process_devices::cuda_if_initialised();
-    let ordinals: Vec<u32> = shared
-        .into_iter()
-        .flat_map(|devices| devices.opened().map(|(i, _)| i))
-        .collect();
+    let ordinals: Vec<u32> = match process_backend::choice()?.backend() {
+        Backend::Native => process_devices::cuda_if_initialised()
+            .into_iter()
+            .flat_map(|devices| devices.opened().map(|(i, _)| i))
+            .collect(),
+        Backend::CudaMallocAsync => super::async_backend::made().collect(),
+    };
     let states = ordinals
         .into_iter()
         .map(|i| Ok((i, device_with(i, process)?)))
@@ -229,17 +273,18 @@ fn opened_with(
     Ok(states.into_iter())
 }
 
-/// Applies a configuration string to every opened device's allocator and remembers it for devices
-/// opened later. Checked on a copy first, so a malformed string (or one asking for
-/// `backend:cudaMallocAsync`) changes nothing.
+/// Applies a configuration string to every opened device's caching allocator and remembers it for
+/// devices opened later (and, under `backend:cudaMallocAsync`, for the pinned host allocators made
+/// later). Checked on a copy first, so a malformed string (or one naming the other backend) changes
+/// nothing.
 pub(crate) fn apply_settings(config: &str) -> Result<()> {
+    process_backend::check_unchanged(process_backend::choice()?.backend(), config)?;
     get()?;
-    let mut probe = AllocatorConfig::default();
-    probe.apply(config)?;
-    probe.check_supported()?;
     let mut process = settings();
     for (_, state) in opened_with(&process)? {
-        state.allocator.apply_settings(config)?;
+        if let DeviceAllocator::Native(allocator) = state.allocator {
+            allocator.apply_settings(config)?;
+        }
     }
     process.applied.push(config.to_owned());
     Ok(())
@@ -258,9 +303,9 @@ pub(crate) fn record_history(
     let mut process = settings();
     let host = enabled && record_host;
     for (_, state) in opened_with(&process)? {
-        state
-            .allocator
-            .record_history_with_context(enabled, max_entries, context);
+        if let DeviceAllocator::Native(allocator) = state.allocator {
+            allocator.record_history_with_context(enabled, max_entries, context);
+        }
         if let Some(allocator) = state.host.get() {
             allocator.record_history(host, max_entries, context);
         }
@@ -280,7 +325,9 @@ pub(crate) fn attach_oom_observer(observer: SharedOomObserver) -> Result<()> {
     get()?;
     let mut process = settings();
     for (_, state) in opened_with(&process)? {
-        attach_shared(state.allocator, &observer);
+        if let DeviceAllocator::Native(allocator) = state.allocator {
+            attach_shared(allocator, &observer);
+        }
     }
     process.oom_observers.push(observer);
     Ok(())

@@ -15,6 +15,8 @@ use std::sync::{Arc, Mutex};
 use tensormem_cuda_alloc::oom::OomEvent;
 use tensormem_cuda_alloc::snapshot::{TraceAction, TraceEntry};
 
+use tensormem::cuda::{self, AsyncUnsupported, DeviceAllocator};
+
 use super::{status, TM_OK};
 use crate::devices::{self, Allocator};
 
@@ -150,7 +152,9 @@ fn set(slot: &AtomicPtr<c_void>, raw: *mut c_void, name: &'static str) -> c_int 
         }
         slot.store(raw, Ordering::Release);
         for allocator in devices::used() {
-            attach(allocator);
+            if let DeviceAllocator::Native(allocator) = allocator {
+                attach(allocator);
+            }
         }
         Ok(())
     })
@@ -159,8 +163,19 @@ fn set(slot: &AtomicPtr<c_void>, raw: *mut c_void, name: &'static str) -> c_int 
 /// Sends every trace entry of every device to `f` from now on (PyTorch's
 /// `attachAllocatorTraceTracker`; the C++ layer passes its own fan-out once, when the first tracker is
 /// attached). `f` runs with the allocator's locks held and must not call into the plugin.
+///
+/// Refused under `backend:cudaMallocAsync` with PyTorch's message ("cudaMallocAsync does not yet
+/// support attachAllocatorTraceTracker").
 #[no_mangle]
 pub extern "C" fn tensormem_attach_trace_tracker(f: Option<TraceFn>) -> c_int {
+    let refused = status("tensormem_attach_trace_tracker", || {
+        Ok(cuda::backend_supports(
+            AsyncUnsupported::AttachAllocatorTraceTracker,
+        )?)
+    });
+    if refused != TM_OK {
+        return refused;
+    }
     set(
         &TRACE,
         f.map_or(std::ptr::null_mut(), |f| f as *mut c_void),
@@ -168,8 +183,9 @@ pub extern "C" fn tensormem_attach_trace_tracker(f: Option<TraceFn>) -> c_int {
     )
 }
 
-/// Calls `f` on every out-of-memory error of every device, before the error is returned (PyTorch's
-/// `attachOutOfMemoryObserver`).
+/// Calls `f` on every out-of-memory error of every device, before the error is returned (the C++
+/// layer's fan-out to PyTorch's `attachOutOfMemoryObserver` observers, set when it is installed; under
+/// `backend:cudaMallocAsync` it is kept and never called, and the C++ layer refuses the observers).
 #[no_mangle]
 pub extern "C" fn tensormem_set_oom_observer(f: Option<OomFn>) -> c_int {
     set(

@@ -20,6 +20,10 @@
 //! (`pidfd_getfd`, else the producer's socket), maps the chunks into an address range of its own that
 //! covers only them, and closes the copies.
 //!
+//! Under `backend:cudaMallocAsync` both directions are refused with PyTorch's messages
+//! ("cudaMallocAsync does not yet support shareIpcHandle", "... getIpcDevPtr"), before any device
+//! is touched.
+//!
 //! A consumer opens what one handle names once per process: handles naming the same memory (the
 //! same CUDA handle, or the same producer and chunks, whatever the padding) share the mapping, which
 //! is closed when the last user is done ([`tensormem_ipc_close`]; chunk mappings are unmapped and
@@ -31,6 +35,7 @@ use std::ffi::{c_int, c_void};
 use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::sys;
+use tensormem::cuda::{self, AsyncUnsupported};
 use tensormem::ipc::driver::cuda::CudaIpcDriver;
 use tensormem::ipc::{
     chunks, ChunkFdRoutes, ChunkHandle, IpcDriver, MemHandle, SegmentMemory, IPC_HANDLE_SIZE,
@@ -115,7 +120,8 @@ pub unsafe extern "C" fn tensormem_ipc_share(
 
 /// PyTorch's handle of the memory at `ptr` and the memory's offset in what the handle names.
 fn share(ptr: DeviceAddress) -> Result<(Vec<u8>, isize)> {
-    let allocator = owner(ptr)?;
+    cuda::backend_supports(AsyncUnsupported::ShareIpcHandle)?;
+    let allocator = owner(ptr)?.native(AsyncUnsupported::ShareIpcHandle)?;
     match allocator.shareable_segment(ptr)? {
         ShareableSegment::Allocation { base, .. } => {
             allocator.device().make_current()?;
@@ -204,6 +210,7 @@ pub unsafe extern "C" fn tensormem_ipc_open(
     out: *mut *mut c_void,
 ) -> c_int {
     status("tensormem_ipc_open", || {
+        cuda::backend_supports(AsyncUnsupported::GetIpcDevPtr)?;
         if handle.is_null() || out.is_null() {
             return Err(Error::NullArgument {
                 what: "handle or out",
@@ -221,7 +228,7 @@ pub unsafe extern "C" fn tensormem_ipc_open(
         }
         let (ptr, mapping) = match &key {
             SegmentMemory::Allocation(handle) => {
-                devices::allocator(device)?.device().make_current()?;
+                devices::served(device)?.device().make_current()?;
                 let raw = sys::CUipcMemHandle {
                     reserved: handle.0.map(|b| b as _),
                 };
@@ -267,7 +274,7 @@ fn import(handle: &ChunkHandle, device: c_int) -> Result<(u64, Mapping)> {
             ))
         })?;
     let (fds, route) = handle.take_descriptors(ChunkFdRoutes::Auto)?;
-    let device = devices::allocator(device)?.device().ordinal();
+    let device = devices::served(device)?.device().ordinal();
     let base = chunk_driver()?.import_chunks(device, handle.chunk_size as usize, &fds)?;
     tracing::debug!(
         producer = handle.pid,
@@ -312,9 +319,7 @@ fn close(closed: Opened) -> Result<()> {
         Mapping::Chunks { device, size } => {
             // Unmapping does not wait for queued work, which may still use the memory.
             // `device` is an ordinal the driver accepted, so it fits a `c_int`.
-            devices::allocator(device as c_int)?
-                .device()
-                .make_current()?;
+            devices::served(device as c_int)?.device().make_current()?;
             // SAFETY: the device's context is current; no arguments.
             driver("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() }).map_err(|e| {
                 Error::IpcHandle(format!(

@@ -10,6 +10,13 @@
 //!
 //! The structs here are `repr(C)` and mirrored field for field in the C++ source, which checks their
 //! sizes at compile time.
+//!
+//! Each function serves from the device's allocator of the process's backend
+//! ([`tensormem::cuda::get_allocator_backend`]). Under `backend:cudaMallocAsync` that is the device's
+//! `AsyncAllocator`, as PyTorch's `CudaMallocAsyncAllocator` would serve it; what PyTorch refuses for
+//! that backend (snapshots, history, private pools and their checkpoints, IPC, observers and trace
+//! trackers, expandable segments) fails with [`TM_ERROR`] and PyTorch's message, before any device
+//! is touched ([`tensormem_backend_supports`] for the C++ methods that call nothing else here).
 
 mod hooks;
 mod ipc;
@@ -20,6 +27,7 @@ mod snapshot;
 use std::ffi::{c_int, c_void};
 
 use cudarc::driver::sys;
+use tensormem::cuda::{self, AsyncUnsupported};
 use tensormem_cuda_alloc::{DeviceAddress, Error as AllocError, MempoolId, StreamId};
 
 use crate::boundary::call;
@@ -38,10 +46,10 @@ pub use ipc::{
 pub use pools::{
     tensormem_checkpoint_free, tensormem_pool_begin, tensormem_pool_check_live,
     tensormem_pool_checkpoint, tensormem_pool_create_or_incref,
-    tensormem_pool_create_with_allocator, tensormem_pool_end, tensormem_pool_release,
-    tensormem_pool_restore, tensormem_pool_set_no_split, tensormem_pool_set_use_on_oom,
-    tensormem_pool_use_count, DropFn, FilterFn, PointerFn, PoolFreeFn, PoolMallocFn,
-    POOL_ALLOC_ERROR, POOL_ALLOC_OK, POOL_ALLOC_OUT_OF_MEMORY,
+    tensormem_pool_create_with_allocator, tensormem_pool_end, tensormem_pool_end_on,
+    tensormem_pool_release, tensormem_pool_restore, tensormem_pool_set_no_split,
+    tensormem_pool_set_use_on_oom, tensormem_pool_use_count, DropFn, FilterFn, PointerFn,
+    PoolFreeFn, PoolMallocFn, POOL_ALLOC_ERROR, POOL_ALLOC_OK, POOL_ALLOC_OUT_OF_MEMORY,
 };
 pub use sleep::{tensormem_pool_is_asleep, tensormem_pool_sleep, tensormem_pool_wake};
 pub use snapshot::{
@@ -138,7 +146,7 @@ pub unsafe extern "C" fn tensormem_raw_delete(ptr: *mut c_void) -> c_int {
     status("tensormem_raw_delete", || {
         let ptr = DeviceAddress(ptr as u64);
         for allocator in devices::used() {
-            match allocator.raw_free(ptr) {
+            match allocator.serve(|a| a.raw_free(ptr), |a| a.free(ptr)) {
                 Err(AllocError::InvalidPointer { .. } | AllocError::ForeignAllocation { .. }) => {}
                 other => return Ok(other?),
             }
@@ -159,12 +167,15 @@ pub unsafe extern "C" fn tensormem_record_stream_checked(
     stream: sys::CUstream,
 ) -> c_int {
     status("tensormem_record_stream", || {
-        let allocator = devices::allocator(device)?;
+        let allocator = devices::served(device)?;
         let ptr = DeviceAddress(ptr as u64);
         // SAFETY: `stream` is live and kept alive (the caller's obligation).
         unsafe {
             streams::with_stream(allocator.device(), stream, |id| {
-                allocator.record_stream_ptr(ptr, id)
+                allocator.serve(
+                    |a| a.record_stream_ptr(ptr, id),
+                    |a| a.record_stream(ptr, id),
+                )
             })
         }
     })
@@ -264,7 +275,8 @@ impl From<tensormem_cuda_alloc::stats::MemoryStats> for TorchDeviceStats {
     }
 }
 
-/// Writes `device`'s statistics into `*out` (PyTorch's `getDeviceStats`). `size` is
+/// Writes `device`'s statistics into `*out` (PyTorch's `getDeviceStats`; under
+/// `backend:cudaMallocAsync` its six figures of the device's memory pool, the rest 0). `size` is
 /// `sizeof(TorchDeviceStats)` as the caller knows it, checked against this library's.
 ///
 /// # Safety
@@ -278,11 +290,16 @@ pub unsafe extern "C" fn tensormem_device_stats(
 ) -> c_int {
     status("tensormem_device_stats", || {
         check_layout::<TorchDeviceStats>(out, size)?;
-        let stats = TorchDeviceStats::from(devices::allocator(device)?.memory_stats());
+        let stats = TorchDeviceStats::from(device_stats(device)?);
         // SAFETY: `out` is non-null, of the right size (checked above) and valid for writes.
         unsafe { out.write(stats) };
         Ok(())
     })
+}
+
+/// `device`'s statistics, from the allocator that serves it.
+pub(crate) fn device_stats(device: c_int) -> Result<tensormem_cuda_alloc::stats::MemoryStats> {
+    Ok(devices::served(device)?.serve(|a| Ok(a.memory_stats()), |a| a.memory_stats())?)
 }
 
 /// `Ok` if `out` is non-null and the caller's struct has this library's size.
@@ -301,34 +318,53 @@ pub(crate) fn check_layout<T>(out: *const T, size: usize) -> Result<()> {
 }
 
 /// Resets `device`'s accumulated counts (`allocated`, `freed`, retries, OOMs) to 0 (PyTorch's
-/// `resetAccumulatedStats`).
+/// `resetAccumulatedStats`; no effect under `backend:cudaMallocAsync`, as in PyTorch).
 #[no_mangle]
 pub extern "C" fn tensormem_reset_accumulated_stats(device: c_int) -> c_int {
     status("tensormem_reset_accumulated_stats", || {
-        devices::allocator(device)?.reset_accumulated_stats();
-        Ok(())
+        devices::served(device)?.serve(
+            |a| {
+                a.reset_accumulated_stats();
+                Ok::<_, Error>(())
+            },
+            |a| {
+                a.reset_accumulated_stats();
+                Ok(())
+            },
+        )
     })
 }
 
 /// Returns the cached free blocks of private pool (`first`, `second`) to the device, or those of
 /// every pool for `(0, 0)` (PyTorch's `emptyCache(mempool_id)`), on every device the plugin used.
+/// Under `backend:cudaMallocAsync` the pool is ignored, as in PyTorch: each device is synchronized
+/// and its memory pool trimmed to nothing.
 #[no_mangle]
 pub extern "C" fn tensormem_empty_cache_pool(first: u64, second: u64) -> c_int {
     status("tensormem_empty_cache_pool", || {
         let pool = pool_id(first, second);
         for allocator in devices::used() {
-            if pool == MempoolId::DEFAULT {
-                allocator.empty_cache()?;
-            } else if allocator.private_pools().iter().any(|&(id, _)| id == pool) {
-                allocator.empty_pool_cache(pool)?;
-            }
+            allocator.serve(
+                |a| {
+                    if pool == MempoolId::DEFAULT {
+                        a.empty_cache()
+                    } else if a.private_pools().iter().any(|&(id, _)| id == pool) {
+                        a.empty_pool_cache(pool)
+                    } else {
+                        Ok(())
+                    }
+                },
+                |a| a.empty_cache(),
+            )?;
         }
         Ok(())
     })
 }
 
 /// Writes into `*largest` the larger of `device`'s free memory and its largest cached block
-/// (PyTorch's `cacheInfo`, which cuDNN uses to size its workspace).
+/// (PyTorch's `cacheInfo`, which cuDNN uses to size its workspace). Under `backend:cudaMallocAsync`,
+/// that backend's guess: the largest size, halving from what is free and allowed, that the pool can
+/// allocate now on the legacy default stream.
 ///
 /// # Safety
 ///
@@ -339,7 +375,8 @@ pub unsafe extern "C" fn tensormem_cache_info(device: c_int, largest: *mut usize
         if largest.is_null() {
             return Err(Error::NullArgument { what: "largest" });
         }
-        let bytes = devices::allocator(device)?.cache_info()?;
+        let bytes = devices::served(device)?
+            .serve(|a| a.cache_info(), |a| a.cache_info(StreamId::DEFAULT))?;
         // SAFETY: non-null (checked above) and valid for writes (the caller's obligation).
         unsafe { largest.write(usize::try_from(bytes).unwrap_or(usize::MAX)) };
         Ok(())
@@ -347,7 +384,7 @@ pub unsafe extern "C" fn tensormem_cache_info(device: c_int, largest: *mut usize
 }
 
 /// Writes `device`'s memory fraction into `*fraction` (PyTorch's `getMemoryFraction`; 1.0 when none
-/// was set).
+/// was set, under either backend).
 ///
 /// # Safety
 ///
@@ -358,7 +395,13 @@ pub unsafe extern "C" fn tensormem_get_memory_fraction(device: c_int, fraction: 
         if fraction.is_null() {
             return Err(Error::NullArgument { what: "fraction" });
         }
-        let value = devices::allocator(device)?.memory_fraction()?;
+        let value = devices::served(device)?.serve(
+            |a| a.memory_fraction(),
+            |a| match a.memory_limit() {
+                Some(limit) => Ok(limit as f64 / a.mem_info()?.total.max(1) as f64),
+                None => Ok(1.0),
+            },
+        )?;
         // SAFETY: non-null (checked above) and valid for writes (the caller's obligation).
         unsafe { fraction.write(value) };
         Ok(())
@@ -369,7 +412,10 @@ pub unsafe extern "C" fn tensormem_get_memory_fraction(device: c_int, fraction: 
 #[no_mangle]
 pub extern "C" fn tensormem_set_memory_fraction_checked(fraction: f64, device: c_int) -> c_int {
     status("tensormem_set_memory_fraction", || {
-        devices::allocator(device)?.set_memory_fraction(fraction)?;
+        devices::served(device)?.serve(
+            |a| a.set_memory_fraction(fraction),
+            |a| a.set_memory_fraction(fraction),
+        )?;
         Ok(())
     })
 }
@@ -392,7 +438,7 @@ pub unsafe extern "C" fn tensormem_usage(
                 what: "allocated or reserved",
             });
         }
-        let stats = devices::allocator(device)?.memory_stats();
+        let stats = device_stats(device)?;
         // SAFETY: non-null (checked above) and valid for writes (the caller's obligation).
         unsafe {
             allocated.write(stats.allocated_bytes.all.current);
@@ -404,7 +450,8 @@ pub unsafe extern "C" fn tensormem_usage(
 
 /// Applies a configuration string in PyTorch's grammar to every device's allocator, now and for devices
 /// used later (`torch.cuda.memory._set_allocator_settings`, which the Python package routes here as well
-/// as to PyTorch's own settings).
+/// as to PyTorch's own settings). A string naming the other backend than the process's is refused
+/// with PyTorch's message.
 ///
 /// # Safety
 ///
@@ -423,6 +470,64 @@ pub unsafe extern "C" fn tensormem_set_allocator_settings(
             .map_err(|_| Error::InvalidPath)?;
         tensormem::cuda::set_allocator_settings(text)?;
         Ok(())
+    })
+}
+
+/// Whether the process's backend supports PyTorch's `CUDAAllocator` method `method` (a NUL-terminated
+/// name, as PyTorch spells it: `getExpandableSegmentSizes`, `isHistoryEnabled`,
+/// `attachOutOfMemoryObserver`, ...): [`TM_OK`], or [`TM_ERROR`] with PyTorch's refusal as the last
+/// error under `backend:cudaMallocAsync` (and for a name that is none of its refusals: every other
+/// method is served). The C++ layer asks before the methods it serves without calling the library.
+/// Reads no device.
+///
+/// # Safety
+///
+/// `method` is a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn tensormem_backend_supports(method: *const std::ffi::c_char) -> c_int {
+    status("tensormem_backend_supports", || {
+        if method.is_null() {
+            return Err(Error::NullArgument { what: "method" });
+        }
+        // SAFETY: non-null and NUL-terminated (the caller's obligation).
+        let name = unsafe { std::ffi::CStr::from_ptr(method) }.to_string_lossy();
+        let what = AsyncUnsupported::from_method(&name).ok_or_else(|| Error::UnknownMethod {
+            method: name.into_owned(),
+        })?;
+        Ok(cuda::backend_supports(what)?)
+    })
+}
+
+/// The name of the allocator PyTorch reports (`torch.cuda.get_allocator_backend()`, the C++ layer's
+/// `name()`): `"tensormem"` under `backend:native`, `"cudaMallocAsync"` under
+/// `backend:cudaMallocAsync` (PyTorch's name for it, which code that branches on the backend
+/// compares with). A static NUL-terminated string; `"tensormem"` when the configuration is malformed
+/// (the error then comes with the first allocation).
+#[no_mangle]
+pub extern "C" fn tensormem_allocator_name() -> *const std::ffi::c_char {
+    let native = c"tensormem".as_ptr();
+    call("tensormem_allocator_name", native, || {
+        Ok(match cuda::get_allocator_backend() {
+            Ok(tensormem_cuda_alloc::config::Backend::CudaMallocAsync) => {
+                c"cudaMallocAsync".as_ptr()
+            }
+            _ => native,
+        })
+    })
+}
+
+/// Lets kernels on `device` access the memory pool of `peer` under `backend:cudaMallocAsync`
+/// (PyTorch's `enablePeerAccess(dev, dev_to_access)` for that backend: `cuMemPoolSetAccess`, as
+/// context peer access does not cover memory pools). Nothing under `backend:native`, whose memory the
+/// C++ layer's `cudaDeviceEnablePeerAccess` covers.
+#[no_mangle]
+pub extern "C" fn tensormem_pool_peer_access(device: c_int, peer: c_int) -> c_int {
+    status("tensormem_pool_peer_access", || {
+        if cuda::get_allocator_backend()? == tensormem_cuda_alloc::config::Backend::Native {
+            return Ok(());
+        }
+        let accessor = devices::served(device)?.device();
+        devices::served(peer)?.serve(|_| Ok(()), |pool| Ok(pool.enable_peer_access(accessor)?))
     })
 }
 

@@ -5,6 +5,11 @@
 //! allocation's stream): for a capture, "the stream is capturing this graph"; for `use_mem_pool`, "this
 //! thread". The C++ layer hands the filter over as a function and a context; the allocator calls it on
 //! the allocating thread while the pool is open and drops the context when the pool closes.
+//!
+//! Under `backend:cudaMallocAsync` there are no private pools, as in PyTorch: beginning and ending
+//! "allocation to a pool" is a capture's bookkeeping (`AsyncAllocator::begin_capture` /
+//! `end_capture`), releasing a pool does nothing, and making one (`torch.cuda.MemPool`), its options,
+//! its use count, its live-allocation check and its checkpoints are refused with PyTorch's messages.
 
 use std::collections::HashSet;
 use std::ffi::{c_int, c_void};
@@ -15,10 +20,12 @@ use tensormem_cuda_alloc::{
     DeviceAddress, DeviceError, DeviceResult, PoolAllocator, PoolCheckpoint,
 };
 
+use tensormem::cuda::{AsyncUnsupported, DeviceAllocator};
+
 use super::{pool_id, raw_stream, status};
 use crate::capture_mode;
 use crate::devices;
-use crate::error::Error;
+use crate::error::{Error, Result};
 
 /// A pool filter: nonzero if an allocation on `stream` goes to the pool.
 pub type FilterFn = unsafe extern "C" fn(context: *mut c_void, stream: sys::CUstream) -> c_int;
@@ -81,7 +88,17 @@ pub unsafe extern "C" fn tensormem_pool_begin(
     });
     status("tensormem_pool_begin", move || {
         let filter = filter.ok_or(Error::NullArgument { what: "filter" })?;
-        let allocator = devices::allocator(device)?;
+        let allocator = match devices::served(device)? {
+            DeviceAllocator::Native(allocator) => allocator,
+            DeviceAllocator::Async(allocator) => {
+                // PyTorch's filter means nothing here: the driver captures every allocation made on
+                // a capturing stream.
+                std::mem::drop(filter);
+                allocator.begin_capture()?;
+                capture_mode::async_capture::began();
+                return Ok(());
+            }
+        };
         allocator.begin_allocate_to_pool(pool_id(first, second), move |stream| {
             filter.accepts(raw_stream(stream))
         })?;
@@ -90,22 +107,70 @@ pub unsafe extern "C" fn tensormem_pool_begin(
     })
 }
 
-/// Stops sending allocations to the pool (PyTorch's `endAllocateToPool`).
+/// Stops sending allocations to the pool (PyTorch's `endAllocateToPool`), with `stream` the capture
+/// stream (PyTorch's current stream of the device): under `backend:cudaMallocAsync` the capture's
+/// bookkeeping ends, `stream` waiting for every stream a free was queued on during the capture.
+///
+/// # Safety
+///
+/// `stream` is as for [`crate::tensormem_alloc`].
 #[no_mangle]
-pub extern "C" fn tensormem_pool_end(device: c_int, first: u64, second: u64) -> c_int {
+pub unsafe extern "C" fn tensormem_pool_end_on(
+    device: c_int,
+    first: u64,
+    second: u64,
+    stream: sys::CUstream,
+) -> c_int {
     status("tensormem_pool_end", || {
-        devices::allocator(device)?.end_allocate_to_pool(pool_id(first, second))?;
-        capture_mode::closed();
-        Ok(())
+        // SAFETY: `stream` is live and kept alive (the caller's obligation).
+        unsafe { end(device, first, second, Some(stream)) }
     })
 }
 
+/// [`tensormem_pool_end_on`] without the capture stream (under `backend:cudaMallocAsync` the stream
+/// of the capture's first allocation stands for it: see `capture_mode::async_capture`).
+#[no_mangle]
+pub extern "C" fn tensormem_pool_end(device: c_int, first: u64, second: u64) -> c_int {
+    status("tensormem_pool_end", || {
+        // SAFETY: no stream is given.
+        unsafe { end(device, first, second, None) }
+    })
+}
+
+/// The end of allocation to a pool, on the capture stream `stream` when known.
+///
+/// # Safety
+///
+/// `stream`, when given, is as for [`crate::tensormem_alloc`].
+unsafe fn end(device: c_int, first: u64, second: u64, stream: Option<sys::CUstream>) -> Result<()> {
+    match devices::served(device)? {
+        DeviceAllocator::Native(allocator) => {
+            allocator.end_allocate_to_pool(pool_id(first, second))?;
+            capture_mode::closed();
+            Ok(())
+        }
+        DeviceAllocator::Async(allocator) => {
+            let remembered = capture_mode::async_capture::ended();
+            match stream {
+                // SAFETY: `stream` is live and kept alive (the caller's obligation).
+                Some(raw) => unsafe {
+                    crate::streams::with_stream(allocator.device(), raw, |id| {
+                        allocator.end_capture(id)
+                    })
+                },
+                None => Ok(allocator.end_capture(remembered)?),
+            }
+        }
+    }
+}
+
 /// One user is done with the pool (PyTorch's `releasePool`); once none is left its free memory goes
-/// back to the device with the next empty-cache.
+/// back to the device with the next empty-cache. Nothing under `backend:cudaMallocAsync`, as in
+/// PyTorch.
 #[no_mangle]
 pub extern "C" fn tensormem_pool_release(device: c_int, first: u64, second: u64) -> c_int {
     status("tensormem_pool_release", || {
-        devices::allocator(device)?.release_pool(pool_id(first, second))?;
+        devices::served(device)?.serve(|a| a.release_pool(pool_id(first, second)), |_| Ok(()))?;
         Ok(())
     })
 }
@@ -114,7 +179,8 @@ pub extern "C" fn tensormem_pool_release(device: c_int, first: u64, second: u64)
 #[no_mangle]
 pub extern "C" fn tensormem_pool_create_or_incref(device: c_int, first: u64, second: u64) -> c_int {
     status("tensormem_pool_create_or_incref", || {
-        devices::allocator(device)?.create_or_incref_pool(pool_id(first, second))?;
+        devices::allocator(device, AsyncUnsupported::CreateOrIncrefPool)?
+            .create_or_incref_pool(pool_id(first, second))?;
         Ok(())
     })
 }
@@ -231,7 +297,7 @@ pub unsafe extern "C" fn tensormem_pool_create_with_allocator(
                 what: "the pool allocator's malloc or free",
             });
         };
-        let allocator = devices::allocator(device)?;
+        let allocator = devices::allocator(device, AsyncUnsupported::CreateOrIncrefPool)?;
         let own: Arc<dyn PoolAllocator> = Arc::new(CppPoolAllocator {
             malloc,
             free,
@@ -276,7 +342,8 @@ pub extern "C" fn tensormem_pool_set_use_on_oom(
     use_on_oom: c_int,
 ) -> c_int {
     status("tensormem_pool_set_use_on_oom", || {
-        devices::allocator(device)?.set_use_on_oom(pool_id(first, second), use_on_oom != 0)?;
+        devices::allocator(device, AsyncUnsupported::SetUseOnOom)?
+            .set_use_on_oom(pool_id(first, second), use_on_oom != 0)?;
         Ok(())
     })
 }
@@ -286,7 +353,8 @@ pub extern "C" fn tensormem_pool_set_use_on_oom(
 #[no_mangle]
 pub extern "C" fn tensormem_pool_set_no_split(device: c_int, first: u64, second: u64) -> c_int {
     status("tensormem_pool_set_no_split", || {
-        devices::allocator(device)?.set_no_split(pool_id(first, second))?;
+        devices::allocator(device, AsyncUnsupported::SetNoSplit)?
+            .set_no_split(pool_id(first, second))?;
         Ok(())
     })
 }
@@ -295,7 +363,10 @@ pub extern "C" fn tensormem_pool_set_no_split(device: c_int, first: u64, second:
 #[no_mangle]
 pub extern "C" fn tensormem_pool_use_count(device: c_int, first: u64, second: u64) -> i64 {
     crate::boundary::call("tensormem_pool_use_count", -1, || {
-        Ok(devices::allocator(device)?.pool_use_count(pool_id(first, second)))
+        Ok(
+            devices::allocator(device, AsyncUnsupported::GetPoolUseCount)?
+                .pool_use_count(pool_id(first, second)),
+        )
     })
 }
 
@@ -314,6 +385,7 @@ pub unsafe extern "C" fn tensormem_pool_check_live(
     count: usize,
 ) -> c_int {
     crate::boundary::call("tensormem_pool_check_live", -1, || {
+        let allocator = devices::allocator(device, AsyncUnsupported::CheckPoolLiveAllocations)?;
         let expected: HashSet<DeviceAddress> = if count == 0 {
             HashSet::new()
         } else {
@@ -326,8 +398,7 @@ pub unsafe extern "C" fn tensormem_pool_check_live(
                 .map(|&p| DeviceAddress(p as u64))
                 .collect()
         };
-        let live = devices::allocator(device)?
-            .check_pool_live_allocations(pool_id(first, second), &expected)?;
+        let live = allocator.check_pool_live_allocations(pool_id(first, second), &expected)?;
         Ok(c_int::from(live))
     })
 }
@@ -341,8 +412,8 @@ pub extern "C" fn tensormem_pool_checkpoint(
     second: u64,
 ) -> *mut PoolCheckpoint {
     crate::boundary::call("tensormem_pool_checkpoint", std::ptr::null_mut(), || {
-        let checkpoint =
-            devices::allocator(device)?.get_checkpoint_state(pool_id(first, second))?;
+        let checkpoint = devices::allocator(device, AsyncUnsupported::GetCheckpointState)?
+            .get_checkpoint_state(pool_id(first, second))?;
         Ok(Box::into_raw(Box::new(checkpoint)))
     })
 }
@@ -381,6 +452,7 @@ pub unsafe extern "C" fn tensormem_pool_restore(
     context: *mut c_void,
 ) -> c_int {
     status("tensormem_pool_restore", || {
+        let allocator = devices::allocator(device, AsyncUnsupported::SetCheckpointPoolState)?;
         if checkpoint.is_null() {
             return Err(Error::NullArgument { what: "checkpoint" });
         }
@@ -391,7 +463,7 @@ pub unsafe extern "C" fn tensormem_pool_restore(
         };
         // SAFETY: a live checkpoint from `tensormem_pool_checkpoint` (the caller's obligation).
         let checkpoint = unsafe { &*checkpoint };
-        let delta = devices::allocator(device)?.set_checkpoint_pool_state(checkpoint)?;
+        let delta = allocator.set_checkpoint_pool_state(checkpoint)?;
         for ptr in delta.freed {
             // SAFETY: the caller's callback, with its context, during the call.
             unsafe { freed(context, ptr.0 as *mut c_void) };

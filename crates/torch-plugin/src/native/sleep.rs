@@ -6,7 +6,7 @@
 
 use std::ffi::c_int;
 
-use tensormem::cuda;
+use tensormem::cuda::{self, AsyncUnsupported};
 
 use super::{pool_id, status};
 use crate::devices;
@@ -33,7 +33,7 @@ pub unsafe extern "C" fn tensormem_pool_sleep(
 ) -> c_int {
     status("tensormem_pool_sleep", || {
         let ordinal = u32::try_from(device).map_err(|_| Error::InvalidDevice { device })?;
-        devices::allocator(device)?;
+        devices::allocator(device, AsyncUnsupported::CachingAllocator)?;
         let report = cuda::sleep_pool(pool_id(first, second), keep_contents != 0, Some(ordinal))?;
         if !released.is_null() {
             // SAFETY: non-null, and valid for a write (the caller's obligation).
@@ -62,7 +62,7 @@ pub unsafe extern "C" fn tensormem_pool_wake(
 ) -> c_int {
     status("tensormem_pool_wake", || {
         let ordinal = u32::try_from(device).map_err(|_| Error::InvalidDevice { device })?;
-        devices::allocator(device)?;
+        devices::allocator(device, AsyncUnsupported::CachingAllocator)?;
         let report = cuda::wake_pool(pool_id(first, second), Some(ordinal))?;
         if !mapped.is_null() {
             // SAFETY: non-null, and valid for a write (the caller's obligation).
@@ -77,7 +77,8 @@ pub unsafe extern "C" fn tensormem_pool_wake(
 pub extern "C" fn tensormem_pool_is_asleep(device: c_int, first: u64, second: u64) -> c_int {
     crate::boundary::call("tensormem_pool_is_asleep", -1, || {
         Ok(c_int::from(
-            devices::allocator(device)?.is_pool_asleep(pool_id(first, second)),
+            devices::allocator(device, AsyncUnsupported::CachingAllocator)?
+                .is_pool_asleep(pool_id(first, second)),
         ))
     })
 }

@@ -7,7 +7,7 @@
 
 use std::ffi::{c_char, c_int, CString};
 
-use tensormem::cuda;
+use tensormem::cuda::{self, AsyncUnsupported};
 use tensormem_cuda_alloc::snapshot::{BlockState, SegmentType, Snapshot};
 use tensormem_cuda_alloc::MempoolId;
 
@@ -115,8 +115,9 @@ impl Default for TorchConfigInfo {
 /// Takes a snapshot of every device the plugin used (PyTorch's `snapshot(mempool_id, include_traces)`):
 /// the segments of private pool (`first`, `second`) only, unless it is (0, 0); the traces (one list
 /// per device, whole: PyTorch does not filter them by pool) when `include_traces` is nonzero, else
-/// none (no device lists: `device_traces` is `[]` as in PyTorch). Returns null on error. Free it with
-/// [`tensormem_snapshot_free`].
+/// none (no device lists: `device_traces` is `[]` as in PyTorch). Returns null on error (under
+/// `backend:cudaMallocAsync`, PyTorch's "Calling snapshot with backend:cudaMallocAsync is not
+/// meaningful"). Free it with [`tensormem_snapshot_free`].
 #[no_mangle]
 pub extern "C" fn tensormem_snapshot_take(
     first: u64,
@@ -135,7 +136,7 @@ fn take(pool: MempoolId, include_traces: bool) -> Result<TorchSnapshot> {
     let mut merged = Snapshot::default();
     let mut traces = Vec::new();
     let mut config = None;
-    for allocator in devices::used() {
+    for allocator in devices::used_native(AsyncUnsupported::Snapshot)? {
         let ordinal = allocator.device().ordinal();
         // Filtered by pool, and the trace left uncopied without `include_traces`, as PyTorch does.
         let snapshot = allocator.snapshot_with(Some(pool), include_traces);
@@ -405,12 +406,15 @@ pub extern "C" fn tensormem_history(enabled: c_int, max_entries: usize) -> c_int
     })
 }
 
-/// Whether any device the plugin used is recording its history: 1 yes, 0 no.
+/// Whether any device the plugin used is recording its history: 1 yes, 0 no (and 0 under
+/// `backend:cudaMallocAsync`, which records none; the C++ layer asks
+/// [`tensormem_backend_supports`](super::tensormem_backend_supports) first, as PyTorch refuses).
 #[no_mangle]
 pub extern "C" fn tensormem_history_enabled() -> c_int {
     call("tensormem_history_enabled", 0, || {
         Ok(c_int::from(
-            devices::used().any(|allocator| allocator.is_history_enabled()),
+            devices::used_native(AsyncUnsupported::RecordHistory)?
+                .any(|allocator| allocator.is_history_enabled()),
         ))
     })
 }

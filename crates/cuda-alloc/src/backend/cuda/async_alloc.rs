@@ -632,6 +632,60 @@ impl AsyncAllocator {
         Ok(())
     }
 
+    /// The limit [`set_memory_fraction`](Self::set_memory_fraction) set on the bytes this allocator
+    /// hands out, or `None` when none was set (PyTorch's `pytorch_memory_limits`).
+    #[must_use]
+    pub fn memory_limit(&self) -> Option<u64> {
+        let limit = self.state.lock().limit;
+        (limit != u64::MAX).then_some(limit)
+    }
+
+    /// A rough guess of the largest workspace that can be allocated now on `stream` (PyTorch's
+    /// `cacheInfo` for this backend, which cuDNN uses to size its workspace): starting from the
+    /// smaller of the device's free memory and what the memory fraction leaves, halves the guess until
+    /// a `cuMemAllocFromPoolAsync` of it succeeds (then frees it at once, on `stream`). 0 when nothing
+    /// fits.
+    ///
+    /// # Errors
+    ///
+    /// [`DeviceError::UnknownStream`] (in [`Error::Device`]) for a stream the backend does not know;
+    /// driver errors other than out of memory.
+    #[doc(alias = "cacheInfo")]
+    pub fn cache_info(&self, stream: StreamId) -> Result<u64> {
+        registry::check_and_pin(self.device.ordinal(), stream)?;
+        self.device.make_current()?;
+        let state = self.state.lock();
+        let free = self.device.mem_info()?.free;
+        let mut guess = free.min(state.limit.saturating_sub(state.used));
+        while guess > 0 {
+            if state.used.saturating_add(guess) <= state.limit {
+                let mut raw: sys::CUdeviceptr = 0;
+                // SAFETY: as in `allocate`: the device's context is current, `pool` is its default
+                // pool, `stream` was checked and pinned above, `raw` is a valid out-parameter.
+                let result = unsafe {
+                    sys::cuMemAllocFromPoolAsync(
+                        &mut raw,
+                        usize::try_from(guess).unwrap_or(usize::MAX),
+                        self.pool,
+                        stream.0 as sys::CUstream,
+                    )
+                };
+                if result == sys::CUresult::CUDA_SUCCESS {
+                    // SAFETY: `raw` was just allocated on `stream` and nothing else knows it.
+                    check("cuMemFreeAsync", unsafe {
+                        sys::cuMemFreeAsync(raw, stream.0 as sys::CUstream)
+                    })?;
+                    return Ok(guess);
+                }
+                if result != sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                    check("cuMemAllocFromPoolAsync", result)?;
+                }
+            }
+            guess >>= 1;
+        }
+        Ok(0)
+    }
+
     /// Starts a graph capture's bookkeeping (PyTorch's `beginAllocateToPool` for this backend, which
     /// `torch.cuda.graph` calls before capturing): allocations are marked captured, frees of uncaptured
     /// pointers are deferred, free streams are remembered. Call it before `cuStreamBeginCapture`.
