@@ -239,6 +239,7 @@ fn pools_lines(
                 .iter()
                 .map(|(evidence, n)| {
                     let what = match evidence {
+                        PoolEvidence::Recorded => "recorded pool_id",
                         PoolEvidence::FinalSegments => "final segments",
                         PoolEvidence::DefaultCouldServe => "default pool could have served",
                         PoolEvidence::Contradiction => "other pool contradicted",

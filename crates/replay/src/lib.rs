@@ -61,11 +61,11 @@
 //! - the device's memory is not in the trace: every recorded decision that depended on it (new
 //!   segments, `oom` events with their `device_free`, releases that made room) bounds it, and the
 //!   replay picks a value inside the interval they allow ([`CapacityInference`]);
-//! - private pools (CUDA graph capture, `torch.cuda.MemPool`) are not named by the events either:
+//! - private pools (CUDA graph capture, `torch.cuda.MemPool`): a trace whose entries carry `pool_id`
+//!   (PyTorch after 2.11, tensormem) names the pool of every allocation; PyTorch 2.11's do not, and
 //!   the pool of each recorded segment is inferred (the snapshot's final `segment_pool_id`, whether
 //!   the default pool could have served the request that made it, and assumptions checked against
-//!   the record), and private allocations are replayed into private pools
-//!   ([`PoolAttribution`]);
+//!   the record). Private allocations are replayed into private pools ([`PoolAttribution`]);
 //! - every device has its own allocator; [`ReplayRun::flat_stats`] is device 0's, as
 //!   `torch.cuda.memory_stats()` with no argument.
 //!
@@ -99,6 +99,7 @@ mod run;
 mod timeline;
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 pub use capacity::CapacityInference;
 pub use check::{
@@ -343,7 +344,8 @@ impl Replay {
         let mut pools = Vec::with_capacity(plans.len());
         let mut attributions = Vec::with_capacity(plans.len());
         for (plan, capacity) in plans.iter().zip(&capacities) {
-            let (of, attribution) = infer_pools(plan, &recorded, capacity)?;
+            let named = pools::recorded_pools(plan, snapshot.trace(plan.device));
+            let (of, attribution) = infer_pools(plan, &recorded, capacity, &named)?;
             pools.push(of);
             attributions.push(attribution);
         }
@@ -500,7 +502,8 @@ impl Replay {
 }
 
 /// Infers the pool of every recorded segment of `plan` by replaying it under the recorded
-/// configuration, flipping assumptions the record contradicts (see [`pools`]). Segments one run of
+/// configuration, taking the pools the trace names (`named`, per allocation) and flipping
+/// assumptions the record contradicts (see [`pools`]). Segments one run of
 /// releases frees, all of private pools, were released by one `empty_cache` of one pool: when the
 /// inference gave them several pools, it is tried again with those pools made one, and the merged
 /// answer is kept if the record agrees with it as well.
@@ -508,13 +511,14 @@ fn infer_pools(
     plan: &DevicePlan,
     recorded: &AllocatorConfig,
     capacity: &CapacityInference,
+    named: &Arc<[Option<MempoolId>]>,
 ) -> Result<(Vec<Option<PoolOf>>, PoolAttribution)> {
-    let first = infer_pools_with(plan, recorded, capacity, HashMap::new())?;
+    let first = infer_pools_with(plan, recorded, capacity, named, HashMap::new())?;
     let merges = pools::merged_release_pools(plan, &first.0);
     if merges.is_empty() || first.1.gave_up {
         return Ok((first.0, first.1));
     }
-    let merged = infer_pools_with(plan, recorded, capacity, merges)?;
+    let merged = infer_pools_with(plan, recorded, capacity, named, merges)?;
     if merged.1.gave_up || merged.2 > first.2 {
         return Ok((first.0, first.1));
     }
@@ -526,6 +530,7 @@ fn infer_pools_with(
     plan: &DevicePlan,
     recorded: &AllocatorConfig,
     capacity: &CapacityInference,
+    named: &Arc<[Option<MempoolId>]>,
     mut forced: HashMap<u32, MempoolId>,
 ) -> Result<(Vec<Option<PoolOf>>, PoolAttribution, u64)> {
     let mut options = RunOptions::new(recorded.clone());
@@ -534,7 +539,7 @@ fn infer_pools_with(
     let default = capacity.capacity.unwrap_or(DEFAULT_CAPACITY);
     let mut flips = 0;
     loop {
-        let mut pass = PoolRun::inferring(plan, forced.clone());
+        let mut pass = PoolRun::inferring(plan, forced.clone(), Arc::clone(named));
         let run = run::run_device(plan, &options, default, 0, None, &mut pass)?;
         let stop = match pass.contradiction {
             Some((instance, pool)) if flips < pools::MAX_FLIPS => {

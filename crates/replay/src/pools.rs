@@ -1,10 +1,13 @@
-//! Which pool each recorded allocation went to: inferred, since PyTorch's trace events do not say.
+//! Which pool each recorded allocation went to: read from the trace when its entries name it
+//! (`pool_id`), else inferred, since PyTorch 2.11's trace events do not say.
 //!
 //! Private pools (CUDA graph capture, `torch.cuda.MemPool` with `use_mem_pool`) own their
 //! segments: a block carved from a segment belongs to the segment's pool. So the question is asked
 //! per recorded segment (an *instance*: from its `segment_alloc` to its `segment_free`), and every
 //! allocation landing in it shares the answer. The answer comes from, in order:
 //!
+//! 0. **the record**: the `pool_id` of the allocation that makes the segment's pool known, which
+//!    PyTorch after 2.11 and tensormem write on every entry about memory;
 //! 1. **the final segments**: a segment alive when the snapshot was taken carries `segment_pool_id`;
 //! 2. **the default pool's cache**: a new segment made while the default pool held a cached block
 //!    that would have served the request (same stream, best fit) was not made for the default pool:
@@ -26,11 +29,13 @@
 //! the trace releases one of its segments, which PyTorch does only for pools no graph uses.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
 
 use tensormem_cuda_alloc::device::{Device, StreamId};
+use tensormem_cuda_alloc::snapshot::{TraceAction, TraceEntry};
 use tensormem_cuda_alloc::{Allocation, CachingAllocator, MempoolId};
 
-use crate::plan::{DevicePlan, Instance};
+use crate::plan::{DevicePlan, Instance, Op};
 
 /// The most assumptions flipped while inferring one device's pools.
 pub const MAX_FLIPS: usize = 256;
@@ -41,6 +46,8 @@ pub const UNNAMED_POOL_BASE: u64 = 1 << 63;
 /// How a segment's pool was decided.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum PoolEvidence {
+    /// The trace names it: the `pool_id` of an allocation in the segment.
+    Recorded,
     /// The snapshot's final segments name it.
     FinalSegments,
     /// The default pool could have served the request that made the segment.
@@ -186,6 +193,27 @@ impl PoolAttribution {
     }
 }
 
+/// Per allocation of `plan` (in the order of [`DevicePlan::expected`]), the pool its `alloc` entry
+/// in `trace` names: `pool_id`, which PyTorch after 2.11 and tensormem write. Empty when no
+/// allocation's entry names one (PyTorch 2.11's traces), so that those cost nothing.
+pub(crate) fn recorded_pools(plan: &DevicePlan, trace: &[TraceEntry]) -> Arc<[Option<MempoolId>]> {
+    if !trace
+        .iter()
+        .any(|e| e.action == TraceAction::Alloc && e.pool_id.is_some())
+    {
+        return Arc::from(Vec::new());
+    }
+    plan.ops
+        .iter()
+        .zip(&plan.op_events)
+        .filter(|(op, _)| matches!(op, Op::Alloc { .. }))
+        .map(|(_, &event)| {
+            let (first, second) = trace.get(event as usize)?.pool_id?;
+            Some(MempoolId(first, second))
+        })
+        .collect()
+}
+
 /// Pools inferred for the segments of one run of releases that frees only private segments get
 /// `(MERGED_POOL_BASE + run, 0)` when merged.
 const MERGED_POOL_BASE: u64 = UNNAMED_POOL_BASE + (2 << 40);
@@ -237,6 +265,8 @@ pub(crate) struct PoolRun {
     infer: bool,
     /// Instances whose pool an earlier pass found contradicted.
     forced: HashMap<u32, MempoolId>,
+    /// Per allocation, the pool its trace entry names ([`recorded_pools`]; empty when none does).
+    recorded: Arc<[Option<MempoolId>]>,
     /// The first contradiction found (inference stops there): the instance and its other pool.
     pub(crate) contradiction: Option<(u32, MempoolId)>,
     /// Captures begun per private pool (its use count in the allocator).
@@ -266,8 +296,13 @@ impl PoolRun {
         }
     }
 
-    /// An inference pass over `instances`, with the pools of `forced` imposed.
-    pub(crate) fn inferring(plan: &DevicePlan, forced: HashMap<u32, MempoolId>) -> Self {
+    /// An inference pass over `instances`, with the pools of `forced` imposed and those the trace
+    /// names (`recorded`, from [`recorded_pools`]) taken as they are.
+    pub(crate) fn inferring(
+        plan: &DevicePlan,
+        forced: HashMap<u32, MempoolId>,
+        recorded: Arc<[Option<MempoolId>]>,
+    ) -> Self {
         let mut named: Vec<MempoolId> = plan
             .instances
             .iter()
@@ -281,6 +316,7 @@ impl PoolRun {
             named,
             infer: true,
             forced,
+            recorded,
             ..PoolRun::default()
         }
     }
@@ -417,6 +453,11 @@ impl PoolRun {
             evidence,
             chosen: false,
         };
+        // The trace says: nothing else can be stronger (no check contradicts it, see
+        // `landed_elsewhere`).
+        if let Some(pool) = self.recorded.get(index).copied().flatten() {
+            return decided(pool, PoolEvidence::Recorded);
+        }
         let bytes = usize::try_from(size).unwrap_or(usize::MAX);
         if let Some(&pool) = self.forced.get(&instance) {
             if pool == FORCE_PRIVATE {

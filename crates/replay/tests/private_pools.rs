@@ -1,6 +1,7 @@
 //! Private pools (CUDA graph capture, `torch.cuda.MemPool`) in traces written by tensormem's own
-//! allocator, whose real pool of every allocation is known: the replay infers it from the trace alone
-//! and reproduces the run exactly.
+//! allocator, whose real pool of every allocation is known: with the trace entries' `pool_id` taken
+//! out (PyTorch 2.11's format), the replay infers the pools from the trace alone and reproduces the
+//! run exactly. (`recorded_pools.rs` replays the same kind of traces with their `pool_id`.)
 
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::snapshot::Snapshot;
@@ -23,9 +24,17 @@ impl Rng {
     }
 }
 
+/// `snapshot` as PyTorch 2.11 writes it: no `pool_id` on trace entries.
+fn without_pool_ids(mut snapshot: Snapshot) -> Snapshot {
+    for entry in snapshot.device_traces.iter_mut().flatten() {
+        entry.pool_id = None;
+    }
+    snapshot
+}
+
 fn replay_exactly(allocator: &CachingAllocator<SimDevice>) -> Replay {
     let original = allocator.memory_stats();
-    let snapshot: Snapshot = allocator.snapshot();
+    let snapshot: Snapshot = without_pool_ids(allocator.snapshot());
     let replay = Replay::new(&snapshot)
         .unwrap()
         .with_expected_stats(ExpectedStats {
