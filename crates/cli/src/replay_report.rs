@@ -241,6 +241,7 @@ fn pools_lines(
                     let what = match evidence {
                         PoolEvidence::Recorded => "recorded pool_id",
                         PoolEvidence::FinalSegments => "final segments",
+                        PoolEvidence::PoolRelease => "released with its pool only",
                         PoolEvidence::DefaultCouldServe => "default pool could have served",
                         PoolEvidence::Contradiction => "other pool contradicted",
                         PoolEvidence::Assumed => "assumed",
@@ -270,6 +271,21 @@ fn pools_lines(
                 "; gave up: the record contradicts every assignment tried"
             } else {
                 ""
+            }
+        )?;
+    }
+    if attribution.private_ooms > 0 {
+        writeln!(
+            out,
+            "  {} out-of-memory requests replayed in a private pool{}",
+            attribution.private_ooms,
+            if attribution.ooms_from_stats > 0 {
+                format!(
+                    " ({} of them by the recorded num_alloc_retries: the trace shows the same for either pool)",
+                    attribution.ooms_from_stats
+                )
+            } else {
+                String::new()
             }
         )?;
     }

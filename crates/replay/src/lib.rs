@@ -98,7 +98,7 @@ mod restore;
 mod run;
 mod timeline;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 pub use capacity::CapacityInference;
@@ -259,6 +259,11 @@ pub struct Replay {
     pools: Vec<Vec<Option<PoolOf>>>,
     /// Per plan, which allocations went to which pool.
     attributions: Vec<PoolAttribution>,
+    /// Per plan, out-of-memory requests (by order) the trace leaves to either pool: replayed in
+    /// the default pools unless [`ooms_private`](Self::ooms_private) names them.
+    ambiguous_ooms: Vec<Vec<u32>>,
+    /// Per plan, out-of-memory requests the recorded statistics put in a private pool.
+    ooms_private: Vec<HashSet<u32>>,
     recorded: AllocatorConfig,
     settings_recorded: bool,
     expected: Option<ExpectedStats>,
@@ -343,17 +348,21 @@ impl Replay {
             .collect();
         let mut pools = Vec::with_capacity(plans.len());
         let mut attributions = Vec::with_capacity(plans.len());
+        let mut ambiguous_ooms = Vec::with_capacity(plans.len());
         for (plan, capacity) in plans.iter().zip(&capacities) {
             let named = pools::recorded_pools(plan, snapshot.trace(plan.device));
-            let (of, attribution) = infer_pools(plan, &recorded, capacity, &named)?;
+            let (of, attribution, ambiguous) = infer_pools(plan, &recorded, capacity, &named)?;
             pools.push(of);
             attributions.push(attribution);
+            ambiguous_ooms.push(ambiguous);
         }
         Ok(Replay {
+            ooms_private: vec![HashSet::new(); plans.len()],
             plans,
             capacities,
             pools,
             attributions,
+            ambiguous_ooms,
             recorded,
             settings_recorded,
             expected: None,
@@ -364,8 +373,49 @@ impl Replay {
     /// Adds the statistics PyTorch reported after the recorded run, for [`Check::stats`]: each
     /// device is checked against its entry of the file's `"devices"` map, device 0 against the top
     /// level when the map does not list it.
+    ///
+    /// A request that ran out of memory with nothing idle to release and no cached block to use
+    /// may have been the default pools' or a private pool's in use on its stream (`use_mem_pool`):
+    /// the trace shows the same, only the statistics differ (a default request synchronizes and
+    /// retries once before failing, `num_alloc_retries`). When the replay counts more retries than
+    /// the record, that many of those requests (the earliest) are replayed in the private pool;
+    /// [`PoolAttribution::ooms_from_stats`] says how many.
     #[must_use]
     pub fn with_expected_stats(mut self, expected: ExpectedStats) -> Self {
+        for i in 0..self.plans.len() {
+            let Some(&want) = expected
+                .for_device(self.plans[i].device)
+                .and_then(|e| e.figures.get("num_alloc_retries"))
+            else {
+                continue;
+            };
+            if self.ambiguous_ooms[i].is_empty() {
+                continue;
+            }
+            let Some((retries, mismatches)) = self.retries_and_mismatches(i, &HashSet::new())
+            else {
+                continue;
+            };
+            let mut extra = usize::try_from(retries - want).unwrap_or(0);
+            // The earliest requests whose move to a private pool keeps the replay as close to the
+            // record (their pool can change where later blocks land).
+            let mut chosen = HashSet::new();
+            for &ordinal in self.ambiguous_ooms[i].iter().take(MAX_OOM_TRIALS) {
+                if extra == 0 {
+                    break;
+                }
+                chosen.insert(ordinal);
+                match self.retries_and_mismatches(i, &chosen) {
+                    Some((_, m)) if m <= mismatches => extra -= 1,
+                    _ => {
+                        chosen.remove(&ordinal);
+                    }
+                }
+            }
+            self.attributions[i].private_ooms += chosen.len();
+            self.attributions[i].ooms_from_stats = chosen.len();
+            self.ooms_private[i] = chosen;
+        }
         self.expected = Some(expected);
         self
     }
@@ -445,6 +495,31 @@ impl Replay {
         Ok(applied)
     }
 
+    /// Plan `i` replayed under the recorded configuration with the out-of-memory requests `ooms`
+    /// in a private pool: its `num_alloc_retries`, and its address and reserved-bytes mismatches.
+    fn retries_and_mismatches(&self, i: usize, ooms: &HashSet<u32>) -> Option<(i64, u64)> {
+        let mut options = RunOptions::new(self.recorded.clone());
+        options.timeline_points = 1;
+        options.check = true;
+        let default = self.capacities[i].capacity.unwrap_or(DEFAULT_CAPACITY);
+        let mut pools = PoolRun::fixed(self.pools[i].clone()).with_private_ooms(ooms.clone());
+        match run::run_device(&self.plans[i], &options, default, 0, None, &mut pools) {
+            Ok(run) => Some((
+                run.stats
+                    .to_flat()
+                    .get("num_alloc_retries")
+                    .copied()
+                    .unwrap_or(0),
+                run.check
+                    .map_or(0, |c| c.address_mismatches + c.reserved_mismatches),
+            )),
+            Err(e) => {
+                tracing::debug!(error = %e, "replay for the out-of-memory attribution failed");
+                None
+            }
+        }
+    }
+
     /// Replays under the recorded configuration and checks the result against the record.
     ///
     /// # Errors
@@ -475,7 +550,13 @@ impl Replay {
         supported(&options.config)?;
         let mut devices = Vec::with_capacity(self.plans.len());
         let mut events_before = 0u64;
-        for ((plan, inference), pools) in self.plans.iter().zip(&self.capacities).zip(&self.pools) {
+        for (((plan, inference), pools), ooms_private) in self
+            .plans
+            .iter()
+            .zip(&self.capacities)
+            .zip(&self.pools)
+            .zip(&self.ooms_private)
+        {
             let expected = self
                 .expected
                 .as_ref()
@@ -487,7 +568,7 @@ impl Replay {
                 default,
                 events_before,
                 expected,
-                &mut PoolRun::fixed(pools.clone()),
+                &mut PoolRun::fixed(pools.clone()).with_private_ooms(ooms_private.clone()),
             )?);
             events_before += plan.events as u64;
         }
@@ -501,6 +582,10 @@ impl Replay {
     }
 }
 
+/// The most out-of-memory requests [`Replay::with_expected_stats`] tries in a private pool, one
+/// replay each.
+const MAX_OOM_TRIALS: usize = 64;
+
 /// Infers the pool of every recorded segment of `plan` by replaying it under the recorded
 /// configuration, taking the pools the trace names (`named`, per allocation) and flipping
 /// assumptions the record contradicts (see [`pools`]). Segments one run of
@@ -512,37 +597,89 @@ fn infer_pools(
     recorded: &AllocatorConfig,
     capacity: &CapacityInference,
     named: &Arc<[Option<MempoolId>]>,
-) -> Result<(Vec<Option<PoolOf>>, PoolAttribution)> {
-    let first = infer_pools_with(plan, recorded, capacity, named, HashMap::new())?;
-    let merges = pools::merged_release_pools(plan, &first.0);
-    if merges.is_empty() || first.1.gave_up {
-        return Ok((first.0, first.1));
+) -> Result<(Vec<Option<PoolOf>>, PoolAttribution, Vec<u32>)> {
+    let released = pools::released_private(plan);
+    let plain = infer_pools_from(plan, recorded, capacity, named, HashMap::new())?;
+    if released.is_empty() || plain.mismatches == 0 {
+        return Ok((plain.of, plain.attribution, plain.ambiguous_ooms));
     }
-    let merged = infer_pools_with(plan, recorded, capacity, named, merges)?;
-    if merged.1.gave_up || merged.2 > first.2 {
-        return Ok((first.0, first.1));
-    }
-    Ok((merged.0, merged.1))
+    // Releases of private pools only say which segments were a pool's; the record has the last
+    // word when it agrees better with them.
+    let by_release = infer_pools_from(plan, recorded, capacity, named, released)?;
+    let best = if by_release.mismatches < plain.mismatches {
+        by_release
+    } else {
+        plain
+    };
+    Ok((best.of, best.attribution, best.ambiguous_ooms))
 }
 
-/// One inference from `forced` on; also the address mismatches of its last pass.
+/// One pool inference: the pool of each recorded segment, the attribution reported, the address
+/// and reserved-bytes mismatches of its last pass, and the out-of-memory requests it left to
+/// either pool.
+struct Inferred {
+    of: Vec<Option<PoolOf>>,
+    attribution: PoolAttribution,
+    mismatches: u64,
+    ambiguous_ooms: Vec<u32>,
+}
+
+/// [`infer_pools_with`] from the pools `released` decides ([`pools::released_private`]); then,
+/// when the inference split the segments of one run of releases between unnamed pools, with
+/// those pools made one, kept if the record agrees as well.
+fn infer_pools_from(
+    plan: &DevicePlan,
+    recorded: &AllocatorConfig,
+    capacity: &CapacityInference,
+    named: &Arc<[Option<MempoolId>]>,
+    released: HashMap<u32, MempoolId>,
+) -> Result<Inferred> {
+    let first = infer_pools_with(
+        plan,
+        recorded,
+        capacity,
+        named,
+        HashMap::new(),
+        released.clone(),
+    )?;
+    let merges = pools::merged_release_pools(plan, &first.of);
+    if merges.is_empty() || first.attribution.gave_up {
+        return Ok(first);
+    }
+    let merged = infer_pools_with(plan, recorded, capacity, named, merges, released)?;
+    if merged.attribution.gave_up || merged.mismatches > first.mismatches {
+        return Ok(first);
+    }
+    Ok(merged)
+}
+
+/// One inference from `forced` on; also the address mismatches of its last pass and the
+/// out-of-memory requests it left to either pool.
 fn infer_pools_with(
     plan: &DevicePlan,
     recorded: &AllocatorConfig,
     capacity: &CapacityInference,
     named: &Arc<[Option<MempoolId>]>,
     mut forced: HashMap<u32, MempoolId>,
-) -> Result<(Vec<Option<PoolOf>>, PoolAttribution, u64)> {
+    released: HashMap<u32, MempoolId>,
+) -> Result<Inferred> {
     let mut options = RunOptions::new(recorded.clone());
     options.timeline_points = 1;
     options.check = true;
     let default = capacity.capacity.unwrap_or(DEFAULT_CAPACITY);
     let mut flips = 0;
     loop {
-        let mut pass = PoolRun::inferring(plan, forced.clone(), Arc::clone(named));
+        let mut pass =
+            PoolRun::inferring(plan, forced.clone(), Arc::clone(named), released.clone());
         let run = run::run_device(plan, &options, default, 0, None, &mut pass)?;
         let stop = match pass.contradiction {
             Some((instance, pool)) if flips < pools::MAX_FLIPS => {
+                tracing::debug!(
+                    device = plan.device,
+                    segment = format_args!("{:#x}", plan.instances[instance as usize].addr),
+                    %pool,
+                    "the record contradicts the segment's pool: trying again with this one"
+                );
                 flips += 1;
                 forced.insert(instance, pool);
                 None
@@ -562,16 +699,19 @@ fn infer_pools_with(
             let mismatches = run
                 .check
                 .map_or(0, |c| c.address_mismatches + c.reserved_mismatches);
-            return Ok((
-                pass.of,
-                PoolAttribution {
+            return Ok(Inferred {
+                of: pass.of,
+                attribution: PoolAttribution {
                     pools: shares,
                     undecided,
                     flips,
                     gave_up,
+                    private_ooms: pass.private_ooms,
+                    ooms_from_stats: 0,
                 },
                 mismatches,
-            ));
+                ambiguous_ooms: pass.ambiguous_ooms,
+            });
         }
     }
 }

@@ -53,6 +53,9 @@ pub(crate) enum Op {
         /// The device had room for the segment the request needed: the failure was the memory
         /// fraction's, and says nothing about the device's size.
         device_had_room: bool,
+        /// Segments were released right before the failure (a request for the default pools
+        /// releases every idle segment of theirs before it fails).
+        after_releases: bool,
     },
     /// A run of segment releases (`segment_free`, `segment_unmap`) that did not end in an `oom`;
     /// `run` indexes [`DevicePlan::releases`].
@@ -139,6 +142,10 @@ pub(crate) struct DevicePlan {
     pub(crate) instances: Vec<Instance>,
     /// For each run of releases, the instances it releases.
     pub(crate) release_sets: Vec<Vec<u32>>,
+    /// For each run of releases, the segments (not expandable reservations) that held no block,
+    /// allocated or waiting for its stream's work, when the run started: what a release of every
+    /// pool's cache could have freed.
+    pub(crate) idle_at_release: Vec<Vec<u32>>,
     /// For each [`Op::Alloc`], in order, what the trace recorded.
     pub(crate) expected: Vec<Expected>,
     /// Slots needed (the most allocations live at once).
@@ -281,6 +288,9 @@ impl DevicePlan {
         let mut held: HashMap<u64, StreamId> = HashMap::new();
         let mut reservations: Vec<Reservation> = Vec::new();
         let mut segments_live = LiveSegments::default();
+        // Per recorded segment, its blocks allocated or waiting for their stream's work.
+        let mut busy: HashMap<u32, u32> = HashMap::new();
+        let mut block_segment: HashMap<u64, u32> = HashMap::new();
         let mut reserved: u64 = 0;
         // The most bytes reserved right after a new segment, the release runs that may have made
         // room for a new segment, the out-of-memory errors.
@@ -329,6 +339,10 @@ impl DevicePlan {
                     });
                     live.insert(e.addr, slot);
                     let instance = segments_live.find(e.addr);
+                    if instance != NO_INSTANCE {
+                        *busy.entry(instance).or_default() += 1;
+                        block_segment.insert(e.addr, instance);
+                    }
                     if let Some(i) = plan.instances.get_mut(instance as usize) {
                         if i.first_alloc.is_none() {
                             i.first_alloc = Some(plan.expected.len() as u32);
@@ -384,6 +398,11 @@ impl DevicePlan {
                     plan.push(event, Op::Free { slot, held_on });
                 }
                 TraceAction::FreeCompleted => {
+                    if let Some(instance) = block_segment.remove(&e.addr) {
+                        if let Some(n) = busy.get_mut(&instance) {
+                            *n = n.saturating_sub(1);
+                        }
+                    }
                     if let Some(stream) = held.remove(&e.addr) {
                         let complete = Op::Complete {
                             stream,
@@ -435,6 +454,16 @@ impl DevicePlan {
                     if starts {
                         let set = plan.release_sets.len() as u32;
                         plan.release_sets.push(Vec::new());
+                        let idle = segments_live
+                            .by_addr
+                            .iter()
+                            .filter(|(base, _)| {
+                                !reservations.iter().any(|r| !r.retired && r.base == **base)
+                            })
+                            .map(|(_, &(_, id))| id)
+                            .filter(|id| busy.get(id).copied().unwrap_or(0) == 0)
+                            .collect();
+                        plan.idle_at_release.push(idle);
                         plan.push(event, Op::ReleaseStarts { set });
                     }
                     let instance = segments_live.find(e.addr);
@@ -494,6 +523,11 @@ impl DevicePlan {
                             stream: e.stream_id(),
                             capacity: reserved + e.addr,
                             device_had_room: fact.device_had_room(),
+                            after_releases: trace[..i]
+                                .iter()
+                                .rev()
+                                .find(|e| !is_note(&e.action))
+                                .is_some_and(|e| is_release(&e.action)),
                         },
                     );
                     plan.flush(event, &mut synced);
@@ -590,11 +624,23 @@ fn released_without_synchronizing(
 /// rather than from finding the block's event done at the start of an allocation. The difference
 /// matters: blocks freed at the start of an allocation can serve it, those freed by synchronizing
 /// cannot.
+///
+/// Before `empty_cache` (a run of releases that no allocation follows) it makes no difference
+/// for blocks `empty_cache` synchronizes, and `empty_cache` of one private pool synchronizes only
+/// that pool's blocks: such a completion is taken as the free's own.
 fn completed_by_synchronizing(trace: &[TraceEntry], i: usize) -> bool {
-    trace[i..]
+    let Some(next) = trace[i..]
         .iter()
-        .find(|e| e.action != TraceAction::FreeCompleted && !is_note(&e.action))
-        .is_some_and(|e| is_release(&e.action) || e.action == TraceAction::Oom)
+        .position(|e| e.action != TraceAction::FreeCompleted && !is_note(&e.action))
+        .map(|n| i + n)
+    else {
+        return false;
+    };
+    match trace[next].action {
+        TraceAction::Oom => true,
+        ref a if is_release(a) => !matches!(release_run_end(trace, next), RunEnd::Other),
+        _ => false,
+    }
 }
 
 fn is_release(action: &TraceAction) -> bool {
@@ -826,6 +872,7 @@ mod tests {
                     stream: StreamId(0),
                     capacity: (20 << 20) + (1 << 20),
                     device_had_room: false,
+                    after_releases: true,
                 },
             ]
         );

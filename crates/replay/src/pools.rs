@@ -50,6 +50,9 @@ pub enum PoolEvidence {
     Recorded,
     /// The snapshot's final segments name it.
     FinalSegments,
+    /// Released by a release of private pools only: `empty_cache` left idle segments of the
+    /// default pools in place (the final segments name them) while it freed this one.
+    PoolRelease,
     /// The default pool could have served the request that made the segment.
     DefaultCouldServe,
     /// The other choice contradicted the record.
@@ -108,6 +111,13 @@ pub struct PoolAttribution {
     pub flips: usize,
     /// Whether the inference stopped at [`MAX_FLIPS`] or at an assumption contradicted both ways.
     pub gave_up: bool,
+    /// Requests that ran out of memory, replayed in a private pool (`use_mem_pool` or a capture):
+    /// the default pools' cache would have served them, or they would have released idle default
+    /// segments first, which the trace does not show.
+    pub private_ooms: usize,
+    /// Of those, the ones the trace leaves open and the recorded statistics decided (see
+    /// [`Replay::with_expected_stats`](crate::Replay::with_expected_stats)).
+    pub ooms_from_stats: usize,
 }
 
 impl PoolAttribution {
@@ -218,6 +228,50 @@ pub(crate) fn recorded_pools(plan: &DevicePlan, trace: &[TraceEntry]) -> Arc<[Op
 /// `(MERGED_POOL_BASE + run, 0)` when merged.
 const MERGED_POOL_BASE: u64 = UNNAMED_POOL_BASE + (2 << 40);
 
+/// Pools of segments released by a run of releases that freed private pools only get
+/// `(POOL_RELEASE_BASE + set, 0)`.
+const POOL_RELEASE_BASE: u64 = UNNAMED_POOL_BASE + (3 << 40);
+
+/// Segments whose pool a release run decides: a run that is not an allocation's (nothing needing
+/// memory follows it) is `empty_cache`, which frees every idle segment of the pools it empties. If
+/// a segment of the default pools stayed although it was idle when the run started (the final
+/// segments name its pool), the run emptied private pools only, and every segment it freed was a
+/// private pool's; one pool's (`MemPool`'s destruction or `empty_cache` of one pool), since
+/// releases of several pools at once are told apart by nothing in the trace.
+pub(crate) fn released_private(plan: &DevicePlan) -> HashMap<u32, MempoolId> {
+    let mut pools = HashMap::new();
+    for run in plan.releases.iter().filter(|r| r.next_segment.is_none()) {
+        let set = run.set as usize;
+        let (Some(freed), Some(idle)) = (plan.release_sets.get(set), plan.idle_at_release.get(set))
+        else {
+            continue;
+        };
+        if freed.is_empty() || !freed.iter().all(|id| idle.contains(id)) {
+            continue;
+        }
+        let default_kept = idle.iter().filter(|id| !freed.contains(id)).any(|&id| {
+            plan.instances
+                .get(id as usize)
+                .is_some_and(|i| i.final_pool == Some(MempoolId::DEFAULT))
+        });
+        if default_kept {
+            let pool = MempoolId(POOL_RELEASE_BASE + set as u64, 0);
+            for &id in freed {
+                pools.entry(id).or_insert(pool);
+            }
+        }
+    }
+    pools
+}
+
+/// Whether the default pools hold a segment that releasing cached memory would free (one free
+/// block, no expandable mapping).
+fn holds_idle_default_segment<D: Device>(allocator: &CachingAllocator<D>) -> bool {
+    allocator.snapshot().segments.iter().any(|s| {
+        s.segment_pool_id == (0, 0) && !s.is_expandable && s.active_size == 0 && s.blocks.len() == 1
+    })
+}
+
 /// The pools to impose so that the unnamed pools of every run of releases freeing only private
 /// segments are one.
 ///
@@ -267,6 +321,18 @@ pub(crate) struct PoolRun {
     forced: HashMap<u32, MempoolId>,
     /// Per allocation, the pool its trace entry names ([`recorded_pools`]; empty when none does).
     recorded: Arc<[Option<MempoolId>]>,
+    /// Instances whose pool a release of private pools decides ([`released_private`]).
+    released_private: HashMap<u32, MempoolId>,
+    /// Out-of-memory requests (by order in the trace) to replay in a private pool although
+    /// nothing in the trace rules out the default pools (decided from the recorded statistics).
+    ooms_private: HashSet<u32>,
+    /// Out-of-memory requests seen so far.
+    ooms_seen: u32,
+    /// Out-of-memory requests replayed in a private pool.
+    pub(crate) private_ooms: usize,
+    /// Out-of-memory requests replayed in the default pools that a private pool in use on their
+    /// stream could have failed as well (by order in the trace).
+    pub(crate) ambiguous_ooms: Vec<u32>,
     /// The first contradiction found (inference stops there): the instance and its other pool.
     pub(crate) contradiction: Option<(u32, MempoolId)>,
     /// Captures begun per private pool (its use count in the allocator).
@@ -296,12 +362,21 @@ impl PoolRun {
         }
     }
 
-    /// An inference pass over `instances`, with the pools of `forced` imposed and those the trace
-    /// names (`recorded`, from [`recorded_pools`]) taken as they are.
+    /// The run, with the out-of-memory requests `ooms` (by order in the trace) replayed in a
+    /// private pool.
+    pub(crate) fn with_private_ooms(mut self, ooms: HashSet<u32>) -> Self {
+        self.ooms_private = ooms;
+        self
+    }
+
+    /// An inference pass over `instances`, with the pools of `forced` imposed, those the trace
+    /// names (`recorded`, from [`recorded_pools`]) taken as they are and those of
+    /// `released_private` (see [`released_private`]) taken as evidence.
     pub(crate) fn inferring(
         plan: &DevicePlan,
         forced: HashMap<u32, MempoolId>,
         recorded: Arc<[Option<MempoolId>]>,
+        released_private: HashMap<u32, MempoolId>,
     ) -> Self {
         let mut named: Vec<MempoolId> = plan
             .instances
@@ -317,6 +392,7 @@ impl PoolRun {
             infer: true,
             forced,
             recorded,
+            released_private,
             ..PoolRun::default()
         }
     }
@@ -430,6 +506,13 @@ impl PoolRun {
             return MempoolId::DEFAULT;
         }
         let decided = self.decide(allocator, instance, recorded, index, size, stream);
+        tracing::trace!(
+            segment = format_args!("{:#x}", recorded.addr),
+            event = index,
+            pool = %decided.pool,
+            evidence = ?decided.evidence,
+            "segment's pool decided"
+        );
         self.of[instance as usize] = Some(decided);
         if recorded.first_alloc == Some(index as u32) {
             self.live
@@ -472,6 +555,9 @@ impl PoolRun {
         if let Some(pool) = recorded.final_pool {
             return decided(pool, PoolEvidence::FinalSegments);
         }
+        if let Some(&pool) = self.released_private.get(&instance) {
+            return decided(pool, PoolEvidence::PoolRelease);
+        }
         let made_here = recorded.first_alloc == Some(index as u32);
         if made_here && allocator.would_serve_from_cache(bytes, stream) {
             return PoolOf {
@@ -481,15 +567,17 @@ impl PoolRun {
             };
         }
         // The pool most of the stream's allocations went to (among the default and live private
-        // pools), the last one used on ties.
+        // pools), the last one used on ties. A pool a release decided has all its segments
+        // already (its release freed every idle one): it is not assumed for others.
         let last = self.last_on_stream.get(&stream).copied();
+        let closed = |p: &MempoolId| self.released_private.values().any(|c| c == p);
         let pool = self
             .counts
             .get(&stream)
             .and_then(|counts| {
                 counts
                     .iter()
-                    .filter(|(p, _)| p.is_default() || self.live_private(**p))
+                    .filter(|(p, _)| p.is_default() || (self.live_private(**p) && !closed(p)))
                     .max_by_key(|(p, n)| (**n, Some(**p) == last, **p))
                     .map(|(p, _)| *p)
             })
@@ -499,6 +587,84 @@ impl PoolRun {
             evidence: PoolEvidence::Assumed,
             chosen: false,
         }
+    }
+
+    /// The pool of a request that ran out of memory on `stream` in the record: the default pools,
+    /// unless their cache would have served it, or the record shows no release before the failure
+    /// although they held an idle segment (a default request releases every one before it fails):
+    /// then a private pool in use on the stream that could not serve it either (`use_mem_pool`, or
+    /// a capture, which gets no cache release before its failure).
+    ///
+    /// Where the trace allows both, the default pools, unless [`ooms_private`](Self::ooms_private)
+    /// names the request: the two differ only in the statistics (a default request synchronizes
+    /// and retries once before it fails, a private pool's does not).
+    pub(crate) fn oom_pool<D: Device>(
+        &mut self,
+        allocator: &CachingAllocator<D>,
+        size: usize,
+        stream: StreamId,
+        after_releases: bool,
+    ) -> MempoolId {
+        let ordinal = self.ooms_seen;
+        self.ooms_seen += 1;
+        let default_failed = !allocator.would_serve_from_cache(size, stream)
+            && (after_releases || !holds_idle_default_segment(allocator));
+        if default_failed && after_releases {
+            return MempoolId::DEFAULT;
+        }
+        let recent: Vec<MempoolId> = self
+            .private_on_stream
+            .get(&stream)
+            .map(|v| {
+                v.iter()
+                    .rev()
+                    .copied()
+                    .filter(|p| self.live_private(*p))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let Some(private) = recent
+            .into_iter()
+            .find(|&pool| !self.pool_could_serve(allocator, pool, size, stream))
+        else {
+            return MempoolId::DEFAULT;
+        };
+        if default_failed && !self.ooms_private.contains(&ordinal) {
+            tracing::trace!(
+                ordinal,
+                size,
+                "out-of-memory request either pool's: replayed as the default pools'"
+            );
+            self.ambiguous_ooms.push(ordinal);
+            return MempoolId::DEFAULT;
+        }
+        tracing::trace!(ordinal, size, %private, "out-of-memory request replayed in a private pool");
+        self.private_ooms += 1;
+        private
+    }
+
+    /// Requests `size` bytes on `stream` from `pool` (see [`allocate`](Self::allocate)) without
+    /// counting it as the stream's use of the pool.
+    pub(crate) fn request<D: Device>(
+        &mut self,
+        allocator: &CachingAllocator<D>,
+        pool: MempoolId,
+        size: usize,
+        stream: StreamId,
+    ) -> tensormem_cuda_alloc::Result<Allocation> {
+        if pool.is_default()
+            || allocator
+                .begin_allocate_to_pool(pool, move |s| s == stream)
+                .is_err()
+        {
+            return allocator.allocate(size, stream);
+        }
+        *self.begun.entry(pool).or_default() += 1;
+        let result = allocator.allocate(size, stream);
+        if let Err(e) = allocator.end_allocate_to_pool(pool) {
+            tracing::debug!(%pool, error = %e, "ending a replayed capture failed");
+        }
+        result
     }
 
     /// Notes that an allocation on `stream` went to `pool`.
@@ -527,24 +693,12 @@ impl PoolRun {
         stream: StreamId,
     ) -> tensormem_cuda_alloc::Result<Allocation> {
         self.used(stream, pool);
-        if pool.is_default() {
-            return allocator.allocate(size, stream);
-        }
-        if allocator
-            .begin_allocate_to_pool(pool, move |s| s == stream)
-            .is_err()
-        {
+        if !pool.is_default() && self.released.contains(&pool) {
             // The pool was released in the replay although the trace allocates into it: the
             // check reports where this leads.
             tracing::debug!(%pool, "allocation into a released pool replayed in the default pool");
-            return allocator.allocate(size, stream);
         }
-        *self.begun.entry(pool).or_default() += 1;
-        let result = allocator.allocate(size, stream);
-        if let Err(e) = allocator.end_allocate_to_pool(pool) {
-            tracing::debug!(%pool, error = %e, "ending a replayed capture failed");
-        }
-        result
+        self.request(allocator, pool, size, stream)
     }
 
     /// The trace releases the segments `set` of the plan: the private pools they belong to were

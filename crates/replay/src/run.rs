@@ -184,6 +184,14 @@ pub(crate) fn run_device(
                     }
                 };
                 if landed != expected.addr && landed != 0 {
+                    tracing::trace!(
+                        event,
+                        size,
+                        %pool,
+                        recorded = format_args!("{:#x}", expected.addr),
+                        replayed = format_args!("{landed:#x}"),
+                        "allocation landed elsewhere than recorded"
+                    );
                     pools.landed_elsewhere(pool, landed);
                     if pools.stopped() {
                         break;
@@ -244,6 +252,7 @@ pub(crate) fn run_device(
                 stream,
                 capacity: recorded_capacity,
                 device_had_room,
+                after_releases,
             } => {
                 // Under a memory fraction, a failure the device had room for was the fraction's:
                 // the device's size is the inferred one, not what was free at that moment.
@@ -253,7 +262,18 @@ pub(crate) fn run_device(
                     allocator.device().sim().set_capacity(recorded_capacity);
                 }
                 let bytes = usize::try_from(size).unwrap_or(usize::MAX);
-                match allocator.allocate(bytes, stream) {
+                let pool = pools.oom_pool(&allocator, bytes, stream, after_releases);
+                if !pool.is_default() {
+                    // A private pool's request fails without synchronizing: blocks the plan let
+                    // complete by the failure's synchronization were free before it.
+                    let after = plan.ops[i + 1..].iter().zip(&plan.op_events[i + 1..]);
+                    for (op, _) in after.take_while(|(_, &e)| e == event) {
+                        if let Op::Complete { stream, .. } = op {
+                            allocator.device().sim().complete_stream_work(*stream);
+                        }
+                    }
+                }
+                match pools.request(&allocator, pool, bytes, stream) {
                     Ok(a) => {
                         // The program went on without this memory: give it back at once.
                         allocator.free(a).map_err(|e| fail(event, e))?;

@@ -9,7 +9,7 @@ use tensormem_cuda_alloc::snapshot::{Snapshot, TraceAction, TraceEntry};
 use tensormem_cuda_alloc::{CachingAllocator, StreamId, DEFAULT_STREAM_CAPACITY};
 use tensormem_replay::{ExpectedStats, Replay, RunOptions};
 
-const TRACES: [&str; 28] = [
+const TRACES: [&str; 29] = [
     "gpt2_train",
     "gpt2_train__expandable_segments-True",
     "multistream",
@@ -38,6 +38,7 @@ const TRACES: [&str; 28] = [
     "compile_ro__expandable_segments-True",
     "oom_gc__fraction-0.004_garbage_collection_threshold-0.6",
     "mempool_empty_cache",
+    "oom_mempool_use_on_oom__fraction-0.004",
 ];
 
 fn traces_dir() -> PathBuf {
@@ -711,4 +712,32 @@ fn a_trace_on_more_streams_than_the_default_capacity_replays_exactly() {
     assert_eq!(check.divergence, None);
     assert_eq!(check.stats.as_ref().unwrap().mismatches, Vec::new());
     assert_eq!(run.devices[0].stats, original);
+}
+
+/// A `MemPool(use_on_oom=True)` beside default requests under a memory fraction: the pool's
+/// segments are known by the run of releases that frees them alone at the end (idle default
+/// segments stay), default requests that took the pool's free blocks land as requests into the
+/// pool would, requests the default pools' cache could have served failed in the pool, and the
+/// failures the trace leaves open are placed by the recorded `num_alloc_retries`.
+#[test]
+fn a_use_on_oom_pool_replays_exactly() {
+    let name = "oom_mempool_use_on_oom__fraction-0.004";
+    exact(name);
+    let (snapshot, expected) = load(name);
+    let replay = Replay::new(&snapshot)
+        .unwrap()
+        .with_expected_stats(expected);
+    let attribution = replay.pool_attribution(0).unwrap();
+    let private: Vec<_> = attribution
+        .pools
+        .iter()
+        .filter(|p| !p.pool.is_default())
+        .collect();
+    assert_eq!(private.len(), 1, "{attribution:?}");
+    assert_eq!(private[0].segments, 6, "{attribution:?}");
+    assert!(
+        attribution.private_ooms > attribution.ooms_from_stats,
+        "{attribution:?}"
+    );
+    assert!(attribution.ooms_from_stats > 0, "{attribution:?}");
 }
