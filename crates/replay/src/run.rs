@@ -304,9 +304,12 @@ pub(crate) fn run_device(
                 let restore = restore as usize;
                 let candidates = std::mem::take(&mut checkpoints[restore]);
                 restoring = apply_restore(&allocator, pools, &plan.restores[restore], &candidates);
-                match &restoring {
-                    Some(_) => restores.applied += 1,
-                    None => restores.not_applied += 1,
+                match (&restoring, pools.restored_pool(&plan.restores[restore])) {
+                    (Some(_), _) => restores.applied += 1,
+                    (None, Some(_)) => restores.not_applied += 1,
+                    // Graph trees restore private pools only: blocks cut like a restore's in
+                    // segments of the default pools were ordinary requests.
+                    (None, None) => {}
                 }
             }
             Op::ReleaseStarts { set } => {
@@ -388,7 +391,8 @@ pub struct RestoreCount {
     /// Restores the replay made through the allocator's checkpoint API.
     pub applied: u64,
     /// Restores replayed as ordinary allocations: no checkpoint the replay took agreed with the
-    /// trace (or the pool could not be checkpointed: expandable segments).
+    /// trace (or the pool could not be checkpointed: expandable segments). Runs of events shaped
+    /// like a restore in segments that are not one private pool's are not counted.
     pub not_applied: u64,
 }
 

@@ -348,6 +348,17 @@ fn checkpoint_restores_of_cuda_graph_trees_replay_exactly() {
     }
     // Graph trees that keep outputs alive across calls without restoring replay exactly too.
     exact("compile_ro_keep");
+    // Optimizer steps cut segments of the default pools much as a restore cuts a graph tree's:
+    // with no private pool, nothing is a restore.
+    for name in ["gpt2_train", "gpt2_train__expandable_segments-True"] {
+        let (snapshot, _) = load(name);
+        let run = Replay::new(&snapshot).unwrap().run_recorded().unwrap();
+        assert_eq!(
+            run.devices[0].restores,
+            tensormem_replay::RestoreCount::default(),
+            "{name}"
+        );
+    }
     exact("compile_ro_keep__expandable_segments-True");
 }
 
