@@ -420,21 +420,8 @@ impl PoolRun {
         size: usize,
         stream: StreamId,
     ) -> MempoolId {
-        let recent: Vec<MempoolId> = self
-            .private_on_stream
-            .get(&stream)
-            .map(|v| {
-                v.iter()
-                    .rev()
-                    .copied()
-                    .filter(|p| self.live_private(*p))
-                    .collect()
-            })
-            .unwrap_or_default();
-        for pool in recent {
-            if !self.pool_could_serve(allocator, pool, size, stream) {
-                return pool;
-            }
+        if let Some(pool) = self.recent_private_failing(allocator, size, stream) {
+            return pool;
         }
         let named: Vec<MempoolId> = self
             .named
@@ -449,6 +436,30 @@ impl PoolRun {
         }
         self.unnamed += 1;
         MempoolId(UNNAMED_POOL_BASE + self.unnamed, 0)
+    }
+
+    /// The live private pool used most recently on `stream` that holds no cached block for `size`
+    /// bytes there.
+    fn recent_private_failing<D: Device>(
+        &mut self,
+        allocator: &CachingAllocator<D>,
+        size: usize,
+        stream: StreamId,
+    ) -> Option<MempoolId> {
+        let recent: Vec<MempoolId> = self
+            .private_on_stream
+            .get(&stream)
+            .map(|v| {
+                v.iter()
+                    .rev()
+                    .copied()
+                    .filter(|p| self.live_private(*p))
+                    .collect()
+            })
+            .unwrap_or_default();
+        recent
+            .into_iter()
+            .find(|&pool| !self.pool_could_serve(allocator, pool, size, stream))
     }
 
     /// Whether private pool `pool` holds a cached block that would serve `size` bytes on `stream`.
@@ -612,21 +623,7 @@ impl PoolRun {
         if default_failed && after_releases {
             return MempoolId::DEFAULT;
         }
-        let recent: Vec<MempoolId> = self
-            .private_on_stream
-            .get(&stream)
-            .map(|v| {
-                v.iter()
-                    .rev()
-                    .copied()
-                    .filter(|p| self.live_private(*p))
-                    .collect()
-            })
-            .unwrap_or_default();
-        let Some(private) = recent
-            .into_iter()
-            .find(|&pool| !self.pool_could_serve(allocator, pool, size, stream))
-        else {
+        let Some(private) = self.recent_private_failing(allocator, size, stream) else {
             return MempoolId::DEFAULT;
         };
         if default_failed && !self.ooms_private.contains(&ordinal) {
