@@ -645,6 +645,17 @@ impl FreeSet {
         }
     }
 
+    /// The buckets holding entries, in order (the bitmap names them: the other buckets are not
+    /// visited).
+    fn nonempty_buckets(&self) -> impl Iterator<Item = &Bucket> + '_ {
+        let mut next = self.next_nonempty(0);
+        std::iter::from_fn(move || {
+            let b = next?;
+            next = self.next_nonempty(b + 1);
+            Some(&self.buckets[b])
+        })
+    }
+
     #[inline(always)]
     fn mark(&mut self, b: usize, nonempty: bool) {
         if nonempty {
@@ -918,7 +929,7 @@ impl FreeSet {
     fn gather_into_small(&mut self) {
         let mut small = std::mem::take(&mut self.small);
         // Buckets in order, each walked in order: the result is sorted.
-        small.extend(self.buckets.iter().flat_map(Bucket::iter));
+        small.extend(self.nonempty_buckets().flat_map(Bucket::iter));
         for word in 0..WORDS {
             let mut bits = self.nonempty[word];
             while bits != 0 {
@@ -1110,7 +1121,7 @@ impl FreeSet {
         self.small
             .iter()
             .copied()
-            .chain(self.buckets.iter().flat_map(Bucket::iter))
+            .chain(self.nonempty_buckets().flat_map(Bucket::iter))
             .map(|e| e.triple())
     }
 
