@@ -107,8 +107,14 @@ fn panel(svg: &mut String, top: f64, run: &ReplayRun, y_axis: &Axis, capacity: O
     let y_max = y_axis.max;
     let stats = run.flat_stats();
     let peak = |key: &str| format_size(stats.get(key).copied().unwrap_or(0).max(0) as u64);
+    // A run under the model of `backend:cudaMallocAsync` has its reserved bytes as a lower bound.
+    let at_least = if run.lower_bounds().contains(&"reserved_bytes.all.peak") {
+        ">= "
+    } else {
+        ""
+    };
     let title = format!(
-        "{}{}: peak reserved {}, peak allocated {}",
+        "{}{}: peak reserved {at_least}{}, peak allocated {}",
         run.label(),
         if run.recorded { " [recorded]" } else { "" },
         peak("reserved_bytes.all.peak"),

@@ -27,12 +27,16 @@ pub(crate) struct ReplayArgs {
 
     /// A what-if configuration (PYTORCH_CUDA_ALLOC_CONF syntax), applied over the recorded one the
     /// way torch.cuda.memory._set_allocator_settings would; repeat for several runs.
+    /// backend:cudaMallocAsync models the driver's memory pool: used memory exact, reserved a lower
+    /// bound.
     #[arg(long = "config", value_name = "STR")]
     configs: Vec<String>,
 
     /// Print {"trace", "events", "runs": [{"config", "stats", "devices": {"D": {"stats"}},
     /// "seconds"}]} as JSON on stdout, and nothing else there ("stats" is device 0's, as
-    /// memory_stats() with no argument).
+    /// memory_stats() with no argument). A backend:cudaMallocAsync run adds "lower_bounds" (the
+    /// keys of "stats" that are lower bounds) and, per device, "async_model" (what the model could
+    /// not know, and its out-of-memory errors).
     #[arg(long)]
     json: bool,
 
@@ -288,6 +292,9 @@ fn json_report(trace: &str, events: u64, runs: &[ReplayRun]) -> serde_json::Valu
                     if let Some(check) = &d.check {
                         entry["matches_record"] = serde_json::Value::Bool(check.matches());
                     }
+                    if let Some(bounds) = &d.async_model {
+                        entry["async_model"] = serde_json::json!(bounds);
+                    }
                     if d.restores != RestoreCount::default() {
                         entry["checkpoint_restores"] = serde_json::json!({
                             "applied": d.restores.applied,
@@ -308,6 +315,10 @@ fn json_report(trace: &str, events: u64, runs: &[ReplayRun]) -> serde_json::Valu
             }
             if let Some(matches) = run.matches_record() {
                 entry["matches_record"] = serde_json::Value::Bool(matches);
+            }
+            if !run.lower_bounds().is_empty() {
+                // The model of backend:cudaMallocAsync: these figures are at least the values given.
+                entry["lower_bounds"] = serde_json::json!(run.lower_bounds());
             }
             entry
         })

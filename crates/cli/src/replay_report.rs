@@ -5,7 +5,7 @@ use std::io::{self, Write};
 
 use tensormem_cuda_alloc::size::format_size;
 use tensormem_replay::{
-    CapacityInference, Check, DeviceRun, PoolAttribution, PoolEvidence, ReplayRun,
+    AsyncBounds, CapacityInference, Check, DeviceRun, PoolAttribution, PoolEvidence, ReplayRun,
 };
 
 /// What the report says about the trace.
@@ -93,6 +93,9 @@ pub(crate) fn print(
         writeln!(out, "{}", line(r))?;
     }
     writeln!(out, "{LEGEND}")?;
+    for run in runs.iter().filter(|r| !r.lower_bounds().is_empty()) {
+        async_lines(out, run)?;
+    }
     for (device, inference) in &header.capacity {
         capacity_line(out, *device, inference, header.capacity_given)?;
     }
@@ -115,8 +118,14 @@ fn row(run: &ReplayRun, device: Option<&DeviceRun>) -> Vec<String> {
     let figure = |key: &str| stats.get(key).copied().unwrap_or(0);
     let allocated = figure("allocated_bytes.all.peak");
     let reserved = figure("reserved_bytes.all.peak");
+    // Figures of the model of `backend:cudaMallocAsync` that are lower bounds.
+    let at_least = if run.lower_bounds().contains(&"reserved_bytes.all.peak") {
+        ">= "
+    } else {
+        ""
+    };
     let ratio = if allocated > 0 {
-        format!("{:.3}", reserved as f64 / allocated as f64)
+        format!("{at_least}{:.3}", reserved as f64 / allocated as f64)
     } else {
         "-".to_owned()
     };
@@ -136,6 +145,31 @@ fn row(run: &ReplayRun, device: Option<&DeviceRun>) -> Vec<String> {
         Some(false) => "NO",
         None => "-",
     };
+    let bounds: Vec<&AsyncBounds> = match device {
+        Some(d) => d.async_model.iter().collect(),
+        None => run
+            .devices
+            .iter()
+            .find(|d| d.device == 0)
+            .or_else(|| run.devices.first())
+            .and_then(|d| d.async_model.as_ref())
+            .into_iter()
+            .collect(),
+    };
+    if let Some(bounds) = bounds.first() {
+        // PyTorch counts none of these under this backend; the OOMs are the model's certain ones.
+        return vec![
+            label,
+            format_size(allocated.max(0) as u64),
+            format!("{at_least}{}", format_size(reserved.max(0) as u64)),
+            ratio,
+            "-".to_owned(),
+            "-".to_owned(),
+            "-".to_owned(),
+            (bounds.ooms + bounds.limit_ooms).to_string(),
+            matches.to_owned(),
+        ];
+    }
     vec![
         label,
         format_size(allocated.max(0) as u64),
@@ -299,6 +333,78 @@ fn pools_lines(
             first.stream,
             first.assumed
         )?;
+    }
+    Ok(())
+}
+
+/// What a row of the model of `backend:cudaMallocAsync` means: which figures are exact, which are
+/// bounds, and what it found about running out of memory.
+fn async_lines(out: &mut impl Write, run: &ReplayRun) -> io::Result<()> {
+    let Some(first) = run.devices.iter().find_map(|d| d.async_model.as_ref()) else {
+        return Ok(());
+    };
+    writeln!(
+        out,
+        "{}: modelled, not replayed: the driver's memory pool places each request, and PyTorch \
+         records no trace under this backend.\n  peak allocated: the pool's used memory, the live \
+         requested bytes (exact; the driver documents no rounding of them).\n  peak reserved is a \
+         lower bound (>=): the used memory rounded up to the pool's {} physical granularity \
+         (assumed), held until empty_cache() (nothing goes back at synchronisations); what the pool \
+         holds beyond it (fragmentation, memory kept for reuse across streams) is the driver's \
+         decision, recorded nowhere.\n  device allocs, frees, retries: PyTorch counts none under \
+         this backend; OOMs: requests that fail for certain.",
+        run.label(),
+        format_size(first.granularity)
+    )?;
+    for device in &run.devices {
+        let Some(bounds) = &device.async_model else {
+            continue;
+        };
+        let mut found = Vec::new();
+        if bounds.capacity_known {
+            found.push(format!(
+                "on {} of device memory: {} (the pool would need more than the device has), at \
+                 least {} left for fragmentation at the fullest",
+                format_size(bounds.capacity),
+                crate::count(
+                    bounds.ooms,
+                    "certain out-of-memory error",
+                    "certain out-of-memory errors"
+                ),
+                format_size(bounds.headroom)
+            ));
+        } else {
+            found.push(
+                "the trace implies no device size (give --capacity): no request is known to fail"
+                    .to_owned(),
+            );
+        }
+        if let Some(limit) = bounds.memory_limit {
+            found.push(format!(
+                "{} by PyTorch's limit of {} from the program's memory fraction (exact for that \
+                 limit; the trace bounds it to the interval below)",
+                crate::count(bounds.limit_ooms, "request refused", "requests refused"),
+                format_size(limit)
+            ));
+        }
+        if bounds.recorded_ooms_served > 0 {
+            found.push(format!(
+                "{} that failed in the recorded run fit the device here and count as served \
+                 (whether the driver's fragmentation fails them is unknown)",
+                crate::count(bounds.recorded_ooms_served, "request", "requests")
+            ));
+        }
+        if bounds.empty_cache_calls > 0 {
+            found.push(format!(
+                "{} in the trace trim the pool",
+                crate::count(
+                    bounds.empty_cache_calls,
+                    "empty_cache() call",
+                    "empty_cache() calls"
+                )
+            ));
+        }
+        writeln!(out, "  device {}: {}", device.device, found.join("; "))?;
     }
     Ok(())
 }

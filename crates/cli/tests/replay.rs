@@ -113,6 +113,44 @@ fn json_output_is_the_documented_object_and_nothing_else() {
 }
 
 #[test]
+fn cuda_malloc_async_is_modelled_with_reserved_as_a_lower_bound() {
+    let output = tensormem(&["replay", "--config", "backend:cudaMallocAsync"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let text = stdout(&output);
+    let row = text
+        .lines()
+        .find(|l| l.starts_with("backend:cudaMallocAsync "))
+        .expect("a row for the async backend");
+    // Peak allocated: gpt2_train's live requested bytes (5405825640); reserved at least that
+    // rounded up to 2 MiB (5406457856).
+    assert!(
+        row.contains("5.03 GiB") && row.contains(">= 5.04 GiB"),
+        "{row}"
+    );
+    assert!(
+        text.contains("peak reserved is a lower bound (>=)"),
+        "{text}"
+    );
+
+    let output = tensormem(&["replay", "--json", "--config", "backend:cudaMallocAsync"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let value: serde_json::Value = serde_json::from_str(&stdout(&output)).expect("stdout is JSON");
+    let run = &value["runs"][1];
+    assert_eq!(run["config"], "backend:cudaMallocAsync");
+    assert_eq!(
+        run["lower_bounds"],
+        serde_json::json!(["reserved_bytes.all.current", "reserved_bytes.all.peak"])
+    );
+    assert_eq!(run["stats"]["allocated_bytes.all.peak"], 5_405_825_640u64);
+    assert_eq!(run["stats"]["reserved_bytes.all.peak"], 5_406_457_856u64);
+    assert_eq!(run["stats"]["num_device_alloc"], 0);
+    let model = &run["devices"]["0"]["async_model"];
+    assert_eq!(model["granularity"], 2 << 20);
+    assert_eq!(model["ooms"], 0);
+    assert!(value["runs"][0].get("lower_bounds").is_none());
+}
+
+#[test]
 fn a_missing_file_fails_with_one_line() {
     fails_with_one_line(
         &tensormem(&["replay", "/nonexistent/trace.pickle"]),

@@ -69,6 +69,13 @@
 //! - every device has its own allocator; [`ReplayRun::flat_stats`] is device 0's, as
 //!   `torch.cuda.memory_stats()` with no argument.
 //!
+//! Under `backend:cudaMallocAsync` (a what-if only: PyTorch records no history under it) there is no
+//! caching allocator to replay: the driver's memory pool decides where each request goes. The
+//! requests run through a model of that pool instead ([`async_model`]), which gives the figures
+//! PyTorch reports for that backend: its used memory from the trace's live requested bytes, its
+//! reserved memory as a lower bound ([`ReplayRun::lower_bounds`], [`DeviceRun::async_model`]), and
+//! the requests that would certainly run out of memory on the device the record implies.
+//!
 //! Reading PyTorch's files:
 //!
 //! ```no_run
@@ -89,6 +96,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub mod async_model;
 mod capacity;
 mod check;
 mod device;
@@ -101,6 +109,7 @@ mod timeline;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
+pub use async_model::{AsyncBounds, ASYNC_LOWER_BOUNDS, POOL_GRANULARITY};
 pub use capacity::CapacityInference;
 pub use check::{
     Check, Divergence, DivergenceKind, ExpectedStats, SegmentCheck, StatMismatch, StatsCheck,
@@ -112,9 +121,10 @@ pub use pools::{
 pub use run::{DeviceRun, RestoreCount};
 pub use timeline::{Timeline, TimelinePoint};
 
+use async_model::AsyncPlan;
 use plan::{DevicePlan, PlanError};
 use pools::{PoolOf, PoolRun};
-use tensormem_cuda_alloc::config::{AllocatorConfig, ConfigError};
+use tensormem_cuda_alloc::config::{AllocatorConfig, Backend, ConfigError};
 use tensormem_cuda_alloc::snapshot::{Snapshot, SnapshotError};
 use tensormem_cuda_alloc::{InvariantViolation, MempoolId};
 
@@ -153,13 +163,16 @@ pub enum Error {
         #[source]
         source: ConfigError,
     },
-    /// The trace was recorded with, or a what-if asks for, an allocator backend that the replay
-    /// cannot simulate (`backend:cudaMallocAsync`: the driver's stream-ordered pool makes its own
-    /// decisions, which the native allocator does not reproduce).
+    /// The snapshot's recorded settings name `backend:cudaMallocAsync`, or a run checked against
+    /// the record asks for it. No such trace comes from PyTorch, which refuses memory history under
+    /// that backend; a run of a native trace under it is a what-if, through the model of the
+    /// driver's pool ([`async_model`]), which has nothing to check against the record.
     #[error(
-        "cannot simulate backend:{backend}: replay runs tensormem's native caching allocator only; \
-         record the trace with the native backend (remove backend:{backend} from \
-         PYTORCH_CUDA_ALLOC_CONF) or replay under another configuration"
+        "cannot replay a run recorded under backend:{backend}: PyTorch records no memory history \
+         under that backend, so there is no record to replay or check; record the trace with the \
+         native backend (remove backend:{backend} from PYTORCH_CUDA_ALLOC_CONF) and ask for \
+         backend:{backend} as a what-if (tensormem replay TRACE --config backend:{backend}), which \
+         models the driver's memory pool"
     )]
     UnsupportedBackend {
         /// The backend asked for.
@@ -264,6 +277,8 @@ pub struct Replay {
     ambiguous_ooms: Vec<Vec<u32>>,
     /// Per plan, out-of-memory requests the recorded statistics put in a private pool.
     ooms_private: Vec<HashSet<u32>>,
+    /// Per plan, its trace as steps of the `backend:cudaMallocAsync` model.
+    async_plans: Vec<AsyncPlan>,
     recorded: AllocatorConfig,
     settings_recorded: bool,
     expected: Option<ExpectedStats>,
@@ -356,7 +371,12 @@ impl Replay {
             attributions.push(attribution);
             ambiguous_ooms.push(ambiguous);
         }
+        let async_plans = plans
+            .iter()
+            .map(|plan| AsyncPlan::build(snapshot.trace(plan.device), plan))
+            .collect();
         Ok(Replay {
+            async_plans,
             ooms_private: vec![HashSet::new(); plans.len()],
             plans,
             capacities,
@@ -480,18 +500,17 @@ impl Replay {
     }
 
     /// The recorded configuration with `config` applied over it, the way
-    /// `torch.cuda.memory._set_allocator_settings(config)` would change it.
+    /// `torch.cuda.memory._set_allocator_settings(config)` would change it. A configuration asking
+    /// for `backend:cudaMallocAsync` runs through the model of the driver's pool ([`async_model`]).
     ///
     /// # Errors
-    /// [`Error::Config`] when the string does not parse; [`Error::UnsupportedBackend`]
-    /// when the result asks for `backend:cudaMallocAsync`.
+    /// [`Error::Config`] when the string does not parse.
     pub fn what_if_config(&self, config: &str) -> Result<AllocatorConfig> {
         let mut applied = self.recorded.clone();
         applied.apply(config).map_err(|source| Error::Config {
             config: config.to_owned(),
             source,
         })?;
-        supported(&applied)?;
         Ok(applied)
     }
 
@@ -542,11 +561,25 @@ impl Replay {
     /// Replays every device's trace with a fresh allocator under `options`. Allocations the device
     /// has no memory for are counted ([`DeviceRun::refused`]) and the replay goes on.
     ///
+    /// Under `backend:cudaMallocAsync` there is no allocator of PyTorch's to replay: the trace runs
+    /// through the model of the driver's pool ([`async_model`]), whose statistics hold the six
+    /// figures PyTorch fills for that backend, some of them lower bounds
+    /// ([`DeviceRun::async_model`]).
+    ///
     /// # Errors
-    /// [`Error::UnsupportedBackend`] when `options.config` asks for `backend:cudaMallocAsync`;
+    /// [`Error::UnsupportedBackend`] when `options.config` asks for `backend:cudaMallocAsync` with
+    /// `options.check` (there is no record of such a run to check against);
     /// [`Error::Allocator`] when the allocator fails other than by running out of memory;
     /// [`Error::Invariant`] when its state is inconsistent at the end.
     pub fn run(&self, options: &RunOptions<'_>) -> Result<ReplayRun> {
+        if options.config.backend == Backend::CudaMallocAsync {
+            if options.check {
+                return Err(Error::UnsupportedBackend {
+                    backend: options.config.backend,
+                });
+            }
+            return Ok(self.run_async(options));
+        }
         supported(&options.config)?;
         let mut devices = Vec::with_capacity(self.plans.len());
         let mut events_before = 0u64;
@@ -579,6 +612,37 @@ impl Replay {
             devices,
             events: self.events,
         })
+    }
+
+    /// [`run`](Self::run) under `backend:cudaMallocAsync`: every device's trace through the model of
+    /// its driver pool.
+    fn run_async(&self, options: &RunOptions<'_>) -> ReplayRun {
+        let mut devices = Vec::with_capacity(self.plans.len());
+        let mut events_before = 0u64;
+        for ((plan, inference), steps) in self
+            .plans
+            .iter()
+            .zip(&self.capacities)
+            .zip(&self.async_plans)
+        {
+            devices.push(async_model::run_device(
+                plan.device,
+                steps,
+                options,
+                inference.capacity.unwrap_or(DEFAULT_CAPACITY),
+                inference,
+                &self.recorded,
+                events_before,
+            ));
+            events_before += plan.events as u64;
+        }
+        ReplayRun {
+            config: options.config.clone(),
+            recorded: false,
+            seconds: devices.iter().map(|d| d.seconds).sum(),
+            devices,
+            events: self.events,
+        }
     }
 }
 
@@ -787,6 +851,18 @@ impl ReplayRun {
                 .iter()
                 .all(|d| d.check.as_ref().is_some_and(Check::matches))
         })
+    }
+
+    /// The figures of [`flat_stats`](Self::flat_stats) (and of each device's statistics) that are
+    /// lower bounds rather than what the run would report: [`ASYNC_LOWER_BOUNDS`] for a run under
+    /// `backend:cudaMallocAsync` (the driver decides the rest), none for a replay.
+    #[must_use]
+    pub fn lower_bounds(&self) -> &'static [&'static str] {
+        if self.config.backend == Backend::CudaMallocAsync {
+            &ASYNC_LOWER_BOUNDS
+        } else {
+            &[]
+        }
     }
 
     /// Allocations refused for lack of memory, over all devices.

@@ -44,6 +44,10 @@ pub struct DeviceRun {
     pub seconds: f64,
     /// Checkpoint restores of CUDA graph trees found in the trace, and how they were replayed.
     pub restores: RestoreCount,
+    /// For a run under `backend:cudaMallocAsync` (the driver's pool modelled, not replayed; see
+    /// [`crate::async_model`]): which figures are bounds, and what the model found about running
+    /// out of memory. `None` for replays of the native allocator.
+    pub async_model: Option<crate::AsyncBounds>,
 }
 
 /// Running figures for the timeline.
@@ -382,6 +386,7 @@ pub(crate) fn run_device(
         snapshot: if options.snapshot { snapshot } else { None },
         seconds,
         restores,
+        async_model: None,
     })
 }
 
