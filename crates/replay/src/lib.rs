@@ -100,14 +100,14 @@ pub mod async_model;
 mod capacity;
 mod check;
 mod device;
+mod inference;
 mod plan;
 mod pools;
 mod restore;
 mod run;
 mod timeline;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashSet};
 
 pub use async_model::{AsyncBounds, ASYNC_LOWER_BOUNDS, POOL_GRANULARITY};
 pub use capacity::CapacityInference;
@@ -126,7 +126,7 @@ use plan::{DevicePlan, PlanError};
 use pools::{PoolOf, PoolRun};
 use tensormem_cuda_alloc::config::{AllocatorConfig, Backend, ConfigError};
 use tensormem_cuda_alloc::snapshot::{Snapshot, SnapshotError};
-use tensormem_cuda_alloc::{InvariantViolation, MempoolId};
+use tensormem_cuda_alloc::InvariantViolation;
 
 /// The simulated device's memory when neither the caller nor the trace says how much the real one
 /// had: 1 TiB, so that nothing runs out.
@@ -366,7 +366,8 @@ impl Replay {
         let mut ambiguous_ooms = Vec::with_capacity(plans.len());
         for (plan, capacity) in plans.iter().zip(&capacities) {
             let named = pools::recorded_pools(plan, snapshot.trace(plan.device));
-            let (of, attribution, ambiguous) = infer_pools(plan, &recorded, capacity, &named)?;
+            let (of, attribution, ambiguous) =
+                inference::infer_pools(plan, &recorded, capacity, &named)?;
             pools.push(of);
             attributions.push(attribution);
             ambiguous_ooms.push(ambiguous);
@@ -649,136 +650,6 @@ impl Replay {
 /// The most out-of-memory requests [`Replay::with_expected_stats`] tries in a private pool, one
 /// replay each.
 const MAX_OOM_TRIALS: usize = 64;
-
-/// Infers the pool of every recorded segment of `plan` by replaying it under the recorded
-/// configuration, taking the pools the trace names (`named`, per allocation) and flipping
-/// assumptions the record contradicts (see [`pools`]). Segments one run of
-/// releases frees, all of private pools, were released by one `empty_cache` of one pool: when the
-/// inference gave them several pools, it is tried again with those pools made one, and the merged
-/// answer is kept if the record agrees with it as well.
-fn infer_pools(
-    plan: &DevicePlan,
-    recorded: &AllocatorConfig,
-    capacity: &CapacityInference,
-    named: &Arc<[Option<MempoolId>]>,
-) -> Result<(Vec<Option<PoolOf>>, PoolAttribution, Vec<u32>)> {
-    let released = pools::released_private(plan);
-    let plain = infer_pools_from(plan, recorded, capacity, named, HashMap::new())?;
-    if released.is_empty() || plain.mismatches == 0 {
-        return Ok((plain.of, plain.attribution, plain.ambiguous_ooms));
-    }
-    // Releases of private pools only say which segments were a pool's; the record has the last
-    // word when it agrees better with them.
-    let by_release = infer_pools_from(plan, recorded, capacity, named, released)?;
-    let best = if by_release.mismatches < plain.mismatches {
-        by_release
-    } else {
-        plain
-    };
-    Ok((best.of, best.attribution, best.ambiguous_ooms))
-}
-
-/// One pool inference: the pool of each recorded segment, the attribution reported, the address
-/// and reserved-bytes mismatches of its last pass, and the out-of-memory requests it left to
-/// either pool.
-struct Inferred {
-    of: Vec<Option<PoolOf>>,
-    attribution: PoolAttribution,
-    mismatches: u64,
-    ambiguous_ooms: Vec<u32>,
-}
-
-/// [`infer_pools_with`] from the pools `released` decides ([`pools::released_private`]); then,
-/// when the inference split the segments of one run of releases between unnamed pools, with
-/// those pools made one, kept if the record agrees as well.
-fn infer_pools_from(
-    plan: &DevicePlan,
-    recorded: &AllocatorConfig,
-    capacity: &CapacityInference,
-    named: &Arc<[Option<MempoolId>]>,
-    released: HashMap<u32, MempoolId>,
-) -> Result<Inferred> {
-    let first = infer_pools_with(
-        plan,
-        recorded,
-        capacity,
-        named,
-        HashMap::new(),
-        released.clone(),
-    )?;
-    let merges = pools::merged_release_pools(plan, &first.of);
-    if merges.is_empty() || first.attribution.gave_up {
-        return Ok(first);
-    }
-    let merged = infer_pools_with(plan, recorded, capacity, named, merges, released)?;
-    if merged.attribution.gave_up || merged.mismatches > first.mismatches {
-        return Ok(first);
-    }
-    Ok(merged)
-}
-
-/// One inference from `forced` on; also the address mismatches of its last pass and the
-/// out-of-memory requests it left to either pool.
-fn infer_pools_with(
-    plan: &DevicePlan,
-    recorded: &AllocatorConfig,
-    capacity: &CapacityInference,
-    named: &Arc<[Option<MempoolId>]>,
-    mut forced: HashMap<u32, MempoolId>,
-    released: HashMap<u32, MempoolId>,
-) -> Result<Inferred> {
-    let mut options = RunOptions::new(recorded.clone());
-    options.timeline_points = 1;
-    options.check = true;
-    let default = capacity.capacity.unwrap_or(DEFAULT_CAPACITY);
-    let mut flips = 0;
-    loop {
-        let mut pass =
-            PoolRun::inferring(plan, forced.clone(), Arc::clone(named), released.clone());
-        let run = run::run_device(plan, &options, default, 0, None, &mut pass)?;
-        let stop = match pass.contradiction {
-            Some((instance, pool)) if flips < pools::MAX_FLIPS => {
-                tracing::debug!(
-                    device = plan.device,
-                    segment = format_args!("{:#x}", plan.instances[instance as usize].addr),
-                    %pool,
-                    "the record contradicts the segment's pool: trying again with this one"
-                );
-                flips += 1;
-                forced.insert(instance, pool);
-                None
-            }
-            Some(_) => Some(true),
-            None => Some(false),
-        };
-        if let Some(gave_up) = stop {
-            let (shares, undecided) = PoolAttribution::build(plan, &pass.of);
-            if gave_up {
-                tracing::warn!(
-                    device = plan.device,
-                    flips,
-                    "pool inference gave up: the record contradicts every assignment tried"
-                );
-            }
-            let mismatches = run
-                .check
-                .map_or(0, |c| c.address_mismatches + c.reserved_mismatches);
-            return Ok(Inferred {
-                of: pass.of,
-                attribution: PoolAttribution {
-                    pools: shares,
-                    undecided,
-                    flips,
-                    gave_up,
-                    private_ooms: pass.private_ooms,
-                    ooms_from_stats: 0,
-                },
-                mismatches,
-                ambiguous_ooms: pass.ambiguous_ooms,
-            });
-        }
-    }
-}
 
 /// The result of one replay.
 #[derive(Clone, Debug)]
