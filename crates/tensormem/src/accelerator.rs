@@ -2,7 +2,7 @@
 //!
 //! PyTorch 2.6 and later has a device-generic API beside `torch.cuda` (`torch.accelerator`, and
 //! `torch.accelerator.memory` for the allocator), which programs written for several kinds of device
-//! use. tensormem's only accelerator is CUDA, so each function here is the [`cuda`](crate::cuda)
+//! use. tensormem's only accelerator is CUDA, so each function here is the [`cuda`]
 //! function PyTorch's maps to:
 //!
 //! | `torch.accelerator` | here |

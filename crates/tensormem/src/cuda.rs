@@ -16,7 +16,7 @@
 //! | `synchronize`, `mem_get_info` | [`synchronize`], [`mem_get_info`] |
 //! | `memory_stats`, `memory_allocated`, `memory_reserved`, `max_memory_allocated` | [`memory_stats`], [`memory_allocated`], [`memory_reserved`], [`max_memory_allocated`], [`max_memory_reserved`] |
 //! | `reset_peak_memory_stats`, `reset_accumulated_memory_stats` | [`reset_peak_memory_stats`], [`reset_accumulated_memory_stats`] |
-//! | `memory_snapshot`, `memory._record_memory_history`, `memory._dump_snapshot` | [`memory_snapshot`] / [`memory_snapshot_with`] (`mempool_id`, `include_traces`), [`record_memory_history`] / [`record_memory_history_with_context`] (stacks) / [`record_memory_history_with_host`] (`record_host`), [`dump_snapshot`] |
+//! | `memory_snapshot`, `memory._record_memory_history`, `memory._dump_snapshot` | [`memory_snapshot`] / [`memory_snapshot_with`] (`mempool_id`, `include_traces`), [`record_memory_history`] / [`record_memory_history_with_context`] (stacks) / [`record_memory_history_in`] ([`HistoryScope`]: `record_cuda`, `record_pinned_host_memory`), [`dump_snapshot`] |
 //! | `set_per_process_memory_fraction`, `empty_cache` | [`set_per_process_memory_fraction`], [`empty_cache`] |
 //! | `ipc_collect` | [`ipc_collect`] |
 //! | `memory._set_allocator_settings`, `get_allocator_backend` | [`set_allocator_settings`], [`allocator_settings`], [`get_allocator_backend`] |
@@ -92,9 +92,8 @@ pub use memory::{
     caching_allocator_delete, caching_allocator_record_stream, device_memory_stats, dump_snapshot,
     empty_cache, ipc_collect, max_memory_allocated, max_memory_reserved, memory_allocated,
     memory_reserved, memory_snapshot, memory_snapshot_with, memory_stats, record_memory_history,
-    record_memory_history_with_context, record_memory_history_with_host,
-    reset_accumulated_memory_stats, reset_peak_memory_stats, set_allocator_settings,
-    set_per_process_memory_fraction,
+    record_memory_history_in, record_memory_history_with_context, reset_accumulated_memory_stats,
+    reset_peak_memory_stats, set_allocator_settings, set_per_process_memory_fraction, HistoryScope,
 };
 pub use sleep::{asleep_bytes, is_pool_asleep, sleep_pool, wake_pool};
 pub use stream::{current_stream, default_stream, is_current_stream_capturing, set_stream, Stream};

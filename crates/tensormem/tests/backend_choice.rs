@@ -134,6 +134,16 @@ fn under_cuda_malloc_async_what_pytorch_refuses_is_refused() {
         cuda::record_memory_history_with_context(true, 100, cuda::RecordContext::All),
         AsyncUnsupported::RecordHistory,
     );
+    // Pinned host memory alone (`record_cuda=False`) is the host allocator's: not refused.
+    let host_only = cuda::HistoryScope {
+        cuda: false,
+        pinned_host_memory: true,
+    };
+    let result = cuda::record_memory_history_in(true, 100, cuda::RecordContext::Never, host_only);
+    assert!(
+        !matches!(result, Err(Error::AsyncUnsupported(_))),
+        "{result:?}"
+    );
     refused(
         cuda::attach_out_of_memory_observer(|_| {}),
         AsyncUnsupported::AttachOutOfMemoryObserver,

@@ -19,7 +19,7 @@
 //! - [`empty_cache`](HostCachingAllocator::empty_cache) returns the cached blocks to the system;
 //! - [`stats`](HostCachingAllocator::stats) reports PyTorch's host statistics;
 //! - [`record_history`](HostCachingAllocator::record_history) records its events
-//!   (`_record_memory_history(record_host=True)`), which
+//!   (`_record_memory_history(record_pinned_host_memory=True)`), which
 //!   [`add_to_snapshot`](HostCachingAllocator::add_to_snapshot) writes as a snapshot's
 //!   `host_segments` and `host_traces`.
 //!
@@ -581,7 +581,7 @@ impl<D: Device> HostCachingAllocator<D> {
     }
 
     /// Starts or stops recording this allocator's events into a ring buffer of `max_entries`
-    /// (`torch.cuda.memory._record_memory_history(record_host=True)`): `segment_alloc` /
+    /// (`torch.cuda.memory._record_memory_history(record_pinned_host_memory=True)`): `segment_alloc` /
     /// `segment_free` when a block is taken from or returned to the system, `alloc`,
     /// `free_requested` and `free_completed` as on a device, at the block's address, with stream 0.
     /// `context` says which entries keep call stacks ([`RecordContext::Alloc`] and above: all).

@@ -24,7 +24,7 @@ pub struct Snapshot {
     /// `external_annotations`: user annotations recorded with the trace (PyTorch 2.6 and later).
     pub external_annotations: Option<Vec<ExternalAnnotation>>,
     /// `host_segments`: the pinned host allocator's blocks, written by PyTorch versions that record
-    /// host memory when `_record_memory_history(record_host=True)` is on; `None` when absent.
+    /// host memory when `_record_memory_history(record_pinned_host_memory=True)` is on; `None` when absent.
     pub host_segments: Option<Vec<HostSegment>>,
     /// `host_traces`: the pinned host allocator's recorded events, oldest first (as
     /// [`host_segments`](Self::host_segments)); `None` when absent.

@@ -149,7 +149,7 @@ pub fn reset_accumulated_memory_stats(device: Option<u32>) -> Result<()> {
 /// A snapshot of every device's allocator opened so far (`torch.cuda.memory._snapshot()`): all their
 /// segments, one trace per device ordinal (empty where history is off or the device unused), and the
 /// settings of the current device's allocator. While the pinned host allocators record their
-/// history ([`record_memory_history_with_host`]), their blocks and events too, as `host_segments`
+/// history ([`record_memory_history_in`]), their blocks and events too, as `host_segments`
 /// and `host_traces`.
 ///
 /// # Errors
@@ -237,7 +237,12 @@ pub fn dump_snapshot(path: impl AsRef<Path>) -> Result<()> {
 /// [`Error::AsyncUnsupported`] under `backend:cudaMallocAsync` (PyTorch: "cudaMallocAsync does not
 /// yet support recordHistory"), starting or stopping; the errors of initialising CUDA.
 pub fn record_memory_history(enabled: bool, max_entries: usize) -> Result<()> {
-    record_memory_history_with_host(enabled, max_entries, RecordContext::Never, false)
+    record_memory_history_in(
+        enabled,
+        max_entries,
+        RecordContext::Never,
+        HistoryScope::default(),
+    )
 }
 
 /// [`record_memory_history`] keeping call stacks as `context` says
@@ -255,25 +260,56 @@ pub fn record_memory_history_with_context(
     max_entries: usize,
     context: RecordContext,
 ) -> Result<()> {
-    record_memory_history_with_host(enabled, max_entries, context, false)
+    record_memory_history_in(enabled, max_entries, context, HistoryScope::default())
 }
 
-/// [`record_memory_history_with_context`] that also records the pinned host allocators' events when
-/// `record_host` (`torch.cuda.memory._record_memory_history(record_host=True)`): snapshots then carry
-/// `host_segments` and `host_traces`. Any call without `record_host`, and stopping, turns host
-/// recording off (and clears its events).
+/// Which allocators [`record_memory_history_in`] records: PyTorch's `record_cuda` and
+/// `record_pinned_host_memory` arguments of `torch.cuda.memory._record_memory_history`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HistoryScope {
+    /// The device allocators (`record_cuda`, on by default).
+    pub cuda: bool,
+    /// The pinned host allocators (`record_pinned_host_memory`, off by default): snapshots then
+    /// carry `host_segments` and `host_traces`.
+    pub pinned_host_memory: bool,
+}
+
+impl Default for HistoryScope {
+    fn default() -> Self {
+        HistoryScope {
+            cuda: true,
+            pinned_host_memory: false,
+        }
+    }
+}
+
+/// [`record_memory_history_with_context`] for the allocators `scope` names
+/// (`torch.cuda.memory._record_memory_history(.., record_pinned_host_memory=True,
+/// record_cuda=False)`). An allocator the scope leaves out is turned off (and its events cleared),
+/// as is every one when `enabled` is false.
 ///
 /// # Errors
 ///
-/// As [`record_memory_history`].
-pub fn record_memory_history_with_host(
+/// As [`record_memory_history`]; under `backend:cudaMallocAsync`, [`Error::AsyncUnsupported`]
+/// when `scope.cuda` (pinned host memory alone is recorded under either backend).
+pub fn record_memory_history_in(
     enabled: bool,
     max_entries: usize,
     context: RecordContext,
-    record_host: bool,
+    scope: HistoryScope,
 ) -> Result<()> {
-    backend_supports(AsyncUnsupported::RecordHistory)?;
-    registry::record_history(enabled, max_entries.max(1), context, record_host)
+    if scope.cuda {
+        backend_supports(AsyncUnsupported::RecordHistory)?;
+    }
+    registry::record_history(
+        enabled,
+        max_entries.max(1),
+        context,
+        registry::Recorded {
+            cuda: scope.cuda,
+            host: scope.pinned_host_memory,
+        },
+    )
 }
 
 /// Limits how much of `device`'s memory its allocator may hold to `fraction` of the total

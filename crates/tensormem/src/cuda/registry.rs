@@ -42,7 +42,7 @@ struct ProcessSettings {
     applied: Vec<String>,
     /// History recording: (enabled, max entries, stack context), when set.
     history: Option<(bool, usize, RecordContext)>,
-    /// Whether the pinned host allocators record their history too (`record_host`).
+    /// Whether the pinned host allocators record their history too (`record_pinned_host_memory`).
     record_host: bool,
     /// Out-of-memory observers attached for every device, in order.
     oom_observers: Vec<SharedOomObserver>,
@@ -96,7 +96,7 @@ impl DeviceState {
     /// The device's pinned host allocator, configured by the allocator's settings
     /// (`pinned_use_cuda_host_register`, `pinned_num_register_threads`,
     /// `pinned_max_round_threshold_mb`, `pinned_max_cached_size_mb`) when first used, recording its
-    /// history if `record_host` recording is on.
+    /// history if `record_pinned_host_memory` recording is on.
     pub(crate) fn host(&self, ordinal: u32) -> Result<&HostCachingAllocator<CudaBackend>> {
         if let Some(host) = self.host.get() {
             return Ok(host);
@@ -290,27 +290,38 @@ pub(crate) fn apply_settings(config: &str) -> Result<()> {
     Ok(())
 }
 
-/// Turns history recording on or off on every opened device's allocator and for devices opened later,
-/// and on the pinned host allocators when `record_host` (off for them otherwise, as PyTorch turns
-/// host recording off with any call that does not ask for it).
+/// The allocators a history call records.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Recorded {
+    /// The device allocators.
+    pub(crate) cuda: bool,
+    /// The pinned host allocators.
+    pub(crate) host: bool,
+}
+
+/// Turns history recording on or off on every opened device's allocator and for devices opened later
+/// (when `recorded.cuda`; off otherwise), and on the pinned host allocators when `recorded.host`
+/// (off for them otherwise, as PyTorch turns host recording off with any call that does not ask for
+/// it).
 pub(crate) fn record_history(
     enabled: bool,
     max_entries: usize,
     context: RecordContext,
-    record_host: bool,
+    recorded: Recorded,
 ) -> Result<()> {
     get()?;
     let mut process = settings();
-    let host = enabled && record_host;
+    let host = enabled && recorded.host;
+    let cuda = enabled && recorded.cuda;
     for (_, state) in opened_with(&process)? {
         if let DeviceAllocator::Native(allocator) = state.allocator {
-            allocator.record_history_with_context(enabled, max_entries, context);
+            allocator.record_history_with_context(cuda, max_entries, context);
         }
         if let Some(allocator) = state.host.get() {
             allocator.record_history(host, max_entries, context);
         }
     }
-    process.history = Some((enabled, max_entries, context));
+    process.history = Some((cuda, max_entries, context));
     process.record_host = host;
     Ok(())
 }
