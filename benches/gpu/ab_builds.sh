@@ -11,12 +11,20 @@
 # Variants (name: the feature of tensormem-cuda-alloc it builds with):
 #   main                none: the allocator as shipped (the baseline, always built)
 #   no-sse2-handles     ab-no-sse2-handles: Allocation::handed_out writes the handle field by field
+#   no-quiet-twins      ab-no-quiet-twins: allocate, free and raw_free always run their non-quiet
+#                       twin (flags checked at run time; the express lane still opens to quiet calls)
+#   no-small-twins      ab-no-small-twins: the figure updates take the pool class as a run-time value
+#   one-free-set-form   ab-one-free-set-form: the free set is always bucketed (no small sorted form)
 set -euo pipefail
 OUT=${OUT:?OUT: the folder the builds go to, e.g. .gpu/bin}
 declare -A FEATURE=(
   [no-sse2-handles]=ab-no-sse2-handles
+  [no-quiet-twins]=ab-no-quiet-twins
+  [no-small-twins]=ab-no-small-twins
+  [one-free-set-form]=ab-one-free-set-form
 )
 wanted=("$@")
+[ ${#wanted[@]} -gt 0 ] || wanted=("${!FEATURE[@]}") # none named: every variant
 cd "$(dirname "$0")/../.."
 build() { # name [feature]
   local name=$1 feature=${2:-}

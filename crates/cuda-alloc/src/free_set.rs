@@ -609,7 +609,9 @@ impl Default for FreeSet {
     fn default() -> Self {
         FreeSet {
             small: Vec::with_capacity(8),
-            bucketed: false,
+            // The `ab-one-free-set-form` build has no small form: every set is bucketed from the
+            // start and stays so.
+            bucketed: cfg!(feature = "ab-one-free-set-form"),
             len: 0,
             // Built on the heap: a `Box::new` of the array would first put its 64 KiB on the
             // caller's stack.
@@ -919,7 +921,7 @@ impl FreeSet {
     /// Returns to the small form if the set shrank below [`SMALL_MIN`] entries.
     #[inline(always)]
     fn shrink_if_small(&mut self) {
-        if self.len < SMALL_MIN {
+        if !cfg!(feature = "ab-one-free-set-form") && self.len < SMALL_MIN {
             self.gather_into_small();
         }
     }
@@ -1382,6 +1384,10 @@ mod tests {
             set.remove(k.0, k.1).unwrap();
         }
         assert!(set.is_empty());
-        assert!(!set.bucketed, "an emptied set is small again");
+        assert_eq!(
+            set.bucketed,
+            cfg!(feature = "ab-one-free-set-form"),
+            "an emptied set is small again (without a small form, still bucketed)"
+        );
     }
 }

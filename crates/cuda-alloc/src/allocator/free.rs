@@ -25,7 +25,7 @@ impl<D: Device> CachingAllocator<D> {
     /// ([`raw_free`](Self::raw_free)); [`Error::Device`] if recording an event fails and the device
     /// cannot be synchronized instead.
     pub fn free(&self, allocation: Allocation) -> Result<()> {
-        if self.quiet() {
+        if !cfg!(feature = "ab-no-quiet-twins") && self.quiet() {
             self.free_in::<true>(allocation)
         } else {
             self.free_in::<false>(allocation)
@@ -68,7 +68,7 @@ impl<D: Device> CachingAllocator<D> {
         if locked.a.pointer_index_on() {
             st.allocated.forget(allocation.ptr.0);
         }
-        if QUIET && locked.park_express(index) {
+        if locked.express_open::<QUIET>() && locked.park_express(index) {
             return Ok(());
         }
         locked.free_allocated::<QUIET>(index, stack)
@@ -84,7 +84,7 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(());
         }
         self.enable_pointer_index();
-        if self.quiet() {
+        if !cfg!(feature = "ab-no-quiet-twins") && self.quiet() {
             self.raw_free_in::<true>(ptr)
         } else {
             self.raw_free_in::<false>(ptr)
@@ -105,7 +105,7 @@ impl<D: Device> CachingAllocator<D> {
         if let Some(shard) = self.remembered_shard() {
             let mut locked = self.lock(shard);
             if let Some(index) = locked.take_indexed(ptr) {
-                if QUIET && locked.park_express(index) {
+                if locked.express_open::<QUIET>() && locked.park_express(index) {
                     return Ok(());
                 }
                 return locked.free_allocated::<QUIET>(index, stack);
@@ -117,7 +117,7 @@ impl<D: Device> CachingAllocator<D> {
         let index = locked
             .take_indexed(ptr)
             .ok_or(Error::InvalidPointer { ptr })?;
-        if QUIET && locked.park_express(index) {
+        if locked.express_open::<QUIET>() && locked.park_express(index) {
             return Ok(());
         }
         locked.free_allocated::<QUIET>(index, stack)

@@ -781,6 +781,15 @@ impl<D: Device> Locked<'_, D> {
         }
     }
 
+    /// Whether a call that runs `QUIET` may take the fast path's express lane, which writes no
+    /// trace entry and keeps no stack: quiet calls only. The `ab-no-quiet-twins` build runs every
+    /// call as the other twin, so there it reads the flags (without a lock, as the twins' choice
+    /// does) here instead.
+    #[inline(always)]
+    pub(crate) fn express_open<const QUIET: bool>(&self) -> bool {
+        QUIET || (cfg!(feature = "ab-no-quiet-twins") && self.a.quiet())
+    }
+
     /// Records a trace entry about memory of pool `pool` with its call stack (kept at context level
     /// `Alloc` and above).
     #[inline]

@@ -259,27 +259,31 @@ impl Figures {
         book: &PeakBook,
         set: &dyn FigureSet,
     ) {
-        if small {
-            self.on_alloc_in::<true>(size, requested, book, set);
+        if cfg!(feature = "ab-no-small-twins") {
+            self.on_alloc_in(small, size, requested, book, set);
+        } else if small {
+            self.on_alloc_in(true, size, requested, book, set);
         } else {
-            self.on_alloc_in::<false>(size, requested, book, set);
+            self.on_alloc_in(false, size, requested, book, set);
         }
     }
 
-    /// [`on_alloc`](Self::on_alloc) for the pool type `SMALL`.
+    /// [`on_alloc`](Self::on_alloc) for the pool type `small`, a constant in each copy (the `small`
+    /// twins; a run-time value in the `ab-no-small-twins` build).
     #[inline(always)]
-    pub(crate) fn on_alloc_in<const SMALL: bool>(
+    pub(crate) fn on_alloc_in(
         &self,
+        small: bool,
         size: u64,
         requested: u64,
         book: &PeakBook,
         set: &dyn FigureSet,
     ) {
-        self.increase_kind(Kind::Allocation, SMALL, 1, book, set);
-        self.increase_kind(Kind::AllocatedBytes, SMALL, size, book, set);
-        self.increase_kind(Kind::Active, SMALL, 1, book, set);
-        self.increase_kind(Kind::ActiveBytes, SMALL, size, book, set);
-        self.increase_kind(Kind::RequestedBytes, SMALL, requested, book, set);
+        self.increase_kind(Kind::Allocation, small, 1, book, set);
+        self.increase_kind(Kind::AllocatedBytes, small, size, book, set);
+        self.increase_kind(Kind::Active, small, 1, book, set);
+        self.increase_kind(Kind::ActiveBytes, small, size, book, set);
+        self.increase_kind(Kind::RequestedBytes, small, requested, book, set);
     }
 
     /// Subtracts from statistics of the pool type, `(kind, amount)` each, the pool type decided once

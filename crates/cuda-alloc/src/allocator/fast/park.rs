@@ -49,18 +49,22 @@ impl<D: Device> Locked<'_, D> {
             let n = &st.blocks[freed.next];
             let (n_size, n_next) = (n.size, n.next);
             let split = freed.prev != NIL || n_next != NIL;
-            if freed.small {
-                self.park_figures::<true>(split, freed.size, n_size, freed.requested);
+            if cfg!(feature = "ab-no-small-twins") {
+                self.park_figures(freed.small, split, freed.size, n_size, freed.requested);
+            } else if freed.small {
+                self.park_figures(true, split, freed.size, n_size, freed.requested);
             } else {
-                self.park_figures::<false>(split, freed.size, n_size, freed.requested);
+                self.park_figures(false, split, freed.size, n_size, freed.requested);
             }
             freed.next
         } else {
             let split = freed.prev != NIL || freed.next != NIL;
-            if freed.small {
-                self.park_whole_figures::<true>(split, freed.size, freed.requested);
+            if cfg!(feature = "ab-no-small-twins") {
+                self.park_whole_figures(freed.small, split, freed.size, freed.requested);
+            } else if freed.small {
+                self.park_whole_figures(true, split, freed.size, freed.requested);
             } else {
-                self.park_whole_figures::<false>(split, freed.size, freed.requested);
+                self.park_whole_figures(false, split, freed.size, freed.requested);
             }
             NIL
         };
@@ -74,26 +78,27 @@ impl<D: Device> Locked<'_, D> {
         true
     }
 
-    /// The figures of a free that parks a block with no free neighbour (pool type `SMALL`): those
+    /// The figures of a free that parks a block with no free neighbour (pool type `small`): those
     /// of freeing an allocated block, and (`split`: the block is part of a split segment) of a split
     /// free block appearing.
     #[inline(always)]
-    fn park_whole_figures<const SMALL: bool>(&self, split: bool, size: u64, requested: u64) {
+    fn park_whole_figures(&self, small: bool, split: bool, size: u64, requested: u64) {
         if split {
-            self.parked_split_freed(SMALL, size, true);
+            self.parked_split_freed(small, size, true);
         }
         self.shard
             .figures
-            .defer_free::<SMALL>(size, requested, 0, 0, &self.a.book);
+            .defer_free(small, size, requested, 0, 0, &self.a.book);
     }
 
-    /// The figures of a free that parks its block (pool type `SMALL`): those of freeing an
+    /// The figures of a free that parks its block (pool type `small`): those of freeing an
     /// allocated block (`allocation`, `allocated_bytes`, `active`, `active_bytes`,
     /// `requested_bytes` go down) and of merging its free next neighbour of `n_size` bytes into it
     /// (`split`: the merged block is still part of a split segment).
     #[inline(always)]
-    fn park_figures<const SMALL: bool>(
+    fn park_figures(
         &self,
+        small: bool,
         split: bool,
         original_size: u64,
         n_size: u64,
@@ -102,11 +107,11 @@ impl<D: Device> Locked<'_, D> {
         let figures = &self.shard.figures;
         if split {
             // One split free block (`next`) becomes another (the merged one): `+ original_size`.
-            self.parked_split_freed(SMALL, original_size, false);
-            figures.defer_free::<SMALL>(original_size, requested, 0, 0, &self.a.book);
+            self.parked_split_freed(small, original_size, false);
+            figures.defer_free(small, original_size, requested, 0, 0, &self.a.book);
         } else {
             // A split free block (`next`) becomes a whole segment.
-            figures.defer_free::<SMALL>(original_size, requested, 1, n_size, &self.a.book);
+            figures.defer_free(small, original_size, requested, 1, n_size, &self.a.book);
         }
     }
 }

@@ -51,7 +51,7 @@ impl<D: Device> Locked<'_, D> {
                 orig: orig as u64,
                 figures: &self.shard.figures,
             };
-            if QUIET && hot.still_valid(&verdict, lane) {
+            if self.express_open::<QUIET>() && hot.still_valid(&verdict, lane) {
                 return Some(self.unpark_express(hot, parked, size, orig));
             }
         }
@@ -108,10 +108,13 @@ impl<D: Device> Locked<'_, D> {
         // As a head made by the split (`Block::new`).
         self.st.blocks[parked.block].gc_count_base = 0;
         let restore = self.restores(parked, b_requested, orig);
-        if small {
-            self.unpark_figures::<true>(already_split, size as u64, n_size, orig as u64, restore);
+        let (size64, orig64) = (size as u64, orig as u64);
+        if cfg!(feature = "ab-no-small-twins") {
+            self.unpark_figures(small, already_split, size64, n_size, orig64, restore);
+        } else if small {
+            self.unpark_figures(true, already_split, size64, n_size, orig64, restore);
         } else {
-            self.unpark_figures::<false>(already_split, size as u64, n_size, orig as u64, restore);
+            self.unpark_figures(false, already_split, size64, n_size, orig64, restore);
         }
         Some(self.hand_back::<QUIET>(parked.block, size, orig, stack))
     }
@@ -221,13 +224,14 @@ impl<D: Device> Locked<'_, D> {
         parked.limits_epoch == self.shard.figures.limits_epoch() && orig as u64 == b_requested
     }
 
-    /// The figures of handing a parked block of `size` bytes out again (pool type `SMALL`): those
+    /// The figures of handing a parked block of `size` bytes out again (pool type `small`): those
     /// of splitting the merged block into it and a remainder of `n_size` bytes (`already_split`:
     /// the merged block was part of a split segment), then of the allocation (`on_alloc`).
     /// `restore`: the increases only undo the free's decreases ([`restores`](Self::restores)).
     #[inline(always)]
-    fn unpark_figures<const SMALL: bool>(
+    fn unpark_figures(
         &self,
+        small: bool,
         already_split: bool,
         size: u64,
         n_size: u64,
@@ -239,18 +243,18 @@ impl<D: Device> Locked<'_, D> {
             // Where the merged block was a whole segment, the free's split figures are on the
             // record too.
             if already_split {
-                self.parked_split_taken::<false>(SMALL, size, false);
+                self.parked_split_taken::<false>(small, size, false);
             }
             figures.complete_pair();
             return;
         }
         figures.apply_deferred_free();
         if already_split {
-            self.parked_split_taken::<false>(SMALL, size, false);
+            self.parked_split_taken::<false>(small, size, false);
         } else {
-            self.inc(Kind::InactiveSplitBytes, SMALL, n_size);
-            self.inc(Kind::InactiveSplit, SMALL, 1);
+            self.inc(Kind::InactiveSplitBytes, small, n_size);
+            self.inc(Kind::InactiveSplit, small, 1);
         }
-        figures.on_alloc_in::<SMALL>(size, orig, &self.a.book, &self.a.streams);
+        figures.on_alloc_in(small, size, orig, &self.a.book, &self.a.streams);
     }
 }

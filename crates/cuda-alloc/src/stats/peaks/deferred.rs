@@ -46,14 +46,15 @@ pub(super) struct Deferred {
 }
 
 impl Figures {
-    /// A freed block of `size` bytes (`requested` asked for, pool type `SMALL`) parks: its
+    /// A freed block of `size` bytes (`requested` asked for, pool type `small`) parks: its
     /// allocation figures, and `inactive_split` by `split_count` (0 or 1) and
     /// `inactive_split_bytes` by `split_bytes`, are lowered on the record only (see [`Deferred`]).
     /// Puts the shard on the book's list of loose shards ([`Figures::loosen`]). Caller holds the
     /// shard's lock, with no parked free in the record.
     #[inline(always)]
-    pub(crate) fn defer_free<const SMALL: bool>(
+    pub(crate) fn defer_free(
         &self,
+        small: bool,
         size: u64,
         requested: u64,
         split_count: u64,
@@ -61,7 +62,7 @@ impl Figures {
         book: &PeakBook,
     ) {
         let d = &self.deferred;
-        let (size, requested, small) = (size as i64, requested as i64, i64::from(SMALL));
+        let (size, requested, small) = (size as i64, requested as i64, i64::from(small));
         let (split_count, split_bytes) = (split_count as i64, split_bytes as i64);
         let same = d.size.load(Relaxed) == size
             && d.requested.load(Relaxed) == requested
