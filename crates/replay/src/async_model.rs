@@ -75,7 +75,7 @@ use crate::timeline::Sampler;
 use crate::{AddressUse, RunOptions};
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::snapshot::{TraceAction, TraceEntry};
-use tensormem_cuda_alloc::stats::{MemoryStats, Stat};
+use tensormem_cuda_alloc::stats::MemoryStats;
 
 /// The granularity of the physical memory behind the driver's pool, assumed: 2 MiB, the minimum
 /// allocation granularity `cuMemGetAllocationGranularity` reports for device memory on current
@@ -463,17 +463,10 @@ pub(crate) fn run_device(
 /// `memory_stats()` as PyTorch's async backend fills it from the pool's figures: used memory as
 /// `allocated_bytes.all` and `active_bytes.all`, reserved memory as `reserved_bytes.all`, the rest 0.
 fn stats(pool: &Pool) -> MemoryStats {
-    let stat = |current: u64, peak: u64| Stat {
-        current: i64::try_from(current).unwrap_or(i64::MAX),
-        peak: i64::try_from(peak).unwrap_or(i64::MAX),
-        allocated: 0,
-        freed: 0,
-    };
-    let mut stats = MemoryStats::default();
-    stats.allocated_bytes.all = stat(pool.used, pool.used_peak);
-    stats.active_bytes.all = stat(pool.used, pool.used_peak);
-    stats.reserved_bytes.all = stat(pool.reserved, pool.reserved_peak);
-    stats
+    MemoryStats::from_pool_usage(
+        (pool.used, pool.used_peak),
+        (pool.reserved, pool.reserved_peak),
+    )
 }
 
 #[cfg(test)]

@@ -86,6 +86,33 @@ pub struct MemoryStats {
 }
 
 impl MemoryStats {
+    /// The statistics PyTorch's `backend:cudaMallocAsync` reports from its memory pool's figures:
+    /// used memory `(current, high)` as `allocated_bytes.all` and `active_bytes.all`, reserved
+    /// memory `(current, high)` as `reserved_bytes.all`, every other figure 0.
+    ///
+    /// ```
+    /// use tensormem_cuda_alloc::stats::MemoryStats;
+    ///
+    /// let stats = MemoryStats::from_pool_usage((3 << 20, 5 << 20), (4 << 20, 6 << 20));
+    /// assert_eq!(stats.allocated_bytes.all.peak, 5 << 20);
+    /// assert_eq!(stats.reserved_bytes.all.current, 4 << 20);
+    /// assert_eq!(stats.num_alloc_retries, 0);
+    /// ```
+    #[must_use]
+    pub fn from_pool_usage(used: (u64, u64), reserved: (u64, u64)) -> MemoryStats {
+        let stat = |(current, peak): (u64, u64)| Stat {
+            current: i64::try_from(current).unwrap_or(i64::MAX),
+            peak: i64::try_from(peak).unwrap_or(i64::MAX),
+            allocated: 0,
+            freed: 0,
+        };
+        let mut stats = MemoryStats::default();
+        stats.allocated_bytes.all = stat(used);
+        stats.active_bytes.all = stat(used);
+        stats.reserved_bytes.all = stat(reserved);
+        stats
+    }
+
     /// The statistics under the flat key names of `torch.cuda.memory_stats()`, sorted by key:
     /// `"<stat>.<all|small_pool|large_pool>.<current|peak|allocated|freed>"` for the nine arrays,
     /// `"oversize_allocations.<...>"` and `"oversize_segments.<...>"`, and the plain counters

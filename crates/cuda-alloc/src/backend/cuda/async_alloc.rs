@@ -39,7 +39,7 @@ use crate::device::{Device, DeviceAddress, DeviceError, MemInfo, StreamId};
 use crate::error::{Error, Result};
 use crate::oom::OutOfMemory;
 use crate::size::format_size;
-use crate::stats::{MemoryStats, Stat};
+use crate::stats::MemoryStats;
 
 /// PyTorch refuses requests of one exabyte or more before trying.
 const ONE_EXABYTE: usize = 1 << 60;
@@ -523,17 +523,10 @@ impl AsyncAllocator {
     /// PyTorch's `DeviceStats` from a pool's figures (see [`memory_stats`](Self::memory_stats)).
     #[must_use]
     pub fn stats_from(pool: &PoolUsage) -> MemoryStats {
-        let stat = |current: u64, peak: u64| Stat {
-            current: i64::try_from(current).unwrap_or(i64::MAX),
-            peak: i64::try_from(peak).unwrap_or(i64::MAX),
-            allocated: 0,
-            freed: 0,
-        };
-        let mut stats = MemoryStats::default();
-        stats.allocated_bytes.all = stat(pool.used_current, pool.used_high);
-        stats.active_bytes.all = stat(pool.used_current, pool.used_high);
-        stats.reserved_bytes.all = stat(pool.reserved_current, pool.reserved_high);
-        stats
+        MemoryStats::from_pool_usage(
+            (pool.used_current, pool.used_high),
+            (pool.reserved_current, pool.reserved_high),
+        )
     }
 
     /// Resets the high-water marks to the current values (PyTorch's `resetPeakStats`: the pool's
