@@ -267,16 +267,6 @@ pub(crate) fn run_device(
                 }
                 let bytes = usize::try_from(size).unwrap_or(usize::MAX);
                 let pool = pools.oom_pool(&allocator, bytes, stream, after_releases);
-                if !pool.is_default() {
-                    // A private pool's request fails without synchronizing: blocks the plan let
-                    // complete by the failure's synchronization were free before it.
-                    let after = plan.ops[i + 1..].iter().zip(&plan.op_events[i + 1..]);
-                    for (op, _) in after.take_while(|(_, &e)| e == event) {
-                        if let Op::Complete { stream, .. } = op {
-                            allocator.device().sim().complete_stream_work(*stream);
-                        }
-                    }
-                }
                 match pools.request(&allocator, pool, bytes, stream) {
                     Ok(a) => {
                         // The program went on without this memory: give it back at once.
