@@ -11,9 +11,12 @@
 //! - `F_SEAL_SEAL`: the seal set is final, so no peer can add a write seal
 //!   (`F_SEAL_FUTURE_WRITE`) that would stop others from mapping it writable.
 //!
-//! Where `memfd_create` is unavailable (old kernels, some sandboxes) the region falls back to
+//! Where `memfd_create` is unavailable (old kernels, some sandboxes) the region falls back to a
+//! nameless object in `/dev/shm` (`O_TMPFILE`), and only where that is refused too to
 //! `shm_open(O_CREAT | O_EXCL, 0600)` of a generated name followed at once by `shm_unlink`: equally
-//! anonymous after the unlink, but unsealed (a peer holding the fd could truncate it).
+//! anonymous after the unlink, but unsealed (a peer holding the fd could truncate it), and a
+//! process killed between the two calls leaves the name behind (`tensormem shm gc` removes it:
+//! the name carries the dead creator's pid).
 
 use rustix::fd::OwnedFd;
 use rustix::fs::{MemfdFlags, SealFlags};
@@ -56,14 +59,7 @@ impl SharedRegion {
     pub fn create_anonymous_as(len: u64, kind: AnonymousKind) -> Result<Self> {
         let object = "anonymous region";
         let len_usize = object::check_len(len, object)?;
-        let (fd, sealed) = match kind {
-            AnonymousKind::Memfd => match memfd(len) {
-                Ok(fd) => (fd, true),
-                Err(Errno::NOSYS | Errno::INVAL | Errno::PERM) => (unlinked_shm(len)?, false),
-                Err(errno) => return Err(Error::from_errno(errno, "memfd_create", object)),
-            },
-            AnonymousKind::UnlinkedShm => (unlinked_shm(len)?, false),
-        };
+        let (fd, sealed) = anonymous_object(len, kind)?;
         let map = Mapping::map(&fd, len_usize, 0, Access::ReadWrite, false)
             .map_err(Error::os("mmap", object))?;
         tracing::debug!(len, sealed, "created anonymous shared region");
@@ -87,9 +83,45 @@ pub enum AnonymousKind {
     /// `memfd_create`, sealed; an unlinked shm object where memfd is unavailable (the default).
     #[default]
     Memfd,
-    /// `shm_open(O_CREAT | O_EXCL)` of a generated name, unlinked at once (PyTorch's way); not
-    /// sealed.
+    /// A nameless object in `/dev/shm` (`O_TMPFILE`), not sealed: PyTorch's unlinked shm object
+    /// without the name it has for a moment. Where `/dev/shm` refuses `O_TMPFILE` (it is not a
+    /// tmpfs there, or a sandbox forbids it), a sealed memfd; where that is refused too, a
+    /// generated name created and unlinked at once.
     UnlinkedShm,
+}
+
+/// Where a way of creating an object is not available here (not an error of this request).
+fn unavailable(errno: Errno) -> bool {
+    matches!(
+        errno,
+        Errno::NOSYS | Errno::OPNOTSUPP | Errno::ISDIR | Errno::INVAL | Errno::NOENT | Errno::PERM
+    )
+}
+
+/// The object for an anonymous region of `len` bytes and whether it is sealed: the nameless ways
+/// in `kind`'s order of preference, then the named-and-unlinked one.
+fn anonymous_object(len: u64, kind: AnonymousKind) -> Result<(OwnedFd, bool)> {
+    let object = "anonymous region";
+    let nameless: [(&str, fn(u64) -> rustix::io::Result<OwnedFd>, bool); 2] = match kind {
+        AnonymousKind::Memfd => [
+            ("memfd_create", memfd, true),
+            ("open(O_TMPFILE)", tmpfile, false),
+        ],
+        AnonymousKind::UnlinkedShm => [
+            ("open(O_TMPFILE)", tmpfile, false),
+            ("memfd_create", memfd, true),
+        ],
+    };
+    for (call, create, sealed) in nameless {
+        match create(len) {
+            Ok(fd) => return Ok((fd, sealed)),
+            Err(errno) if unavailable(errno) => {
+                tracing::debug!(call, %errno, "nameless shared object unavailable, trying the next way");
+            }
+            Err(errno) => return Err(Error::from_errno(errno, call, object)),
+        }
+    }
+    Ok((unlinked_shm(len)?, false))
 }
 
 /// `memfd_create` + `ftruncate` + seals.
@@ -101,28 +133,26 @@ fn memfd(len: u64) -> rustix::io::Result<OwnedFd> {
     Ok(fd)
 }
 
-/// The fallback: a shm object that never has a name, `open("/dev/shm", O_TMPFILE | O_RDWR, 0600)`
-/// (tmpfs supports `O_TMPFILE` since Linux 3.11), so no crash can leave it behind. Where
-/// `O_TMPFILE` is refused, an exclusively created name unlinked at once (PyTorch's way), which a
-/// process killed between the two calls leaks (`tensormem shm gc` removes such objects: the
-/// name carries the dead creator's pid).
-pub(crate) fn unlinked_shm(len: u64) -> Result<OwnedFd> {
-    let object = "anonymous shm object";
-    let tmpfile = rustix::fs::open(
+/// A shm object that never has a name: `open("/dev/shm", O_TMPFILE | O_RDWR, 0600)` (tmpfs
+/// supports `O_TMPFILE` since Linux 3.11), sized.
+fn tmpfile(len: u64) -> rustix::io::Result<OwnedFd> {
+    let fd = rustix::fs::open(
         crate::name::SHM_DIR,
         rustix::fs::OFlags::TMPFILE | rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
         rustix::fs::Mode::from_raw_mode(object::CREATE_MODE),
-    );
-    let fd = match tmpfile {
-        Ok(fd) => fd,
-        Err(Errno::OPNOTSUPP | Errno::ISDIR | Errno::INVAL | Errno::NOENT) => {
-            let name = NameGenerator::default().next_name();
-            let fd = object::shm_open(&name, CreateMode::CreateExclusive, Access::ReadWrite)?;
-            object::unlink_shm(&name)?;
-            fd
-        }
-        Err(errno) => return Err(Error::from_errno(errno, "open(O_TMPFILE)", object)),
-    };
+    )?;
+    rustix::fs::ftruncate(&fd, len)?;
+    Ok(fd)
+}
+
+/// The last resort: an exclusively created name unlinked at once (PyTorch's way), which a process
+/// killed between the two calls leaks (`tensormem shm gc` removes such objects: the name carries
+/// the dead creator's pid).
+fn unlinked_shm(len: u64) -> Result<OwnedFd> {
+    let object = "anonymous shm object";
+    let name = NameGenerator::default().next_name();
+    let fd = object::shm_open(&name, CreateMode::CreateExclusive, Access::ReadWrite)?;
+    object::unlink_shm(&name)?;
     rustix::fs::ftruncate(&fd, len).map_err(Error::os("ftruncate", object))?;
     Ok(fd)
 }
@@ -143,15 +173,29 @@ mod tests {
     }
 
     #[test]
-    fn fallback_object_is_unlinked_and_sized() {
-        let fd = unlinked_shm(4096).unwrap();
-        let info = object::inspect(&fd, "fallback").unwrap();
-        assert_eq!(info.size, 4096);
-        let stat = rustix::fs::fstat(&fd).unwrap();
-        assert_eq!(
-            stat.st_nlink, 0,
-            "the fallback object must have no name left"
-        );
-        assert_eq!(stat.st_mode & 0o777, 0o600);
+    fn every_fallback_object_is_nameless_and_sized() {
+        let mut objects = vec![unlinked_shm(4096).unwrap()];
+        match tmpfile(4096) {
+            Ok(fd) => objects.push(fd),
+            Err(errno) => assert!(unavailable(errno), "O_TMPFILE: {errno}"),
+        }
+        for fd in objects {
+            let info = object::inspect(&fd, "fallback").unwrap();
+            assert_eq!(info.size, 4096);
+            let stat = rustix::fs::fstat(&fd).unwrap();
+            assert_eq!(
+                stat.st_nlink, 0,
+                "the fallback object must have no name left"
+            );
+            assert_eq!(stat.st_mode & 0o777, 0o600);
+        }
+    }
+
+    #[test]
+    fn unlinked_shm_regions_are_nameless_whatever_the_system_gives() {
+        let region = SharedRegion::create_anonymous_as(4096, AnonymousKind::UnlinkedShm).unwrap();
+        let stat = rustix::fs::fstat(region.fd().unwrap()).unwrap();
+        assert_eq!(stat.st_nlink, 0);
+        assert_eq!(region.to_vec().unwrap(), vec![0; 4096]);
     }
 }
