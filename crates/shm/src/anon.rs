@@ -98,19 +98,19 @@ fn unavailable(errno: Errno) -> bool {
     )
 }
 
+/// A way of creating a nameless object: the call's name (for errors), the call, whether the
+/// object comes sealed.
+type NamelessWay = (&'static str, fn(u64) -> rustix::io::Result<OwnedFd>, bool);
+
 /// The object for an anonymous region of `len` bytes and whether it is sealed: the nameless ways
 /// in `kind`'s order of preference, then the named-and-unlinked one.
 fn anonymous_object(len: u64, kind: AnonymousKind) -> Result<(OwnedFd, bool)> {
     let object = "anonymous region";
-    let nameless: [(&str, fn(u64) -> rustix::io::Result<OwnedFd>, bool); 2] = match kind {
-        AnonymousKind::Memfd => [
-            ("memfd_create", memfd, true),
-            ("open(O_TMPFILE)", tmpfile, false),
-        ],
-        AnonymousKind::UnlinkedShm => [
-            ("open(O_TMPFILE)", tmpfile, false),
-            ("memfd_create", memfd, true),
-        ],
+    let memfd_way: NamelessWay = ("memfd_create", memfd, true);
+    let tmpfile_way: NamelessWay = ("open(O_TMPFILE)", tmpfile, false);
+    let nameless = match kind {
+        AnonymousKind::Memfd => [memfd_way, tmpfile_way],
+        AnonymousKind::UnlinkedShm => [tmpfile_way, memfd_way],
     };
     for (call, create, sealed) in nameless {
         match create(len) {
