@@ -13,6 +13,7 @@ pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] = &[
     ("tensormem-shm", "torch_interop"),
     ("tensormem-cuda-alloc", "gpu"),
     ("tensormem-cuda-alloc", "async_gpu"),
+    ("tensormem-cuda-alloc", "memory_viz"),
     ("tensormem", "gpu"),
     ("tensormem-ipc", "gpu"),
     ("tensormem", "storage_gpu"),
