@@ -36,6 +36,7 @@
 //! [`AllocatorConfig::other`]. A key outside this list is refused, as PyTorch refuses it. What the
 //! allocators do with each key is listed in `docs/allocator.md` ("Configuration keys").
 
+mod number;
 mod parse;
 
 use std::collections::BTreeMap;
@@ -512,7 +513,9 @@ pub type ConfigResult<T> = Result<T, ConfigError>;
 impl AllocatorConfig {
     /// Parses a configuration string, starting from the defaults.
     ///
-    /// Whitespace anywhere is ignored and an empty string gives the defaults, as in PyTorch.
+    /// ASCII whitespace anywhere is ignored, numbers are read as C++'s `std::stoull` and `std::stod`
+    /// read them (the number a value starts with; a negative whole number wraps around, with a
+    /// `tracing` warning either way), and an empty string gives the defaults, as in PyTorch.
     ///
     /// # Errors
     /// [`ConfigError`] for an unknown key, a malformed pair or list, or a value out of range.

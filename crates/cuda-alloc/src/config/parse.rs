@@ -1,10 +1,12 @@
 //! Tokenizing and parsing a configuration string into an [`AllocatorConfig`].
 //!
 //! The grammar is PyTorch's: the string splits into tokens at `,` `:` `[` `]` (each its own token),
-//! whitespace is dropped everywhere (also inside words), and the tokens form `key:value` pairs separated by
-//! `,`, where a value is one token or a bracketed list. Token indices in error messages count every token
-//! from 0, as PyTorch's do.
+//! ASCII whitespace is dropped everywhere (also inside words), and the tokens form `key:value` pairs
+//! separated by `,`, where a value is one token or a bracketed list. Numbers are read as PyTorch
+//! reads them ([`number`](super::number)). Token indices in error messages count every token from 0,
+//! as PyTorch's do.
 
+use super::number::{self, NumberError, Prefix};
 use super::{
     AllocatorConfig, Backend, ConfigError, ConfigResult, KNOWN_KEYS,
     LARGE_SEGMENT_EXCLUSIVE_MIN_MB, MAX_PINNED_REGISTER_THREADS, MB,
@@ -20,7 +22,7 @@ fn tokenize(config: &str) -> Vec<String> {
                 tokens.push(std::mem::take(&mut word));
             }
             tokens.push(ch.to_string());
-        } else if !ch.is_whitespace() {
+        } else if !u8::try_from(ch).is_ok_and(number::is_c_space) {
             word.push(ch);
         }
     }
@@ -72,11 +74,16 @@ impl Tokens {
 
     fn float(&self, index: usize, key: &str) -> ConfigResult<f64> {
         let text = self.value(index, key)?;
-        text.parse::<f64>().map_err(|_| ConfigError::InvalidNumber {
+        let read = number::stod(text).map_err(|error| ConfigError::InvalidNumber {
             key: key.to_owned(),
             value: text.to_owned(),
-            expected: "a decimal number such as 0.5",
-        })
+            expected: match error {
+                NumberError::NoNumber => "a decimal number such as 0.5",
+                NumberError::OutOfRange => "a decimal number within a double's range",
+            },
+        })?;
+        warn_if_partly_read(key, text, &read);
+        Ok(read.value)
     }
 
     fn boolean(&self, index: usize, key: &str) -> ConfigResult<bool> {
@@ -91,12 +98,32 @@ impl Tokens {
     }
 }
 
+/// A whole number as PyTorch reads it (`std::stoull`: `64abc` is 64, `-1` is 2^64 - 1).
 fn parse_unsigned(text: &str, key: &str) -> ConfigResult<u64> {
-    text.parse::<u64>().map_err(|_| ConfigError::InvalidNumber {
+    let read = number::stoull(text).map_err(|error| ConfigError::InvalidNumber {
         key: key.to_owned(),
         value: text.to_owned(),
-        expected: "a whole number (at most 2^64 - 1)",
-    })
+        expected: match error {
+            NumberError::NoNumber => "a whole number",
+            NumberError::OutOfRange => "a whole number of at most 2^64 - 1",
+        },
+    })?;
+    warn_if_partly_read(key, text, &read);
+    Ok(read.value)
+}
+
+/// PyTorch takes a number from the start of a value and ignores the rest, and wraps a negative
+/// whole number around; so does this parser, and it says so where that happened.
+fn warn_if_partly_read<T: std::fmt::Display>(key: &str, text: &str, read: &Prefix<T>) {
+    if read.len < text.len() || read.wrapped {
+        tracing::warn!(
+            key,
+            value = text,
+            read = %read.value,
+            "read a configuration value as PyTorch reads it (the number it starts with, a negative \
+             whole number wrapped around to 2^64 minus its magnitude): write the number alone"
+        );
+    }
 }
 
 /// Applies every `key:value` pair of `config` to `target`, in order. Returns whether any option of the

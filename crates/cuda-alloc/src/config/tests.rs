@@ -80,16 +80,75 @@ fn every_numeric_key_refuses_text() {
             ),
             "{key}"
         );
-        // A negative number is a number to the decimal keys (refused by their range instead).
-        if !key.ends_with("_threshold") && !key.ends_with("_fraction") {
-            assert!(
-                matches!(
-                    error(&format!("{key}:-1")),
-                    ConfigError::InvalidNumber { .. }
-                ),
-                "{key}"
-            );
-        }
+        assert!(
+            matches!(
+                error(&format!("{key}:x64")),
+                ConfigError::InvalidNumber { .. }
+            ),
+            "{key}"
+        );
+    }
+}
+
+/// What PyTorch 2.11's parser makes of such values (`std::stoull` and `std::stod` read the number
+/// a value starts with; a negative whole number wraps around).
+#[test]
+fn numbers_are_read_as_pytorch_reads_them() {
+    assert_eq!(
+        parse("max_split_size_mb:-1").max_split_size,
+        usize::MAX / MB * MB
+    );
+    assert_eq!(parse("max_split_size_mb:64abc").max_split_size, 64 * MB);
+    assert_eq!(parse("max_split_size_mb:64.9").max_split_size, 64 * MB);
+    assert_eq!(parse("max_split_size_mb:+00064").max_split_size, 64 * MB);
+    assert_eq!(parse("max_split_size_mb:6\t4").max_split_size, 64 * MB);
+    for too_small in ["1e3", "-0", "-18446744073709551615"] {
+        assert!(
+            matches!(
+                error(&format!("max_split_size_mb:{too_small}")),
+                ConfigError::MaxSplitSizeTooSmall { .. }
+            ),
+            "{too_small}"
+        );
+    }
+    assert!(matches!(
+        error("max_split_size_mb:18446744073709551616"),
+        ConfigError::InvalidNumber { .. }
+    ));
+    // Only ASCII whitespace is dropped.
+    assert!(matches!(
+        error("max_split_size_mb:\u{a0}64"),
+        ConfigError::InvalidNumber { .. }
+    ));
+    assert_eq!(
+        parse("roundup_power2_divisions:-18446744073709551615").roundup_power2_divisions,
+        [1; ROUNDUP_POWER2_INTERVALS]
+    );
+    assert_eq!(
+        parse("roundup_power2_divisions:[256:2x,>:1e3]").roundup_divisions_for(1 << 30),
+        1
+    );
+    assert_eq!(
+        parse("pinned_num_register_threads:1e3").pinned_num_register_threads,
+        1
+    );
+    assert_eq!(
+        parse("garbage_collection_threshold:0.5x").garbage_collection_threshold,
+        0.5
+    );
+    assert_eq!(
+        parse("garbage_collection_threshold:0x1p-1").garbage_collection_threshold,
+        0.5
+    );
+    assert_eq!(
+        parse("per_process_memory_fraction:-0").per_process_memory_fraction,
+        0.0
+    );
+    for refused in ["nan", "inf", "1e-310", "x"] {
+        assert!(
+            AllocatorConfig::parse(&format!("garbage_collection_threshold:{refused}")).is_err(),
+            "{refused}"
+        );
     }
 }
 
@@ -163,8 +222,12 @@ fn pinned_thresholds() {
         parse(&format!("pinned_max_cached_size_mb:{}", u64::MAX)).pinned_max_cached_size,
         (usize::MAX / MB) * MB
     );
+    assert_eq!(
+        parse("pinned_max_round_threshold_mb:1.5").pinned_max_round_threshold,
+        MB
+    );
     assert!(matches!(
-        error("pinned_max_round_threshold_mb:1.5"),
+        error("pinned_max_round_threshold_mb:.5"),
         ConfigError::InvalidNumber { .. }
     ));
     // They persist across `apply` (PyTorch resets only the split, rounding and GC settings).
