@@ -14,6 +14,7 @@ pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] = &[
     ("tensormem-cuda-alloc", "gpu"),
     ("tensormem-cuda-alloc", "async_gpu"),
     ("tensormem-cuda-alloc", "memory_viz"),
+    ("tensormem-cuda-alloc", "config_vs_pytorch"),
     ("tensormem", "gpu"),
     ("tensormem-ipc", "gpu"),
     ("tensormem", "storage_gpu"),
