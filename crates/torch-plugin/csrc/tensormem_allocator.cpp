@@ -45,7 +45,11 @@ struct TmTraceEntry {
   int action, device;
   uint64_t addr, size, stream;
   int64_t time_us;
+  uint64_t pool_first, pool_second;
 };
+// The trace tracker hands this struct over with no size to check: keep it in step with Rust's
+// `TorchTraceEntry` (whose test asserts the same size).
+static_assert(sizeof(TmTraceEntry) == 56, "TmTraceEntry must match tensormem's TorchTraceEntry");
 struct TmSegmentInfo {
   int64_t device;
   uint64_t address, total_size, requested_size, allocated_size, active_size, stream;
@@ -284,7 +288,8 @@ CDA::TraceEntry::Action action_of(int action) {
 
 void trace_fanout(const TmTraceEntry* e) {
   CDA::TraceEntry entry(action_of(e->action), static_cast<c10::DeviceIndex>(e->device), e->addr,
-                        e->size, reinterpret_cast<void*>(e->stream), {0, 0}, 0);
+                        e->size, reinterpret_cast<void*>(e->stream),
+                        c10::MempoolId_t{e->pool_first, e->pool_second}, 0);
   entry.time_.t_ = static_cast<time_t>(e->time_us);
   std::lock_guard<std::mutex> lock(hooks_mutex);
   for (auto& tracker : trace_trackers) tracker(entry);
@@ -508,7 +513,8 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
         TmTraceEntry e{};
         check(tensormem_snapshot_trace(snap, d, k, &e, sizeof e), "snapshot");
         trace.emplace_back(action_of(e.action), static_cast<c10::DeviceIndex>(e.device), e.addr,
-                           e.size, reinterpret_cast<void*>(e.stream), c10::MempoolId_t{0, 0}, 0);
+                           e.size, reinterpret_cast<void*>(e.stream),
+                           c10::MempoolId_t{e.pool_first, e.pool_second}, 0);
         trace.back().time_.t_ = static_cast<time_t>(e.time_us);
       }
       stacks.attach(trace);

@@ -37,6 +37,11 @@ pub struct TorchTraceEntry {
     pub stream: u64,
     /// Microseconds since the Unix epoch.
     pub time_us: i64,
+    /// The memory pool of the block or segment (PyTorch's `TraceEntry::mempool_`), first half:
+    /// `(0, 0)` for the default pools and for entries that name no pool.
+    pub pool_first: u64,
+    /// The memory pool's second half.
+    pub pool_second: u64,
 }
 
 impl TorchTraceEntry {
@@ -62,6 +67,8 @@ impl TorchTraceEntry {
             size: entry.size,
             stream: entry.stream,
             time_us: entry.time_us,
+            pool_first: entry.pool_id.map_or(0, |(first, _)| first),
+            pool_second: entry.pool_id.map_or(0, |(_, second)| second),
         })
     }
 }
@@ -207,4 +214,44 @@ pub extern "C" fn tensormem_set_free_memory_hook(f: Option<FreeMemoryFn>) -> c_i
     );
     debug_assert!(rc == TM_OK || f.is_none());
     rc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_entry_keeps_its_pool_and_names_the_default_pool_when_it_has_none() {
+        let entry = TraceEntry {
+            action: TraceAction::SegmentAlloc,
+            addr: 0x7000,
+            size: 2 << 20,
+            stream: 9,
+            time_us: 12,
+            pool_id: Some((1, 3)),
+            ..TraceEntry::default()
+        };
+        let torch = TorchTraceEntry::from_entry(2, &entry).unwrap();
+        assert_eq!(
+            torch,
+            TorchTraceEntry {
+                action: 3,
+                device: 2,
+                addr: 0x7000,
+                size: 2 << 20,
+                stream: 9,
+                time_us: 12,
+                pool_first: 1,
+                pool_second: 3,
+            }
+        );
+        let unnamed = TraceEntry {
+            pool_id: None,
+            ..entry
+        };
+        let torch = TorchTraceEntry::from_entry(0, &unnamed).unwrap();
+        assert_eq!((torch.pool_first, torch.pool_second), (0, 0));
+        // The C++ layer's `TmTraceEntry` static_asserts the same size.
+        assert_eq!(std::mem::size_of::<TorchTraceEntry>(), 56);
+    }
 }
