@@ -530,5 +530,7 @@ mod tests {
         file.release_unsent(0);
         drop(mapped);
         drop(file);
+        // A truncated file's counts are unknown, so nothing unlinked it: the test does.
+        tensormem_shm::unlink_shm(&name).unwrap();
     }
 }

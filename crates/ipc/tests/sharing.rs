@@ -507,7 +507,9 @@ fn a_ref_counter_file_truncated_while_open_is_an_error_not_a_crash() {
         .share(&allocator, allocator.allocate(4096, S).unwrap(), S)
         .unwrap();
     let received = consumer.open(&handle, S).unwrap();
-    // A process of the same user shrinks the file under both mappings.
+    // A process of the same user shrinks the file under both mappings. The producer then cannot
+    // tell whether the counter file is still in use and keeps it: the test removes it at the end.
+    let counter = handle.ref_counter.clone().unwrap();
     std::fs::OpenOptions::new()
         .write(true)
         .open(handle.ref_counter.as_ref().unwrap().path())
@@ -535,6 +537,8 @@ fn a_ref_counter_file_truncated_while_open_is_an_error_not_a_crash() {
         ),
         "{err}"
     );
+    drop(producer);
+    tensormem_shm::unlink_shm(&counter).unwrap();
 }
 
 #[test]
