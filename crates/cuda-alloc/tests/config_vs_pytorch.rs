@@ -1,7 +1,9 @@
 //! The configuration grammar against PyTorch's own parser: a corpus of strings, well-formed and
 //! hostile, each given to `torch._C._accelerator_setAllocatorSettings` (PyTorch's parser; it runs
-//! without a GPU) and to [`AllocatorConfig::parse`]. Every string PyTorch accepts is accepted here;
-//! every string PyTorch refuses is refused here, except for keys newer than the PyTorch installed.
+//! without a GPU) and to [`AllocatorConfig::parse`]. Every string PyTorch accepts is accepted here
+//! and every string PyTorch refuses is refused here, with three exceptions, each named below: keys
+//! newer than the PyTorch installed (accepted here), a change of backend (a run-time rule), and
+//! malformed lists PyTorch lets through (refused here).
 //!
 //! `#[ignore]`d: CI has no torch. `cargo xtask test-gpu` runs it where torch imports; elsewhere
 //! `cargo test -p tensormem-cuda-alloc --test config_vs_pytorch -- --ignored` (skips, saying so,
