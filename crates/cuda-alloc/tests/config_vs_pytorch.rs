@@ -9,13 +9,13 @@
 //! `cargo test -p tensormem-cuda-alloc --test config_vs_pytorch -- --ignored` (skips, saying so,
 //! without torch unless `TENSORMEM_REQUIRE_TORCH=1`).
 
+mod common;
+
 use std::io::Write;
 use std::process::{Command, Stdio};
 
+use common::torch::torch_imports;
 use tensormem_cuda_alloc::config::{AllocatorConfig, KNOWN_KEYS};
-
-/// Set to `1`, a missing torch fails this test instead of skipping it.
-const REQUIRE_TORCH: &str = "TENSORMEM_REQUIRE_TORCH";
 
 /// Reads one JSON string list on stdin; for each string, puts PyTorch's settings back to a known
 /// state, applies the string, and prints `ok` or the first line of the error.
@@ -196,27 +196,25 @@ fn corpus() -> Vec<String> {
 #[test]
 #[ignore = "needs python3 with torch (cargo xtask test-gpu runs it)"]
 fn every_string_pytorch_accepts_parses_and_every_one_it_refuses_is_refused() {
+    if !torch_imports() {
+        return;
+    }
     let corpus = corpus();
-    let child = Command::new("python3")
+    let mut child = Command::new("python3")
         .args(["-c", JUDGE])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .spawn();
-    let mut child = match child {
-        Ok(child) => child,
-        Err(e) => return skip(&format!("python3 could not be run: {e}")),
-    };
+        .spawn()
+        .expect("python3 runs");
     let input = serde_json::to_vec(&corpus).unwrap();
     child.stdin.take().unwrap().write_all(&input).unwrap();
     let out = child.wait_with_output().unwrap();
-    if !out.status.success() {
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        if stderr.contains("No module named 'torch'") {
-            return skip("python3 cannot import torch");
-        }
-        panic!("the PyTorch side failed:\n{stderr}");
-    }
+    assert!(
+        out.status.success(),
+        "the PyTorch side failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let version = answer["version"].as_str().unwrap().to_owned();
     let theirs = answer["results"].as_array().unwrap();
@@ -254,12 +252,4 @@ fn every_string_pytorch_accepts_parses_and_every_one_it_refuses_is_refused() {
         disagreements.len(),
         disagreements.join("\n")
     );
-}
-
-fn skip(reason: &str) {
-    assert!(
-        std::env::var(REQUIRE_TORCH).as_deref() != Ok("1"),
-        "{REQUIRE_TORCH}=1 but {reason}"
-    );
-    eprintln!("SKIPPED: {reason}");
 }

@@ -33,3 +33,6 @@ mod sleep;
 mod streams;
 #[path = "gpu/teardown.rs"]
 mod teardown;
+#[cfg(feature = "snapshot-io")]
+#[path = "common/torch.rs"]
+mod torch;

@@ -12,36 +12,12 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
+use common::torch::torch_imports;
 use common::*;
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::host::{HeapSource, HostCachingAllocator};
 use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_cuda_alloc::{MempoolId, RecordContext};
-
-/// Set to `1`, a missing torch fails these tests instead of skipping them.
-const REQUIRE_TORCH: &str = "TENSORMEM_REQUIRE_TORCH";
-
-/// Whether `python3` imports torch; says why not (or fails under `TENSORMEM_REQUIRE_TORCH=1`).
-fn torch_imports() -> bool {
-    let out = Command::new("python3")
-        .args(["-c", "import torch"])
-        .output();
-    let reason = match out {
-        Ok(out) if out.status.success() => return true,
-        Ok(out) => String::from_utf8_lossy(&out.stderr)
-            .lines()
-            .last()
-            .unwrap_or("")
-            .to_owned(),
-        Err(e) => format!("python3 could not be run: {e}"),
-    };
-    assert!(
-        std::env::var(REQUIRE_TORCH).as_deref() != Ok("1"),
-        "{REQUIRE_TORCH}=1 but `python3 -c 'import torch'` failed: {reason}"
-    );
-    eprintln!("SKIPPED: python3 cannot import torch ({reason})");
-    false
-}
 
 /// Runs `python3 args...` in `dir`, returns stdout; panics with stderr when it fails.
 fn python(dir: &Path, args: &[&str]) -> String {

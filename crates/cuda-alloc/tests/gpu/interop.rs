@@ -6,57 +6,18 @@
 
 use std::collections::BTreeSet;
 use std::path::Path;
-use std::process::Command;
 
 use tensormem_cuda_alloc::backend::cuda::CudaBackend;
 use tensormem_cuda_alloc::snapshot::{Snapshot, TraceAction};
 use tensormem_cuda_alloc::CachingAllocator;
 
 use crate::harness::{gpu, Gpus};
-
-/// Set to `1`, a missing torch fails the interop tests instead of skipping them.
-const REQUIRE_TORCH: &str = "TENSORMEM_REQUIRE_TORCH";
+use crate::torch::{python, torch_imports};
 
 /// The GPUs, if there are GPUs and `python3` imports torch; else `None` after saying why.
 fn gpu_and_torch() -> Option<Gpus> {
     let gpus = gpu()?;
-    let imported = Command::new("python3")
-        .args(["-c", "import torch"])
-        .output();
-    match imported {
-        Ok(out) if out.status.success() => Some(gpus),
-        other => {
-            let reason = match other {
-                Ok(out) => String::from_utf8_lossy(&out.stderr)
-                    .lines()
-                    .last()
-                    .unwrap_or("")
-                    .to_owned(),
-                Err(e) => format!("python3 could not be run: {e}"),
-            };
-            assert!(
-                std::env::var(REQUIRE_TORCH).as_deref() != Ok("1"),
-                "{REQUIRE_TORCH}=1 but `python3 -c 'import torch'` failed: {reason}"
-            );
-            eprintln!("skipped: python3 cannot import torch ({reason})");
-            None
-        }
-    }
-}
-
-/// Runs `python3 args...`, returns stdout; panics with stderr when it fails.
-fn python(args: &[&str]) -> String {
-    let out = Command::new("python3")
-        .args(args)
-        .output()
-        .expect("python3 runs");
-    assert!(
-        out.status.success(),
-        "python3 {args:?} failed ({}):\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("python3 printed UTF-8")
+    torch_imports().then_some(gpus)
 }
 
 /// Bytes the way `torch.cuda._memory_viz` prints them (`Bytes.__repr__`: `f"{num:3.1f}{unit}B"`).
