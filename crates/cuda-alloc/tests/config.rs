@@ -90,14 +90,16 @@ fn max_split_size_mb() {
         error("max_split_size_mb:18446744073709551616"),
         ConfigError::InvalidNumber { .. }
     ));
-    assert!(matches!(
-        error("max_split_size_mb:-5"),
-        ConfigError::InvalidNumber { .. }
-    ));
-    assert!(matches!(
+    // Read as PyTorch reads them (`std::stoull`): -5 wraps around to a size past any device (so
+    // no limit), 1.5 is 1 (too small).
+    assert_eq!(
+        parse("max_split_size_mb:-5").max_split_size,
+        (usize::MAX / MB) * MB
+    );
+    assert_eq!(
         error("max_split_size_mb:1.5"),
-        ConfigError::InvalidNumber { .. }
-    ));
+        ConfigError::MaxSplitSizeTooSmall { mb: 1, min_mb: 20 }
+    );
     assert!(
         matches!(error("max_split_size_mb:abc"), ConfigError::InvalidNumber { key, value, .. }
         if key == "max_split_size_mb" && value == "abc")
