@@ -10,8 +10,8 @@
 //! [`AllocatorConfig`] is that string parsed: [`AllocatorConfig::parse`] reads it (with PyTorch's error
 //! messages for malformed values), [`AllocatorConfig::apply`] changes settings at run time the way PyTorch
 //! does, [`AllocatorConfig::from_env`] reads `TENSORMEM_ALLOC_CONF` (falling back to PyTorch's own
-//! variables, in PyTorch's order: `PYTORCH_ALLOC_CONF`, then `PYTORCH_CUDA_ALLOC_CONF`, then
-//! `PYTORCH_HIP_ALLOC_CONF`), and [`Display`](fmt::Display) writes the canonical string that parses back
+//! variables, read as PyTorch reads them: [`ENV_VARS`]), and [`Display`](fmt::Display) writes the
+//! canonical string that parses back
 //! to the same value.
 //!
 //! ```
@@ -90,18 +90,38 @@ pub const KNOWN_KEYS: [&str; 22] = [
     "expandable_segments_reserve_by_class",
 ];
 
-/// Environment variables [`AllocatorConfig::from_env`] reads, first found wins (only that one is parsed;
-/// the others are not merged in).
+/// Environment variables [`AllocatorConfig::from_env`] reads.
 ///
-/// `TENSORMEM_ALLOC_CONF` is tensormem's own. The rest are PyTorch's, in the order PyTorch 2.9 to 2.11
-/// read them: `PYTORCH_ALLOC_CONF`, the device-generic name, then the older `PYTORCH_CUDA_ALLOC_CONF`
-/// and `PYTORCH_HIP_ALLOC_CONF` (for which those versions print a deprecation warning). Set only one of
-/// PyTorch's variables, or the same string in each, so that PyTorch and tensormem read the same settings.
+/// `TENSORMEM_ALLOC_CONF` is tensormem's own: when it is set, it alone is read. Otherwise PyTorch's,
+/// as PyTorch 2.11 reads them on a CUDA build (set but empty counts as set): the CUDA keys
+/// ([`CUDA_KEYS`]) from the first set of `PYTORCH_CUDA_ALLOC_CONF` and `PYTORCH_ALLOC_CONF`, every
+/// other key from the first set of `PYTORCH_CUDA_ALLOC_CONF`, `PYTORCH_HIP_ALLOC_CONF` and
+/// `PYTORCH_ALLOC_CONF`. So `PYTORCH_CUDA_ALLOC_CONF` wins over the newer name, and with only
+/// `PYTORCH_HIP_ALLOC_CONF` and `PYTORCH_ALLOC_CONF` set, each gives its own half. Set one of
+/// PyTorch's variables, or the same string in each, to keep it simple.
 pub const ENV_VARS: [&str; 4] = [
     "TENSORMEM_ALLOC_CONF",
-    "PYTORCH_ALLOC_CONF",
     "PYTORCH_CUDA_ALLOC_CONF",
     "PYTORCH_HIP_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
+];
+
+/// The keys PyTorch's CUDA build reads in its CUDA allocator configuration rather than the
+/// device-generic one (`CUDAAllocatorConfig`), which it takes from its own variables
+/// ([`ENV_VARS`]); tensormem's keys of the CUDA allocator alone (`pinned_free_catch_all`,
+/// `throw_on_cudamalloc_oom`) with them.
+pub const CUDA_KEYS: [&str; 11] = [
+    "backend",
+    "release_lock_on_cudamalloc",
+    "release_lock_on_hipmalloc",
+    "pinned_use_cuda_host_register",
+    "pinned_use_hip_host_register",
+    "graph_capture_record_stream_reuse",
+    "pinned_reserve_segment_size_mb",
+    "pinned_num_register_threads",
+    "per_process_memory_fraction",
+    "pinned_free_catch_all",
+    "throw_on_cudamalloc_oom",
 ];
 
 /// The variables that turn caching off, for debugging (every allocation straight to the device; see
@@ -542,21 +562,27 @@ impl AllocatorConfig {
         next.max_split_size = defaults.max_split_size;
         next.roundup_power2_divisions = defaults.roundup_power2_divisions;
         next.garbage_collection_threshold = defaults.garbage_collection_threshold;
-        let native_options = parse::apply_tokens(&mut next, config)?;
-        if next.backend == Backend::CudaMallocAsync && native_options {
-            tracing::warn!(
-                config,
-                "backend:cudaMallocAsync ignores max_split_size_mb, roundup_power2_divisions, and \
-                 garbage_collect_threshold"
-            );
-        }
+        let native_options = parse::apply_tokens(&mut next, config, parse::Scope::All)?;
+        next.warn_if_backend_ignores(native_options);
         *self = next;
         Ok(())
     }
 
-    /// Reads the configuration from the environment: the first of [`ENV_VARS`] that is set
-    /// (`TENSORMEM_ALLOC_CONF`, then `PYTORCH_ALLOC_CONF`, `PYTORCH_CUDA_ALLOC_CONF` and
-    /// `PYTORCH_HIP_ALLOC_CONF`, PyTorch's order), and only that one; the defaults if none is.
+    /// PyTorch's warning when a configuration for `backend:cudaMallocAsync` also gives options of
+    /// the native allocator (`native_options`), which that backend ignores.
+    fn warn_if_backend_ignores(&self, native_options: bool) {
+        if self.backend == Backend::CudaMallocAsync && native_options {
+            tracing::warn!(
+                config = %self,
+                "backend:cudaMallocAsync ignores max_split_size_mb, roundup_power2_divisions, and \
+                 garbage_collect_threshold"
+            );
+        }
+    }
+
+    /// Reads the configuration from the environment: `TENSORMEM_ALLOC_CONF` alone when it is set,
+    /// else PyTorch's variables as PyTorch reads them (see [`ENV_VARS`]: the CUDA keys and the
+    /// others may come from different variables); the defaults if none is set.
     ///
     /// # Errors
     /// [`ConfigError::Env`] naming the variable when its value does not parse, or
@@ -596,26 +622,59 @@ impl AllocatorConfig {
     where
         F: FnMut(&'static str) -> Option<std::ffi::OsString>,
     {
-        for var in ENV_VARS {
-            if let Some(value) = lookup(var) {
-                let text = value
-                    .into_string()
-                    .map_err(|_| ConfigError::EnvNotUnicode { var })?;
-                tracing::debug!(var, config = %text, "allocator configuration from the environment");
-                return Self::parse(&text)
-                    .and_then(|config| {
-                        if native_only {
-                            config.check_supported()?;
-                        }
-                        Ok(config)
-                    })
-                    .map_err(|source| ConfigError::Env {
-                        var,
-                        source: Box::new(source),
-                    });
+        let mut text_of = |var: &'static str| {
+            lookup(var)
+                .map(|value| {
+                    value
+                        .into_string()
+                        .map_err(|_| ConfigError::EnvNotUnicode { var })
+                })
+                .transpose()
+                .map(|text| text.map(|text| (var, text)))
+        };
+        let in_env = |var: &'static str, source: ConfigError| ConfigError::Env {
+            var,
+            source: Box::new(source),
+        };
+        let mut config = AllocatorConfig::default();
+        let mut native_options = false;
+        // The variable the backend was read from, for the error below.
+        let backend_var;
+        if let Some((var, text)) = text_of(ENV_VARS[0])? {
+            tracing::debug!(var, config = %text, "allocator configuration from the environment");
+            native_options = parse::apply_tokens(&mut config, &text, parse::Scope::All)
+                .map_err(|source| in_env(var, source))?;
+            backend_var = Some(var);
+        } else {
+            let cuda_var = text_of("PYTORCH_CUDA_ALLOC_CONF")?;
+            let hip_var = text_of("PYTORCH_HIP_ALLOC_CONF")?;
+            let generic_var = text_of("PYTORCH_ALLOC_CONF")?;
+            let generic = cuda_var
+                .as_ref()
+                .or(hip_var.as_ref())
+                .or(generic_var.as_ref());
+            let cuda = cuda_var.as_ref().or(generic_var.as_ref());
+            backend_var = cuda.map(|(var, _)| *var);
+            let halves = if generic.map(|(var, _)| var) == cuda.map(|(var, _)| var) {
+                [(generic, parse::Scope::All), (None, parse::Scope::Cuda)]
+            } else {
+                [(generic, parse::Scope::Generic), (cuda, parse::Scope::Cuda)]
+            };
+            for (source, scope) in halves {
+                if let Some((var, text)) = source {
+                    tracing::debug!(var, config = %text, ?scope, "allocator configuration from the environment");
+                    native_options |= parse::apply_tokens(&mut config, text, scope)
+                        .map_err(|source| in_env(var, source))?;
+                }
             }
         }
-        Ok(AllocatorConfig::default())
+        config.warn_if_backend_ignores(native_options);
+        if native_only {
+            config
+                .check_supported()
+                .map_err(|source| in_env(backend_var.unwrap_or(ENV_VARS[0]), source))?;
+        }
+        Ok(config)
     }
 
     /// [`read_env`](Self::read_env) with the environment given as a lookup function.

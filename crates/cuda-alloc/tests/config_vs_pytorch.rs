@@ -3,7 +3,8 @@
 //! without a GPU) and to [`AllocatorConfig::parse`]. Every string PyTorch accepts is accepted here
 //! and every string PyTorch refuses is refused here, with three exceptions, each named below: keys
 //! newer than the PyTorch installed (accepted here), a change of backend (a run-time rule), and
-//! malformed lists PyTorch lets through (refused here).
+//! malformed lists PyTorch lets through (refused here). A second test does the same for PyTorch's
+//! environment variables: which one each half of the configuration is read from.
 //!
 //! `#[ignore]`d: CI has no torch. `cargo xtask test-gpu` runs it where torch imports; elsewhere
 //! `cargo test -p tensormem-cuda-alloc --test config_vs_pytorch -- --ignored` (skips, saying so,
@@ -252,4 +253,102 @@ fn every_string_pytorch_accepts_parses_and_every_one_it_refuses_is_refused() {
         disagreements.len(),
         disagreements.join("\n")
     );
+}
+
+/// Asks PyTorch, in a fresh process with `vars` set, whether its configuration from the
+/// environment parses (`ok` or the error's first line) and which backend it picked.
+const ENV_JUDGE: &str = r#"
+import json, torch
+try:
+    torch._C._accelerator_setAllocatorSettings("")
+    verdict = "ok"
+except Exception as e:
+    verdict = (str(e).splitlines() or [type(e).__name__])[0]
+print(json.dumps([verdict, torch._C._cuda_getAllocatorBackend()]))
+"#;
+
+/// PyTorch's variables, as PyTorch reads them: from which one each half of the configuration comes
+/// (the backend among the CUDA keys), whether an error is reported, for every variable alone and
+/// every pair, with values that each half reads or refuses.
+#[test]
+#[ignore = "needs python3 with torch (cargo xtask test-gpu runs it)"]
+fn pytorchs_variables_are_read_as_pytorch_reads_them() {
+    if !torch_imports() {
+        return;
+    }
+    const VARS: [&str; 3] = [
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "PYTORCH_HIP_ALLOC_CONF",
+        "PYTORCH_ALLOC_CONF",
+    ];
+    let values = [
+        "",
+        "backend:cudaMallocAsync,expandable_segments:True",
+        "max_split_size_mb:10",
+        "backend:bogus",
+    ];
+    let mut cases: Vec<Vec<(&str, &str)>> = Vec::new();
+    for (i, a) in VARS.iter().enumerate() {
+        for va in values {
+            cases.push(vec![(a, va)]);
+            for b in &VARS[i + 1..] {
+                for vb in values {
+                    cases.push(vec![(a, va), (b, vb)]);
+                }
+            }
+        }
+    }
+    let judge = |case: &[(&str, &str)]| -> (String, String) {
+        let mut command = Command::new("python3");
+        command.args(["-c", ENV_JUDGE]);
+        for var in VARS.iter().chain(["TENSORMEM_ALLOC_CONF"].iter()) {
+            command.env_remove(var);
+        }
+        for (var, value) in case {
+            command.env(var, value);
+        }
+        let out = command.output().expect("python3 runs");
+        assert!(
+            out.status.success(),
+            "{case:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).expect("the judge prints a JSON pair")
+    };
+    // Two at a time: each child imports torch.
+    let verdicts: Vec<(String, String)> = std::thread::scope(|scope| {
+        let halves: Vec<_> = cases
+            .chunks(cases.len().div_ceil(2))
+            .map(|chunk| scope.spawn(move || chunk.iter().map(|c| judge(c)).collect::<Vec<_>>()))
+            .collect();
+        halves.into_iter().flat_map(|h| h.join().unwrap()).collect()
+    });
+    let mut disagreements = Vec::new();
+    for (case, (verdict, backend)) in cases.iter().zip(&verdicts) {
+        let lookup = |var: &'static str| {
+            case.iter()
+                .find(|(v, _)| *v == var)
+                .map(|(_, value)| std::ffi::OsString::from(value))
+        };
+        let ours = AllocatorConfig::read_env_from(lookup);
+        // Choosing cudaMallocAsync makes PyTorch ask the driver whether it supports it: without a
+        // GPU that is a CUDA error after the string was accepted.
+        let accepted = verdict == "ok" || verdict.starts_with("CUDA error");
+        let agree = match &ours {
+            Ok(config) => accepted && config.backend.name() == backend,
+            Err(_) => !accepted,
+        };
+        if !agree {
+            disagreements.push(format!(
+                "{case:?}: PyTorch {verdict} / backend {backend}; here {:?}",
+                ours.map(|c| c.backend)
+            ));
+        }
+    }
+    eprintln!(
+        "{} environments: {} disagreements",
+        cases.len(),
+        disagreements.len()
+    );
+    assert!(disagreements.is_empty(), "{}", disagreements.join("\n"));
 }

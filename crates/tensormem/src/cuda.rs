@@ -32,8 +32,9 @@
 //!
 //! Functions that take `device: Option<u32>` act on the calling thread's current device for `None`.
 //!
-//! The allocator of a device is configured from `TENSORMEM_ALLOC_CONF`, else `PYTORCH_ALLOC_CONF`,
-//! `PYTORCH_CUDA_ALLOC_CONF` (PyTorch's grammar), read when the device is first used.
+//! The allocator of a device is configured from `TENSORMEM_ALLOC_CONF`, else from PyTorch's
+//! variables as PyTorch 2.11 reads them (`PYTORCH_CUDA_ALLOC_CONF` first, then `PYTORCH_ALLOC_CONF`;
+//! see `tensormem_cuda_alloc::config::ENV_VARS`), read when the device is first used.
 //!
 //! # Backends
 //!

@@ -40,7 +40,7 @@
 //! Each call leaves the calling thread's current CUDA context (PyTorch's current device) as it found it.
 //!
 //! The allocator of each device is the device API's ([`tensormem::cuda::device_allocator`]),
-//! configured from `TENSORMEM_ALLOC_CONF`, else `PYTORCH_ALLOC_CONF`, `PYTORCH_CUDA_ALLOC_CONF`: the
+//! configured from `TENSORMEM_ALLOC_CONF`, else PyTorch's variables as PyTorch reads them: the
 //! caching allocator, or, when the configuration asks for `backend:cudaMallocAsync`, the device's
 //! `AsyncAllocator`, which serves every function as PyTorch's `CudaMallocAsyncAllocator` does, what
 //! PyTorch refuses for that backend being refused with its message (see [`native`]).

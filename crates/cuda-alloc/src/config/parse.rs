@@ -132,7 +132,14 @@ fn warn_if_partly_read<T: std::fmt::Display>(key: &str, text: &str, read: &Prefi
 /// As in PyTorch, `large_segment_size_mb` is applied before the other keys wherever it stands: it
 /// resets `max_non_split_rounding_mb` and is the smallest value `max_split_size_mb` and
 /// `max_non_split_rounding_mb` accept, so those two are checked once every pair is read.
-pub(super) fn apply_tokens(target: &mut AllocatorConfig, config: &str) -> ConfigResult<bool> {
+///
+/// Keys outside `scope` are checked to be known and well formed (a value, or a closed list) and
+/// otherwise left alone, as PyTorch's device-generic and CUDA parsers each skip the other's keys.
+pub(super) fn apply_tokens(
+    target: &mut AllocatorConfig,
+    config: &str,
+    scope: Scope,
+) -> ConfigResult<bool> {
     let tokens = Tokens {
         tokens: tokenize(config),
     };
@@ -150,6 +157,15 @@ pub(super) fn apply_tokens(target: &mut AllocatorConfig, config: &str) -> Config
         let value = i + 2;
         // Each arm leaves `i` on the last token of the value.
         i = value;
+        if !scope.covers(&key) {
+            i = skip_value(&tokens, value, &key)?;
+            if i + 1 < tokens.tokens.len() {
+                tokens.expect(i + 1, ',')?;
+                i += 1;
+            }
+            i += 1;
+            continue;
+        }
         match key.as_str() {
             "backend" => {
                 target.backend = match tokens.value(value, &key)? {
@@ -269,6 +285,40 @@ pub(super) fn apply_tokens(target: &mut AllocatorConfig, config: &str) -> Config
         target.max_non_split_rounding_size = megabytes(mb);
     }
     Ok(native_options)
+}
+
+/// Which keys a parse acts on: PyTorch reads its device-generic keys and its CUDA keys
+/// ([`CUDA_KEYS`](super::CUDA_KEYS)) from different variables when more than one is set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Scope {
+    /// Every key.
+    All,
+    /// Every key but the CUDA keys.
+    Generic,
+    /// Only the CUDA keys.
+    Cuda,
+}
+
+impl Scope {
+    fn covers(self, key: &str) -> bool {
+        let cuda = super::CUDA_KEYS.contains(&key);
+        match self {
+            Scope::All => true,
+            Scope::Generic => !cuda,
+            Scope::Cuda => cuda,
+        }
+    }
+}
+
+/// Skips the value of `key` at token `index` (one token, or a list to its `]`); returns the index
+/// of its last token.
+fn skip_value(tokens: &Tokens, index: usize, key: &str) -> ConfigResult<usize> {
+    if tokens.value(index, key)? != "[" {
+        return Ok(index);
+    }
+    (index + 1..tokens.tokens.len())
+        .find(|&i| tokens.get(i) == Some("]"))
+        .ok_or(ConfigError::UnclosedList)
 }
 
 /// A `*_mb` size in bytes, capped at what `usize` can hold (PyTorch caps at `SIZE_MAX / 1 MiB` MiB).

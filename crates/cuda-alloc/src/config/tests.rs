@@ -388,6 +388,8 @@ fn unknown_keys_are_refused_with_a_hint() {
 
 #[test]
 fn environment_follows_pytorchs_order() {
+    // Observed with PyTorch 2.11 (a CUDA build): which variable's value its parsers report errors
+    // for and pick the backend from.
     let generic = ("PYTORCH_ALLOC_CONF", "max_split_size_mb:40");
     let cuda = ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:30");
     let hip = ("PYTORCH_HIP_ALLOC_CONF", "max_split_size_mb:25");
@@ -398,18 +400,41 @@ fn environment_follows_pytorchs_order() {
             .max_split_size
             / MB
     };
+    assert_eq!(read(&[generic]), 40);
     assert_eq!(read(&[hip]), 25);
-    assert_eq!(read(&[hip, cuda]), 30);
-    assert_eq!(read(&[hip, cuda, generic]), 40);
+    assert_eq!(read(&[hip, generic]), 25);
+    assert_eq!(read(&[hip, cuda, generic]), 30);
     assert_eq!(read(&[hip, cuda, generic, ours]), 50);
-    // Only the first variable set is read: nothing is merged from the others.
+    // Set but empty counts as set.
+    assert_eq!(
+        read(&[("PYTORCH_CUDA_ALLOC_CONF", ""), generic]),
+        usize::MAX / MB
+    );
+    // The CUDA keys come from PYTORCH_CUDA_ALLOC_CONF, else PYTORCH_ALLOC_CONF, never the HIP name;
+    // the other keys from the first of the three.
     let c = AllocatorConfig::from_env_with(env(&[
-        ("PYTORCH_ALLOC_CONF", "pinned_max_cached_size_mb:64"),
-        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
+        (
+            "PYTORCH_HIP_ALLOC_CONF",
+            "expandable_segments:True,backend:cudaMallocAsync",
+        ),
+        (
+            "PYTORCH_ALLOC_CONF",
+            "pinned_max_cached_size_mb:64,pinned_num_register_threads:4",
+        ),
     ]))
     .unwrap();
-    assert_eq!(c.pinned_max_cached_size, 64 * MB);
-    assert!(!c.expandable_segments);
+    assert!(c.expandable_segments);
+    assert_eq!(c.backend, Backend::Native);
+    assert_eq!(c.pinned_num_register_threads, 4);
+    assert_eq!(c.pinned_max_cached_size, usize::MAX);
+    // Each half is checked only for its own keys (known, well formed): PyTorch accepts a HIP
+    // string with a bad backend when the backend comes from elsewhere.
+    let c = AllocatorConfig::from_env_with(env(&[(
+        "PYTORCH_HIP_ALLOC_CONF",
+        "backend:bogus,max_split_size_mb:64",
+    )]))
+    .unwrap();
+    assert_eq!(c.max_split_size, 64 * MB);
     let e =
         AllocatorConfig::from_env_with(env(&[("PYTORCH_HIP_ALLOC_CONF", "bogus:1")])).unwrap_err();
     assert!(
@@ -417,6 +442,21 @@ fn environment_follows_pytorchs_order() {
             e,
             ConfigError::Env {
                 var: "PYTORCH_HIP_ALLOC_CONF",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = AllocatorConfig::from_env_with(env(&[
+        ("PYTORCH_HIP_ALLOC_CONF", "expandable_segments:True"),
+        ("PYTORCH_ALLOC_CONF", "backend:bogus"),
+    ]))
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ConfigError::Env {
+                var: "PYTORCH_ALLOC_CONF",
                 ..
             }
         ),

@@ -4,8 +4,9 @@
 //! loaded and never changes it afterwards: every `torch.cuda` memory function then goes to the
 //! caching allocator or to `CudaMallocAsyncAllocator`, and what the latter cannot do is refused with
 //! its own errors. The device API does the same: the first call that needs an allocator reads the
-//! configuration ([`AllocatorConfig::read_env`]: `TENSORMEM_ALLOC_CONF`, else `PYTORCH_ALLOC_CONF`,
-//! `PYTORCH_CUDA_ALLOC_CONF`, `PYTORCH_HIP_ALLOC_CONF`), and its `backend` serves the process from
+//! configuration ([`AllocatorConfig::read_env`]: `TENSORMEM_ALLOC_CONF`, else PyTorch's variables as
+//! PyTorch reads them, the backend from `PYTORCH_CUDA_ALLOC_CONF` or else `PYTORCH_ALLOC_CONF`), and
+//! its `backend` serves the process from
 //! then on: each device's [`DeviceAllocator`] is the caching allocator or the device's
 //! [`AsyncAllocator`], and [`AsyncUnsupported`] names what the async backend refuses.
 
@@ -301,8 +302,8 @@ impl fmt::Display for AsyncUnsupported {
             f,
             "{} (tensormem serves this process with backend:cudaMallocAsync because its allocator \
              configuration asks for it; to use this, start the process without backend:cudaMallocAsync \
-             in TENSORMEM_ALLOC_CONF, PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF, whichever is set \
-             first)",
+             in TENSORMEM_ALLOC_CONF, or else in PYTORCH_CUDA_ALLOC_CONF, or else in \
+             PYTORCH_ALLOC_CONF: the first of them that is set)",
             self.pytorch_message()
         )
     }

@@ -47,7 +47,7 @@ fn each_variable_can_ask_for_cuda_malloc_async() {
 }
 
 #[test]
-fn the_first_variable_set_decides_alone() {
+fn the_backend_comes_from_the_variable_pytorch_reads_it_from() {
     // tensormem's own variable first: PyTorch may keep cudaMallocAsync for itself.
     assert_eq!(
         backend_of(&[
@@ -56,18 +56,30 @@ fn the_first_variable_set_decides_alone() {
         ]),
         Backend::Native
     );
-    // PyTorch's newer name wins over the older one, and nothing is merged from the loser.
+    // As PyTorch 2.11 picks its backend: PYTORCH_CUDA_ALLOC_CONF wins over the newer name, and the
+    // HIP name is never read for it.
     assert_eq!(
         backend_of(&[
             ("PYTORCH_ALLOC_CONF", "expandable_segments:True"),
             ("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync"),
         ]),
-        Backend::Native
+        Backend::CudaMallocAsync
     );
     assert_eq!(
         backend_of(&[
             ("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync"),
             ("PYTORCH_CUDA_ALLOC_CONF", "backend:native"),
+        ]),
+        Backend::Native
+    );
+    assert_eq!(
+        backend_of(&[("PYTORCH_HIP_ALLOC_CONF", "backend:cudaMallocAsync")]),
+        Backend::Native
+    );
+    assert_eq!(
+        backend_of(&[
+            ("PYTORCH_HIP_ALLOC_CONF", "expandable_segments:True"),
+            ("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync"),
         ]),
         Backend::CudaMallocAsync
     );
