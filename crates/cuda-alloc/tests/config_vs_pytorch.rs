@@ -4,7 +4,8 @@
 //! and every string PyTorch refuses is refused here, with three exceptions, each named below: keys
 //! newer than the PyTorch installed (accepted here), a change of backend (a run-time rule), and
 //! malformed lists PyTorch lets through (refused here). A second test does the same for PyTorch's
-//! environment variables: which one each half of the configuration is read from.
+//! environment variables (which one each half of the configuration is read from), a third for
+//! strings applied in turn at run time.
 //!
 //! `#[ignore]`d: CI has no torch. `cargo xtask test-gpu` runs it where torch imports; elsewhere
 //! `cargo test -p tensormem-cuda-alloc --test config_vs_pytorch -- --ignored` (skips, saying so,
@@ -348,6 +349,96 @@ fn pytorchs_variables_are_read_as_pytorch_reads_them() {
     eprintln!(
         "{} environments: {} disagreements",
         cases.len(),
+        disagreements.len()
+    );
+    assert!(disagreements.is_empty(), "{}", disagreements.join("\n"));
+}
+
+/// Reads JSON lists of strings on stdin; applies each list's strings in turn after putting the
+/// settings PyTorch keeps between calls back to their defaults, and prints each step's verdict.
+const SEQUENCE_JUDGE: &str = r#"
+import json, sys, torch
+apply = torch._C._accelerator_setAllocatorSettings
+out = []
+for sequence in json.load(sys.stdin):
+    apply("large_segment_size_mb:20,max_non_split_rounding_mb:20,pinned_num_register_threads:1")
+    steps = []
+    for config in sequence:
+        try:
+            apply(config)
+            steps.append("ok")
+        except Exception as e:
+            steps.append((str(e).splitlines() or [type(e).__name__])[0])
+    out.append(steps)
+json.dump(out, sys.stdout)
+"#;
+
+/// Strings applied one after another at run time (`_set_allocator_settings`): what a string
+/// leaves behind for the next (PyTorch resets some keys on every call and keeps the others, and
+/// `large_segment_size_mb` bounds two other keys) decides whether the next is accepted.
+#[test]
+#[ignore = "needs python3 with torch (cargo xtask test-gpu runs it)"]
+fn strings_applied_in_turn_are_accepted_and_refused_as_pytorch_does() {
+    if !torch_imports() {
+        return;
+    }
+    let pieces = [
+        "large_segment_size_mb:64",
+        "large_segment_size_mb:30",
+        "max_split_size_mb:40",
+        "max_split_size_mb:100",
+        "max_non_split_rounding_mb:40",
+        "max_non_split_rounding_mb:25",
+        "max_split_size_mb:25,large_segment_size_mb:24",
+        "expandable_segments:True",
+        "roundup_power2_divisions:[256:2,>:4]",
+        "garbage_collection_threshold:0.5",
+        "pinned_num_register_threads:4",
+        "",
+    ];
+    let mut state: u64 = 0x2545_F491_4F6C_DD1D;
+    let mut next = move |bound: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % bound as u64) as usize
+    };
+    let sequences: Vec<Vec<&str>> = (0..400)
+        .map(|_| (0..3).map(|_| pieces[next(pieces.len())]).collect())
+        .collect();
+    let mut child = Command::new("python3")
+        .args(["-c", SEQUENCE_JUDGE])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python3 runs");
+    let input = serde_json::to_vec(&sequences).unwrap();
+    child.stdin.take().unwrap().write_all(&input).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "the PyTorch side failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let theirs: Vec<Vec<String>> = serde_json::from_slice(&out.stdout).unwrap();
+    let mut disagreements = Vec::new();
+    for (sequence, verdicts) in sequences.iter().zip(&theirs) {
+        let mut config = AllocatorConfig::default();
+        for (step, (text, verdict)) in sequence.iter().zip(verdicts).enumerate() {
+            let ours = config.apply(text);
+            if ours.is_ok() != (verdict == "ok") {
+                disagreements.push(format!(
+                    "{sequence:?} step {step}: PyTorch {verdict}; here {ours:?}"
+                ));
+                break;
+            }
+        }
+    }
+    let refused = theirs.iter().flatten().filter(|v| *v != "ok").count();
+    eprintln!(
+        "{} sequences ({refused} steps refused by PyTorch): {} disagreements",
+        sequences.len(),
         disagreements.len()
     );
     assert!(disagreements.is_empty(), "{}", disagreements.join("\n"));
