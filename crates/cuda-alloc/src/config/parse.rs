@@ -157,16 +157,12 @@ pub(super) fn apply_tokens(
         let value = i + 2;
         // Each arm leaves `i` on the last token of the value.
         i = value;
-        if !scope.covers(&key) {
+        let skipped = !scope.covers(&key);
+        if skipped {
             i = skip_value(&tokens, value, &key)?;
-            if i + 1 < tokens.tokens.len() {
-                tokens.expect(i + 1, ',')?;
-                i += 1;
-            }
-            i += 1;
-            continue;
         }
         match key.as_str() {
+            _ if skipped => {}
             "backend" => {
                 target.backend = match tokens.value(value, &key)? {
                     "native" => Backend::Native,
@@ -261,7 +257,7 @@ pub(super) fn apply_tokens(
             }
             _ => return Err(ConfigError::UnknownKey { key }),
         }
-        native_options |= key != "backend";
+        native_options |= !skipped && key != "backend";
         if i + 1 < tokens.tokens.len() {
             tokens.expect(i + 1, ',')?;
             i += 1;
