@@ -10,6 +10,7 @@
 //! `#[ignore]`d: CI has no torch. `cargo xtask test-gpu` runs it where torch imports; elsewhere
 //! `cargo test -p tensormem-cuda-alloc --test config_vs_pytorch -- --ignored` (skips, saying so,
 //! without torch unless `TENSORMEM_REQUIRE_TORCH=1`).
+#![cfg(feature = "snapshot-io")]
 
 mod common;
 
@@ -38,6 +39,29 @@ for config in json.load(sys.stdin):
         out.append((str(e).splitlines() or [type(e).__name__])[0])
 json.dump({"version": torch.__version__, "results": out}, sys.stdout)
 "#;
+
+/// Runs the Python `script` with `input` as JSON on its stdin and reads its stdout as JSON.
+fn judge<T: serde::Serialize + ?Sized, R: serde::de::DeserializeOwned>(
+    script: &str,
+    input: &T,
+) -> R {
+    let mut child = Command::new("python3")
+        .args(["-c", script])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python3 runs");
+    let bytes = serde_json::to_vec(input).unwrap();
+    child.stdin.take().unwrap().write_all(&bytes).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "the PyTorch side failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("the PyTorch side prints JSON")
+}
 
 /// Values for a key: well-formed ones of each type and hostile ones.
 const VALUES: &[&str] = &[
@@ -202,22 +226,7 @@ fn every_string_pytorch_accepts_parses_and_every_one_it_refuses_is_refused() {
         return;
     }
     let corpus = corpus();
-    let mut child = Command::new("python3")
-        .args(["-c", JUDGE])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("python3 runs");
-    let input = serde_json::to_vec(&corpus).unwrap();
-    child.stdin.take().unwrap().write_all(&input).unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "the PyTorch side failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let answer: serde_json::Value = judge(JUDGE, &corpus);
     let version = answer["version"].as_str().unwrap().to_owned();
     let theirs = answer["results"].as_array().unwrap();
     assert_eq!(theirs.len(), corpus.len());
@@ -406,22 +415,7 @@ fn strings_applied_in_turn_are_accepted_and_refused_as_pytorch_does() {
     let sequences: Vec<Vec<&str>> = (0..400)
         .map(|_| (0..3).map(|_| pieces[next(pieces.len())]).collect())
         .collect();
-    let mut child = Command::new("python3")
-        .args(["-c", SEQUENCE_JUDGE])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("python3 runs");
-    let input = serde_json::to_vec(&sequences).unwrap();
-    child.stdin.take().unwrap().write_all(&input).unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "the PyTorch side failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let theirs: Vec<Vec<String>> = serde_json::from_slice(&out.stdout).unwrap();
+    let theirs: Vec<Vec<String>> = judge(SEQUENCE_JUDGE, &sequences);
     let mut disagreements = Vec::new();
     for (sequence, verdicts) in sequences.iter().zip(&theirs) {
         let mut config = AllocatorConfig::default();

@@ -6,45 +6,29 @@
 //! where torch imports; elsewhere run them with
 //! `cargo test -p tensormem-cuda-alloc --test memory_viz -- --ignored`, which skips (saying so)
 //! when torch cannot be imported unless `TENSORMEM_REQUIRE_TORCH=1`.
+#![cfg(feature = "snapshot-io")]
 
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 
-use common::torch::torch_imports;
+use common::torch::{python, torch_imports};
 use common::*;
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::host::{HeapSource, HostCachingAllocator};
 use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_cuda_alloc::{MempoolId, RecordContext};
 
-/// Runs `python3 args...` in `dir`, returns stdout; panics with stderr when it fails.
-fn python(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new("python3")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("python3 runs");
-    assert!(
-        out.status.success(),
-        "python3 {args:?} failed ({}):\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("python3 printed UTF-8")
-}
-
 /// Every `_memory_viz` command that works offline (`segments` and `memory` fetch flamegraph.pl),
 /// on `file`; the plots are HTML pages that embed the snapshot.
 fn memory_viz_reads(dir: &Path, file: &Path, snapshot: &Snapshot) {
     let file = file.to_str().unwrap();
-    let stats = python(dir, &["-m", "torch.cuda._memory_viz", "stats", file]);
+    let stats = python(&["-m", "torch.cuda._memory_viz", "stats", file]);
     assert!(
         stats.contains(&format!("segments: {}\n", snapshot.segments.len())),
         "{file}: {stats}"
     );
-    let trace = python(dir, &["-m", "torch.cuda._memory_viz", "trace", file]);
+    let trace = python(&["-m", "torch.cuda._memory_viz", "trace", file]);
     let entries = snapshot.device_traces.iter().flatten().count();
     if entries > 0 {
         assert!(!trace.trim().is_empty(), "{file}: an empty trace listing");
@@ -52,10 +36,7 @@ fn memory_viz_reads(dir: &Path, file: &Path, snapshot: &Snapshot) {
     for plot in ["trace_plot", "segment_plot"] {
         let html = dir.join(format!("{plot}.html"));
         let html = html.to_str().unwrap();
-        python(
-            dir,
-            &["-m", "torch.cuda._memory_viz", plot, file, "-o", html],
-        );
+        python(&["-m", "torch.cuda._memory_viz", plot, file, "-o", html]);
         let page = std::fs::read_to_string(html).unwrap();
         assert!(page.contains("<script"), "{plot} of {file} wrote no page");
     }
@@ -118,7 +99,7 @@ fn memory_viz_opens_whole_pool_light_and_host_snapshots() {
         full = dir.path().join("full.pickle"),
         light = dir.path().join("light.pickle"),
     );
-    assert_eq!(python(dir.path(), &["-c", &check]).trim(), "ok");
+    assert_eq!(python(&["-c", &check]).trim(), "ok");
 
     host.free(pinned).unwrap();
     a.free(inside).unwrap();

@@ -1,6 +1,7 @@
 //! Snapshots as newer PyTorch writes them: per-pool snapshots (`MemPool.snapshot`),
 //! `include_traces=False`, `pool_id` on trace entries, and the pinned host allocator's
 //! `host_segments` / `host_traces`; read, written, and made by the allocators.
+#![cfg(feature = "snapshot-io")]
 
 mod common;
 

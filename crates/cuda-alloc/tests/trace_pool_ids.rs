@@ -3,6 +3,7 @@
 //! out-of-memory entry names the pool the request was for, a snapshot entry the pool it was taken
 //! of; annotations name none. The fast path records what the plain path does, trackers see the same
 //! ids, and a pickle keeps them.
+#![cfg(feature = "snapshot-io")]
 
 mod common;
 
