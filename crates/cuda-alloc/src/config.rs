@@ -636,43 +636,49 @@ impl AllocatorConfig {
             var,
             source: Box::new(source),
         };
+        // tensormem's own variable alone, else PyTorch's, each half from where PyTorch reads it.
+        let (ours, cuda_var, hip_var, generic_var) = match text_of(ENV_VARS[0])? {
+            Some(ours) => (Some(ours), None, None, None),
+            None => (
+                None,
+                text_of("PYTORCH_CUDA_ALLOC_CONF")?,
+                text_of("PYTORCH_HIP_ALLOC_CONF")?,
+                text_of("PYTORCH_ALLOC_CONF")?,
+            ),
+        };
+        let generic = [&ours, &cuda_var, &hip_var, &generic_var]
+            .into_iter()
+            .find_map(Option::as_ref);
+        let cuda = [&ours, &cuda_var, &generic_var]
+            .into_iter()
+            .find_map(Option::as_ref);
+        let same = generic.map(|(var, _)| var) == cuda.map(|(var, _)| var);
+        let halves = [
+            (
+                generic,
+                if same {
+                    parse::Scope::All
+                } else {
+                    parse::Scope::Generic
+                },
+            ),
+            (cuda.filter(|_| !same), parse::Scope::Cuda),
+        ];
         let mut config = AllocatorConfig::default();
         let mut native_options = false;
-        // The variable the backend was read from, for the error below.
-        let backend_var;
-        if let Some((var, text)) = text_of(ENV_VARS[0])? {
-            tracing::debug!(var, config = %text, "allocator configuration from the environment");
-            native_options = parse::apply_tokens(&mut config, &text, parse::Scope::All)
+        for (var, text, scope) in halves
+            .into_iter()
+            .filter_map(|(source, scope)| source.map(|(var, text)| (*var, text, scope)))
+        {
+            tracing::debug!(var, config = %text, ?scope, "allocator configuration from the environment");
+            native_options |= parse::apply_tokens(&mut config, text, scope)
                 .map_err(|source| in_env(var, source))?;
-            backend_var = Some(var);
-        } else {
-            let cuda_var = text_of("PYTORCH_CUDA_ALLOC_CONF")?;
-            let hip_var = text_of("PYTORCH_HIP_ALLOC_CONF")?;
-            let generic_var = text_of("PYTORCH_ALLOC_CONF")?;
-            let generic = cuda_var
-                .as_ref()
-                .or(hip_var.as_ref())
-                .or(generic_var.as_ref());
-            let cuda = cuda_var.as_ref().or(generic_var.as_ref());
-            backend_var = cuda.map(|(var, _)| *var);
-            let halves = if generic.map(|(var, _)| var) == cuda.map(|(var, _)| var) {
-                [(generic, parse::Scope::All), (None, parse::Scope::Cuda)]
-            } else {
-                [(generic, parse::Scope::Generic), (cuda, parse::Scope::Cuda)]
-            };
-            for (source, scope) in halves {
-                if let Some((var, text)) = source {
-                    tracing::debug!(var, config = %text, ?scope, "allocator configuration from the environment");
-                    native_options |= parse::apply_tokens(&mut config, text, scope)
-                        .map_err(|source| in_env(var, source))?;
-                }
-            }
         }
         config.warn_if_backend_ignores(native_options);
         if native_only {
             config
                 .check_supported()
-                .map_err(|source| in_env(backend_var.unwrap_or(ENV_VARS[0]), source))?;
+                .map_err(|source| in_env(cuda.map_or(ENV_VARS[0], |(var, _)| *var), source))?;
         }
         Ok(config)
     }

@@ -3,16 +3,11 @@
 
 use std::process::Command;
 
+// The variables the allocator configuration is read from; the child gets none but those it is given.
+use tensormem_cuda_alloc::config::ENV_VARS as CONFIG_VARS;
+
 /// Set in the child: the test runs its child half.
 const ROLE: &str = "TENSORMEM_TEST_BACKEND_CHILD";
-
-/// The variables the allocator configuration is read from; the child gets none but those it is given.
-const CONFIG_VARS: [&str; 4] = [
-    "TENSORMEM_ALLOC_CONF",
-    "PYTORCH_ALLOC_CONF",
-    "PYTORCH_CUDA_ALLOC_CONF",
-    "PYTORCH_HIP_ALLOC_CONF",
-];
 
 /// Whether this process is a child started by [`run`].
 pub(crate) fn is_child() -> bool {
