@@ -103,7 +103,8 @@ pub(super) fn stod(text: &str) -> Result<Prefix<f64>, NumberError> {
             b.is_ascii_hexdigit() || (*b == b'.' && body.get(3).is_some_and(u8::is_ascii_hexdigit))
         });
     let (magnitude, len, nonzero) = if hex {
-        hexadecimal(&body[2..]).map(|(value, len, nonzero)| (value, len + 2, nonzero))?
+        let (value, len, nonzero) = hexadecimal(&body[2..]);
+        (value, len + 2, nonzero)
     } else {
         decimal(text, start)?
     };
@@ -161,7 +162,7 @@ fn decimal(text: &str, start: usize) -> Result<(f64, usize, bool), NumberError> 
 }
 
 /// A hexadecimal number after its `0x`: (magnitude, length, whether any digit was non-zero).
-fn hexadecimal(bytes: &[u8]) -> Result<(f64, usize, bool), NumberError> {
+fn hexadecimal(bytes: &[u8]) -> (f64, usize, bool) {
     let mut mantissa: u64 = 0;
     let mut exponent: i64 = 0;
     let mut nonzero = false;
@@ -201,7 +202,7 @@ fn hexadecimal(bytes: &[u8]) -> Result<(f64, usize, bool), NumberError> {
         }
     }
     let scale = i32::try_from(exponent.clamp(-2000, 2000)).expect("clamped");
-    Ok((mantissa as f64 * 2f64.powi(scale), len, nonzero))
+    (mantissa as f64 * 2f64.powi(scale), len, nonzero)
 }
 
 #[cfg(test)]
