@@ -73,11 +73,13 @@ struct TmCheckpoint;
 
 constexpr int TM_OK = 0;
 constexpr int TM_OUT_OF_MEMORY = 1;
+constexpr int TM_UNSUPPORTED = 2;
 
 }  // namespace
 
 extern "C" {
 const char* tensormem_last_error();
+int tensormem_last_error_code();
 void tensormem_init(int device_count);
 int tensormem_malloc(size_t size, int device, cudaStream_t stream, void** out);
 int tensormem_raw_delete(void* ptr);
@@ -140,13 +142,23 @@ std::string last_error() {
   return message ? std::string(message) : std::string("(no message)");
 }
 
-// Raises PyTorch's exception for a failed call: torch.OutOfMemoryError or RuntimeError.
-void check(int rc, const char* what) {
-  if (rc == TM_OK) return;
-  if (rc == TM_OUT_OF_MEMORY) {
-    TORCH_CHECK_WITH(OutOfMemoryError, false, last_error());
+// Raises PyTorch's exception for the library's last error on this thread, met by the call behind
+// `what`: torch.OutOfMemoryError, PyTorch's own refusal for the backend as PyTorch words it, or a
+// RuntimeError naming the call.
+[[noreturn]] void raise_last(const char* what) {
+  switch (tensormem_last_error_code()) {
+    case TM_OUT_OF_MEMORY:
+      TORCH_CHECK_WITH(OutOfMemoryError, false, last_error());
+    case TM_UNSUPPORTED:
+      TORCH_CHECK(false, last_error());
+    default:
+      TORCH_CHECK(false, "tensormem: ", what, " failed: ", last_error());
   }
-  TORCH_CHECK(false, "tensormem: ", what, " failed: ", last_error());
+}
+
+// Raises PyTorch's exception for a failed call (a status code other than TM_OK).
+void check(int rc, const char* what) {
+  if (rc != TM_OK) raise_last(what);
 }
 
 // PyTorch's Python stacks for snapshots (`_record_memory_history(context=...)`): the stacks are
@@ -451,7 +463,7 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
 
   void* getBaseAllocation(void* ptr, size_t* size) override {
     void* base = tensormem_base_alloc(ptr, size);
-    TORCH_CHECK(base != nullptr, "tensormem: getBaseAllocation failed: ", last_error());
+    if (base == nullptr) raise_last("getBaseAllocation");
     return base;
   }
 
@@ -557,7 +569,7 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
 
   int getPoolUseCount(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override {
     int64_t count = tensormem_pool_use_count(device, mempool_id.first, mempool_id.second);
-    TORCH_CHECK(count >= 0, "tensormem: getPoolUseCount failed: ", last_error());
+    if (count < 0) raise_last("getPoolUseCount");
     return static_cast<int>(count);
   }
 
@@ -592,7 +604,7 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
     std::vector<void*> ptrs(expected.begin(), expected.end());
     int rc = tensormem_pool_check_live(device, mempool_id.first, mempool_id.second, ptrs.data(),
                                        ptrs.size());
-    TORCH_CHECK(rc >= 0, "tensormem: checkPoolLiveAllocations failed: ", last_error());
+    if (rc < 0) raise_last("checkPoolLiveAllocations");
     return rc == 1;
   }
 
@@ -677,7 +689,7 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
   std::shared_ptr<CCA::AllocatorState> getCheckpointState(c10::DeviceIndex device,
                                                           c10::MempoolId_t id) override {
     TmCheckpoint* checkpoint = tensormem_pool_checkpoint(device, id.first, id.second);
-    TORCH_CHECK(checkpoint != nullptr, "tensormem: getCheckpointState failed: ", last_error());
+    if (checkpoint == nullptr) raise_last("getCheckpointState");
     return std::make_shared<CheckpointState>(checkpoint);
   }
 
@@ -699,7 +711,7 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
   TmSnapshot* take(c10::MempoolId_t mempool_id, bool include_traces) {
     TmSnapshot* snap =
         tensormem_snapshot_take(mempool_id.first, mempool_id.second, include_traces ? 1 : 0);
-    TORCH_CHECK(snap != nullptr, "tensormem: snapshot failed: ", last_error());
+    if (snap == nullptr) raise_last("snapshot");
     return snap;
   }
 

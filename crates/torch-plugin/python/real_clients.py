@@ -1,6 +1,6 @@
 """Ordinary PyTorch programs on PyTorch's native allocator and on tensormem's, each in a fresh process.
 
-    python3 real_clients.py [--lib PATH/libtensormem_torch.so] [--out results.json] [WORKLOAD ...]
+    python3 real_clients.py [--lib PATH/libtensormem_torch.so] [--conf SETTINGS] [--out results.json] [WORKLOAD ...]
 
 Each workload is seeded and runs with deterministic algorithms; it prints one JSON line (prefix
 "result,") with its outputs, peak reserved bytes and device allocations (from torch.cuda.memory_stats(),
@@ -9,7 +9,11 @@ which answers on either allocator). The driver runs each workload natively, then
 equal and, where the workload says they must be, peak reserved bytes and device allocations too.
 Exits 1 if any workload fails. Workloads that need what this host lacks (two GPUs; for ipc_expandable,
 the pidfd_getfd permission PyTorch itself needs) print SKIP. WORKLOAD_ENV gives a workload's processes
-their environment (allocator settings) on both allocators.
+their environment (allocator settings) on both allocators. --conf adds allocator settings to every
+workload's processes on both allocators (PYTORCH_CUDA_ALLOC_CONF, and TENSORMEM_ALLOC_CONF where a workload
+sets it): `--conf backend:cudaMallocAsync` runs each program on PyTorch's cudaMallocAsync backend and on
+tensormem's. Under that backend the driver's memory pool, not either allocator, decides what is reserved,
+so peak reserved bytes and device allocations are reported there, not compared.
 """
 import argparse
 import json
@@ -22,11 +26,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
+PLUGIN = None  # the tensormem_torch.Plugin serving this process, if any
+
+
 def setup(backend, lib):
+    global PLUGIN
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if backend == "tensormem":
         import tensormem_torch
-        tensormem_torch.install(lib, mode="native")
+        PLUGIN = tensormem_torch.install(lib, mode="native")
     import torch
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -38,8 +46,12 @@ def setup(backend, lib):
 def figures(torch):
     torch.cuda.synchronize()
     s = torch.cuda.memory_stats()
+    # Whether tensormem served the process: installed, and its own figures saw whatever PyTorch's did (under
+    # backend:cudaMallocAsync both allocators are named "cudaMallocAsync", as PyTorch's code tests that name).
+    served = PLUGIN is not None and (s["reserved_bytes.all.peak"] == 0
+                                     or PLUGIN.stats(torch.cuda.current_device())["reserved_bytes.all.peak"] > 0)
     return {"peak_reserved": s["reserved_bytes.all.peak"], "device_allocs": s.get("num_device_alloc"),
-            "allocator": torch.cuda.memory.get_allocator_backend()}
+            "allocator": torch.cuda.memory.get_allocator_backend(), "tensormem": served}
 
 
 def cnn_amp(torch):
@@ -636,17 +648,38 @@ def child(backend, lib, name):
     if lib:
         os.environ["TENSORMEM_TORCH_LIB"] = lib
     torch = setup(backend, lib)
-    result = WORKLOADS[name](torch)
+    try:
+        result = WORKLOADS[name](torch)
+    except RuntimeError as e:
+        # What the allocator refused is the result: the driver compares it between the two runs.
+        print("result," + json.dumps({"refused": str(e).splitlines()[0], "tensormem": PLUGIN is not None}),
+              flush=True)
+        return
     for key, value in figures(torch).items():
         result.setdefault(key, value)
     print("result," + json.dumps(result), flush=True)
 
 
-def run(backend, lib, name):
+def workload_env(name, conf):
+    """The allocator settings of a workload's processes, with --conf's added."""
+    env = dict(WORKLOAD_ENV.get(name, {}))
+    if conf:
+        for key in ("PYTORCH_CUDA_ALLOC_CONF", "TENSORMEM_ALLOC_CONF"):
+            if key in env:
+                env[key] += "," + conf
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", conf)
+    return env
+
+
+def run(backend, lib, name, conf=None, timeout=600):
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="inductor-"), PYTHONUNBUFFERED="1")
-    env.update(WORKLOAD_ENV.get(name, {}))
-    proc = subprocess.run([sys.executable, __file__, "--child", backend, "--lib", lib or "", name],
-                          capture_output=True, text=True, env=env, timeout=600)
+    env.update(workload_env(name, conf))
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--child", backend, "--lib", lib or "", name],
+                              capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+        return None, subprocess.CompletedProcess(e.cmd, f"timed out after {timeout} s", text(e.stdout), text(e.stderr))
     for line in proc.stdout.splitlines():
         if line.startswith("result,"):
             return json.loads(line[len("result,"):]), proc
@@ -657,6 +690,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib")
     ap.add_argument("--child")
+    ap.add_argument("--conf", help="allocator settings added to every workload's, on both allocators")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds each run of a workload may take")
     ap.add_argument("--out")
     ap.add_argument("workloads", nargs="*")
     args = ap.parse_args()
@@ -666,8 +701,8 @@ def main():
     names = args.workloads or list(WORKLOADS)
     failed, table = 0, {}
     for name in names:
-        native, p1 = run("native", args.lib, name)
-        ours, p2 = run("tensormem", args.lib, name)
+        native, p1 = run("native", args.lib, name, args.conf, args.timeout)
+        ours, p2 = run("tensormem", args.lib, name, args.conf, args.timeout)
         table[name] = {"native": native, "tensormem": ours}
         if native is None or ours is None:
             failed += 1
@@ -677,16 +712,27 @@ def main():
         if "skip" in native:
             print(f"SKIP {name}: {native['skip']}")
             continue
+        if "refused" in native or "refused" in ours:
+            # Under settings PyTorch's own allocator refuses part of a program under (--conf), tensormem must
+            # refuse it with the same error; without them, an error is a failure.
+            alike = native.get("refused") == ours.get("refused") and args.conf
+            failed += not alike
+            print(f"{'PASS' if alike else 'FAIL'} {name}{' (' + args.conf + ')' if args.conf else ''}: "
+                  f"refused: native {native.get('refused')!r} / tensormem {ours.get('refused')!r}", flush=True)
+            continue
         problems = []
         if native["out"] != ours["out"]:
             problems.append(f"outputs {native['out']} vs {ours['out']}")
-        if ours["allocator"] == native["allocator"]:
-            problems.append(f"both runs used the {ours['allocator']} allocator")
-        if native["strict"]:
+        if not ours["tensormem"] or native["tensormem"]:
+            problems.append(f"tensormem served neither run or both (allocators {native['allocator']} / "
+                            f"{ours['allocator']})")
+        if native["allocator"] != ours["allocator"] and "backend:cudaMallocAsync" in (args.conf or ""):
+            problems.append(f"allocators {native['allocator']} / {ours['allocator']}: both must be cudaMallocAsync")
+        if native["strict"] and "backend:cudaMallocAsync" not in (args.conf or ""):
             for key in ("peak_reserved", "device_allocs"):
                 if native[key] != ours[key]:
                     problems.append(f"{key} {native[key]} vs {ours[key]}")
-        line = (f"{name}: out {ours['out']}; peak reserved {native['peak_reserved']} / {ours['peak_reserved']}; "
+        line = (f"{name}{' (' + args.conf + ')' if args.conf else ''}: out {ours['out']}; peak reserved {native['peak_reserved']} / {ours['peak_reserved']}; "
                 f"device allocs {native['device_allocs']} / {ours['device_allocs']}")
         if "notes" in ours:
             line += f"; native: {native.get('notes')}; tensormem: {ours['notes']}"

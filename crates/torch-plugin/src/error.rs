@@ -3,6 +3,8 @@
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, CString};
 
+use crate::native::{TM_ERROR, TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED};
+
 /// Why a call of the plugin failed. C callers see it as the string [`tensormem_last_error`] returns.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -116,22 +118,53 @@ impl Error {
                 | AllocError::Device(DeviceError::OutOfMemory { .. })
         )
     }
+
+    /// Whether this is a refusal PyTorch's allocator makes for the process's backend
+    /// ([`tensormem::cuda::AsyncUnsupported`]): its message's first line is PyTorch's, word for word.
+    #[must_use]
+    pub fn is_backend_refusal(&self) -> bool {
+        matches!(
+            self,
+            Error::Cuda(tensormem::cuda::Error::AsyncUnsupported(_))
+        )
+    }
+
+    /// The status code C callers see for it: [`TM_OUT_OF_MEMORY`], [`TM_UNSUPPORTED`] or [`TM_ERROR`].
+    #[must_use]
+    pub fn code(&self) -> c_int {
+        if self.is_out_of_memory() {
+            TM_OUT_OF_MEMORY
+        } else if self.is_backend_refusal() {
+            TM_UNSUPPORTED
+        } else {
+            TM_ERROR
+        }
+    }
 }
 
 /// `Result` with the plugin's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// The last error met on a thread: its message as a C string, and its [`Error::code`].
+struct LastError {
+    message: CString,
+    code: c_int,
+}
+
 thread_local! {
-    /// The last error met on this thread, as a C string.
-    static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
+    /// The last error met on this thread.
+    static LAST_ERROR: RefCell<Option<LastError>> = const { RefCell::new(None) };
 }
 
 /// Keeps `error` as this thread's last error.
 pub(crate) fn set_last_error(error: &Error) {
     let text = error.to_string().replace('\0', " ");
-    let text = CString::new(text).unwrap_or_default();
+    let last = LastError {
+        message: CString::new(text).unwrap_or_default(),
+        code: error.code(),
+    };
     // `try_with`: during thread teardown the slot may be gone; the error is then only logged.
-    let _ = LAST_ERROR.try_with(|slot| *slot.borrow_mut() = Some(text));
+    let _ = LAST_ERROR.try_with(|slot| *slot.borrow_mut() = Some(last));
 }
 
 /// The calling thread's last error message, if any.
@@ -140,7 +173,7 @@ pub(crate) fn last_error_string() -> Option<String> {
         .try_with(|slot| {
             slot.borrow()
                 .as_ref()
-                .map(|s| s.to_string_lossy().into_owned())
+                .map(|last| last.message.to_string_lossy().into_owned())
         })
         .ok()
         .flatten()
@@ -156,9 +189,21 @@ pub extern "C" fn tensormem_last_error() -> *const c_char {
         .try_with(|slot| {
             slot.borrow()
                 .as_ref()
-                .map_or(std::ptr::null(), |s| s.as_ptr())
+                .map_or(std::ptr::null(), |last| last.message.as_ptr())
         })
         .unwrap_or(std::ptr::null())
+}
+
+/// The status code of the last error met by a plugin call on the calling thread:
+/// [`TM_OUT_OF_MEMORY`] (PyTorch raises `torch.OutOfMemoryError`), [`TM_UNSUPPORTED`] (a refusal of
+/// PyTorch's allocator for the process's backend, whose first line is PyTorch's message; PyTorch raises
+/// it as it is), [`TM_ERROR`] for any other, or [`TM_OK`] if no call failed (since
+/// [`tensormem_clear_last_error`]). For the functions that report failure by a null or negative result.
+#[no_mangle]
+pub extern "C" fn tensormem_last_error_code() -> c_int {
+    LAST_ERROR
+        .try_with(|slot| slot.borrow().as_ref().map_or(TM_OK, |last| last.code))
+        .unwrap_or(TM_OK)
 }
 
 /// Forgets the calling thread's last error (so that a later null from [`tensormem_last_error`] means

@@ -28,7 +28,7 @@
 //! | `set_begin_allocate_to_pool`, `set_end_allocate_to_pool_fn`, `set_release_pool` (CUDA graphs) | [`tensormem_begin_allocate_to_pool`], [`tensormem_end_allocate_to_pool`], [`tensormem_release_pool`] |
 //! | (`torch.cuda.memory_stats`, which fails under a pluggable allocator) | [`tensormem_memory_stats_json`], [`tensormem_string_free`], [`tensormem_reset_peak_stats`] |
 //! | (`torch.cuda.memory._record_memory_history`, `_dump_snapshot`) | [`tensormem_record_history`], [`tensormem_dump_snapshot`] |
-//! | errors | [`tensormem_last_error`], [`tensormem_clear_last_error`] |
+//! | errors | [`tensormem_last_error`], [`tensormem_last_error_code`], [`tensormem_clear_last_error`] |
 //!
 //! `python/tensormem_torch/` (the Python package; `pip install crates/torch-plugin`) does the wiring:
 //! `tensormem_torch.install()` builds the C++ layer if needed and installs the allocator, or falls back to
@@ -75,7 +75,9 @@ mod streams;
 pub use allocate::{
     tensormem_alloc, tensormem_base_alloc, tensormem_free, tensormem_record_stream,
 };
-pub use error::{tensormem_clear_last_error, tensormem_last_error, Error, Result};
+pub use error::{
+    tensormem_clear_last_error, tensormem_last_error, tensormem_last_error_code, Error, Result,
+};
 pub use hooks::{
     tensormem_begin_allocate_to_pool, tensormem_empty_cache, tensormem_end_allocate_to_pool,
     tensormem_init, tensormem_release_pool, tensormem_set_memory_fraction, TorchMempoolId,

@@ -19,11 +19,11 @@ use tensormem_torch::native::{
     tensormem_pool_restore, tensormem_pool_set_no_split, tensormem_pool_set_use_on_oom,
     tensormem_pool_sleep, tensormem_pool_use_count, tensormem_set_allocator_settings,
     tensormem_set_oom_observer, tensormem_snapshot_take, TorchTraceEntry, HANDLE_LEN,
-    POOL_ALLOC_OK, TM_ERROR, TM_OK,
+    POOL_ALLOC_OK, TM_ERROR, TM_OK, TM_UNSUPPORTED,
 };
 use tensormem_torch::{
     tensormem_clear_last_error, tensormem_dump_snapshot, tensormem_last_error,
-    tensormem_record_history,
+    tensormem_last_error_code, tensormem_record_history,
 };
 
 fn last_error() -> String {
@@ -43,14 +43,17 @@ fn not_yet(method: &str) -> String {
     )
 }
 
-/// `rc` is a failure whose message starts with `message`, PyTorch's, and says what to do.
+/// `rc` is a failure, a refusal of PyTorch's (code [`TM_UNSUPPORTED`]) whose message's first line is
+/// `message`, PyTorch's, word for word (the C++ layer raises it so), followed by what to do.
 #[track_caller]
 fn refused(rc: impl Into<i64>, failed: i64, message: &str) {
     assert_eq!(rc.into(), failed, "{message}");
     let error = last_error();
-    assert!(error.starts_with(message), "{error}");
+    assert_eq!(error.lines().next(), Some(message), "{error}");
     assert!(error.contains("TENSORMEM_ALLOC_CONF"), "{error}");
+    assert_eq!(tensormem_last_error_code(), TM_UNSUPPORTED, "{error}");
     tensormem_clear_last_error();
+    assert_eq!(tensormem_last_error_code(), TM_OK, "cleared");
 }
 
 fn name() -> String {
@@ -134,6 +137,11 @@ fn under_cuda_malloc_async_pytorchs_refusals_come_back_as_status_codes() {
     );
     assert_eq!(supports(c"raw_alloc"), TM_ERROR);
     assert!(last_error().contains("raw_alloc"), "{}", last_error());
+    assert_eq!(
+        tensormem_last_error_code(),
+        TM_ERROR,
+        "tensormem's own error, not a refusal of PyTorch's"
+    );
 
     // Snapshots and history.
     let snapshot = tensormem_snapshot_take(0, 0, 1);
@@ -151,7 +159,9 @@ fn under_cuda_malloc_async_pytorchs_refusals_come_back_as_status_codes() {
     // SAFETY: a NUL-terminated path.
     refuse(
         unsafe { tensormem_dump_snapshot(path.as_ptr()) },
-        "Calling snapshot with backend:cudaMallocAsync is not meaningful.",
+        "Calling snapshot with backend:cudaMallocAsync is not meaningful. (For backend:native, \
+         snapshot returns a detailed summary of all blocks tracked by the allocator, but the \
+         cudaMallocAsync backend does not track individual blocks.)",
     );
 
     // Private pools and their checkpoints.
@@ -208,11 +218,13 @@ fn under_cuda_malloc_async_pytorchs_refusals_come_back_as_status_codes() {
     let rc = unsafe { tensormem_pool_sleep(0, 0, 1, 1, std::ptr::null_mut()) };
     refuse(
         rc,
-        "the native caching allocator does not serve this process",
+        "the native caching allocator does not serve this process (backend:cudaMallocAsync does): \
+         caching_allocator, sleeping and waking private pools need it",
     );
     refuse(
         tensormem_pool_is_asleep(0, 0, 1),
-        "the native caching allocator does not serve this process",
+        "the native caching allocator does not serve this process (backend:cudaMallocAsync does): \
+         caching_allocator, sleeping and waking private pools need it",
     );
 
     // CUDA IPC, both ways.

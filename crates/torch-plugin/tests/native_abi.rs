@@ -12,9 +12,9 @@ use tensormem_torch::native::{
     tensormem_pool_set_no_split, tensormem_pool_set_use_on_oom, tensormem_raw_delete,
     tensormem_snapshot_free, tensormem_snapshot_segment_count, tensormem_snapshot_take,
     TorchDeviceStats, EXPANDABLE_HANDLE_HEADER_LEN, HANDLE_LEN, POOL_ALLOC_ERROR, POOL_ALLOC_OK,
-    POOL_ALLOC_OUT_OF_MEMORY, TM_ERROR, TM_OK, TM_OUT_OF_MEMORY,
+    POOL_ALLOC_OUT_OF_MEMORY, TM_ERROR, TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED,
 };
-use tensormem_torch::{tensormem_last_error, Error};
+use tensormem_torch::{tensormem_last_error, tensormem_last_error_code, Error};
 
 fn last_error() -> String {
     let ptr = tensormem_last_error();
@@ -26,10 +26,35 @@ fn last_error() -> String {
 }
 
 #[test]
-fn status_codes_are_distinct() {
-    assert_ne!(TM_OK, TM_OUT_OF_MEMORY);
-    assert_ne!(TM_OK, TM_ERROR);
-    assert_ne!(TM_OUT_OF_MEMORY, TM_ERROR);
+fn status_codes_are_distinct_and_the_cpp_layer_has_them() {
+    let codes = [
+        ("TM_OK", TM_OK),
+        ("TM_OUT_OF_MEMORY", TM_OUT_OF_MEMORY),
+        ("TM_ERROR", TM_ERROR),
+        ("TM_UNSUPPORTED", TM_UNSUPPORTED),
+    ];
+    let distinct: std::collections::HashSet<_> = codes.iter().map(|&(_, code)| code).collect();
+    assert_eq!(distinct.len(), codes.len());
+    // The C++ layer spells the codes it reads; they must be these.
+    let cpp = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("csrc/tensormem_allocator.cpp"),
+    )
+    .expect("the C++ layer's source is in the package");
+    for (name, code) in codes {
+        let spelled = format!("constexpr int {name} = {code};");
+        assert!(
+            name == "TM_ERROR" || cpp.contains(&spelled),
+            "csrc/tensormem_allocator.cpp lacks `{spelled}`"
+        );
+    }
+}
+
+#[test]
+fn a_failed_calls_code_tells_tensormems_errors_from_pytorchs_refusals() {
+    // SAFETY: a null `out` is refused before anything is read.
+    let rc = unsafe { tensormem_malloc(1024, 0, std::ptr::null_mut(), std::ptr::null_mut()) };
+    assert_eq!(rc, TM_ERROR);
+    assert_eq!(tensormem_last_error_code(), TM_ERROR, "{}", last_error());
 }
 
 #[test]
@@ -102,7 +127,15 @@ fn device_stats_check_the_callers_layout() {
 fn out_of_memory_errors_are_told_apart() {
     let oom = Error::Device(tensormem_cuda_alloc::DeviceError::OutOfMemory { bytes: 1 << 40 });
     assert!(oom.is_out_of_memory());
-    assert!(!Error::InvalidDevice { device: -1 }.is_out_of_memory());
+    assert_eq!(oom.code(), TM_OUT_OF_MEMORY);
+    let other = Error::InvalidDevice { device: -1 };
+    assert!(!other.is_out_of_memory());
+    assert_eq!(other.code(), TM_ERROR);
+    let refusal = Error::Cuda(tensormem::cuda::Error::AsyncUnsupported(
+        tensormem::cuda::AsyncUnsupported::RecordHistory,
+    ));
+    assert!(refusal.is_backend_refusal() && !refusal.is_out_of_memory());
+    assert_eq!(refusal.code(), TM_UNSUPPORTED);
 }
 
 #[test]

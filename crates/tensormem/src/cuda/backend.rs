@@ -179,7 +179,8 @@ pub fn device_allocator(device: Option<u32>) -> Result<DeviceAllocator> {
 
 /// What PyTorch's `backend:cudaMallocAsync` refuses (`c10/cuda/CUDAMallocAsyncAllocator.cpp` and the
 /// defaults of `CUDAAllocator` it does not override), and what of tensormem needs the caching
-/// allocator. [`Error::AsyncUnsupported`] carries it; its message is PyTorch's, followed by what to do.
+/// allocator. [`Error::AsyncUnsupported`] carries it; its message is PyTorch's line, word for word,
+/// then a line on what to do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum AsyncUnsupported {
@@ -300,7 +301,7 @@ impl fmt::Display for AsyncUnsupported {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} (tensormem serves this process with backend:cudaMallocAsync because its allocator \
+            "{}\n(tensormem serves this process with backend:cudaMallocAsync because its allocator \
              configuration asks for it; to use this, start the process without backend:cudaMallocAsync \
              in TENSORMEM_ALLOC_CONF, or else in PYTORCH_CUDA_ALLOC_CONF, or else in \
              PYTORCH_ALLOC_CONF: the first of them that is set)",

@@ -5,7 +5,10 @@
 //! result, so that the C++ layer can raise PyTorch's own exception: [`TM_OK`] for success,
 //! [`TM_OUT_OF_MEMORY`] for an out-of-memory error (raised as `torch.OutOfMemoryError`) and
 //! [`TM_ERROR`] for anything else (raised as `RuntimeError`); the message is then the thread's
-//! [`tensormem_last_error`](crate::tensormem_last_error). The C++ layer holds no policy: each of its
+//! [`tensormem_last_error`](crate::tensormem_last_error), and
+//! [`tensormem_last_error_code`](crate::tensormem_last_error_code) tells a refusal PyTorch's own
+//! allocator makes ([`TM_UNSUPPORTED`], raised with PyTorch's message as its first line, as PyTorch
+//! raises it) from tensormem's errors (raised naming the call). The C++ layer holds no policy: each of its
 //! methods converts types, calls one function here and turns a failure into an exception.
 //!
 //! The structs here are `repr(C)` and mirrored field for field in the C++ source, which checks their
@@ -66,6 +69,10 @@ pub const TM_OK: c_int = 0;
 pub const TM_OUT_OF_MEMORY: c_int = 1;
 /// The call failed for another reason (see [`tensormem_last_error`](crate::tensormem_last_error)).
 pub const TM_ERROR: c_int = -1;
+/// The code of a last error that is a refusal of PyTorch's allocator for the process's backend
+/// ([`tensormem_last_error_code`](crate::tensormem_last_error_code)); the calls that fail so return
+/// [`TM_ERROR`].
+pub const TM_UNSUPPORTED: c_int = 2;
 
 /// Runs `body` at the C boundary, turning its result into a status code.
 pub(crate) fn status(name: &'static str, body: impl FnOnce() -> Result<()>) -> c_int {

@@ -135,7 +135,11 @@ fn refusals_carry_pytorchs_messages_and_what_to_do() {
     for what in AsyncUnsupported::ALL {
         let pytorch = what.pytorch_message();
         let error = Error::AsyncUnsupported(what).to_string();
-        assert!(error.starts_with(&pytorch), "{error}");
+        assert_eq!(
+            error.lines().next(),
+            Some(pytorch.as_str()),
+            "PyTorch's line first"
+        );
         assert!(error.contains("backend:cudaMallocAsync"), "{error}");
         assert!(error.contains("TENSORMEM_ALLOC_CONF"), "{error}");
         assert_eq!(AsyncUnsupported::from_method(what.method()), Some(what));
