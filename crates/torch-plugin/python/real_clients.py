@@ -1,6 +1,7 @@
 """Ordinary PyTorch programs on PyTorch's native allocator and on tensormem's, each in a fresh process.
 
-    python3 real_clients.py [--lib PATH/libtensormem_torch.so] [--conf SETTINGS] [--out results.json] [WORKLOAD ...]
+    python3 real_clients.py [--lib PATH/libtensormem_torch.so] [--conf SETTINGS] [--timeout SECONDS]
+                            [--out results.json] [WORKLOAD ...]
 
 Each workload is seeded and runs with deterministic algorithms; it prints one JSON line (prefix
 "result,") with its outputs, peak reserved bytes and device allocations (from torch.cuda.memory_stats(),
@@ -13,7 +14,9 @@ their environment (allocator settings) on both allocators. --conf adds allocator
 workload's processes on both allocators (PYTORCH_CUDA_ALLOC_CONF, and TENSORMEM_ALLOC_CONF where a workload
 sets it): `--conf backend:cudaMallocAsync` runs each program on PyTorch's cudaMallocAsync backend and on
 tensormem's. Under that backend the driver's memory pool, not either allocator, decides what is reserved,
-so peak reserved bytes and device allocations are reported there, not compared.
+so peak reserved bytes and device allocations are reported there, not compared; and a workload that
+PyTorch's allocator refuses part of under those settings passes when tensormem refuses it with the same
+message (its first line). --timeout bounds each run of a workload (a run past it is a failure).
 """
 import argparse
 import json
