@@ -252,14 +252,23 @@ fn every_string_pytorch_accepts_parses_and_every_one_it_refuses_is_refused() {
             )),
         }
     }
-    eprintln!(
-        "{} strings against PyTorch {version}: {accepted} accepted by both, {} disagreements",
-        corpus.len(),
-        disagreements.len()
+    agree_all(
+        &format!(
+            "{} strings against PyTorch {version} ({accepted} accepted by both)",
+            corpus.len()
+        ),
+        &disagreements,
     );
+}
+
+/// Reports how many of the cases that `what` describes PyTorch and tensormem disagree on; fails
+/// listing them if any.
+#[track_caller]
+fn agree_all(what: &str, disagreements: &[String]) {
+    eprintln!("{what}: {} disagreements", disagreements.len());
     assert!(
         disagreements.is_empty(),
-        "{} disagreements with PyTorch {version}:\n{}",
+        "{what}: {} disagreements:\n{}",
         disagreements.len(),
         disagreements.join("\n")
     );
@@ -355,12 +364,7 @@ fn pytorchs_variables_are_read_as_pytorch_reads_them() {
             ));
         }
     }
-    eprintln!(
-        "{} environments: {} disagreements",
-        cases.len(),
-        disagreements.len()
-    );
-    assert!(disagreements.is_empty(), "{}", disagreements.join("\n"));
+    agree_all(&format!("{} environments", cases.len()), &disagreements);
 }
 
 /// Reads JSON lists of strings on stdin; applies each list's strings in turn after putting the
@@ -430,10 +434,11 @@ fn strings_applied_in_turn_are_accepted_and_refused_as_pytorch_does() {
         }
     }
     let refused = theirs.iter().flatten().filter(|v| *v != "ok").count();
-    eprintln!(
-        "{} sequences ({refused} steps refused by PyTorch): {} disagreements",
-        sequences.len(),
-        disagreements.len()
+    agree_all(
+        &format!(
+            "{} sequences ({refused} steps refused by PyTorch)",
+            sequences.len()
+        ),
+        &disagreements,
     );
-    assert!(disagreements.is_empty(), "{}", disagreements.join("\n"));
 }
