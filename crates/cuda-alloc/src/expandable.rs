@@ -8,6 +8,7 @@
 //! block uses, wherever it is in the range.
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::device::{Device, DeviceAddress, DeviceError, DeviceResult};
 
@@ -34,6 +35,9 @@ pub struct ChunkExport {
 
 /// One reserved range and the physical chunks mapped into it.
 pub(crate) struct ExpandableSegment<D: Device> {
+    /// This segment's identity, unique in the process for its lifetime: a range released and
+    /// reserved again at the same address (drivers do hand it out again) is another segment.
+    id: u64,
     /// Start of the reserved range.
     base: u64,
     /// Size of each chunk (2 MiB small pool, 20 MiB large pool).
@@ -50,6 +54,7 @@ pub(crate) struct ExpandableSegment<D: Device> {
 impl<D: Device> std::fmt::Debug for ExpandableSegment<D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ExpandableSegment")
+            .field("id", &self.id)
             .field("base", &format_args!("{:#x}", self.base))
             .field("segment_size", &self.segment_size)
             .field("max_handles", &self.max_handles)
@@ -66,13 +71,20 @@ impl<D: Device> ExpandableSegment<D> {
         let wanted = device_total + device_total / 8;
         let max_handles = wanted.div_ceil(segment_size).max(1);
         let base = device.reserve_address_range((segment_size * max_handles) as usize)?;
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         Ok(ExpandableSegment {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             base: base.0,
             segment_size,
             max_handles,
             handles: Vec::new(),
             asleep: Vec::new(),
         })
+    }
+
+    /// This segment's identity (see the field): what a sleeping pool finds its segments by.
+    pub(crate) fn id(&self) -> u64 {
+        self.id
     }
 
     /// Start of the reserved range.

@@ -131,6 +131,23 @@ mod tests {
     }
 
     #[test]
+    fn huge_division_counts_round_as_pytorchs_release_build_does() {
+        // 512 * 2^55 wraps to 0 in PyTorch's `size_t` arithmetic: every size above 512 then has
+        // more divisions than its interval has bytes, and goes to the next power of two.
+        for exponent in [55, 56, 63] {
+            let s = settings(&format!("roundup_power2_divisions:{}", 1u64 << exponent));
+            assert_eq!(round_size(511, &s), 512);
+            assert_eq!(round_size(1000, &s), 1024);
+            assert_eq!(round_size((3 << 20) + 1, &s), 4 << 20);
+            assert_eq!(round_size(4 << 20, &s), 4 << 20);
+        }
+        // Below the wrap, plain 512 rounding as before.
+        let s = settings(&format!("roundup_power2_divisions:{}", 1u64 << 54));
+        assert_eq!(round_size(1000, &s), 1024);
+        assert_eq!(round_size((3 << 20) + 1, &s), (3 << 20) + 512);
+    }
+
+    #[test]
     fn segment_sizes() {
         assert_eq!(allocation_size(512), SMALL_BUFFER);
         assert_eq!(allocation_size(SMALL_SIZE), SMALL_BUFFER);

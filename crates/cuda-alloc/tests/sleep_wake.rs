@@ -435,3 +435,126 @@ fn trackers_see_the_memory_go_and_come_back_and_the_history_does_not() {
     a.free(small).unwrap();
     checked(&a);
 }
+
+/// A pool that ends while asleep (its blocks freed, its users gone, its segments released) leaves
+/// the sleep book and gives its backup back; when the driver hands its address range out again to
+/// a live allocation, a wake of the dead pool is refused and the live memory is untouched.
+#[test]
+fn a_pool_that_ends_asleep_never_wakes_over_live_memory() {
+    let a = sim_with("expandable_segments:True", GIB);
+    let host = Arc::new(HostCachingAllocator::new(
+        SimDevice::new(GIB as u64),
+        HeapSource,
+    ));
+    a.create_or_incref_pool(POOL).unwrap();
+    a.begin_allocate_to_pool(POOL, |_| true).unwrap();
+    let big = a.allocate(30 * MIB, S0).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    a.device()
+        .write_memory(big.ptr(), &pattern(1, big.size()))
+        .unwrap();
+    // The pool's first block starts its segment's reserved range.
+    let segment_base = big.ptr();
+    let report = a
+        .sleep_pool(POOL, Some(Box::new(Arc::clone(&host))))
+        .unwrap();
+    assert!(report.backed_up_bytes > 0);
+    assert!(
+        host.stats().active_bytes.current > 0,
+        "the backup is pinned"
+    );
+
+    // The pool ends while asleep.
+    a.free(big).unwrap();
+    a.release_pool(POOL).unwrap();
+    a.release_pool(POOL).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.pool_use_count(POOL), 0);
+    assert!(
+        !a.is_pool_asleep(POOL),
+        "an ended pool leaves the sleep book"
+    );
+    assert_eq!(a.asleep_bytes(None), 0);
+    assert_eq!(
+        host.stats().active_bytes.current,
+        0,
+        "its backup went back to the host allocator"
+    );
+    checked(&a);
+
+    // The driver hands the same range out again, to an allocation of the default pool.
+    a.device().push_addresses([segment_base.0]);
+    let live = a.allocate(30 * MIB, S0).unwrap();
+    assert_eq!(live.ptr(), segment_base, "the same range, reused");
+    a.device()
+        .write_memory(live.ptr(), &pattern(9, live.size()))
+        .unwrap();
+    assert_eq!(
+        sleep_error(a.wake_pool(POOL)),
+        SleepError::NoSuchPool { pool: POOL }
+    );
+    assert_eq!(
+        a.device().read_memory(live.ptr(), live.size()).unwrap(),
+        pattern(9, live.size()),
+        "the live allocation is untouched"
+    );
+    a.free(live).unwrap();
+    checked(&a);
+}
+
+/// A segment of a sleeping pool released meanwhile, and another segment at the same slot and
+/// address: the wake finds the pool's segments by identity and leaves the newcomer alone.
+#[test]
+fn a_wake_skips_a_newcomer_at_a_released_segments_place() {
+    let (a, big, small) = pool_with_data();
+    let big_base = big.ptr();
+    a.sleep_pool(POOL, Some(host())).unwrap();
+    // Its users give it up, but the small block keeps it (and its small segment) alive; the
+    // large segment goes: its block freed, the segment released.
+    a.free(big).unwrap();
+    a.release_pool(POOL).unwrap();
+    a.release_pool(POOL).unwrap();
+    a.empty_cache().unwrap();
+    assert!(
+        a.is_pool_asleep(POOL),
+        "the pool still exists: it still sleeps"
+    );
+    a.device().push_addresses([big_base.0]);
+    let live = a.allocate(30 * MIB, S0).unwrap();
+    assert_eq!(live.ptr(), big_base, "the same range, reused");
+    a.device()
+        .write_memory(live.ptr(), &pattern(9, live.size()))
+        .unwrap();
+    checked(&a);
+    let woke = a.wake_pool(POOL).unwrap();
+    assert_eq!(woke.mapped_bytes, 2 * MIB as u64, "only the small segment");
+    assert_eq!(
+        a.device().read_memory(live.ptr(), live.size()).unwrap(),
+        pattern(9, live.size())
+    );
+    assert_eq!(
+        a.device().read_memory(small.ptr(), small.size()).unwrap(),
+        pattern(2, small.size())
+    );
+    a.free(live).unwrap();
+    a.free(small).unwrap();
+    checked(&a);
+}
+
+/// Restoring a checkpoint into a sleeping pool would re-create allocations on unmapped memory:
+/// refused like every other way of allocating to it, and nothing changes.
+#[test]
+fn a_checkpoint_is_not_restored_into_a_sleeping_pool() {
+    let (a, big, small) = pool_with_data();
+    let checkpoint = a.get_checkpoint_state(POOL).unwrap();
+    a.sleep_pool(POOL, None).unwrap();
+    let before = checked(&a);
+    assert_eq!(
+        sleep_error(a.set_checkpoint_pool_state(&checkpoint)),
+        SleepError::Asleep { pool: POOL }
+    );
+    assert_eq!(checked(&a), before);
+    a.wake_pool(POOL).unwrap();
+    a.set_checkpoint_pool_state(&checkpoint).unwrap();
+    drop((big, small));
+}

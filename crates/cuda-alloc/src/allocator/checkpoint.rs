@@ -175,7 +175,9 @@ impl<D: Device> CachingAllocator<D> {
     /// [`Error::Pool`] if the pool does not exist or was released by every user;
     /// [`Error::Checkpoint`] if the checkpoint is another allocator's, a checkpointed segment is gone
     /// or has another size now (an expandable one: is mapped to another extent, or has mapped memory
-    /// after an unmapped gap), or a block of the pool still waits for other streams.
+    /// after an unmapped gap), or a block of the pool still waits for other streams;
+    /// [`Error::Sleep`] if the pool is asleep ([`sleep_pool`](Self::sleep_pool): its memory is
+    /// unmapped; wake it first).
     pub fn set_checkpoint_pool_state(
         &self,
         checkpoint: &PoolCheckpoint,
@@ -192,6 +194,9 @@ impl<D: Device> CachingAllocator<D> {
         }
         self.check_checkpointable(pool)?;
         let (_guard, mut locks) = self.lock_all();
+        // A sleeping pool's memory is unmapped: re-created allocations would point at nothing.
+        // Checked with every lock held, so that no sleep or wake runs meanwhile.
+        self.refuse_if_asleep(pool)?;
         // Check: every checkpointed segment is a whole segment of the pool on its stream now, and no
         // block of the pool waits for other streams.
         let mut placed = Vec::with_capacity(checkpoint.segments.len());

@@ -51,6 +51,34 @@ impl<D: Device> CachingAllocator<D> {
             "reserved counter {counted} but segments add up to {reserved_total} and device \
              allocations under way to {reserving}"
         );
+        // Every pool in the sleep book exists (one that ended left it), and each segment that
+        // slept is, where it still exists, where the book says.
+        let sleeping = self.sleeping_pools();
+        {
+            let private = self.private.lock();
+            for (pool, _) in &sleeping {
+                ensure!(
+                    private.contains_key(pool),
+                    "pool {pool} is in the sleep book but no longer exists"
+                );
+            }
+        }
+        for (pool, segments) in &sleeping {
+            for slept in segments {
+                for locked in &locks {
+                    for (slot, segment) in locked.st.segments.iter().enumerate() {
+                        let Some(segment) = segment else { continue };
+                        ensure!(
+                            segment.id() != slept.id
+                                || (locked.shard.index == slept.shard && slot == slept.slot),
+                            "segment #{} of sleeping pool {pool} is at slot {slot} of shard {},                              not where the sleep book says",
+                            slept.id,
+                            locked.shard.index
+                        );
+                    }
+                }
+            }
+        }
         let pending = self.events.lock().outstanding();
         ensure!(
             pending == self.pending.load(Relaxed),

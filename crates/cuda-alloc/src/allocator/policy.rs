@@ -20,7 +20,10 @@ pub(crate) fn round_size(size: usize, settings: &Settings) -> usize {
         return MIN_BLOCK_SIZE;
     }
     let divisions = settings.roundup_divisions_for(size);
-    if divisions > 1 && size > MIN_BLOCK_SIZE * divisions {
+    // PyTorch computes `kMinBlockSize * divisions` in `size_t`: from 2^55 divisions on it wraps
+    // (to 0), and every size takes the power-of-two rounding. The same arithmetic, without the
+    // debug build's overflow panic.
+    if divisions > 1 && size > MIN_BLOCK_SIZE.wrapping_mul(divisions) {
         roundup_power2_next_division(size, divisions)
     } else {
         align_up(size, MIN_BLOCK_SIZE)

@@ -69,7 +69,9 @@ impl<D: Device> CachingAllocator<D> {
             release_pools(&mut locks, PoolSel::Private { id, small: true })?;
             release_pools(&mut locks, PoolSel::Private { id, small: false })?;
             let mut private = self.private.lock();
-            if private.get(&id).is_some_and(|p| p.segments == 0) {
+            // A pool that ends while asleep leaves the sleep book with it (its backup goes back
+            // to the host allocator); one being put to sleep or woken ends at a later release.
+            if private.get(&id).is_some_and(|p| p.segments == 0) && self.forget_ended_pool(id) {
                 private.remove(&id);
                 drop(private);
                 for locked in &mut locks {

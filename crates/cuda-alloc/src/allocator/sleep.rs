@@ -202,13 +202,24 @@ impl Drop for Backup {
     }
 }
 
+/// A segment that slept: where it was (shard index, segment slot) and which segment it was. A
+/// slot freed while the pool sleeps can hold another segment by the time the pool wakes, even at
+/// the same base address (the driver hands released ranges out again), so a segment is found by
+/// its identity, never by its place alone.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Slept {
+    pub(crate) shard: u32,
+    pub(crate) slot: usize,
+    pub(crate) id: u64,
+}
+
 /// The state of a pool that is not plainly awake.
 pub(crate) enum Asleep {
-    /// `sleep_pool` or `wake_pool` is under way.
+    /// `sleep_pool` or `wake_pool` is under way: the pool is not ended meanwhile.
     Changing,
-    /// Asleep: the segments that slept (shard index, segment slot, segment base) and the backup.
+    /// Asleep: the segments that slept and the backup.
     Sleeping {
-        segments: Vec<(u32, usize, u64)>,
+        segments: Vec<Slept>,
         released: u64,
         backup: Option<Backup>,
     },
@@ -371,7 +382,11 @@ impl<D: Device> CachingAllocator<D> {
         for &(li, slot) in &targets {
             let shard = locks[li].shard.index;
             let segment = locks[li].st.segments[slot].as_mut().expect("live");
-            segments.push((shard, slot, segment.base()));
+            segments.push(Slept {
+                shard,
+                slot,
+                id: segment.id(),
+            });
             // Trackers let go of the memory before it is released.
             for (addr, len) in segment.mapped_runs() {
                 self.trace
@@ -424,6 +439,9 @@ impl<D: Device> CachingAllocator<D> {
     /// asleep, nothing changed) or a driver call fails. A failure while copying back leaves the
     /// pool awake with its contents undefined.
     pub fn wake_pool(&self, pool: MempoolId) -> Result<WakeReport> {
+        if !self.private.lock().contains_key(&pool) {
+            return Err(SleepError::NoSuchPool { pool }.into());
+        }
         let (segments, released, backup) = {
             let mut book = self.asleep.lock();
             match book.get(&pool) {
@@ -445,21 +463,20 @@ impl<D: Device> CachingAllocator<D> {
         let device = &self.device;
         let mut report = WakeReport::default();
         let mut woken: Vec<(usize, usize)> = Vec::new();
-        for &(shard, slot, base) in &segments {
+        for &Slept { shard, slot, id } in &segments {
             let Some(li) = locks.1.iter().position(|l| l.shard.index == shard) else {
                 continue;
             };
+            // A segment released while the pool slept is gone; its slot may hold another one.
             let Some(segment) = locks.1[li]
                 .st
                 .segments
                 .get_mut(slot)
                 .and_then(Option::as_mut)
+                .filter(|segment| segment.id() == id)
             else {
                 continue;
             };
-            if segment.base() != base {
-                continue;
-            }
             match segment.wake(device) {
                 Ok(bytes) => {
                     report.mapped_bytes += bytes;
@@ -539,6 +556,45 @@ impl<D: Device> CachingAllocator<D> {
                 Asleep::Sleeping { released, .. } => *released,
             })
             .sum()
+    }
+
+    /// Takes an ended pool (`release_cached_blocks` removing it, every allocator lock held) out
+    /// of the sleep book and gives its backup back to its host allocator. Returns `false`, leaving
+    /// everything as it was, while a `sleep_pool` or `wake_pool` of the pool is under way: the
+    /// pool is not ended then (a later release ends it).
+    pub(crate) fn forget_ended_pool(&self, pool: MempoolId) -> bool {
+        let mut book = self.asleep.lock();
+        match book.get(&pool) {
+            None => true,
+            Some(Asleep::Changing) => false,
+            Some(Asleep::Sleeping { .. }) => {
+                if let Some(Asleep::Sleeping { backup, .. }) = book.remove(&pool) {
+                    drop(book);
+                    let kept = backup.as_ref().map_or(0, Backup::bytes);
+                    drop(backup);
+                    tracing::debug!(
+                        target: "tensormem_cuda_alloc",
+                        %pool,
+                        backup = kept,
+                        "a pool ended while asleep; its backup was given back"
+                    );
+                }
+                true
+            }
+        }
+    }
+
+    /// The pools in the sleep book, for the invariant walk: each with the identities of the
+    /// segments that slept (none while it changes).
+    pub(crate) fn sleeping_pools(&self) -> Vec<(MempoolId, Vec<Slept>)> {
+        self.asleep
+            .lock()
+            .iter()
+            .map(|(&id, state)| match state {
+                Asleep::Changing => (id, Vec::new()),
+                Asleep::Sleeping { segments, .. } => (id, segments.clone()),
+            })
+            .collect()
     }
 
     /// Refuses to allocate to `pool` while it is asleep (called by `begin_allocate_to_pool` with
