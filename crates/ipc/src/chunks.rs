@@ -26,6 +26,33 @@
 //! [`ChunkFdRoutes`] chooses which ways a consumer tries ([`ConsumerConfig::chunk_fds`]); the way
 //! taken is in [`ReceivedMemory::fd_route`] and a `tracing` event.
 //!
+//! # Who answers on the socket
+//!
+//! The handle is PyTorch's wire format: the producer's pid and its descriptor numbers, nothing
+//! else, so there is no room in it for a secret (a socket path with a random part, a token) that
+//! only the producer and its consumers would know. The rendezvous is therefore a name derived from
+//! the pid, and any local process, of any user, can bind `@tensormem-ipc-fds.<pid>` before the
+//! producer does (abstract names have no permissions). The consumer guards against that:
+//!
+//! - **It never takes descriptors from another process.** Right after connecting it asks the
+//!   kernel who listens (`SO_PEERCRED`, which the listener cannot forge: the kernel records the
+//!   process that called `listen`), and refuses, before sending a request, a listener whose pid is
+//!   not the handle's or whose user is neither this process's effective user nor root
+//!   ([`Error::ImpostorPeer`], and a `warn` event of target `tensormem_ipc`). A squatter can thus
+//!   make the socket route fail, a denial that is reported as such, but never hand the consumer
+//!   memory of its own to map in place of the producer's.
+//! - **It never waits without bound.** The connection is made without blocking and retried while
+//!   the listener's backlog is full (`EAGAIN`), until a deadline; each answer has the same
+//!   deadline ([`ConsumerConfig::chunk_fd_timeout`], [`DEFAULT_CHUNK_FD_TIMEOUT`] by default). A
+//!   squatter that binds the name and never accepts costs the consumer that much time and
+//!   [`Error::ChunkSocketTimedOut`], never a hang.
+//!
+//! What stays trusted is the pid itself: a producer that died and whose pid was reused by a
+//! process of the same user that also listens on the name would pass the check (as that process
+//! would pass `pidfd_open` of the same pid). A producer in another pid namespace than the
+//! consumer's (two containers sharing a network namespace but not their pids) is refused: its
+//! pid in the handle is not the number this process sees.
+//!
 //! # PyTorch's wire format
 //!
 //! `[version 2]['e']` then a 24-byte header in native byte order (`pid: i32`, 4 bytes of padding,
@@ -34,6 +61,7 @@
 //! uninitialised, which defeats its own cache of opened handles keyed by those bytes).
 //!
 //! [`ConsumerConfig::chunk_fds`]: crate::ConsumerConfig::chunk_fds
+//! [`ConsumerConfig::chunk_fd_timeout`]: crate::ConsumerConfig::chunk_fd_timeout
 //! [`ReceivedMemory::fd_route`]: crate::ReceivedMemory::fd_route
 
 use std::collections::HashMap;
@@ -43,13 +71,13 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::OnceLock;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use rustix::io::Errno;
 use rustix::net::{
-    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
-    SendAncillaryMessage, SendFlags,
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketFlags, SocketType,
 };
 
 use crate::error::{Error, Result};
@@ -68,8 +96,13 @@ pub const MAX_CHUNKS: usize = 1 << 20;
 /// Descriptors per `SCM_RIGHTS` message (the kernel allows 253).
 const FDS_PER_MESSAGE: usize = 128;
 const REQUEST_MAGIC: &[u8; 4] = b"TMFD";
-/// How long a consumer waits for the producer's socket to answer.
-const SOCKET_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a consumer waits by default for a producer's descriptor socket to take its
+/// connection, and then for each answer (see the [module docs](self#who-answers-on-the-socket)).
+pub const DEFAULT_CHUNK_FD_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the producer's socket waits for a consumer's next request or for room to answer.
+const SERVER_TIMEOUT: Duration = Duration::from_secs(30);
+/// The longest pause between two tries to connect to a socket whose backlog is full.
+const MAX_CONNECT_BACKOFF: Duration = Duration::from_millis(50);
 
 /// The physical chunks of an expandable segment under a shared block, as the producer exported
 /// them (see the [module docs](self)).
@@ -196,11 +229,31 @@ pub enum ChunkFdRoutes {
 impl ChunkHandle {
     /// Copies of the producer's descriptors, taken the ways `routes` allows (see the
     /// [module docs](self)), and the way that worked: what a consumer imports the chunks from.
+    /// Waits at most [`DEFAULT_CHUNK_FD_TIMEOUT`] for the producer's socket (see
+    /// [`take_descriptors_within`](Self::take_descriptors_within)).
     ///
     /// # Errors
     ///
-    /// [`Error::ChunkDescriptors`] saying what each way answered and what to do.
+    /// As [`take_descriptors_within`](Self::take_descriptors_within).
     pub fn take_descriptors(&self, routes: ChunkFdRoutes) -> Result<(Vec<OwnedFd>, FdRoute)> {
+        self.take_descriptors_within(routes, DEFAULT_CHUNK_FD_TIMEOUT)
+    }
+
+    /// [`take_descriptors`](Self::take_descriptors), waiting at most `timeout` for the producer's
+    /// socket to take the connection, and as long again for each of its answers (see the
+    /// [module docs](self#who-answers-on-the-socket)); `pidfd_getfd` does not wait.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ImpostorPeer`] when another process than the producer listens on its socket's
+    /// name; [`Error::ChunkSocketTimedOut`] when the socket did not take the connection or answer
+    /// within `timeout`; [`Error::ChunkDescriptors`] for everything else, saying what each way
+    /// answered and what to do. Nothing is taken from the socket in any of these cases.
+    pub fn take_descriptors_within(
+        &self,
+        routes: ChunkFdRoutes,
+        timeout: Duration,
+    ) -> Result<(Vec<OwnedFd>, FdRoute)> {
         let fail = |problem: String| Error::ChunkDescriptors {
             pid: self.pid,
             problem,
@@ -216,13 +269,43 @@ impl ChunkHandle {
         match (routes, pidfd_error) {
             (ChunkFdRoutes::PidfdOnly, Some(e)) => Err(fail(pidfd_problem(e))),
             (ChunkFdRoutes::Auto, Some(e)) if !denied(e) => Err(fail(pidfd_problem(e))),
-            _ => match via_socket(self) {
-                Ok(fds) => Ok((fds, FdRoute::Socket)),
-                Err(problem) => Err(fail(match pidfd_error {
-                    Some(e) => format!("{}; and {problem}", pidfd_problem(e)),
-                    None => problem,
-                })),
-            },
+            _ => {
+                let pidfd = pidfd_error.map(pidfd_problem);
+                match via_socket(self, timeout) {
+                    Ok(fds) => Ok((fds, FdRoute::Socket)),
+                    Err(SocketFailure::Problem(problem)) => Err(fail(match pidfd {
+                        Some(pidfd) => format!("{pidfd}; and {problem}"),
+                        None => problem,
+                    })),
+                    Err(SocketFailure::TimedOut { waiting_for }) => {
+                        Err(Error::ChunkSocketTimedOut {
+                            pid: self.pid,
+                            socket: socket_name(self.pid),
+                            waiting_for,
+                            timeout,
+                            pidfd,
+                        })
+                    }
+                    Err(SocketFailure::Impostor { peer_pid, peer_uid }) => {
+                        tracing::warn!(
+                            target: "tensormem_ipc",
+                            pid = self.pid,
+                            peer_pid,
+                            peer_uid,
+                            socket = %socket_name(self.pid),
+                            "refused the descriptors of another process than the producer \
+                             listening on its socket's name"
+                        );
+                        Err(Error::ImpostorPeer {
+                            pid: self.pid,
+                            socket: socket_name(self.pid),
+                            peer_pid,
+                            peer_uid,
+                            pidfd,
+                        })
+                    }
+                }
+            }
         }
     }
 }
@@ -262,18 +345,106 @@ fn socket_name(pid: u32) -> String {
     format!("tensormem-ipc-fds.{pid}")
 }
 
-fn via_socket(handle: &ChunkHandle) -> std::result::Result<Vec<OwnedFd>, String> {
-    let name = socket_name(handle.pid);
-    let addr = SocketAddr::from_abstract_name(name.as_bytes()).map_err(|e| e.to_string())?;
-    let mut stream = UnixStream::connect_addr(&addr).map_err(|e| {
-        format!(
+/// Why the socket route gave no descriptors.
+#[derive(Debug)]
+enum SocketFailure {
+    /// No such socket, a refusal, a broken answer: said in [`Error::ChunkDescriptors`].
+    Problem(String),
+    /// The deadline passed (see [`Error::ChunkSocketTimedOut`]).
+    TimedOut {
+        /// What the consumer was waiting for.
+        waiting_for: &'static str,
+    },
+    /// Another process than the producer listens on the name (see [`Error::ImpostorPeer`]).
+    Impostor {
+        /// The listener's pid as this process sees it (`None`: not visible here).
+        peer_pid: Option<u32>,
+        /// The listener's user.
+        peer_uid: u32,
+    },
+}
+
+/// Whether the listener the kernel reports (`peer_pid`, `peer_uid`) may hand out the descriptors
+/// of `producer`'s handle to a process whose effective user is `me`: it must be that very process,
+/// of this user or root.
+fn is_producer(producer: u32, peer_pid: Option<u32>, peer_uid: u32, me: u32) -> bool {
+    peer_pid == Some(producer) && (peer_uid == me || peer_uid == 0)
+}
+
+/// Connects to `name` in the abstract namespace within `deadline`: without blocking, trying again
+/// (with a growing pause) while the listener's backlog is full.
+fn connect_by(name: &str, deadline: Instant) -> std::result::Result<OwnedFd, SocketFailure> {
+    let problem = |e: Errno| {
+        SocketFailure::Problem(format!(
             "the producer answers on no descriptor socket (@{name}: {e}); a PyTorch producer has \
              none: let this process ptrace the producer, or share with expandable_segments:False"
-        )
-    })?;
-    let io = |e: std::io::Error| format!("the producer's descriptor socket @{name}: {e}");
-    stream.set_read_timeout(Some(SOCKET_TIMEOUT)).map_err(io)?;
-    stream.set_write_timeout(Some(SOCKET_TIMEOUT)).map_err(io)?;
+        ))
+    };
+    let addr = SocketAddrUnix::new_abstract_name(name.as_bytes()).map_err(problem)?;
+    let socket = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::NONBLOCK | SocketFlags::CLOEXEC,
+        None,
+    )
+    .map_err(problem)?;
+    let mut pause = Duration::from_millis(1);
+    loop {
+        match rustix::net::connect(&socket, &addr) {
+            Ok(()) => return Ok(socket),
+            Err(Errno::INTR) => {}
+            // The listener's backlog is full: it is busy, or it does not accept at all.
+            Err(Errno::AGAIN) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(SocketFailure::TimedOut {
+                        waiting_for: "take the connection (its backlog stayed full)",
+                    });
+                }
+                std::thread::sleep(pause.min(left));
+                pause = (pause * 2).min(MAX_CONNECT_BACKOFF);
+            }
+            Err(e) => return Err(problem(e)),
+        }
+    }
+}
+
+fn via_socket(
+    handle: &ChunkHandle,
+    timeout: Duration,
+) -> std::result::Result<Vec<OwnedFd>, SocketFailure> {
+    // A zero timeout is refused by SO_RCVTIMEO (it means "no timeout" there).
+    let timeout = timeout.max(Duration::from_millis(1));
+    let name = socket_name(handle.pid);
+    let socket = connect_by(&name, Instant::now() + timeout)?;
+    let io = |e: std::io::Error| {
+        if matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ) {
+            SocketFailure::TimedOut {
+                waiting_for: "answer",
+            }
+        } else {
+            SocketFailure::Problem(format!("the producer's descriptor socket @{name}: {e}"))
+        }
+    };
+    // Who listens, in the kernel's words, before anything is asked or received.
+    let cred = rustix::net::sockopt::socket_peercred(&socket).map_err(|e| io(e.into()))?;
+    let peer_pid = u32::try_from(cred.pid.as_raw_pid()).ok();
+    let peer_uid = cred.uid.as_raw();
+    if !is_producer(
+        handle.pid,
+        peer_pid,
+        peer_uid,
+        rustix::process::geteuid().as_raw(),
+    ) {
+        return Err(SocketFailure::Impostor { peer_pid, peer_uid });
+    }
+    rustix::io::ioctl_fionbio(&socket, false).map_err(|e| io(e.into()))?;
+    let mut stream = UnixStream::from(socket);
+    stream.set_read_timeout(Some(timeout)).map_err(io)?;
+    stream.set_write_timeout(Some(timeout)).map_err(io)?;
     let mut out = Vec::with_capacity(handle.fds.len());
     for group in handle.fds.chunks(FDS_PER_MESSAGE) {
         let mut request = Vec::with_capacity(8 + 4 * group.len());
@@ -285,18 +456,18 @@ fn via_socket(handle: &ChunkHandle) -> std::result::Result<Vec<OwnedFd>, String>
         stream.write_all(&request).map_err(io)?;
         let (status, fds) = receive_reply(&stream).map_err(|e| io(e.into()))?;
         if status != 0 {
-            return Err(format!(
+            return Err(SocketFailure::Problem(format!(
                 "the producer refused to hand out descriptors {group:?} ({}): they are not \
                  exported for a share (freed memory, a stale or forged handle)",
                 Errno::from_raw_os_error(status as i32)
-            ));
+            )));
         }
         if fds.len() != group.len() {
-            return Err(format!(
+            return Err(SocketFailure::Problem(format!(
                 "the producer sent {} descriptors for {} asked",
                 fds.len(),
                 group.len()
-            ));
+            )));
         }
         out.extend(fds);
     }
@@ -409,8 +580,8 @@ fn serve(mut stream: UnixStream) {
         let me = rustix::process::geteuid();
         cred.uid == me || cred.uid.is_root()
     });
-    let _ = stream.set_read_timeout(Some(SOCKET_TIMEOUT));
-    let _ = stream.set_write_timeout(Some(SOCKET_TIMEOUT));
+    let _ = stream.set_read_timeout(Some(SERVER_TIMEOUT));
+    let _ = stream.set_write_timeout(Some(SERVER_TIMEOUT));
     loop {
         let mut head = [0u8; 8];
         if stream.read_exact(&mut head).is_err() || &head[..4] != REQUEST_MAGIC {
@@ -609,6 +780,149 @@ mod tests {
             assert!(again.take_descriptors(ChunkFdRoutes::SocketOnly).is_err());
         }
         assert!(is_open(reused.as_raw_fd()));
+    }
+
+    /// A harmless process standing for a producer: its pid names the socket. Killed at the end.
+    struct StandIn(std::process::Child);
+
+    impl StandIn {
+        fn spawn() -> Self {
+            Self(
+                std::process::Command::new("sleep")
+                    .arg("30")
+                    .spawn()
+                    .expect("sleep(1)"),
+            )
+        }
+
+        fn pid(&self) -> u32 {
+            self.0.id()
+        }
+    }
+
+    impl Drop for StandIn {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    #[test]
+    fn only_the_producer_itself_of_this_user_or_root_may_answer() {
+        assert!(is_producer(10, Some(10), 1000, 1000));
+        assert!(
+            is_producer(10, Some(10), 0, 1000),
+            "a producer running as root"
+        );
+        assert!(!is_producer(10, Some(11), 1000, 1000), "another process");
+        assert!(
+            !is_producer(10, Some(10), 1001, 1000),
+            "the pid, but another user"
+        );
+        assert!(!is_producer(10, None, 1000, 1000), "a pid not visible here");
+    }
+
+    #[test]
+    fn a_squatter_that_never_accepts_costs_a_timeout_not_a_hang() {
+        let producer = StandIn::spawn();
+        let addr =
+            SocketAddrUnix::new_abstract_name(socket_name(producer.pid()).as_bytes()).unwrap();
+        let unix = |flags| {
+            rustix::net::socket_with(AddressFamily::UNIX, SocketType::STREAM, flags, None).unwrap()
+        };
+        // Bound first, backlog 0, never accepting, its backlog filled.
+        let squatter = unix(SocketFlags::CLOEXEC);
+        rustix::net::bind(&squatter, &addr).unwrap();
+        rustix::net::listen(&squatter, 0).unwrap();
+        let mut queued = Vec::new();
+        loop {
+            let client = unix(SocketFlags::NONBLOCK | SocketFlags::CLOEXEC);
+            match rustix::net::connect(&client, &addr) {
+                Ok(()) => queued.push(client),
+                Err(Errno::AGAIN) => break,
+                Err(e) => panic!("filling the backlog: {e}"),
+            }
+            assert!(queued.len() < 1024, "the backlog never filled");
+        }
+        let handle = ChunkHandle {
+            pid: producer.pid(),
+            chunk_size: 2 << 20,
+            fds: vec![3],
+        };
+        let err = handle
+            .take_descriptors_within(ChunkFdRoutes::SocketOnly, Duration::from_millis(200))
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::ChunkSocketTimedOut { pid, timeout, pidfd: None, .. }
+                if *pid == producer.pid() && *timeout == Duration::from_millis(200)),
+            "{err}"
+        );
+        assert!(err.to_string().contains("backlog"), "{err}");
+    }
+
+    #[test]
+    fn an_impostor_on_the_producers_socket_is_refused_and_hands_nothing_over() {
+        let producer = StandIn::spawn();
+        let name = socket_name(producer.pid());
+        let listener =
+            UnixListener::bind_addr(&SocketAddr::from_abstract_name(name.as_bytes()).unwrap())
+                .unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let forged = rustix::fs::memfd_create("forged", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        // The squatter answers whatever it is asked with memory of its own; it reports whether it
+        // was asked anything.
+        let impostor = std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            let mut stream = loop {
+                match listener.accept() {
+                    Ok((stream, _)) => break stream,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        assert!(Instant::now() < deadline, "no consumer connected");
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    Err(e) => panic!("accept: {e}"),
+                }
+            };
+            stream.set_nonblocking(false).unwrap();
+            stream
+                .set_read_timeout(Some(Duration::from_secs(20)))
+                .unwrap();
+            let mut head = [0u8; 8];
+            if stream.read_exact(&mut head).is_err() {
+                return false;
+            }
+            let count = u32::from_le_bytes(head[4..].try_into().unwrap()) as usize;
+            let mut body = vec![0u8; 4 * count];
+            let _ = stream.read_exact(&mut body);
+            let forged = vec![forged.as_raw_fd(); count];
+            let _ = send_reply(&stream, 0, &forged);
+            true
+        });
+        let handle = ChunkHandle {
+            pid: producer.pid(),
+            chunk_size: 2 << 20,
+            fds: vec![7],
+        };
+        let err = handle
+            .take_descriptors_within(ChunkFdRoutes::SocketOnly, Duration::from_secs(20))
+            .unwrap_err();
+        let me = std::process::id();
+        let my_uid = rustix::process::geteuid().as_raw();
+        assert!(
+            matches!(&err, Error::ImpostorPeer { pid, peer_pid: Some(peer), peer_uid, socket, .. }
+                if *pid == producer.pid() && *peer == me && *peer_uid == my_uid && *socket == name),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains(&format!(
+                "answered by process {me}, uid {my_uid}, not by the producer"
+            )),
+            "{err}"
+        );
+        assert!(
+            !impostor.join().unwrap(),
+            "the consumer asked the impostor for descriptors"
+        );
     }
 
     #[test]

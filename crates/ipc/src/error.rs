@@ -40,6 +40,55 @@ pub enum Error {
         problem: String,
     },
 
+    /// Another process than the producer listens on the producer's descriptor socket (see
+    /// [`chunks`](crate::chunks#who-answers-on-the-socket)): a process that bound the name first.
+    /// Nothing was asked of it or taken from it.
+    #[error(
+        "the descriptor socket @{socket} of process {pid} is answered by {}, uid {peer_uid}, not by \
+         the producer; its descriptors were refused (nothing was asked of it or taken from it){}. \
+         Another local process bound the name before the producer (or the producer runs in another \
+         pid namespace): find and stop that process, let this process ptrace the producer \
+         (pidfd_getfd), or share with expandable_segments:False",
+        peer_description(.peer_pid),
+        pidfd_note(.pidfd)
+    )]
+    ImpostorPeer {
+        /// The producer's process id (from the handle).
+        pid: u32,
+        /// The socket's name in the abstract namespace.
+        socket: String,
+        /// The pid of the process listening there, as this process sees it (`None`: a process of
+        /// another pid namespace, not visible here).
+        peer_pid: Option<u32>,
+        /// The user of the process listening there.
+        peer_uid: u32,
+        /// What `pidfd_getfd` answered first, when it was tried.
+        pidfd: Option<String>,
+    },
+
+    /// The producer's descriptor socket did not take the connection, or did not answer, within
+    /// the consumer's timeout (see [`chunks`](crate::chunks#who-answers-on-the-socket)). Nothing
+    /// was taken from it.
+    #[error(
+        "the descriptor socket @{socket} of process {pid} did not {waiting_for} within {timeout:?}{}: \
+         the producer is stuck, or another local process bound the name and does not accept; retry, \
+         raise ConsumerConfig::chunk_fd_timeout, let this process ptrace the producer \
+         (pidfd_getfd), or share with expandable_segments:False",
+        pidfd_note(.pidfd)
+    )]
+    ChunkSocketTimedOut {
+        /// The producer's process id (from the handle).
+        pid: u32,
+        /// The socket's name in the abstract namespace.
+        socket: String,
+        /// What the consumer was waiting for (the connection to be taken, an answer).
+        waiting_for: &'static str,
+        /// How long it waited.
+        timeout: std::time::Duration,
+        /// What `pidfd_getfd` answered first, when it was tried.
+        pidfd: Option<String>,
+    },
+
     /// A driver call failed (the call, the driver's code and its description).
     #[error(transparent)]
     Driver(#[from] DeviceError),
@@ -206,6 +255,21 @@ pub enum Error {
         /// What was wrong.
         problem: String,
     },
+}
+
+/// "process N" or, for a pid this process cannot see, what that means.
+fn peer_description(pid: &Option<u32>) -> String {
+    match *pid {
+        Some(pid) => format!("process {pid}"),
+        None => "a process of another pid namespace".to_owned(),
+    }
+}
+
+/// What `pidfd_getfd` answered before the socket was tried, if it was.
+fn pidfd_note(pidfd: &Option<String>) -> String {
+    pidfd
+        .as_deref()
+        .map_or_else(String::new, |problem| format!(" (first, {problem})"))
 }
 
 impl Error {

@@ -24,6 +24,7 @@
 //! | a state dict sent tensor by tensor | [`IpcProducer::batch`] → [`BatchHandle`] → [`IpcConsumer::open_batch`] → [`ReceivedBatch`]: many tensors in one message, one slot, one handle per segment ([`batch`]) |
 //! | one `CUDACachingAllocator` per device, `CudaIPCGlobalEntities` per process | [`ProcessDevices`], `registry::cuda()` |
 //! | `torch.cuda.ipc_collect()` | `ipc_collect()` (feature `cuda`), [`ProcessDevices::ipc_collect`] |
+//! | `~CudaIPCGlobalEntities` at static destruction | [`IpcProducer::close_at_exit`], run at exit for [`ProcessDevices`]' producer ([`IpcProducer::register_exit_hook`]) |
 //!
 //! Where it goes beyond PyTorch: every field of a received handle is checked (device, slot inside the
 //! file, `offset + size` inside the real base allocation, handle lengths) before anything is mapped or
@@ -83,6 +84,7 @@
 //! with the consumer's handle cache warm and an idle producer stream (no event needed) tensormem takes
 //! 24 to 45 µs, 12 to 15 µs with both sides spinning on their pipe (`docs/performance.md`).
 
+mod at_exit;
 pub mod batch;
 mod cache;
 pub mod chunks;
@@ -99,7 +101,7 @@ pub use batch::{
     BatchBuilder, BatchHandle, BatchSegment, BatchView, ReceivedBatch, ReceivedView,
     BATCH_ENCODING_VERSION,
 };
-pub use chunks::{ChunkFdRoutes, ChunkHandle, FdRoute};
+pub use chunks::{ChunkFdRoutes, ChunkHandle, FdRoute, DEFAULT_CHUNK_FD_TIMEOUT};
 pub use driver::{EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
 pub use error::{Error, Result, RECEIVED_MEMORY_MESSAGE};
 pub use handle::{IpcHandle, SegmentMemory, TorchShareTuple};

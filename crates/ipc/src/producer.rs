@@ -129,6 +129,9 @@ pub(crate) struct ProducerInner<D: Device, B: IpcDriver> {
     names: NameGenerator,
     /// The file slots are handed out from (PyTorch's `next_available_ref_counters_file_`).
     current: Mutex<Option<Arc<RefCounterFile>>>,
+    /// Every file made, while something holds it (PyTorch's `ref_counters_files_`): what
+    /// [`IpcProducer::close_at_exit`] releases.
+    files: Mutex<Vec<Weak<RefCounterFile>>>,
     limbo: Mutex<Vec<Sent<D, B>>>,
     limbo_warned: AtomicBool,
     shutdown_warned: AtomicBool,
@@ -168,6 +171,7 @@ impl<D: Device, B: IpcDriver> IpcProducer<D, B> {
                 },
                 names: NameGenerator::default(),
                 current: Mutex::new(None),
+                files: Mutex::new(Vec::new()),
                 limbo: Mutex::new(Vec::new()),
                 limbo_warned: AtomicBool::new(false),
                 shutdown_warned: AtomicBool::new(false),
@@ -257,7 +261,8 @@ impl<D: Device, B: IpcDriver> IpcProducer<D, B> {
             let on = allocation.sent().allocator.device().index();
             if on != device {
                 return Err(invalid(format!(
-                    "allocations of devices {device} and {on}; a batch is of one device (send                      one batch per device)"
+                    "allocations of devices {device} and {on}; a batch is of one device (send \
+                     one batch per device)"
                 )));
             }
             let located =
@@ -289,7 +294,8 @@ impl<D: Device, B: IpcDriver> IpcProducer<D, B> {
         }
         if segments.is_empty() {
             return Err(invalid(
-                "no allocation of the batch has memory (all are zero-byte); share empty                  allocations one by one (IpcHandle::empty)"
+                "no allocation of the batch has memory (all are zero-byte); share empty \
+                 allocations one by one (IpcHandle::empty)"
                     .into(),
             ));
         }
@@ -353,6 +359,35 @@ impl<D: Device, B: IpcDriver> IpcProducer<D, B> {
     /// of allocations still held by consumers.
     pub fn shutdown(&self) -> usize {
         self.inner.shutdown()
+    }
+
+    /// What PyTorch does with its process-wide IPC state at static destruction
+    /// (`~CudaIPCGlobalEntities`), for a producer about to end with the process: reclaims the
+    /// slots of dead consumers, warns once ([`PRODUCER_TERMINATED_WARNING`], a `warn` event of
+    /// target `tensormem_ipc`) if consumers still hold memory freed here, and releases this
+    /// process's hold on every ref-counter file it made, including those of shares still alive:
+    /// the last holder unlinks each name, so nothing of this process stays in `/dev/shm` unless a
+    /// PyTorch consumer still has a file open (it unlinks it when it closes it). Returns the number
+    /// of freed allocations consumers still hold.
+    ///
+    /// It makes no driver call and frees nothing (the memory goes with the process; the driver
+    /// may already be torn down at exit), and waits at most a moment for a lock another thread
+    /// holds, skipping that part. The exit hook ([`register_exit_hook`](Self::register_exit_hook))
+    /// calls it; call it directly only when the process is about to end: consumers can no longer
+    /// open shares made before it whose file was unlinked. Shares made after it start a new file.
+    pub fn close_at_exit(&self) -> usize {
+        self.inner.close_at_exit()
+    }
+
+    /// Makes this producer [`close_at_exit`](Self::close_at_exit) when the process exits normally
+    /// (a return from `main`, `std::process::exit`), as PyTorch's static IPC state does: for a
+    /// producer that lives as long as the process, which Rust never drops. The first registration
+    /// installs one `atexit(3)` hook for the process; registering twice does nothing more, and a
+    /// producer dropped before the exit is skipped. [`ProcessDevices::new`](crate::ProcessDevices::new)
+    /// registers its producer.
+    pub fn register_exit_hook(&self) {
+        let weak: Weak<ProducerInner<D, B>> = Arc::downgrade(&self.inner);
+        crate::at_exit::register(weak);
     }
 
     /// The producer's figures.
@@ -422,6 +457,10 @@ impl<D: Device, B: IpcDriver> ProducerInner<D, B> {
                     self.config.slots_per_file,
                 )?);
                 self.counters.files.fetch_add(1, Ordering::Relaxed);
+                let mut files = self.files.lock();
+                files.retain(|f| f.strong_count() > 0);
+                files.push(Arc::downgrade(&file));
+                drop(files);
                 *current = Some(Arc::clone(&file));
                 file
             }
@@ -581,6 +620,44 @@ impl<D: Device, B: IpcDriver> ProducerInner<D, B> {
             tracing::warn!(target: "tensormem_ipc", held, "{PRODUCER_TERMINATED_WARNING}");
         }
         held
+    }
+}
+
+impl<D: Device, B: IpcDriver> ProducerInner<D, B> {
+    fn close_at_exit(&self) -> usize {
+        let wait = crate::at_exit::EXIT_LOCK_WAIT;
+        // Pruned, not collected: freeing calls into the driver.
+        let held = match self.limbo.try_lock_for(wait) {
+            Some(mut limbo) => {
+                let reclaimed: usize = limbo.iter_mut().map(|sent| sent.prune(true)).sum();
+                self.counters
+                    .reclaimed
+                    .fetch_add(reclaimed, Ordering::Relaxed);
+                limbo.iter().filter(|sent| !sent.slots.is_empty()).count()
+            }
+            None => 0,
+        };
+        if held > 0 && !self.shutdown_warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(target: "tensormem_ipc", held, "{PRODUCER_TERMINATED_WARNING}");
+        }
+        if let Some(mut current) = self.current.try_lock_for(wait) {
+            current.take();
+        }
+        let files: Vec<Arc<RefCounterFile>> = self
+            .files
+            .try_lock_for(wait)
+            .map(|files| files.iter().filter_map(Weak::upgrade).collect())
+            .unwrap_or_default();
+        let unlinked = files.iter().filter(|file| file.release_hold()).count();
+        tracing::debug!(target: "tensormem_ipc", files = files.len(), unlinked, held,
+            "released the ref-counter files at exit");
+        held
+    }
+}
+
+impl<D: Device, B: IpcDriver> crate::at_exit::CloseAtExit for ProducerInner<D, B> {
+    fn close_at_exit(&self) -> usize {
+        ProducerInner::close_at_exit(self)
     }
 }
 
@@ -890,5 +967,62 @@ impl<D: Device, B: IpcDriver> Drop for SharedAllocation<D, B> {
             self.producer.add_to_limbo(sent);
         }
         self.producer.collect_limbo(false);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::fake::FakeDriver;
+    use crate::received::IpcConsumer;
+    use tensormem_cuda_alloc::backend::sim::SimDevice;
+
+    #[test]
+    fn closing_at_exit_releases_every_file_and_warns_of_memory_still_held() {
+        let s = StreamId(0);
+        let driver = Arc::new(FakeDriver::default());
+        let allocator = Arc::new(CachingAllocator::new(SimDevice::new(1 << 30)));
+        let config = ProducerConfig {
+            slots_per_file: 2,
+            ..ProducerConfig::default()
+        };
+        let producer = IpcProducer::with_config(Arc::clone(&driver), config);
+        let consumer = IpcConsumer::new(Arc::clone(&driver));
+        let share = |size| {
+            producer
+                .share(&allocator, allocator.allocate(size, s).unwrap(), s)
+                .unwrap()
+        };
+        // The first file: a share its consumer holds after the producer freed it (the limbo),
+        // and a share alive at exit (a model's weights). The second: only `current` holds it.
+        let (freed, held) = share(4096);
+        let (alive, _) = share(8192);
+        let (done, released) = share(4096);
+        let received = consumer.open(&held, s).unwrap();
+        drop(consumer.open(&released, s).unwrap());
+        drop((freed, done));
+        assert_eq!(producer.stats().limbo, 1);
+        let names = [&held, &released].map(|h| h.ref_counter.clone().unwrap());
+        assert_ne!(names[0], names[1]);
+        assert!(names.iter().all(|name| name.path().exists()));
+
+        assert_eq!(producer.close_at_exit(), 1, "one allocation still held");
+        assert!(producer.stats().shutdown_warned);
+        for name in &names {
+            assert!(!name.path().exists(), "{name} left in /dev/shm");
+        }
+        assert_eq!(
+            producer.close_at_exit(),
+            1,
+            "a second close changes nothing"
+        );
+
+        // Nothing was freed; the consumer still releases its slot, which the producer sees.
+        assert_eq!(producer.stats().limbo, 1);
+        drop(received);
+        assert!(producer.collect());
+        assert_eq!(producer.stats().limbo, 0);
+        drop(alive);
+        assert_eq!(producer.stats().limbo, 1, "its slot was never released");
     }
 }

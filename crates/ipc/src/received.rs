@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::marker::PhantomData;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use tensormem_cuda_alloc::{DeviceAddress, StreamId};
@@ -22,7 +23,7 @@ use tensormem_shm::ShmName;
 
 use crate::batch::{BatchHandle, ReceivedBatch};
 use crate::cache::{Lease, LeaseCache};
-use crate::chunks::{ChunkFdRoutes, FdRoute};
+use crate::chunks::{ChunkFdRoutes, FdRoute, DEFAULT_CHUNK_FD_TIMEOUT};
 use crate::driver::{EventHandle, IpcDriver};
 use crate::error::{Error, Result};
 use crate::handle::{IpcHandle, SegmentMemory};
@@ -78,6 +79,11 @@ pub struct ConsumerConfig {
     /// PyTorch does, because the producer may reuse a descriptor number for other memory after
     /// that.
     pub chunk_fds: ChunkFdRoutes,
+    /// How long taking chunk descriptors over the producer's socket may wait for the socket to take
+    /// the connection, and then for each answer (default [`DEFAULT_CHUNK_FD_TIMEOUT`], 30 s): a
+    /// process squatting the socket's name costs an open this long and
+    /// [`Error::ChunkSocketTimedOut`], never a hang (see [`crate::chunks`]).
+    pub chunk_fd_timeout: Duration,
 }
 
 impl Default for ConsumerConfig {
@@ -88,6 +94,7 @@ impl Default for ConsumerConfig {
             idle_events: 1024,
             batch_segments: 4096,
             chunk_fds: ChunkFdRoutes::Auto,
+            chunk_fd_timeout: DEFAULT_CHUNK_FD_TIMEOUT,
         }
     }
 }
@@ -118,11 +125,12 @@ impl<B: IpcDriver> OpenedBase<B> {
         device: u32,
         memory: &SegmentMemory,
         routes: ChunkFdRoutes,
+        timeout: Duration,
     ) -> Result<Self> {
         let handle = match memory {
             SegmentMemory::Allocation(handle) => handle,
             SegmentMemory::Chunks(handle) => {
-                let (fds, route) = handle.take_descriptors(routes)?;
+                let (fds, route) = handle.take_descriptors_within(routes, timeout)?;
                 let chunk_size =
                     usize::try_from(handle.chunk_size).map_err(|_| Error::InvalidTuple {
                         problem: format!("chunk size {} does not fit", handle.chunk_size),
@@ -216,6 +224,7 @@ struct ConsumerInner<B: IpcDriver> {
     driver: Arc<B>,
     mems: Arc<LeaseCache<SegmentKey, OpenedBase<B>>>,
     chunk_fds: ChunkFdRoutes,
+    chunk_fd_timeout: Duration,
     files: Arc<LeaseCache<ShmName, MappedCounterFile>>,
     events: Arc<LeaseCache<EventKey, B::ImportedEvent>>,
     kept: Mutex<KeptSegments<B>>,
@@ -311,6 +320,7 @@ impl<B: IpcDriver> IpcConsumer<B> {
                 driver,
                 mems: LeaseCache::with_keep_idle(config.idle_mem_handles, keep_idle),
                 chunk_fds: config.chunk_fds,
+                chunk_fd_timeout: config.chunk_fd_timeout,
                 files: LeaseCache::new(config.idle_counter_files),
                 events: LeaseCache::new(config.idle_events),
                 kept: Mutex::new(KeptSegments {
@@ -374,7 +384,13 @@ impl<B: IpcDriver> IpcConsumer<B> {
         let device = handle.device;
         let key = (device, handle.memory.clone());
         let mem = inner.mems.acquire(&key, || {
-            OpenedBase::open(&inner.driver, device, &handle.memory, inner.chunk_fds)
+            OpenedBase::open(
+                &inner.driver,
+                device,
+                &handle.memory,
+                inner.chunk_fds,
+                inner.chunk_fd_timeout,
+            )
         })?;
         let base = mem.get();
         let end = handle.offset.checked_add(handle.size);
@@ -497,7 +513,13 @@ impl<B: IpcDriver> IpcConsumer<B> {
         for segment in batch.segments() {
             let memory = SegmentMemory::Allocation(segment.mem_handle);
             let mem = inner.mems.acquire(&(device, memory.clone()), || {
-                OpenedBase::open(&inner.driver, device, &memory, inner.chunk_fds)
+                OpenedBase::open(
+                    &inner.driver,
+                    device,
+                    &memory,
+                    inner.chunk_fds,
+                    inner.chunk_fd_timeout,
+                )
             })?;
             let real = mem.get().size as u64;
             if segment.size > real {

@@ -21,6 +21,7 @@
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
+use parking_lot::Mutex;
 use tensormem_shm::{
     MapOptions, Mapping, RefcountedRegion, SharedRegion, ShmName, REFCOUNT_HEADER_LEN, TORCH_PREFIX,
 };
@@ -204,9 +205,19 @@ impl SlotTable {
 }
 
 /// A ref-counter file this process created (the producer side): hands out its slots in order.
+///
+/// Two mappings of one object: the *hold*, which counts in the file's open count as PyTorch's
+/// `RefcountedMapAllocator` does (the last closer unlinks the name), and the *view*, which does not
+/// count and through which every slot is read and written. The hold can thus be released early
+/// ([`release_hold`](Self::release_hold), at process exit) while shares still holding the file go on
+/// reading their slots.
 #[derive(Debug)]
 pub(crate) struct RefCounterFile {
-    region: RefcountedRegion,
+    /// This process's place in the open count; `None` once released.
+    hold: Mutex<Option<RefcountedRegion>>,
+    /// The whole object (header and data), mapped without counting; its table's base is the header.
+    view: SharedRegion,
+    name: ShmName,
     table: SlotTable,
     /// The next slot to hand out (under the producer's file lock).
     next: AtomicU64,
@@ -215,10 +226,22 @@ pub(crate) struct RefCounterFile {
 impl RefCounterFile {
     /// Creates a file of `slots` slots named `name`.
     pub(crate) fn create(name: &ShmName, slots: usize) -> Result<Self> {
-        let region = RefcountedRegion::create(name, data_len(slots) as u64)
+        let hold = RefcountedRegion::create(name, data_len(slots) as u64)
             .map_err(|e| Error::file(name, e))?;
+        let view = MapOptions::new()
+            .map_shm(name)
+            .map_err(|e| Error::file(name, e))?;
+        let len = REFCOUNT_HEADER_LEN + data_len(slots);
+        if view.mapping().len() != len {
+            // Unlinked and made again by another process of this user between the two opens.
+            return Err(Error::NotRefCounterFile {
+                name: name.to_string(),
+                len: view.mapping().len() as u64,
+                torch_len: (REFCOUNT_HEADER_LEN + 8 * REF_COUNTER_FILE_SIZE) as u64,
+            });
+        }
         let table = SlotTable {
-            base: 0,
+            base: REFCOUNT_HEADER_LEN,
             slots,
             owners: true,
         };
@@ -232,19 +255,40 @@ impl RefCounterFile {
         ];
         for (i, value) in words.into_iter().enumerate().rev() {
             table
-                .trailer_word(&region, i)?
+                .trailer_word(view.mapping(), i)?
                 .store(value, Ordering::Release);
         }
         tracing::debug!(target: "tensormem_ipc", name = %name, slots, "created ref-counter file");
         Ok(Self {
-            region,
+            hold: Mutex::new(Some(hold)),
+            view,
+            name: name.clone(),
             table,
             next: AtomicU64::new(0),
         })
     }
 
     pub(crate) fn name(&self) -> &ShmName {
-        self.region.name()
+        &self.name
+    }
+
+    /// Releases this process's hold on the file now (what dropping it does, and PyTorch's
+    /// `~CudaIPCGlobalEntities` at exit): the open count goes down by one, and the name is
+    /// unlinked if that was the last hold (a PyTorch consumer holds one while it has the file
+    /// open; tensormem consumers hold none). The slots stay readable here. Does nothing the second
+    /// time. Returns whether the name was unlinked.
+    pub(crate) fn release_hold(&self) -> bool {
+        let Some(hold) = self.hold.lock().take() else {
+            return false;
+        };
+        match hold.close() {
+            Ok(unlinked) => unlinked,
+            Err(err) => {
+                tracing::warn!(target: "tensormem_ipc", name = %self.name, %err,
+                    "could not release this process's hold on a ref-counter file");
+                false
+            }
+        }
     }
 
     /// Hands out the next slot with its counter set to 1, or `None` when every slot was handed out.
@@ -254,10 +298,9 @@ impl RefCounterFile {
             return Ok(None);
         }
         self.probe()?;
-        self.table.reset_owner(&self.region, slot)?;
-        self.table
-            .counter(&self.region, slot)?
-            .store(1, Ordering::Release);
+        let map = self.view.mapping();
+        self.table.reset_owner(map, slot)?;
+        self.table.counter(map, slot)?.store(1, Ordering::Release);
         self.next.store(slot as u64 + 1, Ordering::Relaxed);
         Ok(Some(slot))
     }
@@ -267,7 +310,7 @@ impl RefCounterFile {
         if self.probe().is_err() {
             return;
         }
-        if let Ok(counter) = self.table.counter(&self.region, slot) {
+        if let Ok(counter) = self.table.counter(self.view.mapping(), slot) {
             counter.store(0, Ordering::Release);
         }
     }
@@ -286,7 +329,7 @@ impl RefCounterFile {
         self.probe()?;
         Ok(self
             .table
-            .counter(&self.region, slot)?
+            .counter(self.view.mapping(), slot)?
             .load(Ordering::Acquire))
     }
 
@@ -294,18 +337,19 @@ impl RefCounterFile {
     /// [`SlotTable::probe`]).
     fn probe(&self) -> Result<()> {
         self.table
-            .probe(&self.region)
+            .probe(self.view.mapping())
             .map_err(|e| e.renamed(self.name()))
     }
 
     /// If `slot` is still held by a consumer that has died, sets it to 0 and returns that owner.
     pub(crate) fn reclaim_if_owner_dead(&self, slot: usize) -> Option<ProcessIdentity> {
         self.probe().ok()?;
-        let owner = self.table.owner(&self.region, slot).ok().flatten()?;
+        let map = self.view.mapping();
+        let owner = self.table.owner(map, slot).ok().flatten()?;
         if owner.liveness() != Liveness::Dead {
             return None;
         }
-        let counter = self.table.counter(&self.region, slot).ok()?;
+        let counter = self.table.counter(map, slot).ok()?;
         let value = counter.load(Ordering::Acquire);
         if value > 0
             && counter
@@ -436,6 +480,28 @@ mod tests {
             name.path().exists(),
             "a live creator's file is not removed by a consumer"
         );
+        drop(file);
+        assert!(!name.path().exists());
+    }
+
+    #[test]
+    fn releasing_the_hold_unlinks_the_name_and_keeps_the_slots_readable() {
+        let name = NameGenerator::default().next_name();
+        let file = RefCounterFile::create(&name, 2).unwrap();
+        assert_eq!(file.take_slot().unwrap(), Some(0));
+        let mapped = MappedCounterFile::open(&name).unwrap();
+        // A PyTorch consumer holds the file open: the name stays until it closes too.
+        let torch_consumer = RefcountedRegion::open(&name).unwrap();
+        assert!(!file.release_hold(), "another holder is left");
+        assert!(name.path().exists());
+        assert!(!file.release_hold(), "released once only");
+        assert!(torch_consumer.close().unwrap(), "the last holder unlinks");
+        assert!(!name.path().exists());
+        // The share and its consumer still see one slot.
+        let counter = mapped.table().counter(mapped.mapping(), 0).unwrap();
+        counter.fetch_sub(1, Ordering::AcqRel);
+        assert_eq!(file.value(0).unwrap(), 0);
+        drop(mapped);
         drop(file);
         assert!(!name.path().exists());
     }

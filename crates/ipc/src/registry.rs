@@ -13,6 +13,12 @@
 //!   producer (files, limbo, events of every device) and one consumer (opened-handle cache);
 //! - [`ipc_collect`](ProcessDevices::ipc_collect): PyTorch's `torch.cuda.ipc_collect()`.
 //!
+//! A `ProcessDevices` usually lives in a static, which Rust never drops; PyTorch drops its IPC state
+//! at static destruction (warning about memory consumers still hold, and closing its ref-counter
+//! files). So the producer is registered to [`close_at_exit`](IpcProducer::close_at_exit) when the
+//! process exits normally ([`IpcProducer::register_exit_hook`]): no file of the process is left in
+//! `/dev/shm` after it ends, and the warning is given.
+//!
 //! [`cuda()`] (feature `cuda`) is the process's instance on the CUDA driver; the device API
 //! (`tensormem::cuda`), CUDA storages (`tensormem-storage`) and the PyTorch plugin all take their
 //! allocators from it. It lives here, the lowest crate all of them depend on, because the IPC state
@@ -55,17 +61,20 @@ impl<D: Device, B: IpcDriver> std::fmt::Debug for ProcessDevices<D, B> {
 
 impl<D: Device, B: IpcDriver> ProcessDevices<D, B> {
     /// Process-wide state for `device_count` devices reached through `driver`; `open` makes a
-    /// device's allocator on its first use.
+    /// device's allocator on its first use. Its producer closes its ref-counter files when the
+    /// process exits normally, if it is still alive then ([`IpcProducer::register_exit_hook`]).
     pub fn new(
         driver: Arc<B>,
         device_count: u32,
         open: impl Fn(u32) -> Result<CachingAllocator<D>> + Send + Sync + 'static,
     ) -> Self {
+        let producer = IpcProducer::new(Arc::clone(&driver));
+        producer.register_exit_hook();
         Self {
             devices: (0..device_count).map(|_| OnceLock::new()).collect(),
             opening: Mutex::new(()),
             open: Box::new(open),
-            producer: IpcProducer::new(Arc::clone(&driver)),
+            producer,
             consumer: IpcConsumer::new(driver),
         }
     }

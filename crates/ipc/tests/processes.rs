@@ -6,16 +6,18 @@
 mod child;
 mod common;
 
-use std::io::BufReader;
-use std::process::ChildStdout;
-use std::sync::Arc;
+use std::io::{BufReader, Read, Write};
+use std::process::{ChildStdout, Command, Stdio};
+use std::sync::{Arc, OnceLock};
 
 use child::{expect, kill9, Peer};
 use common::{hex, unhex};
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::{CachingAllocator, StreamId};
 use tensormem_ipc::driver::fake::FakeDriver;
-use tensormem_ipc::{BatchHandle, IpcConsumer, IpcHandle, IpcProducer};
+use tensormem_ipc::{
+    BatchHandle, IpcConsumer, IpcHandle, IpcProducer, ProcessDevices, PRODUCER_TERMINATED_WARNING,
+};
 
 const ROLE: &str = "TENSORMEM_IPC_TEST_ROLE";
 const HANDLE: &str = "TENSORMEM_IPC_TEST_HANDLE";
@@ -244,4 +246,117 @@ fn a_consumer_killed_holding_a_batch_does_not_pin_it() {
         !handle.ref_counter().path().exists(),
         "nothing left in /dev/shm"
     );
+}
+
+/// Writes the message of every warning (and error) to stderr: the child's only subscriber.
+struct WarningsToStderr;
+
+impl tracing::Subscriber for WarningsToStderr {
+    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+        *metadata.level() <= tracing::Level::WARN
+    }
+
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+    fn event(&self, event: &tracing::Event<'_>) {
+        struct Message(String);
+        impl tracing::field::Visit for Message {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                if field.name() == "message" {
+                    self.0 = format!("{value:?}");
+                }
+            }
+        }
+        let mut message = Message(String::new());
+        event.record(&mut message);
+        let _ = writeln!(
+            std::io::stderr(),
+            "{} {}: {}",
+            event.metadata().level(),
+            event.metadata().target(),
+            message.0
+        );
+    }
+
+    fn enter(&self, _: &tracing::span::Id) {}
+
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+/// The child's process-wide state, in a static as `registry::cuda()` keeps it: never dropped.
+static DEVICES: OnceLock<ProcessDevices<SimDevice, FakeDriver>> = OnceLock::new();
+
+#[test]
+fn a_producer_exiting_normally_leaves_no_file_and_warns() {
+    const TEST: &str = "a_producer_exiting_normally_leaves_no_file_and_warns";
+    if std::env::var(ROLE).is_ok() {
+        tracing::subscriber::set_global_default(WarningsToStderr).unwrap();
+        let devices = DEVICES.get_or_init(|| {
+            ProcessDevices::new(Arc::new(FakeDriver::default()), 1, |_| {
+                Ok(CachingAllocator::new(SimDevice::new(1 << 30)))
+            })
+        });
+        let allocator = devices.allocator(0).unwrap();
+        let producer = devices.producer();
+        let (held, handle) = producer
+            .share(allocator, allocator.allocate(4096, S).unwrap(), S)
+            .unwrap();
+        // A share alive until the process ends, as a model's weights are.
+        let (kept, _) = producer
+            .share(allocator, allocator.allocate(8192, S).unwrap(), S)
+            .unwrap();
+        std::mem::forget(kept);
+        println!("@@handle {}", hex(&handle.encode()));
+        let mut go = String::new();
+        std::io::stdin().read_line(&mut go).unwrap();
+        drop(held); // the parent holds it: into the limbo
+        return; // a normal exit, without ipc_collect
+    }
+    let mut child = Peer(
+        Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
+            .env(ROLE, "producer")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let handle = IpcHandle::decode(&unhex(&expect(&mut out, "handle"))).unwrap();
+    let driver = Arc::new(FakeDriver::default());
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let received = consumer.open(&handle, S).unwrap();
+    assert!(handle.ref_counter.as_ref().unwrap().path().exists());
+    let mut stderr = child.stderr.take().unwrap();
+    writeln!(child.stdin.take().unwrap(), "exit").unwrap();
+    let status = child.wait().unwrap();
+    let mut warnings = String::new();
+    stderr.read_to_string(&mut warnings).unwrap();
+    assert!(status.success(), "{warnings}");
+    assert!(
+        warnings.contains(PRODUCER_TERMINATED_WARNING),
+        "the child did not warn: {warnings:?}"
+    );
+    let prefix = format!("tensormem_{}_", child.id());
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .filter_map(|entry| entry.ok())
+        .map(|entry| entry.file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with(&prefix))
+        .collect();
+    assert!(
+        left.is_empty(),
+        "left in /dev/shm by the exited producer: {left:?}"
+    );
+    // The consumer still releases its slot and closes what it opened.
+    drop(received);
+    drop(consumer);
+    assert_eq!(driver.open_mappings(), 0);
 }
