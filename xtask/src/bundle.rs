@@ -23,6 +23,7 @@ use crate::gpu_tests::{cargo, GPU_EXAMPLES, GPU_TEST_TARGETS};
 /// sharing benchmarks re-execute themselves as their consumer processes).
 const BENCH_BINS: &[(&str, &str)] = &[
     ("tensormem-benches", "alloc_patterns"),
+    ("tensormem-benches", "cuda_crash"),
     ("tensormem-benches", "host_probe"),
     ("tensormem-benches", "ipc_roundtrip"),
     ("tensormem-benches", "handoff_bench"),

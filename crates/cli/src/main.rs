@@ -16,6 +16,7 @@ mod replay_report;
 mod shm_cmd;
 mod snapshot_cmd;
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 /// `n` and the noun in the right number: `1 object`, `2 objects`.
@@ -69,7 +70,8 @@ fn main() -> ExitCode {
     }
 }
 
-/// Diagnostics go to stderr, so that stdout stays machine-readable (`--json`).
+/// Diagnostics go to stderr, so that stdout stays machine-readable (`--json`); coloured only on a
+/// terminal, and not when `NO_COLOR` is set to a non-empty value (<https://no-color.org>).
 fn init_tracing(verbose: u8) {
     let level = match verbose {
         0 => "warn",
@@ -79,8 +81,11 @@ fn init_tracing(verbose: u8) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_env("TENSORMEM_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    let colour = std::io::stderr().is_terminal()
+        && std::env::var_os("NO_COLOR").is_none_or(|value| value.is_empty());
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(colour)
         .with_env_filter(filter)
         .init();
 }

@@ -450,3 +450,24 @@ fn a_graph_capture_trace_reports_its_private_pool() {
     assert!(pools.iter().any(|p| p["pool"] == serde_json::json!([1, 0])));
     assert_eq!(value["pools"]["0"]["undecided"], serde_json::json!([]));
 }
+
+#[test]
+fn warnings_to_a_pipe_carry_no_colour_codes() {
+    let dir = tempfile::tempdir().unwrap();
+    let copy = dir.path().join("multistream.pickle");
+    std::fs::copy(trace("multistream.pickle"), &copy).unwrap();
+    std::fs::write(dir.path().join("multistream.stats.json"), "not json").unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_tensormem"))
+        .args(["replay", copy.to_str().unwrap()])
+        .env_remove("TENSORMEM_LOG")
+        .env_remove("NO_COLOR")
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    let err = stderr(&output);
+    assert!(!err.contains('\x1b'), "colour codes in a pipe: {err:?}");
+    assert!(
+        err.contains("WARN") && err.contains("ignoring the statistics beside the trace"),
+        "{err}"
+    );
+}

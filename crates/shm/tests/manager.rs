@@ -669,3 +669,25 @@ fn a_symlink_planted_at_the_log_path_is_refused_not_followed() {
         "nothing written through the link"
     );
 }
+
+#[test]
+fn a_foreground_daemon_logging_to_a_pipe_writes_no_colour_codes() {
+    let world = World::new(
+        "a_foreground_daemon_logging_to_a_pipe_writes_no_colour_codes",
+        "nocolour",
+    );
+    let dir = world.dir.path().to_str().unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_tensormem-shm-manager"))
+        .args(["--foreground", "--dir", dir, "--quiet-ms", "50"])
+        .env_remove("NO_COLOR")
+        .env_remove("TENSORMEM_SHM_MANAGER_LOG_LEVEL")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{log}");
+    assert!(!log.contains('\x1b'), "colour codes in a pipe: {log:?}");
+    assert!(log.contains("INFO shm manager started"), "{log}");
+}

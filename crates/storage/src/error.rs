@@ -132,7 +132,9 @@ pub enum Error {
     /// [`set_default_pool`](crate::set_default_pool) was called after the process-wide pool
     /// already existed.
     #[error(
-        "the process-wide shared-memory pool exists already (installed earlier, or made by a          share_memory_); call set_default_pool before the first share_memory_, or use          Storage::share_memory_in with your pool"
+        "the process-wide shared-memory pool exists already (installed earlier, or made by a \
+         share_memory_); call set_default_pool before the first share_memory_, or use \
+         Storage::share_memory_in with your pool"
     )]
     DefaultPoolSet,
 

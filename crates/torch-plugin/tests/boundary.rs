@@ -4,6 +4,7 @@
 use std::ffi::{c_char, CStr};
 use std::ptr;
 
+use tensormem_torch::native::tensormem_set_allocator_settings;
 use tensormem_torch::*;
 
 fn last_error() -> String {
@@ -75,6 +76,24 @@ fn snapshots_need_a_path_and_strings_free_null() {
     assert!(last_error().contains("not valid UTF-8"));
     // SAFETY: null is ignored.
     unsafe { tensormem_string_free(ptr::null_mut()) };
+}
+
+#[test]
+fn a_settings_string_that_is_not_utf8_is_refused_as_settings() {
+    // SAFETY: null is refused.
+    assert_eq!(unsafe { tensormem_set_allocator_settings(ptr::null()) }, -1);
+    assert!(last_error().contains("config is a null pointer"));
+    let bad = b"expandable_segments:\xffTrue\0";
+    // SAFETY: NUL-terminated.
+    let rc = unsafe { tensormem_set_allocator_settings(bad.as_ptr().cast::<c_char>()) };
+    assert_eq!(rc, -1);
+    let err = last_error();
+    assert!(
+        err.contains("allocator settings string") && err.contains("not valid UTF-8"),
+        "{err}"
+    );
+    assert!(err.contains("'expandable_segments:True'"), "{err}");
+    assert!(!err.contains("path"), "{err}");
 }
 
 #[test]

@@ -71,7 +71,8 @@ impl<D: Device> CachingAllocator<D> {
                         ensure!(
                             segment.id() != slept.id
                                 || (locked.shard.index == slept.shard && slot == slept.slot),
-                            "segment #{} of sleeping pool {pool} is at slot {slot} of shard {},                              not where the sleep book says",
+                            "segment #{} of sleeping pool {pool} is at slot {slot} of shard {}, not where the \
+                             sleep book says",
                             slept.id,
                             locked.shard.index
                         );

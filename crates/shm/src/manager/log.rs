@@ -1,5 +1,6 @@
 //! The daemon's log: a minimal `tracing` subscriber that writes one line per event to stderr
-//! (which is the log file, or `/dev/null`, for a detached daemon).
+//! (which is the log file, or `/dev/null`, for a detached daemon). The level is coloured only on a
+//! terminal, and not when `NO_COLOR` is set.
 //!
 //! A few dozen lines here keep `tracing-subscriber` (and its regex and formatting machinery) out
 //! of the dependency tree of every program that embeds `tensormem-shm`: the daemon needs
@@ -7,7 +8,7 @@
 
 use std::fmt::{self, Write as _};
 use std::fs::File;
-use std::io::{self, Write};
+use std::io::{self, IsTerminal, Write};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -33,14 +34,16 @@ pub(crate) struct DaemonLog {
 
 impl DaemonLog {
     /// A log at the level `TENSORMEM_SHM_MANAGER_LOG_LEVEL` names (`info` if unset or unknown).
-    pub(crate) fn from_env(ansi: bool) -> Self {
+    /// `may_colour`: whether the level may be coloured, which it then is only if stderr is a
+    /// terminal now and `NO_COLOR` is unset or empty (a log file or a pipe gets plain text).
+    pub(crate) fn from_env(may_colour: bool) -> Self {
         let max = std::env::var(ENV_LOG_LEVEL)
             .ok()
             .and_then(|level| level.trim().parse::<Level>().ok())
             .unwrap_or(Level::INFO);
         Self {
             max,
-            ansi,
+            ansi: may_colour && colour_for(&io::stderr()),
             next_span: AtomicU64::new(1),
         }
     }
@@ -93,6 +96,12 @@ impl Subscriber for DaemonLog {
     fn enter(&self, _span: &Id) {}
 
     fn exit(&self, _span: &Id) {}
+}
+
+/// Whether output to `stream` may carry colour codes: only a terminal, and not when `NO_COLOR` is
+/// set to a non-empty value (<https://no-color.org>).
+fn colour_for(stream: &impl IsTerminal) -> bool {
+    stream.is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|value| value.is_empty())
 }
 
 /// Collects an event's fields: the message apart, the others as ` key=value`.
@@ -215,6 +224,15 @@ mod tests {
         assert_eq!(civil_from_days(0), (1970, 1, 1));
         assert_eq!(civil_from_days(19_723), (2024, 1, 1));
         assert_eq!(civil_from_days(19_782), (2024, 2, 29));
+    }
+
+    #[test]
+    fn files_and_pipes_are_not_coloured() {
+        let file = tempfile::tempfile().unwrap();
+        assert!(!colour_for(&file));
+        let (read_end, write_end) = rustix::pipe::pipe().unwrap();
+        assert!(!colour_for(&read_end));
+        assert!(!colour_for(&write_end));
     }
 
     #[test]

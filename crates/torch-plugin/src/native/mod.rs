@@ -474,7 +474,7 @@ pub unsafe extern "C" fn tensormem_set_allocator_settings(
         // SAFETY: non-null and NUL-terminated (the caller's obligation).
         let text = unsafe { std::ffi::CStr::from_ptr(config) }
             .to_str()
-            .map_err(|_| Error::InvalidPath)?;
+            .map_err(|_| Error::SettingsNotUtf8)?;
         tensormem::cuda::set_allocator_settings(text)?;
         Ok(())
     })
