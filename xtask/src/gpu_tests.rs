@@ -20,6 +20,7 @@ pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] = &[
     ("tensormem", "storage_gpu"),
     ("tensormem", "storage_gpu_sharing"),
     ("tensormem", "mem_pool_gpu"),
+    ("tensormem", "runtime_gpu"),
     ("tensormem-storage", "torch_interop"),
     ("tensormem-torch", "gpu"),
     ("tensormem-torch", "torch_client"),

@@ -24,8 +24,10 @@
 //! 60 s after it was told to go counts as a hang. After each wave of `W` concurrent trials the
 //! harness checks what is left:
 //! - sharing modes: the producer frees its tensors, collects (`IpcProducer::collect`), and counts
-//!   allocations still held in its limbo (memory pinned by a dead consumer), bytes still allocated,
-//!   and, after `empty_cache`, bytes still reserved and chunk descriptors still open;
+//!   allocations still held in its limbo (memory pinned by a dead consumer, or by a share its
+//!   consumer died before opening: given up after the producer's `expire_unopened_*` limit, 200 ms
+//!   here), bytes still allocated, and, after `empty_cache`, bytes still reserved and chunk
+//!   descriptors still open;
 //! - `pool-asleep`: the device's free memory must come back to what it was before the wave
 //!   (within 64 MiB, polled for 10 s while the driver tears dead contexts down);
 //! - every mode: objects left in `/dev/shm` by a child, and, at the end, by the producer.
@@ -51,7 +53,7 @@ use tensormem_cuda_alloc::{
 use tensormem_ipc::driver::cuda::CudaIpcDriver;
 use tensormem_ipc::{
     BatchHandle, ChunkFdRoutes, ConsumerConfig, IpcConsumer, IpcHandle, IpcProducer,
-    SharedAllocation,
+    ProducerConfig, SharedAllocation,
 };
 
 const ROLE: &str = "TENSORMEM_CUDA_CRASH_ROLE";
@@ -62,6 +64,8 @@ const FILL: u8 = 0x5a;
 const HOLD: Duration = Duration::from_millis(20);
 /// A child not done this long after it was told to go hangs.
 const HANG: Duration = Duration::from_secs(60);
+/// How long the producer keeps a share unopened once it freed the memory.
+const EXPIRY: Duration = Duration::from_millis(200);
 /// The sizes of the model shared as one batch (odd sizes, several segments, both pools).
 const BATCH_MODEL: [usize; 8] = [
     1000,
@@ -370,7 +374,17 @@ fn harness() -> Result<bool, BoxError> {
     let device = CudaBackend::new(0)?;
     device.make_current()?;
     let driver = Arc::new(CudaIpcDriver::new()?);
-    let producer = IpcProducer::new(driver);
+    // Shares given up when unopened (a consumer killed before it opened them) after a short time
+    // here, so that waves need not wait out the default minute; single shares too (every consumer
+    // here is tensormem's).
+    let producer = IpcProducer::with_config(
+        driver,
+        ProducerConfig {
+            expire_unopened_batches: Some(EXPIRY),
+            expire_unopened_shares: Some(EXPIRY),
+            ..ProducerConfig::default()
+        },
+    );
     let plain = Arc::new(CachingAllocator::new(CudaBackend::new(0)?));
     let expandable = Arc::new(CachingAllocator::with_config(
         CudaBackend::new(0)?,
@@ -562,18 +576,24 @@ fn wave(
             longest = longest.max(took);
         }
     }
-    // What is left: the producer frees its tensors and collects.
+    // What is left: the producer frees its tensors and collects (what a killed consumer held, or
+    // never opened, is given up once the share's time limit has passed).
     drop(models);
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + EXPIRY + Duration::from_secs(10);
     while producer.stats().limbo > 0 && Instant::now() < deadline {
         producer.collect();
         std::thread::sleep(Duration::from_millis(5));
     }
-    tally.limbo_left += producer.stats().limbo;
+    // Absolute figures, so that what one wave left is seen by every later one: the worst is kept.
+    tally.limbo_left = tally.limbo_left.max(producer.stats().limbo);
     let stats = allocator.memory_stats();
-    tally.allocated_left += stats.allocated_bytes.all.current as u64;
+    tally.allocated_left = tally
+        .allocated_left
+        .max(stats.allocated_bytes.all.current as u64);
     allocator.empty_cache()?;
-    tally.reserved_left += allocator.memory_stats().reserved_bytes.all.current as u64;
+    tally.reserved_left = tally
+        .reserved_left
+        .max(allocator.memory_stats().reserved_bytes.all.current as u64);
     if mode == Mode::PoolAsleep {
         // Dead children's contexts are torn down by the driver, not always at once.
         let deadline = Instant::now() + Duration::from_secs(10);

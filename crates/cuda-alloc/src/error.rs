@@ -83,7 +83,7 @@ pub enum Error {
     },
     /// A private pool could not sleep or wake, or was asked for memory while asleep.
     #[error(transparent)]
-    Sleep(#[from] crate::allocator::SleepError),
+    Sleep(#[from] SleepError),
     /// A device call failed for a reason other than running out of memory.
     #[error("device call failed: {0}")]
     Device(#[from] DeviceError),
@@ -100,6 +100,72 @@ pub enum Error {
 
 /// `Result` with the allocator's [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// Why a pool could not sleep or wake (nothing was changed unless said otherwise).
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SleepError {
+    /// No private pool of that id exists (the default pools never sleep).
+    #[error("pool {pool} is not a private pool of this allocator; only private pools (MemPool, graph pools) sleep")]
+    NoSuchPool {
+        /// The pool named.
+        pool: MempoolId,
+    },
+    /// The pool has a segment that is not expandable: its memory cannot be released at a kept
+    /// address.
+    #[error(
+        "pool {pool} has a segment at {segment} that is not expandable; only pools on expandable \
+         segments sleep (set expandable_segments:True before the pool allocates)"
+    )]
+    NotExpandable {
+        /// The pool named.
+        pool: MempoolId,
+        /// The start of a segment that is not expandable.
+        segment: DeviceAddress,
+    },
+    /// A chunk of the pool was exported to another process, which may be using it.
+    #[error(
+        "pool {pool} has memory shared with another process (the chunk at {chunk} was exported); \
+         it cannot sleep until the shared allocation is freed and its chunks released (empty_cache)"
+    )]
+    Shared {
+        /// The pool named.
+        pool: MempoolId,
+        /// The start of an exported chunk.
+        chunk: DeviceAddress,
+    },
+    /// A capture or a `MemPool` context is allocating to the pool.
+    #[error(
+        "pool {pool} is being allocated to (a graph capture or a MemPool context is underway); end \
+         it before the pool sleeps"
+    )]
+    AllocatingTo {
+        /// The pool named.
+        pool: MempoolId,
+    },
+    /// A stream of this allocator is being captured into a graph: sleeping waits for the device,
+    /// which a capture forbids.
+    #[error("stream {stream} is being captured into a CUDA graph; pool {pool} cannot sleep during a capture")]
+    Capturing {
+        /// The pool named.
+        pool: MempoolId,
+        /// A stream being captured.
+        stream: StreamId,
+    },
+    /// The pool is asleep (or on its way to sleep or to wake): allocating to it, or putting it to
+    /// sleep again, is refused.
+    #[error("pool {pool} is asleep; wake it before allocating from it or putting it to sleep")]
+    Asleep {
+        /// The pool named.
+        pool: MempoolId,
+    },
+    /// The pool is not asleep: there is nothing to wake.
+    #[error("pool {pool} is not asleep; there is nothing to wake")]
+    NotAsleep {
+        /// The pool named.
+        pool: MempoolId,
+    },
+}
 
 impl From<DeviceError> for std::io::Error {
     /// The device's error as an I/O error of the closest kind (out of memory, unsupported, invalid

@@ -98,6 +98,8 @@
 //! | [`PoolCheckpoint`] | `PrivatePoolState` (`getCheckpointState` / `setCheckpointPoolState`) |
 
 mod allocator;
+#[cfg(feature = "cuda")]
+mod async_allocator;
 pub mod backend;
 mod biased_lock;
 mod block;
@@ -112,6 +114,7 @@ mod free_set;
 pub mod host;
 #[cfg(loom)]
 mod loom_sync;
+mod memory;
 pub mod oom;
 mod owned;
 mod pointer_index;
@@ -127,18 +130,20 @@ mod trace;
 
 pub use allocator::{
     Allocation, CachingAllocator, CheckpointDelta, HostBackup, InvariantViolation, PoolCheckpoint,
-    ShareableSegment, SleepError, SleepReport, WakeReport, DEFAULT_STREAM_CAPACITY, FAST_PATH_ENV,
+    ShareableSegment, SleepReport, WakeReport, DEFAULT_STREAM_CAPACITY, FAST_PATH_ENV,
 };
 #[cfg(feature = "cuda")]
-pub use backend::cuda::async_alloc::AsyncAllocator;
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
+pub use async_allocator::{AsyncAllocator, AsyncPoolStats, PoolUsage};
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub use cached_slice::CachedSlice;
 pub use device::{
     CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, StreamId,
 };
-pub use error::{Error, Result};
+pub use error::{Error, Result, SleepError};
 pub use expandable::ChunkExport;
+pub use memory::{CaptureFilter, DeviceMemory};
 pub use owned::OwnedAllocation;
 pub use pool_id::MempoolId;
 pub use pool_options::{FnPoolAllocator, PoolAllocator, PoolOptions};

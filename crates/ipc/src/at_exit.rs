@@ -4,8 +4,8 @@
 //! static destruction: it collects what consumers released, warns ("Producer process has been
 //! terminated before all shared CUDA tensors released") if they still hold memory, and closes the
 //! ref-counter files, the last closer unlinking each name. Rust never drops statics, so a producer
-//! that lives as long as the process (the one of [`ProcessDevices`](crate::ProcessDevices), which
-//! `registry::cuda()` keeps in a static) would leave its files in `/dev/shm` at every exit and
+//! that lives as long as the process (the process runtime's, which `tensormem-runtime` keeps in a
+//! static) would leave its files in `/dev/shm` at every exit and
 //! never warn. Such producers register here
 //! ([`IpcProducer::register_exit_hook`](crate::IpcProducer::register_exit_hook)), and one
 //! `atexit(3)` hook, installed with the first registration, runs

@@ -233,6 +233,22 @@ pub enum Error {
         pid: u32,
     },
 
+    /// The producer gave this share up before it was opened: it stayed unopened past the
+    /// producer's limit after the producer freed its memory
+    /// ([`ProducerConfig::expire_unopened_batches`](crate::ProducerConfig::expire_unopened_batches)).
+    #[error(
+        "ref-counter slot {slot} of {name} was given up by its producer: the share was not opened \
+         in time after the producer freed its memory, and that memory may be in use again; open \
+         shares as they arrive, or raise the producer's ProducerConfig::expire_unopened_batches \
+         (expire_unopened_shares for single shares)"
+    )]
+    ShareExpired {
+        /// The slot.
+        slot: u64,
+        /// The file.
+        name: String,
+    },
+
     /// A typed view does not fit the memory (size not a multiple of the element, or misaligned).
     #[error(
         "cannot view {bytes} bytes at {addr:#x} as elements of {elem_size} bytes (alignment \

@@ -22,9 +22,9 @@
 //! | the received storage's deleter | dropping [`ReceivedMemory`] |
 //! | `_release_ipc_counter_cuda` | [`IpcConsumer::release`] (the counter file only) |
 //! | a state dict sent tensor by tensor | [`IpcProducer::batch`] → [`BatchHandle`] → [`IpcConsumer::open_batch`] → [`ReceivedBatch`]: many tensors in one message, one slot, one handle per segment ([`batch`]) |
-//! | one `CUDACachingAllocator` per device, `CudaIPCGlobalEntities` per process | [`ProcessDevices`], `registry::cuda()` |
-//! | `torch.cuda.ipc_collect()` | `ipc_collect()` (feature `cuda`), [`ProcessDevices::ipc_collect`] |
-//! | `~CudaIPCGlobalEntities` at static destruction | [`IpcProducer::close_at_exit`], run at exit for [`ProcessDevices`]' producer ([`IpcProducer::register_exit_hook`]) |
+//! | `CudaIPCGlobalEntities` per process | one [`IpcProducer`] and one [`IpcConsumer`] per process: the process runtime's (`tensormem-runtime`) |
+//! | `torch.cuda.ipc_collect()` | [`IpcProducer::collect`] (`tensormem_runtime::ipc_collect()` for the process's producer) |
+//! | `~CudaIPCGlobalEntities` at static destruction | [`IpcProducer::close_at_exit`], run at exit for a producer that lives as long as the process ([`IpcProducer::register_exit_hook`]) |
 //!
 //! Where it goes beyond PyTorch: every field of a received handle is checked (device, slot inside the
 //! file, `offset + size` inside the real base allocation, handle lengths) before anything is mapped or
@@ -91,11 +91,12 @@ pub mod chunks;
 pub mod driver;
 mod error;
 pub mod handle;
+mod opened;
 pub mod process;
 pub mod producer;
 pub mod received;
 mod refcounter;
-pub mod registry;
+mod view;
 
 pub use batch::{
     BatchBuilder, BatchHandle, BatchSegment, BatchView, ReceivedBatch, ReceivedView,
@@ -106,12 +107,8 @@ pub use driver::{EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
 pub use error::{Error, Result, RECEIVED_MEMORY_MESSAGE};
 pub use handle::{IpcHandle, SegmentMemory, TorchShareTuple};
 pub use producer::{
-    IpcProducer, ProducerConfig, ProducerStats, SharedAllocation, MAXIMUM_EVENTS_TO_USE,
-    PRODUCER_TERMINATED_WARNING, WARN_AFTER_X_BLOCKS_IN_LIMBO,
+    IpcProducer, ProducerConfig, ProducerStats, SharedAllocation, DEFAULT_BATCH_EXPIRY,
+    MAXIMUM_EVENTS_TO_USE, PRODUCER_TERMINATED_WARNING, WARN_AFTER_X_BLOCKS_IN_LIMBO,
 };
 pub use received::{ConsumerConfig, DeviceElement, DeviceView, IpcConsumer, ReceivedMemory};
 pub use refcounter::REF_COUNTER_FILE_SIZE;
-#[cfg(feature = "cuda")]
-#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
-pub use registry::ipc_collect;
-pub use registry::ProcessDevices;

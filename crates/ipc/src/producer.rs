@@ -12,6 +12,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tensormem_cuda_alloc::{
@@ -19,12 +20,12 @@ use tensormem_cuda_alloc::{
 };
 use tensormem_shm::NameGenerator;
 
-use crate::batch::{BatchBuilder, BatchHandle, BatchSegment, BatchView, CheckedBatch};
+use crate::batch::{BatchHandle, BatchSegment, BatchView, CheckedBatch};
 use crate::chunks::ChunkHandle;
 use crate::driver::{EventHandle, IpcDriver, MemHandle};
 use crate::error::{Error, Result};
 use crate::handle::{IpcHandle, SegmentMemory};
-use crate::received::check_shareable;
+use crate::opened::check_shareable;
 use crate::refcounter::{RefCounterFile, REF_COUNTER_FILE_SIZE};
 
 /// At most this many interprocess events are in use at once; past it, sharing synchronizes the stream
@@ -53,7 +54,21 @@ pub struct ProducerConfig {
     /// records one). Waiting on an interprocess event costs the consumer's next stream operation
     /// about 0.27 ms on an H100, a wait for nothing when every write has completed.
     pub skip_event_when_idle: bool,
+    /// How long a batch ([`crate::batch`]) may stay unopened once its memory was freed here:
+    /// after that, [`collect`](IpcProducer::collect) gives up the batch's slot if no consumer
+    /// claimed it (a message sent and never opened, a consumer killed before it opened it), and a
+    /// consumer opening it later is refused with [`Error::ShareExpired`](crate::Error::ShareExpired).
+    /// Batches are opened only by tensormem consumers, which claim their slot as they open it.
+    /// Default: 60 s. `None`: never (the memory stays held until a consumer opens and releases it).
+    pub expire_unopened_batches: Option<Duration>,
+    /// The same for single shares ([`SharedAllocation::share`]). Default `None`, as in PyTorch:
+    /// a PyTorch consumer never claims the slot it holds, so a share it may open must not expire.
+    /// Set it when every consumer is tensormem.
+    pub expire_unopened_shares: Option<Duration>,
 }
+
+/// [`ProducerConfig::expire_unopened_batches`] by default.
+pub const DEFAULT_BATCH_EXPIRY: Duration = Duration::from_secs(60);
 
 impl Default for ProducerConfig {
     fn default() -> Self {
@@ -62,6 +77,8 @@ impl Default for ProducerConfig {
             max_events: MAXIMUM_EVENTS_TO_USE,
             warn_after_blocks_in_limbo: WARN_AFTER_X_BLOCKS_IN_LIMBO,
             skip_event_when_idle: true,
+            expire_unopened_batches: Some(DEFAULT_BATCH_EXPIRY),
+            expire_unopened_shares: None,
         }
     }
 }
@@ -228,17 +245,7 @@ impl<D: Device, B: IpcDriver> IpcProducer<D, B> {
         Ok((shared, handle))
     }
 
-    /// A batch: many allocations and views of them shared as one message, with one slot, at most
-    /// one event and one memory handle per segment (see [`crate::batch`]).
-    pub fn batch(&self) -> BatchBuilder<'_, D, B> {
-        BatchBuilder {
-            producer: self,
-            allocations: Vec::new(),
-            views: Vec::new(),
-        }
-    }
-
-    /// [`BatchBuilder::share`]'s work.
+    /// [`BatchBuilder::share`](crate::BatchBuilder::share)'s work.
     pub(crate) fn share_batch(
         &self,
         allocations: &mut [&mut SharedAllocation<D, B>],
@@ -324,6 +331,7 @@ impl<D: Device, B: IpcDriver> IpcProducer<D, B> {
             }
         }
         let (file, slot, event, event_handle) = producer.slot_and_event(device, stream)?;
+        let shared_at = Instant::now();
         let event = event.map(Arc::new);
         for (allocation, placed) in allocations.iter_mut().zip(&placed) {
             if placed.is_none() {
@@ -334,6 +342,8 @@ impl<D: Device, B: IpcDriver> IpcProducer<D, B> {
                     file: Arc::clone(&file),
                     slot,
                     _event: event.clone(),
+                    shared_at,
+                    expires: producer.config.expire_unopened_batches,
                 });
             }
         }
@@ -383,8 +393,8 @@ impl<D: Device, B: IpcDriver> IpcProducer<D, B> {
     /// (a return from `main`, `std::process::exit`), as PyTorch's static IPC state does: for a
     /// producer that lives as long as the process, which Rust never drops. The first registration
     /// installs one `atexit(3)` hook for the process; registering twice does nothing more, and a
-    /// producer dropped before the exit is skipped. [`ProcessDevices::new`](crate::ProcessDevices::new)
-    /// registers its producer.
+    /// producer dropped before the exit is skipped. The process runtime (`tensormem-runtime`)
+    /// registers the process's producer.
     pub fn register_exit_hook(&self) {
         let weak: Weak<ProducerInner<D, B>> = Arc::downgrade(&self.inner);
         crate::at_exit::register(weak);
@@ -731,6 +741,9 @@ struct SentSlot<B: IpcDriver> {
     file: Arc<RefCounterFile>,
     slot: usize,
     _event: Option<Arc<EventGuard<B>>>,
+    /// When it was handed out, and how long it may stay unclaimed once its memory is freed here.
+    shared_at: Instant,
+    expires: Option<Duration>,
 }
 
 /// An allocation that was shared, with its outstanding slots.
@@ -769,6 +782,20 @@ impl<D: Device, B: IpcDriver> Sent<D, B> {
                         file = %s.file.name(),
                         slot = s.slot,
                         "a consumer process died holding shared CUDA memory; its reference was reclaimed"
+                    );
+                    reclaimed += 1;
+                    return false;
+                }
+                if s.expires.is_some_and(|limit| s.shared_at.elapsed() >= limit)
+                    && s.file.expire_if_unclaimed(s.slot)
+                {
+                    tracing::warn!(
+                        target: "tensormem_ipc",
+                        file = %s.file.name(),
+                        slot = s.slot,
+                        after_s = s.shared_at.elapsed().as_secs_f64(),
+                        "a share was never opened (or its consumer died opening it); its memory \
+                         was given back and a late open will be refused"
                     );
                     reclaimed += 1;
                     return false;
@@ -949,6 +976,8 @@ impl<D: Device, B: IpcDriver> SharedAllocation<D, B> {
             file,
             slot,
             _event: event.map(Arc::new),
+            shared_at: Instant::now(),
+            expires: producer.config.expire_unopened_shares,
         });
         producer.counters.shares.fetch_add(1, Ordering::Relaxed);
         Ok(handle)

@@ -11,8 +11,7 @@
 //! Dropping a [`ReceivedMemory`] synchronizes the streams it was used on, then decrements its slot:
 //! from then on the producer may hand the memory out again.
 
-use std::collections::{BTreeMap, HashMap};
-use std::marker::PhantomData;
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,30 +26,9 @@ use crate::chunks::{ChunkFdRoutes, FdRoute, DEFAULT_CHUNK_FD_TIMEOUT};
 use crate::driver::{EventHandle, IpcDriver};
 use crate::error::{Error, Result};
 use crate::handle::{IpcHandle, SegmentMemory};
-use crate::refcounter::MappedCounterFile;
-
-/// Device ranges opened from other processes: (device, start) -> (end, opens).
-static RECEIVED: Mutex<BTreeMap<(u32, u64), (u64, usize)>> = Mutex::new(BTreeMap::new());
-
-/// Refuses memory that was received from another process (PyTorch's `received_cuda` check): sharing it
-/// on is not supported.
-///
-/// # Errors
-///
-/// [`Error::ReceivedMemory`] (PyTorch's message) if `ptr` lies in memory this process opened with
-/// [`IpcConsumer::open`].
-pub(crate) fn check_shareable(device: u32, ptr: DeviceAddress) -> Result<()> {
-    let received = RECEIVED.lock();
-    let inside = received
-        .range(..=(device, ptr.0))
-        .next_back()
-        .is_some_and(|(&(d, start), &(end, _))| d == device && ptr.0 >= start && ptr.0 < end);
-    if inside {
-        Err(Error::ReceivedMemory)
-    } else {
-        Ok(())
-    }
-}
+use crate::opened::{release_held, OpenedBase, SegmentKey};
+use crate::refcounter::{claim_refused, MappedCounterFile};
+pub use crate::view::{DeviceElement, DeviceView};
 
 /// How long a consumer keeps what it opened; see [`IpcConsumer::with_config`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,112 +77,10 @@ impl Default for ConsumerConfig {
     }
 }
 
-/// The key of an opened segment: device and what names its memory.
-pub(crate) type SegmentKey = (u32, SegmentMemory);
-
 /// Whether an opened segment may stay open with no user: device allocations may, chunks may not
 /// (see [`ConsumerConfig::chunk_fds`]).
 fn keep_idle(key: &SegmentKey) -> bool {
     matches!(key.1, SegmentMemory::Allocation(_))
-}
-
-/// A base allocation (or an expandable segment's chunks) of another process, opened here.
-#[derive(Debug)]
-pub(crate) struct OpenedBase<B: IpcDriver> {
-    driver: Arc<B>,
-    device: u32,
-    pub(crate) ptr: DeviceAddress,
-    pub(crate) size: usize,
-    /// How the chunks' descriptors were obtained; `None` for a device allocation's handle.
-    route: Option<FdRoute>,
-}
-
-impl<B: IpcDriver> OpenedBase<B> {
-    fn open(
-        driver: &Arc<B>,
-        device: u32,
-        memory: &SegmentMemory,
-        routes: ChunkFdRoutes,
-        timeout: Duration,
-    ) -> Result<Self> {
-        let handle = match memory {
-            SegmentMemory::Allocation(handle) => handle,
-            SegmentMemory::Chunks(handle) => {
-                let (fds, route) = handle.take_descriptors_within(routes, timeout)?;
-                let chunk_size =
-                    usize::try_from(handle.chunk_size).map_err(|_| Error::InvalidTuple {
-                        problem: format!("chunk size {} does not fit", handle.chunk_size),
-                    })?;
-                let ptr = driver.import_chunks(device, chunk_size, &fds)?;
-                drop(fds);
-                let size = chunk_size * handle.fds.len();
-                register_received(device, ptr, size);
-                tracing::info!(target: "tensormem_ipc", device, %ptr, size, pid = handle.pid,
-                    chunks = handle.fds.len(), ?route, "opened an expandable segment's chunks");
-                return Ok(Self {
-                    driver: Arc::clone(driver),
-                    device,
-                    ptr,
-                    size,
-                    route: Some(route),
-                });
-            }
-        };
-        let ptr = driver.open_mem_handle(device, handle)?;
-        // Closes the mapping if the query below fails.
-        let mut opened = Self {
-            driver: Arc::clone(driver),
-            device,
-            ptr,
-            size: 0,
-            route: None,
-        };
-        // The mapping's real extent, not what the handle claims.
-        let (base, size) = driver.address_range(device, ptr)?;
-        // `ptr` is the start of the mapping (what cuIpcOpenMemHandle returns); the usable extent is
-        // what lies after it.
-        opened.size = (base.0 + size as u64).saturating_sub(ptr.0) as usize;
-        register_received(device, ptr, size);
-        tracing::debug!(target: "tensormem_ipc", device, base = %ptr, size, "opened an IPC memory handle");
-        Ok(opened)
-    }
-}
-
-/// Records `[ptr, ptr + size)` as memory received from another process (see [`check_shareable`]).
-fn register_received(device: u32, ptr: DeviceAddress, size: usize) {
-    let mut received = RECEIVED.lock();
-    let entry = received
-        .entry((device, ptr.0))
-        .or_insert((ptr.0 + size as u64, 0));
-    entry.1 += 1;
-}
-
-impl<B: IpcDriver> Drop for OpenedBase<B> {
-    fn drop(&mut self) {
-        if self.size > 0 {
-            let mut received = RECEIVED.lock();
-            if let Some(entry) = received.get_mut(&(self.device, self.ptr.0)) {
-                entry.1 -= 1;
-                if entry.1 == 0 {
-                    received.remove(&(self.device, self.ptr.0));
-                }
-            }
-        }
-        let closed = if self.route.is_some() {
-            // SAFETY: `[ptr, ptr + size)` is the range `import_chunks` returned on this device,
-            // this value closes it once, and every user synchronized its streams before letting
-            // go of its lease (`ReceivedMemory::drop`).
-            unsafe { self.driver.close_chunks(self.device, self.ptr, self.size) }
-        } else {
-            // SAFETY: `ptr` was returned by `open_mem_handle` on this device (an opened base starts
-            // where the mapping starts), this value closes it once, and every user synchronized
-            // its streams before letting go of its lease (`ReceivedMemory::drop`).
-            unsafe { self.driver.close_mem_handle(self.device, self.ptr) }
-        };
-        if let Err(err) = closed {
-            tracing::warn!(target: "tensormem_ipc", %err, ptr = %self.ptr, "closing an IPC memory handle failed");
-        }
-    }
 }
 
 /// Key of an opened event: producer id, device, handle.
@@ -402,11 +278,7 @@ impl<B: IpcDriver> IpcConsumer<B> {
             });
         }
         if let Err(pid) = table.claim(file.get().mapping(), slot)? {
-            return Err(Error::SlotClaimed {
-                slot: handle.slot,
-                name: name.to_string(),
-                pid,
-            });
+            return Err(claim_refused(handle.slot, name.to_string(), pid));
         }
         if let Some(event) = &handle.event {
             if let Err(err) = inner.wait(handle.producer, device, event, stream) {
@@ -462,11 +334,7 @@ impl<B: IpcDriver> IpcConsumer<B> {
         // Claimed for the time of the decrement, so that an open of the same handle racing this
         // release fails instead of holding a reference that is gone.
         if let Err(pid) = table.claim(map, slot)? {
-            return Err(Error::SlotClaimed {
-                slot: handle_slot,
-                name: name.to_string(),
-                pid,
-            });
+            return Err(claim_refused(handle_slot, name.to_string(), pid));
         }
         let counter = table.counter(map, slot)?;
         let released = counter.fetch_update(Ordering::AcqRel, Ordering::Acquire, |value| {
@@ -533,11 +401,11 @@ impl<B: IpcDriver> IpcConsumer<B> {
         }
         let (table, map) = (file.get().table(), file.get().mapping());
         if let Err(pid) = table.claim(map, slot)? {
-            return Err(Error::SlotClaimed {
-                slot: batch.slot(),
-                name: batch.ref_counter().to_string(),
+            return Err(claim_refused(
+                batch.slot(),
+                batch.ref_counter().to_string(),
                 pid,
-            });
+            ));
         }
         if let Some(event) = batch.event() {
             if let Err(err) = inner.wait(batch.producer(), device, event, stream) {
@@ -600,6 +468,12 @@ impl<B: IpcDriver> IpcConsumer<B> {
             .counter(file.get().mapping(), index)?
             .load(Ordering::Acquire);
         if value <= 0 {
+            if table.is_expired(file.get().mapping(), index) {
+                return Err(Error::ShareExpired {
+                    slot,
+                    name: name.to_string(),
+                });
+            }
             return Err(Error::SlotNotHeld {
                 slot,
                 name: name.to_string(),
@@ -694,105 +568,6 @@ impl<B: IpcDriver> Drop for ReceivedMemory<B> {
     }
 }
 
-/// What dropping received memory (one handle's or a batch's) does: synchronize the streams it was
-/// used on, then decrement its slot and clear the owner record.
-pub(crate) fn release_held<'s, B: IpcDriver>(
-    driver: &B,
-    device: u32,
-    streams: impl Iterator<Item = &'s StreamId>,
-    file: &MappedCounterFile,
-    slot: usize,
-) {
-    for &stream in streams {
-        if let Err(err) = driver.synchronize_stream(device, stream) {
-            tracing::error!(target: "tensormem_ipc", %err, %stream, "synchronizing before releasing shared memory failed");
-        }
-    }
-    if let Err(err) = file.probe() {
-        // Another process truncated the file under the mapping: touching the counter would
-        // fault (SIGBUS), and the producer cannot read it any more either.
-        tracing::error!(target: "tensormem_ipc", %err, "releasing a ref-counter slot failed");
-        return;
-    }
-    match file.table().counter(file.mapping(), slot) {
-        Ok(counter) => {
-            counter.fetch_sub(1, Ordering::AcqRel);
-        }
-        Err(err) => {
-            tracing::error!(target: "tensormem_ipc", %err, "releasing a ref-counter slot failed")
-        }
-    }
-    let _ = file.table().unclaim(file.mapping(), slot);
-}
-
-mod sealed {
-    pub trait Sealed {}
-}
-
-/// Plain numeric types a [`DeviceView`] can hold (every bit pattern valid).
-pub trait DeviceElement: sealed::Sealed + Copy + 'static {}
-
-macro_rules! device_element {
-    ($($t:ty),*) => {$(
-        impl sealed::Sealed for $t {}
-        impl DeviceElement for $t {}
-    )*};
-}
-device_element!(u8, i8, u16, i16, u32, i32, u64, i64, f32, f64);
-
-/// Received device memory seen as `len` elements of `T`; borrows the [`ReceivedMemory`].
-#[derive(Debug, Clone, Copy)]
-pub struct DeviceView<'a, T: DeviceElement> {
-    ptr: DeviceAddress,
-    len: usize,
-    _memory: PhantomData<&'a [T]>,
-}
-
-impl<T: DeviceElement> DeviceView<'_, T> {
-    /// `bytes` at `ptr` as elements of `T`, checked to fit.
-    pub(crate) fn new(ptr: DeviceAddress, bytes: u64) -> Result<Self> {
-        let elem = std::mem::size_of::<T>();
-        let align = std::mem::align_of::<T>();
-        if !bytes.is_multiple_of(elem as u64) || !ptr.0.is_multiple_of(align as u64) {
-            return Err(Error::BadView {
-                bytes,
-                addr: ptr.0,
-                elem_size: elem,
-                align,
-            });
-        }
-        Ok(DeviceView {
-            ptr,
-            len: (bytes / elem as u64) as usize,
-            _memory: PhantomData,
-        })
-    }
-
-    /// The device address of the first element.
-    #[must_use]
-    pub fn ptr(&self) -> DeviceAddress {
-        self.ptr
-    }
-
-    /// The number of elements.
-    #[must_use]
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether there are no elements.
-    #[must_use]
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The device address of element `index`, if in range.
-    #[must_use]
-    pub fn element_ptr(&self, index: usize) -> Option<DeviceAddress> {
-        (index < self.len).then(|| self.ptr.offset(index * std::mem::size_of::<T>()))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
@@ -802,6 +577,7 @@ mod tests {
 
     use super::*;
     use crate::driver::fake::FakeDriver;
+    use crate::opened::check_shareable;
     use crate::IpcProducer;
 
     #[test]

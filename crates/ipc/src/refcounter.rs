@@ -41,6 +41,27 @@ pub(crate) fn data_len(slots: usize) -> usize {
     slots * (8 + OWNER_LEN) + TRAILER_LEN
 }
 
+/// What an owner word holds once the producer gave an unclaimed slot up
+/// ([`RefCounterFile::expire_if_unclaimed`]): no process id is this.
+const EXPIRED_OWNER: u64 = u64::MAX;
+
+/// The holder [`SlotTable::claim`] reports for a slot the producer gave up unclaimed.
+pub(crate) const EXPIRED: u32 = u32::MAX;
+
+/// The refusal of a claim on `slot` of `name` that [`SlotTable::claim`] answered with `holder`:
+/// another process holds it, or the producer gave it up unclaimed.
+pub(crate) fn claim_refused(slot: u64, name: String, holder: u32) -> Error {
+    if holder == EXPIRED {
+        Error::ShareExpired { slot, name }
+    } else {
+        Error::SlotClaimed {
+            slot,
+            name,
+            pid: holder,
+        }
+    }
+}
+
 /// The slots of a mapped ref-counter file: counters, and owners where the file has them.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct SlotTable {
@@ -95,7 +116,8 @@ impl SlotTable {
         }))
     }
 
-    /// Records this process as the owner of `slot`. `Err(pid)` if another owner is recorded.
+    /// Records this process as the owner of `slot`. `Err(pid)` if another owner is recorded
+    /// ([`EXPIRED`] when the producer gave the slot up unclaimed).
     pub(crate) fn claim(&self, map: &Mapping, slot: usize) -> Result<Result<(), u32>> {
         if !self.owners {
             return Ok(Ok(()));
@@ -105,13 +127,26 @@ impl SlotTable {
         if let Err(holder) =
             pid.compare_exchange(0, u64::from(me.pid), Ordering::AcqRel, Ordering::Acquire)
         {
-            return Ok(Err(holder as u32));
+            return Ok(Err(if holder == EXPIRED_OWNER {
+                EXPIRED
+            } else {
+                holder as u32
+            }));
         }
         self.owner_word(map, slot, 2)?
             .store(me.pid_namespace, Ordering::Release);
         self.owner_word(map, slot, 1)?
             .store(me.start_time + 1, Ordering::Release);
         Ok(Ok(()))
+    }
+
+    /// Whether the producer gave `slot` up unclaimed
+    /// ([`RefCounterFile::expire_if_unclaimed`]).
+    pub(crate) fn is_expired(&self, map: &Mapping, slot: usize) -> bool {
+        self.owners
+            && self
+                .owner_word(map, slot, 0)
+                .is_ok_and(|pid| pid.load(Ordering::Acquire) == EXPIRED_OWNER)
     }
 
     /// Clears this process's ownership of `slot` (after releasing it).
@@ -341,6 +376,54 @@ impl RefCounterFile {
             .map_err(|e| e.renamed(self.name()))
     }
 
+    /// Gives up `slot` if no consumer claimed it (a handle sent and never opened, or a consumer
+    /// killed before its claim), or if the process that began to claim it died before it finished
+    /// (killed between its two writes): marks the owner as expired, so that a consumer opening it
+    /// later is refused, and sets the counter to 0. Returns whether it did. Only for slots whose
+    /// every consumer claims (tensormem's): a PyTorch consumer never claims the slot it holds.
+    pub(crate) fn expire_if_unclaimed(&self, slot: usize) -> bool {
+        if !self.table.owners || self.probe().is_err() {
+            return false;
+        }
+        let map = self.view.mapping();
+        let (Ok(pid), Ok(start)) = (
+            self.table.owner_word(map, slot, 0),
+            self.table.owner_word(map, slot, 1),
+        ) else {
+            return false;
+        };
+        let holder = pid.load(Ordering::Acquire);
+        let given_up = match holder {
+            0 => pid
+                .compare_exchange(0, EXPIRED_OWNER, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok(),
+            EXPIRED_OWNER => false,
+            // A claim begun (pid written) but not finished (no start time): only a dead claimant.
+            holder if start.load(Ordering::Acquire) == 0 => {
+                let dead = rustix::process::Pid::from_raw(holder as i32).is_none_or(|pid| {
+                    rustix::process::test_kill_process(pid) == Err(rustix::io::Errno::SRCH)
+                });
+                dead && pid
+                    .compare_exchange(holder, EXPIRED_OWNER, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            }
+            _ => false,
+        };
+        if !given_up {
+            return false;
+        }
+        match self.table.counter(map, slot) {
+            Ok(counter) => {
+                let value = counter.load(Ordering::Acquire);
+                value > 0
+                    && counter
+                        .compare_exchange(value, 0, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
+            }
+            Err(_) => false,
+        }
+    }
+
     /// If `slot` is still held by a consumer that has died, sets it to 0 and returns that owner.
     pub(crate) fn reclaim_if_owner_dead(&self, slot: usize) -> Option<ProcessIdentity> {
         self.probe().ok()?;
@@ -504,6 +587,37 @@ mod tests {
         drop(mapped);
         drop(file);
         assert!(!name.path().exists());
+    }
+
+    #[test]
+    fn unclaimed_slots_and_half_claims_of_the_dead_expire_and_refuse_later_claims() {
+        let name = NameGenerator::default().next_name();
+        let file = RefCounterFile::create(&name, 3).unwrap();
+        for _ in 0..3 {
+            file.take_slot().unwrap();
+        }
+        let mapped = MappedCounterFile::open(&name).unwrap();
+        let (table, map) = (mapped.table(), mapped.mapping());
+        // Slot 0: never claimed.
+        assert!(file.expire_if_unclaimed(0));
+        assert_eq!(file.value(0).unwrap(), 0);
+        assert!(table.is_expired(map, 0));
+        assert_eq!(table.claim(map, 0).unwrap(), Err(EXPIRED));
+        assert!(!file.expire_if_unclaimed(0), "once");
+        // Slot 1: a claim begun by a process that died before writing its start time.
+        let mut dead = std::process::Command::new("true").spawn().unwrap();
+        let dead_pid = dead.id();
+        dead.wait().unwrap();
+        table
+            .owner_word(map, 1, 0)
+            .unwrap()
+            .store(u64::from(dead_pid), Ordering::Release);
+        assert!(file.expire_if_unclaimed(1));
+        assert_eq!(file.value(1).unwrap(), 0);
+        // Slot 2: claimed by a live process: never given up.
+        assert_eq!(table.claim(map, 2).unwrap(), Ok(()));
+        assert!(!file.expire_if_unclaimed(2));
+        assert_eq!(file.value(2).unwrap(), 1);
     }
 
     #[test]

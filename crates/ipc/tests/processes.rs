@@ -16,7 +16,7 @@ use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::{CachingAllocator, StreamId};
 use tensormem_ipc::driver::fake::FakeDriver;
 use tensormem_ipc::{
-    BatchHandle, IpcConsumer, IpcHandle, IpcProducer, ProcessDevices, PRODUCER_TERMINATED_WARNING,
+    BatchHandle, IpcConsumer, IpcHandle, IpcProducer, PRODUCER_TERMINATED_WARNING,
 };
 
 const ROLE: &str = "TENSORMEM_IPC_TEST_ROLE";
@@ -289,21 +289,26 @@ impl tracing::Subscriber for WarningsToStderr {
     fn exit(&self, _: &tracing::span::Id) {}
 }
 
-/// The child's process-wide state, in a static as `registry::cuda()` keeps it: never dropped.
-static DEVICES: OnceLock<ProcessDevices<SimDevice, FakeDriver>> = OnceLock::new();
+/// The child's process-wide state, in a static as the process runtime keeps it: never dropped.
+type Process = (
+    Arc<CachingAllocator<SimDevice>>,
+    IpcProducer<SimDevice, FakeDriver>,
+);
+static PROCESS: OnceLock<Process> = OnceLock::new();
 
 #[test]
 fn a_producer_exiting_normally_leaves_no_file_and_warns() {
     const TEST: &str = "a_producer_exiting_normally_leaves_no_file_and_warns";
     if std::env::var(ROLE).is_ok() {
         tracing::subscriber::set_global_default(WarningsToStderr).unwrap();
-        let devices = DEVICES.get_or_init(|| {
-            ProcessDevices::new(Arc::new(FakeDriver::default()), 1, |_| {
-                Ok(CachingAllocator::new(SimDevice::new(1 << 30)))
-            })
+        let (allocator, producer) = PROCESS.get_or_init(|| {
+            let producer = IpcProducer::new(Arc::new(FakeDriver::default()));
+            producer.register_exit_hook();
+            (
+                Arc::new(CachingAllocator::new(SimDevice::new(1 << 30))),
+                producer,
+            )
         });
-        let allocator = devices.allocator(0).unwrap();
-        let producer = devices.producer();
         let (held, handle) = producer
             .share(allocator, allocator.allocate(4096, S).unwrap(), S)
             .unwrap();
@@ -359,4 +364,65 @@ fn a_producer_exiting_normally_leaves_no_file_and_warns() {
     drop(received);
     drop(consumer);
     assert_eq!(driver.open_mappings(), 0);
+}
+
+/// A batch sent and never opened (its consumer killed before it opened it) does not pin the
+/// producer's memory: once freed and past the producer's limit, `collect` gives the slot up, and an
+/// open that comes too late is refused rather than mapping memory that may be in use again.
+#[test]
+fn a_batch_never_opened_is_given_up_and_a_late_open_refused() {
+    if std::env::var(ROLE).is_ok() {
+        // Killed before it opens anything.
+        println!("@@started");
+        std::thread::sleep(std::time::Duration::from_secs(600));
+        return;
+    }
+    let allocator = Arc::new(CachingAllocator::new(SimDevice::new(1 << 30)));
+    let producer = IpcProducer::with_config(
+        Arc::new(FakeDriver::default()),
+        tensormem_ipc::ProducerConfig {
+            expire_unopened_batches: Some(std::time::Duration::ZERO),
+            ..tensormem_ipc::ProducerConfig::default()
+        },
+    );
+    let (model, handle) = share_model_batch(&allocator, &producer);
+    // Another share keeps the ref-counter file in use, so that a late open finds it.
+    let (_kept, _kept_handle) = producer
+        .share(&allocator, allocator.allocate(4096, S).unwrap(), S)
+        .unwrap();
+    let (mut child, mut out) = spawn_batch(
+        "a_batch_never_opened_is_given_up_and_a_late_open_refused",
+        "consumer",
+        &handle,
+    );
+    expect(&mut out, "started");
+    kill9(&mut child);
+    drop(model);
+    assert!(producer.collect(), "the unopened batch's memory is freed");
+    let stats = producer.stats();
+    assert_eq!((stats.limbo, stats.slots_reclaimed), (0, 1));
+    assert_eq!(allocator.memory_stats().allocated_bytes.all.current, 4096);
+    let late = IpcConsumer::new(Arc::new(FakeDriver::default()));
+    match late.open_batch(&handle, S) {
+        Err(tensormem_ipc::Error::ShareExpired { slot, .. }) => assert_eq!(slot, handle.slot()),
+        other => panic!("a late open must be refused, got {other:?}"),
+    }
+}
+
+/// Single shares do not expire by default: a PyTorch consumer never claims the slot it holds, so
+/// a share with no claim may well be in use.
+#[test]
+fn single_shares_never_opened_stay_held_by_default() {
+    let (allocator, producer) = setup();
+    let (shared, handle) = producer
+        .share(&allocator, allocator.allocate(4096, S).unwrap(), S)
+        .unwrap();
+    drop(shared);
+    assert!(!producer.collect());
+    assert_eq!(producer.stats().limbo, 1, "held, as PyTorch holds it");
+    // Opened and released later, it is freed as usual.
+    let consumer = IpcConsumer::new(Arc::new(FakeDriver::default()));
+    drop(consumer.open(&handle, S).unwrap());
+    assert!(producer.collect());
+    assert_eq!(producer.stats().limbo, 0);
 }

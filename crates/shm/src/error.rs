@@ -5,6 +5,8 @@ use std::io;
 
 use rustix::io::Errno;
 
+use crate::wire::{WireFormat, ACCEPT_MAGIC, FD_MAGIC};
+
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -33,7 +35,7 @@ pub enum Error {
     #[error(
         "invalid name prefix {prefix:?}: use 1 to {max} ASCII letters, digits, '-', '.' or '_' \
          (PyTorch uses \"torch\", the default is \"tensormem\")",
-        max = crate::name::MAX_PREFIX_LEN
+        max = MAX_PREFIX_LEN
     )]
     InvalidPrefix {
         /// The rejected prefix.
@@ -319,38 +321,7 @@ pub enum Error {
     Manager(#[from] crate::manager::ManagerError),
 }
 
-/// Which of the crate's wire formats an [`Error::Protocol`] concerns.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum WireFormat {
-    /// A region message on a Unix socket ([`transfer`](crate::transfer)).
-    Region,
-    /// A shared-memory [`channel`](crate::channel): its setup, its fd frames, its ring.
-    Channel,
-    /// A [pool](crate::pool) connection: region messages to the consumer, its records back.
-    Pool,
-}
-
-impl fmt::Display for WireFormat {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Region => "region",
-            Self::Channel => "channel",
-            Self::Pool => "pool",
-        })
-    }
-}
-
 impl WireFormat {
-    /// The first four bytes of this format's messages (a channel's: its setup frame).
-    const fn magic(self) -> [u8; 4] {
-        match self {
-            Self::Region => crate::transfer::MAGIC,
-            Self::Channel => crate::channel::layout::MAGIC,
-            Self::Pool => crate::pool::wire::MAGIC,
-        }
-    }
-
     /// The error for a message of this format that starts with `got` instead of this format's
     /// magic: [`Error::WrongProtocol`] when `got` is another of the crate's formats (the ends were
     /// paired wrongly), [`Error::Protocol`] naming the bytes otherwise.
@@ -360,8 +331,8 @@ impl WireFormat {
         let known = [
             (Self::Region, Self::Region.magic()),
             (Self::Channel, Self::Channel.magic()),
-            (Self::Channel, crate::channel::frame::ACCEPT_MAGIC),
-            (Self::Channel, crate::channel::frame::FD_MAGIC),
+            (Self::Channel, ACCEPT_MAGIC),
+            (Self::Channel, FD_MAGIC),
             (Self::Pool, Self::Pool.magic()),
         ];
         if let Some(&(other, _)) = known
@@ -384,6 +355,10 @@ impl WireFormat {
         }
     }
 }
+
+/// Most bytes allowed in a [`NameGenerator`](crate::NameGenerator) prefix, leaving room for pid,
+/// random part and counter.
+pub const MAX_PREFIX_LEN: usize = 128;
 
 /// Which naming rule a shared memory name broke.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -150,13 +150,15 @@ pub mod pool;
 pub mod refcounted;
 mod region;
 pub mod transfer;
+mod wire;
 
 pub use anon::AnonymousKind;
 pub use copy::{copy_prefaulted, CopyMethod, CopyPlan};
-pub use error::{Error, NameProblem, ObjectKind, Result, SizeProblem, WireFormat};
+pub use error::{Error, NameProblem, ObjectKind, Result, SizeProblem};
 pub use mapping::{Access, Mapping, SharedAtomic};
 pub use name::{GeneratedName, NameGenerator, ShmName, DEFAULT_PREFIX, TORCH_PREFIX};
 pub use object::{unlink_shm, CreateMode};
 pub use pool::{Lease, PoolBuffer, PoolConfig, PoolReceiver, PoolSender, ReceiverOptions, ShmPool};
 pub use refcounted::{RefcountHeader, RefcountedRegion, REFCOUNT_HEADER_LEN};
 pub use region::{Backing, MapOptions, SharedRegion};
+pub use wire::WireFormat;

@@ -22,12 +22,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use crate::channel::{Channel, ChannelOptions, ChannelReceiver, ChannelSender, MAX_MESSAGE};
-use crate::error::{Error, Result, WireFormat};
+use crate::error::{Error, Result};
 use crate::mapping::{Access, Mapping};
 use crate::pool::wire::{self, Kind, Record, MAX_POOL_USER_DATA, POOL_SLOTS};
 use crate::pool::MAX_LEASES;
 use crate::region::{MapOptions, SharedRegion};
 use crate::transfer::RecvOptions;
+use crate::wire::WireFormat;
 
 /// How many mappings a [`PoolReceiver`] keeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -16,13 +16,11 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub use crate::error::MAX_PREFIX_LEN;
 use crate::error::{Error, NameProblem, Result};
 
 /// Most bytes allowed after the leading `/` (Linux `NAME_MAX`).
 pub const MAX_NAME_LEN: usize = 255;
-
-/// Most bytes allowed in a [`NameGenerator`] prefix, leaving room for pid, random part and counter.
-pub const MAX_PREFIX_LEN: usize = 128;
 
 /// The prefix tensormem uses for the names it generates.
 pub const DEFAULT_PREFIX: &str = "tensormem";

@@ -45,9 +45,10 @@ use rustix::net::{
     SendAncillaryMessage, SendFlags,
 };
 
-use crate::error::{Error, Result, WireFormat};
+use crate::error::{Error, Result};
 use crate::mapping::Access;
 use crate::region::{MapOptions, SharedRegion};
+use crate::wire::{WireFormat, REGION_MAGIC};
 
 /// Size of every region message.
 pub const MESSAGE_LEN: usize = 256;
@@ -58,7 +59,6 @@ pub const HEADER_LEN: usize = 32;
 /// Most application bytes a message carries.
 pub const MAX_USER_DATA: usize = MESSAGE_LEN - HEADER_LEN;
 
-pub(crate) const MAGIC: [u8; 4] = *b"TMSR";
 const VERSION: u16 = 1;
 const FLAG_READ_ONLY: u16 = 1;
 
@@ -79,7 +79,7 @@ impl RegionHeader {
     /// The header's [`HEADER_LEN`] wire bytes.
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut out = [0u8; HEADER_LEN];
-        out[0..4].copy_from_slice(&MAGIC);
+        out[0..4].copy_from_slice(&REGION_MAGIC);
         out[4..6].copy_from_slice(&VERSION.to_le_bytes());
         let flags = if self.read_only { FLAG_READ_ONLY } else { 0 };
         out[6..8].copy_from_slice(&flags.to_le_bytes());
@@ -108,7 +108,7 @@ impl RegionHeader {
                 bytes.len()
             ));
         };
-        if b[0..4] != MAGIC {
+        if b[0..4] != REGION_MAGIC {
             return Err(WireFormat::Region.bad_magic(b));
         }
         let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
@@ -453,15 +453,15 @@ fn recv_message(socket: BorrowedFd<'_>, recv: RecvOptions) -> Result<(OwnedFd, [
             });
         }
         // A stream socket may deliver the message in parts; the fd came with the first.
-        if got < MAGIC.len() {
-            recv_exact(socket, &mut message[got..MAGIC.len()], recv)?;
-            got = MAGIC.len();
+        if got < REGION_MAGIC.len() {
+            recv_exact(socket, &mut message[got..REGION_MAGIC.len()], recv)?;
+            got = REGION_MAGIC.len();
         }
     }
     // A peer of another format (a pool producer's or a channel's first frame is 16 bytes) is
     // told apart by its first four bytes, before waiting for the rest of a region message that
     // would never come.
-    if message[0..4] != MAGIC {
+    if message[0..4] != REGION_MAGIC {
         return Err(WireFormat::Region.bad_magic(&message[..4]));
     }
     if got < MESSAGE_LEN {

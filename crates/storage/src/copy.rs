@@ -48,14 +48,40 @@ pub fn storage_copy(dst: &Storage, src: &Storage, non_blocking: bool) -> Result<
     }
     #[cfg(feature = "cuda")]
     if !src_owner.is_host() || !dst_owner.is_host() {
-        return crate::cuda::copy_with_device(&mut dst_owner, &src_owner, len, non_blocking);
+        return copy_with_device(&mut dst_owner, &src_owner, len, non_blocking);
     }
     let _ = non_blocking; // host copies are synchronous
     copy_owner(&mut dst_owner, &src_owner, len)
 }
 
+/// Copies between two owners of which at least one is CUDA memory (called by `storage_copy`,
+/// which checked the sizes and holds both locks).
+#[cfg(feature = "cuda")]
+fn copy_with_device(dst: &mut Owner, src: &Owner, len: usize, non_blocking: bool) -> Result<()> {
+    match (dst, src) {
+        (Owner::Cuda(d), Owner::Cuda(s)) => d.copy_from_device(s, len, non_blocking),
+        (Owner::Cuda(d), host) => match host.private_bytes() {
+            Some(bytes) => d.write_at(0, &bytes[..len]),
+            None => {
+                let mut staging = vec![0u8; len];
+                host.read_at(0, &mut staging)?;
+                d.write_at(0, &staging)
+            }
+        },
+        (host, Owner::Cuda(s)) => match host.private_bytes_mut() {
+            Some(bytes) => s.read_at(0, &mut bytes[..len]),
+            None => {
+                let mut staging = vec![0u8; len];
+                s.read_at(0, &mut staging)?;
+                host.write_at(0, &staging)
+            }
+        },
+        (dst, src) => copy_owner(dst, src, len),
+    }
+}
+
 /// Copies `len` bytes between two host owners.
-pub(crate) fn copy_owner(dst: &mut Owner, src: &Owner, len: usize) -> Result<()> {
+fn copy_owner(dst: &mut Owner, src: &Owner, len: usize) -> Result<()> {
     if let Some(bytes) = dst.private_bytes_mut() {
         return src.read_at(0, &mut bytes[..len]);
     }

@@ -7,7 +7,7 @@
 //! (ref-counter files, limbo) and the IPC consumer (opened-handle cache). Pass it to
 //! [`Storage::new_cuda`] and [`Storage::new_shared_cuda`].
 //!
-//! The allocator, producer and consumer are the process's (`tensormem_ipc::registry::cuda()`), as in
+//! The allocator, producer and consumer are the process's (the process runtime's, `tensormem-runtime`), as in
 //! PyTorch: the device API (`tensormem::cuda`: `memory_stats`, `empty_cache`, snapshots) and the
 //! PyTorch plugin use the same allocator, so they see the storages' memory, and every context of the
 //! process shares one set of ref-counter files, one limbo and one event budget. Contexts differ only
@@ -19,216 +19,18 @@
 //! is pageable memory, as PyTorch's `copy_` of a non-pinned tensor); device -> device copies with
 //! `non_blocking` are only queued: call [`CudaContext::synchronize`] before reading the
 //! destination from another stream or the host by other means.
-#![allow(unsafe_code)]
 
-use std::fmt;
 use std::sync::Arc;
 
-use tensormem_cuda_alloc::backend::cuda::{BackendStream, CudaBackend};
-use tensormem_cuda_alloc::{CachingAllocator, DeviceAddress};
-use tensormem_ipc::driver::cuda::CudaIpcDriver;
-pub use tensormem_ipc::ipc_collect;
-use tensormem_ipc::{
-    BatchHandle, IpcConsumer, IpcHandle, IpcProducer, ReceivedBatch, ReceivedMemory,
-    SharedAllocation,
-};
+use tensormem_ipc::{BatchHandle, IpcHandle};
+pub use tensormem_runtime::ipc_collect;
 
 use crate::device::Device;
-use crate::error::{Error, Result};
-use crate::owner::{Owner, StorageKind};
+use crate::error::{cuda, CudaSource, Error, Result};
+pub use crate::owner::cuda::CudaContext;
+use crate::owner::cuda::{AsyncBlock, ContextAllocator, CudaMemory, CudaOwner};
+use crate::owner::Owner;
 use crate::storage::Storage;
-
-/// Everything CUDA storages of one device need (see the [module docs](self)).
-pub struct CudaContext {
-    device: u32,
-    allocator: Arc<CachingAllocator<CudaBackend>>,
-    stream: BackendStream,
-    producer: IpcProducer<CudaBackend, CudaIpcDriver>,
-    consumer: IpcConsumer<CudaIpcDriver>,
-}
-
-/// Wraps a CUDA layer's error (allocator, driver or IPC) in [`Error`], keeping it as the source.
-macro_rules! cuda {
-    ($op:expr, $result:expr) => {
-        $result.map_err(|e| crate::error::CudaSource::during(e, $op))
-    };
-}
-
-impl CudaContext {
-    /// A context for `device`, with a stream of its own, on the process's caching allocator of the
-    /// device (the one `tensormem::cuda` uses, made on first use) and the process's IPC producer and
-    /// consumer.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Ipc`] when there is no driver or no such device, or the allocator configuration in
-    /// the environment is malformed (the process registry's error, the driver's or configuration's
-    /// error inside); [`Error::Alloc`] when the stream cannot be made.
-    pub fn new(device: u32) -> Result<Arc<CudaContext>> {
-        let process = cuda!("CudaContext::new", tensormem_ipc::registry::cuda())?;
-        let allocator = cuda!("CudaContext::new", process.allocator(device))?;
-        Self::with_allocator(Arc::clone(allocator))
-    }
-
-    /// A context over another allocator than the process's (a private one, for tests or
-    /// isolation); sharing still goes through the process's IPC producer and consumer.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Alloc`] when the stream cannot be made; [`Error::Ipc`] when the IPC driver cannot.
-    pub fn with_allocator(
-        allocator: Arc<CachingAllocator<CudaBackend>>,
-    ) -> Result<Arc<CudaContext>> {
-        let device = allocator.device().ordinal();
-        let process = cuda!("CudaContext::new", tensormem_ipc::registry::cuda())?;
-        let stream = cuda!("CudaContext::new", BackendStream::new(allocator.device()))?;
-        Ok(Arc::new(CudaContext {
-            device,
-            allocator,
-            stream,
-            producer: process.producer().clone(),
-            consumer: process.consumer().clone(),
-        }))
-    }
-
-    /// The device ordinal.
-    pub fn device(&self) -> u32 {
-        self.device
-    }
-
-    /// The allocator.
-    pub fn allocator(&self) -> &Arc<CachingAllocator<CudaBackend>> {
-        &self.allocator
-    }
-
-    /// The stream the context's storages are allocated and copied on.
-    pub fn stream(&self) -> &BackendStream {
-        &self.stream
-    }
-
-    /// The IPC producer: the process's, shared by every context ([`ipc_collect`] frees what
-    /// consumers released, as `torch.cuda.ipc_collect()`).
-    pub fn producer(&self) -> &IpcProducer<CudaBackend, CudaIpcDriver> {
-        &self.producer
-    }
-
-    /// Waits for everything queued on the context's stream.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Alloc`] when the driver reports a failure (its `CUresult` inside).
-    pub fn synchronize(&self) -> Result<()> {
-        cuda!("synchronize", self.stream.synchronize())
-    }
-}
-
-impl fmt::Debug for CudaContext {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CudaContext")
-            .field("device", &self.device)
-            .field("stream", &self.stream.id())
-            .finish_non_exhaustive()
-    }
-}
-
-/// The memory of a CUDA storage.
-enum CudaMemory {
-    /// From this process's allocator, held for sharing from the start (so sharing never has to
-    /// replace the owner).
-    Allocated(SharedAllocation<CudaBackend, CudaIpcDriver>),
-    /// Opened from another process's handle; dropping it releases the producer's counter.
-    Received(ReceivedMemory<CudaIpcDriver>),
-    /// View `index` of a batch opened from another process; the batch's one counter is released
-    /// when the last storage of the batch goes.
-    ReceivedView {
-        batch: Arc<ReceivedBatch<CudaIpcDriver>>,
-        index: usize,
-    },
-}
-
-/// Owner of a CUDA storage's bytes.
-pub(crate) struct CudaOwner {
-    ctx: Arc<CudaContext>,
-    memory: CudaMemory,
-    /// Bytes of the storage (the allocation may be rounded up).
-    nbytes: usize,
-}
-
-impl fmt::Debug for CudaOwner {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CudaOwner")
-            .field("device", &self.ctx.device)
-            .field("ptr", &self.ptr())
-            .field("nbytes", &self.nbytes)
-            .field(
-                "received",
-                &!matches!(self.memory, CudaMemory::Allocated(_)),
-            )
-            .finish()
-    }
-}
-
-impl CudaOwner {
-    fn ptr(&self) -> DeviceAddress {
-        match &self.memory {
-            CudaMemory::Allocated(shared) => shared.ptr(),
-            CudaMemory::Received(received) => received.ptr(),
-            CudaMemory::ReceivedView { batch, index } => batch.views()[*index].ptr(),
-        }
-    }
-
-    pub(crate) fn kind(&self) -> StorageKind {
-        match self.memory {
-            CudaMemory::Allocated(_) => StorageKind::Cuda,
-            CudaMemory::Received(_) | CudaMemory::ReceivedView { .. } => StorageKind::CudaReceived,
-        }
-    }
-
-    pub(crate) fn device(&self) -> Device {
-        Device::Cuda(self.ctx.device)
-    }
-
-    /// Device -> host; the caller checked `offset + buf.len() <= nbytes`.
-    pub(crate) fn read_at(&self, offset: usize, buf: &mut [u8]) -> Result<()> {
-        debug_assert!(offset + buf.len() <= self.nbytes);
-        if buf.is_empty() {
-            return Ok(());
-        }
-        // SAFETY: [ptr + offset, + buf.len()) lies inside this storage's memory (checked by the
-        // caller against nbytes, which the allocation or the received range covers), which stays
-        // mapped while `self` lives; the copy is on the stream that orders this storage's work.
-        cuda!("read_at", unsafe {
-            self.ctx.stream.copy_to_host(buf, self.ptr().offset(offset))
-        })
-    }
-
-    /// Host -> device; the caller checked the range.
-    pub(crate) fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<()> {
-        debug_assert!(offset + data.len() <= self.nbytes);
-        if data.is_empty() {
-            return Ok(());
-        }
-        // SAFETY: as in `read_at`; the storage's memory is writable device memory of this
-        // context's device, and the copy completes before the call returns.
-        cuda!("write_at", unsafe {
-            self.ctx
-                .stream
-                .copy_from_host(self.ptr().offset(offset), data)
-        })
-    }
-
-    pub(crate) fn fill(&mut self, value: u8) -> Result<()> {
-        if self.nbytes == 0 {
-            return Ok(());
-        }
-        // SAFETY: the whole storage is device memory of this context's device that this stream
-        // may write; nothing else of this process uses it until the synchronize below.
-        cuda!("fill", unsafe {
-            self.ctx.stream.memset_d8(self.ptr(), value, self.nbytes)
-        })?;
-        self.ctx.synchronize()
-    }
-}
 
 impl Storage {
     /// A storage of `nbytes` uninitialised bytes of CUDA memory from `ctx`'s caching allocator,
@@ -238,13 +40,21 @@ impl Storage {
     ///
     /// [`Error::Alloc`] when the allocator fails (out of memory: PyTorch's message and figures).
     pub fn new_cuda(ctx: &Arc<CudaContext>, nbytes: usize) -> Result<Storage> {
-        let allocation = cuda!("new_cuda", ctx.allocator.allocate(nbytes, ctx.stream.id()))?;
-        let shared = ctx.producer.adopt(&ctx.allocator, allocation);
+        let memory = match &ctx.allocator {
+            ContextAllocator::Caching(allocator) => {
+                let allocation = cuda!("new_cuda", allocator.allocate(nbytes, ctx.stream.id()))?;
+                CudaMemory::Allocated(ctx.producer.adopt(allocator, allocation))
+            }
+            ContextAllocator::Async(allocator) => CudaMemory::Async(AsyncBlock {
+                ptr: cuda!("new_cuda", allocator.allocate(nbytes, ctx.stream.id()))?,
+                allocator,
+            }),
+        };
         Ok(Storage::with_owner(
             nbytes,
             Owner::Cuda(CudaOwner {
                 ctx: Arc::clone(ctx),
-                memory: CudaMemory::Allocated(shared),
+                memory,
                 nbytes,
             }),
         ))
@@ -272,6 +82,7 @@ impl Storage {
                 let stream = cuda.ctx.stream.id();
                 match &mut cuda.memory {
                     CudaMemory::Allocated(shared) => cuda!("share_cuda", shared.share(stream)),
+                    CudaMemory::Async(block) => Err(async_refusal("share_cuda", block)),
                     CudaMemory::Received(_) | CudaMemory::ReceivedView { .. } => {
                         Err(Error::ReceivedCuda)
                     }
@@ -420,6 +231,9 @@ pub fn share_cuda_batch(entries: &[BatchEntry<'_>]) -> Result<BatchHandle> {
                 }
                 match &mut cuda.memory {
                     CudaMemory::Allocated(shared) => allocations.push(shared),
+                    CudaMemory::Async(block) => {
+                        return Err(async_refusal("share_cuda_batch", block))
+                    }
                     _ => return Err(Error::ReceivedCuda),
                 }
             }
@@ -530,56 +344,16 @@ pub fn release_ipc_counter(ctx: &Arc<CudaContext>, handle: &IpcHandle) -> Result
     cuda!("release_ipc_counter", ctx.consumer.release(handle))
 }
 
-/// Copies between two owners of which at least one is CUDA memory (called by `storage_copy`,
-/// which checked the sizes and holds both locks).
-pub(crate) fn copy_with_device(
-    dst: &mut Owner,
-    src: &Owner,
-    len: usize,
-    non_blocking: bool,
-) -> Result<()> {
-    match (dst, src) {
-        (Owner::Cuda(d), Owner::Cuda(s)) => {
-            if !Arc::ptr_eq(&d.ctx, &s.ctx) {
-                // The source's pending work is on its own stream: let it finish first.
-                s.ctx.synchronize()?;
-            }
-            // SAFETY: both ranges are the whole of two live storages of `len` bytes (sizes checked
-            // by storage_copy) on the devices of their contexts; the destination is not used by
-            // this process until the copy completes (it is ordered on its stream, and this
-            // function synchronizes unless asked not to); the source is not written by this
-            // process meanwhile (the caller holds its lock, and its stream was drained above).
-            cuda!("storage_copy", unsafe {
-                d.ctx.stream.copy_peer(
-                    d.ptr(),
-                    d.ctx.allocator.device(),
-                    s.ptr(),
-                    s.ctx.allocator.device(),
-                    len,
-                )
-            })?;
-            if non_blocking {
-                Ok(())
-            } else {
-                d.ctx.synchronize()
-            }
-        }
-        (Owner::Cuda(d), host) => match host.private_bytes() {
-            Some(bytes) => d.write_at(0, &bytes[..len]),
-            None => {
-                let mut staging = vec![0u8; len];
-                host.read_at(0, &mut staging)?;
-                d.write_at(0, &staging)
-            }
+/// PyTorch's refusal to share memory of `backend:cudaMallocAsync` with another process
+/// (`cudaMallocAsync does not yet support shareIpcHandle`), as the async allocator words it.
+fn async_refusal(op: &'static str, block: &AsyncBlock) -> Error {
+    match block.allocator.ipc_handle(block.ptr) {
+        Err(refusal) => refusal.during(op),
+        Ok(_) => Error::Runtime {
+            op,
+            source: tensormem_runtime::Error::AsyncUnsupported(
+                tensormem_runtime::AsyncUnsupported::ShareIpcHandle,
+            ),
         },
-        (host, Owner::Cuda(s)) => match host.private_bytes_mut() {
-            Some(bytes) => s.read_at(0, &mut bytes[..len]),
-            None => {
-                let mut staging = vec![0u8; len];
-                s.read_at(0, &mut staging)?;
-                host.write_at(0, &staging)
-            }
-        },
-        (dst, src) => crate::copy::copy_owner(dst, src, len),
     }
 }

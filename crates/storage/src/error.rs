@@ -162,10 +162,32 @@ pub enum Error {
         source: tensormem_ipc::Error,
     },
 
+    /// The process runtime (`tensormem-runtime`) refused: no driver or no such device, a
+    /// malformed allocator configuration, a child forked after CUDA was initialised.
+    #[cfg(feature = "cuda")]
+    #[error("{op}: {source}")]
+    Runtime {
+        /// The operation.
+        op: &'static str,
+        /// The runtime's error, codes kept.
+        #[source]
+        source: tensormem_runtime::Error,
+    },
+
     /// [`share_cuda_batch`](crate::cuda::share_cuda_batch) was given no storage.
     #[error("share_cuda_batch: no entries; a batch holds at least one storage")]
     EmptyBatch,
 }
+
+/// Wraps a CUDA layer's error (allocator, driver or IPC) in [`Error`], keeping it as the source.
+#[cfg(feature = "cuda")]
+macro_rules! cuda {
+    ($op:expr, $result:expr) => {
+        $result.map_err(|e| crate::error::CudaSource::during(e, $op))
+    };
+}
+#[cfg(feature = "cuda")]
+pub(crate) use cuda;
 
 /// Wraps the CUDA layers' errors in [`Error`] with the operation that met them.
 #[cfg(feature = "cuda")]
@@ -187,6 +209,21 @@ impl CudaSource for tensormem_cuda_alloc::DeviceError {
         Error::Alloc {
             op,
             source: self.into(),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl CudaSource for tensormem_runtime::Error {
+    fn during(self, op: &'static str) -> Error {
+        match self {
+            tensormem_runtime::Error::Alloc(source) => Error::Alloc { op, source },
+            tensormem_runtime::Error::Device(source) => Error::Alloc {
+                op,
+                source: source.into(),
+            },
+            tensormem_runtime::Error::Ipc(source) => Error::Ipc { op, source },
+            source => Error::Runtime { op, source },
         }
     }
 }
@@ -223,9 +260,27 @@ impl Error {
             },
             #[cfg(feature = "cuda")]
             Self::Ipc { .. } => K::Other,
+            #[cfg(feature = "cuda")]
+            Self::Runtime { source, .. } => match source {
+                tensormem_runtime::Error::InvalidDevice { .. } => K::InvalidInput,
+                tensormem_runtime::Error::AsyncUnsupported(_) => K::Unsupported,
+                _ => K::Other,
+            },
             Self::TorchManager { .. } => K::Other,
         }
     }
+}
+
+/// Refuses sizes that cannot be mapped on this platform.
+pub(crate) fn check_size(size: u64, op: &'static str) -> Result<usize> {
+    usize::try_from(size)
+        .ok()
+        .filter(|&n| n <= isize::MAX as usize)
+        .ok_or(Error::InvalidSize {
+            op,
+            size,
+            problem: "larger than the address space can map",
+        })
 }
 
 /// For callers whose functions return `io::Result`: the kind is [`Error::kind`], and the typed

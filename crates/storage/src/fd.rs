@@ -7,7 +7,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use tensormem_shm::transfer::{self, SendOptions};
 use tensormem_shm::{MapOptions, SharedRegion};
 
-use crate::error::{Error, Result};
+use crate::error::{check_size, Error, Result};
 use crate::owner::Owner;
 use crate::storage::Storage;
 
@@ -226,16 +226,4 @@ fn region_fd<'a>(region: &'a SharedRegion, op: &'static str) -> Result<BorrowedF
         op,
         problem: format!("{} kept no file descriptor", region.describe()),
     })
-}
-
-/// Refuses sizes that cannot be mapped on this platform.
-pub(crate) fn check_size(size: u64, op: &'static str) -> Result<usize> {
-    usize::try_from(size)
-        .ok()
-        .filter(|&n| n <= isize::MAX as usize)
-        .ok_or(Error::InvalidSize {
-            op,
-            size,
-            problem: "larger than the address space can map",
-        })
 }

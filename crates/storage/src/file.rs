@@ -8,8 +8,7 @@ use std::path::Path;
 
 use tensormem_shm::{CreateMode, MapOptions};
 
-use crate::error::{Error, Result};
-use crate::fd::check_size;
+use crate::error::{check_size, Error, Result};
 use crate::owner::Owner;
 use crate::storage::Storage;
 

@@ -82,6 +82,34 @@ impl fmt::Debug for ReceivedStorage {
 }
 
 impl Storage {
+    /// Moves the bytes into shared memory in place, for every clone (PyTorch: `share_memory_`):
+    /// a private host storage becomes a pooled one
+    /// ([`StorageKind::CpuPooled`](crate::StorageKind::CpuPooled)), its bytes copied into a region
+    /// of the process-wide pool ([`default_pool`]).
+    /// In steady state (a region of the same size class came back to the pool) that is a
+    /// threaded copy into pages already faulted in, at memory bandwidth; the first region of a
+    /// size is made as a fresh sealed memfd with a pre-faulted parallel copy. Nothing happens
+    /// when the storage is already shared (pooled, fd-backed, file-backed, named, a received
+    /// lease) or on a CUDA device.
+    ///
+    /// The region goes back to the pool only when nothing can reach it any more: every clone
+    /// of the storage is dropped and every lease sent with
+    /// [`send_pooled`](Self::send_pooled) is released (or its consumer died). Handing the
+    /// descriptor out raw ([`share_fd`](Self::share_fd), [`get_shared_fd`](Self::get_shared_fd),
+    /// [`send_shared_fd`](Self::send_shared_fd)) detaches the region from the pool for good.
+    /// [`share_memory_in`](Self::share_memory_in) uses a pool of your choice.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Empty`] for a zero-byte private storage; [`Error::Shm`] when the memory cannot be
+    /// made (nothing changes then).
+    pub fn share_memory_(&self) -> Result<()> {
+        if self.is_shared() {
+            return Ok(());
+        }
+        self.share_memory_in(default_pool())
+    }
+
     /// [`share_memory_`](Self::share_memory_) with a region of `pool` instead of the
     /// process-wide one. Does nothing to a storage already shared or on a CUDA device.
     ///

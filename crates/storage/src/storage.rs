@@ -164,33 +164,6 @@ impl Storage {
         self.owner_mut().fill(value)
     }
 
-    /// Moves the bytes into shared memory in place, for every clone (PyTorch: `share_memory_`):
-    /// a private host storage becomes a pooled one ([`StorageKind::CpuPooled`]), its bytes
-    /// copied into a region of the process-wide pool ([`default_pool`](crate::default_pool)).
-    /// In steady state (a region of the same size class came back to the pool) that is a
-    /// threaded copy into pages already faulted in, at memory bandwidth; the first region of a
-    /// size is made as a fresh sealed memfd with a pre-faulted parallel copy. Nothing happens
-    /// when the storage is already shared (pooled, fd-backed, file-backed, named, a received
-    /// lease) or on a CUDA device.
-    ///
-    /// The region goes back to the pool only when nothing can reach it any more: every clone
-    /// of the storage is dropped and every lease sent with
-    /// [`send_pooled`](Self::send_pooled) is released (or its consumer died). Handing the
-    /// descriptor out raw ([`share_fd`](Self::share_fd), [`get_shared_fd`](Self::get_shared_fd),
-    /// [`send_shared_fd`](Self::send_shared_fd)) detaches the region from the pool for good.
-    /// [`share_memory_in`](Self::share_memory_in) uses a pool of your choice.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Empty`] for a zero-byte private storage; [`Error::Shm`] when the memory cannot be
-    /// made (nothing changes then).
-    pub fn share_memory_(&self) -> Result<()> {
-        if self.is_shared() {
-            return Ok(());
-        }
-        self.share_memory_in(crate::pooled::default_pool())
-    }
-
     /// Gives the storage a descriptor that may be handed out raw: a host owner that is not
     /// fd-backed moves into a new memfd holding the same bytes (PyTorch's `share_fd` rule: a
     /// storage that is not fd-backed, private or named, is moved first), and a pooled one is

@@ -48,9 +48,9 @@
 //! [`Error::AsyncUnsupported`]: snapshots, memory history, out-of-memory observers, [`MemPool`]s,
 //! CUDA IPC of its memory. The backend cannot change afterwards ([`Error::BackendChanged`]).
 //!
-//! There is one caching allocator per device in the process (under `backend:native`), as in PyTorch:
-//! the one kept by `tensormem_ipc::registry::cuda()`, which CUDA storages
-//! (`tensormem_storage::CudaContext::new`), CUDA IPC and the PyTorch plugin use too. So
+//! There is one allocator per device in the process, as in PyTorch: the one the process runtime
+//! (`tensormem-runtime`) keeps, which CUDA storages (`tensormem_storage::CudaContext::new`), CUDA
+//! IPC and the PyTorch plugin use too; they all serve [`DeviceMemory`]. So
 //! [`memory_stats`], [`empty_cache`], [`memory_snapshot`] and the settings cover the storages' memory,
 //! whichever of them touched the device first.
 //!
@@ -60,21 +60,18 @@
 //! guard, and in a child forked after that every function here returns [`Error::ForkedChild`] instead of
 //! touching the driver. Start CUDA workers as fresh processes.
 
-mod async_backend;
 mod backend;
 mod device;
 mod error;
-mod fork;
 mod host;
 mod mem_pool;
 mod memory;
-mod registry;
 mod sleep;
 mod stream;
 
-pub use async_backend::{async_allocator, configured_backend};
 pub use backend::{
-    backend_supports, device_allocator, get_allocator_backend, AsyncUnsupported, DeviceAllocator,
+    async_allocator, backend_supports, configured_backend, device_allocator, get_allocator_backend,
+    AsyncUnsupported, DeviceAllocator,
 };
 pub use device::{
     can_device_access_peer, current_device, device_count, device_guard, enable_peer_access,
@@ -82,7 +79,6 @@ pub use device::{
     has_primary_context, is_available, mem_get_info, set_device, synchronize, DeviceGuard,
 };
 pub use error::{Error, Result};
-pub use fork::is_in_bad_fork;
 pub use host::{
     alloc_pinned, free_pinned, host_allocator, host_empty_cache, host_memory_stats, host_stats,
     record_pinned_stream,
@@ -104,3 +100,4 @@ pub use tensormem_cuda_alloc::{
     StreamId,
 };
 pub use tensormem_cuda_alloc::{SleepError, SleepReport, WakeReport};
+pub use tensormem_runtime::{is_in_bad_fork, DeviceMemory};

@@ -96,7 +96,7 @@ fn cuda_storages_read_write_fill_and_copy_on_one_device() {
     assert_eq!(other.to_vec().unwrap(), vec![4u8; n]);
 
     // D2D between two contexts (two streams) of the same device.
-    let ctx2 = CudaContext::with_allocator(Arc::clone(ctx.allocator())).unwrap();
+    let ctx2 = CudaContext::with_allocator(Arc::clone(ctx.caching_allocator().unwrap())).unwrap();
     let third = Storage::new_cuda(&ctx2, n).unwrap();
     storage_copy(&third, &other, false).unwrap();
     assert_eq!(third.to_vec().unwrap(), vec![4u8; n]);

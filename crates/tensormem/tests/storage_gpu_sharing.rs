@@ -150,11 +150,14 @@ fn storages_use_the_device_apis_allocator() {
     let ctx = CudaContext::new(0).unwrap();
     let device_api = cuda::caching_allocator(Some(0)).unwrap();
     assert!(
-        std::ptr::eq(&**ctx.allocator(), device_api),
+        std::ptr::eq(&**ctx.caching_allocator().unwrap(), device_api),
         "one caching allocator for the device"
     );
     let other = CudaContext::new(0).unwrap();
-    assert!(Arc::ptr_eq(ctx.allocator(), other.allocator()));
+    assert!(Arc::ptr_eq(
+        ctx.caching_allocator().unwrap(),
+        other.caching_allocator().unwrap()
+    ));
     let before = cuda::memory_allocated(Some(0)).unwrap();
     let storage = Storage::new_cuda(&ctx, 1000).unwrap();
     assert_eq!(cuda::memory_allocated(Some(0)).unwrap(), before + 1024);

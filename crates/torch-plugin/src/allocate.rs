@@ -7,8 +7,7 @@ use std::ffi::{c_int, c_void};
 
 use cudarc::driver::sys;
 use tensormem_cuda_alloc::{DeviceAddress, Error as AllocError};
-
-use tensormem::cuda::DeviceAllocator;
+use tensormem_runtime::{DeviceAllocator, DeviceMemory};
 
 use crate::boundary::call;
 use crate::capture_mode;
@@ -65,17 +64,16 @@ pub(crate) unsafe fn allocate_on(
     // SAFETY: `stream` is live and kept alive by its owner (the caller's obligation).
     unsafe {
         streams::with_stream(allocator.device(), stream, |id| {
-            allocator.serve(
-                |a| {
-                    let _relaxed = capture_mode::relaxed_while_capturing();
-                    a.raw_alloc(size, id)
-                },
-                |a| {
-                    let ptr = a.allocate(size, id)?;
-                    capture_mode::async_capture::allocated(a.device(), id);
-                    Ok(ptr)
-                },
-            )
+            // The caching allocator may need new segments during a global-mode capture; the async
+            // allocator's allocations are graph nodes of the capture, whose stream it notes.
+            let _relaxed = allocator
+                .caching()
+                .and_then(|_| capture_mode::relaxed_while_capturing());
+            let ptr = allocator.allocate(size, id)?;
+            if allocator.as_async().is_some() {
+                capture_mode::async_capture::allocated(allocator.device(), id);
+            }
+            Ok(ptr)
         })
     }
 }
@@ -113,7 +111,7 @@ pub unsafe extern "C" fn tensormem_free(
     }
     let freed = call("tensormem_free", false, || {
         let ptr = DeviceAddress(ptr as u64);
-        devices::served(device)?.serve(|a| a.raw_free(ptr), |a| a.free(ptr))?;
+        devices::served(device)?.free(ptr)?;
         Ok(true)
     });
     if !freed {
@@ -140,10 +138,7 @@ pub unsafe extern "C" fn tensormem_record_stream(ptr: *mut c_void, stream: sys::
         // SAFETY: `stream` is live and kept alive (our caller's obligation).
         unsafe {
             streams::with_stream(allocator.device(), stream, |id| {
-                allocator.serve(
-                    |a| a.record_stream_ptr(ptr, id),
-                    |a| a.record_stream(ptr, id),
-                )
+                allocator.record_stream(ptr, id)
             })
         }
     });
@@ -165,16 +160,8 @@ pub unsafe extern "C" fn tensormem_base_alloc(ptr: *mut c_void, size: *mut usize
             return Err(Error::NullArgument { what: "size" });
         }
         let ptr = DeviceAddress(ptr as u64);
-        for allocator in devices::used() {
-            let base = allocator.serve(
-                |a| a.base_allocation(ptr),
-                |a| {
-                    a.allocation_size(ptr)
-                        .map(|bytes| (ptr, bytes))
-                        .ok_or(AllocError::InvalidPointer { ptr })
-                },
-            );
-            match base {
+        for allocator in devices::used()? {
+            match allocator.base_allocation(ptr) {
                 Ok((base, bytes)) => {
                     // SAFETY: `size` is non-null (checked above) and valid for writes (our caller's
                     // obligation).
@@ -189,19 +176,13 @@ pub unsafe extern "C" fn tensormem_base_alloc(ptr: *mut c_void, size: *mut usize
     })
 }
 
-/// The allocator that handed out `ptr` (live), among the devices the plugin used.
+/// The allocator that handed out `ptr` (live), among the devices the process opened.
 pub(crate) fn owner(ptr: DeviceAddress) -> Result<DeviceAllocator> {
-    for allocator in devices::used() {
-        let live = allocator.serve(
-            |a| match a.base_allocation(ptr) {
-                Ok(_) | Err(AllocError::ExpandableNotShareable { .. }) => Ok(true),
-                Err(AllocError::InvalidPointer { .. }) => Ok(false),
-                Err(other) => Err(other),
-            },
-            |a| Ok(a.allocation_size(ptr).is_some()),
-        )?;
-        if live {
-            return Ok(allocator);
+    for allocator in devices::used()? {
+        match allocator.base_allocation(ptr) {
+            Ok(_) | Err(AllocError::ExpandableNotShareable { .. }) => return Ok(allocator),
+            Err(AllocError::InvalidPointer { .. }) => {}
+            Err(other) => return Err(other.into()),
         }
     }
     Err(Error::UnknownPointer { ptr: ptr.0 })

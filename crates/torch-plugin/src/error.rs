@@ -3,7 +3,7 @@
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, CString};
 
-use crate::native::{TM_ERROR, TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED};
+use crate::status::{TM_ERROR, TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED};
 
 /// Why a call of the plugin failed. C callers see it as the string [`tensormem_last_error`] returns.
 #[derive(Debug, thiserror::Error)]

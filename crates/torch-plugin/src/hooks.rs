@@ -11,8 +11,9 @@
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use tensormem::cuda::{self, DeviceAllocator};
-use tensormem_cuda_alloc::{CaptureStatus, Device, MempoolId};
+use tensormem::cuda;
+use tensormem_cuda_alloc::{CaptureStatus, Device, MempoolId, StreamId};
+use tensormem_runtime::DeviceMemory;
 
 use crate::boundary::call;
 use crate::capture_mode;
@@ -60,8 +61,8 @@ pub extern "C" fn tensormem_init(device_count: c_int) {
 #[no_mangle]
 pub extern "C" fn tensormem_empty_cache() {
     call("tensormem_empty_cache", (), || {
-        for allocator in devices::used() {
-            allocator.serve(|a| a.empty_cache(), |a| a.empty_cache())?;
+        for allocator in devices::used()? {
+            allocator.empty_cache()?;
         }
         Ok(())
     });
@@ -73,10 +74,7 @@ pub extern "C" fn tensormem_empty_cache() {
 #[no_mangle]
 pub extern "C" fn tensormem_set_memory_fraction(fraction: f64, device: c_int) {
     call("tensormem_set_memory_fraction", (), || {
-        devices::served(device)?.serve(
-            |a| a.set_memory_fraction(fraction),
-            |a| a.set_memory_fraction(fraction),
-        )?;
+        devices::served(device)?.set_memory_fraction(fraction)?;
         Ok(())
     });
 }
@@ -107,30 +105,27 @@ pub unsafe extern "C" fn tensormem_begin_allocate_to_pool(
 ) {
     let _ = filter;
     call("tensormem_begin_allocate_to_pool", (), || {
-        let allocator = match devices::served(device)? {
-            DeviceAllocator::Native(allocator) => allocator,
-            DeviceAllocator::Async(allocator) => {
-                allocator.begin_capture()?;
-                capture_mode::async_capture::began();
-                return Ok(());
-            }
-        };
+        let allocator = devices::served(device)?;
         /// No capture bound yet (capture ids are never this).
         const UNBOUND: u64 = u64::MAX;
         let bound = AtomicU64::new(UNBOUND);
-        allocator.begin_allocate_to_pool(pool.into(), move |stream| {
-            match allocator.device().capture_status(stream) {
-                Ok(CaptureStatus::Active { id }) => {
-                    match bound.compare_exchange(UNBOUND, id, Ordering::Relaxed, Ordering::Relaxed)
-                    {
-                        Ok(_) => true,
-                        Err(current) => current == id,
-                    }
+        // The caching allocator's filter (the async allocator ignores it: the driver captures every
+        // allocation made on a capturing stream).
+        let filter = move |stream: StreamId| match allocator.device().capture_status(stream) {
+            Ok(CaptureStatus::Active { id }) => {
+                match bound.compare_exchange(UNBOUND, id, Ordering::Relaxed, Ordering::Relaxed) {
+                    Ok(_) => true,
+                    Err(current) => current == id,
                 }
-                _ => false,
             }
-        })?;
-        capture_mode::opened();
+            _ => false,
+        };
+        allocator.begin_capture(pool.into(), Box::new(filter))?;
+        if allocator.as_async().is_some() {
+            capture_mode::async_capture::began();
+        } else {
+            capture_mode::opened();
+        }
         Ok(())
     });
 }
@@ -143,14 +138,17 @@ pub unsafe extern "C" fn tensormem_begin_allocate_to_pool(
 #[no_mangle]
 pub extern "C" fn tensormem_end_allocate_to_pool(device: c_int, pool: TorchMempoolId) {
     call("tensormem_end_allocate_to_pool", (), || {
-        devices::served(device)?.serve(
-            |a| {
-                a.end_allocate_to_pool(pool.into())?;
-                capture_mode::closed();
-                Ok(())
-            },
-            |a| a.end_capture(capture_mode::async_capture::ended()),
-        )?;
+        let allocator = devices::served(device)?;
+        // The async allocator joins the capture's streams into the capture stream; the caching
+        // allocator needs none.
+        let capture_stream = match allocator.as_async() {
+            Some(_) => capture_mode::async_capture::ended(),
+            None => StreamId::DEFAULT,
+        };
+        allocator.end_capture(pool.into(), capture_stream)?;
+        if allocator.caching().is_some() {
+            capture_mode::closed();
+        }
         Ok(())
     });
 }
@@ -162,7 +160,7 @@ pub extern "C" fn tensormem_end_allocate_to_pool(device: c_int, pool: TorchMempo
 #[no_mangle]
 pub extern "C" fn tensormem_release_pool(device: c_int, pool: TorchMempoolId) {
     call("tensormem_release_pool", (), || {
-        devices::served(device)?.serve(|a| a.release_pool(pool.into()), |_| Ok(()))?;
+        devices::served(device)?.release_pool(pool.into())?;
         Ok(())
     });
 }

@@ -39,8 +39,8 @@
 //! also printed on stderr, since PyTorch does not check the result of its pluggable allocator.
 //! Each call leaves the calling thread's current CUDA context (PyTorch's current device) as it found it.
 //!
-//! The allocator of each device is the device API's ([`tensormem::cuda::device_allocator`]),
-//! configured from `TENSORMEM_ALLOC_CONF`, else PyTorch's variables as PyTorch reads them: the
+//! The allocator of each device is the process's one ([`tensormem_runtime::allocator`], which the
+//! device API and CUDA storages share), configured from `TENSORMEM_ALLOC_CONF`, else PyTorch's variables as PyTorch reads them: the
 //! caching allocator, or, when the configuration asks for `backend:cudaMallocAsync`, the device's
 //! `AsyncAllocator`, which serves every function as PyTorch's `CudaMallocAsyncAllocator` does, what
 //! PyTorch refuses for that backend being refused with its message (see [`native`]).
@@ -70,6 +70,7 @@ mod error;
 mod hooks;
 pub mod native;
 mod stats;
+mod status;
 mod streams;
 
 pub use allocate::{

@@ -4,6 +4,7 @@
 use std::ffi::{c_char, c_int, CStr, CString};
 
 use tensormem::cuda;
+use tensormem_runtime::DeviceMemory;
 
 use crate::boundary::call;
 use crate::devices;
@@ -52,13 +53,7 @@ pub unsafe extern "C" fn tensormem_string_free(text: *mut c_char) {
 #[no_mangle]
 pub extern "C" fn tensormem_reset_peak_stats(device: c_int) -> c_int {
     call("tensormem_reset_peak_stats", -1, || {
-        devices::served(device)?.serve(
-            |a| {
-                a.reset_peak_stats();
-                Ok(())
-            },
-            |a| a.reset_peak_stats(),
-        )?;
+        devices::served(device)?.reset_peak_stats()?;
         Ok(0)
     })
 }

@@ -31,8 +31,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::CachingAllocator;
-use crate::device::{CaptureStatus, Device, DeviceAddress, StreamId};
-use crate::error::{Error, Result};
+use crate::device::{CaptureStatus, Device, DeviceAddress};
+use crate::error::{Error, Result, SleepError};
 use crate::host::{HostCachingAllocator, PinnedBuffer};
 use crate::pool::PoolOwner;
 use crate::pool_id::MempoolId;
@@ -84,72 +84,6 @@ impl<T: HostBackup + ?Sized> HostBackup for Arc<T> {
     fn free(&self, buffer: PinnedBuffer) -> Result<()> {
         (**self).free(buffer)
     }
-}
-
-/// Why a pool could not sleep or wake (nothing was changed unless said otherwise).
-#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum SleepError {
-    /// No private pool of that id exists (the default pools never sleep).
-    #[error("pool {pool} is not a private pool of this allocator; only private pools (MemPool, graph pools) sleep")]
-    NoSuchPool {
-        /// The pool named.
-        pool: MempoolId,
-    },
-    /// The pool has a segment that is not expandable: its memory cannot be released at a kept
-    /// address.
-    #[error(
-        "pool {pool} has a segment at {segment} that is not expandable; only pools on expandable \
-         segments sleep (set expandable_segments:True before the pool allocates)"
-    )]
-    NotExpandable {
-        /// The pool named.
-        pool: MempoolId,
-        /// The start of a segment that is not expandable.
-        segment: DeviceAddress,
-    },
-    /// A chunk of the pool was exported to another process, which may be using it.
-    #[error(
-        "pool {pool} has memory shared with another process (the chunk at {chunk} was exported); \
-         it cannot sleep until the shared allocation is freed and its chunks released (empty_cache)"
-    )]
-    Shared {
-        /// The pool named.
-        pool: MempoolId,
-        /// The start of an exported chunk.
-        chunk: DeviceAddress,
-    },
-    /// A capture or a `MemPool` context is allocating to the pool.
-    #[error(
-        "pool {pool} is being allocated to (a graph capture or a MemPool context is underway); end \
-         it before the pool sleeps"
-    )]
-    AllocatingTo {
-        /// The pool named.
-        pool: MempoolId,
-    },
-    /// A stream of this allocator is being captured into a graph: sleeping waits for the device,
-    /// which a capture forbids.
-    #[error("stream {stream} is being captured into a CUDA graph; pool {pool} cannot sleep during a capture")]
-    Capturing {
-        /// The pool named.
-        pool: MempoolId,
-        /// A stream being captured.
-        stream: StreamId,
-    },
-    /// The pool is asleep (or on its way to sleep or to wake): allocating to it, or putting it to
-    /// sleep again, is refused.
-    #[error("pool {pool} is asleep; wake it before allocating from it or putting it to sleep")]
-    Asleep {
-        /// The pool named.
-        pool: MempoolId,
-    },
-    /// The pool is not asleep: there is nothing to wake.
-    #[error("pool {pool} is not asleep; there is nothing to wake")]
-    NotAsleep {
-        /// The pool named.
-        pool: MempoolId,
-    },
 }
 
 /// What [`CachingAllocator::sleep_pool`] did.

@@ -38,14 +38,13 @@
 //! cache can grow while a stream is being captured into a graph, even in global mode (PyTorch's
 //! `cudaMallocMaybeCapturing`). [`CudaBackend::is_capturing`] tells whether a stream is capturing.
 
-pub mod async_alloc;
 mod capture;
 mod context;
-mod driver;
+pub(crate) mod driver;
 mod event;
 mod pinned;
 mod properties;
-mod registry;
+pub(crate) mod registry;
 mod stream;
 mod vmm;
 

@@ -8,12 +8,13 @@ use std::time::{Duration, Instant};
 
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use super::frame::{self, FrameRead, FrameWait, ACCEPT_MAGIC, FD_MAGIC, FRAME_LEN};
-use super::layout::{self, Memory, MAGIC, VERSION};
+use super::frame::{self, FrameRead, FrameWait, FRAME_LEN};
+use super::layout::{self, Memory, VERSION};
 use super::ring::{self, Consumer, Corrupt, Producer, Stop, WaitPlan, SLOT_FD};
 use super::{ChannelOptions, MAX_MESSAGE, MAX_SLOTS};
-use crate::error::{Error, Result, SizeProblem, WireFormat};
+use crate::error::{Error, Result, SizeProblem};
 use crate::region::{MapOptions, SharedRegion};
+use crate::wire::{WireFormat, ACCEPT_MAGIC, CHANNEL_MAGIC, FD_MAGIC, POOL_MAGIC};
 
 /// What both halves of one end share: the mapping, the socket, which side this is.
 struct Shared {
@@ -113,14 +114,14 @@ impl Drop for Shared {
 /// `true` if `head` (the first bytes queued on the socket) can start a frame this channel reads:
 /// an fd frame, or the acceptor's accept frame (a plain channel's or a pool's).
 fn is_frame_head(head: &[u8]) -> bool {
-    [FD_MAGIC, ACCEPT_MAGIC, crate::pool::wire::MAGIC]
+    [FD_MAGIC, ACCEPT_MAGIC, POOL_MAGIC]
         .iter()
         .any(|magic| magic.starts_with(head))
 }
 
 /// `true` if `frame` is an acceptor's accept frame (it carries no fd).
 fn is_accept_frame(frame: &[u8; FRAME_LEN]) -> bool {
-    frame[0..4] == ACCEPT_MAGIC || frame[0..4] == crate::pool::wire::MAGIC
+    frame[0..4] == ACCEPT_MAGIC || frame[0..4] == POOL_MAGIC
 }
 
 fn corrupt(c: Corrupt) -> Error {
@@ -617,7 +618,7 @@ impl Channel {
         let word = |i: usize| {
             u32::from_le_bytes([got[4 * i], got[4 * i + 1], got[4 * i + 2], got[4 * i + 3]])
         };
-        if got[0..4] != MAGIC {
+        if got[0..4] != CHANNEL_MAGIC {
             return Err(WireFormat::Channel.bad_magic(&got));
         }
         if word(1) != VERSION || word(3) != 0 {
@@ -805,7 +806,7 @@ impl Channel {
 }
 
 fn header_words(slots: u32) -> [u32; 4] {
-    [u32::from_le_bytes(MAGIC), VERSION, slots, 0]
+    [u32::from_le_bytes(CHANNEL_MAGIC), VERSION, slots, 0]
 }
 
 fn frame_of(words: &[u32; 4]) -> [u8; FRAME_LEN] {

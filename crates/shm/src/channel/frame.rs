@@ -17,18 +17,12 @@ use rustix::net::{
     SendAncillaryMessage, SendFlags,
 };
 
-use crate::error::{Error, Result, WireFormat};
+use crate::error::{Error, Result};
 use crate::transfer::{self, RecvOptions};
+use crate::wire::WireFormat;
 
 /// Bytes of every frame.
 pub(crate) const FRAME_LEN: usize = 16;
-
-/// Magic of an fd frame.
-pub(crate) const FD_MAGIC: [u8; 4] = *b"TMFD";
-
-/// Magic of the accept frame of a plain [`Channel::accept`](super::Channel::accept) (a pool's
-/// producer sends the pool's magic instead).
-pub(crate) const ACCEPT_MAGIC: [u8; 4] = *b"TMCA";
 
 /// The first (up to four) bytes queued on the socket, without consuming them or waiting: empty
 /// when nothing is queued (or the socket fails; the next real read reports that).

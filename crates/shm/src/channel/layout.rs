@@ -15,10 +15,10 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 use loom::sync::atomic::{AtomicU32, AtomicU64};
 
 use super::ring::{Ring, RingControl, SLOT_BYTES, SLOT_WORDS};
-use crate::error::{Error, Result, WireFormat};
+use crate::error::{Error, Result};
 use crate::region::SharedRegion;
+use crate::wire::WireFormat;
 
-pub(crate) const MAGIC: [u8; 4] = *b"TMCH";
 pub(crate) const VERSION: u32 = 1;
 const CLOSED: [usize; 2] = [64, 128];
 const CONTROL: [usize; 2] = [256, 512];

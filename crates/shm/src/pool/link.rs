@@ -20,7 +20,8 @@ use rustix::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use super::wire::{self, Header, Kind, Record};
 use super::Inner;
 use crate::channel::{Channel, ChannelReceiver, ChannelSender, MAX_MESSAGE};
-use crate::error::{Error, Result, WireFormat};
+use crate::error::{Error, Result};
+use crate::wire::WireFormat;
 
 /// One connection, shared by its sender and the pool. Every message to the consumer is sent
 /// under `mirror`'s lock, every release read under `leases'`.

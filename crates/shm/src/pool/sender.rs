@@ -10,8 +10,9 @@ use super::link::{to_pool_error, Leases, Link, Mirror, ReadWait};
 use super::wire::{self, Header, Kind, Record, POOL_SLOTS};
 use super::{Inner, PoolBuffer, ShmPool};
 use crate::channel::{Channel, ChannelOptions, MAX_MESSAGE};
-use crate::error::{Error, Result, WireFormat};
+use crate::error::{Error, Result};
 use crate::transfer::RecvOptions;
+use crate::wire::{WireFormat, POOL_MAGIC};
 
 /// The producer's end of a connection to one consumer (a
 /// [`PoolReceiver`](crate::pool::PoolReceiver)): sends [`PoolBuffer`]s, the region's fd
@@ -77,9 +78,8 @@ impl PoolSender {
     /// is not a pool hello (or not a channel); the checks of the channel's memory
     /// ([`Channel::accept`]).
     pub fn new(pool: &ShmPool, socket: impl Into<OwnedFd>) -> Result<Self> {
-        let mut channel =
-            Channel::accept_as(socket.into(), ChannelOptions::default(), super::wire::MAGIC)
-                .map_err(to_pool_error)?;
+        let mut channel = Channel::accept_as(socket.into(), ChannelOptions::default(), POOL_MAGIC)
+            .map_err(to_pool_error)?;
         let mut hello = [0u8; MAX_MESSAGE];
         let n = channel.recv(&mut hello).map_err(to_pool_error)?;
         let Record::Hello { entries, bytes } = Record::decode(&hello[..n])? else {

@@ -26,7 +26,8 @@
 //! = region id), `a` (u64), `b` (u64).
 
 use crate::channel::MAX_MESSAGE;
-use crate::error::{Error, Result, WireFormat};
+use crate::error::{Error, Result};
+use crate::wire::{WireFormat, POOL_MAGIC};
 
 /// Size of every producer-to-consumer message.
 pub(crate) const MESSAGE_LEN: usize = 256;
@@ -66,7 +67,6 @@ pub(crate) fn padded(bytes: &[u8]) -> Result<[u8; MESSAGE_LEN]> {
 /// A received message and the fd it carried, if any.
 pub(crate) type Message = (Option<rustix::fd::OwnedFd>, [u8; MESSAGE_LEN]);
 
-pub(crate) const MAGIC: [u8; 4] = *b"TMPL";
 const RECORD_MAGIC: [u8; 4] = *b"TMRL";
 const VERSION: u16 = 1;
 const FLAG_TRANSIENT: u8 = 1;
@@ -100,7 +100,7 @@ pub(crate) fn encode(header: &Header, user: &[u8]) -> Result<[u8; MESSAGE_LEN]> 
         });
     }
     let mut out = [0u8; MESSAGE_LEN];
-    out[0..4].copy_from_slice(&MAGIC);
+    out[0..4].copy_from_slice(&POOL_MAGIC);
     out[4..6].copy_from_slice(&VERSION.to_le_bytes());
     out[6] = match header.kind {
         Kind::New => 1,
@@ -123,7 +123,7 @@ pub(crate) fn decode(b: &[u8; MESSAGE_LEN]) -> Result<Header> {
             problem,
         })
     };
-    if b[0..4] != MAGIC {
+    if b[0..4] != POOL_MAGIC {
         return Err(WireFormat::Pool.bad_magic(b));
     }
     let version = u16::from_le_bytes([b[4], b[5]]);

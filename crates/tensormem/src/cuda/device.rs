@@ -5,8 +5,9 @@ use std::cell::Cell;
 use tensormem_cuda_alloc::backend::cuda::{self as backend, DeviceProperties};
 use tensormem_cuda_alloc::{Device, MemInfo};
 
+use tensormem_runtime::DeviceMemory;
+
 use super::error::Result;
-use super::registry;
 
 thread_local! {
     /// This thread's current device (`torch.cuda.current_device()`); 0 until set.
@@ -27,7 +28,7 @@ pub fn is_available() -> bool {
 /// [`Error::ForkedChild`](super::Error::ForkedChild) in a bad fork; [`Error::Device`](super::Error::Device)
 /// when there is no driver (code 100, with a message saying what is missing).
 pub fn device_count() -> Result<u32> {
-    Ok(registry::get()?.device_count())
+    Ok(tensormem_runtime::device_count()?)
 }
 
 /// Whether `device`'s primary context is active (`torch._C._cuda_hasPrimaryContext`,
@@ -39,7 +40,7 @@ pub fn device_count() -> Result<u32> {
 /// [`Error::InvalidDevice`](super::Error::InvalidDevice) for an ordinal past the device count; as
 /// [`device_count`].
 pub fn has_primary_context(device: u32) -> Result<bool> {
-    registry::check_ordinal(device)?;
+    tensormem_runtime::check_ordinal(device)?;
     Ok(backend::has_primary_context(device)?)
 }
 
@@ -50,7 +51,7 @@ pub fn has_primary_context(device: u32) -> Result<bool> {
 ///
 /// As [`device_count`]: using CUDA initialises it.
 pub fn current_device() -> Result<u32> {
-    registry::get()?;
+    tensormem_runtime::device_count()?;
     Ok(CURRENT_DEVICE.with(Cell::get))
 }
 
@@ -63,8 +64,7 @@ pub fn current_device() -> Result<u32> {
 /// [`Error::InvalidDevice`](super::Error::InvalidDevice) for an ordinal past the device count; the
 /// errors of [`device_count`].
 pub fn set_device(device: u32) -> Result<()> {
-    let state = registry::device(device)?;
-    state.device().make_current()?;
+    device_of(device)?.make_current()?;
     CURRENT_DEVICE.with(|c| c.set(device));
     Ok(())
 }
@@ -129,8 +129,8 @@ pub(crate) fn resolve(device: Option<u32>) -> Result<u32> {
 /// [`Error::InvalidDevice`](super::Error::InvalidDevice) for an ordinal past the device count; the
 /// errors of [`device_count`].
 pub fn can_device_access_peer(device: u32, peer: u32) -> Result<bool> {
-    registry::check_ordinal(device)?;
-    registry::check_ordinal(peer)?;
+    tensormem_runtime::check_ordinal(device)?;
+    tensormem_runtime::check_ordinal(peer)?;
     Ok(backend::can_access_peer(device, peer)?)
 }
 
@@ -146,10 +146,9 @@ pub fn can_device_access_peer(device: u32, peer: u32) -> Result<bool> {
 /// [`DeviceError::Unsupported`](tensormem_cuda_alloc::DeviceError::Unsupported) when the hardware cannot;
 /// the errors of [`set_device`].
 pub fn enable_peer_access(device: u32, peer: u32) -> Result<()> {
-    let (d, p) = (registry::device(device)?, registry::device(peer)?);
-    d.device().enable_peer_access(p.device())?;
-    Ok(p.allocator()
-        .serve(|_| Ok(()), |pool| pool.enable_peer_access(d.device()))?)
+    let (d, p) = (device_of(device)?, device_of(peer)?);
+    d.enable_peer_access(p)?;
+    Ok(tensormem_runtime::allocator(peer)?.enable_peer_access(d)?)
 }
 
 /// The properties of `device`, or of the current device (`torch.cuda.get_device_properties`): name,
@@ -160,7 +159,7 @@ pub fn enable_peer_access(device: u32, peer: u32) -> Result<()> {
 /// [`Error::InvalidDevice`](super::Error::InvalidDevice); the driver's errors.
 pub fn get_device_properties(device: Option<u32>) -> Result<DeviceProperties> {
     let device = resolve(device)?;
-    registry::check_ordinal(device)?;
+    tensormem_runtime::check_ordinal(device)?;
     Ok(backend::device_properties(device)?)
 }
 
@@ -191,8 +190,7 @@ pub fn get_device_capability(device: Option<u32>) -> Result<(i32, i32)> {
 ///
 /// The driver's errors (an asynchronous error of earlier work surfaces here).
 pub fn synchronize(device: Option<u32>) -> Result<()> {
-    let state = registry::device(resolve(device)?)?;
-    Ok(state.device().synchronize()?)
+    Ok(device_of(resolve(device)?)?.synchronize()?)
 }
 
 /// Free and total memory of `device`, or of the current device, as the driver sees it
@@ -202,6 +200,12 @@ pub fn synchronize(device: Option<u32>) -> Result<()> {
 ///
 /// The driver's errors.
 pub fn mem_get_info(device: Option<u32>) -> Result<MemInfo> {
-    let state = registry::device(resolve(device)?)?;
-    Ok(state.device().mem_info()?)
+    Ok(device_of(resolve(device)?)?.mem_info()?)
+}
+
+/// The device `ordinal`, opened on first use (the process runtime's).
+pub(crate) fn device_of(
+    ordinal: u32,
+) -> Result<&'static tensormem_cuda_alloc::backend::cuda::CudaBackend> {
+    Ok(tensormem_runtime::device_state(ordinal)?.device()?)
 }

@@ -9,7 +9,7 @@ pub enum Error {
     /// This process is a `fork()` child of a process that had initialised CUDA: the driver's state is not
     /// usable here (PyTorch's bad-fork guard).
     /// The message says when the parent's only attempt to initialise CUDA had failed.
-    #[error("{}", super::fork::forked_child_message())]
+    #[error("{}", tensormem_runtime::forked_child_message())]
     ForkedChild,
     /// A device ordinal past the devices this process sees.
     #[error("invalid device ordinal {device}: this process sees {count} CUDA device(s), numbered from 0")]
@@ -71,6 +71,9 @@ pub enum Error {
     /// [`Error::Device`] and [`Error::Alloc`]).
     #[error(transparent)]
     Ipc(tensormem_ipc::Error),
+    /// Another failure of the process runtime (`tensormem-runtime`).
+    #[error(transparent)]
+    Runtime(tensormem_runtime::Error),
 }
 
 impl From<tensormem_ipc::Error> for Error {
@@ -83,6 +86,22 @@ impl From<tensormem_ipc::Error> for Error {
                 count,
             },
             other => Error::Ipc(other),
+        }
+    }
+}
+
+impl From<tensormem_runtime::Error> for Error {
+    fn from(err: tensormem_runtime::Error) -> Self {
+        use tensormem_runtime::Error as R;
+        match err {
+            R::ForkedChild => Error::ForkedChild,
+            R::InvalidDevice { device, count } => Error::InvalidDevice { device, count },
+            R::Device(err) => Error::Device(err),
+            R::Alloc(err) => Error::Alloc(err),
+            R::AsyncUnsupported(what) => Error::AsyncUnsupported(what),
+            R::BackendChanged { asked, running } => Error::BackendChanged { asked, running },
+            R::Ipc(err) => Error::Ipc(err),
+            other => Error::Runtime(other),
         }
     }
 }

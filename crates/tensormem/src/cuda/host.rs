@@ -13,7 +13,6 @@ use tensormem_cuda_alloc::host::{HostCachingAllocator, HostStats, PinnedBuffer};
 
 use super::device::resolve;
 use super::error::Result;
-use super::registry;
 use super::stream::Stream;
 
 /// The pinned host allocator of `device`, or of the current device, made on first use with the
@@ -23,8 +22,7 @@ use super::stream::Stream;
 ///
 /// As [`caching_allocator`](super::caching_allocator).
 pub fn host_allocator(device: Option<u32>) -> Result<&'static HostCachingAllocator<CudaBackend>> {
-    let ordinal = resolve(device)?;
-    registry::device(ordinal)?.host(ordinal)
+    Ok(tensormem_runtime::device_state(resolve(device)?)?.host()?)
 }
 
 /// Allocates `size` bytes of pinned host memory (`torch.empty(size, pin_memory=True)`'s storage)
@@ -82,8 +80,8 @@ pub fn host_stats(device: Option<u32>) -> Result<HostStats> {
 ///
 /// The driver's errors while freeing.
 pub fn host_empty_cache() -> Result<()> {
-    for (ordinal, state) in registry::opened()? {
-        state.host(ordinal)?.empty_cache()?;
+    for (state, _) in tensormem_runtime::opened()? {
+        state.host()?.empty_cache()?;
     }
     Ok(())
 }

@@ -19,10 +19,11 @@ use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_cuda_alloc::stats::MemoryStats;
 use tensormem_cuda_alloc::{CachingAllocator, DeviceAddress, MempoolId, RecordContext};
 
+use tensormem_runtime::DeviceMemory;
+
 use super::backend::{backend_supports, device_allocator, AsyncUnsupported};
 use super::device::resolve;
 use super::error::{Error, Result};
-use super::registry;
 use super::stream::{current_stream, Stream};
 
 /// The caching allocator of `device`, or of the current device, created on first use. For what the
@@ -36,7 +37,7 @@ use super::stream::{current_stream, Stream};
 /// [`Error::Alloc`] when the configuration in the environment is malformed.
 pub fn caching_allocator(device: Option<u32>) -> Result<&'static CachingAllocator<CudaBackend>> {
     backend_supports(AsyncUnsupported::CachingAllocator)?;
-    device_allocator(device)?.native(AsyncUnsupported::CachingAllocator)
+    Ok(device_allocator(device)?.native(AsyncUnsupported::CachingAllocator)?)
 }
 
 /// The allocator statistics of `device`, or of the current device, under the flat keys of
@@ -58,7 +59,7 @@ pub fn memory_stats(device: Option<u32>) -> Result<BTreeMap<String, i64>> {
 ///
 /// As [`memory_stats`].
 pub fn device_memory_stats(device: Option<u32>) -> Result<MemoryStats> {
-    Ok(device_allocator(device)?.serve(|a| Ok(a.memory_stats()), |a| a.memory_stats())?)
+    Ok(device_allocator(device)?.memory_stats()?)
 }
 
 /// Bytes currently handed out on `device` (`torch.cuda.memory_allocated`).
@@ -117,13 +118,7 @@ fn non_negative(value: i64) -> u64 {
 ///
 /// As [`memory_stats`].
 pub fn reset_peak_memory_stats(device: Option<u32>) -> Result<()> {
-    Ok(device_allocator(device)?.serve(
-        |a| {
-            a.reset_peak_stats();
-            Ok(())
-        },
-        |a| a.reset_peak_stats(),
-    )?)
+    Ok(device_allocator(device)?.reset_peak_stats()?)
 }
 
 /// Resets the accumulated counts of `device`'s statistics (`allocated`, `freed`, `num_*`) to zero
@@ -134,16 +129,7 @@ pub fn reset_peak_memory_stats(device: Option<u32>) -> Result<()> {
 ///
 /// As [`device_allocator`](super::device_allocator).
 pub fn reset_accumulated_memory_stats(device: Option<u32>) -> Result<()> {
-    device_allocator(device)?.serve(
-        |a| {
-            a.reset_accumulated_stats();
-            Ok(())
-        },
-        |a| {
-            a.reset_accumulated_stats();
-            Ok(())
-        },
-    )
+    Ok(device_allocator(device)?.reset_accumulated_stats()?)
 }
 
 /// A snapshot of every device's allocator opened so far (`torch.cuda.memory._snapshot()`): all their
@@ -182,9 +168,9 @@ pub fn memory_snapshot_with(pool: Option<MempoolId>, include_traces: bool) -> Re
         ..Snapshot::default()
     };
     let mut host = Snapshot::default();
-    for (ordinal, state) in registry::opened()? {
-        let snapshot = state
-            .allocator()
+    for (state, allocator) in tensormem_runtime::opened()? {
+        let ordinal = state.ordinal();
+        let snapshot = allocator
             .native(AsyncUnsupported::Snapshot)?
             .snapshot_with(pool, include_traces);
         merged.segments.extend(snapshot.segments);
@@ -301,15 +287,15 @@ pub fn record_memory_history_in(
     if scope.cuda {
         backend_supports(AsyncUnsupported::RecordHistory)?;
     }
-    registry::record_history(
+    Ok(tensormem_runtime::record_history(
         enabled,
         max_entries.max(1),
         context,
-        registry::Recorded {
+        tensormem_runtime::Recorded {
             cuda: scope.cuda,
             host: scope.pinned_host_memory,
         },
-    )
+    )?)
 }
 
 /// Limits how much of `device`'s memory its allocator may hold to `fraction` of the total
@@ -322,10 +308,7 @@ pub fn record_memory_history_in(
 /// [`Error::Alloc`] with [`InvalidFraction`](tensormem_cuda_alloc::Error::InvalidFraction) outside
 /// `[0, 1]`; as [`device_allocator`](super::device_allocator).
 pub fn set_per_process_memory_fraction(fraction: f64, device: Option<u32>) -> Result<()> {
-    Ok(device_allocator(device)?.serve(
-        |a| a.set_memory_fraction(fraction),
-        |a| a.set_memory_fraction(fraction),
-    )?)
+    Ok(device_allocator(device)?.set_memory_fraction(fraction)?)
 }
 
 /// Returns every cached, unused block of every device's allocator to the driver
@@ -336,10 +319,8 @@ pub fn set_per_process_memory_fraction(fraction: f64, device: Option<u32>) -> Re
 ///
 /// The driver's errors while freeing.
 pub fn empty_cache() -> Result<()> {
-    for (_, state) in registry::opened()? {
-        state
-            .allocator()
-            .serve(|a| a.empty_cache(), |a| a.empty_cache())?;
+    for (_, allocator) in tensormem_runtime::opened()? {
+        allocator.empty_cache()?;
     }
     Ok(())
 }
@@ -355,8 +336,8 @@ pub fn empty_cache() -> Result<()> {
 ///
 /// [`Error::ForkedChild`](super::Error::ForkedChild) in a bad fork.
 pub fn ipc_collect() -> Result<bool> {
-    super::fork::check_not_forked()?;
-    Ok(tensormem_ipc::ipc_collect())
+    tensormem_runtime::check_not_forked()?;
+    Ok(tensormem_runtime::ipc_collect())
 }
 
 /// Applies a configuration string in `PYTORCH_CUDA_ALLOC_CONF` grammar to every device's allocator, now
@@ -370,7 +351,7 @@ pub fn ipc_collect() -> Result<bool> {
 /// [`Error::BackendChanged`] for one naming the other backend (the backend is chosen once per
 /// process), in which case nothing changes.
 pub fn set_allocator_settings(config: &str) -> Result<()> {
-    registry::apply_settings(config)
+    Ok(tensormem_runtime::apply_settings(config)?)
 }
 
 /// The settings `device`'s allocator runs with, or the current device's (under
@@ -380,7 +361,7 @@ pub fn set_allocator_settings(config: &str) -> Result<()> {
 ///
 /// As [`device_allocator`](super::device_allocator).
 pub fn allocator_settings(device: Option<u32>) -> Result<AllocatorConfig> {
-    registry::config_of(registry::device(resolve(device)?)?)
+    Ok(tensormem_runtime::device_state(resolve(device)?)?.config()?)
 }
 
 /// Attaches `observer` to every device's allocator, those used so far and those used later
@@ -396,7 +377,9 @@ pub fn attach_out_of_memory_observer(
     observer: impl Fn(&OomEvent) + Send + Sync + 'static,
 ) -> Result<()> {
     backend_supports(AsyncUnsupported::AttachOutOfMemoryObserver)?;
-    registry::attach_oom_observer(std::sync::Arc::new(observer))
+    Ok(tensormem_runtime::attach_oom_observer(
+        std::sync::Arc::new(observer),
+    )?)
 }
 
 /// Allocates `size` bytes with the device's allocator for use on `stream`, or on the current stream
@@ -414,8 +397,7 @@ pub fn caching_allocator_alloc(size: usize, stream: Option<&Stream>) -> Result<D
         None => current_stream(None)?,
     };
     let id = stream.id();
-    Ok(device_allocator(Some(stream.device_index()))?
-        .serve(|a| a.raw_alloc(size, id), |a| a.allocate(size, id))?)
+    Ok(device_allocator(Some(stream.device_index()))?.allocate(size, id)?)
 }
 
 /// Frees memory from [`caching_allocator_alloc`] (`torch.cuda.caching_allocator_delete`), whichever
@@ -427,15 +409,12 @@ pub fn caching_allocator_alloc(size: usize, stream: Option<&Stream>) -> Result<D
 /// device's allocator handed out `ptr` (or it was already freed).
 pub fn caching_allocator_delete(ptr: DeviceAddress) -> Result<()> {
     let current = super::current_device()?;
-    let mut tried = registry::opened()?.collect::<Vec<_>>();
+    let mut tried = tensormem_runtime::opened()?;
     // The current device first: where memory usually is.
-    tried.sort_by_key(|&(ordinal, _)| ordinal != current);
+    tried.sort_by_key(|(state, _)| state.ordinal() != current);
     let mut last = tensormem_cuda_alloc::Error::InvalidPointer { ptr };
-    for (_, state) in tried {
-        match state
-            .allocator()
-            .serve(|a| a.raw_free(ptr), |a| a.free(ptr))
-        {
+    for (_, allocator) in tried {
+        match allocator.free(ptr) {
             Ok(()) => return Ok(()),
             Err(err @ tensormem_cuda_alloc::Error::InvalidPointer { .. }) => last = err,
             Err(other) => return Err(other.into()),
@@ -453,8 +432,5 @@ pub fn caching_allocator_delete(ptr: DeviceAddress) -> Result<()> {
 /// not live memory of `stream`'s device.
 pub fn caching_allocator_record_stream(ptr: DeviceAddress, stream: &Stream) -> Result<()> {
     let id = stream.id();
-    Ok(device_allocator(Some(stream.device_index()))?.serve(
-        |a| a.record_stream_ptr(ptr, id),
-        |a| a.record_stream(ptr, id),
-    )?)
+    Ok(device_allocator(Some(stream.device_index()))?.record_stream(ptr, id)?)
 }

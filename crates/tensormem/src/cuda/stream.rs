@@ -8,9 +8,8 @@ use std::sync::Arc;
 use tensormem_cuda_alloc::backend::cuda::BackendStream;
 use tensormem_cuda_alloc::{Device, StreamId};
 
-use super::device::resolve;
+use super::device::{device_of, resolve};
 use super::error::Result;
-use super::registry;
 
 /// A stream of one device: the legacy default stream, or a non-blocking stream made with
 /// [`Stream::new`]. Cheap to clone; a made stream is destroyed when its last clone is dropped (queued
@@ -30,10 +29,9 @@ impl Stream {
     /// The errors of [`set_device`](super::set_device); the driver's errors.
     pub fn new(device: Option<u32>) -> Result<Stream> {
         let device = resolve(device)?;
-        let state = registry::device(device)?;
         Ok(Stream {
             device,
-            owned: Some(Arc::new(state.device().create_stream()?)),
+            owned: Some(Arc::new(device_of(device)?.create_stream()?)),
         })
     }
 
@@ -81,7 +79,7 @@ impl Stream {
             Some(stream) => Ok(stream.synchronize()?),
             None => {
                 // The default stream: record an event on it and wait for that.
-                let device = registry::device(self.device)?.device();
+                let device = device_of(self.device)?;
                 let event = device.create_event()?;
                 device.record_event(&event, StreamId::DEFAULT)?;
                 Ok(device.synchronize_event(&event)?)
@@ -98,7 +96,7 @@ impl Stream {
         match &self.owned {
             Some(stream) => Ok(stream.is_idle()?),
             None => {
-                let device = registry::device(self.device)?.device();
+                let device = device_of(self.device)?;
                 let event = device.create_event()?;
                 device.record_event(&event, StreamId::DEFAULT)?;
                 Ok(device.query_event(&event)?)
@@ -138,7 +136,7 @@ thread_local! {
 /// [`Error::InvalidDevice`](super::Error::InvalidDevice); the errors of initialising CUDA.
 pub fn default_stream(device: Option<u32>) -> Result<Stream> {
     let device = resolve(device)?;
-    registry::check_ordinal(device)?;
+    tensormem_runtime::check_ordinal(device)?;
     Ok(Stream::default_of(device))
 }
 
@@ -150,7 +148,7 @@ pub fn default_stream(device: Option<u32>) -> Result<Stream> {
 /// As [`default_stream`].
 pub fn current_stream(device: Option<u32>) -> Result<Stream> {
     let device = resolve(device)?;
-    registry::check_ordinal(device)?;
+    tensormem_runtime::check_ordinal(device)?;
     let set = CURRENT_STREAMS.with(|s| s.borrow().get(device as usize).cloned().flatten());
     Ok(set.unwrap_or_else(|| Stream::default_of(device)))
 }
@@ -187,6 +185,6 @@ pub fn set_stream(stream: &Stream) -> Result<()> {
 /// The errors of [`current_stream`]; the driver's errors.
 pub fn is_current_stream_capturing() -> Result<bool> {
     let stream = current_stream(None)?;
-    let device = registry::device(stream.device)?.device();
+    let device = device_of(stream.device)?;
     Ok(device.is_capturing(stream.id())?)
 }

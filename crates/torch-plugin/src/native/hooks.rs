@@ -5,20 +5,20 @@
 //! error, as PyTorch's allocator runs them.
 //!
 //! The C++ layer registers one function of each kind, which fans out to PyTorch's list. They are
-//! attached to each device's allocator when the plugin first uses it, and to the devices already used
-//! when they are set.
+//! attached to every caching allocator the process opens, whoever opens it (from the plugin's first
+//! use of a device on, the runtime tells it of each), and to those opened already when they are set.
 
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicPtr, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Once};
 
 use tensormem_cuda_alloc::oom::OomEvent;
 use tensormem_cuda_alloc::snapshot::{TraceAction, TraceEntry};
 
-use tensormem::cuda::{self, AsyncUnsupported, DeviceAllocator};
+use tensormem::cuda::{self, AsyncUnsupported};
 
 use super::{status, TM_OK};
-use crate::devices::{self, Allocator};
+use crate::devices::Allocator;
 
 /// One trace entry as the C++ layer turns it into PyTorch's `TraceEntry`.
 #[repr(C)]
@@ -97,6 +97,9 @@ fn load<F: Copy>(slot: &AtomicPtr<c_void>, cast: fn(*mut c_void) -> F) -> Option
 }
 
 /// Attaches every hook set so far to `allocator` (each hook once per device).
+///
+/// The runtime calls it with its settings lock held (as each caching allocator opens): it takes only
+/// [`ATTACHED`] and the allocator's own locks, and never calls back into the runtime.
 pub(crate) fn attach(allocator: &'static Allocator) {
     let ordinal = allocator.device().ordinal();
     let mut attached = ATTACHED.lock().unwrap_or_else(|e| e.into_inner());
@@ -158,10 +161,18 @@ fn set(slot: &AtomicPtr<c_void>, raw: *mut c_void, name: &'static str) -> c_int 
             return Err(crate::Error::NullArgument { what: "function" });
         }
         slot.store(raw, Ordering::Release);
-        for allocator in devices::used() {
-            if let DeviceAllocator::Native(allocator) = allocator {
-                attach(allocator);
+        // Allocators the process opens later get the hook as they open, whoever opens them (the
+        // runtime calls `attach`; registering initialises nothing); those opened so far get it
+        // here. In a bad fork none can be used, and none gets it.
+        static WATCHING: Once = Once::new();
+        WATCHING.call_once(|| {
+            let watched = tensormem_runtime::on_caching_allocator(Arc::new(attach));
+            if let Err(err) = watched {
+                tracing::warn!(%err, "the C++ layer's hooks will not reach allocators opened later");
             }
+        });
+        for allocator in tensormem_runtime::opened_caching_allocators().unwrap_or_default() {
+            attach(allocator);
         }
         Ok(())
     })

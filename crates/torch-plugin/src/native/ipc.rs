@@ -41,6 +41,7 @@ use tensormem::ipc::{
     chunks, ChunkFdRoutes, ChunkHandle, IpcDriver, MemHandle, SegmentMemory, IPC_HANDLE_SIZE,
 };
 use tensormem_cuda_alloc::{DeviceAddress, DeviceError, ShareableSegment};
+use tensormem_runtime::DeviceMemory;
 
 use super::status;
 use crate::allocate::owner;
@@ -121,7 +122,9 @@ pub unsafe extern "C" fn tensormem_ipc_share(
 /// PyTorch's handle of the memory at `ptr` and the memory's offset in what the handle names.
 fn share(ptr: DeviceAddress) -> Result<(Vec<u8>, isize)> {
     cuda::backend_supports(AsyncUnsupported::ShareIpcHandle)?;
-    let allocator = owner(ptr)?.native(AsyncUnsupported::ShareIpcHandle)?;
+    let allocator = owner(ptr)?
+        .native(AsyncUnsupported::ShareIpcHandle)
+        .map_err(cuda::Error::from)?;
     match allocator.shareable_segment(ptr)? {
         ShareableSegment::Allocation { base, .. } => {
             allocator.device().make_current()?;

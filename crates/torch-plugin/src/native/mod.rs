@@ -32,12 +32,14 @@ use std::ffi::{c_int, c_void};
 use cudarc::driver::sys;
 use tensormem::cuda::{self, AsyncUnsupported};
 use tensormem_cuda_alloc::{DeviceAddress, Error as AllocError, MempoolId, StreamId};
+use tensormem_runtime::DeviceMemory;
 
 use crate::boundary::call;
-use crate::devices::{self, Allocator};
+use crate::devices;
 use crate::error::{Error, Result};
 use crate::streams;
 
+pub use crate::status::{TM_ERROR, TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED};
 pub use hooks::{
     tensormem_attach_trace_tracker, tensormem_set_free_memory_hook, tensormem_set_oom_observer,
     FreeMemoryFn, OomFn, TorchTraceEntry, TraceFn,
@@ -63,17 +65,6 @@ pub use snapshot::{
     TorchConfigInfo, TorchSegmentInfo, TorchSnapshot,
 };
 
-/// The call succeeded.
-pub const TM_OK: c_int = 0;
-/// The call failed because device memory ran out (PyTorch raises `torch.OutOfMemoryError`).
-pub const TM_OUT_OF_MEMORY: c_int = 1;
-/// The call failed for another reason (see [`tensormem_last_error`](crate::tensormem_last_error)).
-pub const TM_ERROR: c_int = -1;
-/// The code of a last error that is a refusal of PyTorch's allocator for the process's backend
-/// ([`tensormem_last_error_code`](crate::tensormem_last_error_code)); the calls that fail so return
-/// [`TM_ERROR`].
-pub const TM_UNSUPPORTED: c_int = 2;
-
 /// Runs `body` at the C boundary, turning its result into a status code.
 pub(crate) fn status(name: &'static str, body: impl FnOnce() -> Result<()>) -> c_int {
     let mut oom = false;
@@ -89,11 +80,6 @@ pub(crate) fn status(name: &'static str, body: impl FnOnce() -> Result<()>) -> c
         (false, true) => TM_OUT_OF_MEMORY,
         (false, false) => TM_ERROR,
     }
-}
-
-/// Attaches the C++ layer's hooks set so far to `allocator` (when the plugin first uses a device).
-pub(crate) fn attach_hooks(allocator: &'static Allocator) {
-    hooks::attach(allocator);
 }
 
 /// PyTorch's `MempoolId_t` halves as the allocator's pool id.
@@ -152,8 +138,8 @@ pub unsafe extern "C" fn tensormem_raw_delete(ptr: *mut c_void) -> c_int {
     }
     status("tensormem_raw_delete", || {
         let ptr = DeviceAddress(ptr as u64);
-        for allocator in devices::used() {
-            match allocator.serve(|a| a.raw_free(ptr), |a| a.free(ptr)) {
+        for allocator in devices::used()? {
+            match allocator.free(ptr) {
                 Err(AllocError::InvalidPointer { .. } | AllocError::ForeignAllocation { .. }) => {}
                 other => return Ok(other?),
             }
@@ -179,10 +165,7 @@ pub unsafe extern "C" fn tensormem_record_stream_checked(
         // SAFETY: `stream` is live and kept alive (the caller's obligation).
         unsafe {
             streams::with_stream(allocator.device(), stream, |id| {
-                allocator.serve(
-                    |a| a.record_stream_ptr(ptr, id),
-                    |a| a.record_stream(ptr, id),
-                )
+                allocator.record_stream(ptr, id)
             })
         }
     })
@@ -306,7 +289,7 @@ pub unsafe extern "C" fn tensormem_device_stats(
 
 /// `device`'s statistics, from the allocator that serves it.
 pub(crate) fn device_stats(device: c_int) -> Result<tensormem_cuda_alloc::stats::MemoryStats> {
-    Ok(devices::served(device)?.serve(|a| Ok(a.memory_stats()), |a| a.memory_stats())?)
+    Ok(devices::served(device)?.memory_stats()?)
 }
 
 /// `Ok` if `out` is non-null and the caller's struct has this library's size.
@@ -329,40 +312,29 @@ pub(crate) fn check_layout<T>(out: *const T, size: usize) -> Result<()> {
 #[no_mangle]
 pub extern "C" fn tensormem_reset_accumulated_stats(device: c_int) -> c_int {
     status("tensormem_reset_accumulated_stats", || {
-        devices::served(device)?.serve(
-            |a| {
-                a.reset_accumulated_stats();
-                Ok::<_, Error>(())
-            },
-            |a| {
-                a.reset_accumulated_stats();
-                Ok(())
-            },
-        )
+        devices::served(device)?.reset_accumulated_stats()?;
+        Ok(())
     })
 }
 
 /// Returns the cached free blocks of private pool (`first`, `second`) to the device, or those of
-/// every pool for `(0, 0)` (PyTorch's `emptyCache(mempool_id)`), on every device the plugin used.
+/// every pool for `(0, 0)` (PyTorch's `emptyCache(mempool_id)`), on every device the process opened.
 /// Under `backend:cudaMallocAsync` the pool is ignored, as in PyTorch: each device is synchronized
 /// and its memory pool trimmed to nothing.
 #[no_mangle]
 pub extern "C" fn tensormem_empty_cache_pool(first: u64, second: u64) -> c_int {
     status("tensormem_empty_cache_pool", || {
         let pool = pool_id(first, second);
-        for allocator in devices::used() {
-            allocator.serve(
-                |a| {
-                    if pool == MempoolId::DEFAULT {
-                        a.empty_cache()
-                    } else if a.private_pools().iter().any(|&(id, _)| id == pool) {
-                        a.empty_pool_cache(pool)
-                    } else {
-                        Ok(())
+        for allocator in devices::used()? {
+            match allocator.caching() {
+                // One private pool of the caching allocator, if it has it.
+                Some(caching) if pool != MempoolId::DEFAULT => {
+                    if caching.private_pools().iter().any(|&(id, _)| id == pool) {
+                        caching.empty_pool_cache(pool)?;
                     }
-                },
-                |a| a.empty_cache(),
-            )?;
+                }
+                _ => allocator.empty_cache()?,
+            }
         }
         Ok(())
     })
@@ -382,8 +354,7 @@ pub unsafe extern "C" fn tensormem_cache_info(device: c_int, largest: *mut usize
         if largest.is_null() {
             return Err(Error::NullArgument { what: "largest" });
         }
-        let bytes = devices::served(device)?
-            .serve(|a| a.cache_info(), |a| a.cache_info(StreamId::DEFAULT))?;
+        let bytes = devices::served(device)?.largest_available(StreamId::DEFAULT)?;
         // SAFETY: non-null (checked above) and valid for writes (the caller's obligation).
         unsafe { largest.write(usize::try_from(bytes).unwrap_or(usize::MAX)) };
         Ok(())
@@ -402,13 +373,7 @@ pub unsafe extern "C" fn tensormem_get_memory_fraction(device: c_int, fraction: 
         if fraction.is_null() {
             return Err(Error::NullArgument { what: "fraction" });
         }
-        let value = devices::served(device)?.serve(
-            |a| a.memory_fraction(),
-            |a| match a.memory_limit() {
-                Some(limit) => Ok(limit as f64 / a.mem_info()?.total.max(1) as f64),
-                None => Ok(1.0),
-            },
-        )?;
+        let value = devices::served(device)?.memory_fraction()?;
         // SAFETY: non-null (checked above) and valid for writes (the caller's obligation).
         unsafe { fraction.write(value) };
         Ok(())
@@ -419,10 +384,7 @@ pub unsafe extern "C" fn tensormem_get_memory_fraction(device: c_int, fraction: 
 #[no_mangle]
 pub extern "C" fn tensormem_set_memory_fraction_checked(fraction: f64, device: c_int) -> c_int {
     status("tensormem_set_memory_fraction", || {
-        devices::served(device)?.serve(
-            |a| a.set_memory_fraction(fraction),
-            |a| a.set_memory_fraction(fraction),
-        )?;
+        devices::served(device)?.set_memory_fraction(fraction)?;
         Ok(())
     })
 }
@@ -533,8 +495,9 @@ pub extern "C" fn tensormem_pool_peer_access(device: c_int, peer: c_int) -> c_in
         if cuda::get_allocator_backend()? == tensormem_cuda_alloc::config::Backend::Native {
             return Ok(());
         }
-        let accessor = devices::served(device)?.device();
-        devices::served(peer)?.serve(|_| Ok(()), |pool| Ok(pool.enable_peer_access(accessor)?))
+        let accessor = devices::served(device)?;
+        devices::served(peer)?.enable_peer_access(accessor.device())?;
+        Ok(())
     })
 }
 

@@ -17,10 +17,11 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 use tensormem_cuda_alloc::{
-    DeviceAddress, DeviceError, DeviceResult, PoolAllocator, PoolCheckpoint,
+    DeviceAddress, DeviceError, DeviceResult, PoolAllocator, PoolCheckpoint, StreamId,
 };
+use tensormem_runtime::DeviceMemory;
 
-use tensormem::cuda::{AsyncUnsupported, DeviceAllocator};
+use tensormem::cuda::AsyncUnsupported;
 
 use super::{pool_id, raw_stream, status};
 use crate::capture_mode;
@@ -88,21 +89,18 @@ pub unsafe extern "C" fn tensormem_pool_begin(
     });
     status("tensormem_pool_begin", move || {
         let filter = filter.ok_or(Error::NullArgument { what: "filter" })?;
-        let allocator = match devices::served(device)? {
-            DeviceAllocator::Native(allocator) => allocator,
-            DeviceAllocator::Async(allocator) => {
-                // PyTorch's filter means nothing here: the driver captures every allocation made on
-                // a capturing stream.
-                std::mem::drop(filter);
-                allocator.begin_capture()?;
-                capture_mode::async_capture::began();
-                return Ok(());
-            }
-        };
-        allocator.begin_allocate_to_pool(pool_id(first, second), move |stream| {
-            filter.accepts(raw_stream(stream))
-        })?;
-        capture_mode::opened();
+        let allocator = devices::served(device)?;
+        // The async allocator drops PyTorch's filter unasked: the driver captures every allocation
+        // made on a capturing stream.
+        allocator.begin_capture(
+            pool_id(first, second),
+            Box::new(move |stream| filter.accepts(raw_stream(stream))),
+        )?;
+        if allocator.as_async().is_some() {
+            capture_mode::async_capture::began();
+        } else {
+            capture_mode::opened();
+        }
         Ok(())
     })
 }
@@ -143,24 +141,23 @@ pub extern "C" fn tensormem_pool_end(device: c_int, first: u64, second: u64) -> 
 ///
 /// `stream`, when given, is as for [`crate::tensormem_alloc`].
 unsafe fn end(device: c_int, first: u64, second: u64, stream: Option<sys::CUstream>) -> Result<()> {
-    match devices::served(device)? {
-        DeviceAllocator::Native(allocator) => {
-            allocator.end_allocate_to_pool(pool_id(first, second))?;
-            capture_mode::closed();
-            Ok(())
-        }
-        DeviceAllocator::Async(allocator) => {
-            let remembered = capture_mode::async_capture::ended();
-            match stream {
-                // SAFETY: `stream` is live and kept alive (the caller's obligation).
-                Some(raw) => unsafe {
-                    crate::streams::with_stream(allocator.device(), raw, |id| {
-                        allocator.end_capture(id)
-                    })
-                },
-                None => Ok(allocator.end_capture(remembered)?),
-            }
-        }
+    let allocator = devices::served(device)?;
+    let pool = pool_id(first, second);
+    if allocator.as_async().is_none() {
+        // The caching allocator needs no capture stream.
+        allocator.end_capture(pool, StreamId::DEFAULT)?;
+        capture_mode::closed();
+        return Ok(());
+    }
+    let remembered = capture_mode::async_capture::ended();
+    match stream {
+        // SAFETY: `stream` is live and kept alive (the caller's obligation).
+        Some(raw) => unsafe {
+            crate::streams::with_stream(allocator.device(), raw, |id| {
+                allocator.end_capture(pool, id)
+            })
+        },
+        None => Ok(allocator.end_capture(pool, remembered)?),
     }
 }
 
@@ -170,7 +167,7 @@ unsafe fn end(device: c_int, first: u64, second: u64, stream: Option<sys::CUstre
 #[no_mangle]
 pub extern "C" fn tensormem_pool_release(device: c_int, first: u64, second: u64) -> c_int {
     status("tensormem_pool_release", || {
-        devices::served(device)?.serve(|a| a.release_pool(pool_id(first, second)), |_| Ok(()))?;
+        devices::served(device)?.release_pool(pool_id(first, second))?;
         Ok(())
     })
 }

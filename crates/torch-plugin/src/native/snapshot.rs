@@ -17,7 +17,7 @@ use crate::boundary::call;
 use crate::devices;
 use crate::error::{Error, Result};
 
-/// A snapshot of every device the plugin used, with its traces (one list per device ordinal) and the
+/// A snapshot of every device the process opened, with its traces (one list per device ordinal) and the
 /// allocator settings of the first device.
 #[derive(Debug)]
 pub struct TorchSnapshot {
@@ -112,7 +112,7 @@ impl Default for TorchConfigInfo {
     }
 }
 
-/// Takes a snapshot of every device the plugin used (PyTorch's `snapshot(mempool_id, include_traces)`):
+/// Takes a snapshot of every device the process opened (PyTorch's `snapshot(mempool_id, include_traces)`):
 /// the segments of private pool (`first`, `second`) only, unless it is (0, 0); the traces (one list
 /// per device, whole: PyTorch does not filter them by pool) when `include_traces` is nonzero, else
 /// none (no device lists: `device_traces` is `[]` as in PyTorch). Returns null on error (under
@@ -406,7 +406,7 @@ pub extern "C" fn tensormem_history(enabled: c_int, max_entries: usize) -> c_int
     })
 }
 
-/// Whether any device the plugin used is recording its history: 1 yes, 0 no (and 0 under
+/// Whether any device the process opened is recording its history: 1 yes, 0 no (and 0 under
 /// `backend:cudaMallocAsync`, which records none; the C++ layer asks
 /// [`tensormem_backend_supports`](super::tensormem_backend_supports) first, as PyTorch refuses).
 #[no_mangle]

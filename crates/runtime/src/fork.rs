@@ -9,8 +9,6 @@
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Once;
 
-use super::error::{Error, Result};
-
 /// Set in a child forked after [`poison_fork`] ran in an ancestor.
 static IN_BAD_FORK: AtomicBool = AtomicBool::new(false);
 
@@ -30,9 +28,9 @@ pub(crate) fn record_attempt(initialised: bool) {
     }
 }
 
-/// The message of [`Error::ForkedChild`]: it says whether the parent's CUDA initialisation had
+/// The message of [`Error::ForkedChild`](crate::Error::ForkedChild): it says whether the parent's CUDA initialisation had
 /// failed (no driver, no device), in which case the refusal may surprise.
-pub(crate) fn forked_child_message() -> &'static str {
+pub fn forked_child_message() -> &'static str {
     if ATTEMPT.load(Ordering::Relaxed) == FAILED {
         "Cannot re-initialize CUDA in forked subprocess: this process was forked after its parent tried \
          to initialise CUDA, and that attempt failed (no usable CUDA driver or device); the child is \
@@ -72,14 +70,4 @@ pub(crate) fn poison_fork() {
 #[must_use]
 pub fn is_in_bad_fork() -> bool {
     IN_BAD_FORK.load(Ordering::Relaxed)
-}
-
-/// `Err(Error::ForkedChild)` in a bad fork.
-#[inline]
-pub(crate) fn check_not_forked() -> Result<()> {
-    if is_in_bad_fork() {
-        Err(Error::ForkedChild)
-    } else {
-        Ok(())
-    }
 }

@@ -33,8 +33,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use cudarc::driver::sys;
 use parking_lot::Mutex;
 
-use super::driver::check;
-use super::{registry, BackendEvent, BackendStream, CudaBackend};
+use crate::backend::cuda::driver::check;
+use crate::backend::cuda::{registry, BackendEvent, BackendStream, CudaBackend};
 use crate::device::{Device, DeviceAddress, DeviceError, MemInfo, StreamId};
 use crate::error::{Error, Result};
 use crate::oom::OutOfMemory;

@@ -1,111 +1,10 @@
-//! Many tensors in one message: [`BatchHandle`], built with [`BatchBuilder`] and opened as a
-//! [`ReceivedBatch`].
-//!
-//! # The problem
-//!
-//! Handing a model's weights to another process (weight sync in reinforcement learning, a trainer
-//! feeding an inference server) is hundreds of tensors. PyTorch shares them one by one: a memory
-//! handle, an event and a ref-counter slot per tensor, and the consumer opens each. Most of those
-//! tensors live in a few segments of the caching allocator, and all of them were written on one
-//! stream. A batch sends them as one message:
-//!
-//! - **one memory handle per segment** (the base allocation the caching allocator carved the tensors
-//!   from), however many tensors lie in it;
-//! - **at most one event** for the message (the stream whose work the consumer waits for; none when
-//!   that stream is idle, as for single shares);
-//! - **one ref-counter slot** for the message: every allocation in the batch stays allocated (or
-//!   waits in the limbo) until the consumer releases the batch, or dies;
-//! - **views** rebuilt by the consumer: each a segment index, an offset in the segment, a length in
-//!   bytes and a name (a state dict's key), so the consumer can rebuild a state dict by key.
-//!
-//! The consumer opens each segment once per process and keeps it open between messages
-//! ([`ConsumerConfig::batch_segments`](crate::ConsumerConfig::batch_segments)): the second handoff
-//! of the same model opens nothing, and costs a slot, an event wait at most and one message.
-//! PyTorch peers do not read batches: to a PyTorch process, share tensor by tensor
-//! ([`SharedAllocation::share`](crate::SharedAllocation::share), [`IpcHandle::to_torch`](crate::IpcHandle::to_torch)).
-//!
-//! # Example
-//!
-//! Without a GPU, on the simulated device and the [fake driver](crate::driver::fake) (both sides in
-//! one process here; normally the bytes travel over a socket):
-//!
-//! ```
-//! use std::sync::Arc;
-//! use tensormem_cuda_alloc::backend::sim::SimDevice;
-//! use tensormem_cuda_alloc::{CachingAllocator, StreamId};
-//! use tensormem_ipc::driver::fake::FakeDriver;
-//! use tensormem_ipc::{BatchHandle, IpcConsumer, IpcProducer};
-//!
-//! let driver = Arc::new(FakeDriver::default());
-//! let allocator = Arc::new(CachingAllocator::new(SimDevice::new(1 << 30)));
-//! let producer = IpcProducer::new(Arc::clone(&driver));
-//! let s = StreamId(0);
-//!
-//! // Producer: the model's tensors, owned for sharing (kept for the life of the model).
-//! let mut weight = producer.adopt(&allocator, allocator.allocate(3 << 20, s)?);
-//! let mut bias = producer.adopt(&allocator, allocator.allocate(1000, s)?);
-//! let mut qkv = producer.adopt(&allocator, allocator.allocate(3 * 4096, s)?);
-//!
-//! // One message for all of them: whole allocations and views into one.
-//! let mut batch = producer.batch();
-//! batch.whole(&mut weight, "layer.weight")?;
-//! batch.whole(&mut bias, "layer.bias")?;
-//! let fused = batch.allocation(&mut qkv)?;
-//! for (i, name) in ["q", "k", "v"].into_iter().enumerate() {
-//!     batch.view(fused, name, i as u64 * 4096, 4096)?;
-//! }
-//! let wire: Vec<u8> = batch.share(s)?.encode();
-//!
-//! // Consumer: every view at once, by name.
-//! let consumer = IpcConsumer::new(Arc::clone(&driver));
-//! let received = consumer.open_batch(&BatchHandle::decode(&wire)?, s)?;
-//! assert_eq!(received.len(), 5);
-//! assert_eq!(received.get("layer.bias").unwrap().len(), 1000);
-//! assert_eq!(received.get("k").unwrap().view::<f32>()?.len(), 1024);
-//!
-//! drop(received); // one slot released for the whole message
-//! drop((weight, bias, qkv));
-//! assert_eq!(producer.stats().limbo, 0); // nothing held: freed at once
-//! # Ok::<(), tensormem_ipc::Error>(())
-//! ```
-//!
-//! # Binary encoding (version 1)
-//!
-//! All integers little-endian.
-//!
-//! | bytes | field |
-//! | --- | --- |
-//! | 0..4 | magic `TMIB` |
-//! | 4..6 | version (1) |
-//! | 6..8 | flags: bit 0 = an event must be waited on |
-//! | 8..12 | device ordinal |
-//! | 12..16 | segment count `S` (at least 1) |
-//! | 16..20 | view count `V` (at least 1) |
-//! | 20..28 | producer id |
-//! | 28..36 | ref-counter slot |
-//! | 36..100 | event handle (zeros when flag 0 is clear) |
-//! | 100..102 | length `N` of the ref-counter file name (at least 1) |
-//! | 102..102+N | the name |
-//! | then `S` x 72 | per segment: memory handle (64), size in bytes (8) |
-//! | then `V` x (22 + `T`) | per view: segment (4; `0xffffffff` for a zero-byte view of no memory), offset in the segment (8), length in bytes (8), name length `T` (2), the name (UTF-8) |
-//!
-//! Decoding checks every field before anything is allocated from a count or opened: the magic,
-//! version and flags; counts against the bytes that are there; the file name; segments of nonzero
-//! size, named once each and used by some view; each view inside its segment (`offset + length <=
-//! size`, no overflow); names valid UTF-8 and distinct; and no two views overlapping, except views
-//! of exactly the same bytes (tied weights: two names for one tensor). The exact length must match.
-//! Anything else is [`Error::MalformedBatch`].
+//! The wire form of a batch: [`BatchHandle`], its segments and views, and their binary encoding
+//! (see the [module docs](crate::batch)).
 
-use std::sync::Arc;
-
-use tensormem_cuda_alloc::{DeviceAddress, StreamId};
 use tensormem_shm::ShmName;
 
-use crate::cache::Lease;
-use crate::driver::{EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
+use crate::driver::{EventHandle, MemHandle, IPC_HANDLE_SIZE};
 use crate::error::{Error, Result};
-use crate::received::{DeviceElement, DeviceView, OpenedBase};
-use crate::refcounter::MappedCounterFile;
 
 const MAGIC: &[u8; 4] = b"TMIB";
 /// The batch encoding version this crate writes and reads.
@@ -142,8 +41,9 @@ pub struct BatchView {
 }
 
 /// Everything a consumer needs to open many tensors of another process at once (see the
-/// [module docs](self)). Made by [`BatchBuilder::share`] or [`BatchHandle::decode`], so that its
-/// fields always hold together (views inside their segments, distinct names, no partial overlap).
+/// [module docs](crate::batch)). Made by [`BatchBuilder::share`](crate::BatchBuilder::share) or
+/// [`BatchHandle::decode`], so that its fields always hold together (views inside their segments,
+/// distinct names, no partial overlap).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BatchHandle {
     device: u32,
@@ -253,7 +153,7 @@ impl BatchHandle {
         &self.by_name
     }
 
-    /// The binary encoding (see the [module docs](self)).
+    /// The binary encoding (see the [module docs](crate::batch)).
     #[must_use]
     pub fn encode(&self) -> Vec<u8> {
         let name = self.ref_counter.as_str().as_bytes();
@@ -292,7 +192,7 @@ impl BatchHandle {
     }
 
     /// Decodes [`encode`](Self::encode)'s bytes, checking every field (see the
-    /// [module docs](self)).
+    /// [module docs](crate::batch)).
     ///
     /// # Errors
     ///
@@ -542,262 +442,15 @@ fn validate(
 }
 
 /// Binary search of `name` among indices sorted by `key`.
-fn find<'k>(sorted: &[u32], key: impl Fn(usize) -> &'k str, name: &str) -> Option<usize> {
+pub(super) fn find<'k>(
+    sorted: &[u32],
+    key: impl Fn(usize) -> &'k str,
+    name: &str,
+) -> Option<usize> {
     sorted
         .binary_search_by(|&i| key(i as usize).cmp(name))
         .ok()
         .map(|at| sorted[at] as usize)
-}
-
-/// Collects allocations and views for one batch message (see the [module docs](self)); made by
-/// [`IpcProducer::batch`](crate::IpcProducer::batch).
-///
-/// Each allocation is borrowed mutably until [`share`](Self::share) (or until the builder is
-/// dropped): sharing records the message's slot in each of them, so that dropping one while the
-/// consumer holds the batch puts it in the limbo.
-pub struct BatchBuilder<'a, D: tensormem_cuda_alloc::Device, B: IpcDriver> {
-    pub(crate) producer: &'a crate::IpcProducer<D, B>,
-    pub(crate) allocations: Vec<&'a mut crate::SharedAllocation<D, B>>,
-    /// (allocation, name, offset in the allocation, length).
-    pub(crate) views: Vec<(usize, String, u64, u64)>,
-}
-
-impl<D: tensormem_cuda_alloc::Device, B: IpcDriver> std::fmt::Debug for BatchBuilder<'_, D, B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BatchBuilder")
-            .field("allocations", &self.allocations.len())
-            .field("views", &self.views.len())
-            .finish_non_exhaustive()
-    }
-}
-
-impl<'a, D: tensormem_cuda_alloc::Device, B: IpcDriver> BatchBuilder<'a, D, B> {
-    /// Adds an allocation without a view of it yet (add views with [`view`](Self::view)); returns
-    /// its index in this batch.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidBatch`] if the allocation was adopted by another producer (share it with
-    /// that one).
-    pub fn allocation(
-        &mut self,
-        allocation: &'a mut crate::SharedAllocation<D, B>,
-    ) -> Result<usize> {
-        if !allocation.is_of(self.producer) {
-            return Err(Error::InvalidBatch {
-                problem: "the allocation was adopted by another IpcProducer; build the batch with \
-                          the producer that adopted it"
-                    .into(),
-            });
-        }
-        self.allocations.push(allocation);
-        Ok(self.allocations.len() - 1)
-    }
-
-    /// A view named `name` of `len` bytes at `offset` of allocation `index` (from
-    /// [`allocation`](Self::allocation) or [`whole`](Self::whole)).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidBatch`] for an index not added, or a range past the allocation's bytes
-    /// ([`SharedAllocation::nbytes`](crate::SharedAllocation::nbytes)).
-    pub fn view(
-        &mut self,
-        index: usize,
-        name: impl Into<String>,
-        offset: u64,
-        len: u64,
-    ) -> Result<()> {
-        let name = name.into();
-        let Some(allocation) = self.allocations.get(index) else {
-            return Err(Error::InvalidBatch {
-                problem: format!(
-                    "view {name:?} names allocation {index}, but {} were added",
-                    self.allocations.len()
-                ),
-            });
-        };
-        let nbytes = allocation.nbytes() as u64;
-        if offset.checked_add(len).is_none_or(|end| end > nbytes) {
-            return Err(Error::InvalidBatch {
-                problem: format!(
-                    "view {name:?} claims {len} bytes at offset {offset} of an allocation of \
-                     {nbytes} bytes; keep offset + len <= nbytes()"
-                ),
-            });
-        }
-        self.views.push((index, name, offset, len));
-        Ok(())
-    }
-
-    /// Adds an allocation and a view of all its bytes named `name`; returns its index.
-    ///
-    /// # Errors
-    ///
-    /// As [`allocation`](Self::allocation).
-    pub fn whole(
-        &mut self,
-        allocation: &'a mut crate::SharedAllocation<D, B>,
-        name: impl Into<String>,
-    ) -> Result<usize> {
-        let len = allocation.nbytes() as u64;
-        let index = self.allocation(allocation)?;
-        self.views.push((index, name.into(), 0, len));
-        Ok(index)
-    }
-
-    /// Shares everything added as one message: one slot (set to 1) for the whole batch, at most one
-    /// event recorded on `stream` (none when `stream` is idle), one memory handle per segment.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidBatch`] for a batch without views or without memory, allocations of
-    /// several devices, duplicate names or overlapping views; [`Error::ReceivedMemory`] for memory
-    /// this process received; [`Error::Allocator`], [`Error::RefCounterFile`], [`Error::Driver`]
-    /// as [`SharedAllocation::share`](crate::SharedAllocation::share). Nothing is handed out then.
-    pub fn share(self, stream: StreamId) -> Result<BatchHandle> {
-        let Self {
-            producer,
-            mut allocations,
-            views,
-        } = self;
-        producer.share_batch(&mut allocations, views, stream)
-    }
-}
-
-/// One tensor of a [`ReceivedBatch`]: its name, where it is mapped in this process, its length.
-#[derive(Debug, Clone)]
-pub struct ReceivedView {
-    name: String,
-    ptr: DeviceAddress,
-    len: u64,
-}
-
-impl ReceivedView {
-    /// The name the producer gave it.
-    #[must_use]
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    /// The device address in this process (null for a zero-byte view of no memory).
-    #[must_use]
-    pub fn ptr(&self) -> DeviceAddress {
-        self.ptr
-    }
-
-    /// Its length in bytes.
-    #[must_use]
-    pub fn len(&self) -> u64 {
-        self.len
-    }
-
-    /// Whether it has no bytes.
-    #[must_use]
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The view as elements of `T`.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::BadView`] if the length is not a multiple of `T`'s size or the address not aligned
-    /// to it.
-    pub fn view<T: DeviceElement>(&self) -> Result<DeviceView<'_, T>> {
-        DeviceView::new(self.ptr, self.len)
-    }
-}
-
-/// A batch another process shared, open in this one (from
-/// [`IpcConsumer::open_batch`](crate::IpcConsumer::open_batch)). Dropping it synchronizes its
-/// streams and releases the message's one slot: from then on the producer may free or reuse every
-/// allocation of the batch.
-pub struct ReceivedBatch<B: IpcDriver> {
-    pub(crate) driver: Arc<B>,
-    pub(crate) device: u32,
-    pub(crate) stream: StreamId,
-    pub(crate) more_streams: Vec<StreamId>,
-    pub(crate) views: Vec<ReceivedView>,
-    pub(crate) by_name: Vec<u32>,
-    pub(crate) slot: usize,
-    pub(crate) file: Lease<ShmName, MappedCounterFile>,
-    pub(crate) segments: Vec<Lease<crate::received::SegmentKey, OpenedBase<B>>>,
-}
-
-impl<B: IpcDriver> std::fmt::Debug for ReceivedBatch<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ReceivedBatch")
-            .field("device", &self.device)
-            .field("views", &self.views.len())
-            .field("segments", &self.segments.len())
-            .field("file", self.file.get().name())
-            .field("slot", &self.slot)
-            .finish_non_exhaustive()
-    }
-}
-
-impl<B: IpcDriver> ReceivedBatch<B> {
-    pub(crate) fn make_view(name: String, ptr: DeviceAddress, len: u64) -> ReceivedView {
-        ReceivedView { name, ptr, len }
-    }
-
-    /// The device ordinal.
-    #[must_use]
-    pub fn device(&self) -> u32 {
-        self.device
-    }
-
-    /// The views, in the producer's order.
-    #[must_use]
-    pub fn views(&self) -> &[ReceivedView] {
-        &self.views
-    }
-
-    /// The view named `name`.
-    #[must_use]
-    pub fn get(&self, name: &str) -> Option<&ReceivedView> {
-        find(&self.by_name, |i| self.views[i].name.as_str(), name).map(|i| &self.views[i])
-    }
-
-    /// How many views.
-    #[must_use]
-    pub fn len(&self) -> usize {
-        self.views.len()
-    }
-
-    /// Whether there are no views (never, for a batch that opened).
-    #[must_use]
-    pub fn is_empty(&self) -> bool {
-        self.views.is_empty()
-    }
-
-    /// How many segments were opened for it (one memory handle each).
-    #[must_use]
-    pub fn segments(&self) -> usize {
-        self.segments.len()
-    }
-
-    /// Records that work on `stream` uses the batch's memory: it is synchronized too before the
-    /// slot is released.
-    pub fn use_on(&mut self, stream: StreamId) {
-        if stream != self.stream && !self.more_streams.contains(&stream) {
-            self.more_streams.push(stream);
-        }
-    }
-}
-
-impl<B: IpcDriver> Drop for ReceivedBatch<B> {
-    fn drop(&mut self) {
-        crate::received::release_held(
-            &*self.driver,
-            self.device,
-            std::iter::once(&self.stream).chain(&self.more_streams),
-            self.file.get(),
-            self.slot,
-        );
-        // The leases (file mapping, opened segments) are released after this, in field order.
-    }
 }
 
 #[cfg(test)]
