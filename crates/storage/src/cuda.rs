@@ -108,8 +108,11 @@ impl Storage {
     /// # Errors
     ///
     /// [`Error::WrongDevice`] when `ctx` is for another device than the handle's; [`Error::Ipc`]
-    /// from the IPC layer (the producer ended, slot released or claimed, range out of bounds).
+    /// from the IPC layer (the producer ended, slot released or claimed, range out of bounds);
+    /// [`Error::Runtime`] for a context on the async allocator (`backend:cudaMallocAsync`, which
+    /// PyTorch refuses too: `getIpcDevPtr`).
     pub fn new_shared_cuda(ctx: &Arc<CudaContext>, handle: &IpcHandle) -> Result<Storage> {
+        refuse_opening_under_async(ctx, "new_shared_cuda")?;
         if handle.device != ctx.device {
             return Err(Error::WrongDevice {
                 op: "new_shared_cuda (the context's device must be the handle's)",
@@ -284,6 +287,7 @@ pub fn new_shared_cuda_batch(
     ctx: &Arc<CudaContext>,
     batch: &BatchHandle,
 ) -> Result<Vec<(String, Storage)>> {
+    refuse_opening_under_async(ctx, "new_shared_cuda_batch")?;
     if batch.device() != ctx.device {
         return Err(Error::WrongDevice {
             op: "new_shared_cuda_batch (the context's device must be the batch's)",
@@ -347,13 +351,27 @@ pub fn release_ipc_counter(ctx: &Arc<CudaContext>, handle: &IpcHandle) -> Result
 /// PyTorch's refusal to share memory of `backend:cudaMallocAsync` with another process
 /// (`cudaMallocAsync does not yet support shareIpcHandle`), as the async allocator words it.
 fn async_refusal(op: &'static str, block: &AsyncBlock) -> Error {
-    match block.allocator.ipc_handle(block.ptr) {
-        Err(refusal) => refusal.during(op),
-        Ok(_) => Error::Runtime {
+    let refusal = match block.allocator.ipc_handle(block.ptr) {
+        Err(refusal) => refusal,
+        Ok(_) => {
+            tensormem_cuda_alloc::Error::Device(tensormem_cuda_alloc::DeviceError::Unsupported {
+                what: "sharing memory of backend:cudaMallocAsync with another process",
+            })
+        }
+    };
+    refusal.during(op)
+}
+
+/// PyTorch's refusal to open another process's memory under `backend:cudaMallocAsync`
+/// (`cudaMallocAsync does not yet support getIpcDevPtr`), for a context on the async allocator.
+fn refuse_opening_under_async(ctx: &CudaContext, op: &'static str) -> Result<()> {
+    match ctx.allocator {
+        ContextAllocator::Caching(_) => Ok(()),
+        ContextAllocator::Async(_) => Err(Error::Runtime {
             op,
             source: tensormem_runtime::Error::AsyncUnsupported(
-                tensormem_runtime::AsyncUnsupported::ShareIpcHandle,
+                tensormem_runtime::AsyncUnsupported::GetIpcDevPtr,
             ),
-        },
+        }),
     }
 }

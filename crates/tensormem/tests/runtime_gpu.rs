@@ -55,6 +55,12 @@ fn under_cuda_malloc_async_cuda_storages_come_from_the_pool_and_are_not_shared()
     // PyTorch refuses IPC of this backend's memory; so does a storage.
     let refused = storage.share_cuda().unwrap_err().to_string();
     assert!(refused.contains("shareIpcHandle"), "{refused}");
+    // Opening another process's memory is refused too (PyTorch's getIpcDevPtr).
+    let handle = tensormem::ipc::IpcHandle::empty(0);
+    let refused = Storage::new_shared_cuda(&ctx, &handle)
+        .unwrap_err()
+        .to_string();
+    assert!(refused.contains("getIpcDevPtr"), "{refused}");
     drop(storage);
     ctx.synchronize().unwrap();
     assert_eq!(pool.live_allocations(), live);

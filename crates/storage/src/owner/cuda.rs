@@ -52,10 +52,11 @@ impl CudaContext {
     ///
     /// # Errors
     ///
-    /// [`Error::Runtime`](crate::Error::Runtime) when there is no driver or no such device, the
-    /// allocator configuration in the environment is malformed, or this process is a child forked
-    /// after CUDA was initialised; [`Error::Alloc`](crate::Error::Alloc) when the stream cannot be
-    /// made.
+    /// [`Error::Runtime`](crate::Error::Runtime) for an ordinal past the device count or in a child
+    /// forked after CUDA was initialised; [`Error::Alloc`](crate::Error::Alloc) when there is no
+    /// driver or device, the allocator configuration in the environment is malformed, or the
+    /// stream cannot be made; [`Error::Ipc`](crate::Error::Ipc) when the IPC driver cannot be
+    /// loaded.
     pub fn new(device: u32) -> Result<Arc<CudaContext>> {
         let op = "CudaContext::new";
         match cuda!(op, tensormem_runtime::allocator(device))? {
