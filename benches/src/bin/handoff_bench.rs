@@ -41,7 +41,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
-use tensormem_cuda_alloc::backend::cuda::{CudaBackend, CudaPinnedSource};
+use tensormem_cuda_alloc::backend::cuda::{check, CudaBackend, CudaPinnedSource};
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::host::HostCachingAllocator;
 use tensormem_cuda_alloc::{Allocation, CachingAllocator, Device, StreamId};
@@ -61,14 +61,6 @@ const READY: &[u8] = b"ready";
 const FILL: u8 = 1;
 
 type BoxError = Box<dyn std::error::Error>;
-
-fn check(call: &str, result: sys::CUresult) -> Result<(), BoxError> {
-    if result == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(format!("{call} failed: {result:?}").into())
-    }
-}
 
 /// The tensor sizes in bytes of a state dict, as `torch_handoff_bench.py`'s `layout()`.
 fn layout(name: &str) -> Vec<usize> {
@@ -440,7 +432,8 @@ fn run_cuda(config: Config<'_>) -> Result<(), BoxError> {
             // owned here.
             check("cuMemsetD8", unsafe {
                 sys::cuMemsetD8_v2(allocation.ptr().0, FILL, allocation.requested_size())
-            })
+            })?;
+            Ok(())
         },
         || Ok(device.device().synchronize()?),
     )

@@ -99,7 +99,7 @@ pub enum Error {
 }
 
 /// `Result` with the allocator's [`Error`].
-pub type Result<T> = std::result::Result<T, Error>;
+pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Why a pool could not sleep or wake (nothing was changed unless said otherwise).
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]

@@ -609,9 +609,9 @@ impl Default for FreeSet {
     fn default() -> Self {
         FreeSet {
             small: Vec::with_capacity(8),
-            // The `ab-one-free-set-form` build has no small form: every set is bucketed from the
-            // start and stays so.
-            bucketed: cfg!(feature = "ab-one-free-set-form"),
+            // A build with `--cfg tensormem_ab_one_free_set_form` has no small form: every set is
+            // bucketed from the start and stays so.
+            bucketed: cfg!(tensormem_ab_one_free_set_form),
             len: 0,
             // Built on the heap: a `Box::new` of the array would first put its 64 KiB on the
             // caller's stack.
@@ -921,7 +921,7 @@ impl FreeSet {
     /// Returns to the small form if the set shrank below [`SMALL_MIN`] entries.
     #[inline(always)]
     fn shrink_if_small(&mut self) {
-        if !cfg!(feature = "ab-one-free-set-form") && self.len < SMALL_MIN {
+        if !cfg!(tensormem_ab_one_free_set_form) && self.len < SMALL_MIN {
             self.gather_into_small();
         }
     }
@@ -1386,7 +1386,7 @@ mod tests {
         assert!(set.is_empty());
         assert_eq!(
             set.bucketed,
-            cfg!(feature = "ab-one-free-set-form"),
+            cfg!(tensormem_ab_one_free_set_form),
             "an emptied set is small again (without a small form, still bucketed)"
         );
     }

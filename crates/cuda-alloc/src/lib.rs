@@ -82,6 +82,10 @@
 //!   stays ([`CachingAllocator::snapshot`], [`snapshot::Snapshot::to_value`]) and the crate depends on
 //!   neither `flate2` nor `serde_json`.
 //!
+//! Not features: the `--cfg tensormem_ab_*` compiler flags (in `RUSTFLAGS`) each switch one speed trick
+//! off, for A/B timing builds only (`benches/gpu/ab_builds.sh`); no crate that depends on this one can
+//! turn them on, and nothing else should.
+//!
 //! # Map
 //!
 //! | item | PyTorch |

@@ -73,8 +73,9 @@ use tensormem_cuda_alloc::{
 pub enum Error {
     /// An NCCL call failed.
     #[error(
-        "{call}({addr:#x}, {size} bytes) failed: {result}; check that the communicator lives on \
-         the allocator's device and that NCCL supports buffer registration (2.19 or later)"
+        "{call}({addr:#x}, {size} bytes) failed: {} (code {code}); check that the communicator \
+         lives on the allocator's device and that NCCL supports buffer registration (2.19 or later)",
+        result_name(*.code)
     )]
     Nccl {
         /// The call, `ncclCommRegister` or `ncclCommDeregister`.
@@ -83,8 +84,8 @@ pub enum Error {
         addr: u64,
         /// Its size in bytes.
         size: u64,
-        /// NCCL's result code, as text.
-        result: String,
+        /// NCCL's result code (`ncclResult_t`), e.g. 5 for `ncclInvalidUsage`; the message names it.
+        code: i32,
     },
     /// The communicator is null.
     #[error("the NCCL communicator is null; pass one from ncclCommInitRank or ncclCommInitAll")]
@@ -92,6 +93,21 @@ pub enum Error {
     /// The device could not be opened.
     #[error("opening the CUDA device failed: {0}")]
     Device(#[from] DeviceError),
+}
+
+/// NCCL's name of result code `code` (`ncclResult_t` in `nccl.h`).
+fn result_name(code: i32) -> &'static str {
+    match code {
+        0 => "ncclSuccess",
+        1 => "ncclUnhandledCudaError",
+        2 => "ncclSystemError",
+        3 => "ncclInternalError",
+        4 => "ncclInvalidArgument",
+        5 => "ncclInvalidUsage",
+        6 => "ncclRemoteError",
+        7 => "ncclInProgress",
+        _ => "an unknown NCCL result",
+    }
 }
 
 /// The crate's result type.
@@ -185,7 +201,7 @@ impl Inner {
             call,
             addr,
             size,
-            result: format!("{result:?}"),
+            code: result as i32,
         };
         tracing::warn!(target: "tensormem_nccl", %error, "NCCL registration");
         self.errors.lock().push(error);
@@ -405,5 +421,36 @@ impl PoolAllocator for NcclPoolAllocator {
                 message: format!("{result:?}"),
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Error;
+
+    #[test]
+    fn an_nccl_failure_keeps_its_code_and_names_it() {
+        let error = Error::Nccl {
+            call: "ncclCommRegister",
+            addr: 0x1000,
+            size: 512,
+            code: 5,
+        };
+        let text = error.to_string();
+        assert!(
+            text.starts_with(
+                "ncclCommRegister(0x1000, 512 bytes) failed: ncclInvalidUsage (code 5);"
+            ),
+            "{text}"
+        );
+        let unknown = Error::Nccl {
+            call: "ncclCommDeregister",
+            addr: 0,
+            size: 1,
+            code: 42,
+        };
+        assert!(unknown
+            .to_string()
+            .contains("an unknown NCCL result (code 42)"));
     }
 }

@@ -103,11 +103,12 @@ mod device;
 mod inference;
 mod plan;
 mod pools;
+mod prepared;
 mod restore;
 mod run;
 mod timeline;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 
 pub use async_model::{AsyncBounds, ASYNC_LOWER_BOUNDS, POOL_GRANULARITY};
 pub use capacity::CapacityInference;
@@ -121,9 +122,8 @@ pub use pools::{
 pub use run::{DeviceRun, RestoreCount};
 pub use timeline::{Timeline, TimelinePoint};
 
-use async_model::AsyncPlan;
-use plan::{DevicePlan, PlanError};
-use pools::{PoolOf, PoolRun};
+use plan::DevicePlan;
+use prepared::PreparedDevice;
 use tensormem_cuda_alloc::config::{AllocatorConfig, Backend, ConfigError};
 use tensormem_cuda_alloc::snapshot::{Snapshot, SnapshotError};
 use tensormem_cuda_alloc::InvariantViolation;
@@ -265,20 +265,8 @@ impl RunOptions<'_> {
 /// A snapshot's traces, prepared for replaying (once; each run replays them again).
 #[derive(Debug)]
 pub struct Replay {
-    plans: Vec<DevicePlan>,
-    /// Per plan, the device memory its trace implies.
-    capacities: Vec<CapacityInference>,
-    /// Per plan, the pool of each recorded segment.
-    pools: Vec<Vec<Option<PoolOf>>>,
-    /// Per plan, which allocations went to which pool.
-    attributions: Vec<PoolAttribution>,
-    /// Per plan, out-of-memory requests (by order) the trace leaves to either pool: replayed in
-    /// the default pools unless [`ooms_private`](Self::ooms_private) names them.
-    ambiguous_ooms: Vec<Vec<u32>>,
-    /// Per plan, out-of-memory requests the recorded statistics put in a private pool.
-    ooms_private: Vec<HashSet<u32>>,
-    /// Per plan, its trace as steps of the `backend:cudaMallocAsync` model.
-    async_plans: Vec<AsyncPlan>,
+    /// Per device with events, in order.
+    devices: Vec<PreparedDevice>,
     recorded: AllocatorConfig,
     settings_recorded: bool,
     expected: Option<ExpectedStats>,
@@ -297,93 +285,21 @@ impl Replay {
         if snapshot.event_count() == 0 {
             return Err(Error::NoEvents);
         }
-        let (recorded, settings_recorded) = match &snapshot.allocator_settings {
-            Some(settings) => (settings.to_config()?, true),
-            None => {
-                tracing::warn!(
-                    "the snapshot does not record its allocator settings (PyTorch before 2.1); \
-                     replaying under the defaults"
-                );
-                (AllocatorConfig::default(), false)
-            }
-        };
+        let (mut recorded, settings_recorded) = recorded_settings(snapshot)?;
         supported(&recorded)?;
         let mut plans = Vec::new();
         for (device, trace) in snapshot.traces() {
-            if trace.is_empty() {
-                continue;
+            if !trace.is_empty() {
+                plans.push(prepared::read_plan(snapshot, device, trace, &recorded)?);
             }
-            let segments = snapshot
-                .segments
-                .iter()
-                .filter(|s| usize::try_from(s.device).ok() == Some(device))
-                .cloned()
-                .collect();
-            let plan = DevicePlan::build(
-                device,
-                trace,
-                segments,
-                recorded.max_split_size,
-                recorded.garbage_collection_threshold > 0.0,
-            )
-            .map_err(|e| Error::Trace {
-                device,
-                reason: match e {
-                    PlanError::TooManyEvents => "it has more than 2^32 events",
-                    PlanError::StreamIds => "its stream ids leave no room for synthetic streams",
-                },
-            })?;
-            if plan.unmatched_frees > 0 {
-                tracing::warn!(
-                    device,
-                    frees = plan.unmatched_frees,
-                    "the trace frees blocks it never allocated (it starts mid-run: raise \
-                     max_entries when recording); those frees are skipped"
-                );
-            }
-            plans.push(plan);
         }
-        let mut recorded = recorded;
-        let fraction_recorded = recorded.per_process_memory_fraction > 0.0
-            && recorded.per_process_memory_fraction < 1.0;
-        let implied_fraction = if fraction_recorded {
-            None
-        } else {
-            capacity::implied_fraction(plans.iter().map(|p| &p.capacity))
-        };
-        if let Some(fraction) = implied_fraction {
-            recorded.per_process_memory_fraction = fraction;
-        }
-        let capacities = plans
-            .iter()
-            .map(|plan| CapacityInference {
-                fraction_implied: implied_fraction.is_some(),
-                ..CapacityInference::infer(&plan.capacity, &recorded)
-            })
-            .collect();
-        let mut pools = Vec::with_capacity(plans.len());
-        let mut attributions = Vec::with_capacity(plans.len());
-        let mut ambiguous_ooms = Vec::with_capacity(plans.len());
-        for (plan, capacity) in plans.iter().zip(&capacities) {
-            let named = pools::recorded_pools(plan, snapshot.trace(plan.device));
-            let (of, attribution, ambiguous) =
-                inference::infer_pools(plan, &recorded, capacity, &named)?;
-            pools.push(of);
-            attributions.push(attribution);
-            ambiguous_ooms.push(ambiguous);
-        }
-        let async_plans = plans
-            .iter()
-            .map(|plan| AsyncPlan::build(snapshot.trace(plan.device), plan))
-            .collect();
+        let fraction_implied = imply_fraction(&mut recorded, &plans);
+        let devices = plans
+            .into_iter()
+            .map(|plan| PreparedDevice::prepare(plan, snapshot, &recorded, fraction_implied))
+            .collect::<Result<_>>()?;
         Ok(Replay {
-            async_plans,
-            ooms_private: vec![HashSet::new(); plans.len()],
-            plans,
-            capacities,
-            pools,
-            attributions,
-            ambiguous_ooms,
+            devices,
             recorded,
             settings_recorded,
             expected: None,
@@ -403,39 +319,13 @@ impl Replay {
     /// [`PoolAttribution::ooms_from_stats`] says how many.
     #[must_use]
     pub fn with_expected_stats(mut self, expected: ExpectedStats) -> Self {
-        for i in 0..self.plans.len() {
-            let Some(&want) = expected
-                .for_device(self.plans[i].device)
+        for device in &mut self.devices {
+            if let Some(&want) = expected
+                .for_device(device.plan.device)
                 .and_then(|e| e.figures.get("num_alloc_retries"))
-            else {
-                continue;
-            };
-            if self.ambiguous_ooms[i].is_empty() {
-                continue;
+            {
+                device.attribute_ooms_from_stats(&self.recorded, want);
             }
-            let Some((retries, mismatches)) = self.retries_and_mismatches(i, &HashSet::new())
-            else {
-                continue;
-            };
-            let mut extra = usize::try_from(retries - want).unwrap_or(0);
-            // The earliest requests whose move to a private pool keeps the replay as close to the
-            // record (their pool can change where later blocks land).
-            let mut chosen = HashSet::new();
-            for &ordinal in self.ambiguous_ooms[i].iter().take(MAX_OOM_TRIALS) {
-                if extra == 0 {
-                    break;
-                }
-                chosen.insert(ordinal);
-                match self.retries_and_mismatches(i, &chosen) {
-                    Some((_, m)) if m <= mismatches => extra -= 1,
-                    _ => {
-                        chosen.remove(&ordinal);
-                    }
-                }
-            }
-            self.attributions[i].private_ooms += chosen.len();
-            self.attributions[i].ooms_from_stats = chosen.len();
-            self.ooms_private[i] = chosen;
         }
         self.expected = Some(expected);
         self
@@ -462,7 +352,12 @@ impl Replay {
     /// The devices that have events, in order.
     #[must_use]
     pub fn devices(&self) -> Vec<usize> {
-        self.plans.iter().map(|p| p.device).collect()
+        self.devices.iter().map(|d| d.plan.device).collect()
+    }
+
+    /// The prepared trace of `device`.
+    fn device(&self, device: usize) -> Option<&PreparedDevice> {
+        self.devices.iter().find(|d| d.plan.device == device)
     }
 
     /// The memory the simulated device gets when [`RunOptions::capacity`] is `None`: inside the
@@ -470,11 +365,8 @@ impl Replay {
     /// else [`DEFAULT_CAPACITY`].
     #[must_use]
     pub fn default_capacity(&self, device: usize) -> u64 {
-        self.plans
-            .iter()
-            .zip(&self.capacities)
-            .find(|(p, _)| p.device == device)
-            .and_then(|(_, c)| c.capacity)
+        self.device(device)
+            .and_then(|d| d.capacity.capacity)
             .unwrap_or(DEFAULT_CAPACITY)
     }
 
@@ -482,22 +374,14 @@ impl Replay {
     /// graphs and `MemPool`s, inferred; see [`PoolAttribution`]).
     #[must_use]
     pub fn pool_attribution(&self, device: usize) -> Option<&PoolAttribution> {
-        self.plans
-            .iter()
-            .zip(&self.attributions)
-            .find(|(p, _)| p.device == device)
-            .map(|(_, a)| a)
+        self.device(device).map(|d| &d.attribution)
     }
 
     /// What the trace of `device` says about the memory the allocator could obtain: the interval
     /// every recorded decision allows, and the value picked inside it.
     #[must_use]
     pub fn capacity_inference(&self, device: usize) -> Option<&CapacityInference> {
-        self.plans
-            .iter()
-            .zip(&self.capacities)
-            .find(|(p, _)| p.device == device)
-            .map(|(_, c)| c)
+        self.device(device).map(|d| &d.capacity)
     }
 
     /// The recorded configuration with `config` applied over it, the way
@@ -513,31 +397,6 @@ impl Replay {
             source,
         })?;
         Ok(applied)
-    }
-
-    /// Plan `i` replayed under the recorded configuration with the out-of-memory requests `ooms`
-    /// in a private pool: its `num_alloc_retries`, and its address and reserved-bytes mismatches.
-    fn retries_and_mismatches(&self, i: usize, ooms: &HashSet<u32>) -> Option<(i64, u64)> {
-        let mut options = RunOptions::new(self.recorded.clone());
-        options.timeline_points = 1;
-        options.check = true;
-        let default = self.capacities[i].capacity.unwrap_or(DEFAULT_CAPACITY);
-        let mut pools = PoolRun::fixed(self.pools[i].clone()).with_private_ooms(ooms.clone());
-        match run::run_device(&self.plans[i], &options, default, 0, None, &mut pools) {
-            Ok(run) => Some((
-                run.stats
-                    .to_flat()
-                    .get("num_alloc_retries")
-                    .copied()
-                    .unwrap_or(0),
-                run.check
-                    .map_or(0, |c| c.address_mismatches + c.reserved_mismatches),
-            )),
-            Err(e) => {
-                tracing::debug!(error = %e, "replay for the out-of-memory attribution failed");
-                None
-            }
-        }
     }
 
     /// Replays under the recorded configuration and checks the result against the record.
@@ -582,29 +441,15 @@ impl Replay {
             return Ok(self.run_async(options));
         }
         supported(&options.config)?;
-        let mut devices = Vec::with_capacity(self.plans.len());
+        let mut devices = Vec::with_capacity(self.devices.len());
         let mut events_before = 0u64;
-        for (((plan, inference), pools), ooms_private) in self
-            .plans
-            .iter()
-            .zip(&self.capacities)
-            .zip(&self.pools)
-            .zip(&self.ooms_private)
-        {
+        for device in &self.devices {
             let expected = self
                 .expected
                 .as_ref()
-                .and_then(|e| e.for_device(plan.device));
-            let default = inference.capacity.unwrap_or(DEFAULT_CAPACITY);
-            devices.push(run::run_device(
-                plan,
-                options,
-                default,
-                events_before,
-                expected,
-                &mut PoolRun::fixed(pools.clone()).with_private_ooms(ooms_private.clone()),
-            )?);
-            events_before += plan.events as u64;
+                .and_then(|e| e.for_device(device.plan.device));
+            devices.push(device.run(options, events_before, expected)?);
+            events_before += device.plan.events as u64;
         }
         Ok(ReplayRun {
             config: options.config.clone(),
@@ -618,24 +463,11 @@ impl Replay {
     /// [`run`](Self::run) under `backend:cudaMallocAsync`: every device's trace through the model of
     /// its driver pool.
     fn run_async(&self, options: &RunOptions<'_>) -> ReplayRun {
-        let mut devices = Vec::with_capacity(self.plans.len());
+        let mut devices = Vec::with_capacity(self.devices.len());
         let mut events_before = 0u64;
-        for ((plan, inference), steps) in self
-            .plans
-            .iter()
-            .zip(&self.capacities)
-            .zip(&self.async_plans)
-        {
-            devices.push(async_model::run_device(
-                plan.device,
-                steps,
-                options,
-                inference.capacity.unwrap_or(DEFAULT_CAPACITY),
-                inference,
-                &self.recorded,
-                events_before,
-            ));
-            events_before += plan.events as u64;
+        for device in &self.devices {
+            devices.push(device.run_async(options, &self.recorded, events_before));
+            events_before += device.plan.events as u64;
         }
         ReplayRun {
             config: options.config.clone(),
@@ -646,10 +478,6 @@ impl Replay {
         }
     }
 }
-
-/// The most out-of-memory requests [`Replay::with_expected_stats`] tries in a private pool, one
-/// replay each.
-const MAX_OOM_TRIALS: usize = 64;
 
 /// The result of one replay.
 #[derive(Clone, Debug)]
@@ -763,6 +591,38 @@ impl ReplayRun {
             merged.device_traces[device.device] = snapshot.trace(0).to_vec();
         }
         merged
+    }
+}
+
+/// The configuration the snapshot records (its `allocator_settings`) and whether it records one: the
+/// defaults when it does not (PyTorch before 2.1).
+fn recorded_settings(snapshot: &Snapshot) -> Result<(AllocatorConfig, bool)> {
+    match &snapshot.allocator_settings {
+        Some(settings) => Ok((settings.to_config()?, true)),
+        None => {
+            tracing::warn!(
+                "the snapshot does not record its allocator settings (PyTorch before 2.1); \
+                 replaying under the defaults"
+            );
+            Ok((AllocatorConfig::default(), false))
+        }
+    }
+}
+
+/// Sets in `recorded` the memory fraction the traces of `plans` imply together
+/// ([`capacity::implied_fraction`]), unless `recorded` sets one; whether it did.
+fn imply_fraction(recorded: &mut AllocatorConfig, plans: &[DevicePlan]) -> bool {
+    let fraction_recorded =
+        recorded.per_process_memory_fraction > 0.0 && recorded.per_process_memory_fraction < 1.0;
+    if fraction_recorded {
+        return false;
+    }
+    match capacity::implied_fraction(plans.iter().map(|p| &p.capacity)) {
+        Some(fraction) => {
+            recorded.per_process_memory_fraction = fraction;
+            true
+        }
+        None => false,
     }
 }
 

@@ -1,20 +1,23 @@
 //! Running one device's plan through a fresh allocator.
 
 use std::collections::{HashMap, HashSet};
+use std::ops::ControlFlow;
 use std::time::Instant;
 
 use super::check::{Check, DivergenceKind, ExpectedStats, SegmentCheck, StatsCheck};
 use super::device::{AddressUse, ReplayDevice};
-use super::plan::{DevicePlan, Op, ReleaseRun, RestorePlan};
+use super::plan::{DevicePlan, Expected, Op, ReleaseRun, RestorePlan};
 use super::pools::PoolRun;
 use super::timeline::{Sampler, Timeline};
 use super::{Error, Result, RunOptions};
 use tensormem_cuda_alloc::config::AllocatorConfig;
-use tensormem_cuda_alloc::device::{Device, DeviceAddress};
+use tensormem_cuda_alloc::device::{Device, DeviceAddress, StreamId};
 use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_cuda_alloc::stats::MemoryStats;
 use tensormem_cuda_alloc::Error as AllocError;
-use tensormem_cuda_alloc::{Allocation, CachingAllocator, PoolCheckpoint, DEFAULT_STREAM_CAPACITY};
+use tensormem_cuda_alloc::{
+    Allocation, CachingAllocator, MempoolId, PoolCheckpoint, DEFAULT_STREAM_CAPACITY,
+};
 
 /// How often (in operations) the progress callback is called.
 const PROGRESS_EVERY: usize = 1 << 13;
@@ -106,10 +109,24 @@ pub(crate) fn run_device(
     expected: Option<&ExpectedStats>,
     pools: &mut PoolRun,
 ) -> Result<DeviceRun> {
-    let device_index = plan.device;
     let capacity = options.capacity.unwrap_or(default_capacity);
+    let mut replayer = Replayer::new(plan, options, capacity, pools);
+    let started = Instant::now();
+    replayer.replay_ops(events_before)?;
+    let seconds = started.elapsed().as_secs_f64();
+    replayer.finish(capacity, seconds, expected)
+}
+
+/// The allocator `plan` is replayed through: fresh, on a simulated device of `capacity` bytes
+/// that gives new segments and expandable reservations the recorded addresses, with room for
+/// every stream of the trace, recording its history when `options` asks.
+fn new_allocator(
+    plan: &DevicePlan,
+    options: &RunOptions<'_>,
+    capacity: u64,
+) -> CachingAllocator<ReplayDevice> {
     let device = ReplayDevice::new(
-        u32::try_from(device_index).unwrap_or(u32::MAX),
+        u32::try_from(plan.device).unwrap_or(u32::MAX),
         capacity,
         plan.malloc_addrs.iter().copied(),
         plan.reserve_addrs.iter().copied(),
@@ -122,262 +139,427 @@ pub(crate) fn run_device(
     if options.record_history {
         allocator.record_history(true, plan.events.saturating_mul(2).max(1));
     }
-    let fail = |event: u32, source: AllocError| Error::Allocator {
-        device: device_index,
-        event: event as usize,
-        source,
-    };
+    allocator
+}
 
-    let mut slots: Vec<Option<Allocation>> = Vec::with_capacity(plan.slots);
-    slots.resize_with(plan.slots, || None);
-    let mut check = options.check.then(Check::default);
-    let mut sampler = Sampler::new(plan.ops.len(), options.timeline_points);
-    let mut figures = Figures::default();
-    let mut refused = 0u64;
-    let mut allocs = 0usize;
-    let mut checkpoints: Vec<Vec<PoolCheckpoint>> = vec![Vec::new(); plan.restores.len()];
-    let mut restoring: Option<Restoring> = None;
-    let mut restores = RestoreCount::default();
-    // Handles of restored blocks no recorded allocation claimed (a restore that differed).
-    let mut strays: Vec<Allocation> = Vec::new();
+/// One device's replay in progress: its allocator, and what the ops replayed so far left.
+struct Replayer<'a, 'o> {
+    plan: &'a DevicePlan,
+    options: &'a RunOptions<'o>,
+    pools: &'a mut PoolRun,
+    allocator: CachingAllocator<ReplayDevice>,
+    /// The live allocations, by slot.
+    slots: Vec<Option<Allocation>>,
+    check: Option<Check>,
+    sampler: Sampler,
+    figures: Figures,
+    refused: u64,
+    /// Allocations replayed so far (the index of the next one in [`DevicePlan::expected`]).
+    allocs: usize,
+    /// Per restore, the checkpoints taken of its pool.
+    checkpoints: Vec<Vec<PoolCheckpoint>>,
+    restoring: Option<Restoring>,
+    restores: RestoreCount,
+    /// Handles of restored blocks no recorded allocation claimed (a restore that differed).
+    strays: Vec<Allocation>,
+}
 
-    let started = Instant::now();
-    for (i, (op, &event)) in plan.ops.iter().zip(&plan.op_events).enumerate() {
-        match *op {
+impl<'a, 'o> Replayer<'a, 'o> {
+    /// A replay of `plan` about to start: a fresh allocator ([`new_allocator`]), every slot
+    /// empty, nothing checked or sampled yet.
+    fn new(
+        plan: &'a DevicePlan,
+        options: &'a RunOptions<'o>,
+        capacity: u64,
+        pools: &'a mut PoolRun,
+    ) -> Self {
+        let mut slots: Vec<Option<Allocation>> = Vec::with_capacity(plan.slots);
+        slots.resize_with(plan.slots, || None);
+        Replayer {
+            plan,
+            options,
+            pools,
+            allocator: new_allocator(plan, options, capacity),
+            slots,
+            check: options.check.then(Check::default),
+            sampler: Sampler::new(plan.ops.len(), options.timeline_points),
+            figures: Figures::default(),
+            refused: 0,
+            allocs: 0,
+            checkpoints: vec![Vec::new(); plan.restores.len()],
+            restoring: None,
+            restores: RestoreCount::default(),
+            strays: Vec::new(),
+        }
+    }
+
+    /// The allocator's failure at `event`, other than running out of memory.
+    fn fail(&self, event: u32, source: AllocError) -> Error {
+        Error::Allocator {
+            device: self.plan.device,
+            event: event as usize,
+            source,
+        }
+    }
+
+    /// Replays the plan's ops in order, sampling the timeline after each and reporting progress
+    /// now and then; stops early when the pool inference has seen enough.
+    fn replay_ops(&mut self, events_before: u64) -> Result<()> {
+        let plan = self.plan;
+        for (i, (op, &event)) in plan.ops.iter().zip(&plan.op_events).enumerate() {
+            if self.op(*op, event)?.is_break() {
+                break;
+            }
+            self.sampler.observe(
+                u64::from(event),
+                self.figures.allocated,
+                self.allocator.reserved_bytes(),
+                self.figures.requested,
+            );
+            if i % PROGRESS_EVERY == 0 {
+                if let Some(progress) = self.options.progress {
+                    progress(events_before + u64::from(event));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Replays one op (of trace event `event`).
+    fn op(&mut self, op: Op, event: u32) -> Result<ControlFlow<()>> {
+        match op {
             Op::Alloc {
                 size,
                 stream,
                 slot,
                 instance,
-            } => {
-                let expected = plan.expected[allocs];
-                let pool = pools.pool_for(plan, &allocator, instance, allocs, size, stream);
-                allocs += 1;
-                let restored = restoring
-                    .as_mut()
-                    .filter(|r| event < r.end)
-                    .map(|r| r.take(expected.addr));
-                let landed = match restored {
-                    // A block the restore made: live in the checkpoint (its handle), or free in it
-                    // (made and freed again by the restore).
-                    Some(Restored::Live(a)) => {
-                        figures.allocated += a.size() as u64;
-                        figures.requested += a.requested_size() as u64;
-                        let ptr = a.ptr().0;
-                        slots[slot as usize] = Some(a);
-                        ptr
-                    }
-                    Some(Restored::Free) => expected.addr,
-                    Some(Restored::Missing) => 0,
-                    None => {
-                        let bytes = usize::try_from(size).unwrap_or(usize::MAX);
-                        match pools.allocate(&allocator, pool, bytes, stream) {
-                            Ok(a) => {
-                                figures.allocated += a.size() as u64;
-                                figures.requested += a.requested_size() as u64;
-                                let ptr = a.ptr().0;
-                                slots[slot as usize] = Some(a);
-                                ptr
-                            }
-                            Err(AllocError::OutOfMemory(_) | AllocError::TooLarge { .. }) => {
-                                refused += 1;
-                                0
-                            }
-                            Err(e) => return Err(fail(event, e)),
-                        }
-                    }
-                };
-                if landed != expected.addr && landed != 0 {
-                    tracing::trace!(
-                        event,
-                        size,
-                        %pool,
-                        recorded = format_args!("{:#x}", expected.addr),
-                        replayed = format_args!("{landed:#x}"),
-                        "allocation landed elsewhere than recorded"
-                    );
-                    pools.landed_elsewhere(pool, landed);
-                    if pools.stopped() {
-                        break;
-                    }
-                }
-                if let Some(check) = &mut check {
-                    check.allocations += 1;
-                    if landed != expected.addr {
-                        check.address_mismatches += 1;
-                        check.diverged(
-                            device_index,
-                            event as usize,
-                            DivergenceKind::Address {
-                                size,
-                                stream,
-                                recorded: expected.addr,
-                                replayed: landed,
-                            },
-                        );
-                    }
-                    let reserved = allocator.reserved_bytes();
-                    if reserved != expected.reserved {
-                        check.reserved_mismatches += 1;
-                        check.diverged(
-                            device_index,
-                            event as usize,
-                            DivergenceKind::Reserved {
-                                recorded: expected.reserved,
-                                replayed: reserved,
-                            },
-                        );
-                    }
-                }
-            }
-            Op::Free { slot, held_on } => {
-                if let Some(a) = slots[slot as usize].take() {
-                    let (size, requested) = (a.size() as u64, a.requested_size() as u64);
-                    if let Some(stream) = held_on {
-                        allocator
-                            .record_stream(&a, stream)
-                            .map_err(|e| fail(event, e))?;
-                        figures.held.insert(stream.0, requested);
-                    } else {
-                        figures.requested -= requested;
-                    }
-                    allocator.free(a).map_err(|e| fail(event, e))?;
-                    figures.allocated -= size;
-                }
-            }
-            Op::Complete { stream, .. } => {
-                allocator.device().sim().complete_stream_work(stream);
-                if let Some(requested) = figures.held.remove(&stream.0) {
-                    figures.requested -= requested;
-                }
-            }
+            } => return self.alloc(event, size, stream, slot, instance),
+            Op::Free { slot, held_on } => self.free(event, slot, held_on)?,
+            Op::Complete { stream, .. } => self.complete(stream),
             Op::Oom {
                 size,
                 stream,
-                capacity: recorded_capacity,
+                capacity,
                 device_had_room,
                 after_releases,
             } => {
-                // Under a memory fraction, a failure the device had room for was the fraction's:
-                // the device's size is the inferred one, not what was free at that moment.
-                let fraction_failure =
-                    device_had_room && options.config.per_process_memory_fraction < 1.0;
-                if options.capacity.is_none() && !fraction_failure {
-                    allocator.device().sim().set_capacity(recorded_capacity);
-                }
-                let bytes = usize::try_from(size).unwrap_or(usize::MAX);
-                let pool = pools.oom_pool(&allocator, bytes, stream, after_releases);
-                match pools.request(&allocator, pool, bytes, stream) {
-                    Ok(a) => {
-                        // The program went on without this memory: give it back at once.
-                        allocator.free(a).map_err(|e| fail(event, e))?;
-                        if let Some(check) = &mut check {
-                            check.diverged(
-                                device_index,
-                                event as usize,
-                                DivergenceKind::OomNotReproduced { size },
-                            );
-                        }
-                    }
-                    Err(AllocError::OutOfMemory(_) | AllocError::TooLarge { .. }) => refused += 1,
-                    Err(e) => return Err(fail(event, e)),
-                }
+                self.follow_recorded_capacity(capacity, device_had_room);
+                self.oom(event, size, stream, after_releases)?;
             }
-            Op::Checkpoint { restore } => {
-                let restore = restore as usize;
-                if let Some(pool) = pools.restored_pool(&plan.restores[restore]) {
-                    if let Ok(checkpoint) = allocator.get_checkpoint_state(pool) {
-                        checkpoints[restore].push(checkpoint);
-                    }
-                }
-            }
-            Op::Restore { restore } => {
-                if let Some(mut done) = restoring.take() {
-                    strays.extend(done.live.drain().map(|(_, a)| a));
-                }
-                let restore = restore as usize;
-                let candidates = std::mem::take(&mut checkpoints[restore]);
-                restoring = apply_restore(&allocator, pools, &plan.restores[restore], &candidates);
-                match (&restoring, pools.restored_pool(&plan.restores[restore])) {
-                    (Some(_), _) => restores.applied += 1,
-                    (None, Some(_)) => restores.not_applied += 1,
-                    // Graph trees restore private pools only: blocks cut like a restore's in
-                    // segments of the default pools were ordinary requests.
-                    (None, None) => {}
-                }
-            }
+            Op::Checkpoint { restore } => self.checkpoint(restore as usize),
+            Op::Restore { restore } => self.restore(restore as usize),
             Op::ReleaseStarts { set } => {
-                pools.release_starts(plan, &allocator, &plan.release_sets[set as usize]);
+                let plan = self.plan;
+                self.pools
+                    .release_starts(plan, &self.allocator, &plan.release_sets[set as usize]);
             }
-            Op::Release { run } => {
-                let run = plan.releases[run as usize];
-                if release_was_external(&allocator, &options.config, run) {
-                    match pools.only_private(&plan.release_sets[run.set as usize]) {
-                        // Only private pools' segments: `empty_cache` of those pools (a
-                        // `MemPool` emptied or destroyed).
-                        Some(private) => {
-                            for pool in private {
-                                allocator
-                                    .empty_pool_cache(pool)
-                                    .map_err(|e| fail(event, e))?;
-                            }
-                        }
-                        None => allocator.empty_cache().map_err(|e| fail(event, e))?,
-                    }
+            Op::Release { run } => self.release(event, self.plan.releases[run as usize])?,
+        }
+        Ok(ControlFlow::Continue(()))
+    }
+
+    /// An allocation of `size` bytes on `stream` into `slot` (landing in the recorded segment
+    /// `instance` in the record): in the pool the inference gives it, made by the restore in
+    /// progress or by the allocator; where it landed is compared with the record. Breaks when
+    /// the pool inference stops at a contradiction.
+    fn alloc(
+        &mut self,
+        event: u32,
+        size: u64,
+        stream: StreamId,
+        slot: u32,
+        instance: u32,
+    ) -> Result<ControlFlow<()>> {
+        let expected = self.plan.expected[self.allocs];
+        let pool = self.pools.pool_for(
+            self.plan,
+            &self.allocator,
+            instance,
+            self.allocs,
+            size,
+            stream,
+        );
+        self.allocs += 1;
+        let restored = self
+            .restoring
+            .as_mut()
+            .filter(|r| event < r.end)
+            .map(|r| r.take(expected.addr));
+        let landed = match restored {
+            // A block the restore made: live in the checkpoint (its handle), or free in it (made
+            // and freed again by the restore).
+            Some(Restored::Live(a)) => self.keep(slot, a),
+            Some(Restored::Free) => expected.addr,
+            Some(Restored::Missing) => 0,
+            None => self.allocate(event, pool, size, stream, slot)?,
+        };
+        if landed != expected.addr && landed != 0 {
+            tracing::trace!(
+                event,
+                size,
+                %pool,
+                recorded = format_args!("{:#x}", expected.addr),
+                replayed = format_args!("{landed:#x}"),
+                "allocation landed elsewhere than recorded"
+            );
+            self.pools.landed_elsewhere(pool, landed);
+            if self.pools.stopped() {
+                return Ok(ControlFlow::Break(()));
+            }
+        }
+        self.check_alloc(event, size, stream, expected, landed);
+        Ok(ControlFlow::Continue(()))
+    }
+
+    /// Keeps `a` in `slot`; its address.
+    fn keep(&mut self, slot: u32, a: Allocation) -> u64 {
+        self.figures.allocated += a.size() as u64;
+        self.figures.requested += a.requested_size() as u64;
+        let ptr = a.ptr().0;
+        self.slots[slot as usize] = Some(a);
+        ptr
+    }
+
+    /// Asks the allocator for `size` bytes on `stream` in `pool`, kept in `slot`: the address, or 0
+    /// when the device has no memory for them (counted as refused).
+    fn allocate(
+        &mut self,
+        event: u32,
+        pool: MempoolId,
+        size: u64,
+        stream: StreamId,
+        slot: u32,
+    ) -> Result<u64> {
+        let bytes = usize::try_from(size).unwrap_or(usize::MAX);
+        match self.pools.allocate(&self.allocator, pool, bytes, stream) {
+            Ok(a) => Ok(self.keep(slot, a)),
+            Err(AllocError::OutOfMemory(_) | AllocError::TooLarge { .. }) => {
+                self.refused += 1;
+                Ok(0)
+            }
+            Err(e) => Err(self.fail(event, e)),
+        }
+    }
+
+    /// Compares the allocation of `event` (landed at `landed`, 0: nowhere) and the bytes reserved
+    /// after it with what the trace recorded, when the run is checked.
+    fn check_alloc(
+        &mut self,
+        event: u32,
+        size: u64,
+        stream: StreamId,
+        expected: Expected,
+        landed: u64,
+    ) {
+        let Some(check) = &mut self.check else {
+            return;
+        };
+        let device = self.plan.device;
+        check.allocations += 1;
+        if landed != expected.addr {
+            check.address_mismatches += 1;
+            check.diverged(
+                device,
+                event as usize,
+                DivergenceKind::Address {
+                    size,
+                    stream,
+                    recorded: expected.addr,
+                    replayed: landed,
+                },
+            );
+        }
+        let reserved = self.allocator.reserved_bytes();
+        if reserved != expected.reserved {
+            check.reserved_mismatches += 1;
+            check.diverged(
+                device,
+                event as usize,
+                DivergenceKind::Reserved {
+                    recorded: expected.reserved,
+                    replayed: reserved,
+                },
+            );
+        }
+    }
+
+    /// Frees the allocation in `slot` (nothing when it was refused), first recorded as used on the
+    /// synthetic stream `held_on` when the trace held it back.
+    fn free(&mut self, event: u32, slot: u32, held_on: Option<StreamId>) -> Result<()> {
+        let Some(a) = self.slots[slot as usize].take() else {
+            return Ok(());
+        };
+        let (size, requested) = (a.size() as u64, a.requested_size() as u64);
+        if let Some(stream) = held_on {
+            self.allocator
+                .record_stream(&a, stream)
+                .map_err(|e| self.fail(event, e))?;
+            self.figures.held.insert(stream.0, requested);
+        } else {
+            self.figures.requested -= requested;
+        }
+        self.allocator.free(a).map_err(|e| self.fail(event, e))?;
+        self.figures.allocated -= size;
+        Ok(())
+    }
+
+    /// The work of synthetic stream `stream` completes: the block it held back returns to its pool
+    /// at the next allocation.
+    fn complete(&mut self, stream: StreamId) {
+        self.allocator.device().sim().complete_stream_work(stream);
+        if let Some(requested) = self.figures.held.remove(&stream.0) {
+            self.figures.requested -= requested;
+        }
+    }
+
+    /// Before a recorded `oom`: the device's memory becomes what the record implies
+    /// (`recorded_capacity`), unless the caller set it or the failure was the memory fraction's
+    /// (under a fraction, a failure the device had room for says nothing of the device's size).
+    fn follow_recorded_capacity(&mut self, recorded_capacity: u64, device_had_room: bool) {
+        let fraction_failure =
+            device_had_room && self.options.config.per_process_memory_fraction < 1.0;
+        if self.options.capacity.is_none() && !fraction_failure {
+            self.allocator
+                .device()
+                .sim()
+                .set_capacity(recorded_capacity);
+        }
+    }
+
+    /// A request that failed in the recorded run, made in the pool it was likely for: refused as
+    /// recorded, or (a divergence) served and given back at once.
+    fn oom(&mut self, event: u32, size: u64, stream: StreamId, after_releases: bool) -> Result<()> {
+        let bytes = usize::try_from(size).unwrap_or(usize::MAX);
+        let pool = self
+            .pools
+            .oom_pool(&self.allocator, bytes, stream, after_releases);
+        match self.pools.request(&self.allocator, pool, bytes, stream) {
+            Ok(a) => {
+                // The program went on without this memory: give it back at once.
+                self.allocator.free(a).map_err(|e| self.fail(event, e))?;
+                if let Some(check) = &mut self.check {
+                    check.diverged(
+                        self.plan.device,
+                        event as usize,
+                        DivergenceKind::OomNotReproduced { size },
+                    );
                 }
             }
+            Err(AllocError::OutOfMemory(_) | AllocError::TooLarge { .. }) => self.refused += 1,
+            Err(e) => return Err(self.fail(event, e)),
         }
-        sampler.observe(
-            u64::from(event),
-            figures.allocated,
-            allocator.reserved_bytes(),
-            figures.requested,
-        );
-        if i % PROGRESS_EVERY == 0 {
-            if let Some(progress) = options.progress {
-                progress(events_before + u64::from(event));
+        Ok(())
+    }
+
+    /// The pool of restore `restore` may be in the state it returns to: a checkpoint of it, kept
+    /// for the restore.
+    fn checkpoint(&mut self, restore: usize) {
+        if let Some(pool) = self.pools.restored_pool(&self.plan.restores[restore]) {
+            if let Ok(checkpoint) = self.allocator.get_checkpoint_state(pool) {
+                self.checkpoints[restore].push(checkpoint);
             }
         }
     }
-    let seconds = started.elapsed().as_secs_f64();
 
-    let stats = allocator.memory_stats();
-    let want_segments = check.is_some() || options.snapshot;
-    let snapshot = want_segments.then(|| allocator.snapshot());
-    if let (Some(check), Some(snapshot)) = (&mut check, &snapshot) {
-        check.segments = Some(SegmentCheck::compare(&snapshot.segments, &plan.segments));
-        if let Some(expected) = expected {
-            check.stats = Some(StatsCheck::compare(&stats.to_flat(), expected));
+    /// Restore `restore` starts: the pool returns to the latest checkpoint that agrees with it, if
+    /// one does (the blocks of a restore before it that no allocation claimed are given up).
+    fn restore(&mut self, restore: usize) {
+        if let Some(mut done) = self.restoring.take() {
+            self.strays.extend(done.live.drain().map(|(_, a)| a));
+        }
+        let candidates = std::mem::take(&mut self.checkpoints[restore]);
+        let plan = &self.plan.restores[restore];
+        self.restoring = apply_restore(&self.allocator, self.pools, plan, &candidates);
+        match (&self.restoring, self.pools.restored_pool(plan)) {
+            (Some(_), _) => self.restores.applied += 1,
+            (None, Some(_)) => self.restores.not_applied += 1,
+            // Graph trees restore private pools only: blocks cut like a restore's in segments of
+            // the default pools were ordinary requests.
+            (None, None) => {}
         }
     }
-    allocator
-        .check_invariants()
-        .map_err(|source| Error::Invariant {
-            device: device_index,
-            source,
-        })?;
-    // Blocks the trace never freed were live when it ended; the allocator (dropped with this
-    // function) returns their memory, so their handles are given up rather than freed.
-    if let Some(mut done) = restoring.take() {
-        strays.extend(done.live.drain().map(|(_, a)| a));
+
+    /// A run of releases that did not end in an `oom`: `empty_cache()` (of the private pools
+    /// whose segments it released, when those are all it released) if it was the program's, else
+    /// nothing (the replayed allocator makes the releases itself).
+    fn release(&mut self, event: u32, run: ReleaseRun) -> Result<()> {
+        if !release_was_external(&self.allocator, &self.options.config, run) {
+            return Ok(());
+        }
+        match self
+            .pools
+            .only_private(&self.plan.release_sets[run.set as usize])
+        {
+            // Only private pools' segments: `empty_cache` of those pools (a `MemPool` emptied or
+            // destroyed).
+            Some(private) => {
+                for pool in private {
+                    self.allocator
+                        .empty_pool_cache(pool)
+                        .map_err(|e| self.fail(event, e))?;
+                }
+            }
+            None => self
+                .allocator
+                .empty_cache()
+                .map_err(|e| self.fail(event, e))?,
+        }
+        Ok(())
     }
-    for allocation in slots.into_iter().flatten().chain(strays) {
-        let _ = allocation.into_ptr();
+
+    /// The end of the replay: the allocator's statistics and snapshot, compared with the record
+    /// when checked, its invariants checked, the handles of blocks still live given up.
+    fn finish(
+        mut self,
+        capacity: u64,
+        seconds: f64,
+        expected: Option<&ExpectedStats>,
+    ) -> Result<DeviceRun> {
+        let stats = self.allocator.memory_stats();
+        let want_segments = self.check.is_some() || self.options.snapshot;
+        let snapshot = want_segments.then(|| self.allocator.snapshot());
+        if let (Some(check), Some(snapshot)) = (&mut self.check, &snapshot) {
+            check.segments = Some(SegmentCheck::compare(
+                &snapshot.segments,
+                &self.plan.segments,
+            ));
+            if let Some(expected) = expected {
+                check.stats = Some(StatsCheck::compare(&stats.to_flat(), expected));
+            }
+        }
+        self.allocator
+            .check_invariants()
+            .map_err(|source| Error::Invariant {
+                device: self.plan.device,
+                source,
+            })?;
+        // Blocks the trace never freed were live when it ended; the allocator (dropped with this
+        // function) returns their memory, so their handles are given up rather than freed.
+        if let Some(mut done) = self.restoring.take() {
+            self.strays.extend(done.live.drain().map(|(_, a)| a));
+        }
+        for allocation in self.slots.drain(..).flatten().chain(self.strays.drain(..)) {
+            let _ = allocation.into_ptr();
+        }
+        Ok(DeviceRun {
+            device: self.plan.device,
+            stats,
+            capacity,
+            addresses: self.allocator.device().address_use(),
+            refused: self.refused,
+            unmatched_frees: self.plan.unmatched_frees,
+            timeline: self.sampler.finish(),
+            check: self.check,
+            snapshot: if self.options.snapshot {
+                snapshot
+            } else {
+                None
+            },
+            seconds,
+            restores: self.restores,
+            async_model: None,
+        })
     }
-    Ok(DeviceRun {
-        device: device_index,
-        stats,
-        capacity,
-        addresses: allocator.device().address_use(),
-        refused,
-        unmatched_frees: plan.unmatched_frees,
-        timeline: sampler.finish(),
-        check,
-        snapshot: if options.snapshot { snapshot } else { None },
-        seconds,
-        restores,
-        async_model: None,
-    })
 }
 
 /// Checkpoint restores of CUDA graph trees (`setCheckpointPoolState`) a device's trace shows.

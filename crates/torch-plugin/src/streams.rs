@@ -8,7 +8,7 @@
 //! device; the backend keeps it from then on. The fast path pays nothing: it tries the stream first.
 
 use cudarc::driver::sys;
-use tensormem_cuda_alloc::backend::cuda::CudaBackend;
+use tensormem_cuda_alloc::backend::cuda::{check, CudaBackend};
 use tensormem_cuda_alloc::{DeviceError, StreamId};
 
 use crate::error::{Error, Result};
@@ -71,15 +71,9 @@ unsafe fn register(device: &CudaBackend, raw: sys::CUstream) -> Result<StreamId>
     let stream = raw as u64;
     let mut ctx = std::ptr::null_mut();
     // SAFETY: `raw` is a live stream handle (the caller's obligation); `ctx` is a valid out-parameter.
-    let result = unsafe { sys::cuStreamGetCtx(raw, &mut ctx) };
-    if result != sys::CUresult::CUDA_SUCCESS {
-        return Err(DeviceError::Driver {
-            call: "cuStreamGetCtx",
-            code: result as i32,
-            message: format!("{result:?}"),
-        }
-        .into());
-    }
+    check("cuStreamGetCtx", unsafe {
+        sys::cuStreamGetCtx(raw, &mut ctx)
+    })?;
     let context = device.cudarc_context();
     if ctx != context.cu_ctx() {
         return Err(Error::ForeignStream {

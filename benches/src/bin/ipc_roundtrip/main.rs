@@ -72,7 +72,7 @@ use std::time::{Duration, Instant};
 use rustix::thread::{sched_getaffinity, sched_getcpu, sched_setaffinity, CpuSet};
 
 use cudarc::driver::sys;
-use tensormem_cuda_alloc::backend::cuda::{CudaBackend, CudaPinnedSource};
+use tensormem_cuda_alloc::backend::cuda::{check, CudaBackend, CudaPinnedSource};
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::host::HostCachingAllocator;
 use tensormem_cuda_alloc::{Allocation, CachingAllocator, Device, StreamId};
@@ -95,14 +95,6 @@ const S: StreamId = StreamId::DEFAULT;
 const READY: &[u8] = b"ready";
 
 type BoxError = Box<dyn std::error::Error>;
-
-fn check(call: &str, result: sys::CUresult) -> Result<(), BoxError> {
-    if result == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(format!("{call} failed: {result:?}").into())
-    }
-}
 
 /// How the consumer reads the byte (see the crate docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

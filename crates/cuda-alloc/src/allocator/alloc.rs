@@ -62,7 +62,7 @@ impl<D: Device> CachingAllocator<D> {
     /// for a stream the device does not know); [`Error::TooManyStreams`] when `stream` does not fit the
     /// stream table.
     pub fn allocate(&self, size: usize, stream: StreamId) -> Result<Allocation> {
-        if !cfg!(feature = "ab-no-quiet-twins") && self.quiet() {
+        if !cfg!(tensormem_ab_no_quiet_twins) && self.quiet() {
             self.allocate_in::<true>(size, stream)
         } else {
             self.allocate_in::<false>(size, stream)

@@ -25,7 +25,7 @@ impl<D: Device> CachingAllocator<D> {
     /// ([`raw_free`](Self::raw_free)); [`Error::Device`] if recording an event fails and the device
     /// cannot be synchronized instead.
     pub fn free(&self, allocation: Allocation) -> Result<()> {
-        if !cfg!(feature = "ab-no-quiet-twins") && self.quiet() {
+        if !cfg!(tensormem_ab_no_quiet_twins) && self.quiet() {
             self.free_in::<true>(allocation)
         } else {
             self.free_in::<false>(allocation)
@@ -84,7 +84,7 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(());
         }
         self.enable_pointer_index();
-        if !cfg!(feature = "ab-no-quiet-twins") && self.quiet() {
+        if !cfg!(tensormem_ab_no_quiet_twins) && self.quiet() {
             self.raw_free_in::<true>(ptr)
         } else {
             self.raw_free_in::<false>(ptr)

@@ -136,7 +136,7 @@ impl Allocation {
         block: u32,
         generation: u32,
     ) -> Self {
-        #[cfg(all(target_arch = "x86_64", not(feature = "ab-no-sse2-handles")))]
+        #[cfg(all(target_arch = "x86_64", not(tensormem_ab_no_sse2_handles)))]
         {
             use std::arch::x86_64::{__m128i, _mm_set_epi32, _mm_set_epi64x, _mm_storeu_si128};
             let mut out = std::mem::MaybeUninit::<Allocation>::uninit();
@@ -162,7 +162,7 @@ impl Allocation {
                 out.assume_init()
             }
         }
-        #[cfg(any(not(target_arch = "x86_64"), feature = "ab-no-sse2-handles"))]
+        #[cfg(any(not(target_arch = "x86_64"), tensormem_ab_no_sse2_handles))]
         Allocation {
             ptr: DeviceAddress(ptr),
             size: size as usize,
@@ -782,12 +782,12 @@ impl<D: Device> Locked<'_, D> {
     }
 
     /// Whether a call that runs `QUIET` may take the fast path's express lane, which writes no
-    /// trace entry and keeps no stack: quiet calls only. The `ab-no-quiet-twins` build runs every
-    /// call as the other twin, so there it reads the flags (without a lock, as the twins' choice
-    /// does) here instead.
+    /// trace entry and keeps no stack: quiet calls only. A `--cfg tensormem_ab_no_quiet_twins` build
+    /// runs every call as the other twin, so there it reads the flags (without a lock, as the twins'
+    /// choice does) here instead.
     #[inline(always)]
     pub(crate) fn express_open<const QUIET: bool>(&self) -> bool {
-        QUIET || (cfg!(feature = "ab-no-quiet-twins") && self.a.quiet())
+        QUIET || (cfg!(tensormem_ab_no_quiet_twins) && self.a.quiet())
     }
 
     /// Records a trace entry about memory of pool `pool` with its call stack (kept at context level

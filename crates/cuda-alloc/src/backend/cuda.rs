@@ -3,7 +3,8 @@
 //! Built on [cudarc](https://docs.rs/cudarc) with dynamic loading: building needs no CUDA toolkit, and
 //! `libcuda.so` is looked up when the first device is opened. Where cudarc's safe layer has no wrapper
 //! (virtual memory, interprocess events, graph-capture status, host functions) this module calls the raw
-//! driver API (`cudarc::driver::sys`) and checks every `CUresult`, turning failures into
+//! driver API (`cudarc::driver::sys`) and checks every `CUresult` with [`check`] (the one conversion,
+//! used by the IPC crate and the PyTorch plugin too), turning failures into
 //! [`DeviceError::Driver`] (the call, the code, and the driver's name and description of it) and
 //! `CUDA_ERROR_OUT_OF_MEMORY` into [`DeviceError::OutOfMemory`], which the allocator answers by freeing
 //! cached memory and retrying.
@@ -61,7 +62,7 @@ use crate::device::{
 pub use context::has_primary_context;
 use context::PrimaryContext;
 pub(crate) use driver::error as driver_error;
-pub use driver::{device_count, init};
+pub use driver::{check, device_count, init};
 pub use event::{BackendEvent, IPC_HANDLE_SIZE};
 pub use pinned::CudaPinnedSource;
 pub use properties::{can_access_peer, device_properties, DeviceProperties, DeviceUuid};

@@ -259,7 +259,7 @@ impl Figures {
         book: &PeakBook,
         set: &dyn FigureSet,
     ) {
-        if cfg!(feature = "ab-no-small-twins") {
+        if cfg!(tensormem_ab_no_small_twins) {
             self.on_alloc_in(small, size, requested, book, set);
         } else if small {
             self.on_alloc_in(true, size, requested, book, set);
@@ -269,7 +269,7 @@ impl Figures {
     }
 
     /// [`on_alloc`](Self::on_alloc) for the pool type `small`, a constant in each copy (the `small`
-    /// twins; a run-time value in the `ab-no-small-twins` build).
+    /// twins; a run-time value in a `--cfg tensormem_ab_no_small_twins` build).
     #[inline(always)]
     pub(crate) fn on_alloc_in(
         &self,

@@ -1,12 +1,12 @@
 //! [`CudaIpcDriver`]: the IPC driver calls on a real GPU (raw `cudarc::driver::sys` calls, the driver
-//! loaded at run time).
+//! loaded at run time), their results turned into errors by the allocator's one conversion
+//! ([`cuda::check`]).
 
-use std::ffi::CStr;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys;
-use tensormem_cuda_alloc::backend::cuda::{self, BackendEvent, CudaBackend};
+use tensormem_cuda_alloc::backend::cuda::{self, check, BackendEvent, CudaBackend};
 use tensormem_cuda_alloc::{DeviceAddress, DeviceError, DeviceResult, StreamId};
 
 use super::{EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
@@ -56,34 +56,6 @@ impl CudaIpcDriver {
         device.make_current()?;
         Ok(device)
     }
-}
-
-/// `Ok(())` or the driver's error for `call`.
-fn check(call: &'static str, result: sys::CUresult) -> DeviceResult<()> {
-    if result == sys::CUresult::CUDA_SUCCESS {
-        return Ok(());
-    }
-    let mut name: *const std::ffi::c_char = std::ptr::null();
-    let mut text: *const std::ffi::c_char = std::ptr::null();
-    // SAFETY: the driver was loaded by `CudaIpcDriver::new`; both out-parameters are valid and the
-    // driver returns pointers to static strings (or leaves them null for unknown codes).
-    let message = unsafe {
-        let _ = sys::cuGetErrorName(result, &mut name);
-        let _ = sys::cuGetErrorString(result, &mut text);
-        let part = |p: *const std::ffi::c_char| {
-            if p.is_null() {
-                "unknown".to_owned()
-            } else {
-                CStr::from_ptr(p).to_string_lossy().into_owned()
-            }
-        };
-        format!("{}: {}", part(name), part(text))
-    };
-    Err(DeviceError::Driver {
-        call,
-        code: result as i32,
-        message,
-    })
 }
 
 impl IpcDriver for CudaIpcDriver {

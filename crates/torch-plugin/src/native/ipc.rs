@@ -40,7 +40,8 @@ use tensormem::ipc::driver::cuda::CudaIpcDriver;
 use tensormem::ipc::{
     chunks, ChunkFdRoutes, ChunkHandle, IpcDriver, MemHandle, SegmentMemory, IPC_HANDLE_SIZE,
 };
-use tensormem_cuda_alloc::{DeviceAddress, DeviceError, ShareableSegment};
+use tensormem_cuda_alloc::backend::cuda::check;
+use tensormem_cuda_alloc::{DeviceAddress, ShareableSegment};
 use tensormem_runtime::DeviceMemory;
 
 use super::status;
@@ -56,19 +57,6 @@ pub const HANDLE_LEN: usize = 2 + CUDA_HANDLE;
 /// The length of the handle of memory in an expandable segment (type `'e'`) before its
 /// descriptors, which take 4 bytes each.
 pub const EXPANDABLE_HANDLE_HEADER_LEN: usize = 2 + 24;
-
-fn driver(call: &'static str, result: sys::CUresult) -> Result<()> {
-    if result == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(DeviceError::Driver {
-            call,
-            code: result as i32,
-            message: format!("{result:?}"),
-        }
-        .into())
-    }
-}
 
 /// The driver calls that import and unmap chunks, loaded on first use.
 fn chunk_driver() -> Result<&'static CudaIpcDriver> {
@@ -133,7 +121,7 @@ fn share(ptr: DeviceAddress) -> Result<(Vec<u8>, isize)> {
             };
             // SAFETY: `base` is the start of a live device allocation of this context (the
             // allocator's segment); `handle` is a valid out-parameter.
-            driver("cuIpcGetMemHandle", unsafe {
+            check("cuIpcGetMemHandle", unsafe {
                 sys::cuIpcGetMemHandle(&mut handle, base.0)
             })?;
             let bytes = MemHandle(handle.reserved.map(|b| b as u8))
@@ -237,7 +225,7 @@ pub unsafe extern "C" fn tensormem_ipc_open(
                 };
                 let mut ptr: sys::CUdeviceptr = 0;
                 // SAFETY: `ptr` is a valid out-parameter; the driver checks the handle.
-                driver("cuIpcOpenMemHandle", unsafe {
+                check("cuIpcOpenMemHandle", unsafe {
                     sys::cuIpcOpenMemHandle_v2(
                         &mut ptr,
                         raw,
@@ -315,16 +303,17 @@ fn close(closed: Opened) -> Result<()> {
     match closed.mapping {
         Mapping::Allocation => {
             // SAFETY: `ptr` was opened by `cuIpcOpenMemHandle` and has no user left.
-            driver("cuIpcCloseMemHandle", unsafe {
+            check("cuIpcCloseMemHandle", unsafe {
                 sys::cuIpcCloseMemHandle(closed.ptr)
-            })
+            })?;
+            Ok(())
         }
         Mapping::Chunks { device, size } => {
             // Unmapping does not wait for queued work, which may still use the memory.
             // `device` is an ordinal the driver accepted, so it fits a `c_int`.
             devices::served(device as c_int)?.device().make_current()?;
             // SAFETY: the device's context is current; no arguments.
-            driver("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() }).map_err(|e| {
+            check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() }).map_err(|e| {
                 Error::IpcHandle(format!(
                     "the device failed while closing shared memory at {:#x} ({e}); the mapping \
                      is left in place",

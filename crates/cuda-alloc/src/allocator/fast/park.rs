@@ -49,7 +49,7 @@ impl<D: Device> Locked<'_, D> {
             let n = &st.blocks[freed.next];
             let (n_size, n_next) = (n.size, n.next);
             let split = freed.prev != NIL || n_next != NIL;
-            if cfg!(feature = "ab-no-small-twins") {
+            if cfg!(tensormem_ab_no_small_twins) {
                 self.park_figures(freed.small, split, freed.size, n_size, freed.requested);
             } else if freed.small {
                 self.park_figures(true, split, freed.size, n_size, freed.requested);
@@ -59,7 +59,7 @@ impl<D: Device> Locked<'_, D> {
             freed.next
         } else {
             let split = freed.prev != NIL || freed.next != NIL;
-            if cfg!(feature = "ab-no-small-twins") {
+            if cfg!(tensormem_ab_no_small_twins) {
                 self.park_whole_figures(freed.small, split, freed.size, freed.requested);
             } else if freed.small {
                 self.park_whole_figures(true, split, freed.size, freed.requested);

@@ -109,7 +109,7 @@ impl<D: Device> Locked<'_, D> {
         self.st.blocks[parked.block].gc_count_base = 0;
         let restore = self.restores(parked, b_requested, orig);
         let (size64, orig64) = (size as u64, orig as u64);
-        if cfg!(feature = "ab-no-small-twins") {
+        if cfg!(tensormem_ab_no_small_twins) {
             self.unpark_figures(small, already_split, size64, n_size, orig64, restore);
         } else if small {
             self.unpark_figures(true, already_split, size64, n_size, orig64, restore);

@@ -18,9 +18,33 @@ const MIN_DRIVER_VERSION: i32 = 12030;
 /// `CUDA_ERROR_NO_DEVICE`, used for the "no driver library" case too: there is no device to use.
 const NO_DEVICE: i32 = sys::CUresult::CUDA_ERROR_NO_DEVICE as i32;
 
-/// Turns a driver result into `Ok(())` or a [`DeviceError::Driver`] naming `call`.
+/// Turns the `CUresult` of driver call `call` into `Ok(())` or a [`DeviceError`]: the one place a CUDA
+/// driver result code becomes an error, for this crate and for the crates built on it (IPC, the PyTorch
+/// plugin), as cudarc's `result` layer does for its own calls.
+///
+/// `CUDA_SUCCESS` is `Ok(())`. Any other code is [`DeviceError::Driver`] with `call`, the code as a
+/// number, and the driver's name and description of it (`cuGetErrorName`, `cuGetErrorString`:
+/// `"CUDA_ERROR_INVALID_VALUE: invalid argument"`; `"unknown CUDA error <code>"` for a code the driver
+/// does not know). Codes that are not failures for the caller (`CUDA_ERROR_NOT_READY` from a query,
+/// `CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED`) are matched before calling this. Calls that create
+/// memory go through the crate's allocating twin instead, which turns `CUDA_ERROR_OUT_OF_MEMORY` into
+/// [`DeviceError::OutOfMemory`] so that the allocator frees cached memory and retries.
+///
+/// Call it only with the result of a driver call that returned (the driver library is then loaded:
+/// naming the code asks the driver).
+///
+/// # Errors
+///
+/// [`DeviceError::Driver`] for every code but `CUDA_SUCCESS`.
+///
+/// # References
+///
+/// - [Error handling](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__ERROR.html)
+/// - [`CUresult`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__TYPES.html)
+#[doc(alias = "CUresult")]
+#[doc(alias = "cuGetErrorName")]
 #[inline]
-pub(crate) fn check(call: &'static str, result: sys::CUresult) -> DeviceResult<()> {
+pub fn check(call: &'static str, result: sys::CUresult) -> DeviceResult<()> {
     if result == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
@@ -28,7 +52,8 @@ pub(crate) fn check(call: &'static str, result: sys::CUresult) -> DeviceResult<(
     }
 }
 
-/// Like [`check`], but `CUDA_ERROR_OUT_OF_MEMORY` becomes [`DeviceError::OutOfMemory`] for `bytes`.
+/// The allocating twin of [`check`]: `CUDA_ERROR_OUT_OF_MEMORY` becomes [`DeviceError::OutOfMemory`]
+/// for `bytes`, any other code as [`check`] has it.
 #[inline]
 pub(crate) fn check_alloc(
     call: &'static str,
