@@ -5,11 +5,11 @@
 #
 #   ANCHORS=DIR BIN=PATH/alloc_patterns bash compare3.sh
 #
-# ANCHORS: a copy of ../shared/anchors (torch_alloc_bench.cpp, build_torch_bench.sh); BIN: the binary
+# ANCHORS: a copy of benches/anchors (torch_alloc_bench.cpp, build_torch_bench.sh); BIN: the binary
 # to measure; RUNS (3); PIN: a prefix for every run, e.g. "taskset -c 5"; TAG: the results' folder
 # under $OUT (or /tmp).
 set -uo pipefail
-ANCHORS=${ANCHORS:?ANCHORS: a copy of ../shared/anchors}
+ANCHORS=${ANCHORS:?ANCHORS: a copy of benches/anchors}
 BIN=${BIN:?BIN: the alloc_patterns binary}
 RUNS=${RUNS:-3}
 PIN=${PIN:-}

@@ -10,7 +10,7 @@
 # and threaded rows (about a second instead of fifteen). The cut is made here, from the anchor's source,
 # at run time. Each build is labelled by its folder's name.
 set -uo pipefail
-ANCHORS=${ANCHORS:?ANCHORS: a copy of ../shared/anchors}
+ANCHORS=${ANCHORS:?ANCHORS: a copy of benches/anchors}
 BINS=${BINS:?BINS: alloc_patterns binaries}
 CPU=${CPU:-3}
 PAIRS=${PAIRS:-12}

@@ -3,8 +3,10 @@
 $TENSORMEM_TORCH_LIB) and the C++ layer's source, which the package compiles against the installed
 PyTorch on first use.
 
-    pip install crates/torch-plugin            # from the repository root; needs cargo
-    pip wheel crates/torch-plugin -w dist/     # a wheel to install where there is no Rust
+    pip install crates/torch-plugin                   # from the repository root; needs cargo
+    pip wheel --no-deps crates/torch-plugin -w dist/  # a wheel to install where there is no Rust
+
+The package depends on torch and ninja (pyproject.toml); `--no-deps` keeps pip from fetching them.
 """
 import os
 import shutil

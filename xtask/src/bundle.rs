@@ -36,7 +36,7 @@ const BENCH_BINS: &[(&str, &str)] = &[
     ("tensormem-benches", "storage_pool_bench"),
 ];
 
-/// PyTorch anchors copied into `DIR/anchors/` (from `../shared/anchors` beside the workspace), so
+/// PyTorch anchors copied into `DIR/anchors/` (from [`ANCHORS_DIR`], vendored in the repository), so
 /// that a benchmark and its anchor run from the bundle in one call.
 const ANCHOR_SCRIPTS: &[&str] = &[
     "compare_alloc.sh",
@@ -49,8 +49,9 @@ const ANCHOR_SCRIPTS: &[&str] = &[
     "torch_step_bench.py",
 ];
 
-/// Where the anchors live, relative to the workspace root.
-const ANCHORS_DIR: &str = "../shared/anchors";
+/// Where the anchors live, relative to the workspace root (`benches/anchors/README.md` says what they
+/// are).
+const ANCHORS_DIR: &str = "benches/anchors";
 
 /// PyTorch's pluggable allocator library: (package, library target name, file name), copied into
 /// `DIR/torch/` with the crate's Python scripts.
@@ -180,8 +181,8 @@ fn bundle_torch_plugin(dir: &Path) -> Result<PathBuf> {
     Ok(dest)
 }
 
-/// Copies the [`ANCHOR_SCRIPTS`] into `DIR/anchors/`; returns the copies. An anchor missing here
-/// (a checkout without `../shared`) is left out with a note.
+/// Copies the [`ANCHOR_SCRIPTS`] into `DIR/anchors/`; returns the copies. An anchor missing from
+/// [`ANCHORS_DIR`] is left out with a note.
 fn copy_anchors(dir: &Path) -> Result<Vec<PathBuf>> {
     let from = crate::gpu_tests::workspace_root().join(ANCHORS_DIR);
     let to = dir.join("anchors");
@@ -355,8 +356,8 @@ fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
          skipping) and, when `python3 -c 'import torch'` works, TENSORMEM_REQUIRE_TORCH=1 (the PyTorch interop\n\
          checks must run). It exits non-zero if any test failed. Extra arguments go to every test executable\n\
          (e.g. a test name filter).\n\n\
-         The allocator benchmark against PyTorch (from the repository root, with the anchors of\n\
-         ../shared/anchors):\n\n    bash ../shared/anchors/compare_alloc.sh gpu-bundle/alloc_patterns\n\n\
+         The allocator benchmark against PyTorch (the anchors are copied into anchors/):\n\n    \
+         bash gpu-bundle/anchors/compare_alloc.sh gpu-bundle/alloc_patterns\n\n\
          alloc_patterns --sim runs the same patterns on the simulated device; --raw uses the pointer API\n\
          (raw_alloc/raw_free) instead of Allocation handles; --history LEVEL records memory history\n\
          (none, state, alloc, all) while timing. host_probe prints the host's clock, instructions per cycle,\n\
@@ -364,19 +365,19 @@ fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
          sibling retires a third fewer instructions a cycle, and the allocator's hot paths slow with it).\n\n\
          The pinned host allocator against PyTorch's, in one call:\n\n    \
          gpu-bundle/pinned_patterns; gpu-bundle/pinned_patterns --register 8; \
-         python3 ../shared/anchors/torch_pinned_bench.py\n\n\
+         python3 gpu-bundle/anchors/torch_pinned_bench.py\n\n\
          A 10 GiB pool put to sleep and woken, with and without contents, against the pinned-copy\n\
          bandwidth of the same run (--gib N for a smaller pool):\n\n    gpu-bundle/sleep_wake_bench\n\n\
          The CUDA IPC round trip against PyTorch's (same call, same machine):\n\n    \
-         gpu-bundle/ipc_roundtrip; python3 ../shared/anchors/torch_sharing_bench.py\n\n\
+         gpu-bundle/ipc_roundtrip; python3 gpu-bundle/anchors/torch_sharing_bench.py\n\n\
          A whole model handed to another process as one batch against PyTorch's state dict on a\n\
          torch.multiprocessing Queue (GPT-2-small and 7B layouts; --quick for GPT-2 only, 3 rounds;\n\
          the anchor is copied into anchors/):\n\n    \
          gpu-bundle/handoff_bench; python3 gpu-bundle/anchors/torch_handoff_bench.py both 20\n\n\
          The sharing benchmarks, each beside its PyTorch anchor in the same call:\n\n    \
-         gpu-bundle/shm_pool_bench --same-cpu; python3 ../shared/anchors/torch_sharing_bench.py\n    \
-         gpu-bundle/shm_loader_bench 67108864 200 4; python3 ../shared/anchors/torch_loader_bench.py 67108864 200 4\n    \
-         gpu-bundle/shm_loader_bench 1048576 100 2; python3 ../shared/anchors/torch_loader_bench.py 1048576 100 2\n    \
+         gpu-bundle/shm_pool_bench --same-cpu; python3 gpu-bundle/anchors/torch_sharing_bench.py\n    \
+         gpu-bundle/shm_loader_bench 67108864 200 4; python3 gpu-bundle/anchors/torch_loader_bench.py 67108864 200 4\n    \
+         gpu-bundle/shm_loader_bench 1048576 100 2; python3 gpu-bundle/anchors/torch_loader_bench.py 1048576 100 2\n    \
          gpu-bundle/storage_pool_bench   # the storage facade's pooled paths vs the bare pool (within 10%)\n\n\
          (shm_bench prints the non-pooled round trips, copy plans and the machine's huge-page settings.)\n\n\
          torch/ holds PyTorch's pluggable allocator on tensormem (libtensormem_torch.so) and its Python\n\

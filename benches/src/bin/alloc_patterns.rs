@@ -1,4 +1,4 @@
-//! `alloc_patterns`: the allocator patterns of `../shared/anchors/torch_alloc_bench.cpp`, run on
+//! `alloc_patterns`: the allocator patterns of `benches/anchors/torch_alloc_bench.cpp`, run on
 //! tensormem's caching allocator, printed as the same CSV rows so that `compare_alloc.sh` can set them
 //! beside PyTorch's, measured in the same run on the same machine.
 //!
@@ -376,7 +376,7 @@ const USAGE: &str = "usage: alloc_patterns [--sim] [--raw] [--device N] [--histo
               pattern's cache misses alone: perf stat -e cache-misses,cache-references alloc_patterns --only mixed
   --repeat N  run the patterns N times over on the same allocator, printing every row each time
               (default 1: the harness's single pass)
-Prints CSV rows pattern,backend,size_or_window,ns_per_op (see ../shared/anchors/README.md).";
+Prints CSV rows pattern,backend,size_or_window,ns_per_op (see benches/anchors/README.md).";
 
 fn parse_options() -> Result<Options, String> {
     let mut options = Options {

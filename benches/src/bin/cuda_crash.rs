@@ -391,7 +391,8 @@ fn harness() -> Result<bool, BoxError> {
         AllocatorConfig::parse("expandable_segments:True")?,
     ));
     let mut rng = StdRng::seed_from_u64(options.seed);
-    let mut rows = Vec::new();
+    println!("| mode | trials | killed (by phase) | finished first | left behind | hangs | span |");
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
     let mut ok = true;
     for &mode in &options.modes {
         let allocator = if mode == Mode::Batch {
@@ -399,7 +400,6 @@ fn harness() -> Result<bool, BoxError> {
         } else {
             &expandable
         };
-        let fds_before = open_fds();
         // How long a child takes from go to done when left alone: the span kills are drawn from.
         let span = {
             let (mut tally, waves) = (Tally::default(), 3);
@@ -418,6 +418,9 @@ fn harness() -> Result<bool, BoxError> {
             }
             longest
         };
+        // Counted after the calibration, which starts what stays open for the process's life
+        // (the descriptor socket's listener, the driver's own descriptors).
+        let fds_before = open_fds();
         let mut tally = Tally::default();
         let started = Instant::now();
         let mut done = 0;
@@ -428,13 +431,18 @@ fn harness() -> Result<bool, BoxError> {
                 .collect();
             wave(mode, allocator, &producer, &device, &kills, &mut tally)?;
             done += n;
+            eprintln!(
+                "# {}: {done} trials, {:.0} s",
+                mode.name(),
+                started.elapsed().as_secs_f64()
+            );
         }
         tally.fds_left = open_fds().saturating_sub(fds_before);
         ok &= !tally.left_behind() && tally.hangs == 0 && tally.failed.is_empty();
         if !tally.failed.is_empty() {
             eprintln!("{}: children failed: {:?}", mode.name(), tally.failed);
         }
-        rows.push((mode, tally, span, started.elapsed()));
+        print_row(&mode, &tally, &span, &started.elapsed());
     }
     // The producer lets go of its ref-counter files once nothing is out.
     producer.collect();
@@ -442,42 +450,6 @@ fn harness() -> Result<bool, BoxError> {
     let producer_left = shm_objects_of(std::process::id());
     ok &= producer_left == 0;
 
-    println!("| mode | trials | killed (by phase) | finished first | left behind | hangs | span |");
-    println!("| --- | --- | --- | --- | --- | --- | --- |");
-    for (mode, tally, span, took) in &rows {
-        let phases: Vec<String> = tally
-            .killed_in
-            .iter()
-            .map(|(phase, n)| format!("{phase} {n}"))
-            .collect();
-        let left = if mode == &Mode::PoolAsleep {
-            format!(
-                "{} MiB of device memory, {} in /dev/shm",
-                tally.device_left >> 20,
-                tally.shm_left
-            )
-        } else {
-            format!(
-                "{} held in limbo, {} B allocated, {} B reserved, {} fds, {} in /dev/shm",
-                tally.limbo_left,
-                tally.allocated_left,
-                tally.reserved_left,
-                tally.fds_left,
-                tally.shm_left
-            )
-        };
-        println!(
-            "| {} | {} | {} | {} | {} | {} | {:.0} ms ({:.0} s in all) |",
-            mode.name(),
-            tally.trials,
-            phases.join(", "),
-            tally.finished,
-            left,
-            tally.hangs,
-            span.as_secs_f64() * 1e3,
-            took.as_secs_f64()
-        );
-    }
     println!("# ref-counter files of the producer left in /dev/shm: {producer_left}");
     println!(
         "# verdict: {}",
@@ -488,6 +460,42 @@ fn harness() -> Result<bool, BoxError> {
         }
     );
     Ok(ok)
+}
+
+/// Prints the table row of one mode.
+fn print_row(mode: &Mode, tally: &Tally, span: &Duration, took: &Duration) {
+    let phases: Vec<String> = tally
+        .killed_in
+        .iter()
+        .map(|(phase, n)| format!("{phase} {n}"))
+        .collect();
+    let left = if mode == &Mode::PoolAsleep {
+        format!(
+            "{} MiB of device memory, {} in /dev/shm",
+            tally.device_left >> 20,
+            tally.shm_left
+        )
+    } else {
+        format!(
+            "{} held in limbo, {} B allocated, {} B reserved, {} fds, {} in /dev/shm",
+            tally.limbo_left,
+            tally.allocated_left,
+            tally.reserved_left,
+            tally.fds_left,
+            tally.shm_left
+        )
+    };
+    println!(
+        "| {} | {} | {} | {} | {} | {} | {:.0} ms ({:.0} s in all) |",
+        mode.name(),
+        tally.trials,
+        phases.join(", "),
+        tally.finished,
+        left,
+        tally.hangs,
+        span.as_secs_f64() * 1e3,
+        took.as_secs_f64()
+    );
 }
 
 /// What a trial's thread reports: the phases the child wrote, whether it was killed, how it ended.

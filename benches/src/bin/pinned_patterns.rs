@@ -1,5 +1,5 @@
 //! `pinned_patterns`: tensormem's pinned host caching allocator measured the way
-//! `../shared/anchors/torch_pinned_bench.py` measures PyTorch's, printing the same CSV rows
+//! `benches/anchors/torch_pinned_bench.py` measures PyTorch's, printing the same CSV rows
 //! (`pattern,bytes,value,unit`) so the two can be set side by side from one call on the GPU host:
 //!
 //! ```text

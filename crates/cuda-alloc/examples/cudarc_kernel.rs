@@ -39,7 +39,7 @@ fn main() -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("cudarc_kernel: {e}");
+            eprintln!("cudarc_kernel: error: {e}");
             ExitCode::FAILURE
         }
     }

@@ -4,11 +4,25 @@
 //!
 //! `cargo run -p tensormem-cuda-alloc --example simulated [OUT.pickle]`
 
+use std::process::ExitCode;
+
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::{CachingAllocator, StreamId};
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// An error ends the program with its message on one line of stderr and exit status 1, as the
+/// `tensormem` command prints its errors (`main` returning the error would print its `Debug` form).
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("simulated: error: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let config = AllocatorConfig::parse("max_split_size_mb:64,garbage_collection_threshold:0.8")?;
     let allocator = CachingAllocator::with_config(SimDevice::new(8 << 30), config);
     allocator.record_history(true, 10_000);

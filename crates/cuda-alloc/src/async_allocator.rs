@@ -1,30 +1,4 @@
-//! `backend:cudaMallocAsync`: device memory from the CUDA driver's stream-ordered allocator, as
-//! PyTorch's `CudaMallocAsyncAllocator` (`c10/cuda/CUDAMallocAsyncAllocator.cpp`) serves it.
-//!
-//! There is no cache of ours here: every allocation is a `cuMemAllocFromPoolAsync` from the device's
-//! *default memory pool* (`cuDeviceGetDefaultMemPool`) on the allocation's stream, and every free a
-//! `cuMemFreeAsync`. The driver keeps freed memory in the pool (its release threshold is set to
-//! `u64::MAX`, so nothing goes back to the device at synchronisation points) and decides itself which
-//! free range serves the next request. What is left to the allocator is PyTorch's bookkeeping around
-//! those two calls:
-//!
-//! - **Streams.** A pointer remembers its allocation stream and the streams given to
-//!   [`record_stream`](AsyncAllocator::record_stream). Freed without recorded streams it goes back on
-//!   its allocation stream. Freed with some, a private "unifying" stream is made to wait (with events)
-//!   for the allocation stream and every recorded stream, and the pointer is freed on it: the pool
-//!   reuses the memory only after all of them have reached the free.
-//! - **Statistics.** PyTorch reads the pool's attributes and fills six fields of `DeviceStats`:
-//!   `allocated_bytes.all` and `active_bytes.all` (both the pool's used memory, current and high) and
-//!   `reserved_bytes.all` (the pool's reserved memory, current and high). Everything else is zero
-//!   ([`AsyncAllocator::memory_stats`]).
-//! - **Graph capture.** Between [`begin_capture`](AsyncAllocator::begin_capture) and
-//!   [`end_capture`](AsyncAllocator::end_capture) allocations are marked captured; freeing a pointer
-//!   allocated before the capture is deferred until the capture has ended (the driver forbids it inside
-//!   a capture), and every stream a free was queued on during the capture is joined back into the
-//!   capture stream before the capture ends.
-//! - **Refused, as PyTorch refuses them:** IPC of this memory ([`AsyncAllocator::ipc_handle`]),
-//!   snapshots, memory history, checkpoints of private pools, expandable segments (PyTorch's
-//!   `cudaMallocAsync does not yet support ...` errors).
+//! `backend:cudaMallocAsync`: [`AsyncAllocator`], device memory from the driver's stream-ordered allocator.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -105,8 +79,33 @@ pub struct AsyncPoolStats {
     pub graph_pool: PoolUsage,
 }
 
-/// Device memory from the driver's stream-ordered allocator, with PyTorch's
-/// `backend:cudaMallocAsync` semantics (see the [module docs](self)).
+/// `backend:cudaMallocAsync`: device memory from the CUDA driver's stream-ordered allocator, as
+/// PyTorch's `CudaMallocAsyncAllocator` (`c10/cuda/CUDAMallocAsyncAllocator.cpp`) serves it.
+///
+/// There is no cache of ours here: every allocation is a `cuMemAllocFromPoolAsync` from the device's
+/// *default memory pool* (`cuDeviceGetDefaultMemPool`) on the allocation's stream, and every free a
+/// `cuMemFreeAsync`. The driver keeps freed memory in the pool (its release threshold is set to
+/// `u64::MAX`, so nothing goes back to the device at synchronisation points) and decides itself which
+/// free range serves the next request. What is left to the allocator is PyTorch's bookkeeping around
+/// those two calls:
+///
+/// - **Streams.** A pointer remembers its allocation stream and the streams given to
+///   [`record_stream`](AsyncAllocator::record_stream). Freed without recorded streams it goes back on
+///   its allocation stream. Freed with some, a private "unifying" stream is made to wait (with events)
+///   for the allocation stream and every recorded stream, and the pointer is freed on it: the pool
+///   reuses the memory only after all of them have reached the free.
+/// - **Statistics.** PyTorch reads the pool's attributes and fills six fields of `DeviceStats`:
+///   `allocated_bytes.all` and `active_bytes.all` (both the pool's used memory, current and high) and
+///   `reserved_bytes.all` (the pool's reserved memory, current and high). Everything else is zero
+///   ([`AsyncAllocator::memory_stats`]).
+/// - **Graph capture.** Between [`begin_capture`](AsyncAllocator::begin_capture) and
+///   [`end_capture`](AsyncAllocator::end_capture) allocations are marked captured; freeing a pointer
+///   allocated before the capture is deferred until the capture has ended (the driver forbids it inside
+///   a capture), and every stream a free was queued on during the capture is joined back into the
+///   capture stream before the capture ends.
+/// - **Refused, as PyTorch refuses them:** IPC of this memory ([`AsyncAllocator::ipc_handle`]),
+///   snapshots, memory history, checkpoints of private pools, expandable segments (PyTorch's
+///   `cudaMallocAsync does not yet support ...` errors).
 ///
 /// One per device; it uses the device's default memory pool, which every `AsyncAllocator` of the
 /// device (and every other user of that pool in the process) shares. Pointers are raw

@@ -1,32 +1,4 @@
 //! [`DeviceMemory`]: what both of a device's allocators serve, under one name per operation.
-//!
-//! PyTorch answers every `torch.cuda` memory call through one interface, `CUDAAllocator`, with two
-//! implementations: the caching allocator (`backend:native`) and `CudaMallocAsyncAllocator`
-//! (`backend:cudaMallocAsync`). [`DeviceMemory`] is the part of that interface both of
-//! tensormem's allocators serve: [`CachingAllocator`] and, with feature `cuda`,
-//! [`AsyncAllocator`](crate::AsyncAllocator). What only the caching allocator does (snapshots,
-//! history, private pools, checkpoints, sleep) stays on its own type, reached through
-//! [`DeviceMemory::caching`].
-//!
-//! Memory is named by pointer here, as in PyTorch's interface; [`CachingAllocator`]'s own
-//! [`Allocation`](crate::Allocation) handles remain the faster way for callers that keep them.
-//! Each implementation keeps its hot path statically dispatched; the trait is the seam callers use.
-//!
-//! ```
-//! use tensormem_cuda_alloc::backend::sim::SimDevice;
-//! use tensormem_cuda_alloc::{CachingAllocator, DeviceMemory, StreamId};
-//!
-//! fn churn(memory: &impl DeviceMemory) -> tensormem_cuda_alloc::Result<()> {
-//!     let ptr = memory.allocate(1 << 20, StreamId::DEFAULT)?;
-//!     memory.free(ptr)?;
-//!     memory.empty_cache()
-//! }
-//!
-//! let allocator = CachingAllocator::new(SimDevice::new(1 << 30));
-//! churn(&allocator)?;
-//! assert_eq!(DeviceMemory::memory_stats(&allocator)?.reserved_bytes.all.current, 0);
-//! # Ok::<(), tensormem_cuda_alloc::Error>(())
-//! ```
 
 use crate::config::Backend;
 use crate::device::{Device, DeviceAddress, StreamId};
@@ -40,8 +12,35 @@ use crate::CachingAllocator;
 /// `beginAllocateToPool`).
 pub type CaptureFilter = Box<dyn Fn(StreamId) -> bool + Send + Sync>;
 
-/// The operations both allocators of a device serve (PyTorch's `CUDAAllocator`, the part common to
-/// its two implementations); see the [module docs](self).
+/// [`DeviceMemory`]: what both of a device's allocators serve, under one name per operation.
+///
+/// PyTorch answers every `torch.cuda` memory call through one interface, `CUDAAllocator`, with two
+/// implementations: the caching allocator (`backend:native`) and `CudaMallocAsyncAllocator`
+/// (`backend:cudaMallocAsync`). [`DeviceMemory`] is the part of that interface both of
+/// tensormem's allocators serve: [`CachingAllocator`] and, with feature `cuda`,
+/// [`AsyncAllocator`](crate::AsyncAllocator). What only the caching allocator does (snapshots,
+/// history, private pools, checkpoints, sleep) stays on its own type, reached through
+/// [`DeviceMemory::caching`].
+///
+/// Memory is named by pointer here, as in PyTorch's interface; [`CachingAllocator`]'s own
+/// [`Allocation`](crate::Allocation) handles remain the faster way for callers that keep them.
+/// Each implementation keeps its hot path statically dispatched; the trait is the seam callers use.
+///
+/// ```
+/// use tensormem_cuda_alloc::backend::sim::SimDevice;
+/// use tensormem_cuda_alloc::{CachingAllocator, DeviceMemory, StreamId};
+///
+/// fn churn(memory: &impl DeviceMemory) -> tensormem_cuda_alloc::Result<()> {
+///     let ptr = memory.allocate(1 << 20, StreamId::DEFAULT)?;
+///     memory.free(ptr)?;
+///     memory.empty_cache()
+/// }
+///
+/// let allocator = CachingAllocator::new(SimDevice::new(1 << 30));
+/// churn(&allocator)?;
+/// assert_eq!(DeviceMemory::memory_stats(&allocator)?.reserved_bytes.all.current, 0);
+/// # Ok::<(), tensormem_cuda_alloc::Error>(())
+/// ```
 pub trait DeviceMemory: Send + Sync {
     /// The device the memory is on.
     type Device: Device;

@@ -15,10 +15,10 @@
 mod common;
 
 use std::io::Write;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
-use common::torch::torch_imports;
 use tensormem_cuda_alloc::config::{AllocatorConfig, KNOWN_KEYS};
+use tensormem_test_support::{python, torch};
 
 /// Reads one JSON string list on stdin; for each string, puts PyTorch's settings back to a known
 /// state, applies the string, and prints `ok` or the first line of the error.
@@ -45,7 +45,7 @@ fn judge<T: serde::Serialize + ?Sized, R: serde::de::DeserializeOwned>(
     script: &str,
     input: &T,
 ) -> R {
-    let mut child = Command::new("python3")
+    let mut child = python::command()
         .args(["-c", script])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -222,7 +222,7 @@ fn corpus() -> Vec<String> {
 #[test]
 #[ignore = "needs python3 with torch (cargo xtask test-gpu runs it)"]
 fn every_string_pytorch_accepts_parses_and_every_one_it_refuses_is_refused() {
-    if !torch_imports() {
+    if !torch::python_with_torch() {
         return;
     }
     let corpus = corpus();
@@ -292,7 +292,7 @@ print(json.dumps([verdict, torch._C._cuda_getAllocatorBackend()]))
 #[test]
 #[ignore = "needs python3 with torch (cargo xtask test-gpu runs it)"]
 fn pytorchs_variables_are_read_as_pytorch_reads_them() {
-    if !torch_imports() {
+    if !torch::python_with_torch() {
         return;
     }
     const VARS: [&str; 3] = [
@@ -318,7 +318,7 @@ fn pytorchs_variables_are_read_as_pytorch_reads_them() {
         }
     }
     let judge = |case: &[(&str, &str)]| -> (String, String) {
-        let mut command = Command::new("python3");
+        let mut command = python::command();
         command.args(["-c", ENV_JUDGE]);
         for var in VARS.iter().chain(["TENSORMEM_ALLOC_CONF"].iter()) {
             command.env_remove(var);
@@ -392,7 +392,7 @@ json.dump(out, sys.stdout)
 #[test]
 #[ignore = "needs python3 with torch (cargo xtask test-gpu runs it)"]
 fn strings_applied_in_turn_are_accepted_and_refused_as_pytorch_does() {
-    if !torch_imports() {
+    if !torch::python_with_torch() {
         return;
     }
     let pieces = [

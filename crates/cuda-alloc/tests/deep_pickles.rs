@@ -6,9 +6,8 @@
 
 #![cfg(feature = "snapshot-io")]
 
-use std::process::Command;
-
 use tensormem_cuda_alloc::snapshot::{Snapshot, SnapshotError, MAX_DEPTH};
+use tensormem_test_support::child;
 
 /// Lists nested `depth` deep, 3 bytes a level: `]` (empty list) `depth` times, then `a` (append the
 /// top to the list below) `depth - 1` times.
@@ -66,13 +65,7 @@ fn serde_pickle_overflows_its_stack_on_the_same_file() {
         println!("serde-pickle returned (ok: {outcome})");
         return;
     }
-    let child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "serde_pickle_overflows_its_stack_on_the_same_file",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let child = child::this_test("serde_pickle_overflows_its_stack_on_the_same_file")
         .env(CHILD, "1")
         .output()
         .unwrap();

@@ -33,6 +33,3 @@ mod sleep;
 mod streams;
 #[path = "gpu/teardown.rs"]
 mod teardown;
-#[cfg(feature = "snapshot-io")]
-#[path = "common/torch.rs"]
-mod torch;

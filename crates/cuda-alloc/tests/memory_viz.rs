@@ -12,23 +12,23 @@ mod common;
 
 use std::path::Path;
 
-use common::torch::{python, torch_imports};
 use common::*;
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::host::{HeapSource, HostCachingAllocator};
 use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_cuda_alloc::{MempoolId, RecordContext};
+use tensormem_test_support::{python, torch};
 
 /// Every `_memory_viz` command that works offline (`segments` and `memory` fetch flamegraph.pl),
 /// on `file`; the plots are HTML pages that embed the snapshot.
 fn memory_viz_reads(dir: &Path, file: &Path, snapshot: &Snapshot) {
     let file = file.to_str().unwrap();
-    let stats = python(&["-m", "torch.cuda._memory_viz", "stats", file]);
+    let stats = python::run(&["-m", "torch.cuda._memory_viz", "stats", file]);
     assert!(
         stats.contains(&format!("segments: {}\n", snapshot.segments.len())),
         "{file}: {stats}"
     );
-    let trace = python(&["-m", "torch.cuda._memory_viz", "trace", file]);
+    let trace = python::run(&["-m", "torch.cuda._memory_viz", "trace", file]);
     let entries = snapshot.device_traces.iter().flatten().count();
     if entries > 0 {
         assert!(!trace.trim().is_empty(), "{file}: an empty trace listing");
@@ -36,7 +36,7 @@ fn memory_viz_reads(dir: &Path, file: &Path, snapshot: &Snapshot) {
     for plot in ["trace_plot", "segment_plot"] {
         let html = dir.join(format!("{plot}.html"));
         let html = html.to_str().unwrap();
-        python(&["-m", "torch.cuda._memory_viz", plot, file, "-o", html]);
+        python::run(&["-m", "torch.cuda._memory_viz", plot, file, "-o", html]);
         let page = std::fs::read_to_string(html).unwrap();
         assert!(page.contains("<script"), "{plot} of {file} wrote no page");
     }
@@ -45,7 +45,7 @@ fn memory_viz_reads(dir: &Path, file: &Path, snapshot: &Snapshot) {
 #[test]
 #[ignore = "needs python3 with torch (cargo xtask test-gpu runs it)"]
 fn memory_viz_opens_whole_pool_light_and_host_snapshots() {
-    if !torch_imports() {
+    if !torch::python_with_torch() {
         return;
     }
     let pool = MempoolId(1, 0);
@@ -99,7 +99,7 @@ fn memory_viz_opens_whole_pool_light_and_host_snapshots() {
         full = dir.path().join("full.pickle"),
         light = dir.path().join("light.pickle"),
     );
-    assert_eq!(python(&["-c", &check]).trim(), "ok");
+    assert_eq!(python::run(&["-c", &check]).trim(), "ok");
 
     host.free(pinned).unwrap();
     a.free(inside).unwrap();

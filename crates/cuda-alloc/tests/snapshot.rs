@@ -12,6 +12,7 @@ use tensormem_cuda_alloc::snapshot::{
     TraceAction, TraceEntry,
 };
 use tensormem_cuda_alloc::StreamId;
+use tensormem_test_support::python;
 
 const TRACES: [&str; 3] = [
     "gpt2_train",
@@ -457,16 +458,12 @@ fn repeated_division_boundaries_in_json_are_one_entry() {
 /// reports them as ignored, never as passed; `.ci/run` runs them (`cargo test -p
 /// tensormem-cuda-alloc --test snapshot -- --ignored`), and there a missing python3 is a failure.
 fn python3() -> &'static str {
-    let ok = Command::new("python3")
-        .arg("-c")
-        .arg("import pickle")
-        .output()
-        .map(|o| o.status.success());
-    assert!(
-        ok.unwrap_or(false),
-        "the Python pickle checks need python3 on PATH; leave out --ignored where there is none"
-    );
-    "python3"
+    if let Err(reason) = python::probe("import pickle") {
+        panic!(
+            "the Python pickle checks need python3 on PATH ({reason}); leave out --ignored where there is none"
+        );
+    }
+    python::PYTHON
 }
 
 fn run_python(python: &str, script: &str, args: &[&std::path::Path]) {

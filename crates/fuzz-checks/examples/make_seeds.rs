@@ -4,13 +4,26 @@
 //! `cargo run -p tensormem-fuzz-checks --example make_seeds`
 
 use std::path::Path;
+use std::process::ExitCode;
 
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::{CachingAllocator, StreamId};
 use tensormem_shm::transfer::RegionHeader;
 use tensormem_shm::RefcountHeader;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// An error ends the program with its message on one line of stderr and exit status 1, as the
+/// `tensormem` command prints its errors (`main` returning the error would print its `Debug` form).
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("make_seeds: error: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/regressions");
     let write = |target: &str, name: &str, data: &[u8]| -> std::io::Result<()> {
         std::fs::write(root.join(target).join(format!("seed-{name}")), data)

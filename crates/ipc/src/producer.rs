@@ -55,9 +55,9 @@ pub struct ProducerConfig {
     /// about 0.27 ms on an H100, a wait for nothing when every write has completed.
     pub skip_event_when_idle: bool,
     /// How long a batch ([`crate::batch`]) may stay unopened once its memory was freed here:
-    /// after that, [`collect`](IpcProducer::collect) gives up the batch's slot if no consumer
+    /// after that, [`IpcProducer::collect`] gives up the batch's slot if no consumer
     /// claimed it (a message sent and never opened, a consumer killed before it opened it), and a
-    /// consumer opening it later is refused with [`Error::ShareExpired`](crate::Error::ShareExpired).
+    /// consumer opening it later is refused with [`Error::ShareExpired`].
     /// Batches are opened only by tensormem consumers, which claim their slot as they open it.
     /// Default: 60 s. `None`: never (the memory stays held until a consumer opens and releases it).
     pub expire_unopened_batches: Option<Duration>,

@@ -3,16 +3,10 @@
 //! maps only the shared chunks, releases its slot, and neither side's death pins or leaks anything.
 //! Each test re-executes this binary, running only itself, as the other process.
 
-#[path = "common/child.rs"]
-mod child;
-mod common;
-
 use std::io::BufReader;
 use std::process::ChildStdout;
 use std::sync::Arc;
 
-use child::{expect, kill9, Peer};
-use common::{hex, unhex};
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::{CachingAllocator, StreamId};
@@ -20,6 +14,8 @@ use tensormem_ipc::driver::fake::FakeDriver;
 use tensormem_ipc::{
     ChunkFdRoutes, ConsumerConfig, Error, IpcConsumer, IpcHandle, IpcProducer, SegmentMemory,
 };
+use tensormem_test_support::child::{self, expect, Peer};
+use tensormem_test_support::{hex, unhex};
 
 const ROLE: &str = "TENSORMEM_IPC_EXPANDABLE_ROLE";
 const HANDLE: &str = "TENSORMEM_IPC_EXPANDABLE_HANDLE";
@@ -38,7 +34,7 @@ fn spawn(
     if let Some(wire) = &wire {
         vars.push((HANDLE, wire.as_str()));
     }
-    child::spawn(test, &vars)
+    child::spawn(child::this_test(test).envs(vars))
 }
 
 fn setup() -> (
@@ -153,7 +149,7 @@ fn a_consumer_killed_holding_chunks_does_not_pin_them() {
         !producer.collect(),
         "a live consumer's memory is not reclaimed"
     );
-    kill9(&mut child);
+    child.kill9();
     assert!(producer.collect(), "the dead consumer's slot is reclaimed");
     assert_eq!(producer.stats().limbo, 0);
     assert_eq!(allocator.memory_stats().active_bytes.all.current, 0);
@@ -179,7 +175,7 @@ fn a_producer_killed_while_shared_leaves_nothing_behind() {
     let driver = Arc::new(FakeDriver::default());
     let consumer = IpcConsumer::new(Arc::clone(&driver));
     let received = consumer.open(&handle, S).unwrap();
-    kill9(&mut child);
+    child.kill9();
     // The mapping stays usable (the imported chunks live on here) until the consumer lets go.
     assert_eq!(received.size(), 3 * MIB as u64);
     drop(received);

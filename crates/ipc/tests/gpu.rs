@@ -10,13 +10,10 @@
 //! reads commands on stdin, or a producer; an environment variable gives the role.
 #![cfg(feature = "cuda")]
 
-mod common;
-
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::process::{ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use common::{hex, unhex};
 use cudarc::driver::sys;
 use tensormem_cuda_alloc::backend::cuda::{self, CudaBackend};
 use tensormem_cuda_alloc::config::AllocatorConfig;
@@ -26,54 +23,26 @@ use tensormem_ipc::{
     ChunkFdRoutes, ConsumerConfig, IpcConsumer, IpcHandle, IpcProducer, TorchShareTuple,
     RECEIVED_MEMORY_MESSAGE, REF_COUNTER_FILE_SIZE,
 };
+use tensormem_test_support::{child, gpu, hex, python, torch, unhex};
 
 const ROLE: &str = "TENSORMEM_IPC_GPU_ROLE";
 const S: StreamId = StreamId::DEFAULT;
 const SCRIPT: &str = include_str!("python/ipc_interop.py");
-
-static GPU_LOCK: Mutex<()> = Mutex::new(());
 
 type Allocator = Arc<CachingAllocator<CudaBackend>>;
 type Producer = IpcProducer<CudaBackend, CudaIpcDriver>;
 
 /// Device 0's allocator, a producer, and the lock; `None` (after saying why) without a GPU.
 fn gpu() -> Option<(Allocator, Producer, MutexGuard<'static, ()>)> {
-    let lock = GPU_LOCK.lock().unwrap_or_else(PoisonError::into_inner);
-    let reason = match cuda::device_count() {
-        Ok(0) => "the driver reports 0 devices".to_owned(),
-        Ok(_) => {
-            let device = CudaBackend::new(0).expect("opening device 0");
-            let driver = Arc::new(CudaIpcDriver::new().expect("loading the driver"));
-            return Some((
-                Arc::new(CachingAllocator::new(device)),
-                IpcProducer::new(driver),
-                lock,
-            ));
-        }
-        Err(err) => err.to_string(),
-    };
-    assert!(
-        std::env::var("TENSORMEM_REQUIRE_GPU").as_deref() != Ok("1"),
-        "TENSORMEM_REQUIRE_GPU=1 but there is no usable CUDA device: {reason}"
-    );
-    eprintln!("skipped: no CUDA driver/device ({reason})");
-    None
-}
-
-fn torch() -> bool {
-    let ok = Command::new("python3")
-        .args(["-c", "import torch; assert torch.cuda.is_available()"])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        ok || std::env::var("TENSORMEM_REQUIRE_TORCH").as_deref() != Ok("1"),
-        "TENSORMEM_REQUIRE_TORCH=1 but python3 cannot import torch with CUDA"
-    );
-    if !ok {
-        eprintln!("skipped: python3 -c 'import torch' failed");
-    }
-    ok
+    let lock = gpu::lock();
+    gpu::devices(cuda::device_count())?;
+    let device = CudaBackend::new(0).expect("opening device 0");
+    let driver = Arc::new(CudaIpcDriver::new().expect("loading the driver"));
+    Some((
+        Arc::new(CachingAllocator::new(device)),
+        IpcProducer::new(driver),
+        lock,
+    ))
 }
 
 fn check(call: &str, result: sys::CUresult) {
@@ -108,7 +77,7 @@ fn read(ptr: DeviceAddress, len: usize) -> Vec<u8> {
 
 /// A peer process, killed if the test ends first.
 struct Peer {
-    child: Child,
+    child: child::Peer,
     input: Option<ChildStdin>,
     output: BufReader<ChildStdout>,
 }
@@ -121,16 +90,8 @@ impl Peer {
 
     /// [`this`](Self::this) with more environment variables.
     fn this_with(test: &str, role: &str, vars: &[(&str, &str)]) -> Self {
-        let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.envs(vars.iter().copied());
-        cmd.args([
-            "--exact",
-            test,
-            "--include-ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(ROLE, role);
+        let mut cmd = child::this_test(test);
+        cmd.envs(vars.iter().copied()).env(ROLE, role);
         Self::spawn(cmd)
     }
 
@@ -139,7 +100,7 @@ impl Peer {
         let script =
             std::env::temp_dir().join(format!("tensormem_ipc_interop_{}.py", std::process::id()));
         std::fs::write(&script, SCRIPT).unwrap();
-        let mut cmd = Command::new("python3");
+        let mut cmd = python::command();
         cmd.arg(&script).args(args);
         if expandable {
             cmd.env("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True");
@@ -151,19 +112,14 @@ impl Peer {
         let script =
             std::env::temp_dir().join(format!("tensormem_ipc_interop_{}.py", std::process::id()));
         std::fs::write(&script, SCRIPT).unwrap();
-        let mut cmd = Command::new("python3");
+        let mut cmd = python::command();
         cmd.arg(&script).args(args);
         Self::spawn(cmd)
     }
 
     fn spawn(mut cmd: Command) -> Self {
-        let mut child = cmd
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let (mut child, output) = child::spawn(cmd.stdin(Stdio::piped()));
         let input = child.stdin.take().unwrap();
-        let output = BufReader::new(child.stdout.take().unwrap());
         Self {
             child,
             input: Some(input),
@@ -199,21 +155,13 @@ impl Peer {
     }
 
     fn kill9(&mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
+        self.child.kill9();
     }
 
     /// Closes the peer's input and checks that it exits successfully.
     fn finish(mut self) {
         drop(self.input.take());
         assert!(self.child.wait().unwrap().success(), "the peer failed");
-    }
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -474,7 +422,7 @@ fn a_pytorch_consumer_opens_tensormem_memory() {
     let Some((allocator, producer, _lock)) = gpu() else {
         return;
     };
-    if !torch() {
+    if !torch::python_with_torch_cuda() {
         return;
     }
     let size = 1 << 20;
@@ -512,7 +460,7 @@ fn tensormem_opens_a_pytorch_share() {
     let Some((_allocator, _producer, _lock)) = gpu() else {
         return;
     };
-    if !torch() {
+    if !torch::python_with_torch_cuda() {
         return;
     }
     let size = 1 << 20;
@@ -622,7 +570,7 @@ fn a_pytorch_consumer_opens_tensormem_expandable_memory() {
     let Some((allocator, producer, _lock)) = expandable_gpu() else {
         return;
     };
-    if !torch() {
+    if !torch::python_with_torch_cuda() {
         return;
     }
     let first = allocator.allocate(512, S).unwrap();
@@ -667,7 +615,7 @@ fn tensormem_opens_a_pytorch_expandable_share() {
     let Some((_allocator, _producer, _lock)) = gpu() else {
         return;
     };
-    if !torch() {
+    if !torch::python_with_torch_cuda() {
         return;
     }
     let size = (25 << 20) + 3;

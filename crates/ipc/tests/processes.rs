@@ -2,22 +2,18 @@
 //! cleanup need no GPU), including kill -9 of either side. Each test re-executes this binary, running
 //! only itself, as the other process; an environment variable gives the child its role.
 
-#[path = "common/child.rs"]
-mod child;
-mod common;
-
 use std::io::{BufReader, Read, Write};
-use std::process::{ChildStdout, Command, Stdio};
+use std::process::{ChildStdout, Stdio};
 use std::sync::{Arc, OnceLock};
 
-use child::{expect, kill9, Peer};
-use common::{hex, unhex};
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::{CachingAllocator, StreamId};
 use tensormem_ipc::driver::fake::FakeDriver;
 use tensormem_ipc::{
     BatchHandle, IpcConsumer, IpcHandle, IpcProducer, PRODUCER_TERMINATED_WARNING,
 };
+use tensormem_test_support::child::{self, expect, Peer};
+use tensormem_test_support::{hex, unhex};
 
 const ROLE: &str = "TENSORMEM_IPC_TEST_ROLE";
 const HANDLE: &str = "TENSORMEM_IPC_TEST_HANDLE";
@@ -30,7 +26,7 @@ fn spawn(test: &str, role: &str, handle: Option<&IpcHandle>) -> (Peer, BufReader
     if let Some(wire) = &wire {
         vars.push((HANDLE, wire.as_str()));
     }
-    child::spawn(test, &vars)
+    child::spawn(child::this_test(test).envs(vars))
 }
 
 fn received_handle() -> IpcHandle {
@@ -104,7 +100,7 @@ fn a_consumer_killed_holding_memory_does_not_pin_it() {
         !producer.collect(),
         "a live consumer's memory is not reclaimed"
     );
-    kill9(&mut child);
+    child.kill9();
     assert!(producer.collect(), "the dead consumer's slot is reclaimed");
     let stats = producer.stats();
     assert_eq!((stats.limbo, stats.slots_reclaimed), (0, 1));
@@ -135,7 +131,7 @@ fn a_producer_killed_while_shared_leaves_nothing_behind() {
     let driver = Arc::new(FakeDriver::default());
     let consumer = IpcConsumer::new(Arc::clone(&driver));
     let received = consumer.open(&handle, S).unwrap();
-    kill9(&mut child);
+    child.kill9();
     assert!(
         handle.ref_counter.as_ref().unwrap().path().exists(),
         "the dead producer's file is still there"
@@ -170,7 +166,11 @@ fn share_model_batch(
 }
 
 fn spawn_batch(test: &str, role: &str, batch: &BatchHandle) -> (Peer, BufReader<ChildStdout>) {
-    child::spawn(test, &[(ROLE, role), (HANDLE, &hex(&batch.encode()))])
+    child::spawn(
+        child::this_test(test)
+            .env(ROLE, role)
+            .env(HANDLE, hex(&batch.encode())),
+    )
 }
 
 fn received_batch() -> BatchHandle {
@@ -233,7 +233,7 @@ fn a_consumer_killed_holding_a_batch_does_not_pin_it() {
         "a live consumer's batch is not reclaimed"
     );
     assert!(allocator.memory_stats().active_bytes.all.current > 0);
-    kill9(&mut child);
+    child.kill9();
     assert!(producer.collect(), "the dead consumer's slot is reclaimed");
     let stats = producer.stats();
     assert_eq!(
@@ -324,8 +324,7 @@ fn a_producer_exiting_normally_leaves_no_file_and_warns() {
         return; // a normal exit, without ipc_collect
     }
     let mut child = Peer(
-        Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
+        child::this_test(TEST)
             .env(ROLE, "producer")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -396,7 +395,7 @@ fn a_batch_never_opened_is_given_up_and_a_late_open_refused() {
         &handle,
     );
     expect(&mut out, "started");
-    kill9(&mut child);
+    child.kill9();
     drop(model);
     assert!(producer.collect(), "the unopened batch's memory is freed");
     let stats = producer.stats();

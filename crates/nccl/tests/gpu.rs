@@ -12,6 +12,7 @@ use cudarc::nccl::{result, sys};
 use tensormem_cuda_alloc::backend::cuda::{self, CudaBackend};
 use tensormem_cuda_alloc::{CachingAllocator, Device, DeviceAddress, StreamId};
 use tensormem_nccl::Registration;
+use tensormem_test_support::{gpu, skip};
 
 const S: StreamId = StreamId::DEFAULT;
 const MIB: usize = 1 << 20;
@@ -24,29 +25,17 @@ fn check(call: &str, result: cu::CUresult) {
 /// A machine with one GPU skips (the test needs a two-GPU host); with `TENSORMEM_REQUIRE_GPU=1`, no
 /// device at all, or two devices without a loadable NCCL, fail instead.
 fn two_gpus_and_nccl() -> bool {
-    let required = std::env::var("TENSORMEM_REQUIRE_GPU").as_deref() == Ok("1");
-    let (reason, fails) = match cuda::device_count() {
-        Ok(n) if n >= 2 => match std::panic::catch_unwind(result::get_nccl_version) {
-            Ok(Ok(_)) => return true,
-            Ok(Err(e)) => (format!("NCCL: {e:?}"), true),
-            Err(_) => (
-                "libnccl.so cannot be loaded (put NCCL's lib directory on LD_LIBRARY_PATH)"
-                    .to_owned(),
-                true,
-            ),
-        },
-        Ok(0) => ("no CUDA device".to_owned(), true),
-        Ok(n) => (
-            format!("{n} device, two needed (run on a two-GPU host)"),
-            false,
-        ),
-        Err(e) => (e.to_string(), true),
+    if gpu::at_least(2, cuda::device_count()).is_none() {
+        return false;
+    }
+    let reason = match std::panic::catch_unwind(result::get_nccl_version) {
+        Ok(Ok(_)) => return true,
+        Ok(Err(e)) => format!("NCCL: {e:?}"),
+        Err(_) => {
+            "libnccl.so cannot be loaded (put NCCL's lib directory on LD_LIBRARY_PATH)".to_owned()
+        }
     };
-    assert!(
-        !(required && fails),
-        "TENSORMEM_REQUIRE_GPU=1 but: {reason}"
-    );
-    eprintln!("skipped: {reason}");
+    skip::unless_required(&[gpu::REQUIRE_GPU], &reason);
     false
 }
 

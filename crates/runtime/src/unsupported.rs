@@ -4,7 +4,7 @@ use std::fmt;
 
 /// What PyTorch's `backend:cudaMallocAsync` refuses (`c10/cuda/CUDAMallocAsyncAllocator.cpp` and the
 /// defaults of `CUDAAllocator` it does not override), and what of tensormem needs the caching
-/// allocator. [`Error::AsyncUnsupported`] carries it; its message is PyTorch's line, word for word,
+/// allocator. [`Error::AsyncUnsupported`](crate::Error::AsyncUnsupported) carries it; its message is PyTorch's line, word for word,
 /// then a line on what to do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]

@@ -10,14 +10,26 @@
 
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
-use std::process::{Command, Stdio};
+use std::process::{Command, ExitCode, Stdio};
 
 use tensormem_shm::channel::{Channel, ChannelOptions, MAX_MESSAGE};
 use tensormem_shm::{MapOptions, SharedRegion};
 
 const ROUNDS: u32 = 10_000;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// An error ends the program with its message on one line of stderr and exit status 1, as the
+/// `tensormem` command prints its errors (`main` returning the error would print its `Debug` form).
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("channel: error: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     if std::env::args().nth(1).as_deref() == Some("child") {
         return child();
     }

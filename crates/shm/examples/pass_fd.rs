@@ -10,14 +10,26 @@
 
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::Command;
+use std::process::{Command, ExitCode};
 
 use tensormem_shm::transfer::{recv_region, send_region, SendOptions};
 use tensormem_shm::{MapOptions, SharedRegion};
 
 const SIZE: usize = 16 << 20;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// An error ends the program with its message on one line of stderr and exit status 1, as the
+/// `tensormem` command prints its errors (`main` returning the error would print its `Debug` form).
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("pass_fd: error: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     match args.as_slice() {
         [_, role, socket] if role == "consumer" => consumer(socket),

@@ -13,14 +13,26 @@
 //! Needs only `tensormem-shm = { path = ... }` (no features: the manager is not needed).
 
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::Command;
+use std::process::{Command, ExitCode};
 
 use tensormem_shm::{Error, PoolConfig, PoolReceiver, PoolSender, ReceiverOptions, ShmPool};
 
 const BATCH: usize = 8 << 20;
 const STEPS: u8 = 10;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// An error ends the program with its message on one line of stderr and exit status 1, as the
+/// `tensormem` command prints its errors (`main` returning the error would print its `Debug` form).
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("pool_batches: error: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     match args.as_slice() {
         [_, role, socket] if role == "consumer" => consumer(socket),

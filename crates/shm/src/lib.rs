@@ -122,12 +122,15 @@
 //!   no code of this crate runs before `main`. `tensormem-storage`'s `manager` feature (sharing by
 //!   name) turns it on.
 //!
+//! From a clone of the repository beside your project (the crates are not on crates.io;
+//! `git = "https://github.com/tensormem/tensormem"` in place of `path` works too):
+//!
 //! ```toml
 //! [dependencies]
 //! # everything but managed names; no code runs before main
-//! tensormem-shm = { version = "0.1" }
+//! tensormem-shm = { path = "../tensormem/crates/shm" }
 //! # with managed names and the daemon (and its start-up hook)
-//! # tensormem-shm = { version = "0.1", features = ["manager"] }
+//! # tensormem-shm = { path = "../tensormem/crates/shm", features = ["manager"] }
 //! ```
 
 #![cfg_attr(docsrs, feature(doc_cfg))]

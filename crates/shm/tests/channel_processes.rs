@@ -4,15 +4,14 @@
 //!
 //! Run with `cargo test -p tensormem-shm --test channel_processes [-- FILTER]`.
 
-mod common;
-
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
-use common::self_exec::{self, RoleResult, Test, Watchdog};
 use tensormem_shm::channel::{Channel, ChannelOptions, MAX_MESSAGE};
 use tensormem_shm::Error;
+use tensormem_test_support::child;
+use tensormem_test_support::harness::{self, RoleResult, Test, Watchdog};
 
 const ROLE: &str = "TENSORMEM_CHANNEL_TEST_ROLE";
 const SOCKET: &str = "TENSORMEM_CHANNEL_TEST_SOCKET";
@@ -51,12 +50,12 @@ fn main() {
         binary: "channel_processes",
         after: WATCHDOG,
     };
-    self_exec::main(ROLE, run_role, TESTS, Some(watchdog));
+    harness::main(ROLE, run_role, TESTS, Some(watchdog));
 }
 
 /// The peer process, connected over a Unix socket; killed if the test fails before it exits.
 struct Peer {
-    child: Child,
+    child: child::Peer,
     dir: tempfile::TempDir,
 }
 
@@ -66,32 +65,26 @@ impl Peer {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("s.sock");
         let listener = UnixListener::bind(&path).unwrap();
-        let child = Command::new(std::env::current_exe().unwrap())
-            .env(ROLE, role)
-            .env(SOCKET, &path)
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap();
+        let child = child::Peer(
+            child::this_binary()
+                .env(ROLE, role)
+                .env(SOCKET, &path)
+                .stdin(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
         let (socket, _) = listener.accept().unwrap();
         (Self { child, dir }, socket)
     }
 
     fn kill(&mut self) {
-        self.child.kill().unwrap(); // SIGKILL
-        self.child.wait().unwrap();
+        self.child.kill9();
     }
 
     fn wait_success(mut self) {
         let status = self.child.wait().unwrap();
         assert!(status.success(), "peer exited with {status}");
         let _ = &self.dir;
-    }
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

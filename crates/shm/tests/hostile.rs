@@ -5,7 +5,7 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
@@ -17,6 +17,7 @@ use tensormem_shm::transfer::{recv_region, send_fd, send_region, SendOptions};
 use tensormem_shm::{
     AnonymousKind, CreateMode, Error, MapOptions, RefcountedRegion, SharedRegion, ShmName,
 };
+use tensormem_test_support::child;
 
 /// Runs `f` on a thread and fails the test if it does not finish within `limit` (a hang is the
 /// bug some of these tests catch).
@@ -275,25 +276,15 @@ fn killing_a_creator_of_unlinked_shm_regions_leaks_nothing() {
     let mut leaked = Vec::new();
     for trial in 0..40u64 {
         let before = shm_names();
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "killing_a_creator_of_unlinked_shm_regions_leaks_nothing",
-                "--nocapture",
-                "--test-threads",
-                "1",
-            ])
-            .env(CREATOR_ROLE, "1")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let (mut child, mut out) = child::spawn(
+            child::this_test("killing_a_creator_of_unlinked_shm_regions_leaks_nothing")
+                .env(CREATOR_ROLE, "1")
+                .stderr(Stdio::null()),
+        );
         let mut line = String::new();
         std::io::BufRead::read_line(&mut out, &mut line).unwrap();
         thread::sleep(Duration::from_micros(500 + (trial * 7919) % 5000));
-        child.kill().unwrap();
-        child.wait().unwrap();
+        child.kill9();
         let prefix = format!("{}_{}_", tensormem_shm::DEFAULT_PREFIX, child.id());
         for file in shm_names() {
             if file.starts_with(&prefix) && !before.contains(&file) {

@@ -8,21 +8,21 @@
 
 use std::collections::BTreeSet;
 use std::fs;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::BufReader;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::process::{ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use tensormem_shm::manager::{ManagedRegion, Manager, ManagerConfig, ManagerError};
 use tensormem_shm::{Access, CreateMode, Error, MapOptions, NameGenerator, ShmName};
+use tensormem_test_support::child::{self, hold, report, Peer, MARK};
 
 const ROLE: &str = "TENSORMEM_MANAGER_TEST_ROLE";
 const PREFIX: &str = "TENSORMEM_MANAGER_TEST_PREFIX";
 const COUNT: &str = "TENSORMEM_MANAGER_TEST_COUNT";
 const NAME: &str = "TENSORMEM_MANAGER_TEST_NAME";
-const MARK: &str = "@@";
 
 /// How long to wait for something the daemon does asynchronously before declaring failure.
 const PATIENCE: Duration = Duration::from_secs(15);
@@ -46,14 +46,8 @@ fn child_role() -> bool {
         std::process::exit(3);
     }
     // Hold everything until the parent closes our stdin (or kills us).
-    let _ = std::io::stdin().read_to_end(&mut Vec::new());
+    hold();
     true
-}
-
-fn report(line: &str) {
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "{MARK}{line}").unwrap();
-    out.flush().unwrap();
 }
 
 /// Creates `COUNT` managed regions (through the process-wide manager, configured from the
@@ -137,9 +131,8 @@ impl World {
 
     /// Starts this test's binary as a child playing `role`.
     fn spawn(&self, role: &str, envs: &[(&str, String)]) -> Kid {
-        let mut command = Command::new(std::env::current_exe().unwrap());
+        let mut command = child::this_test(self.test);
         command
-            .args(["--exact", self.test, "--nocapture", "--test-threads", "1"])
             .env(ROLE, role)
             .env(PREFIX, &self.prefix)
             .env("TENSORMEM_SHM_MANAGER_DIR", self.dir.path())
@@ -153,13 +146,11 @@ impl World {
                 self.dir.path().join("daemon.log"),
             )
             .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
         for (key, value) in envs {
             command.env(key, value);
         }
-        let mut child = command.spawn().unwrap();
-        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let (child, stdout) = child::spawn(&mut command);
         Kid { child, stdout }
     }
 
@@ -188,25 +179,22 @@ impl Drop for World {
     }
 }
 
-/// A child process and its reported lines.
+/// A child process (killed if the test ends first) and its reported lines.
 struct Kid {
-    child: Child,
+    child: Peer,
     stdout: BufReader<ChildStdout>,
 }
 
 impl Kid {
     /// The next line the child reported (lines from the test harness are skipped).
     fn next_report(&mut self) -> String {
-        loop {
-            let mut line = String::new();
-            let n = self.stdout.read_line(&mut line).unwrap();
-            assert!(n > 0, "child {} ended without reporting", self.child.id());
-            // libtest prints "test NAME ... " without a newline before the test runs.
-            if let Some((_, report)) = line.trim_end().split_once(MARK) {
-                assert!(!report.starts_with("error"), "child failed: {report}");
-                return report.to_owned();
-            }
-        }
+        let report = child::next_report(&mut self.stdout);
+        assert!(
+            !report.starts_with("error"),
+            "child {} failed: {report}",
+            self.child.id()
+        );
+        report
     }
 
     /// Reads `name ...` reports until `done`.
@@ -225,8 +213,7 @@ impl Kid {
     }
 
     fn kill_9(mut self) {
-        self.child.kill().unwrap(); // SIGKILL
-        self.child.wait().unwrap();
+        self.child.kill9();
     }
 
     /// Closes its stdin so it exits normally, and reaps it.

@@ -4,18 +4,17 @@
 //!
 //! Run with `cargo test -p tensormem-shm --test pool_processes [-- FILTER]`.
 
-mod common;
-
 use std::io::{BufRead, BufReader};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::process::{ChildStdout, Stdio};
 use std::time::Duration;
 
-use common::self_exec::{self, RoleResult, Test};
 use tensormem_shm::mapping_cache::{PoolReceiver, ReceiverOptions};
 use tensormem_shm::pool::{PoolConfig, PoolSender, ShmPool};
 use tensormem_shm::Error;
+use tensormem_test_support::child::{self, Peer};
+use tensormem_test_support::harness::{self, RoleResult, Test};
 
 const ROLE: &str = "TENSORMEM_POOL_TEST_ROLE";
 const SOCKET: &str = "TENSORMEM_POOL_TEST_SOCKET";
@@ -42,7 +41,7 @@ const TESTS: &[Test] = &[
 ];
 
 fn main() {
-    self_exec::main(ROLE, run_role, TESTS, None);
+    harness::main(ROLE, run_role, TESTS, None);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -50,21 +49,19 @@ fn main() {
 
 /// A child process of this binary; killed (SIGKILL) if the test ends before it exits.
 struct ChildProc {
-    child: Child,
+    child: Peer,
     stdout: BufReader<ChildStdout>,
 }
 
 impl ChildProc {
     fn spawn(role: &str, socket: &PathBuf, count: u32) -> Self {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .env(ROLE, role)
-            .env(SOCKET, socket)
-            .env(COUNT, count.to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("spawn child test process");
-        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let (child, stdout) = child::spawn(
+            child::this_binary()
+                .env(ROLE, role)
+                .env(SOCKET, socket)
+                .env(COUNT, count.to_string())
+                .stdin(Stdio::null()),
+        );
         Self { child, stdout }
     }
 
@@ -75,19 +72,11 @@ impl ChildProc {
     }
 
     fn kill_9(&mut self) {
-        self.child.kill().unwrap(); // SIGKILL
-        self.child.wait().unwrap();
+        self.child.kill9();
     }
 
     fn pid(&self) -> u32 {
         self.child.id()
-    }
-}
-
-impl Drop for ChildProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

@@ -8,14 +8,15 @@ mod common;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{ChildStdin, ChildStdout, Stdio};
 
-use common::self_exec::{self, RoleResult, Test};
 use common::UnlinkOnDrop;
 use tensormem_shm::transfer::{recv_region, send_region, SendOptions};
 use tensormem_shm::{
     CreateMode, Error, MapOptions, NameGenerator, RefcountedRegion, SharedRegion, ShmName,
 };
+use tensormem_test_support::child::{self, Peer};
+use tensormem_test_support::harness::{self, RoleResult, Test};
 
 const ROLE: &str = "TENSORMEM_SHM_TEST_ROLE";
 const SOCKET: &str = "TENSORMEM_SHM_TEST_SOCKET";
@@ -47,7 +48,7 @@ const TESTS: &[Test] = &[
 ];
 
 fn main() {
-    self_exec::main(ROLE, run_role, TESTS, None);
+    harness::main(ROLE, run_role, TESTS, None);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -55,24 +56,20 @@ fn main() {
 
 /// A child process of this binary in `role`; killed if the test panics before it exits.
 struct ChildProc {
-    child: Child,
+    child: Peer,
     stdin: Option<ChildStdin>,
     stdout: BufReader<ChildStdout>,
 }
 
 impl ChildProc {
     fn spawn(role: &str, env: &[(&str, &str)]) -> Self {
-        let mut command = Command::new(std::env::current_exe().unwrap());
-        command
-            .env(ROLE, role)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped());
+        let mut command = child::this_binary();
+        command.env(ROLE, role).stdin(Stdio::piped());
         for (key, value) in env {
             command.env(key, value);
         }
-        let mut child = command.spawn().expect("spawn child test process");
+        let (mut child, stdout) = child::spawn(&mut command);
         let stdin = child.stdin.take();
-        let stdout = BufReader::new(child.stdout.take().unwrap());
         Self {
             child,
             stdin,
@@ -97,15 +94,6 @@ impl ChildProc {
         self.stdin.take();
         let status = self.child.wait().unwrap();
         assert!(status.success(), "child failed: {status}");
-    }
-}
-
-impl Drop for ChildProc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
     }
 }
 

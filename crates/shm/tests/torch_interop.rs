@@ -7,9 +7,8 @@
 //! works). Run without torch, it prints why it did nothing and passes, unless
 //! `TENSORMEM_REQUIRE_TORCH=1`.
 
-use std::process::Command;
-
 use tensormem_shm::{NameGenerator, RefcountHeader, RefcountedRegion, TORCH_PREFIX};
+use tensormem_test_support::{python, torch};
 
 const SCRIPT: &str = r#"
 import struct, sys, torch
@@ -23,22 +22,10 @@ storage[9] = 33
 del storage  # closes PyTorch's mapping: refcount - 1
 "#;
 
-fn torch_available() -> bool {
-    Command::new("python3")
-        .args(["-c", "import torch"])
-        .output()
-        .is_ok_and(|out| out.status.success())
-}
-
 #[test]
 #[ignore = "needs python3 with torch (cargo xtask test-gpu runs it)"]
 fn pytorch_opens_a_refcounted_region() {
-    if !torch_available() {
-        assert!(
-            std::env::var("TENSORMEM_REQUIRE_TORCH").as_deref() != Ok("1"),
-            "TENSORMEM_REQUIRE_TORCH=1 but `python3 -c 'import torch'` fails"
-        );
-        eprintln!("skipped: python3 with torch is not available here");
+    if !torch::python_with_torch() {
         return;
     }
     let name = NameGenerator::with_prefix(TORCH_PREFIX)
@@ -47,7 +34,7 @@ fn pytorch_opens_a_refcounted_region() {
     let mut region = RefcountedRegion::create(&name, 4096).unwrap();
     region.write_at(0, b"tensormem").unwrap();
 
-    let out = Command::new("python3")
+    let out = python::command()
         .args(["-c", SCRIPT, name.as_str(), "4096"])
         .output()
         .unwrap();

@@ -81,10 +81,10 @@
 //! | `_new_shared_fd_cpu(fd, size)` | [`Storage::new_shared_fd`] (or [`Storage::recv_shared_fd`]) |
 //! | `_new_using_fd_cpu(size)`, `at::new_shm_fd_storage` | [`Storage::new_shared_fd_storage`] |
 //! | `_get_shared_fd()` | [`Storage::get_shared_fd`] (a duplicate; detaches a pooled storage) |
-//! | `_share_filename_cpu_()` → `(manager, name, size)` | [`Storage::share_filename`] → [`FilenameHandle`] (feature `manager`; refcounted named regions and the manager, never the pool: a name can be opened by any process, so no connection's close tells the pool that a killed opener is done) |
-//! | `_new_shared_filename_cpu(manager, name, size)` | [`Storage::new_shared_filename`] |
-//! | `_new_using_filename_cpu(size)` | [`Storage::new_shared_filename_storage`] |
-//! | `_shared_incref()`, `_shared_decref()` | [`Storage::shared_incref`], [`Storage::shared_decref`] |
+//! | `_share_filename_cpu_()` → `(manager, name, size)` | `Storage::share_filename` → `FilenameHandle` (feature `manager`; refcounted named regions and the manager, never the pool: a name can be opened by any process, so no connection's close tells the pool that a killed opener is done) |
+//! | `_new_shared_filename_cpu(manager, name, size)` | `Storage::new_shared_filename` |
+//! | `_new_using_filename_cpu(size)` | `Storage::new_shared_filename_storage` |
+//! | `_shared_incref()`, `_shared_decref()` | `Storage::shared_incref`, `Storage::shared_decref` |
 //! | `_weak_ref()`, `_new_with_weak_ptr(w)`, `_expired(w)`, `_free_weak_ref(w)` | [`Storage::weak_ref`], [`WeakStorage::upgrade`], [`WeakStorage::expired`], dropping the [`WeakStorage`] |
 //! | `is_shared()` | [`Storage::is_shared`] |
 //! | `from_file(filename, shared, nbytes)` | [`Storage::from_file`] |
@@ -106,9 +106,9 @@
 //! [`Storage::share_fd`], [`Storage::get_shared_fd`] and [`Storage::send_shared_fd`] **detach**
 //! a pooled storage: it becomes [`StorageKind::CpuFd`] over the same memory, the pool never lends
 //! the region again, and the memory is freed normally with its last mapping (the region's bytes
-//! past the storage are cleared first). [`Storage::share_filename`] moves the bytes into a named
-//! region, as for any storage not shared by name; the pooled region, never exposed, then returns
-//! to the pool. A storage received from a pool ([`StorageKind::CpuPooledLease`]) releases its
+//! past the storage are cleared first). `Storage::share_filename` (feature `manager`) moves the
+//! bytes into a named region, as for any storage not shared by name; the pooled region, never
+//! exposed, then returns to the pool. A storage received from a pool ([`StorageKind::CpuPooledLease`]) releases its
 //! lease when its last clone drops; sharing it again by descriptor or name moves its bytes (as
 //! PyTorch moves any storage that is not of the right kind), and it cannot be sent pooled again.
 //!
@@ -118,7 +118,7 @@
 //!   new memfd first, for every clone; `share_filename` likewise moves it into a named region;
 //!   `share_memory_` does nothing to a storage already in shared memory or on a CUDA device.
 //! - A storage shared by name survives its creator dropping it while the shared refcount or a
-//!   live process holding it at the manager says so (see [`Storage::share_filename`]).
+//!   live process holding it at the manager says so (see `Storage::share_filename`).
 //! - A CUDA storage received from another process cannot be shared again.
 //! - Stricter: a zero-byte storage cannot be shared ([`Error::Empty`]; PyTorch special-cases
 //!   empty storages in its reductions too); received descriptors and names are checked

@@ -15,7 +15,7 @@ use crate::owner::{Owner, StorageKind};
 /// Cloning a `Storage` shares it (PyTorch's `intrusive_ptr<StorageImpl>`): every clone sees the
 /// same bytes, and an operation that moves the bytes into shared memory
 /// ([`share_memory_`](Self::share_memory_), [`share_fd`](Self::share_fd),
-/// [`share_filename`](Self::share_filename)) moves them for every clone at once.
+/// `share_filename` (feature `manager`)) moves them for every clone at once.
 /// [`weak_ref`](Self::weak_ref) gives a [`WeakStorage`] that does not keep the bytes alive.
 ///
 /// The size never changes (PyTorch's shared storages are not resizable either).
@@ -102,7 +102,7 @@ impl Storage {
         self.kind().is_shared()
     }
 
-    /// The shm name of a storage shared by name ([`share_filename`](Self::share_filename)).
+    /// The shm name of a storage shared by name (`share_filename`, feature `manager`).
     pub fn shared_name(&self) -> Option<ShmName> {
         self.owner().shm_name().cloned()
     }

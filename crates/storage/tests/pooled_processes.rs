@@ -9,11 +9,12 @@ mod common;
 
 use std::io::BufReader;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::{Child, ChildStdout};
+use std::process::ChildStdout;
 
-use common::child::{hold, next_report, report, role, spawn};
+use common::child::{role, spawn};
 use common::pooled::{pattern, pool};
 use tensormem_storage::{PoolReceiver, PoolSender, ReceiverOptions, ShmPool, Storage, StorageKind};
+use tensormem_test_support::child::{hold, next_report, report, Peer};
 
 const MIB: usize = 1 << 20;
 const BATCHES: u8 = 4;
@@ -53,7 +54,7 @@ fn connect(
     pool: &ShmPool,
     test: &str,
     mode: &str,
-) -> (Child, BufReader<ChildStdout>, PoolSender, tempfile::TempDir) {
+) -> (Peer, BufReader<ChildStdout>, PoolSender, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("pool.sock");
     let listener = UnixListener::bind(&path).unwrap();
@@ -133,8 +134,7 @@ fn a_consumer_killed_while_holding_pooled_storages_gives_them_back() {
     );
     assert_eq!(sender.outstanding(), usize::from(BATCHES));
 
-    child.kill().unwrap(); // SIGKILL
-    child.wait().unwrap();
+    child.kill9(); // SIGKILL
     while sender.is_connected() {
         sender.wait_release(None).unwrap();
     }

@@ -9,8 +9,9 @@ mod common;
 
 use std::os::unix::net::UnixListener;
 
-use common::child::{hold, next_report, report, role, spawn};
+use common::child::{role, spawn};
 use tensormem_storage::{FilenameHandle, ShmName, Storage, StorageKind};
+use tensormem_test_support::child::{hold, next_report, report};
 
 fn pattern(n: usize) -> Vec<u8> {
     (0..n).map(|i| (i % 251) as u8).collect()
@@ -136,8 +137,7 @@ fn a_killed_creator_leaks_nothing() {
     let (mut child, mut out) = spawn("a_killed_creator_leaks_nothing", "victim", "");
     let name = ShmName::new(next_report(&mut out)).unwrap();
     assert!(name.path().exists());
-    child.kill().unwrap(); // SIGKILL: no destructor runs
-    child.wait().unwrap();
+    child.kill9(); // SIGKILL: no destructor runs
     assert!(
         common::eventually(|| !name.path().exists()),
         "the manager unlinked the dead creator's name"

@@ -15,36 +15,21 @@ mod common;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixListener;
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::process::{ChildStdout, Stdio};
 
 use tensormem_storage::{FilenameHandle, Storage, StorageKind};
+use tensormem_test_support::child::{self, Peer};
+use tensormem_test_support::{hex, python, torch};
 
-fn torch_available() -> bool {
-    let ok = Command::new("python3")
-        .args(["-c", "import torch"])
-        .output()
-        .is_ok_and(|out| out.status.success());
-    if !ok {
-        assert!(
-            std::env::var("TENSORMEM_REQUIRE_TORCH").as_deref() != Ok("1"),
-            "TENSORMEM_REQUIRE_TORCH=1 but `python3 -c 'import torch'` fails"
-        );
-        eprintln!("skipped: python3 with torch is not available here");
-    }
-    ok
-}
-
-fn python(script: &str, args: &[&str]) -> (Child, BufReader<ChildStdout>) {
-    let mut child = Command::new("python3")
-        .arg("-c")
-        .arg(script)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("python3 starts");
-    let out = BufReader::new(child.stdout.take().unwrap());
-    (child, out)
+/// `python3 -c script args...`, its stdin and stdout piped; killed if the test ends first.
+fn python(script: &str, args: &[&str]) -> (Peer, BufReader<ChildStdout>) {
+    child::spawn(
+        python::command()
+            .arg("-c")
+            .arg(script)
+            .args(args)
+            .stdin(Stdio::piped()),
+    )
 }
 
 fn line(out: &mut BufReader<ChildStdout>) -> String {
@@ -53,7 +38,7 @@ fn line(out: &mut BufReader<ChildStdout>) -> String {
     line.trim_end().to_owned()
 }
 
-fn finish(mut child: Child) {
+fn finish(mut child: Peer) {
     drop(child.stdin.take());
     let status = child.wait().unwrap();
     assert!(status.success(), "python failed: {status}");
@@ -75,7 +60,7 @@ def check(storage, size):
 #[test]
 #[ignore = "needs python3 with torch (cargo xtask test-gpu runs it)"]
 fn pytorch_opens_a_storage_rust_shared_by_descriptor() {
-    if !torch_available() {
+    if !torch::python_with_torch() {
         return;
     }
     let script = format!(
@@ -110,7 +95,7 @@ sys.stdin.read()
 #[test]
 #[ignore = "needs python3 with torch (cargo xtask test-gpu runs it)"]
 fn pytorch_opens_a_storage_rust_shared_by_name() {
-    if !torch_available() {
+    if !torch::python_with_torch() {
         return;
     }
     common::manager();
@@ -155,7 +140,7 @@ for i in range(size):
 #[test]
 #[ignore = "needs python3 with torch (cargo xtask test-gpu runs it)"]
 fn rust_opens_a_storage_pytorch_shared_by_descriptor() {
-    if !torch_available() {
+    if !torch::python_with_torch() {
         return;
     }
     let script = format!(
@@ -195,7 +180,7 @@ print(storage[0], flush=True)
 #[test]
 #[ignore = "needs python3 with torch (cargo xtask test-gpu runs it)"]
 fn rust_opens_a_storage_pytorch_shared_by_name() {
-    if !torch_available() {
+    if !torch::python_with_torch() {
         return;
     }
     let script = format!(
@@ -230,8 +215,4 @@ print(storage[1], flush=True)
     child.stdin.as_mut().unwrap().write_all(b"go\n").unwrap();
     assert_eq!(line(&mut out), "60", "PyTorch sees Rust's write");
     finish(child);
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

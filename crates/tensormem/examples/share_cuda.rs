@@ -6,13 +6,25 @@
 //! starts this program again as the consumer with the encoded handle on its command line; the
 //! consumer opens the memory, checks it, writes into it and exits; the producer sees the write.
 
-use std::process::Command;
+use std::process::{Command, ExitCode};
 
 use tensormem::storage::{storage_copy, CudaContext, IpcHandle, Storage};
 
 const SIZE: usize = 8 << 20;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// An error ends the program with its message on one line of stderr and exit status 1, as the
+/// `tensormem` command prints its errors (`main` returning the error would print its `Debug` form).
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("share_cuda: error: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     if let [_, role, wire] = args.as_slice() {
         if role == "consumer" {

@@ -1,21 +1,37 @@
 //! Producer/consumer by name (PyTorch's `file_system` strategy).
 //!
 //! Run `cargo run -p tensormem --features manager --example share_filename`: the producer moves a
-//! storage into a named, refcounted shm object held through the shm manager daemon (started on
-//! demand: the `tensormem-shm-manager` binary must be next to this program, on `PATH`, or named
-//! by `TENSORMEM_SHM_MANAGER`), adds a reference for the name in transit, and starts this program
-//! again as the consumer with the name on its command line. The consumer opens the name, takes
-//! over the in-transit reference, checks and writes the bytes. The producer exits first; the
-//! name stays while the consumer holds it, and the consumer's close removes it.
+//! storage into a named, refcounted shm object registered with tensormem's shm manager daemon, adds
+//! a reference for the name in transit, and starts this program again as the consumer with the name
+//! on its command line. The consumer opens the name, takes over the in-transit reference, checks and
+//! writes the bytes. The producer drops its storage first; the name stays while the consumer holds
+//! it, and the consumer's close, the last, removes it.
+//!
+//! No daemon binary is needed: the first shared name starts the daemon from this program's own
+//! image, through the start-up hook the `manager` feature links (docs/shm-manager.md, "Starting
+//! without a binary"). `TENSORMEM_SHM_MANAGER` names a `tensormem-shm-manager` binary to use
+//! instead.
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
+use std::process::{Command, ExitCode, Stdio};
 
 use tensormem::storage::{FilenameHandle, ShmName, Storage};
 
 const SIZE: usize = 1 << 20;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// An error ends the program with its message on one line of stderr and exit status 1, as the
+/// `tensormem` command prints its errors (`main` returning the error would print its `Debug` form).
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("share_filename: error: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     if let [_, role, name, size] = args.as_slice() {
         if role == "consumer" {

@@ -9,14 +9,26 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::{Command, Stdio};
+use std::process::{Command, ExitCode, Stdio};
 
 use tensormem::storage::{PoolReceiver, PoolSender, ReceiverOptions, ShmPool, Storage};
 
 const SIZE: usize = 8 << 20;
 const STEPS: u8 = 16;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// An error ends the program with its message on one line of stderr and exit status 1, as the
+/// `tensormem` command prints its errors (`main` returning the error would print its `Debug` form).
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("share_pooled: error: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     if let [_, role, socket] = args.as_slice() {
         if role == "consumer" {

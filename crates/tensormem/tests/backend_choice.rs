@@ -1,15 +1,15 @@
 //! The allocator backend of the device API, chosen once per process from the allocator
-//! configuration, as PyTorch chooses it. Each case runs in a child process of this test binary (see
-//! `common/child.rs`) with the configuration variables it names and no others. Needs no GPU: the
+//! configuration, as PyTorch chooses it. Each case runs in a child process of this test binary
+//! (`tensormem_test_support::child::run`) with the configuration variables it names and no others. Needs no GPU: the
 //! backend is read without the driver, and `backend:cudaMallocAsync` refuses what PyTorch refuses
 //! before any device is touched. The serving itself is tested on a GPU in `gpu.rs`.
 #![cfg(feature = "cuda")]
 
-#[path = "common/child.rs"]
-mod child;
-
 use tensormem::cuda::{self, AsyncUnsupported, Error, MemPool, MempoolId, PoolOptions};
 use tensormem::cuda_alloc::config::Backend;
+// The variables the allocator configuration is read from: a child gets none but those it is given.
+use tensormem::cuda_alloc::config::ENV_VARS as CONFIG_VARS;
+use tensormem_test_support::child;
 
 /// `result` is the refusal `what`.
 #[track_caller]
@@ -23,7 +23,11 @@ fn refused<T: std::fmt::Debug>(result: cuda::Result<T>, what: AsyncUnsupported) 
 #[test]
 fn without_a_configuration_the_caching_allocator_serves() {
     if !child::is_child() {
-        return child::run("without_a_configuration_the_caching_allocator_serves", &[]);
+        return child::run(
+            "without_a_configuration_the_caching_allocator_serves",
+            &CONFIG_VARS,
+            &[],
+        );
     }
     assert_eq!(cuda::get_allocator_backend().unwrap(), Backend::Native);
     assert_eq!(cuda::get_allocator_backend().unwrap().name(), "native");
@@ -58,6 +62,7 @@ fn tensormems_own_variable_decides_before_pytorchs() {
     if !child::is_child() {
         return child::run(
             "tensormems_own_variable_decides_before_pytorchs",
+            &CONFIG_VARS,
             &[
                 ("TENSORMEM_ALLOC_CONF", "backend:native"),
                 ("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync"),
@@ -72,6 +77,7 @@ fn a_malformed_configuration_is_an_error_not_a_backend() {
     if !child::is_child() {
         return child::run(
             "a_malformed_configuration_is_an_error_not_a_backend",
+            &CONFIG_VARS,
             &[("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMalloc")],
         );
     }
@@ -94,6 +100,7 @@ fn under_cuda_malloc_async_what_pytorch_refuses_is_refused() {
         ] {
             child::run(
                 "under_cuda_malloc_async_what_pytorch_refuses_is_refused",
+                &CONFIG_VARS,
                 &[(
                     var,
                     "backend:cudaMallocAsync,pinned_use_cuda_host_register:True",

@@ -4,23 +4,20 @@
 //! set). The per-device allocators are process-wide, so the tests hold one lock while they run.
 #![cfg(feature = "cuda")]
 
-#[path = "common/child.rs"]
-mod child;
-mod common;
-
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::MutexGuard;
 
 use tensormem::cuda::{self, Error, Stream};
+// The variables the allocator configuration is read from: a child gets none but those it is given.
+use tensormem::cuda_alloc::config::ENV_VARS as CONFIG_VARS;
 use tensormem::cuda_alloc::snapshot::{BlockState, Snapshot, TraceAction};
+use tensormem_test_support::{child, gpu};
 
 const MIB: usize = 1 << 20;
 
-static LOCK: Mutex<()> = Mutex::new(());
-
 /// The number of devices, holding the test lock, or `None` after saying why the test is skipped.
 fn gpus() -> Option<(u32, MutexGuard<'static, ()>)> {
-    let lock = LOCK.lock().unwrap_or_else(PoisonError::into_inner);
-    Some((common::gpus()?, lock))
+    let lock = gpu::lock();
+    Some((gpu::devices(cuda::device_count())?, lock))
 }
 
 /// Runs `f` on a fresh thread (whose current device and streams are the defaults) and returns its result.
@@ -348,6 +345,7 @@ fn with_backend_cuda_malloc_async_configured_the_device_api_serves_from_the_pool
         let Some(_) = gpus() else { return };
         return child::run(
             "with_backend_cuda_malloc_async_configured_the_device_api_serves_from_the_pool",
+            &CONFIG_VARS,
             &[("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")],
         );
     }

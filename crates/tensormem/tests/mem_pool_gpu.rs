@@ -4,21 +4,18 @@
 //! process-wide, so the tests hold one lock while they run.
 #![cfg(feature = "cuda")]
 
-mod common;
-
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, MutexGuard};
 
 use tensormem::cuda::{self, FnPoolAllocator, MemPool, PoolOptions};
 use tensormem::cuda_alloc::{Device, Error as AllocError};
+use tensormem_test_support::gpu;
 
 const MIB: usize = 1 << 20;
 
-static LOCK: Mutex<()> = Mutex::new(());
-
 fn gpu() -> Option<MutexGuard<'static, ()>> {
-    let lock = LOCK.lock().unwrap_or_else(PoisonError::into_inner);
-    common::gpus()?;
+    let lock = gpu::lock();
+    gpu::devices(cuda::device_count())?;
     Some(lock)
 }
 

@@ -4,17 +4,16 @@
 //! child process of its own (this binary again), where no device was opened yet.
 #![cfg(feature = "cuda")]
 
-#[path = "common/child.rs"]
-mod child;
-mod common;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use tensormem::cuda;
+// The variables the allocator configuration is read from: a child gets none but those it is given.
 use tensormem::cuda_alloc::config::Backend;
+use tensormem::cuda_alloc::config::ENV_VARS as CONFIG_VARS;
 use tensormem::cuda_alloc::snapshot::TraceAction;
 use tensormem::storage::{CudaContext, Storage};
+use tensormem_test_support::{child, gpu};
 
 const MIB: usize = 1 << 20;
 
@@ -24,13 +23,18 @@ fn under_cuda_malloc_async_cuda_storages_come_from_the_pool_and_are_not_shared()
     const TEST: &str =
         "under_cuda_malloc_async_cuda_storages_come_from_the_pool_and_are_not_shared";
     if !child::is_child() {
-        let Some(_) = common::gpus() else { return };
+        let Some(_) = gpu::devices(cuda::device_count()) else {
+            return;
+        };
         return child::run(
             TEST,
+            &CONFIG_VARS,
             &[("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")],
         );
     }
-    let Some(_) = common::gpus() else { return };
+    let Some(_) = gpu::devices(cuda::device_count()) else {
+        return;
+    };
     // The storage comes first: no device API call opened the device.
     let ctx = CudaContext::new(0).unwrap();
     assert!(
@@ -72,10 +76,14 @@ fn settings_history_and_observers_made_before_a_storage_opens_the_device_apply_t
     const TEST: &str =
         "settings_history_and_observers_made_before_a_storage_opens_the_device_apply_to_it";
     if !child::is_child() {
-        let Some(_) = common::gpus() else { return };
-        return child::run(TEST, &[]);
+        let Some(_) = gpu::devices(cuda::device_count()) else {
+            return;
+        };
+        return child::run(TEST, &CONFIG_VARS, &[]);
     }
-    let Some(_) = common::gpus() else { return };
+    let Some(_) = gpu::devices(cuda::device_count()) else {
+        return;
+    };
     // Made through the device API before any user opened the device.
     cuda::set_allocator_settings("max_split_size_mb:64,garbage_collection_threshold:0.8").unwrap();
     cuda::record_memory_history(true, 10_000).unwrap();

@@ -8,17 +8,14 @@
 //! `TENSORMEM_STORAGE_GPU_ROLE` set.
 #![cfg(feature = "cuda")]
 
-mod common;
-mod torch_check;
-
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 
-use common::gpus;
+use tensormem::cuda;
 use tensormem::storage::{
     release_ipc_counter, storage_copy, CudaContext, Device, Error, IpcHandle, Storage, StorageKind,
 };
-use torch_check::torch_cuda;
+use tensormem_test_support::{child, gpu, hex, python, torch, unhex};
 
 const ROLE: &str = "TENSORMEM_STORAGE_GPU_ROLE";
 const ARG: &str = "TENSORMEM_STORAGE_GPU_ARG";
@@ -49,7 +46,9 @@ fn host_storages_refuse_cuda_operations() {
 #[test]
 #[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn cuda_storages_read_write_fill_and_copy_on_one_device() {
-    let Some(_) = gpus() else { return };
+    let Some(_) = gpu::devices(cuda::device_count()) else {
+        return;
+    };
     let ctx = CudaContext::new(0).unwrap();
     let n = 3 * MIB + 5;
     let dev = Storage::new_cuda(&ctx, n).unwrap();
@@ -110,7 +109,9 @@ fn cuda_storages_read_write_fill_and_copy_on_one_device() {
 #[test]
 #[ignore = "needs two CUDA GPUs (cargo xtask test-gpu runs it)"]
 fn copies_across_devices() {
-    let Some(count) = gpus() else { return };
+    let Some(count) = gpu::devices(cuda::device_count()) else {
+        return;
+    };
     if count < 2 {
         eprintln!("skipped: one device only");
         return;
@@ -127,17 +128,6 @@ fn copies_across_devices() {
     storage_copy(&on_a, &on_b, true).unwrap();
     a.synchronize().unwrap();
     assert_eq!(on_a.to_vec().unwrap(), vec![1u8; n]);
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
 }
 
 #[test]
@@ -162,7 +152,9 @@ fn cuda_storages_shared_with_another_process() {
         println!("@@consumer done");
         return;
     }
-    let Some(_) = gpus() else { return };
+    let Some(_) = gpu::devices(cuda::device_count()) else {
+        return;
+    };
     let ctx = CudaContext::new(0).unwrap();
     let storage = Storage::new_cuda(&ctx, 2 * MIB).unwrap();
     storage_copy(&storage, &host(pattern(2 * MIB, 7)), false).unwrap();
@@ -171,14 +163,7 @@ fn cuda_storages_shared_with_another_process() {
     let torch = first.to_torch(); // PyTorch's 8-tuple carries the same fields
     assert_eq!(IpcHandle::from_torch(&torch).unwrap().slot, first.slot);
 
-    let child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "cuda_storages_shared_with_another_process",
-            "--include-ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let child = child::this_test("cuda_storages_shared_with_another_process")
         .env(ROLE, "consumer")
         .env(ARG, hex(&first.encode()))
         .env("TENSORMEM_STORAGE_GPU_ARG2", hex(&second.encode()))
@@ -215,8 +200,10 @@ def view(storage, size, device):
 #[test]
 #[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
 fn pytorch_opens_a_cuda_storage_rust_shared() {
-    let Some(_) = gpus() else { return };
-    if !torch_cuda() {
+    let Some(_) = gpu::devices(cuda::device_count()) else {
+        return;
+    };
+    if !torch::python_with_torch_cuda() {
         return;
     }
     let script = format!(
@@ -238,7 +225,7 @@ del t, s
     let storage = Storage::new_cuda(&ctx, MIB).unwrap();
     storage.fill(0x21).unwrap();
     let line = storage.share_cuda().unwrap().to_torch().to_line();
-    let mut child = Command::new("python3")
+    let mut child = python::command()
         .args(["-c", &script])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -261,8 +248,10 @@ del t, s
 #[test]
 #[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
 fn rust_opens_a_cuda_storage_pytorch_shared() {
-    let Some(_) = gpus() else { return };
-    if !torch_cuda() {
+    let Some(_) = gpu::devices(cuda::device_count()) else {
+        return;
+    };
+    if !torch::python_with_torch_cuda() {
         return;
     }
     let script = r#"
@@ -275,7 +264,7 @@ sys.stdin.readline()
 torch.cuda.synchronize()
 print(int(t[1].item()), flush=True)
 "#;
-    let mut child = Command::new("python3")
+    let mut child = python::command()
         .args(["-c", script])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

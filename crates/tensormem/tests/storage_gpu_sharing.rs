@@ -9,18 +9,14 @@
 //! `TENSORMEM_SHARING_GPU_ROLE` set.
 #![cfg(feature = "cuda")]
 
-mod common;
-mod torch_check;
-
 use std::io::{BufRead, Write};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 
-use common::gpus;
 use tensormem::cuda;
 use tensormem::ipc::TorchShareTuple;
 use tensormem::storage::{storage_copy, CudaContext, IpcHandle, Storage, StorageKind};
-use torch_check::torch_cuda;
+use tensormem_test_support::{child, gpu, hex, python, torch, unhex};
 
 const ROLE: &str = "TENSORMEM_SHARING_GPU_ROLE";
 const MIB: usize = 1 << 20;
@@ -30,17 +26,6 @@ const SIZES: [usize; 3] = [1, 1000, MIB + 3];
 fn pattern(n: usize, seed: u8) -> Vec<u8> {
     (0..n)
         .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed))
-        .collect()
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
         .collect()
 }
 
@@ -84,17 +69,12 @@ fn odd_sizes_at_offsets_round_trip_exactly_between_processes() {
         }
         return;
     }
-    let Some(_) = gpus() else { return };
+    let Some(_) = gpu::devices(cuda::device_count()) else {
+        return;
+    };
     let ctx = CudaContext::new(0).unwrap();
     let (storages, _fillers) = odd_storages(&ctx);
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "odd_sizes_at_offsets_round_trip_exactly_between_processes",
-            "--include-ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let mut child = child::this_test("odd_sizes_at_offsets_round_trip_exactly_between_processes")
         .env(ROLE, "consumer")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -129,7 +109,9 @@ fn odd_sizes_at_offsets_round_trip_exactly_between_processes() {
 #[test]
 #[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn empty_storages_are_shared_and_rebuilt() {
-    let Some(_) = gpus() else { return };
+    let Some(_) = gpu::devices(cuda::device_count()) else {
+        return;
+    };
     let ctx = CudaContext::new(0).unwrap();
     let empty = Storage::new_cuda(&ctx, 0).unwrap();
     let handle = empty.share_cuda().unwrap();
@@ -146,7 +128,9 @@ fn empty_storages_are_shared_and_rebuilt() {
 #[test]
 #[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
 fn storages_use_the_device_apis_allocator() {
-    let Some(_) = gpus() else { return };
+    let Some(_) = gpu::devices(cuda::device_count()) else {
+        return;
+    };
     let ctx = CudaContext::new(0).unwrap();
     let device_api = cuda::caching_allocator(Some(0)).unwrap();
     assert!(
@@ -179,8 +163,10 @@ fn storages_use_the_device_apis_allocator() {
 #[test]
 #[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
 fn pytorch_receives_odd_sized_and_empty_storages_with_their_sizes() {
-    let Some(_) = gpus() else { return };
-    if !torch_cuda() {
+    let Some(_) = gpu::devices(cuda::device_count()) else {
+        return;
+    };
+    if !torch::python_with_torch_cuda() {
         return;
     }
     // PyTorch's own rebuild: _new_shared_cuda for memory, a new empty storage for a tuple without a
@@ -211,7 +197,7 @@ for line in sys.stdin:
         lines.push_str(&storage.share_cuda().unwrap().to_torch().to_line());
         lines.push('\n');
     }
-    let mut child = Command::new("python3")
+    let mut child = python::command()
         .args(["-c", script])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -238,8 +224,10 @@ for line in sys.stdin:
 #[test]
 #[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
 fn rust_receives_pytorchs_odd_sized_and_empty_storages_with_their_sizes() {
-    let Some(_) = gpus() else { return };
-    if !torch_cuda() {
+    let Some(_) = gpu::devices(cuda::device_count()) else {
+        return;
+    };
+    if !torch::python_with_torch_cuda() {
         return;
     }
     let script = r#"
@@ -257,7 +245,7 @@ for n in [1, 1000, (1 << 20) + 3, 0]:
 torch.cuda.synchronize()
 sys.stdin.readline()
 "#;
-    let mut child = Command::new("python3")
+    let mut child = python::command()
         .args(["-c", script])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -308,7 +296,9 @@ fn a_batch_of_storages_travels_between_processes_as_one_message() {
         println!("@@ok {}", received.len());
         return;
     }
-    let Some(_) = gpus() else { return };
+    let Some(_) = gpu::devices(cuda::device_count()) else {
+        return;
+    };
     let ctx = CudaContext::new(0).unwrap();
     let (storages, _fillers) = odd_storages(&ctx);
     let names: Vec<(String, String)> = (0..SIZES.len())
@@ -329,14 +319,7 @@ fn a_batch_of_storages_travels_between_processes_as_one_message() {
         }
     }
     let batch = share_cuda_batch(&entries).unwrap();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            TEST,
-            "--include-ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let mut child = child::this_test(TEST)
         .env(ROLE, "consumer")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

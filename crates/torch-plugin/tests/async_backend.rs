@@ -3,14 +3,14 @@
 //! would take for a success), before any device is touched, so these run without a GPU; contexts
 //! handed over are destroyed exactly once; and the library names the backend as PyTorch does. The
 //! backend is chosen once per process, so each case runs in a child process of this test binary
-//! (`common/child.rs`). The serving itself is tested on a GPU in `gpu.rs`.
-
-#[path = "common/child.rs"]
-mod child;
+//! (`tensormem_test_support::child::run`). The serving itself is tested on a GPU in `gpu.rs`.
 
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+// The variables the allocator configuration is read from: a child gets none but those it is given.
+use tensormem_cuda_alloc::config::ENV_VARS as CONFIG_VARS;
+use tensormem_test_support::child;
 use tensormem_torch::native::{
     tensormem_allocator_name, tensormem_attach_trace_tracker, tensormem_backend_supports,
     tensormem_history, tensormem_ipc_open, tensormem_ipc_share, tensormem_pool_check_live,
@@ -89,7 +89,11 @@ unsafe extern "C" fn ignore_oom(_: c_int, _: u64, _: u64, _: u64) {}
 #[test]
 fn under_the_native_backend_nothing_is_refused() {
     if !child::is_child() {
-        return child::run("under_the_native_backend_nothing_is_refused", &[]);
+        return child::run(
+            "under_the_native_backend_nothing_is_refused",
+            &CONFIG_VARS,
+            &[],
+        );
     }
     assert_eq!(name(), "tensormem");
     for method in [
@@ -119,6 +123,7 @@ fn under_cuda_malloc_async_pytorchs_refusals_come_back_as_status_codes() {
     if !child::is_child() {
         return child::run(
             "under_cuda_malloc_async_pytorchs_refusals_come_back_as_status_codes",
+            &CONFIG_VARS,
             &[("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")],
         );
     }

@@ -5,36 +5,24 @@
 //! with `TENSORMEM_REQUIRE_GPU=1` (which they set). The
 //! allocators are process-wide, so the tests hold one lock and compare figures before and after.
 
-#[path = "common/child.rs"]
-mod child;
-
 use std::ffi::{c_int, c_void, CStr};
 use std::ptr;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudarc::driver::{sys, CudaContext, CudaStream};
 use tensormem::cuda;
 use tensormem_cuda_alloc::MempoolId;
+// The variables the allocator configuration is read from: a child gets none but those it is given.
+use tensormem_cuda_alloc::config::ENV_VARS as CONFIG_VARS;
+use tensormem_test_support::{child, gpu};
 use tensormem_torch::*;
 
 const MIB: usize = 1 << 20;
 
-static LOCK: Mutex<()> = Mutex::new(());
-
 /// The number of devices, holding the test lock, or `None` after saying why the test is skipped.
 fn gpus() -> Option<(u32, MutexGuard<'static, ()>)> {
-    let lock = LOCK.lock().unwrap_or_else(PoisonError::into_inner);
-    let reason = match cuda::device_count() {
-        Ok(n) if n > 0 => return Some((n, lock)),
-        Ok(_) => "the driver reports 0 devices".to_owned(),
-        Err(e) => e.to_string(),
-    };
-    assert!(
-        std::env::var("TENSORMEM_REQUIRE_GPU").as_deref() != Ok("1"),
-        "TENSORMEM_REQUIRE_GPU=1 but there is no usable CUDA device: {reason}"
-    );
-    eprintln!("skipped: no CUDA driver/device ({reason})");
-    None
+    let lock = gpu::lock();
+    Some((gpu::devices(cuda::device_count())?, lock))
 }
 
 /// A stream made outside tensormem, as PyTorch makes its pool streams, kept for the whole process (as
@@ -302,6 +290,7 @@ fn with_backend_cuda_malloc_async_configured_the_functions_serve_from_the_pool()
         let Some(_) = gpus() else { return };
         return child::run(
             "with_backend_cuda_malloc_async_configured_the_functions_serve_from_the_pool",
+            &CONFIG_VARS,
             &[("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")],
         );
     }

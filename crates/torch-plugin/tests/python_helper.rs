@@ -3,7 +3,8 @@
 //! no `python3`.
 
 use std::path::Path;
-use std::process::Command;
+
+use tensormem_test_support::python;
 
 fn library() -> std::path::PathBuf {
     let exe = std::env::current_exe().expect("the test's path");
@@ -41,23 +42,18 @@ except RuntimeError as e:
 print("ok", len(tt.HOOKS))
 "#;
 
-/// The tests run python3: `#[ignore]`d so that a machine without it reports them as ignored, never
-/// as passed; `.ci/run` runs them (`cargo test -p tensormem-torch --test python_helper --
-/// --ignored`), and there a missing python3 is a failure.
-fn require_python3() {
-    if let Err(err) = Command::new("python3").arg("--version").output() {
-        panic!("these tests need python3 on PATH ({err}); leave out --ignored where there is none");
-    }
-}
+// The tests run python3: `#[ignore]`d so that a machine without it reports them as ignored, never
+// as passed; `.ci/run` runs them (`cargo test -p tensormem-torch --test python_helper --
+// --ignored`), and there a missing python3 is a failure (`python::require`).
 
 #[test]
 #[ignore = "needs python3 (.ci/run runs it with --ignored)"]
 fn the_helper_wires_exported_functions_and_reads_errors() {
-    require_python3();
-    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
-    let out = Command::new("python3")
+    python::require();
+    let scripts = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
+    let out = python::command()
         .args(["-c", CHECK])
-        .arg(&python)
+        .arg(&scripts)
         .arg(library())
         .output()
         .expect("python3 runs");
@@ -73,8 +69,8 @@ fn the_helper_wires_exported_functions_and_reads_errors() {
 #[test]
 #[ignore = "needs python3 (.ci/run runs it with --ignored)"]
 fn the_scripts_compile() {
-    require_python3();
-    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
+    python::require();
+    let scripts = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
     for script in [
         "tensormem_torch/__init__.py",
         "real_clients.py",
@@ -83,8 +79,8 @@ fn the_scripts_compile() {
         "torch_client.py",
         "step_bench.py",
     ] {
-        let path = python.join(script);
-        let out = Command::new("python3")
+        let path = scripts.join(script);
+        let out = python::command()
             .args([
                 "-c",
                 "import ast, sys; ast.parse(open(sys.argv[1]).read(), sys.argv[1])",

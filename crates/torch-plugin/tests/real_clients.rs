@@ -9,9 +9,8 @@
 
 mod common;
 
-use std::process::Command;
-
 use common::{library, prerequisites_met, scripts};
+use tensormem_test_support::python;
 
 fn real_client(workload: &str) {
     real_clients(&[workload], &[]);
@@ -22,7 +21,7 @@ fn real_clients(workloads: &[&str], args: &[&str]) {
     if !prerequisites_met() {
         return;
     }
-    let out = Command::new("python3")
+    let out = python::command()
         .arg(scripts().join("real_clients.py"))
         .arg("--lib")
         .arg(library())

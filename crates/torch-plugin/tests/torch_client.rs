@@ -13,16 +13,15 @@
 
 mod common;
 
-use std::process::Command;
-
 use common::{library, prerequisites_met, scripts};
+use tensormem_test_support::python;
 
 fn run_client(workload: &str) {
     if !prerequisites_met() {
         return;
     }
     let lib = library();
-    let out = Command::new("python3")
+    let out = python::command()
         .arg(scripts().join("torch_client.py"))
         .arg("--lib")
         .arg(&lib)

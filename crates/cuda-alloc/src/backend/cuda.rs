@@ -218,6 +218,10 @@ impl CudaBackend {
 
     /// Makes this device's primary context current on the calling thread (`cuCtxSetCurrent`), like
     /// `cudaSetDevice`; a no-op if it already is.
+    ///
+    /// # References
+    ///
+    /// - [`cuCtxSetCurrent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html) (Context Management)
     #[doc(alias = "cuCtxSetCurrent")]
     pub fn make_current(&self) -> DeviceResult<()> {
         self.ctx.make_current()
@@ -241,6 +245,10 @@ impl CudaBackend {
 
     /// Creates an interprocess-capable event (`cuEventCreate` with `CU_EVENT_DISABLE_TIMING |
     /// CU_EVENT_INTERPROCESS`), for the CUDA IPC layer: export it with [`BackendEvent::ipc_handle`].
+    ///
+    /// # References
+    ///
+    /// - [`cuEventCreate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html) (Event Management)
     #[doc(alias = "cuEventCreate")]
     pub fn create_interprocess_event(&self) -> DeviceResult<BackendEvent> {
         self.ctx.make_current()?;
@@ -261,6 +269,11 @@ impl CudaBackend {
     ///
     /// [`DeviceError::Unsupported`] if the hardware cannot (see [`can_access_peer`]) or `peer` is this
     /// device; the driver's errors otherwise.
+    ///
+    /// # References
+    ///
+    /// - [`cuCtxEnablePeerAccess`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PEER__ACCESS.html) (Peer Context Memory Access)
+    /// - [`cuMemSetAccess`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html) (Virtual Memory Management)
     #[doc(alias = "cuCtxEnablePeerAccess")]
     pub fn enable_peer_access(&self, peer: &CudaBackend) -> DeviceResult<()> {
         if !can_access_peer(self.ordinal, peer.ordinal)? {
@@ -320,6 +333,11 @@ unsafe impl Device for CudaBackend {
         self.ordinal
     }
 
+    /// [`Device::mem_info`] through `cuMemGetInfo`, in this device's primary context.
+    ///
+    /// # References
+    ///
+    /// - [`cuMemGetInfo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) (Memory Management)
     #[doc(alias = "cuMemGetInfo")]
     fn mem_info(&self) -> DeviceResult<MemInfo> {
         self.ctx.make_current()?;
@@ -334,6 +352,11 @@ unsafe impl Device for CudaBackend {
         })
     }
 
+    /// [`Device::malloc`] through `cuMemAlloc`, in this device's primary context.
+    ///
+    /// # References
+    ///
+    /// - [`cuMemAlloc`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) (Memory Management)
     #[doc(alias = "cuMemAlloc")]
     fn malloc(&self, size: usize) -> DeviceResult<DeviceAddress> {
         self.ctx.make_current()?;
@@ -360,6 +383,11 @@ unsafe impl Device for CudaBackend {
         Ok(DeviceAddress(ptr))
     }
 
+    /// [`Device::free`] through `cuMemFree`.
+    ///
+    /// # References
+    ///
+    /// - [`cuMemFree`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) (Memory Management)
     #[doc(alias = "cuMemFree")]
     unsafe fn free(&self, ptr: DeviceAddress, _size: usize) -> DeviceResult<()> {
         self.ctx.make_current()?;
@@ -408,6 +436,11 @@ unsafe impl Device for CudaBackend {
         event.synchronize()
     }
 
+    /// [`Device::synchronize`] through `cuCtxSynchronize`, in this device's primary context.
+    ///
+    /// # References
+    ///
+    /// - [`cuCtxSynchronize`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html) (Context Management)
     #[doc(alias = "cuCtxSynchronize")]
     fn synchronize(&self) -> DeviceResult<()> {
         self.ctx.make_current()?;
@@ -415,6 +448,11 @@ unsafe impl Device for CudaBackend {
         driver::check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
     }
 
+    /// [`Device::capture_status`] through `cuStreamGetCaptureInfo`.
+    ///
+    /// # References
+    ///
+    /// - [`cuStreamGetCaptureInfo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) (Stream Management)
     #[doc(alias = "cuStreamGetCaptureInfo")]
     fn capture_status(&self, stream: StreamId) -> DeviceResult<CaptureStatus> {
         registry::check_and_pin(self.ordinal, stream)?;
@@ -447,6 +485,11 @@ unsafe impl Device for CudaBackend {
         })
     }
 
+    /// [`Device::vmm_granularity`] through `cuMemGetAllocationGranularity` (asked once, then cached).
+    ///
+    /// # References
+    ///
+    /// - [`cuMemGetAllocationGranularity`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html) (Virtual Memory Management)
     #[doc(alias = "cuMemGetAllocationGranularity")]
     fn vmm_granularity(&self) -> DeviceResult<usize> {
         self.granularity
@@ -454,6 +497,11 @@ unsafe impl Device for CudaBackend {
             .clone()
     }
 
+    /// [`Device::reserve_address_range`] through `cuMemAddressReserve`, aligned to the granularity.
+    ///
+    /// # References
+    ///
+    /// - [`cuMemAddressReserve`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html) (Virtual Memory Management)
     #[doc(alias = "cuMemAddressReserve")]
     fn reserve_address_range(&self, size: usize) -> DeviceResult<DeviceAddress> {
         let granularity = self.vmm_granularity()?;
@@ -467,6 +515,11 @@ unsafe impl Device for CudaBackend {
         Ok(DeviceAddress(ptr))
     }
 
+    /// [`Device::release_address_range`] through `cuMemAddressFree`.
+    ///
+    /// # References
+    ///
+    /// - [`cuMemAddressFree`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html) (Virtual Memory Management)
     #[doc(alias = "cuMemAddressFree")]
     unsafe fn release_address_range(&self, ptr: DeviceAddress, size: usize) -> DeviceResult<()> {
         // SAFETY: the caller guarantees the range was reserved with this size and has nothing mapped.
@@ -475,6 +528,11 @@ unsafe impl Device for CudaBackend {
         })
     }
 
+    /// [`Device::create_physical`] through `cuMemCreate`.
+    ///
+    /// # References
+    ///
+    /// - [`cuMemCreate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html) (Virtual Memory Management)
     #[doc(alias = "cuMemCreate")]
     fn create_physical(&self, size: usize) -> DeviceResult<PhysicalChunk> {
         let kind = self.chunk_kind()?;
@@ -483,6 +541,12 @@ unsafe impl Device for CudaBackend {
         kind.create(size)
     }
 
+    /// [`Device::map`] through `cuMemMap`, then `cuMemSetAccess` for this device and its peers.
+    ///
+    /// # References
+    ///
+    /// - [`cuMemMap`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html) (Virtual Memory Management)
+    /// - [`cuMemSetAccess`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html) (Virtual Memory Management)
     #[doc(alias = "cuMemMap")]
     unsafe fn map(
         &self,
@@ -513,6 +577,12 @@ unsafe impl Device for CudaBackend {
         Ok(())
     }
 
+    /// [`Device::unmap`] through `cuMemUnmap`, then `cuMemRelease` of the chunk.
+    ///
+    /// # References
+    ///
+    /// - [`cuMemUnmap`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html) (Virtual Memory Management)
+    /// - [`cuMemRelease`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html) (Virtual Memory Management)
     #[doc(alias = "cuMemUnmap")]
     unsafe fn unmap(
         &self,
@@ -532,6 +602,11 @@ unsafe impl Device for CudaBackend {
         chunk.export_fd()
     }
 
+    /// [`Device::copy_to_host`] through `cuMemcpyDtoH`, in this device's primary context.
+    ///
+    /// # References
+    ///
+    /// - [`cuMemcpyDtoH`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) (Memory Management)
     #[doc(alias = "cuMemcpyDtoH")]
     unsafe fn copy_to_host(
         &self,
@@ -550,6 +625,11 @@ unsafe impl Device for CudaBackend {
         })
     }
 
+    /// [`Device::copy_from_host`] through `cuMemcpyHtoD`, in this device's primary context.
+    ///
+    /// # References
+    ///
+    /// - [`cuMemcpyHtoD`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) (Memory Management)
     #[doc(alias = "cuMemcpyHtoD")]
     unsafe fn copy_from_host(
         &self,

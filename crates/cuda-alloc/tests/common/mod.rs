@@ -1,8 +1,6 @@
 //! Helpers shared by the allocator's integration tests.
 #![allow(dead_code, unreachable_pub)]
 
-pub mod torch;
-
 use std::ffi::OsString;
 
 use tensormem_cuda_alloc::backend::sim::SimDevice;

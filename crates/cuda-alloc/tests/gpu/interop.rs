@@ -12,12 +12,12 @@ use tensormem_cuda_alloc::snapshot::{Snapshot, TraceAction};
 use tensormem_cuda_alloc::CachingAllocator;
 
 use crate::harness::{gpu, Gpus};
-use crate::torch::{python, torch_imports};
+use tensormem_test_support::{python, torch};
 
 /// The GPUs, if there are GPUs and `python3` imports torch; else `None` after saying why.
 fn gpu_and_torch() -> Option<Gpus> {
     let gpus = gpu()?;
-    torch_imports().then_some(gpus)
+    torch::python_with_torch().then_some(gpus)
 }
 
 /// Bytes the way `torch.cuda._memory_viz` prints them (`Bytes.__repr__`: `f"{num:3.1f}{unit}B"`).
@@ -59,7 +59,7 @@ fn pytorch_memory_viz_reads_a_tensormem_snapshot() {
     snapshot.write_pickle_file(&file).unwrap();
 
     // `stats` also asserts, in Python, that every segment's blocks add up to its size.
-    let stats = python(&["-m", "torch.cuda._memory_viz", "stats", path_str(&file)]);
+    let stats = python::run(&["-m", "torch.cuda._memory_viz", "stats", path_str(&file)]);
     assert!(
         stats.contains(&format!("segments: {}\n", snapshot.segments.len())),
         "{stats}"
@@ -68,7 +68,7 @@ fn pytorch_memory_viz_reads_a_tensormem_snapshot() {
         stats.contains(&format!("total_reserved: {}\n", viz_bytes(reserved))),
         "{stats}"
     );
-    let trace = python(&["-m", "torch.cuda._memory_viz", "trace", path_str(&file)]);
+    let trace = python::run(&["-m", "torch.cuda._memory_viz", "trace", path_str(&file)]);
     assert!(trace.contains("Device 0 ----------------"), "{trace}");
     let allocs = snapshot
         .trace(0)
@@ -117,12 +117,12 @@ fn pytorch_reads_pool_light_and_host_snapshots() {
     for (name, snapshot) in [("full", &full), ("pooled", &pooled), ("light", &light)] {
         let file = dir.path().join(format!("{name}.pickle"));
         snapshot.write_pickle_file(&file).unwrap();
-        let stats = python(&["-m", "torch.cuda._memory_viz", "stats", path_str(&file)]);
+        let stats = python::run(&["-m", "torch.cuda._memory_viz", "stats", path_str(&file)]);
         assert!(
             stats.contains(&format!("segments: {}\n", snapshot.segments.len())),
             "{name}: {stats}"
         );
-        python(&["-m", "torch.cuda._memory_viz", "trace", path_str(&file)]);
+        python::run(&["-m", "torch.cuda._memory_viz", "trace", path_str(&file)]);
     }
     // The types PyTorch gives these keys.
     let check = format!(
@@ -138,7 +138,7 @@ fn pytorch_reads_pool_light_and_host_snapshots() {
         path_str(&dir.path().join("full.pickle")),
         path_str(&dir.path().join("light.pickle"))
     );
-    assert_eq!(python(&["-c", &check]).trim(), "ok");
+    assert_eq!(python::run(&["-c", &check]).trim(), "ok");
 
     // And PyTorch's own light and pool snapshots read here.
     let file = dir.path().join("torch_light.pickle");
@@ -153,7 +153,7 @@ fn pytorch_reads_pool_light_and_host_snapshots() {
          pickle.dump(s, open({:?}, 'wb'))\n",
         path_str(&file)
     );
-    python(&["-c", &script]);
+    python::run(&["-c", &script]);
     let theirs = Snapshot::read_pickle_file(&file).unwrap();
     assert!(theirs.device_traces.is_empty());
     assert_eq!(theirs.segments.len(), 1, "{:?}", theirs.segments);
@@ -181,7 +181,7 @@ fn tensormem_reads_a_snapshot_pytorch_dumped_on_this_gpu() {
          torch.cuda.memory._dump_snapshot({:?})\n",
         path_str(&file)
     );
-    python(&["-c", &script]);
+    python::run(&["-c", &script]);
     let snapshot = Snapshot::read_pickle_file(&file).unwrap();
     assert!(
         snapshot.segments.len() >= 2,
@@ -205,7 +205,7 @@ fn tensormem_reads_a_snapshot_pytorch_dumped_on_this_gpu() {
 #[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
 fn memory_stats_have_pytorchs_keys() {
     let Some(_gpus) = gpu_and_torch() else { return };
-    let printed = python(&[
+    let printed = python::run(&[
         "-c",
         "import torch\n\
          x = torch.empty(1 << 20, device='cuda')\n\

@@ -1,8 +1,5 @@
 //! Helpers shared by the shm integration tests.
 
-#[allow(dead_code)] // only the test binaries that re-execute themselves use it
-pub(crate) mod self_exec;
-
 use rustix::fd::OwnedFd;
 use rustix::net::{socketpair, AddressFamily, SocketFlags, SocketType};
 use tensormem_shm::{NameGenerator, ShmName};

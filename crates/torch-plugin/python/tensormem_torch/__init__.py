@@ -24,15 +24,20 @@ out-of-memory error is fatal to the process.
 
 The library is found at ``$TENSORMEM_TORCH_LIB``, else inside this package, else beside it, else in the
 workspace's ``target/release`` or ``target/debug``.
+
+What ``install()`` needs and does not find (PyTorch, a CUDA build of it and a visible GPU; for the C++ layer
+a C++ compiler, ninja and CUDA's headers) is one ``InstallError`` whose one-line message names what is
+missing and what to do (``pip install crates/torch-plugin`` installs PyTorch from PyPI where it is missing).
 """
 import ctypes
 import hashlib
 import json
 import os
+import shutil
 import warnings
 
-__all__ = ["Plugin", "install", "mem_pool", "find_library", "find_source", "build_extension", "HOOKS",
-           "sleep", "wake", "is_asleep"]
+__all__ = ["Plugin", "InstallError", "install", "mem_pool", "find_library", "find_source", "build_extension",
+           "HOOKS", "sleep", "wake", "is_asleep"]
 
 LIB_NAME = "libtensormem_torch.so"
 SOURCE_NAME = "tensormem_allocator.cpp"
@@ -49,6 +54,55 @@ HOOKS = (
     ("set_end_allocate_to_pool_fn", "tensormem_end_allocate_to_pool"),
     ("set_release_pool", "tensormem_release_pool"),
 )
+
+
+class InstallError(RuntimeError):
+    """What ``install()`` needs and did not find, and what to do, in one line."""
+
+
+def _require_cuda_torch():
+    """PyTorch, built with CUDA, seeing a GPU: returns the module, else raises InstallError.
+
+    ``torch.cuda.is_available()`` counts devices without initialising PyTorch's allocator, so the
+    allocator can still be replaced after it.
+    """
+    try:
+        import torch
+    except ImportError as e:
+        raise InstallError(f"tensormem_torch.install() needs PyTorch, which does not import ({e}): install a "
+                           "CUDA build of it (`pip install torch`, or the command pytorch.org gives for your "
+                           "CUDA version)") from None
+    if torch.version.cuda is None:
+        raise InstallError(f"tensormem_torch.install() needs a CUDA build of PyTorch; torch {torch.__version__} "
+                           "has no CUDA (a CPU-only or ROCm build): install a CUDA build (`pip install torch` "
+                           "on Linux x86-64, or the command pytorch.org gives for your CUDA version)")
+    if not torch.cuda.is_available():
+        raise InstallError("tensormem_torch.install() needs a CUDA GPU and torch.cuda.is_available() is False: "
+                           "run on a machine with an NVIDIA GPU and driver (check `nvidia-smi` and "
+                           "CUDA_VISIBLE_DEVICES)")
+    return torch
+
+
+def _require_build_tools():
+    """What compiling the C++ layer needs (torch.utils.cpp_extension's tools): raises InstallError if missing."""
+    from torch.utils import cpp_extension
+    fallback = "or call install(mode=\"pluggable\") (PyTorch's limited CUDAPluggableAllocator, no compiler needed)"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise InstallError(f"compiling tensormem's C++ allocator layer needs a C++ compiler and `{compiler}` "
+                           f"is not on PATH: install one (e.g. `apt-get install g++`) or set CXX, {fallback}")
+    if not cpp_extension.is_ninja_available():
+        raise InstallError("compiling tensormem's C++ allocator layer needs ninja, which is not on PATH: "
+                           f"`pip install ninja`, {fallback}")
+
+
+def _one_line(error):
+    """An error's first line, with the first later line that names an error (a compiler's diagnostic)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    detail = next((line for line in lines[1:] if "error" in line.lower()), None)
+    return f"{lines[0]} {detail}" if detail else lines[0]
 
 
 def _first_file(candidates, what, hint):
@@ -108,17 +162,24 @@ def build_extension(lib=None, verbose=False):
     out = os.path.join(build_dir, name + ".so")
     if os.path.isfile(out):
         return out
+    _require_build_tools()
     libdir = os.path.dirname(os.path.realpath(lib))
-    cpp_extension.load(
-        name=name,
-        sources=[source],
-        build_directory=build_dir,
-        extra_cflags=["-O2"],
-        extra_ldflags=[f"-L{libdir}", "-ltensormem_torch", f"-Wl,-rpath,{libdir}"],
-        with_cuda=True,
-        is_python_module=False,
-        verbose=verbose,
-    )
+    try:
+        cpp_extension.load(
+            name=name,
+            sources=[source],
+            build_directory=build_dir,
+            extra_cflags=["-O2"],
+            extra_ldflags=[f"-L{libdir}", "-ltensormem_torch", f"-Wl,-rpath,{libdir}"],
+            with_cuda=True,
+            is_python_module=False,
+            verbose=verbose,
+        )
+    except Exception as e:  # noqa: BLE001 - one line, and where to see the rest
+        raise InstallError(f"compiling tensormem's C++ allocator layer failed ({_one_line(e)}): it needs "
+                           "CUDA's headers (a CUDA toolkit, CUDA_HOME) beside the compiler, and "
+                           "install(verbose=True) shows the compiler's output; or call "
+                           "install(mode=\"pluggable\")") from None
     if not os.path.isfile(out):
         raise RuntimeError(f"tensormem: building the C++ layer left no {out}")
     return out
@@ -249,21 +310,27 @@ class Plugin:
 
         mode: "native" (the whole CUDAAllocator; fails if the C++ layer cannot be built), "pluggable"
         (CUDAPluggableAllocator), or "auto" (native, else pluggable with a warning).
+
+        Raises InstallError, one line naming what is missing and what to do, where PyTorch, a CUDA build
+        of it or a GPU is missing, or (mode "native") where the C++ layer cannot be compiled.
         """
         mode = os.environ.get("TENSORMEM_TORCH_MODE", mode)
+        if mode not in ("native", "auto", "pluggable"):
+            raise ValueError(f"mode must be 'auto', 'native' or 'pluggable', not {mode!r}")
+        _require_cuda_torch()
         if mode == "pluggable":
             return self.install_pluggable()
-        if mode not in ("native", "auto"):
-            raise ValueError(f"mode must be 'auto', 'native' or 'pluggable', not {mode!r}")
         try:
             return self.install_native(verbose=verbose)
         except Exception as e:  # noqa: BLE001 - the fallback says why
             if mode == "native":
                 raise
-            warnings.warn(f"tensormem: the C++ allocator layer could not be used ({e}); falling back to "
-                          "CUDAPluggableAllocator, without memory_stats(), MemPool, graph trees or "
-                          "recoverable out-of-memory errors", RuntimeWarning)
-            return self.install_pluggable()
+            reason = _one_line(e)
+        # Outside the handler: a failure of the fallback is its own error, not one chained to the first.
+        warnings.warn(f"tensormem: the C++ allocator layer could not be used ({reason}); falling back to "
+                      "CUDAPluggableAllocator, without memory_stats(), MemPool, graph trees or "
+                      "recoverable out-of-memory errors", RuntimeWarning)
+        return self.install_pluggable()
 
     def mem_pool(self):
         """A torch.cuda.MemPool whose segments come from tensormem (PyTorch's allocator caches them)."""

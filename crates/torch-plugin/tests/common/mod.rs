@@ -2,31 +2,19 @@
 //! visibly where there is no GPU or no PyTorch.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+
+use tensormem_test_support::gpu::{self, REQUIRE_GPU};
+use tensormem_test_support::skip;
+use tensormem_test_support::torch::{self, REQUIRE_TORCH};
 
 const LIB: &str = "libtensormem_torch.so";
 
 /// Why the test cannot run here, or `None` if it can.
 fn missing_prerequisite() -> Option<String> {
-    match tensormem::cuda::device_count() {
-        Ok(n) if n > 0 => {}
-        Ok(_) => return Some("no CUDA device".to_owned()),
-        Err(e) => return Some(format!("no CUDA device ({e})")),
+    if let Err(reason) = gpu::count(tensormem::cuda::device_count()) {
+        return Some(format!("no CUDA device ({reason})"));
     }
-    match Command::new("python3")
-        .args(["-c", "import torch; assert torch.cuda.is_available()"])
-        .output()
-    {
-        Ok(out) if out.status.success() => None,
-        Ok(out) => Some(format!(
-            "python3 cannot use torch with CUDA ({})",
-            String::from_utf8_lossy(&out.stderr)
-                .lines()
-                .last()
-                .unwrap_or("")
-        )),
-        Err(e) => Some(format!("python3 could not be run: {e}")),
-    }
+    torch::why_no_torch_cuda()
 }
 
 pub(crate) fn library() -> PathBuf {
@@ -55,12 +43,6 @@ pub(crate) fn prerequisites_met() -> bool {
     let Some(reason) = missing_prerequisite() else {
         return true;
     };
-    for var in ["TENSORMEM_REQUIRE_TORCH", "TENSORMEM_REQUIRE_GPU"] {
-        assert!(
-            std::env::var(var).as_deref() != Ok("1"),
-            "{var}=1 but {reason}"
-        );
-    }
-    eprintln!("skipped: {reason}");
+    skip::unless_required(&[REQUIRE_TORCH, REQUIRE_GPU], &reason);
     false
 }

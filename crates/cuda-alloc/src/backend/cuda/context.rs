@@ -101,6 +101,10 @@ impl PrimaryContext {
 ///
 /// [`DeviceError`](crate::DeviceError) when there is no driver (code 100) or `ordinal` is past the
 /// device count (code 101).
+///
+/// # References
+///
+/// - [`cuDevicePrimaryCtxGetState`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html) (Primary Context Management)
 #[doc(alias = "cuDevicePrimaryCtxGetState")]
 pub fn has_primary_context(ordinal: u32) -> DeviceResult<bool> {
     let dev = device_handle(ordinal)?;

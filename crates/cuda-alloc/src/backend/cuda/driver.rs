@@ -120,6 +120,11 @@ fn owned(ptr: *const std::ffi::c_char) -> String {
 /// [`DeviceError::Driver`] with code `CUDA_ERROR_NO_DEVICE` (100) when `libcuda.so` cannot be loaded, the
 /// driver's own error when `cuInit` fails (no device, driver/library mismatch, ...), and a driver error
 /// naming the version when the driver is older than CUDA 12.3.
+///
+/// # References
+///
+/// - [`cuInit`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__INITIALIZE.html) (Initialization)
+/// - [`cuDriverGetVersion`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VERSION.html) (Version Management)
 pub fn init() -> DeviceResult<()> {
     static INIT: OnceLock<DeviceResult<()>> = OnceLock::new();
     INIT.get_or_init(init_once).clone()
@@ -185,6 +190,10 @@ fn init_once() -> DeviceResult<()> {
 ///
 /// The errors of [`init`]; `cuInit` reports a machine with a driver but no device as
 /// `CUDA_ERROR_NO_DEVICE`.
+///
+/// # References
+///
+/// - [`cuDeviceGetCount`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html) (Device Management)
 #[doc(alias = "cuDeviceGetCount")]
 pub fn device_count() -> DeviceResult<u32> {
     init()?;

@@ -66,6 +66,10 @@ impl BackendEvent {
     ///
     /// `stream` is `0` (the legacy default stream of the current context, which must then be the
     /// event's context) or the handle of a live stream of the event's context.
+    ///
+    /// # References
+    ///
+    /// - [`cuEventRecord`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html) (Event Management)
     #[doc(alias = "cuEventRecord")]
     pub unsafe fn record_raw(&self, stream: sys::CUstream) -> DeviceResult<()> {
         // SAFETY: the event is live; the stream's validity is the caller's obligation.
@@ -76,6 +80,10 @@ impl BackendEvent {
 
     /// Whether all work captured by the last record has completed (`cuEventQuery`), without blocking. An
     /// event never recorded counts as complete.
+    ///
+    /// # References
+    ///
+    /// - [`cuEventQuery`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html) (Event Management)
     #[doc(alias = "cuEventQuery")]
     pub fn query(&self) -> DeviceResult<bool> {
         // SAFETY: the event is live.
@@ -87,6 +95,10 @@ impl BackendEvent {
     }
 
     /// Blocks the calling thread until the event has completed (`cuEventSynchronize`).
+    ///
+    /// # References
+    ///
+    /// - [`cuEventSynchronize`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html) (Event Management)
     #[doc(alias = "cuEventSynchronize")]
     pub fn synchronize(&self) -> DeviceResult<()> {
         // SAFETY: the event is live.
@@ -101,6 +113,10 @@ impl BackendEvent {
     ///
     /// [`DeviceError::Unsupported`] if the event was not created interprocess-capable; the driver's error
     /// otherwise.
+    ///
+    /// # References
+    ///
+    /// - [`cuIpcGetEventHandle`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) (Memory Management)
     #[doc(alias = "cuIpcGetEventHandle")]
     pub fn ipc_handle(&self) -> DeviceResult<[u8; IPC_HANDLE_SIZE]> {
         if !self.interprocess {
@@ -125,6 +141,10 @@ impl BackendEvent {
     ///
     /// A context of the device the event was created on is current on this thread (make one current with
     /// [`CudaBackend::make_current`](super::CudaBackend::make_current)).
+    ///
+    /// # References
+    ///
+    /// - [`cuIpcOpenEventHandle`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) (Memory Management)
     #[doc(alias = "cuIpcOpenEventHandle")]
     pub unsafe fn open_ipc_handle(handle: &[u8; IPC_HANDLE_SIZE]) -> DeviceResult<Self> {
         let handle = sys::CUipcEventHandle {

@@ -95,6 +95,13 @@ fn touch_pages(ptr: NonNull<u8>, size: usize, threads: usize) {
 // `cuMemFreeHost`; registered blocks are fresh page-aligned heap allocations of `size` bytes, freed
 // only in `free` after being unregistered. Nothing calls back into an allocator.
 unsafe impl PinnedSource for CudaPinnedSource {
+    /// [`PinnedSource::alloc`] through `cuMemHostAlloc` (portable pinned memory) or, in the register mode, a
+    /// page-aligned heap block pinned with `cuMemHostRegister`.
+    ///
+    /// # References
+    ///
+    /// - [`cuMemHostAlloc`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) (Memory Management)
+    /// - [`cuMemHostRegister`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) (Memory Management)
     #[doc(alias = "cuMemHostAlloc")]
     #[doc(alias = "cuMemHostRegister")]
     fn alloc(&self, size: usize) -> DeviceResult<NonNull<u8>> {
@@ -134,6 +141,13 @@ unsafe impl PinnedSource for CudaPinnedSource {
         }
     }
 
+    /// [`PinnedSource::free`] through `cuMemFreeHost`, or `cuMemHostUnregister` and the heap's free in the
+    /// register mode.
+    ///
+    /// # References
+    ///
+    /// - [`cuMemFreeHost`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) (Memory Management)
+    /// - [`cuMemHostUnregister`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) (Memory Management)
     #[doc(alias = "cuMemFreeHost")]
     #[doc(alias = "cuMemHostUnregister")]
     unsafe fn free(&self, ptr: NonNull<u8>, size: usize) -> DeviceResult<()> {

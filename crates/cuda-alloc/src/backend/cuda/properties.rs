@@ -76,6 +76,13 @@ impl fmt::Display for DeviceProperties {
 /// # Errors
 ///
 /// The driver's errors; an ordinal past the device count is `CUDA_ERROR_INVALID_DEVICE`.
+///
+/// # References
+///
+/// - [`cuDeviceGetName`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html) (Device Management)
+/// - [`cuDeviceTotalMem`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html) (Device Management)
+/// - [`cuDeviceGetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html) (Device Management)
+/// - [`cuDeviceGetUuid`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html) (Device Management)
 #[doc(alias = "cudaGetDeviceProperties")]
 pub fn device_properties(ordinal: u32) -> DeviceResult<DeviceProperties> {
     let dev = device_handle(ordinal)?;
@@ -126,6 +133,10 @@ pub fn device_properties(ordinal: u32) -> DeviceResult<DeviceProperties> {
 /// # Errors
 ///
 /// The driver's errors; an ordinal past the device count is `CUDA_ERROR_INVALID_DEVICE`.
+///
+/// # References
+///
+/// - [`cuDeviceCanAccessPeer`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PEER__ACCESS.html) (Peer Context Memory Access)
 #[doc(alias = "cuDeviceCanAccessPeer")]
 pub fn can_access_peer(device: u32, peer: u32) -> DeviceResult<bool> {
     let dev = device_handle(device)?;

@@ -44,6 +44,10 @@ unsafe extern "C" fn run_host_fn(data: *mut c_void) {
 
 impl BackendStream {
     /// Creates a non-blocking stream on `device` (`cuStreamCreate` with `CU_STREAM_NON_BLOCKING`).
+    ///
+    /// # References
+    ///
+    /// - [`cuStreamCreate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) (Stream Management)
     #[doc(alias = "cuStreamCreate")]
     pub fn new(device: &CudaBackend) -> DeviceResult<Self> {
         Self::with_priority(device, 0)
@@ -51,6 +55,10 @@ impl BackendStream {
 
     /// Creates a non-blocking stream with a priority (`cuStreamCreateWithPriority`; lower numbers are
     /// higher priority, `0` is the default).
+    ///
+    /// # References
+    ///
+    /// - [`cuStreamCreateWithPriority`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) (Stream Management)
     #[doc(alias = "cuStreamCreateWithPriority")]
     pub fn with_priority(device: &CudaBackend, priority: i32) -> DeviceResult<Self> {
         device.make_current()?;
@@ -94,6 +102,10 @@ impl BackendStream {
     }
 
     /// Blocks until all work queued on the stream has finished (`cuStreamSynchronize`).
+    ///
+    /// # References
+    ///
+    /// - [`cuStreamSynchronize`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) (Stream Management)
     #[doc(alias = "cuStreamSynchronize")]
     pub fn synchronize(&self) -> DeviceResult<()> {
         // SAFETY: the stream is live.
@@ -103,6 +115,10 @@ impl BackendStream {
     }
 
     /// Whether all work queued on the stream has finished (`cuStreamQuery`), without blocking.
+    ///
+    /// # References
+    ///
+    /// - [`cuStreamQuery`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) (Stream Management)
     #[doc(alias = "cuStreamQuery")]
     pub fn is_idle(&self) -> DeviceResult<bool> {
         // SAFETY: the stream is live.
@@ -114,6 +130,10 @@ impl BackendStream {
     }
 
     /// Makes later work on this stream wait for `event` (`cuStreamWaitEvent`).
+    ///
+    /// # References
+    ///
+    /// - [`cuStreamWaitEvent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) (Stream Management)
     #[doc(alias = "cuStreamWaitEvent")]
     pub fn wait_event(&self, event: &super::BackendEvent) -> DeviceResult<()> {
         // SAFETY: the stream and the event are live.
@@ -123,6 +143,10 @@ impl BackendStream {
     }
 
     /// Records `event` on this stream (`cuEventRecord`): it completes once the work queued so far has.
+    ///
+    /// # References
+    ///
+    /// - [`cuEventRecord`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html) (Event Management)
     #[doc(alias = "cuEventRecord")]
     pub fn record(&self, event: &super::BackendEvent) -> DeviceResult<()> {
         // SAFETY: the stream is live and non-null (so the current context does not matter).
@@ -138,6 +162,10 @@ impl BackendStream {
     /// # Safety
     ///
     /// `f` makes no CUDA call (the driver forbids it in host functions; it may fail or deadlock).
+    ///
+    /// # References
+    ///
+    /// - [`cuLaunchHostFunc`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html) (Execution Control)
     #[doc(alias = "cuLaunchHostFunc")]
     pub unsafe fn launch_host_fn(&self, f: impl FnOnce() + Send + 'static) -> DeviceResult<()> {
         let data = Box::into_raw(Box::new(Box::new(f) as HostFn)).cast::<c_void>();
@@ -156,6 +184,10 @@ impl BackendStream {
     ///
     /// `[ptr, ptr + len)` is device memory this stream may write, and nothing else uses it until the fill
     /// has completed.
+    ///
+    /// # References
+    ///
+    /// - [`cuMemsetD8Async`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) (Memory Management)
     #[doc(alias = "cuMemsetD8Async")]
     pub unsafe fn memset_d8(&self, ptr: DeviceAddress, value: u8, len: usize) -> DeviceResult<()> {
         // SAFETY: the stream is live; the range is the caller's obligation.
@@ -170,6 +202,10 @@ impl BackendStream {
     /// # Safety
     ///
     /// `[dst, dst + src.len())` is device memory this stream may write.
+    ///
+    /// # References
+    ///
+    /// - [`cuMemcpyHtoDAsync`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) (Memory Management)
     #[doc(alias = "cuMemcpyHtoDAsync")]
     pub unsafe fn copy_from_host(&self, dst: DeviceAddress, src: &[u8]) -> DeviceResult<()> {
         // SAFETY: `src` is valid for reads of its length until the synchronize below returns; the
@@ -186,6 +222,10 @@ impl BackendStream {
     /// # Safety
     ///
     /// `[src, src + dst.len())` is device memory this stream may read.
+    ///
+    /// # References
+    ///
+    /// - [`cuMemcpyDtoHAsync`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) (Memory Management)
     #[doc(alias = "cuMemcpyDtoHAsync")]
     pub unsafe fn copy_to_host(&self, dst: &mut [u8], src: DeviceAddress) -> DeviceResult<()> {
         // SAFETY: `dst` is valid for writes of its length until the synchronize below returns (it is
@@ -204,6 +244,10 @@ impl BackendStream {
     ///
     /// The two ranges are device memory of the named devices, `dst` is not used by anything else until the
     /// copy completes and `src` is not written meanwhile.
+    ///
+    /// # References
+    ///
+    /// - [`cuMemcpyPeerAsync`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) (Memory Management)
     #[doc(alias = "cuMemcpyPeerAsync")]
     pub unsafe fn copy_peer(
         &self,

@@ -1,28 +1,56 @@
 //! The `main` of a test binary that re-executes itself as the other process of its tests (a
-//! child's role is named in an environment variable), so it has no libtest: this lists and
-//! selects tests the way libtest does (`--list`, name filters, `--exact`, `--skip NAME`) and
-//! reports in libtest's format.
+//! child's role is named in an environment variable), so it has no libtest (`harness = false` in
+//! the crate's `Cargo.toml`): [`main`] lists and selects tests the way libtest does (`--list`,
+//! name filters, `--exact`, `--skip NAME`) and reports in libtest's format. The parent starts a
+//! child with [`child::this_binary`](crate::child::this_binary) and the role variable set.
+//!
+//! ```no_run
+//! use tensormem_test_support::harness::{self, RoleResult, Test};
+//!
+//! const ROLE: &str = "MY_CRATE_TEST_ROLE";
+//! const TESTS: &[Test] = &[("a_region_crosses_processes", a_region_crosses_processes)];
+//!
+//! fn main() {
+//!     harness::main(ROLE, run_role, TESTS, None);
+//! }
+//!
+//! fn a_region_crosses_processes() {
+//!     let mut child = tensormem_test_support::child::this_binary()
+//!         .env(ROLE, "consumer")
+//!         .spawn()
+//!         .unwrap();
+//!     assert!(child.wait().unwrap().success());
+//! }
+//!
+//! fn run_role(role: &str) -> RoleResult {
+//!     match role {
+//!         "consumer" => Ok(()),
+//!         other => Err(format!("unknown role {other}").into()),
+//!     }
+//! }
+//! ```
 
 use std::time::Duration;
 
 /// One test: its name and its body (a panic fails it).
-pub(crate) type Test = (&'static str, fn());
+pub type Test = (&'static str, fn());
 
 /// What a child's role returns; an error makes the child exit with status 2.
-pub(crate) type RoleResult = Result<(), Box<dyn std::error::Error>>;
+pub type RoleResult = Result<(), Box<dyn std::error::Error>>;
 
 /// Ends the whole run (exit status 3) if the tests have not finished after `after`: for tests
 /// whose failure would be a wait that never ends.
-pub(crate) struct Watchdog {
+#[derive(Debug)]
+pub struct Watchdog {
     /// The test binary's name, for the message.
-    pub(crate) binary: &'static str,
+    pub binary: &'static str,
     /// How long the tests may take together.
-    pub(crate) after: Duration,
+    pub after: Duration,
 }
 
 /// Runs as the child in the role `role_var` names if it is set (and exits), else runs the
 /// selected `tests` in turn and exits with status 1 if one failed.
-pub(crate) fn main(
+pub fn main(
     role_var: &str,
     run_role: fn(&str) -> RoleResult,
     tests: &[Test],
