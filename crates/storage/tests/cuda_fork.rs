@@ -6,26 +6,7 @@
 #![cfg(feature = "cuda")]
 
 use tensormem_storage::{CudaContext, Error};
-
-/// Forks; the child runs `child` and exits with its answer as status; the parent returns whether
-/// the child answered `true`.
-fn in_child(child: fn() -> bool) -> bool {
-    // SAFETY: the child only runs `child` (an atomic load in the runtime's fork check, an error
-    // value matched; no allocation, no lock) and leaves with `_exit`, so no state of the parent's
-    // other threads is used.
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0, "fork failed: {}", std::io::Error::last_os_error());
-    if pid == 0 {
-        let ok = child();
-        // SAFETY: `_exit` ends the child without running the parent's exit handlers.
-        unsafe { libc::_exit(if ok { 0 } else { 1 }) };
-    }
-    let mut status = 0;
-    // SAFETY: `pid` is our child; `status` is a valid out-parameter.
-    let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
-    assert_eq!(waited, pid, "waitpid: {}", std::io::Error::last_os_error());
-    libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0
-}
+use tensormem_test_support::fork::in_child;
 
 fn context_refused_as_a_bad_fork() -> bool {
     matches!(

@@ -7,25 +7,7 @@
 #![cfg(feature = "cuda")]
 
 use tensormem::cuda::{self, Error};
-
-/// Forks; the child runs `child` (async-signal-safe work only: it must not allocate or lock) and exits
-/// with its answer as status; the parent returns whether the child answered `true`.
-fn in_child(child: fn() -> bool) -> bool {
-    // SAFETY: the child only runs `child` (atomic loads and a match on a unit error variant, no
-    // allocation, no locks) and leaves with `_exit`, so no state of the parent's other threads is used.
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0, "fork failed: {}", std::io::Error::last_os_error());
-    if pid == 0 {
-        let ok = child();
-        // SAFETY: `_exit` ends the child without running the parent's atexit handlers or destructors.
-        unsafe { libc::_exit(if ok { 0 } else { 1 }) };
-    }
-    let mut status = 0;
-    // SAFETY: `pid` is our child; `status` is a valid out-parameter.
-    let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
-    assert_eq!(waited, pid, "waitpid: {}", std::io::Error::last_os_error());
-    libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0
-}
+use tensormem_test_support::fork::in_child;
 
 fn refuses_cuda() -> bool {
     cuda::is_in_bad_fork() && matches!(cuda::device_count(), Err(Error::ForkedChild))

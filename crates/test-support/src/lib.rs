@@ -30,6 +30,7 @@
 //! ```
 
 pub mod child;
+pub mod fork;
 pub mod gpu;
 pub mod harness;
 pub mod python;

@@ -11,8 +11,8 @@ pub enum Error {
     /// The message says when the parent's only attempt to initialise CUDA had failed.
     #[error("{}", tensormem_runtime::forked_child_message())]
     ForkedChild,
-    /// A device ordinal past the devices this process sees.
-    #[error("invalid device ordinal {device}: this process sees {count} CUDA device(s), numbered from 0")]
+    /// A device ordinal past the devices this process sees (the runtime's words).
+    #[error("{}", tensormem_runtime::Error::InvalidDevice { device: *device, count: *count })]
     InvalidDevice {
         /// The ordinal given.
         device: u32,
@@ -51,16 +51,9 @@ pub enum Error {
     #[error("{0}")]
     AsyncUnsupported(super::AsyncUnsupported),
     /// A configuration string given at run time names another backend than the one the process
-    /// chose when it first used the device API (PyTorch's error for it, then what to do).
-    #[error(
-        "Allocator async backend parsed at runtime != allocator async backend parsed at load time, \
-         {} != {}: this process runs backend:{running}, chosen from the environment's allocator \
-         configuration when it first used CUDA, and the backend cannot change afterwards; to run \
-         backend:{asked}, set it in TENSORMEM_ALLOC_CONF (or PYTORCH_ALLOC_CONF) before the process \
-         starts",
-        u8::from(*asked != tensormem_cuda_alloc::config::Backend::Native),
-        u8::from(*running != tensormem_cuda_alloc::config::Backend::Native)
-    )]
+    /// chose when it first used the device API (PyTorch's error for it, then what to do; the
+    /// runtime's words).
+    #[error("{}", tensormem_runtime::Error::BackendChanged { asked: *asked, running: *running })]
     BackendChanged {
         /// The backend the string names.
         asked: tensormem_cuda_alloc::config::Backend,
