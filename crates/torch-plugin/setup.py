@@ -1,7 +1,7 @@
 """Builds the tensormem-torch wheel: the Python package `tensormem_torch`, the Rust library
 `libtensormem_torch.so` (built with `cargo build --release -p tensormem-torch`, or taken from
-$TENSORMEM_TORCH_LIB) and the C++ layer's source, which the package compiles against the installed
-PyTorch on first use.
+$TENSORMEM_TORCH_LIB) and the C++ layer's source with the library's header (csrc/), which the package
+compiles against the installed PyTorch on first use.
 
     pip install crates/torch-plugin                   # from the repository root; needs cargo
     pip wheel --no-deps crates/torch-plugin -w dist/  # a wheel to install where there is no Rust
@@ -38,14 +38,16 @@ def rust_library():
 
 
 class BuildWithLibrary(build_py):
-    """Copies the Rust library and the C++ source into the package."""
+    """Copies the Rust library and the C++ source and header into the package."""
 
     def run(self):
         super().run()
         package = os.path.join(self.build_lib, "tensormem_torch")
         os.makedirs(os.path.join(package, "csrc"), exist_ok=True)
         shutil.copy2(rust_library(), os.path.join(package, LIB))
-        shutil.copy2(os.path.join(HERE, "csrc", "tensormem_allocator.cpp"), os.path.join(package, "csrc"))
+        # The C++ layer's source and the header of the library's C interface it includes.
+        for name in ("tensormem_allocator.cpp", "tensormem_abi.h"):
+            shutil.copy2(os.path.join(HERE, "csrc", name), os.path.join(package, "csrc"))
 
 
 commands = {"build_py": BuildWithLibrary}

@@ -61,8 +61,9 @@ const TORCH_PLUGIN: (&str, &str, &str) = (
     "libtensormem_torch.so",
 );
 
-/// The Python scripts of the plugin crate, relative to the workspace root.
-const TORCH_PYTHON_DIR: &str = "crates/torch-plugin/python";
+/// The Python test and bench drivers of the plugin crate, relative to the workspace root (the package
+/// itself, in the crate's `python/`, travels as a wheel).
+const TORCH_PYTHON_DIR: &str = "crates/torch-plugin/tests/python";
 /// The plugin crate, whose wheel the bundle carries.
 const TORCH_PLUGIN_DIR: &str = "crates/torch-plugin";
 

@@ -1,7 +1,8 @@
 // PyTorch's CUDA caching allocator interface (c10::cuda::CUDACachingAllocator::CUDAAllocator) on
-// tensormem. Built by tensormem_torch.py against the installed PyTorch; every method converts types,
-// calls one C function of libtensormem_torch.so (src/native/ in the crate) and turns a failure into
-// PyTorch's exception. No allocation policy lives here.
+// tensormem. Built by the Python package tensormem_torch against the installed PyTorch; every method
+// converts types, calls one C function of libtensormem_torch.so (src/native/ in the crate, declared in
+// tensormem_abi.h beside this file) and turns a failure into PyTorch's exception. No allocation policy
+// lives here.
 
 #include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -25,117 +26,16 @@
 #include <string>
 #include <vector>
 
+#include "tensormem_abi.h"
+
+// The trace tracker hands this struct over with no size to check: keep it in step with Rust's
+// `TorchTraceEntry` (whose test asserts the same size; tests/c_abi.rs checks the fields).
+static_assert(sizeof(TmTraceEntry) == 56, "TmTraceEntry must match tensormem's TorchTraceEntry");
+
 namespace {
 
 namespace CCA = c10::cuda::CUDACachingAllocator;
 namespace CDA = c10::CachingDeviceAllocator;
-
-// The mirrors of the repr(C) structs of src/native/; the library checks each size on every call.
-struct TmStat {
-  int64_t current, peak, allocated, freed;
-};
-struct TmDeviceStats {
-  TmStat allocation[3], segment[3], active[3], inactive_split[3], allocated_bytes[3],
-      reserved_bytes[3], active_bytes[3], inactive_split_bytes[3], requested_bytes[3];
-  int64_t num_alloc_retries, num_ooms;
-  TmStat oversize_allocations, oversize_segments;
-  int64_t num_sync_all_streams, num_device_alloc, num_device_free, max_split_size;
-};
-struct TmTraceEntry {
-  int action, device;
-  uint64_t addr, size, stream;
-  int64_t time_us;
-  uint64_t pool_first, pool_second;
-};
-// The trace tracker hands this struct over with no size to check: keep it in step with Rust's
-// `TorchTraceEntry` (whose test asserts the same size).
-static_assert(sizeof(TmTraceEntry) == 56, "TmTraceEntry must match tensormem's TorchTraceEntry");
-struct TmSegmentInfo {
-  int64_t device;
-  uint64_t address, total_size, requested_size, allocated_size, active_size, stream;
-  uint8_t is_large, is_expandable;
-  uint64_t pool_first, pool_second, block_count;
-};
-struct TmBlockInfo {
-  uint64_t size, requested_size;
-  uint8_t allocated, active;
-};
-struct TmConfigInfo {
-  double garbage_collection_threshold;
-  uint64_t max_split_size, pinned_num_register_threads;
-  uint8_t expandable_segments, release_lock_on_malloc, pinned_use_host_register,
-      graph_capture_record_stream_reuse;
-  const char* last_allocator_settings;
-  uint64_t roundup_power2_divisions[16];
-};
-struct TmSnapshot;
-struct TmCheckpoint;
-
-constexpr int TM_OK = 0;
-constexpr int TM_OUT_OF_MEMORY = 1;
-constexpr int TM_UNSUPPORTED = 2;
-
-}  // namespace
-
-extern "C" {
-const char* tensormem_last_error();
-int tensormem_last_error_code();
-void tensormem_init(int device_count);
-int tensormem_malloc(size_t size, int device, cudaStream_t stream, void** out);
-int tensormem_raw_delete(void* ptr);
-int tensormem_record_stream_checked(void* ptr, int device, cudaStream_t stream);
-int tensormem_device_stats(int device, TmDeviceStats* out, size_t size);
-int tensormem_reset_accumulated_stats(int device);
-int tensormem_reset_peak_stats(int device);
-int tensormem_empty_cache_pool(uint64_t first, uint64_t second);
-int tensormem_cache_info(int device, size_t* largest);
-int tensormem_get_memory_fraction(int device, double* fraction);
-int tensormem_set_memory_fraction_checked(double fraction, int device);
-void* tensormem_base_alloc(void* ptr, size_t* size);
-int tensormem_pool_begin(int device, uint64_t first, uint64_t second,
-                         int (*filter)(void*, cudaStream_t), void (*drop)(void*), void* context);
-int tensormem_pool_end_on(int device, uint64_t first, uint64_t second, cudaStream_t stream);
-int tensormem_pool_release(int device, uint64_t first, uint64_t second);
-int tensormem_pool_create_or_incref(int device, uint64_t first, uint64_t second);
-int tensormem_pool_create_with_allocator(int device, uint64_t first, uint64_t second,
-                                         int (*malloc)(void*, size_t, void**),
-                                         int (*free)(void*, void*, size_t), void (*drop)(void*),
-                                         void* context);
-int tensormem_pool_set_use_on_oom(int device, uint64_t first, uint64_t second, int use_on_oom);
-int tensormem_pool_set_no_split(int device, uint64_t first, uint64_t second);
-int64_t tensormem_pool_use_count(int device, uint64_t first, uint64_t second);
-int tensormem_pool_check_live(int device, uint64_t first, uint64_t second, void* const* ptrs,
-                              size_t count);
-TmCheckpoint* tensormem_pool_checkpoint(int device, uint64_t first, uint64_t second);
-void tensormem_checkpoint_free(TmCheckpoint* checkpoint);
-int tensormem_pool_restore(int device, const TmCheckpoint* checkpoint, void (*freed)(void*, void*),
-                           void (*allocated)(void*, void*), void* context);
-TmSnapshot* tensormem_snapshot_take(uint64_t first, uint64_t second, int include_traces);
-uint64_t tensormem_snapshot_segment_count(const TmSnapshot* snapshot);
-int tensormem_snapshot_segment(const TmSnapshot* snapshot, uint64_t index, TmSegmentInfo* out,
-                               size_t size);
-int tensormem_snapshot_block(const TmSnapshot* snapshot, uint64_t segment, uint64_t block,
-                             TmBlockInfo* out, size_t size);
-int tensormem_snapshot_trace_devices(const TmSnapshot* snapshot);
-uint64_t tensormem_snapshot_trace_count(const TmSnapshot* snapshot, int device);
-int tensormem_snapshot_trace(const TmSnapshot* snapshot, int device, uint64_t index,
-                             TmTraceEntry* out, size_t size);
-int tensormem_snapshot_config(const TmSnapshot* snapshot, TmConfigInfo* out, size_t size);
-void tensormem_snapshot_free(TmSnapshot* snapshot);
-int tensormem_history(int enabled, size_t max_entries);
-int tensormem_history_enabled();
-int tensormem_attach_trace_tracker(void (*f)(const TmTraceEntry*));
-int tensormem_set_oom_observer(void (*f)(int, uint64_t, uint64_t, uint64_t));
-int tensormem_set_free_memory_hook(int (*f)());
-int tensormem_ipc_share(void* ptr, uint8_t* out, size_t capacity, size_t* len, ptrdiff_t* offset);
-int tensormem_ipc_open(const uint8_t* handle, size_t len, int device, void** out);
-int tensormem_ipc_close(void* ptr);
-int tensormem_backend_supports(const char* method);
-const char* tensormem_allocator_name();
-int tensormem_pool_peer_access(int device, int peer);
-}
-
-namespace {
 
 std::string last_error() {
   const char* message = tensormem_last_error();
@@ -327,9 +227,6 @@ void drop_filter(void* context) { delete static_cast<Filter*>(context); }
 // PyTorch's allocator calls `raw_alloc` and `raw_delete` (null from `raw_alloc`: out of memory).
 // Nothing may escape into the library: an exception becomes a status code and a warning.
 using PoolAllocatorPtr = std::shared_ptr<CCA::CUDAAllocator>;
-constexpr int POOL_ALLOC_OK = 0;
-constexpr int POOL_ALLOC_OUT_OF_MEMORY = 1;
-constexpr int POOL_ALLOC_ERROR = -1;
 
 int pool_malloc(void* context, size_t size, void** out) {
   try {
@@ -365,9 +262,9 @@ int pool_free(void* context, void* ptr, size_t) {
 void drop_pool_allocator(void* context) { delete static_cast<PoolAllocatorPtr*>(context); }
 
 struct CheckpointState : CCA::AllocatorState {
-  explicit CheckpointState(TmCheckpoint* c) : checkpoint(c) {}
+  explicit CheckpointState(TmPoolCheckpoint* c) : checkpoint(c) {}
   ~CheckpointState() override { tensormem_checkpoint_free(checkpoint); }
-  TmCheckpoint* checkpoint;
+  TmPoolCheckpoint* checkpoint;
 };
 
 struct Restore {
@@ -502,7 +399,7 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
   }
 
   void resetPeakStats(c10::DeviceIndex device) override {
-    check(tensormem_reset_peak_stats(device) == 0 ? TM_OK : -1, "resetPeakStats");
+    check(tensormem_reset_peak_stats(device) == 0 ? TM_OK : TM_ERROR, "resetPeakStats");
   }
 
   CCA::SnapshotInfo snapshot(c10::MempoolId_t mempool_id, bool include_traces) override {
@@ -688,7 +585,7 @@ class TensormemAllocator final : public CCA::CUDAAllocator {
 
   std::shared_ptr<CCA::AllocatorState> getCheckpointState(c10::DeviceIndex device,
                                                           c10::MempoolId_t id) override {
-    TmCheckpoint* checkpoint = tensormem_pool_checkpoint(device, id.first, id.second);
+    TmPoolCheckpoint* checkpoint = tensormem_pool_checkpoint(device, id.first, id.second);
     if (checkpoint == nullptr) raise_last("getCheckpointState");
     return std::make_shared<CheckpointState>(checkpoint);
   }

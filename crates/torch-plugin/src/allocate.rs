@@ -2,18 +2,21 @@
 //! optional `record_stream` and base-allocation hooks. Each serves from the device's allocator of the
 //! process's backend: tensormem's caching allocator, or under `backend:cudaMallocAsync` the device's
 //! `AsyncAllocator`.
+//!
+//! Allocation, free and `record_stream` are adapters over the implementations the C++ layer's
+//! functions call too ([`native`]): they keep the pluggable signatures and their way of failing (a
+//! null result or nothing, the error kept and printed).
 
 use std::ffi::{c_int, c_void};
 
 use cudarc::driver::sys;
 use tensormem_cuda_alloc::{DeviceAddress, Error as AllocError};
-use tensormem_runtime::{DeviceAllocator, DeviceMemory};
+use tensormem_runtime::DeviceMemory;
 
 use crate::boundary::call;
-use crate::capture_mode;
 use crate::devices;
-use crate::error::{Error, Result};
-use crate::streams;
+use crate::error::Error;
+use crate::native;
 
 /// Allocates `size` bytes on device `device` for use on `stream`, from tensormem's allocator
 /// (PyTorch's `alloc_fn`: `void* alloc(size_t size, int device, cudaStream_t stream)`; PyTorch's
@@ -36,46 +39,13 @@ pub unsafe extern "C" fn tensormem_alloc(
     let ptr = call("tensormem_alloc", std::ptr::null_mut(), || {
         // SAFETY: `stream` is a live stream of `device` kept alive by its owner (our caller's
         // obligation).
-        let ptr = unsafe { allocate_on(device, size, stream) }?;
-        Ok(ptr.0 as *mut c_void)
+        unsafe { native::malloc(size, device, stream) }
     });
     if ptr.is_null() && size != 0 {
         // PyTorch does not check for null here: say why before the first kernel trips over it.
         alloc_failed(size, device);
     }
     ptr
-}
-
-/// `size` bytes from `device`'s allocator for use on the raw stream `stream` (registered with the
-/// device the first time): from the caching allocator with the thread in the relaxed capture mode
-/// while a capture is open, or under `backend:cudaMallocAsync` a `cuMemAllocFromPoolAsync` on the
-/// stream (which a capture records as a graph node).
-///
-/// # Safety
-///
-/// As [`tensormem_alloc`] for `stream`.
-#[inline]
-pub(crate) unsafe fn allocate_on(
-    device: c_int,
-    size: usize,
-    stream: sys::CUstream,
-) -> Result<DeviceAddress> {
-    let allocator = devices::served(device)?;
-    // SAFETY: `stream` is live and kept alive by its owner (the caller's obligation).
-    unsafe {
-        streams::with_stream(allocator.device(), stream, |id| {
-            // The caching allocator may need new segments during a global-mode capture; the async
-            // allocator's allocations are graph nodes of the capture, whose stream it notes.
-            let _relaxed = allocator
-                .caching()
-                .and_then(|_| capture_mode::relaxed_while_capturing());
-            let ptr = allocator.allocate(size, id)?;
-            if allocator.as_async().is_some() {
-                capture_mode::async_capture::allocated(allocator.device(), id);
-            }
-            Ok(ptr)
-        })
-    }
 }
 
 #[cold]
@@ -105,13 +75,13 @@ pub unsafe extern "C" fn tensormem_free(
     device: c_int,
     stream: sys::CUstream,
 ) {
+    // The allocator knows the allocation's size and stream, and which device's allocator handed it out.
     let _ = (size, stream);
     if ptr.is_null() {
         return;
     }
     let freed = call("tensormem_free", false, || {
-        let ptr = DeviceAddress(ptr as u64);
-        devices::served(device)?.free(ptr)?;
+        native::raw_delete(ptr)?;
         Ok(true)
     });
     if !freed {
@@ -133,14 +103,9 @@ pub unsafe extern "C" fn tensormem_free(
 #[no_mangle]
 pub unsafe extern "C" fn tensormem_record_stream(ptr: *mut c_void, stream: sys::CUstream) {
     call("tensormem_record_stream", (), || {
-        let ptr = DeviceAddress(ptr as u64);
-        let allocator = owner(ptr)?;
+        let allocator = native::owner(DeviceAddress(ptr as u64))?;
         // SAFETY: `stream` is live and kept alive (our caller's obligation).
-        unsafe {
-            streams::with_stream(allocator.device(), stream, |id| {
-                allocator.record_stream(ptr, id)
-            })
-        }
+        unsafe { native::record_stream(&allocator, ptr, stream) }
     });
 }
 
@@ -174,16 +139,4 @@ pub unsafe extern "C" fn tensormem_base_alloc(ptr: *mut c_void, size: *mut usize
         }
         Err(Error::UnknownPointer { ptr: ptr.0 })
     })
-}
-
-/// The allocator that handed out `ptr` (live), among the devices the process opened.
-pub(crate) fn owner(ptr: DeviceAddress) -> Result<DeviceAllocator> {
-    for allocator in devices::used()? {
-        match allocator.base_allocation(ptr) {
-            Ok(_) | Err(AllocError::ExpandableNotShareable { .. }) => return Ok(allocator),
-            Err(AllocError::InvalidPointer { .. }) => {}
-            Err(other) => return Err(other.into()),
-        }
-    }
-    Err(Error::UnknownPointer { ptr: ptr.0 })
 }

@@ -7,6 +7,10 @@
 //! what PyTorch's `CudaMallocAsyncAllocator` does: the empty-cache trims each device's memory pool,
 //! the memory fraction limits what the allocator hands out, and the pool hooks are a capture's
 //! bookkeeping (there are no private pools).
+//!
+//! Each is an adapter over the implementation the C++ layer's function of the same job calls
+//! ([`native`]), keeping the pluggable signature and its way of failing (nothing returned, the error
+//! kept).
 
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,8 +20,8 @@ use tensormem_cuda_alloc::{CaptureStatus, Device, MempoolId, StreamId};
 use tensormem_runtime::DeviceMemory;
 
 use crate::boundary::call;
-use crate::capture_mode;
 use crate::devices;
+use crate::native;
 
 /// PyTorch's `MempoolId_t` (`std::pair<unsigned long long, unsigned long long>`), passed by value: the
 /// first half is set for pools made by graph capture, the second for `graph_pool_handle()` and
@@ -61,10 +65,7 @@ pub extern "C" fn tensormem_init(device_count: c_int) {
 #[no_mangle]
 pub extern "C" fn tensormem_empty_cache() {
     call("tensormem_empty_cache", (), || {
-        for allocator in devices::used()? {
-            allocator.empty_cache()?;
-        }
-        Ok(())
+        native::empty_cache(MempoolId::DEFAULT)
     });
 }
 
@@ -74,8 +75,7 @@ pub extern "C" fn tensormem_empty_cache() {
 #[no_mangle]
 pub extern "C" fn tensormem_set_memory_fraction(fraction: f64, device: c_int) {
     call("tensormem_set_memory_fraction", (), || {
-        devices::served(device)?.set_memory_fraction(fraction)?;
-        Ok(())
+        native::set_memory_fraction(fraction, device)
     });
 }
 
@@ -120,13 +120,7 @@ pub unsafe extern "C" fn tensormem_begin_allocate_to_pool(
             }
             _ => false,
         };
-        allocator.begin_capture(pool.into(), Box::new(filter))?;
-        if allocator.as_async().is_some() {
-            capture_mode::async_capture::began();
-        } else {
-            capture_mode::opened();
-        }
-        Ok(())
+        native::pool_begin(device, pool.into(), Box::new(filter))
     });
 }
 
@@ -138,18 +132,8 @@ pub unsafe extern "C" fn tensormem_begin_allocate_to_pool(
 #[no_mangle]
 pub extern "C" fn tensormem_end_allocate_to_pool(device: c_int, pool: TorchMempoolId) {
     call("tensormem_end_allocate_to_pool", (), || {
-        let allocator = devices::served(device)?;
-        // The async allocator joins the capture's streams into the capture stream; the caching
-        // allocator needs none.
-        let capture_stream = match allocator.as_async() {
-            Some(_) => capture_mode::async_capture::ended(),
-            None => StreamId::DEFAULT,
-        };
-        allocator.end_capture(pool.into(), capture_stream)?;
-        if allocator.caching().is_some() {
-            capture_mode::closed();
-        }
-        Ok(())
+        // SAFETY: no stream is given.
+        unsafe { native::pool_end(device, pool.into(), None) }
     });
 }
 
@@ -160,7 +144,6 @@ pub extern "C" fn tensormem_end_allocate_to_pool(device: c_int, pool: TorchMempo
 #[no_mangle]
 pub extern "C" fn tensormem_release_pool(device: c_int, pool: TorchMempoolId) {
     call("tensormem_release_pool", (), || {
-        devices::served(device)?.release_pool(pool.into())?;
-        Ok(())
+        native::pool_release(device, pool.into())
     });
 }

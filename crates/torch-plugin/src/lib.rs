@@ -30,6 +30,11 @@
 //! | (`torch.cuda.memory._record_memory_history`, `_dump_snapshot`) | [`tensormem_record_history`], [`tensormem_dump_snapshot`] |
 //! | errors | [`tensormem_last_error`], [`tensormem_last_error_code`], [`tensormem_clear_last_error`] |
 //!
+//! Where one of them does what a function of the C++ layer does, both call one implementation in
+//! [`native`]; the pluggable function keeps PyTorch's signature and reports failure its way.
+//! `csrc/tensormem_abi.h` declares every exported function for C and C++ (`tests/c_abi.rs` checks it
+//! against these sources).
+//!
 //! `python/tensormem_torch/` (the Python package; `pip install crates/torch-plugin`) does the wiring:
 //! `tensormem_torch.install()` builds the C++ layer if needed and installs the allocator, or falls back to
 //! the pluggable functions. See `docs/torch-plugin.md`.

@@ -81,7 +81,7 @@ pub unsafe extern "C" fn tensormem_dump_snapshot(path: *const c_char) -> c_int {
 #[no_mangle]
 pub extern "C" fn tensormem_record_history(enabled: c_int, max_entries: usize) -> c_int {
     call("tensormem_record_history", -1, || {
-        cuda::record_memory_history(enabled != 0, max_entries)?;
+        crate::native::history(enabled != 0, max_entries)?;
         Ok(0)
     })
 }

@@ -1,4 +1,4 @@
-//! The status codes the plugin's C functions return (mirrored in `csrc/tensormem_allocator.cpp`),
+//! The status codes the plugin's C functions return (declared in `csrc/tensormem_abi.h`),
 //! below both the error type that maps each error to one and the functions that return them
 //! ([`native`](crate::native), which re-exports them).
 

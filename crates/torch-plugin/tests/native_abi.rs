@@ -25,6 +25,11 @@ fn last_error() -> String {
         .into_owned()
 }
 
+/// The C header the C++ layer compiles against, embedded at build time: this test runs from the GPU
+/// bundle too, on a host without the sources (`tests/c_abi.rs` checks the rest of the header against
+/// the sources, where they are).
+const HEADER: &str = include_str!("../csrc/tensormem_abi.h");
+
 #[test]
 fn status_codes_are_distinct_and_the_cpp_layer_has_them() {
     let codes = [
@@ -35,16 +40,20 @@ fn status_codes_are_distinct_and_the_cpp_layer_has_them() {
     ];
     let distinct: std::collections::HashSet<_> = codes.iter().map(|&(_, code)| code).collect();
     assert_eq!(distinct.len(), codes.len());
-    // The C++ layer spells the codes it reads; they must be these.
-    let cpp = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("csrc/tensormem_allocator.cpp"),
-    )
-    .expect("the C++ layer's source is in the package");
-    for (name, code) in codes {
-        let spelled = format!("constexpr int {name} = {code};");
+    // The C++ layer reads the codes (and answers a pool allocator's calls) with the header's
+    // spelling; it must be these.
+    let pool_codes = [
+        ("POOL_ALLOC_OK", POOL_ALLOC_OK),
+        ("POOL_ALLOC_OUT_OF_MEMORY", POOL_ALLOC_OUT_OF_MEMORY),
+        ("POOL_ALLOC_ERROR", POOL_ALLOC_ERROR),
+    ];
+    for (name, code) in codes.into_iter().chain(pool_codes) {
+        let spelled = format!("{name} = {code}");
         assert!(
-            name == "TM_ERROR" || cpp.contains(&spelled),
-            "csrc/tensormem_allocator.cpp lacks `{spelled}`"
+            HEADER
+                .lines()
+                .any(|line| line.trim().trim_end_matches(',') == spelled),
+            "csrc/tensormem_abi.h lacks `{spelled}`"
         );
     }
 }

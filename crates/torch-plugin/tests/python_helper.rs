@@ -19,9 +19,11 @@ fn library() -> std::path::PathBuf {
 }
 
 const CHECK: &str = r#"
-import ctypes, sys
+import ctypes, os, sys
 sys.path.insert(0, sys.argv[1])
 import tensormem_torch as tt
+source = tt.find_source()
+assert os.path.isfile(os.path.join(os.path.dirname(source), tt.HEADER_NAME)), source
 plugin = tt.Plugin(sys.argv[2])
 for setter, function in tt.HOOKS:
     assert ctypes.cast(getattr(plugin.lib, function), ctypes.c_void_p).value, function
@@ -50,10 +52,10 @@ print("ok", len(tt.HOOKS))
 #[ignore = "needs python3 (.ci/run runs it with --ignored)"]
 fn the_helper_wires_exported_functions_and_reads_errors() {
     python::require();
-    let scripts = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
+    let package = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
     let out = python::command()
         .args(["-c", CHECK])
-        .arg(&scripts)
+        .arg(&package)
         .arg(library())
         .output()
         .expect("python3 runs");
@@ -70,16 +72,17 @@ fn the_helper_wires_exported_functions_and_reads_errors() {
 #[ignore = "needs python3 (.ci/run runs it with --ignored)"]
 fn the_scripts_compile() {
     python::require();
-    let scripts = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
+    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
     for script in [
-        "tensormem_torch/__init__.py",
-        "real_clients.py",
-        "alloc_bench.py",
-        "workloads.py",
-        "torch_client.py",
-        "step_bench.py",
+        "python/tensormem_torch/__init__.py",
+        "python/tensormem_torch/sleep.py",
+        "tests/python/real_clients.py",
+        "tests/python/alloc_bench.py",
+        "tests/python/workloads.py",
+        "tests/python/torch_client.py",
+        "tests/python/step_bench.py",
     ] {
-        let path = scripts.join(script);
+        let path = crate_dir.join(script);
         let out = python::command()
             .args([
                 "-c",
@@ -94,4 +97,24 @@ fn the_scripts_compile() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+}
+
+/// `python/` is what the wheel is built from (`package-dir`): the package alone, the test and bench
+/// drivers living in `tests/python/` (which the GPU bundle copies whole).
+#[test]
+fn the_package_folder_holds_the_package_alone() {
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
+    let mut entries: Vec<String> = std::fs::read_dir(&python)
+        .expect("the crate's python/")
+        .map(|e| {
+            e.expect("an entry")
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
+        // What a build or an import leaves behind.
+        .filter(|name| !name.ends_with(".egg-info") && name != "__pycache__")
+        .collect();
+    entries.sort();
+    assert_eq!(entries, ["tensormem_torch"], "{}", python.display());
 }

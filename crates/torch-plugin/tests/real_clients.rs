@@ -1,4 +1,4 @@
-//! Ordinary PyTorch programs run natively and on tensormem (`python/real_clients.py`), each in fresh
+//! Ordinary PyTorch programs run natively and on tensormem (`tests/python/real_clients.py`), each in fresh
 //! processes, with tensormem installed as PyTorch's whole `CUDAAllocator` (the C++ layer, compiled here
 //! against the installed PyTorch): outputs equal, and peak reserved bytes and device allocations equal
 //! where the workload is deterministic.

@@ -1,5 +1,5 @@
 //! PyTorch as a real client of the plugin: GPT-2 training and a CUDA-graph training run go to the end
-//! on tensormem's allocator with the losses of PyTorch's native allocator (`python/torch_client.py`),
+//! on tensormem's allocator with the losses of PyTorch's native allocator (`tests/python/torch_client.py`),
 //! and both peak reserved figures are printed; a `torch.cuda.MemPool` on the plugin, PyTorch's allocator
 //! staying current, takes its segments from tensormem; memory freed while a busy side stream still reads
 //! it (`Tensor.record_stream`) is not reused too early.
@@ -9,7 +9,7 @@
 //! does not import or there is no GPU, each says why it did nothing, unless `TENSORMEM_REQUIRE_TORCH=1` /
 //! `TENSORMEM_REQUIRE_GPU=1` (which they set). The library is `$TENSORMEM_TORCH_LIB`, else the one
 //! cargo built beside this test; the scripts are in `$TENSORMEM_TORCH_PYTHON`, else the crate's
-//! `python/`.
+//! `tests/python/`.
 
 mod common;
 

@@ -8,11 +8,12 @@
     torch.cuda.memory_stats()             # tensormem's statistics, under PyTorch's keys
 
 By default tensormem replaces PyTorch's caching allocator as a whole: a small C++ layer
-(``csrc/tensormem_allocator.cpp``, shipped with this package) implements PyTorch's
-``c10::cuda::CUDACachingAllocator::CUDAAllocator`` interface on ``libtensormem_torch.so``. It is compiled
-against the installed PyTorch the first time (``torch.utils.cpp_extension``, a minute or so) and cached
-under ``$TENSORMEM_TORCH_CACHE`` (default ``~/.cache/tensormem_torch``), keyed by the PyTorch version,
-the C++ source and the library, so that upgrading either rebuilds it. Everything PyTorch's own allocator
+(``csrc/tensormem_allocator.cpp``, shipped with this package beside ``csrc/tensormem_abi.h``, the
+library's C interface) implements PyTorch's ``c10::cuda::CUDACachingAllocator::CUDAAllocator`` interface
+on ``libtensormem_torch.so``. It is compiled against the installed PyTorch the first time
+(``torch.utils.cpp_extension``, a minute or so) and cached under ``$TENSORMEM_TORCH_CACHE`` (default
+``~/.cache/tensormem_torch``), keyed by the PyTorch version, the C++ source and header and the library,
+so that upgrading either rebuilds it. Everything PyTorch's own allocator
 answers then works on tensormem: ``torch.cuda.memory_stats()``, ``memory._snapshot()``,
 ``_dump_snapshot()``, CUDA graphs and ``torch.compile(mode="reduce-overhead")``, ``torch.cuda.MemPool``,
 ``torch.OutOfMemoryError``, ``torch.multiprocessing`` sharing of CUDA tensors.
@@ -41,6 +42,7 @@ __all__ = ["Plugin", "InstallError", "install", "mem_pool", "find_library", "fin
 
 LIB_NAME = "libtensormem_torch.so"
 SOURCE_NAME = "tensormem_allocator.cpp"
+HEADER_NAME = "tensormem_abi.h"  # the library's C interface, which the source includes
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # (setter of PyTorch's _CUDAPluggableAllocator, the function of the library it is given)
@@ -130,10 +132,15 @@ def find_library():
 
 
 def find_source():
-    """The path of the C++ layer's source: in this package (wheel) or in the crate (checkout)."""
+    """The path of the C++ layer's source, with the library's header beside it: in this package (wheel) or
+    in the crate (checkout)."""
     crate = os.path.normpath(os.path.join(HERE, "..", ".."))
-    return _first_file([os.path.join(HERE, "csrc", SOURCE_NAME), os.path.join(crate, "csrc", SOURCE_NAME)],
-                       SOURCE_NAME, "reinstall the package")
+    folders = [os.path.join(HERE, "csrc"), os.path.join(crate, "csrc")]
+    for folder in folders:
+        if all(os.path.isfile(os.path.join(folder, name)) for name in (SOURCE_NAME, HEADER_NAME)):
+            return os.path.abspath(os.path.join(folder, SOURCE_NAME))
+    raise FileNotFoundError(f"{SOURCE_NAME} and {HEADER_NAME} not found together (looked in "
+                            f"{', '.join(folders)}): reinstall the package")
 
 
 def _cache_key(lib, source):
@@ -141,8 +148,9 @@ def _cache_key(lib, source):
     digest = hashlib.sha256()
     digest.update(torch.__version__.encode())
     digest.update(str(torch.version.cuda).encode())
-    with open(source, "rb") as f:
-        digest.update(f.read())
+    for path in (source, os.path.join(os.path.dirname(source), HEADER_NAME)):
+        with open(path, "rb") as f:
+            digest.update(f.read())
     st = os.stat(lib)
     digest.update(f"{os.path.realpath(lib)}:{st.st_size}:{st.st_mtime_ns}".encode())
     return digest.hexdigest()[:16]
@@ -168,6 +176,7 @@ def build_extension(lib=None, verbose=False):
         cpp_extension.load(
             name=name,
             sources=[source],
+            extra_include_paths=[os.path.dirname(source)],  # tensormem_abi.h
             build_directory=build_dir,
             extra_cflags=["-O2"],
             extra_ldflags=[f"-L{libdir}", "-ltensormem_torch", f"-Wl,-rpath,{libdir}"],

@@ -44,8 +44,7 @@ use tensormem_cuda_alloc::backend::cuda::check;
 use tensormem_cuda_alloc::{DeviceAddress, ShareableSegment};
 use tensormem_runtime::DeviceMemory;
 
-use super::status;
-use crate::allocate::owner;
+use super::{owner, status};
 use crate::devices;
 use crate::error::{Error, Result};
 

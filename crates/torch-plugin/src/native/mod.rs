@@ -11,8 +11,13 @@
 //! raises it) from tensormem's errors (raised naming the call). The C++ layer holds no policy: each of its
 //! methods converts types, calls one function here and turns a failure into an exception.
 //!
-//! The structs here are `repr(C)` and mirrored field for field in the C++ source, which checks their
-//! sizes at compile time.
+//! The structs here are `repr(C)`. `csrc/tensormem_abi.h`, which the C++ layer includes, declares them
+//! field for field with every exported function (`tests/c_abi.rs` checks it against these sources);
+//! the functions that fill a struct check the caller's size of it on every call.
+//!
+//! Each operation the `CUDAPluggableAllocator` functions share with these (allocation, free,
+//! `record_stream`, empty-cache, the memory fraction, the pool hooks, history) is implemented once,
+//! here, as a plain function that both sets of exports call.
 //!
 //! Each function serves from the device's allocator of the process's backend
 //! ([`tensormem::cuda::get_allocator_backend`]). Under `backend:cudaMallocAsync` that is the device's
@@ -32,9 +37,10 @@ use std::ffi::{c_int, c_void};
 use cudarc::driver::sys;
 use tensormem::cuda::{self, AsyncUnsupported};
 use tensormem_cuda_alloc::{DeviceAddress, Error as AllocError, MempoolId, StreamId};
-use tensormem_runtime::DeviceMemory;
+use tensormem_runtime::{DeviceAllocator, DeviceMemory};
 
 use crate::boundary::call;
+use crate::capture_mode;
 use crate::devices;
 use crate::error::{Error, Result};
 use crate::streams;
@@ -48,6 +54,7 @@ pub use ipc::{
     tensormem_ipc_close, tensormem_ipc_open, tensormem_ipc_share, EXPANDABLE_HANDLE_HEADER_LEN,
     HANDLE_LEN,
 };
+pub(crate) use pools::{begin as pool_begin, end as pool_end, release as pool_release};
 pub use pools::{
     tensormem_checkpoint_free, tensormem_pool_begin, tensormem_pool_check_live,
     tensormem_pool_checkpoint, tensormem_pool_create_or_incref,
@@ -57,6 +64,7 @@ pub use pools::{
     PoolFreeFn, PoolMallocFn, POOL_ALLOC_ERROR, POOL_ALLOC_OK, POOL_ALLOC_OUT_OF_MEMORY,
 };
 pub use sleep::{tensormem_pool_is_asleep, tensormem_pool_sleep, tensormem_pool_wake};
+pub(crate) use snapshot::history;
 pub use snapshot::{
     tensormem_history, tensormem_history_enabled, tensormem_snapshot_block,
     tensormem_snapshot_config, tensormem_snapshot_free, tensormem_snapshot_segment,
@@ -110,16 +118,51 @@ pub unsafe extern "C" fn tensormem_malloc(
     }
     // SAFETY: `out` is non-null and valid for writes (the caller's obligation).
     unsafe { out.write(std::ptr::null_mut()) };
-    if size == 0 {
-        return TM_OK;
-    }
     status("tensormem_malloc", || {
         // SAFETY: `stream` is live and kept alive by its owner (the caller's obligation).
-        let ptr = unsafe { crate::allocate::allocate_on(device, size, stream) }?;
+        let ptr = unsafe { malloc(size, device, stream) }?;
         // SAFETY: `out` is non-null and valid for writes (checked above; the caller's obligation).
-        unsafe { out.write(ptr.0 as *mut c_void) };
+        unsafe { out.write(ptr) };
         Ok(())
     })
+}
+
+/// `size` bytes from `device`'s allocator for use on the raw stream `stream` (registered with the
+/// device the first time), or null for a `size` of 0 without touching a device (as PyTorch): from the
+/// caching allocator with the thread in the relaxed capture mode while a capture is open, or under
+/// `backend:cudaMallocAsync` a `cuMemAllocFromPoolAsync` on the stream (which a capture records as a
+/// graph node). The allocation of [`tensormem_malloc`] and of the pluggable
+/// [`tensormem_alloc`](crate::tensormem_alloc).
+///
+/// # Safety
+///
+/// `stream` is as for [`crate::tensormem_alloc`].
+#[inline]
+pub(crate) unsafe fn malloc(
+    size: usize,
+    device: c_int,
+    stream: sys::CUstream,
+) -> Result<*mut c_void> {
+    if size == 0 {
+        return Ok(std::ptr::null_mut());
+    }
+    let allocator = devices::served(device)?;
+    // SAFETY: `stream` is live and kept alive by its owner (the caller's obligation).
+    let ptr = unsafe {
+        streams::with_stream(allocator.device(), stream, |id| {
+            // The caching allocator may need new segments during a global-mode capture; the async
+            // allocator's allocations are graph nodes of the capture, whose stream it notes.
+            let _relaxed = allocator
+                .caching()
+                .and_then(|_| capture_mode::relaxed_while_capturing());
+            let ptr = allocator.allocate(size, id)?;
+            if allocator.as_async().is_some() {
+                capture_mode::async_capture::allocated(allocator.device(), id);
+            }
+            Ok(ptr)
+        })
+    }?;
+    Ok(ptr.0 as *mut c_void)
 }
 
 /// Frees `ptr`, handed out by [`tensormem_malloc`] on any device (PyTorch's `raw_delete` and the
@@ -136,16 +179,23 @@ pub unsafe extern "C" fn tensormem_raw_delete(ptr: *mut c_void) -> c_int {
     if ptr.is_null() {
         return TM_OK;
     }
-    status("tensormem_raw_delete", || {
-        let ptr = DeviceAddress(ptr as u64);
-        for allocator in devices::used()? {
-            match allocator.free(ptr) {
-                Err(AllocError::InvalidPointer { .. } | AllocError::ForeignAllocation { .. }) => {}
-                other => return Ok(other?),
-            }
+    status("tensormem_raw_delete", || raw_delete(ptr))
+}
+
+/// Frees non-null `ptr` through the allocator of whichever device handed it out, or
+/// [`Error::UnknownPointer`] if none did: the free of [`tensormem_raw_delete`] and of the pluggable
+/// [`tensormem_free`](crate::tensormem_free). The memory is reused only after the work queued on
+/// the streams it was used on has finished.
+pub(crate) fn raw_delete(ptr: *mut c_void) -> Result<()> {
+    debug_assert!(!ptr.is_null(), "the exports ignore null");
+    let ptr = DeviceAddress(ptr as u64);
+    for allocator in devices::used()? {
+        match allocator.free(ptr) {
+            Err(AllocError::InvalidPointer { .. } | AllocError::ForeignAllocation { .. }) => {}
+            other => return Ok(other?),
         }
-        Err(Error::UnknownPointer { ptr: ptr.0 })
-    })
+    }
+    Err(Error::UnknownPointer { ptr: ptr.0 })
 }
 
 /// Marks memory handed out by [`tensormem_malloc`] as used on `stream` too (PyTorch's `recordStream`).
@@ -160,15 +210,44 @@ pub unsafe extern "C" fn tensormem_record_stream_checked(
     stream: sys::CUstream,
 ) -> c_int {
     status("tensormem_record_stream", || {
-        let allocator = devices::served(device)?;
-        let ptr = DeviceAddress(ptr as u64);
         // SAFETY: `stream` is live and kept alive (the caller's obligation).
-        unsafe {
-            streams::with_stream(allocator.device(), stream, |id| {
-                allocator.record_stream(ptr, id)
-            })
-        }
+        unsafe { record_stream(&devices::served(device)?, ptr, stream) }
     })
+}
+
+/// Marks `ptr`, handed out by `allocator`, as used on the raw stream `stream` too: once freed, it is not
+/// reused before the work queued on `stream` until then has finished. The record of
+/// [`tensormem_record_stream_checked`] and of the pluggable
+/// [`tensormem_record_stream`](crate::tensormem_record_stream), which differ in how they find
+/// `allocator`.
+///
+/// # Safety
+///
+/// `stream` is as for [`crate::tensormem_alloc`].
+pub(crate) unsafe fn record_stream(
+    allocator: &DeviceAllocator,
+    ptr: *mut c_void,
+    stream: sys::CUstream,
+) -> Result<()> {
+    let ptr = DeviceAddress(ptr as u64);
+    // SAFETY: `stream` is live and kept alive (the caller's obligation).
+    unsafe {
+        streams::with_stream(allocator.device(), stream, |id| {
+            allocator.record_stream(ptr, id)
+        })
+    }
+}
+
+/// The allocator that handed out `ptr` (live), among the devices the process opened.
+pub(crate) fn owner(ptr: DeviceAddress) -> Result<DeviceAllocator> {
+    for allocator in devices::used()? {
+        match allocator.base_allocation(ptr) {
+            Ok(_) | Err(AllocError::ExpandableNotShareable { .. }) => return Ok(allocator),
+            Err(AllocError::InvalidPointer { .. }) => {}
+            Err(other) => return Err(other.into()),
+        }
+    }
+    Err(Error::UnknownPointer { ptr: ptr.0 })
 }
 
 /// One `Stat` of PyTorch's `DeviceStats`.
@@ -324,20 +403,25 @@ pub extern "C" fn tensormem_reset_accumulated_stats(device: c_int) -> c_int {
 #[no_mangle]
 pub extern "C" fn tensormem_empty_cache_pool(first: u64, second: u64) -> c_int {
     status("tensormem_empty_cache_pool", || {
-        let pool = pool_id(first, second);
-        for allocator in devices::used()? {
-            match allocator.caching() {
-                // One private pool of the caching allocator, if it has it.
-                Some(caching) if pool != MempoolId::DEFAULT => {
-                    if caching.private_pools().iter().any(|&(id, _)| id == pool) {
-                        caching.empty_pool_cache(pool)?;
-                    }
-                }
-                _ => allocator.empty_cache()?,
-            }
-        }
-        Ok(())
+        empty_cache(pool_id(first, second))
     })
+}
+
+/// The empty-cache of [`tensormem_empty_cache_pool`] and, for [`MempoolId::DEFAULT`] (every pool),
+/// of the pluggable [`tensormem_empty_cache`](crate::tensormem_empty_cache).
+pub(crate) fn empty_cache(pool: MempoolId) -> Result<()> {
+    for allocator in devices::used()? {
+        match allocator.caching() {
+            // One private pool of the caching allocator, if it has it.
+            Some(caching) if pool != MempoolId::DEFAULT => {
+                if caching.private_pools().iter().any(|&(id, _)| id == pool) {
+                    caching.empty_pool_cache(pool)?;
+                }
+            }
+            _ => allocator.empty_cache()?,
+        }
+    }
+    Ok(())
 }
 
 /// Writes into `*largest` the larger of `device`'s free memory and its largest cached block
@@ -384,9 +468,16 @@ pub unsafe extern "C" fn tensormem_get_memory_fraction(device: c_int, fraction: 
 #[no_mangle]
 pub extern "C" fn tensormem_set_memory_fraction_checked(fraction: f64, device: c_int) -> c_int {
     status("tensormem_set_memory_fraction", || {
-        devices::served(device)?.set_memory_fraction(fraction)?;
-        Ok(())
+        set_memory_fraction(fraction, device)
     })
+}
+
+/// The limit of [`tensormem_set_memory_fraction_checked`] and of the pluggable
+/// [`tensormem_set_memory_fraction`](crate::tensormem_set_memory_fraction): an error for a fraction
+/// outside `[0, 1]`.
+pub(crate) fn set_memory_fraction(fraction: f64, device: c_int) -> Result<()> {
+    devices::served(device)?.set_memory_fraction(fraction)?;
+    Ok(())
 }
 
 /// Writes `device`'s bytes handed out and reserved now into `*allocated` and `*reserved` (for

@@ -17,7 +17,8 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 use tensormem_cuda_alloc::{
-    DeviceAddress, DeviceError, DeviceResult, PoolAllocator, PoolCheckpoint, StreamId,
+    CaptureFilter, DeviceAddress, DeviceError, DeviceResult, MempoolId, PoolAllocator,
+    PoolCheckpoint, StreamId,
 };
 use tensormem_runtime::DeviceMemory;
 
@@ -89,20 +90,30 @@ pub unsafe extern "C" fn tensormem_pool_begin(
     });
     status("tensormem_pool_begin", move || {
         let filter = filter.ok_or(Error::NullArgument { what: "filter" })?;
-        let allocator = devices::served(device)?;
-        // The async allocator drops PyTorch's filter unasked: the driver captures every allocation
-        // made on a capturing stream.
-        allocator.begin_capture(
+        begin(
+            device,
             pool_id(first, second),
             Box::new(move |stream| filter.accepts(raw_stream(stream))),
-        )?;
-        if allocator.as_async().is_some() {
-            capture_mode::async_capture::began();
-        } else {
-            capture_mode::opened();
-        }
-        Ok(())
+        )
     })
+}
+
+/// Starts sending `device`'s allocations that `filter` accepts to private pool `pool`: the begin of
+/// [`tensormem_pool_begin`] and of the pluggable
+/// [`tensormem_begin_allocate_to_pool`](crate::tensormem_begin_allocate_to_pool), which differ in their
+/// filter. Until the pool closes, allocations switch their thread to the relaxed capture mode; under
+/// `backend:cudaMallocAsync` the capture's bookkeeping begins instead (the async allocator drops the
+/// filter unasked: the driver captures every allocation made on a capturing stream). The filter is
+/// dropped on failure.
+pub(crate) fn begin(device: c_int, pool: MempoolId, filter: CaptureFilter) -> Result<()> {
+    let allocator = devices::served(device)?;
+    allocator.begin_capture(pool, filter)?;
+    if allocator.as_async().is_some() {
+        capture_mode::async_capture::began();
+    } else {
+        capture_mode::opened();
+    }
+    Ok(())
 }
 
 /// Stops sending allocations to the pool (PyTorch's `endAllocateToPool`), with `stream` the capture
@@ -121,7 +132,7 @@ pub unsafe extern "C" fn tensormem_pool_end_on(
 ) -> c_int {
     status("tensormem_pool_end", || {
         // SAFETY: `stream` is live and kept alive (the caller's obligation).
-        unsafe { end(device, first, second, Some(stream)) }
+        unsafe { end(device, pool_id(first, second), Some(stream)) }
     })
 }
 
@@ -131,18 +142,23 @@ pub unsafe extern "C" fn tensormem_pool_end_on(
 pub extern "C" fn tensormem_pool_end(device: c_int, first: u64, second: u64) -> c_int {
     status("tensormem_pool_end", || {
         // SAFETY: no stream is given.
-        unsafe { end(device, first, second, None) }
+        unsafe { end(device, pool_id(first, second), None) }
     })
 }
 
-/// The end of allocation to a pool, on the capture stream `stream` when known.
+/// The end of allocation to `pool`, on the capture stream `stream` when known: the end of
+/// [`tensormem_pool_end_on`], [`tensormem_pool_end`] and the pluggable
+/// [`tensormem_end_allocate_to_pool`](crate::tensormem_end_allocate_to_pool).
 ///
 /// # Safety
 ///
 /// `stream`, when given, is as for [`crate::tensormem_alloc`].
-unsafe fn end(device: c_int, first: u64, second: u64, stream: Option<sys::CUstream>) -> Result<()> {
+pub(crate) unsafe fn end(
+    device: c_int,
+    pool: MempoolId,
+    stream: Option<sys::CUstream>,
+) -> Result<()> {
     let allocator = devices::served(device)?;
-    let pool = pool_id(first, second);
     if allocator.as_async().is_none() {
         // The caching allocator needs no capture stream.
         allocator.end_capture(pool, StreamId::DEFAULT)?;
@@ -167,9 +183,15 @@ unsafe fn end(device: c_int, first: u64, second: u64, stream: Option<sys::CUstre
 #[no_mangle]
 pub extern "C" fn tensormem_pool_release(device: c_int, first: u64, second: u64) -> c_int {
     status("tensormem_pool_release", || {
-        devices::served(device)?.release_pool(pool_id(first, second))?;
-        Ok(())
+        release(device, pool_id(first, second))
     })
+}
+
+/// The release of [`tensormem_pool_release`] and of the pluggable
+/// [`tensormem_release_pool`](crate::tensormem_release_pool).
+pub(crate) fn release(device: c_int, pool: MempoolId) -> Result<()> {
+    devices::served(device)?.release_pool(pool)?;
+    Ok(())
 }
 
 /// Makes the pool with one user or adds one (PyTorch's `createOrIncrefPool`, for `torch.cuda.MemPool`).

@@ -400,10 +400,14 @@ pub unsafe extern "C" fn tensormem_snapshot_free(snapshot: *mut TorchSnapshot) {
 /// PyTorch's own allocator only.
 #[no_mangle]
 pub extern "C" fn tensormem_history(enabled: c_int, max_entries: usize) -> c_int {
-    status("tensormem_history", || {
-        cuda::record_memory_history(enabled != 0, max_entries)?;
-        Ok(())
-    })
+    status("tensormem_history", || history(enabled != 0, max_entries))
+}
+
+/// The history switch of [`tensormem_history`] and of the Python package's
+/// [`tensormem_record_history`](crate::tensormem_record_history).
+pub(crate) fn history(enabled: bool, max_entries: usize) -> Result<()> {
+    cuda::record_memory_history(enabled, max_entries)?;
+    Ok(())
 }
 
 /// Whether any device the process opened is recording its history: 1 yes, 0 no (and 0 under

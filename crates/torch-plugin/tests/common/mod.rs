@@ -32,7 +32,7 @@ pub(crate) fn library() -> PathBuf {
 
 pub(crate) fn scripts() -> PathBuf {
     std::env::var_os("TENSORMEM_TORCH_PYTHON").map_or_else(
-        || Path::new(env!("CARGO_MANIFEST_DIR")).join("python"),
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python"),
         PathBuf::from,
     )
 }

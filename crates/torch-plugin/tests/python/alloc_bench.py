@@ -19,7 +19,11 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The scripts beside this one; in a checkout, the package in the crate's python/ (else the installed one).
+PACKAGE_ROOT = os.path.normpath(os.path.join(HERE, "..", "..", "python"))
 sys.path.insert(0, HERE)
+if os.path.isdir(os.path.join(PACKAGE_ROOT, "tensormem_torch")):
+    sys.path.insert(1, PACKAGE_ROOT)
 
 
 def timed(fn, reps, warmup=3):

@@ -17,7 +17,11 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The scripts beside this one; in a checkout, the package in the crate's python/ (else the installed one).
+PACKAGE_ROOT = os.path.normpath(os.path.join(HERE, "..", "..", "python"))
 sys.path.insert(0, HERE)
+if os.path.isdir(os.path.join(PACKAGE_ROOT, "tensormem_torch")):
+    sys.path.insert(1, PACKAGE_ROOT)
 
 WORKLOADS = ("gpt2_train", "cudagraph_train")
 # Checks that are not loss comparisons: name -> the backends each runs on.

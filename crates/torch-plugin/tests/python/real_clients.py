@@ -26,7 +26,11 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The scripts beside this one; in a checkout, the package in the crate's python/ (else the installed one).
+PACKAGE_ROOT = os.path.normpath(os.path.join(HERE, "..", "..", "python"))
 sys.path.insert(0, HERE)
+if os.path.isdir(os.path.join(PACKAGE_ROOT, "tensormem_torch")):
+    sys.path.insert(1, PACKAGE_ROOT)
 
 
 PLUGIN = None  # the tensormem_torch.Plugin serving this process, if any

@@ -4,7 +4,7 @@
 
 Each round runs, in fresh processes, native then tensormem: gpt2_train steps (median of the steps after
 the first two) and the small-ops eager loop (median of 5 runs of 2000 iterations). Prints CSV rows
-`step_bench,BACKEND,METRIC,VALUE` as ../shared/anchors/torch_step_bench.py does, then the ratios
+`step_bench,BACKEND,METRIC,VALUE` as benches/anchors/torch_step_bench.py does, then the ratios
 tensormem / native of the medians over rounds (below 1: tensormem faster).
 """
 import argparse
@@ -15,7 +15,11 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The scripts beside this one; in a checkout, the package in the crate's python/ (else the installed one).
+PACKAGE_ROOT = os.path.normpath(os.path.join(HERE, "..", "..", "python"))
 sys.path.insert(0, HERE)
+if os.path.isdir(os.path.join(PACKAGE_ROOT, "tensormem_torch")):
+    sys.path.insert(1, PACKAGE_ROOT)
 
 
 def child(backend, lib, steps):
