@@ -375,6 +375,22 @@ pub fn opened() -> Result<Vec<(&'static DeviceState, DeviceAllocator)>> {
         .collect())
 }
 
+/// The allocators serving the devices opened so far, in ordinal order, without allocating (what a
+/// search for a pointer of unknown device walks). Initialises nothing: none before CUDA is.
+///
+/// # Errors
+///
+/// [`Error::ForkedChild`] in a bad fork; a malformed configuration.
+#[inline]
+pub fn opened_allocators() -> Result<impl Iterator<Item = DeviceAllocator>> {
+    let table = table_if_made()?;
+    let backend = process_backend::choice()?.backend();
+    Ok(table
+        .into_iter()
+        .flat_map(|table| table.devices.iter())
+        .filter_map(move |state| state.made(backend)))
+}
+
 /// The caching allocators made so far (none before CUDA is initialised; initialises nothing).
 ///
 /// # Errors

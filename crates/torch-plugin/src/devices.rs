@@ -53,9 +53,9 @@ pub(crate) fn allocator(device: c_int, what: AsyncUnsupported) -> Result<&'stati
 /// # Errors
 ///
 /// [`tensormem::cuda::Error::ForkedChild`] in a bad fork.
-pub(crate) fn used() -> Result<Vec<DeviceAllocator>> {
-    let opened = tensormem_runtime::opened().map_err(runtime_error)?;
-    Ok(opened.into_iter().map(|(_, allocator)| allocator).collect())
+#[inline]
+pub(crate) fn used() -> Result<impl Iterator<Item = DeviceAllocator>> {
+    tensormem_runtime::opened_allocators().map_err(runtime_error)
 }
 
 /// The caching allocators the process has opened so far, after the check that the process runs
@@ -68,7 +68,7 @@ pub(crate) fn used_native(
     what: AsyncUnsupported,
 ) -> Result<impl Iterator<Item = &'static Allocator>> {
     cuda::backend_supports(what)?;
-    Ok(used()?.into_iter().filter_map(|allocator| match allocator {
+    Ok(used()?.filter_map(|allocator| match allocator {
         DeviceAllocator::Native(allocator) => Some(allocator),
         DeviceAllocator::Async(_) => None,
     }))
