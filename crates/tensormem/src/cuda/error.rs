@@ -70,16 +70,9 @@ pub enum Error {
 }
 
 impl From<tensormem_ipc::Error> for Error {
+    /// As the runtime sorts them: driver and allocator errors as such, an invalid device as one.
     fn from(err: tensormem_ipc::Error) -> Self {
-        match err {
-            tensormem_ipc::Error::Driver(err) => Error::Device(err),
-            tensormem_ipc::Error::Allocator(err) => Error::Alloc(err),
-            tensormem_ipc::Error::InvalidDevice { device, count } => Error::InvalidDevice {
-                device: u32::try_from(device).unwrap_or(u32::MAX),
-                count,
-            },
-            other => Error::Ipc(other),
-        }
+        tensormem_runtime::Error::from(err).into()
     }
 }
 
