@@ -55,6 +55,7 @@ use tensormem_ipc::{
     BatchHandle, ChunkFdRoutes, ConsumerConfig, IpcConsumer, IpcHandle, IpcProducer,
     ProducerConfig, SharedAllocation,
 };
+use tensormem_test_support::{hex, unhex};
 
 const ROLE: &str = "TENSORMEM_CUDA_CRASH_ROLE";
 const PAYLOAD: &str = "TENSORMEM_CUDA_CRASH_PAYLOAD";
@@ -193,7 +194,7 @@ fn child(role: &str) -> Result<(), BoxError> {
 }
 
 fn consumer(role: &str, device: &CudaBackend) -> Result<(), BoxError> {
-    let payload = unhex(&std::env::var(PAYLOAD)?)?;
+    let payload = unhex(&std::env::var(PAYLOAD)?);
     let chunk_fds = match role {
         "expandable-socket" => ChunkFdRoutes::SocketOnly,
         "expandable-pidfd" => ChunkFdRoutes::PidfdOnly,
@@ -728,20 +729,6 @@ fn shm_objects_of(pid: u32) -> usize {
             .filter(|e| e.file_name().to_string_lossy().contains(&needle))
             .count()
     })
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(text: &str) -> Result<Vec<u8>, BoxError> {
-    if !text.len().is_multiple_of(2) {
-        return Err("odd hex length".into());
-    }
-    (0..text.len())
-        .step_by(2)
-        .map(|i| Ok(u8::from_str_radix(&text[i..i + 2], 16)?))
-        .collect()
 }
 
 /// Length-prefixed frames in one buffer.

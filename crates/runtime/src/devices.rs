@@ -357,60 +357,36 @@ fn async_config(process: &ProcessSettings) -> Result<AllocatorConfig> {
     Ok(config)
 }
 
-/// The devices whose serving allocator any user of the process made so far (the device API,
-/// storages, the PyTorch plugin), in ordinal order. Initialises nothing: none before CUDA is.
-///
-/// # Errors
-///
-/// [`Error::ForkedChild`] in a bad fork; a malformed configuration.
-pub fn opened() -> Result<Vec<(&'static DeviceState, DeviceAllocator)>> {
-    let Some(table) = table_if_made()? else {
-        return Ok(Vec::new());
-    };
-    let backend = process_backend::choice()?.backend();
-    Ok(table
-        .devices
-        .iter()
-        .filter_map(|state| state.made(backend).map(|a| (state, a)))
-        .collect())
+/// The states of the devices, if CUDA was initialised (none otherwise; initialises nothing).
+fn made_states() -> Result<impl Iterator<Item = &'static DeviceState>> {
+    Ok(table_if_made()?
+        .into_iter()
+        .flat_map(|table| table.devices.iter()))
 }
 
-/// The allocators serving the devices opened so far, in ordinal order, without allocating (what a
-/// search for a pointer of unknown device walks). Initialises nothing: none before CUDA is.
+/// The devices whose serving allocator any user of the process made so far (the device API,
+/// storages, the PyTorch plugin), in ordinal order, without allocating (what a search for a
+/// pointer of unknown device walks). Initialises nothing: none before CUDA is.
 ///
 /// # Errors
 ///
 /// [`Error::ForkedChild`] in a bad fork; a malformed configuration.
 #[inline]
-pub fn opened_allocators() -> Result<impl Iterator<Item = DeviceAllocator>> {
-    let table = table_if_made()?;
+pub fn opened() -> Result<impl Iterator<Item = (&'static DeviceState, DeviceAllocator)>> {
+    let states = made_states()?;
     let backend = process_backend::choice()?.backend();
-    Ok(table
-        .into_iter()
-        .flat_map(|table| table.devices.iter())
-        .filter_map(move |state| state.made(backend)))
+    Ok(states.filter_map(move |state| state.made(backend).map(|a| (state, a))))
 }
 
-/// The caching allocators made so far (none before CUDA is initialised; initialises nothing).
+/// The caching allocators made so far, in ordinal order (none before CUDA is initialised;
+/// initialises nothing).
 ///
 /// # Errors
 ///
 /// [`Error::ForkedChild`] in a bad fork.
-pub fn opened_caching_allocators() -> Result<Vec<&'static CachingAllocator<CudaBackend>>> {
-    Ok(table_if_made()?
-        .into_iter()
-        .flat_map(|table| table.devices.iter())
-        .filter_map(|state| state.caching.get().map(|a| &**a))
-        .collect())
-}
-
-/// The caching allocators made so far, with their states.
-fn opened_caching() -> Result<Vec<(&'static DeviceState, &'static CachingAllocator<CudaBackend>)>> {
-    Ok(table_if_made()?
-        .into_iter()
-        .flat_map(|table| table.devices.iter())
-        .filter_map(|state| state.caching.get().map(|a| (state, &**a)))
-        .collect())
+pub fn opened_caching_allocators(
+) -> Result<impl Iterator<Item = &'static CachingAllocator<CudaBackend>>> {
+    Ok(made_states()?.filter_map(|state| state.caching.get().map(|a| &**a)))
 }
 
 /// Applies a configuration string to every opened device's caching allocator and remembers it for
@@ -424,18 +400,12 @@ fn opened_caching() -> Result<Vec<(&'static DeviceState, &'static CachingAllocat
 pub fn apply_settings(config: &str) -> Result<()> {
     check_unchanged(process_backend::choice()?.backend(), config)?;
     let mut process = settings();
-    for (_, allocator) in opened_caching()? {
+    for allocator in opened_caching_allocators()? {
         allocator.apply_settings(config)?;
     }
     process.applied.push(config.to_owned());
     tracing::debug!(target: "tensormem_runtime", config, "allocator settings applied");
     Ok(())
-}
-
-/// The configuration strings applied so far with [`apply_settings`], in order.
-#[must_use]
-pub fn applied_settings() -> Vec<String> {
-    settings().applied.clone()
 }
 
 /// Which allocators a history call records.
@@ -465,7 +435,7 @@ pub fn record_history(
     let mut process = settings();
     let host = enabled && recorded.host;
     let cuda = enabled && recorded.cuda;
-    for (_, allocator) in opened_caching()? {
+    for allocator in opened_caching_allocators()? {
         allocator.record_history_with_context(cuda, max_entries, context);
     }
     for state in table.devices.iter() {
@@ -492,7 +462,7 @@ fn attach_shared(allocator: &CachingAllocator<CudaBackend>, observer: &SharedOom
 pub fn attach_oom_observer(observer: SharedOomObserver) -> Result<()> {
     table()?;
     let mut process = settings();
-    for (_, allocator) in opened_caching()? {
+    for allocator in opened_caching_allocators()? {
         attach_shared(allocator, &observer);
     }
     process.oom_observers.push(observer);
@@ -510,7 +480,7 @@ pub fn attach_oom_observer(observer: SharedOomObserver) -> Result<()> {
 pub fn on_caching_allocator(observer: OpenObserver) -> Result<()> {
     check_not_forked()?;
     let mut process = settings();
-    for (_, allocator) in opened_caching()? {
+    for allocator in opened_caching_allocators()? {
         observer(allocator);
     }
     process.open_observers.push(observer);

@@ -49,10 +49,10 @@ mod unsupported;
 pub use backend::{backend_supports, check_unchanged, configured_backend, get_allocator_backend};
 pub use device_allocator::DeviceAllocator;
 pub use devices::{
-    allocator, applied_settings, apply_settings, async_allocator, attach_oom_observer,
-    caching_allocator, check_not_forked, check_ordinal, consumer, device_count, device_state,
-    ipc_collect, on_caching_allocator, opened, opened_allocators, opened_caching_allocators,
-    producer, record_history, DeviceState, OpenObserver, Recorded, SharedOomObserver,
+    allocator, apply_settings, async_allocator, attach_oom_observer, caching_allocator,
+    check_not_forked, check_ordinal, consumer, device_count, device_state, ipc_collect,
+    on_caching_allocator, opened, opened_caching_allocators, producer, record_history, DeviceState,
+    OpenObserver, Recorded, SharedOomObserver,
 };
 pub use error::{Error, Result};
 pub use fork::{forked_child_message, is_in_bad_fork};

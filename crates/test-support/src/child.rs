@@ -139,17 +139,29 @@ pub fn hold() {
 /// The child's stdout ended first.
 #[track_caller]
 pub fn next_report(out: &mut impl BufRead) -> String {
+    after(out, MARK, || {
+        "the child exited before its next report".to_owned()
+    })
+    .trim_end()
+    .to_owned()
+}
+
+/// What follows `needle` on the child's next line holding it; lines without it are skipped.
+///
+/// # Panics
+///
+/// The child's stdout ended first (with `ended()` as the message).
+#[track_caller]
+fn after(out: &mut impl BufRead, needle: &str, ended: impl Fn() -> String) -> String {
     let mut line = String::new();
     loop {
         line.clear();
-        assert!(
-            out.read_line(&mut line)
-                .expect("the child's stdout is readable")
-                > 0,
-            "the child exited before its next report"
-        );
-        if let Some(at) = line.find(MARK) {
-            return line[at + MARK.len()..].trim_end().to_owned();
+        let read = out
+            .read_line(&mut line)
+            .expect("the child's stdout is readable");
+        assert!(read > 0, "{}", ended());
+        if let Some(at) = line.find(needle) {
+            return line[at + needle.len()..].to_owned();
         }
     }
 }
@@ -162,19 +174,12 @@ pub fn next_report(out: &mut impl BufRead) -> String {
 /// The child's stdout ended first.
 #[track_caller]
 pub fn expect(out: &mut impl BufRead, prefix: &str) -> String {
-    let mut line = String::new();
-    loop {
-        line.clear();
-        assert!(
-            out.read_line(&mut line)
-                .expect("the child's stdout is readable")
-                > 0,
-            "the child ended before printing {MARK}{prefix}"
-        );
-        if let Some(at) = line.find(&format!("{MARK}{prefix}")) {
-            return line[at + MARK.len() + prefix.len()..].trim().to_owned();
-        }
-    }
+    let needle = format!("{MARK}{prefix}");
+    after(out, &needle, || {
+        format!("the child ended before printing {needle}")
+    })
+    .trim()
+    .to_owned()
 }
 
 /// A child process, killed (SIGKILL) and waited for if the test ends first; it is the

@@ -55,7 +55,8 @@ pub(crate) fn allocator(device: c_int, what: AsyncUnsupported) -> Result<&'stati
 /// [`tensormem::cuda::Error::ForkedChild`] in a bad fork.
 #[inline]
 pub(crate) fn used() -> Result<impl Iterator<Item = DeviceAllocator>> {
-    tensormem_runtime::opened_allocators().map_err(runtime_error)
+    let opened = tensormem_runtime::opened().map_err(runtime_error)?;
+    Ok(opened.map(|(_, allocator)| allocator))
 }
 
 /// The caching allocators the process has opened so far, after the check that the process runs

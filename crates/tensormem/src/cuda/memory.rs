@@ -409,7 +409,7 @@ pub fn caching_allocator_alloc(size: usize, stream: Option<&Stream>) -> Result<D
 /// device's allocator handed out `ptr` (or it was already freed).
 pub fn caching_allocator_delete(ptr: DeviceAddress) -> Result<()> {
     let current = super::current_device()?;
-    let mut tried = tensormem_runtime::opened()?;
+    let mut tried: Vec<_> = tensormem_runtime::opened()?.collect();
     // The current device first: where memory usually is.
     tried.sort_by_key(|(state, _)| state.ordinal() != current);
     let mut last = tensormem_cuda_alloc::Error::InvalidPointer { ptr };

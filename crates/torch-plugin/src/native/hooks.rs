@@ -171,8 +171,8 @@ fn set(slot: &AtomicPtr<c_void>, raw: *mut c_void, name: &'static str) -> c_int 
                 tracing::warn!(%err, "the C++ layer's hooks will not reach allocators opened later");
             }
         });
-        for allocator in tensormem_runtime::opened_caching_allocators().unwrap_or_default() {
-            attach(allocator);
+        if let Ok(opened) = tensormem_runtime::opened_caching_allocators() {
+            opened.for_each(attach);
         }
         Ok(())
     })
