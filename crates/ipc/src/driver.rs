@@ -35,6 +35,17 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// One device-to-device copy: `len` bytes from `src` to `dst`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DeviceCopy {
+    /// Where the bytes are read.
+    pub src: DeviceAddress,
+    /// Where they are written.
+    pub dst: DeviceAddress,
+    /// How many.
+    pub len: u64,
+}
+
 /// The driver calls of CUDA IPC, per device ordinal.
 ///
 /// Every method makes the device's context current itself where the call needs one.
@@ -123,6 +134,22 @@ pub trait IpcDriver: Send + Sync + 'static {
         &self,
         device: u32,
         event: &Self::ImportedEvent,
+        stream: StreamId,
+    ) -> DeviceResult<()>;
+
+    /// Queues `copies` on `stream` of `device`, in as few launches as the driver allows
+    /// (`cuMemcpyBatchAsync` where the driver has it and the stream is not the legacy default
+    /// stream, else one `cuMemcpyDtoDAsync` each). Returns when they are queued, not done.
+    ///
+    /// # Safety
+    ///
+    /// Every range is device memory usable by this process on `device` (its own, or mapped from
+    /// another process) and stays so until the copies have run; no destination overlaps another
+    /// copy's source or destination.
+    unsafe fn copy_batch(
+        &self,
+        device: u32,
+        copies: &[DeviceCopy],
         stream: StreamId,
     ) -> DeviceResult<()>;
 }

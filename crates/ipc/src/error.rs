@@ -144,6 +144,51 @@ pub enum Error {
         problem: String,
     },
 
+    /// The bytes are not a weights message ([`WeightsMessage::decode`](crate::weights::WeightsMessage::decode)):
+    /// nothing was opened.
+    #[error(
+        "malformed weights message: {problem}; pass the bytes WeightsMessage::encode produced, \
+         unchanged"
+    )]
+    MalformedWeights {
+        /// What was wrong.
+        problem: String,
+    },
+
+    /// The published tensors and the consumer's do not match (names, element types, shapes,
+    /// strides, overlaps): nothing was written.
+    #[error("cannot install the published weights: {problem}")]
+    WeightsMismatch {
+        /// What differs, naming the tensors.
+        problem: String,
+    },
+
+    /// The version channel of a publication could not be made or joined.
+    #[error("weights channel: {problem}")]
+    WeightsChannel {
+        /// What went wrong.
+        problem: String,
+    },
+
+    /// A wait of a weights publication ran out of time; nothing was changed by it.
+    #[error("timed out after {waited:?} waiting for {what}; wait again, or close the publication")]
+    WeightsTimedOut {
+        /// What was waited for.
+        what: String,
+        /// How long.
+        waited: std::time::Duration,
+    },
+
+    /// The producer closed the publication, or exited: no new version will come.
+    #[error(
+        "the weights publication of process {pid} is closed (closed by its producer, or the \
+         producer exited); drop the subscription and open a new publication"
+    )]
+    PublicationClosed {
+        /// The producer's process id.
+        pid: u32,
+    },
+
     /// A batch could not be built from what was added to it (nothing was shared, no slot taken).
     #[error("cannot share the batch: {problem}")]
     InvalidBatch {

@@ -97,13 +97,14 @@ pub mod producer;
 pub mod received;
 mod refcounter;
 mod view;
+pub mod weights;
 
 pub use batch::{
     BatchBuilder, BatchHandle, BatchSegment, BatchView, ReceivedBatch, ReceivedView,
     BATCH_ENCODING_VERSION,
 };
 pub use chunks::{ChunkFdRoutes, ChunkHandle, FdRoute, DEFAULT_CHUNK_FD_TIMEOUT};
-pub use driver::{EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
+pub use driver::{DeviceCopy, EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
 pub use error::{Error, Result, RECEIVED_MEMORY_MESSAGE};
 pub use handle::{IpcHandle, SegmentMemory, TorchShareTuple};
 pub use producer::{

@@ -357,6 +357,37 @@ impl<D: Device, B: IpcDriver> IpcProducer<D, B> {
         ))
     }
 
+    /// The driver, the name generator of its files, its id and the memory handle of the
+    /// allocation at `base` (cached per allocation): what a publication of memory outside the
+    /// allocator needs ([`crate::weights`]).
+    pub(crate) fn driver_arc(&self) -> &Arc<B> {
+        &self.inner.driver
+    }
+
+    pub(crate) fn file_names(&self) -> &NameGenerator {
+        &self.inner.names
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    pub(crate) fn handle_of(
+        &self,
+        device: u32,
+        base: DeviceAddress,
+        size: usize,
+    ) -> Result<MemHandle> {
+        self.inner.mem_handle(device, base, size)
+    }
+
+    /// A ref-counter slot (set to 1) for one message that holds no allocation of the allocator.
+    pub(crate) fn message_slot(&self) -> Result<(Arc<RefCounterFile>, usize)> {
+        let slot = self.inner.take_slot()?;
+        self.inner.counters.shares.fetch_add(1, Ordering::Relaxed);
+        Ok(slot)
+    }
+
     /// Frees what consumers released (PyTorch's `CudaIPCCollect`): limbo entries whose slots are all
     /// back to 0, after reclaiming slots of consumers that died holding them; when the limbo is empty,
     /// also lets go of the current ref-counter file if none of its slots is out. Returns whether any

@@ -58,6 +58,7 @@ pub struct BatchHandle {
 }
 
 /// Segments and views that passed [`validate`], before a slot is taken for them.
+#[derive(Clone)]
 pub(crate) struct CheckedBatch {
     segments: Vec<BatchSegment>,
     views: Vec<BatchView>,

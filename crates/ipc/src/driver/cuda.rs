@@ -9,7 +9,7 @@ use cudarc::driver::sys;
 use tensormem_cuda_alloc::backend::cuda::{self, check, BackendEvent, CudaBackend};
 use tensormem_cuda_alloc::{DeviceAddress, DeviceError, DeviceResult, StreamId};
 
-use super::{EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
+use super::{DeviceCopy, EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
 
 /// The CUDA IPC driver calls, through the primary context of each device (the one the CUDA runtime
 /// and PyTorch use, so pointers and streams are interchangeable with theirs).
@@ -281,4 +281,82 @@ impl IpcDriver for CudaIpcDriver {
             sys::cuStreamWaitEvent(stream.0 as sys::CUstream, event.as_raw(), 0)
         })
     }
+
+    unsafe fn copy_batch(
+        &self,
+        device: u32,
+        copies: &[DeviceCopy],
+        stream: StreamId,
+    ) -> DeviceResult<()> {
+        self.current(device)?;
+        let raw = stream.0 as sys::CUstream;
+        if copies.len() > 1 && !raw.is_null() && batch_copies_supported() {
+            // SAFETY: the caller guarantees every range is device memory usable here until the
+            // copies ran and that no destination overlaps; the stream is live (the caller's
+            // obligation for every StreamId) and not the legacy default stream.
+            return unsafe { copy_batched(device, copies, raw) };
+        }
+        for copy in copies {
+            // SAFETY: as above, one range at a time.
+            check("cuMemcpyDtoDAsync", unsafe {
+                sys::cuMemcpyDtoDAsync_v2(copy.dst.0, copy.src.0, copy.len as usize, raw)
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether the driver has `cuMemcpyBatchAsync` in its CUDA 13 form (driver 13.0 or newer).
+fn batch_copies_supported() -> bool {
+    static SUPPORTED: OnceLock<bool> = OnceLock::new();
+    *SUPPORTED.get_or_init(|| {
+        let mut version = 0;
+        // SAFETY: `version` is a valid out-parameter; the driver was initialised by `new`.
+        let ok = unsafe { sys::cuDriverGetVersion(&mut version) } == sys::CUresult::CUDA_SUCCESS;
+        ok && version >= 13_000
+    })
+}
+
+/// The most copies handed to one `cuMemcpyBatchAsync` call (the three arrays stay a few MiB).
+const BATCH_LIMIT: usize = 65_536;
+
+/// One `cuMemcpyBatchAsync` per [`BATCH_LIMIT`] copies, all with one attribute: sources read in
+/// stream order, both sides on `device`.
+///
+/// # Safety
+///
+/// As [`IpcDriver::copy_batch`]; `stream` is a live stream of `device`'s current context, not the
+/// legacy default stream.
+unsafe fn copy_batched(
+    device: u32,
+    copies: &[DeviceCopy],
+    stream: sys::CUstream,
+) -> DeviceResult<()> {
+    // SAFETY: a plain C struct; all-zero bytes is a valid value, the fields used are set below.
+    let mut attr: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
+    attr.srcAccessOrder = sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+    attr.srcLocHint.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    attr.srcLocHint.id = device as i32;
+    attr.dstLocHint = attr.srcLocHint;
+    for chunk in copies.chunks(BATCH_LIMIT) {
+        let mut dsts: Vec<sys::CUdeviceptr> = chunk.iter().map(|c| c.dst.0).collect();
+        let mut srcs: Vec<sys::CUdeviceptr> = chunk.iter().map(|c| c.src.0).collect();
+        let mut sizes: Vec<usize> = chunk.iter().map(|c| c.len as usize).collect();
+        let mut index = 0usize;
+        // SAFETY: the three arrays hold `chunk.len()` entries each and live for the call; one
+        // attribute applies from copy 0 on; the ranges are the caller's obligation.
+        check("cuMemcpyBatchAsync", unsafe {
+            sys::cuMemcpyBatchAsync_v2(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                chunk.len(),
+                &mut attr,
+                &mut index,
+                1,
+                stream,
+            )
+        })?;
+    }
+    Ok(())
 }

@@ -17,7 +17,7 @@ use parking_lot::Mutex;
 use tensormem_cuda_alloc::backend::sim::SimChunk;
 use tensormem_cuda_alloc::{DeviceAddress, DeviceError, DeviceResult, StreamId};
 
-use super::{EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
+use super::{DeviceCopy, EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
 
 /// Where the fake maps an opened handle: the producer's address plus this, so that, as in a real
 /// second process, received memory never has the address of one of this process's allocations.
@@ -53,6 +53,8 @@ pub struct FakeCounts {
     pub stream_syncs: AtomicUsize,
     /// Chunks imported by `import_chunks` (ranges count in `opens` and `closes`).
     pub chunk_imports: AtomicUsize,
+    /// `copy_batch` calls.
+    pub copy_batches: AtomicUsize,
 }
 
 /// An event of the fake driver.
@@ -79,6 +81,10 @@ pub struct FakeDriver {
     next_range: AtomicU64,
     /// What `stream_idle` answers (default: work pending, so shares record events).
     streams_idle: AtomicBool,
+    /// Every copy queued by `copy_batch`, in order.
+    copies: Mutex<Vec<DeviceCopy>>,
+    /// Allocations of this process that `address_range` knows: (device, base, size).
+    allocations: Mutex<Vec<(u32, u64, usize)>>,
     /// Call counts.
     pub counts: FakeCounts,
 }
@@ -99,6 +105,8 @@ impl FakeDriver {
             next_event: AtomicU64::new(1),
             next_range: AtomicU64::new(0),
             streams_idle: AtomicBool::new(false),
+            copies: Mutex::new(Vec::new()),
+            allocations: Mutex::new(Vec::new()),
             counts: FakeCounts::default(),
         }
     }
@@ -106,6 +114,19 @@ impl FakeDriver {
     /// Makes `stream_idle` report every stream idle (`true`) or busy (`false`, the default).
     pub fn set_streams_idle(&self, idle: bool) {
         self.streams_idle.store(idle, Ordering::Relaxed);
+    }
+
+    /// Tells `address_range` of an allocation of this process (`cuMemGetAddressRange` on a real
+    /// device knows every allocation; the fake knows only those it is told of and the mappings it
+    /// opened).
+    pub fn add_allocation(&self, device: u32, base: DeviceAddress, size: usize) {
+        self.allocations.lock().push((device, base.0, size));
+    }
+
+    /// Every copy queued by `copy_batch` so far, in order (the fake has no bytes to move).
+    #[must_use]
+    pub fn copies(&self) -> Vec<DeviceCopy> {
+        self.copies.lock().clone()
     }
 
     /// How many distinct handles are open in this process now.
@@ -226,12 +247,20 @@ impl IpcDriver for FakeDriver {
         device: u32,
         ptr: DeviceAddress,
     ) -> DeviceResult<(DeviceAddress, usize)> {
+        let inside = |d: u32, base: u64, size: usize| {
+            d == device && ptr.0 >= base && ptr.0 < base + size as u64
+        };
         let open = self.open.lock();
         open.iter()
-            .find(|(&(d, base), &(size, _))| {
-                d == device && ptr.0 >= base && ptr.0 < base + size as u64
-            })
+            .find(|(&(d, base), &(size, _))| inside(d, base, size))
             .map(|(&(_, base), &(size, _))| (DeviceAddress(base), size))
+            .or_else(|| {
+                self.allocations
+                    .lock()
+                    .iter()
+                    .find(|&&(d, base, size)| inside(d, base, size))
+                    .map(|&(_, base, size)| (DeviceAddress(base), size))
+            })
             .ok_or_else(|| invalid("cuMemGetAddressRange", format!("{ptr} is not mapped")))
     }
 
@@ -312,6 +341,18 @@ impl IpcDriver for FakeDriver {
     fn wait_event(&self, device: u32, _event: &EventHandle, _stream: StreamId) -> DeviceResult<()> {
         self.check_device(device)?;
         self.counts.event_waits.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    unsafe fn copy_batch(
+        &self,
+        device: u32,
+        copies: &[DeviceCopy],
+        _stream: StreamId,
+    ) -> DeviceResult<()> {
+        self.check_device(device)?;
+        self.counts.copy_batches.fetch_add(1, Ordering::Relaxed);
+        self.copies.lock().extend_from_slice(copies);
         Ok(())
     }
 }

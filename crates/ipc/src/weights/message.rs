@@ -1,0 +1,206 @@
+//! [`WeightsMessage`]: what a consumer needs to open a publication, and its binary encoding.
+
+use tensormem_shm::ShmName;
+
+use super::meta::{DType, TensorMeta, MAX_DIMS};
+use crate::batch::BatchHandle;
+use crate::driver::{EventHandle, IPC_HANDLE_SIZE};
+use crate::error::{Error, Result};
+
+const MAGIC: &[u8; 4] = b"TMIW";
+/// The encoding version of [`WeightsMessage`] this crate writes and reads.
+pub const WEIGHTS_ENCODING_VERSION: u16 = 1;
+
+/// A publication as a consumer receives it: the batch of its memory (one handle per segment, one
+/// view per tensor, one ref-counter slot for this consumer), each tensor's element type, shape and
+/// strides, the producer's version channel and the event it records each version on.
+///
+/// # Binary encoding (version 1)
+///
+/// All integers little-endian.
+///
+/// | bytes | field |
+/// | --- | --- |
+/// | 0..4 | magic `TMIW` |
+/// | 4..6 | version (1) |
+/// | 6..8 | reserved (0) |
+/// | 8..72 | the producer's version event (`cuIpcGetEventHandle`) |
+/// | 72..74 | length `N` of the channel's shared-memory name, then the name |
+/// | then 4 + `B` | length `B` of the batch, then the batch ([`BatchHandle::encode`]) |
+/// | then per view of the batch, in its order | element type (1), dimensions `D` (1), `D` sizes (8 each), `D` strides in elements (8 each) |
+///
+/// Decoding checks every field: the batch as [`BatchHandle::decode`] does, known element types, at
+/// most [`MAX_DIMS`] dimensions, each tensor inside its view (its span no longer than the view),
+/// and the exact length. Anything else is [`Error::MalformedWeights`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WeightsMessage {
+    pub(crate) batch: BatchHandle,
+    pub(crate) metas: Vec<TensorMeta>,
+    pub(crate) channel: ShmName,
+    pub(crate) event: EventHandle,
+}
+
+impl WeightsMessage {
+    /// The batch of the publication's memory.
+    #[must_use]
+    pub fn batch(&self) -> &BatchHandle {
+        &self.batch
+    }
+
+    /// Each tensor's element type, shape and strides, in the batch's view order.
+    #[must_use]
+    pub fn metas(&self) -> &[TensorMeta] {
+        &self.metas
+    }
+
+    /// The binary encoding (see the type's docs).
+    #[must_use]
+    pub fn encode(&self) -> Vec<u8> {
+        let batch = self.batch.encode();
+        let name = self.channel.as_str().as_bytes();
+        let mut out = Vec::with_capacity(80 + name.len() + batch.len() + self.metas.len() * 40);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&WEIGHTS_ENCODING_VERSION.to_le_bytes());
+        out.extend_from_slice(&0u16.to_le_bytes());
+        out.extend_from_slice(&self.event.0);
+        out.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        out.extend_from_slice(name);
+        out.extend_from_slice(&(batch.len() as u32).to_le_bytes());
+        out.extend_from_slice(&batch);
+        for meta in &self.metas {
+            out.push(meta.dtype.code());
+            out.push(meta.shape.len() as u8);
+            for &size in &meta.shape {
+                out.extend_from_slice(&size.to_le_bytes());
+            }
+            for &stride in &meta.strides {
+                out.extend_from_slice(&stride.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    /// Decodes [`encode`](Self::encode)'s bytes, checking every field.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::MalformedWeights`] naming the first problem found ([`Error::MalformedBatch`] for
+    /// the batch inside).
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        let bad = |problem: String| Error::MalformedWeights { problem };
+        let mut r = Reader { bytes, at: 0 };
+        if r.take(4, "magic")? != MAGIC {
+            return Err(bad("wrong magic (not a weights message)".into()));
+        }
+        let version = r.u16("version")?;
+        if version != WEIGHTS_ENCODING_VERSION {
+            return Err(bad(format!(
+                "encoding version {version}, this build reads version \
+                 {WEIGHTS_ENCODING_VERSION}; use the same tensormem version on both sides"
+            )));
+        }
+        if r.u16("reserved")? != 0 {
+            return Err(bad("reserved bits set".into()));
+        }
+        let mut event = [0u8; IPC_HANDLE_SIZE];
+        event.copy_from_slice(r.take(IPC_HANDLE_SIZE, "event handle")?);
+        let name_len = usize::from(r.u16("channel name length")?);
+        let channel = ShmName::from_bytes(r.take(name_len, "channel name")?)
+            .map_err(|e| bad(format!("channel name: {e}")))?;
+        let batch_len = r.u32("batch length")? as usize;
+        let batch = BatchHandle::decode(r.take(batch_len, "batch")?)?;
+        let mut metas = Vec::with_capacity(batch.views().len());
+        for view in batch.views() {
+            let what = || format!("tensor {:?}", view.name);
+            let dtype = r.u8("element type")?;
+            let dtype = DType::from_code(dtype)
+                .ok_or_else(|| bad(format!("{}: unknown element type code {dtype}", what())))?;
+            let dims = usize::from(r.u8("dimensions")?);
+            if dims > MAX_DIMS {
+                return Err(bad(format!(
+                    "{}: {dims} dimensions (at most {MAX_DIMS})",
+                    what()
+                )));
+            }
+            let mut shape = Vec::with_capacity(dims);
+            for _ in 0..dims {
+                shape.push(r.u64("size")?);
+            }
+            let mut strides = Vec::with_capacity(dims);
+            for _ in 0..dims {
+                strides.push(r.u64("stride")?);
+            }
+            let meta = TensorMeta {
+                dtype,
+                shape,
+                strides,
+            };
+            if meta.span() > view.len || (meta.span() == u64::MAX) {
+                return Err(bad(format!(
+                    "{}: {meta} spans {} bytes, past its view of {} bytes",
+                    what(),
+                    meta.span(),
+                    view.len
+                )));
+            }
+            metas.push(meta);
+        }
+        if r.at != bytes.len() {
+            return Err(bad(format!(
+                "{} bytes after the last tensor",
+                bytes.len() - r.at
+            )));
+        }
+        Ok(Self {
+            batch,
+            metas,
+            channel,
+            event: EventHandle(event),
+        })
+    }
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.bytes.len());
+        let Some(end) = end else {
+            return Err(Error::MalformedWeights {
+                problem: format!(
+                    "{} bytes end inside the {what} (at byte {})",
+                    self.bytes.len(),
+                    self.at
+                ),
+            });
+        };
+        let out = &self.bytes[self.at..end];
+        self.at = end;
+        Ok(out)
+    }
+
+    fn u8(&mut self, what: &str) -> Result<u8> {
+        Ok(self.take(1, what)?[0])
+    }
+
+    fn u16(&mut self, what: &str) -> Result<u16> {
+        Ok(u16::from_le_bytes(
+            self.take(2, what)?.try_into().expect("2 bytes"),
+        ))
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32> {
+        Ok(u32::from_le_bytes(
+            self.take(4, what)?.try_into().expect("4 bytes"),
+        ))
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64> {
+        Ok(u64::from_le_bytes(
+            self.take(8, what)?.try_into().expect("8 bytes"),
+        ))
+    }
+}

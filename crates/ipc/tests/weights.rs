@@ -1,0 +1,257 @@
+//! Weights publications on the fake driver: versions, waits and mismatches in one process, and a
+//! consumer in a real second process (killed, or closing), so that the channel and the slot are
+//! exercised across processes. The GPU path (bytes really copied) is in `gpu.rs`.
+
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use tensormem_cuda_alloc::backend::sim::SimDevice;
+use tensormem_cuda_alloc::{DeviceAddress, StreamId};
+use tensormem_ipc::driver::fake::FakeDriver;
+use tensormem_ipc::weights::{
+    DType, PlacedTensor, PlanOptions, PublishedTensor, TensorMeta, WeightPublisher,
+    WeightSubscriber, WeightsMessage,
+};
+use tensormem_ipc::{Error, IpcConsumer, IpcProducer};
+use tensormem_test_support::child::{self, expect};
+use tensormem_test_support::{hex, unhex};
+
+const S: StreamId = StreamId(0);
+const ROLE: &str = "TENSORMEM_IPC_WEIGHTS_ROLE";
+const MESSAGE: &str = "TENSORMEM_IPC_WEIGHTS_MESSAGE";
+const SECOND: Option<Duration> = Some(Duration::from_secs(10));
+
+/// A producer on the fake driver with `n` bf16 tensors of 64x64 (8 KiB) back to back in one
+/// allocation at 0x100000.
+fn published(
+    n: u64,
+) -> (
+    Arc<FakeDriver>,
+    WeightPublisher<SimDevice, FakeDriver>,
+    TensorMeta,
+) {
+    let driver = Arc::new(FakeDriver::default());
+    driver.add_allocation(0, DeviceAddress(0x10_0000), (n * 8192) as usize);
+    let meta = TensorMeta::contiguous(DType::BFloat16, &[64, 64]);
+    let tensors: Vec<PublishedTensor> = (0..n)
+        .map(|i| PublishedTensor {
+            name: format!("layer{i}.weight"),
+            ptr: DeviceAddress(0x10_0000 + i * 8192),
+            meta: meta.clone(),
+        })
+        .collect();
+    let producer = IpcProducer::new(Arc::clone(&driver));
+    // SAFETY: the fake driver has no memory behind the addresses; nothing reads them.
+    let publisher = unsafe { WeightPublisher::new(&producer, 0, &tensors) }.unwrap();
+    (driver, publisher, meta)
+}
+
+fn names(n: u64) -> Vec<String> {
+    (0..n).map(|i| format!("layer{i}.weight")).collect()
+}
+
+/// The consumer's destinations: `n` tensors, every other one 8 KiB apart (so runs merge pairwise).
+fn destinations<'a>(names: &'a [String], meta: &'a TensorMeta) -> Vec<PlacedTensor<'a>> {
+    names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| PlacedTensor {
+            name,
+            ptr: DeviceAddress(0x90_0000 + (i as u64) * 8192 + (i as u64 / 2) * 4096),
+            meta,
+        })
+        .collect()
+}
+
+#[test]
+fn versions_install_in_order_and_the_producer_waits_for_them() {
+    let (driver, publisher, meta) = published(6);
+    let message = WeightsMessage::decode(&publisher.message().unwrap().encode()).unwrap();
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let mut sub = WeightSubscriber::open(&consumer, &message, S).unwrap();
+    assert_eq!(sub.tensors().len(), 6);
+    let names = names(6);
+    let dst = destinations(&names, &meta);
+    let plan = sub.prepare(&dst, PlanOptions::default()).unwrap();
+    assert_eq!(sub.prepare(&dst, PlanOptions::default()).unwrap(), plan);
+    assert_eq!(sub.plan(plan).copies().len(), 3, "pairs merge");
+    assert_eq!(sub.plan(plan).bytes(), 6 * 8192);
+
+    // No version yet: a consumer's wait times out, having changed nothing.
+    let err = sub.begin(S, Some(Duration::from_millis(30))).unwrap_err();
+    assert!(matches!(err, Error::WeightsTimedOut { .. }), "{err}");
+
+    let consumer_thread = thread::spawn(move || {
+        let mut got = Vec::new();
+        for _ in 0..3 {
+            // SAFETY: the fake driver moves no bytes.
+            got.push(unsafe { sub.install(plan, S, SECOND) }.unwrap());
+        }
+        (got, sub)
+    });
+    for expected in 1..=3 {
+        let v = publisher.publish(S).unwrap();
+        assert_eq!(v, expected);
+        publisher.wait_installed(v, SECOND).unwrap();
+    }
+    let (got, sub) = consumer_thread.join().unwrap();
+    assert_eq!(got, vec![1, 2, 3]);
+    assert_eq!(sub.installed(), 3);
+    assert_eq!(driver.copies().len(), 9);
+    assert_eq!(publisher.holders(), 1);
+    drop(sub);
+    assert_eq!(publisher.holders(), 0);
+}
+
+#[test]
+fn the_producer_does_not_pass_a_consumer_that_reads_a_version() {
+    let (driver, publisher, _meta) = published(2);
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let mut sub = WeightSubscriber::open(&consumer, &publisher.message().unwrap(), S).unwrap();
+    let v = publisher.publish(S).unwrap();
+    assert_eq!(sub.begin(S, SECOND).unwrap(), v);
+    // Reading: the producer may not write the next version yet.
+    let err = publisher
+        .wait_installed(v, Some(Duration::from_millis(30)))
+        .unwrap_err();
+    assert!(matches!(err, Error::WeightsTimedOut { .. }), "{err}");
+    sub.finish(v);
+    publisher.wait_installed(v, SECOND).unwrap();
+}
+
+#[test]
+fn mismatches_are_refused_before_any_copy() {
+    let (driver, publisher, meta) = published(3);
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let mut sub = WeightSubscriber::open(&consumer, &publisher.message().unwrap(), S).unwrap();
+    let names = names(3);
+    let other = TensorMeta::contiguous(DType::BFloat16, &[64, 32]);
+    let mut dst = destinations(&names, &meta);
+    dst[1].meta = &other;
+    let err = sub.prepare(&dst, PlanOptions::default()).unwrap_err();
+    assert!(
+        matches!(&err, Error::WeightsMismatch { problem } if problem.contains("layer1.weight")),
+        "{err}"
+    );
+    let renamed = ["layer0.weight", "layer1.weight", "layer9.weight"];
+    let dst: Vec<PlacedTensor<'_>> = renamed
+        .iter()
+        .enumerate()
+        .map(|(i, name)| PlacedTensor {
+            name,
+            ptr: DeviceAddress(0x90_0000 + i as u64 * 8192),
+            meta: &meta,
+        })
+        .collect();
+    let err = sub.prepare(&dst, PlanOptions::default()).unwrap_err();
+    assert!(err.to_string().contains("layer9.weight"), "{err}");
+    assert!(driver.copies().is_empty());
+}
+
+#[test]
+fn closing_ends_the_consumers_wait_and_refuses_new_messages() {
+    let (driver, mut publisher, _meta) = published(1);
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let unopened = publisher.message().unwrap();
+    let mut sub = WeightSubscriber::open(&consumer, &publisher.message().unwrap(), S).unwrap();
+    let waiter = thread::spawn(move || {
+        let err = sub.begin(S, SECOND).unwrap_err();
+        (err, sub)
+    });
+    thread::sleep(Duration::from_millis(20));
+    publisher.close();
+    let (err, sub) = waiter.join().unwrap();
+    assert!(matches!(err, Error::PublicationClosed { .. }), "{err}");
+    assert!(matches!(
+        publisher.message().unwrap_err(),
+        Error::PublicationClosed { .. }
+    ));
+    // The message never opened was given up at close: it no longer holds anything.
+    assert_eq!(publisher.holders(), 1);
+    let err = WeightSubscriber::open(&consumer, &unopened, S).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::ShareExpired { .. } | Error::WeightsChannel { .. }
+        ),
+        "{err}"
+    );
+    let start = Instant::now();
+    let releaser = thread::spawn(move || {
+        thread::sleep(Duration::from_millis(30));
+        drop(sub);
+    });
+    publisher.wait_released(SECOND).unwrap();
+    assert!(start.elapsed() >= Duration::from_millis(25));
+    releaser.join().unwrap();
+}
+
+#[test]
+fn malformed_messages_are_refused_at_every_length() {
+    let (_driver, publisher, _meta) = published(3);
+    let wire = publisher.message().unwrap().encode();
+    assert!(WeightsMessage::decode(&wire).is_ok());
+    for len in 0..wire.len() {
+        let err = WeightsMessage::decode(&wire[..len]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::MalformedWeights { .. } | Error::MalformedBatch { .. }
+            ),
+            "{len}: {err}"
+        );
+    }
+    let mut longer = wire.clone();
+    longer.push(0);
+    assert!(WeightsMessage::decode(&longer).is_err());
+    // A shape that would run past its view.
+    let mut bigger = wire.clone();
+    let at = bigger.len() - 3 * (2 + 32) + 2; // first tensor's first size
+    bigger[at..at + 8].copy_from_slice(&1_000_000u64.to_le_bytes());
+    let err = WeightsMessage::decode(&bigger).unwrap_err();
+    assert!(err.to_string().contains("past its view"), "{err}");
+    let mut unknown = wire;
+    let at = unknown.len() - 3 * (2 + 32);
+    unknown[at] = 99;
+    assert!(WeightsMessage::decode(&unknown)
+        .unwrap_err()
+        .to_string()
+        .contains("unknown element type"));
+}
+
+#[test]
+fn a_consumer_killed_while_subscribed_holds_nothing_back() {
+    if let Some(role) = child::role(ROLE) {
+        assert_eq!(role, "consumer");
+        let driver = Arc::new(FakeDriver::default());
+        let consumer = IpcConsumer::new(driver);
+        let wire = unhex(&std::env::var(MESSAGE).unwrap());
+        let mut sub =
+            WeightSubscriber::open(&consumer, &WeightsMessage::decode(&wire).unwrap(), S).unwrap();
+        let v = sub.begin(S, SECOND).unwrap();
+        child::report(&format!("reading {v}"));
+        child::hold();
+        return;
+    }
+    let (_driver, mut publisher, _meta) = published(4);
+    let wire = hex(&publisher.message().unwrap().encode());
+    let (mut peer, mut out) = child::spawn(
+        child::this_test("a_consumer_killed_while_subscribed_holds_nothing_back")
+            .env(ROLE, "consumer")
+            .env(MESSAGE, &wire)
+            .stdin(std::process::Stdio::piped()),
+    );
+    let v = publisher.publish(S).unwrap();
+    assert_eq!(expect(&mut out, "reading"), v.to_string());
+    assert_eq!(publisher.holders(), 1);
+    let err = publisher
+        .wait_installed(v, Some(Duration::from_millis(30)))
+        .unwrap_err();
+    assert!(matches!(err, Error::WeightsTimedOut { .. }), "{err}");
+    peer.kill9();
+    // Killed mid-install: the producer goes on, and nothing stays held.
+    publisher.wait_installed(v, SECOND).unwrap();
+    assert_eq!(publisher.holders(), 0);
+    publisher.wait_released(SECOND).unwrap();
+}
