@@ -1,6 +1,6 @@
 //! `cargo xtask test-gpu --bundle DIR`: the GPU test executables, the GPU examples, the
 //! benchmark binaries (`alloc_patterns`, `ipc_roundtrip`, `handoff_bench`, `shm_bench`,
-//! `shm_pool_bench`, `shm_loader_bench`, `storage_pool_bench`), the PyTorch anchors they are
+//! `shm_pool_bench`, `shm_loader_bench`, `storage_pool_bench`, `refit_bench`), the PyTorch anchors they are
 //! compared with (`anchors/`) and a `run.sh`, built here for a GPU host that has no Rust toolchain.
 //!
 //! The executables are built in release without debug info and stripped (through `CARGO_PROFILE_*`
@@ -29,6 +29,7 @@ const BENCH_BINS: &[(&str, &str)] = &[
     ("tensormem-benches", "handoff_bench"),
     ("tensormem-benches", "nccl_pool_bench"),
     ("tensormem-benches", "pinned_patterns"),
+    ("tensormem-benches", "refit_bench"),
     ("tensormem-benches", "shm_bench"),
     ("tensormem-benches", "shm_pool_bench"),
     ("tensormem-benches", "shm_loader_bench"),
@@ -46,6 +47,7 @@ const ANCHOR_SCRIPTS: &[&str] = &[
     "torch_sharing_bench.py",
     "torch_loader_bench.py",
     "torch_pinned_bench.py",
+    "torch_refit_bench.py",
     "torch_step_bench.py",
 ];
 
