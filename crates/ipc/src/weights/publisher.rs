@@ -72,10 +72,10 @@ impl<D: Device, B: IpcDriver> WeightPublisher<D, B> {
     /// # Errors
     ///
     /// [`Error::InvalidBatch`] for no tensors, a name given twice for different bytes, tensors that
-    /// partly overlap, or a tensor past its allocation; [`Error::Driver`] where the driver refuses
-    /// (memory of an expandable segment cannot be named by a memory handle: publish it from an
-    /// allocator without expandable segments); [`Error::WeightsChannel`] if the channel's file
-    /// cannot be made.
+    /// partly overlap, a tensor past its allocation, or memory without a CUDA IPC memory handle
+    /// (an expandable segment's: publish from an allocator without expandable segments);
+    /// [`Error::Driver`] where the driver refuses another call; [`Error::WeightsChannel`] if the
+    /// channel's file cannot be made.
     pub unsafe fn new(
         producer: &IpcProducer<D, B>,
         device: u32,
@@ -119,7 +119,14 @@ impl<D: Device, B: IpcDriver> WeightPublisher<D, B> {
             let segment = match index_of_base.get(&base.0) {
                 Some(&i) => i,
                 None => {
-                    let mem_handle = producer.handle_of(device, base, size)?;
+                    let mem_handle = producer.handle_of(device, base, size).map_err(|err| {
+                        invalid(format!(
+                            "tensor {:?} lies in memory that has no CUDA IPC memory handle \
+                             ({err}); memory of an expandable segment (cuMemCreate) cannot be \
+                             published: allocate the weights with expandable_segments:False",
+                            t.name
+                        ))
+                    })?;
                     segments.push(BatchSegment {
                         mem_handle,
                         size: size as u64,

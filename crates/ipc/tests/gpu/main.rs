@@ -25,9 +25,11 @@ use tensormem_ipc::{
 };
 use tensormem_test_support::{child, gpu, hex, python, torch, unhex};
 
+mod weights;
+
 const ROLE: &str = "TENSORMEM_IPC_GPU_ROLE";
 const S: StreamId = StreamId::DEFAULT;
-const SCRIPT: &str = include_str!("python/ipc_interop.py");
+const SCRIPT: &str = include_str!("../python/ipc_interop.py");
 
 type Allocator = Arc<CachingAllocator<CudaBackend>>;
 type Producer = IpcProducer<CudaBackend, CudaIpcDriver>;
