@@ -71,6 +71,8 @@ fn versions_install_in_order_and_the_producer_waits_for_them() {
     let consumer = IpcConsumer::new(Arc::clone(&driver));
     let mut sub = WeightSubscriber::open(&consumer, &message, S).unwrap();
     assert_eq!(sub.tensors().len(), 6);
+    // The consumer's parameters: one allocation of 1 MiB.
+    driver.add_allocation(0, DeviceAddress(0x90_0000), 1 << 20);
     let names = names(6);
     let dst = destinations(&names, &meta);
     let plan = sub.prepare(&dst, PlanOptions::default()).unwrap();

@@ -71,13 +71,14 @@
 //!
 //! // The engine: open once, plan once against its own parameters.
 //! let consumer = IpcConsumer::new(Arc::clone(&driver));
+//! driver.add_allocation(0, DeviceAddress(0x90_0000), 1 << 20); // the engine's parameters
 //! let mut sub = WeightSubscriber::open(&consumer, &WeightsMessage::decode(&wire)?, s)?;
 //! let engine = [
 //!     PlacedTensor { name: "w1", ptr: DeviceAddress(0x90_0000), meta: &meta },
 //!     PlacedTensor { name: "w2", ptr: DeviceAddress(0x92_0000), meta: &meta },
 //! ];
 //! let plan = sub.prepare(&engine, PlanOptions::default())?;
-//! assert_eq!(sub.plan(plan).copies().len(), 1); // adjacent on both sides: one copy
+//! assert_eq!(sub.plan(plan).copies().len(), 1); // adjacent in one allocation each side: one copy
 //!
 //! // Every step: the trainer announces, the engine installs, the trainer waits for it.
 //! let version = publisher.publish(s)?;

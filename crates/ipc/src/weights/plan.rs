@@ -74,10 +74,46 @@ impl InstallPlan {
         destinations: &[PlacedTensor<'_>],
         options: PlanOptions,
     ) -> Result<Self> {
+        Self::build_in_regions(sources, &[], destinations, &[], options)
+    }
+
+    /// [`build`](Self::build), told which allocation each tensor lies in (`source_regions[i]`
+    /// for `sources[i]`, any number naming the allocation, such as its base address), so that
+    /// copies adjacent on both sides merge: a merged copy never leaves one allocation on either
+    /// side (the driver refuses a copy that spans two). Empty slices: nothing merges.
+    ///
+    /// # Errors
+    ///
+    /// As [`build`](Self::build); [`Error::WeightsMismatch`] if a non-empty slice of regions is
+    /// not as long as its tensors.
+    pub fn build_in_regions(
+        sources: &[PlacedTensor<'_>],
+        source_regions: &[u64],
+        destinations: &[PlacedTensor<'_>],
+        destination_regions: &[u64],
+        options: PlanOptions,
+    ) -> Result<Self> {
+        let merge = !source_regions.is_empty() || !destination_regions.is_empty();
+        if merge
+            && (source_regions.len() != sources.len()
+                || destination_regions.len() != destinations.len())
+        {
+            return Err(Error::WeightsMismatch {
+                problem: format!(
+                    "{} source regions for {} sources and {} destination regions for {} \
+                     destinations; give one region per tensor",
+                    source_regions.len(),
+                    sources.len(),
+                    destination_regions.len(),
+                    destinations.len()
+                ),
+            });
+        }
         let mismatch = |problem: String| Error::WeightsMismatch { problem };
-        let mut by_name: HashMap<&str, &PlacedTensor<'_>> = HashMap::with_capacity(sources.len());
-        for s in sources {
-            if by_name.insert(s.name, s).is_some() {
+        let mut by_name: HashMap<&str, (usize, &PlacedTensor<'_>)> =
+            HashMap::with_capacity(sources.len());
+        for (i, s) in sources.iter().enumerate() {
+            if by_name.insert(s.name, (i, s)).is_some() {
                 return Err(mismatch(format!("the source {:?} is named twice", s.name)));
             }
         }
@@ -86,7 +122,7 @@ impl InstallPlan {
         let mut different = Vec::new();
         let mut strided = Vec::new();
         let mut copies = Vec::with_capacity(destinations.len());
-        for d in destinations {
+        for (di, d) in destinations.iter().enumerate() {
             if seen.insert(d.name, ()).is_some() {
                 return Err(mismatch(format!(
                     "the destination {:?} is named twice",
@@ -96,7 +132,7 @@ impl InstallPlan {
             d.meta
                 .check()
                 .map_err(|p| mismatch(format!("destination {:?}: {p}", d.name)))?;
-            let Some(s) = by_name.get(d.name) else {
+            let Some(&(si, s)) = by_name.get(d.name) else {
                 missing.push(d.name);
                 continue;
             };
@@ -110,11 +146,20 @@ impl InstallPlan {
             }
             let len = d.meta.span();
             if len > 0 {
-                copies.push(DeviceCopy {
-                    src: s.ptr,
-                    dst: d.ptr,
-                    len,
-                });
+                // Without regions every copy is a region of its own: nothing merges.
+                let region = if merge {
+                    (source_regions[si], destination_regions[di])
+                } else {
+                    (u64::MAX, di as u64)
+                };
+                copies.push((
+                    DeviceCopy {
+                        src: s.ptr,
+                        dst: d.ptr,
+                        len,
+                    },
+                    region,
+                ));
             }
         }
         if !missing.is_empty() {
@@ -155,23 +200,24 @@ impl InstallPlan {
                 listed(&unused)
             )));
         }
-        copies.sort_unstable_by_key(|c| (c.dst.0, c.len, c.src.0));
+        copies.sort_unstable_by_key(|(c, _)| (c.dst.0, c.len, c.src.0));
         // Tied weights (two names for one tensor) on both sides: one copy.
-        copies.dedup();
+        copies.dedup_by_key(|(c, _)| *c);
         for pair in copies.windows(2) {
-            if pair[0].dst.0 + pair[0].len > pair[1].dst.0 {
+            let (a, b) = (&pair[0].0, &pair[1].0);
+            if a.dst.0 + a.len > b.dst.0 {
                 return Err(mismatch(format!(
                     "two destinations overlap (bytes {:#x}..{:#x} and {:#x}..{:#x}); each \
                      destination must be memory of its own",
-                    pair[0].dst.0,
-                    pair[0].dst.0 + pair[0].len,
-                    pair[1].dst.0,
-                    pair[1].dst.0 + pair[1].len
+                    a.dst.0,
+                    a.dst.0 + a.len,
+                    b.dst.0,
+                    b.dst.0 + b.len
                 )));
             }
         }
         let tensors = destinations.len();
-        let bytes = copies.iter().map(|c| c.len).sum();
+        let bytes = copies.iter().map(|(c, _)| c.len).sum();
         let copies = merge_adjacent(copies);
         Ok(Self {
             copies,
@@ -220,18 +266,23 @@ pub fn layout_key(sources: &[PlacedTensor<'_>], destinations: &[PlacedTensor<'_>
     h.finish()
 }
 
-/// Merges copies (sorted by destination) that continue one another on both sides.
-fn merge_adjacent(copies: Vec<DeviceCopy>) -> Vec<DeviceCopy> {
-    let mut merged: Vec<DeviceCopy> = Vec::with_capacity(copies.len());
-    for c in copies {
+/// Merges copies (sorted by destination) that continue one another on both sides inside one
+/// region (allocation) of each side.
+fn merge_adjacent(copies: Vec<(DeviceCopy, (u64, u64))>) -> Vec<DeviceCopy> {
+    let mut merged: Vec<(DeviceCopy, (u64, u64))> = Vec::with_capacity(copies.len());
+    for (c, region) in copies {
         match merged.last_mut() {
-            Some(last) if last.dst.0 + last.len == c.dst.0 && last.src.0 + last.len == c.src.0 => {
+            Some((last, last_region))
+                if *last_region == region
+                    && last.dst.0 + last.len == c.dst.0
+                    && last.src.0 + last.len == c.src.0 =>
+            {
                 last.len += c.len;
             }
-            _ => merged.push(c),
+            _ => merged.push((c, region)),
         }
     }
-    merged
+    merged.into_iter().map(|(c, _)| c).collect()
 }
 
 #[cfg(test)]
@@ -257,7 +308,19 @@ mod tests {
             t("a", 0x20000, &m),
             t("c", 0x20400, &m),
         ];
-        let plan = InstallPlan::build(&src, &dst, PlanOptions::default()).unwrap();
+        // Without regions nothing merges.
+        let plain = InstallPlan::build(&src, &dst, PlanOptions::default()).unwrap();
+        assert_eq!(plain.copies().len(), 3);
+        // One allocation on each side (c's source in another): a and b merge.
+        let (src_regions, dst_regions) = ([1, 1, 2], [7, 7, 7]);
+        let plan = InstallPlan::build_in_regions(
+            &src,
+            &src_regions,
+            &dst,
+            &dst_regions,
+            PlanOptions::default(),
+        )
+        .unwrap();
         assert_eq!(
             plan.copies(),
             &[
@@ -274,8 +337,22 @@ mod tests {
             ]
         );
         assert_eq!((plan.tensors(), plan.bytes()), (3, 1536));
+        // Adjacent, but in two allocations of the destination: never one copy.
+        let split = InstallPlan::build_in_regions(
+            &src,
+            &src_regions,
+            &dst,
+            &[7, 8, 7],
+            PlanOptions::default(),
+        )
+        .unwrap();
+        assert_eq!(split.copies().len(), 3);
+        let err =
+            InstallPlan::build_in_regions(&src, &[1], &dst, &dst_regions, PlanOptions::default())
+                .unwrap_err();
+        assert!(err.to_string().contains("one region per tensor"), "{err}");
         let again = InstallPlan::build(&src, &dst, PlanOptions::default()).unwrap();
-        assert_eq!(again.key(), plan.key());
+        assert_eq!(again.key(), plain.key());
     }
 
     #[test]

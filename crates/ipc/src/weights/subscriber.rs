@@ -116,7 +116,8 @@ impl<B: IpcDriver> WeightSubscriber<B> {
 
     /// The plan that copies every published tensor into the destination of the same name, checked
     /// and built once for this pair of layouts (asking again for the same destinations returns
-    /// the same plan without building it).
+    /// the same plan without building it). Tensors adjacent on both sides inside one allocation of
+    /// each side (`cuMemGetAddressRange`) are copied as one range.
     ///
     /// # Errors
     ///
@@ -131,7 +132,16 @@ impl<B: IpcDriver> WeightSubscriber<B> {
         if let Some(i) = self.plans.iter().position(|p| p.key() == key) {
             return Ok(PlanId(i));
         }
-        let plan = InstallPlan::build(&sources, destinations, options)?;
+        let device = self.batch.device();
+        let source_regions = regions(&*self.driver, device, &sources);
+        let destination_regions = regions(&*self.driver, device, destinations);
+        let plan = InstallPlan::build_in_regions(
+            &sources,
+            &source_regions,
+            destinations,
+            &destination_regions,
+            options,
+        )?;
         drop(sources);
         self.plans.push(plan);
         Ok(PlanId(self.plans.len() - 1))
@@ -217,4 +227,17 @@ impl<B: IpcDriver> Drop for WeightSubscriber<B> {
         self.channel.detach(self.slot);
         // The batch (dropped next) synchronizes its streams and gives the slot back.
     }
+}
+
+/// The allocation each tensor lies in (its base address, `cuMemGetAddressRange`), or a number of
+/// its own where the driver does not know the address (then it merges with nothing).
+fn regions<B: IpcDriver>(driver: &B, device: u32, tensors: &[PlacedTensor<'_>]) -> Vec<u64> {
+    tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| match driver.address_range(device, t.ptr) {
+            Ok((base, _)) => base.0,
+            Err(_) => u64::MAX - i as u64,
+        })
+        .collect()
 }
