@@ -25,6 +25,7 @@ pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] = &[
     ("tensormem-torch", "gpu"),
     ("tensormem-torch", "torch_client"),
     ("tensormem-torch", "real_clients"),
+    ("tensormem-torch", "weights"),
     ("tensormem-torch", "native_abi"),
     ("tensormem-nccl", "gpu"),
 ];

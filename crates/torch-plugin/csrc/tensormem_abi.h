@@ -18,12 +18,15 @@
 extern "C" {
 #endif
 
-/* Status codes (src/status.rs) and a pool allocator's answers (src/native/pools.rs). */
+/* Status codes (src/status.rs, and the weights functions' own, src/weights.rs) and a pool allocator's answers
+ * (src/native/pools.rs). */
 enum {
   TM_OK = 0,
   TM_OUT_OF_MEMORY = 1,
   TM_ERROR = -1,
   TM_UNSUPPORTED = 2,
+  TM_WEIGHTS_TIMED_OUT = 3,
+  TM_WEIGHTS_CLOSED = 4,
   POOL_ALLOC_OK = 0,
   POOL_ALLOC_OUT_OF_MEMORY = 1,
   POOL_ALLOC_ERROR = -1
@@ -214,6 +217,30 @@ int tensormem_history_enabled(void);
 int tensormem_ipc_share(void* ptr, uint8_t* out, size_t capacity, size_t* len, ptrdiff_t* offset);
 int tensormem_ipc_open(const uint8_t* handle, size_t len, int device, void** out);
 int tensormem_ipc_close(void* ptr);
+
+/* Weights from a producer process into a consumer's own tensors (src/weights.rs). Publishers and subscriptions
+ * are opaque handles; tensors are parallel arrays (names, first-element addresses, PyTorch dtype names, dimension
+ * counts, then all sizes and all strides in elements, one tensor after another). A timeout below 0 waits without
+ * limit. */
+int tensormem_weights_publish(int device, size_t count, const char* const* names, const uint64_t* ptrs,
+                              const char* const* dtypes, const uint64_t* ndims, const uint64_t* shapes,
+                              const uint64_t* strides, void** out);
+int tensormem_weights_message(void* publisher, uint8_t* out, size_t capacity, size_t* len);
+int tensormem_weights_announce(void* publisher, cudaStream_t stream, uint64_t* version);
+int tensormem_weights_wait_installed(void* publisher, uint64_t version, int64_t timeout_ms);
+int tensormem_weights_holders(void* publisher, size_t* count);
+int tensormem_weights_release(void* publisher, int64_t timeout_ms);
+int tensormem_weights_drop_publisher(void* publisher);
+int tensormem_weights_open(const uint8_t* bytes, size_t len, cudaStream_t stream, void** out);
+int tensormem_weights_sources(void* subscription, size_t capacity, uint64_t* ptrs, size_t* count);
+int tensormem_weights_prepare(void* subscription, size_t count, const char* const* names, const uint64_t* ptrs,
+                              const char* const* dtypes, const uint64_t* ndims, const uint64_t* shapes,
+                              const uint64_t* strides, int allow_unused, uint64_t* plan, size_t* copies);
+int tensormem_weights_install(void* subscription, uint64_t plan, cudaStream_t stream, int64_t timeout_ms,
+                              uint64_t* version);
+int tensormem_weights_begin(void* subscription, cudaStream_t stream, int64_t timeout_ms, uint64_t* version);
+int tensormem_weights_finish(void* subscription, uint64_t version);
+int tensormem_weights_close_subscription(void* subscription);
 
 #ifdef __cplusplus
 }

@@ -97,6 +97,45 @@ pub enum Error {
     /// A CUDA IPC handle that is not one PyTorch or tensormem writes, or one of a kind not supported.
     #[error(transparent)]
     Ipc(#[from] tensormem::ipc::Error),
+    /// An element type name that weights are not published or installed in.
+    #[error(
+        "tensor {tensor:?} has element type {name:?}, which weights are not published or installed \
+         in: pass PyTorch's name of one of float32, float16, bfloat16, float64, float8_e4m3fn, \
+         float8_e5m2, int64, int32, int16, int8, uint8 or bool (str(tensor.dtype) without \
+         \"torch.\"), or convert the tensor to one"
+    )]
+    UnknownDType {
+        /// The name given.
+        name: String,
+        /// The tensor it was given for.
+        tensor: String,
+    },
+    /// A weights publisher or subscription handle that is not live: never handed out, released,
+    /// dropped or closed already, or one of the other kind.
+    #[error(
+        "{handle:#x} is not a live {kind} handle: pass the handle tensormem_weights_publish or \
+         tensormem_weights_open gave, before it is released, dropped or closed"
+    )]
+    UnknownWeightsHandle {
+        /// The handle's value.
+        handle: u64,
+        /// What kind of handle was expected.
+        kind: &'static str,
+    },
+    /// A plan id that tensormem_weights_prepare did not give for this subscription.
+    #[error(
+        "plan {plan} was not prepared on this subscription ({plans} plans were): pass the id \
+         tensormem_weights_prepare wrote for it"
+    )]
+    UnknownPlan {
+        /// The id given.
+        plan: u64,
+        /// How many plans the subscription has.
+        plans: usize,
+    },
+    /// A weights argument that cannot be what the caller meant; the message says which and why.
+    #[error("{0}")]
+    InvalidWeightsArgument(String),
     /// Code under the plugin panicked; the panic was stopped at the C boundary.
     #[error("{call} panicked: {message}; this is a bug in tensormem, please report it")]
     Panicked {

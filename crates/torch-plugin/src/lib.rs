@@ -30,6 +30,10 @@
 //! | (`torch.cuda.memory._record_memory_history`, `_dump_snapshot`) | [`tensormem_record_history`], [`tensormem_dump_snapshot`] |
 //! | errors | [`tensormem_last_error`], [`tensormem_last_error_code`], [`tensormem_clear_last_error`] |
 //!
+//! [`weights`] exports the functions `tensormem_torch.weights` moves a model's weights between
+//! processes with (a producer publishes its tensors once, consumers install each version into
+//! their own tensors): `tensormem_weights_*`, on whichever allocator each process runs.
+//!
 //! Where one of them does what a function of the C++ layer does, both call one implementation in
 //! [`native`]; the pluggable function keeps PyTorch's signature and reports failure its way.
 //! `csrc/tensormem_abi.h` declares every exported function for C and C++ (`tests/c_abi.rs` checks it
@@ -77,6 +81,7 @@ pub mod native;
 mod stats;
 mod status;
 mod streams;
+pub mod weights;
 
 pub use allocate::{
     tensormem_alloc, tensormem_base_alloc, tensormem_free, tensormem_record_stream,

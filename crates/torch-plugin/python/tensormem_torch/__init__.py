@@ -26,6 +26,10 @@ out-of-memory error is fatal to the process.
 The library is found at ``$TENSORMEM_TORCH_LIB``, else inside this package, else beside it, else in the
 workspace's ``target/release`` or ``target/debug``.
 
+``tensormem_torch.weights`` moves a model's weights from one process into another's own tensors, version after
+version (``Publisher``, ``Subscriber``); it loads the library through ctypes and works whether or not tensormem is
+PyTorch's allocator.
+
 What ``install()`` needs and does not find (PyTorch, a CUDA build of it and a visible GPU; for the C++ layer
 a C++ compiler, ninja and CUDA's headers) is one ``InstallError`` whose one-line message names what is
 missing and what to do (``pip install crates/torch-plugin`` installs PyTorch from PyPI where it is missing).
@@ -38,7 +42,7 @@ import shutil
 import warnings
 
 __all__ = ["Plugin", "InstallError", "install", "mem_pool", "find_library", "find_source", "build_extension",
-           "HOOKS", "sleep", "wake", "is_asleep"]
+           "HOOKS", "sleep", "wake", "is_asleep", "weights"]
 
 LIB_NAME = "libtensormem_torch.so"
 SOURCE_NAME = "tensormem_allocator.cpp"
@@ -359,3 +363,4 @@ def mem_pool(path=None):
 
 
 from .sleep import is_asleep, sleep, wake  # noqa: E402 - uses find_library above
+from . import weights  # noqa: E402 - tensormem_torch.weights: Publisher, Subscriber (imports no torch until used)
