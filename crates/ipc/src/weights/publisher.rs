@@ -230,7 +230,9 @@ impl<D: Device, B: IpcDriver> WeightPublisher<D, B> {
     }
 
     /// Waits until every subscribed consumer has installed `version` (consumers that died are
-    /// skipped, with a `warn` event). Then the weights may be written again.
+    /// skipped, with a `warn` event). Then the weights may be written again. A consumer that has
+    /// not opened its message yet reads nothing and is not waited for: to wait for it too, have it
+    /// say so once it opened (as a first sync does).
     ///
     /// # Errors
     ///

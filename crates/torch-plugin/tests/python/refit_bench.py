@@ -103,6 +103,8 @@ def consumer(plugin, lib, method, name, q_in, q_out, rounds):
     torch.cuda.synchronize()
     q_out.put("ready")
     sub = weights.Subscriber(q_in.get())
+    sub.prepare(params)
+    q_out.put("opened")
     how = method[len("tm_"):]
     for _ in range(rounds):
         sub.install(params, method=how, timeout=600)
@@ -144,7 +146,9 @@ def run(torch, args, name, method, rounds):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 if r == 0:
+                    # The first sync includes the message, the consumer's open and its plan.
                     q_in.put(pub.message())
+                    assert q_out.get() == "opened"
                 v = pub.publish()
                 pub.wait_installed(v, timeout=600)
                 times.append(time.perf_counter() - t0)
