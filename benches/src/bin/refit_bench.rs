@@ -217,13 +217,7 @@ fn consumer() -> Result<(), BoxError> {
     let plan = sub.prepare(&params.placed(), PlanOptions::default())?;
     let planned = t.elapsed();
     let copies: Vec<DeviceCopy> = sub.plan(plan).copies().to_vec();
-    writeln!(
-        out,
-        "ready {} {} {}",
-        ms(opened),
-        ms(planned),
-        copies.len()
-    )?;
+    writeln!(out, "ready {} {} {}", ms(opened), ms(planned), copies.len())?;
     out.flush()?;
     let last = params.allocations.last().ok_or("no tensors")?.ptr();
     let mut byte = 0u8;
@@ -241,7 +235,7 @@ fn consumer() -> Result<(), BoxError> {
         writeln!(out, "v {v} {byte}")?;
         out.flush()?;
     }
-    if std::env::var_os(VERIFY).is_some() {
+    if std::env::var(VERIFY).is_ok_and(|v| v == "1") {
         let wrong = verify(&params, byte)?;
         writeln!(out, "verified {wrong}")?;
         out.flush()?;
@@ -343,7 +337,7 @@ fn sync(
         .env(ROLE, "consumer")
         .env(LAYOUT, name)
         .env(ROUNDS, (rounds + 1).to_string())
-        .env(if verify { VERIFY } else { "TENSORMEM_REFIT_BENCH_UNUSED" }, "1")
+        .env(VERIFY, if verify { "1" } else { "0" })
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()?;
@@ -417,7 +411,10 @@ fn sync(
             )
             .into());
         }
-        println!("# {name}: every byte of the {} tensors installed as published", weights.metas.len());
+        println!(
+            "# {name}: every byte of the {} tensors installed as published",
+            weights.metas.len()
+        );
     }
     let status = child.wait()?;
     if !status.success() {
