@@ -54,7 +54,7 @@ impl<B: IpcDriver> WeightSubscriber<B> {
     ///
     /// # Errors
     ///
-    /// As [`IpcConsumer::open_batch`]; [`Error::WeightsChannel`] if the channel cannot be joined
+    /// As [`IpcConsumer::open_batch`]; [`Error::WeightsChannel`](crate::Error::WeightsChannel) if the channel cannot be joined
     /// (the producer closed the publication or exited).
     pub fn open(
         consumer: &IpcConsumer<B>,
@@ -121,7 +121,7 @@ impl<B: IpcDriver> WeightSubscriber<B> {
     ///
     /// # Errors
     ///
-    /// [`Error::WeightsMismatch`] as [`InstallPlan::build`]: nothing was written.
+    /// [`Error::WeightsMismatch`](crate::Error::WeightsMismatch) as [`InstallPlan::build`]: nothing was written.
     pub fn prepare(
         &mut self,
         destinations: &[PlacedTensor<'_>],
@@ -164,8 +164,8 @@ impl<B: IpcDriver> WeightSubscriber<B> {
     ///
     /// # Errors
     ///
-    /// [`Error::WeightsTimedOut`] after `timeout` (`None`: no limit); [`Error::PublicationClosed`]
-    /// when the producer closed the publication or died; [`Error::Driver`] if the stream cannot
+    /// [`Error::WeightsTimedOut`](crate::Error::WeightsTimedOut) after `timeout` (`None`: no limit); [`Error::PublicationClosed`](crate::Error::PublicationClosed)
+    /// when the producer closed the publication or died; [`Error::Driver`](crate::Error::Driver) if the stream cannot
     /// wait for the event.
     pub fn begin(&mut self, stream: StreamId, timeout: Option<Duration>) -> Result<u64> {
         let version = self.channel.wait_version(self.installed, timeout)?;
@@ -195,7 +195,7 @@ impl<B: IpcDriver> WeightSubscriber<B> {
     ///
     /// # Errors
     ///
-    /// As [`begin`](Self::begin); [`Error::Driver`] if a copy or the synchronization fails (the
+    /// As [`begin`](Self::begin); [`Error::Driver`](crate::Error::Driver) if a copy or the synchronization fails (the
     /// version is then not recorded as installed).
     pub unsafe fn install(
         &mut self,
