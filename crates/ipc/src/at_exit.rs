@@ -9,7 +9,8 @@
 //! never warn. Such producers register here
 //! ([`IpcProducer::register_exit_hook`](crate::IpcProducer::register_exit_hook)), and one
 //! `atexit(3)` hook, installed with the first registration, runs
-//! [`IpcProducer::close_at_exit`](crate::IpcProducer::close_at_exit) on those still alive.
+//! [`IpcProducer::close_at_exit`](crate::IpcProducer::close_at_exit) on those still alive. The
+//! same hook removes the version channels of [weights publications](crate::weights) still open.
 //!
 //! The hook runs after `main` returned or `std::process::exit` was called, while other threads
 //! may still run and after other libraries' exit handlers may have torn their state down (the CUDA
@@ -21,6 +22,7 @@ use std::sync::{Once, Weak};
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use tensormem_shm::ShmName;
 
 /// How long the exit hook waits for a lock another thread holds before skipping that work.
 pub(crate) const EXIT_LOCK_WAIT: Duration = Duration::from_millis(200);
@@ -40,9 +42,34 @@ unsafe extern "C" {
     fn atexit(function: extern "C" fn()) -> c_int;
 }
 
+/// Shared-memory files of this process removed at normal exit (the version channels of weights
+/// publications, whose publishers may live in process-wide tables that are never dropped).
+static FILES: Mutex<Vec<ShmName>> = Mutex::new(Vec::new());
+
+/// Removes the file `name` at normal process exit unless [`keep_at_exit`] took it back first.
+pub(crate) fn unlink_at_exit(name: &ShmName) {
+    install();
+    FILES.lock().push(name.clone());
+}
+
+/// Takes `name` back from [`unlink_at_exit`] (its owner removes it itself).
+pub(crate) fn keep_at_exit(name: &ShmName) {
+    FILES.lock().retain(|n| n != name);
+}
+
 /// Adds `producer` to those closed at normal process exit (once; installing the hook with the
 /// first registration of the process).
 pub(crate) fn register(producer: Weak<dyn CloseAtExit>) {
+    install();
+    let mut registered = REGISTERED.lock();
+    registered.retain(|p| p.strong_count() > 0);
+    if !registered.iter().any(|p| Weak::ptr_eq(p, &producer)) {
+        registered.push(producer);
+    }
+}
+
+/// Installs the `atexit` hook, once per process.
+fn install() {
     static INSTALL: Once = Once::new();
     INSTALL.call_once(|| {
         // SAFETY: `atexit` only records the function pointer. `close_registered_at_exit` is a
@@ -55,11 +82,6 @@ pub(crate) fn register(producer: Weak<dyn CloseAtExit>) {
                  /dev/shm after it exits (call IpcProducer::close_at_exit before exiting)");
         }
     });
-    let mut registered = REGISTERED.lock();
-    registered.retain(|p| p.strong_count() > 0);
-    if !registered.iter().any(|p| Weak::ptr_eq(p, &producer)) {
-        registered.push(producer);
-    }
 }
 
 /// The `atexit` hook: closes every registered producer still alive.
@@ -71,6 +93,13 @@ extern "C" fn close_registered_at_exit() {
 }
 
 fn close_registered() {
+    if let Some(mut files) = FILES.try_lock_for(EXIT_LOCK_WAIT) {
+        for name in files.drain(..) {
+            // A consumer that mapped it keeps its mapping; a new one cannot join a producer
+            // that is gone anyway.
+            let _ = tensormem_shm::unlink_shm(&name);
+        }
+    }
     let producers: Vec<_> = match REGISTERED.try_lock_for(EXIT_LOCK_WAIT) {
         Some(mut registered) => std::mem::take(&mut *registered),
         None => return,

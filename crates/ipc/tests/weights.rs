@@ -257,3 +257,43 @@ fn a_consumer_killed_while_subscribed_holds_nothing_back() {
     assert_eq!(publisher.holders(), 0);
     publisher.wait_released(SECOND).unwrap();
 }
+
+#[test]
+fn a_producer_that_exits_without_closing_leaves_no_file() {
+    if let Some(role) = child::role(ROLE) {
+        assert_eq!(role, "exiting producer");
+        let driver = Arc::new(FakeDriver::default());
+        driver.add_allocation(0, DeviceAddress(0x10_0000), 8192);
+        let producer = IpcProducer::<SimDevice, _>::new(driver);
+        // The process-wide producer's habit: its ref-counter files go at exit too.
+        producer.register_exit_hook();
+        let tensors = [PublishedTensor {
+            name: "w".into(),
+            ptr: DeviceAddress(0x10_0000),
+            meta: TensorMeta::contiguous(DType::UInt8, &[8192]),
+        }];
+        // SAFETY: the fake driver has no memory behind the address; nothing reads it.
+        let publisher = unsafe { WeightPublisher::new(&producer, 0, &tensors) }.unwrap();
+        let message = publisher.message().unwrap();
+        child::report(&format!(
+            "files {} {}",
+            message.channel(),
+            message.batch().ref_counter()
+        ));
+        // As a process-wide table would: never dropped, then a normal exit.
+        std::mem::forget(publisher);
+        std::process::exit(0);
+    }
+    let (mut peer, mut out) = child::spawn(
+        child::this_test("a_producer_that_exits_without_closing_leaves_no_file")
+            .env(ROLE, "exiting producer"),
+    );
+    let files = expect(&mut out, "files");
+    let names: Vec<&str> = files.split_whitespace().collect();
+    assert_eq!(names.len(), 2, "{files}");
+    assert!(peer.wait().unwrap().success());
+    for name in names {
+        let file = tensormem_shm::ShmName::new(name).unwrap().path();
+        assert!(!file.exists(), "{} was left behind", file.display());
+    }
+}

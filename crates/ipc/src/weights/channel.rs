@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use tensormem_shm::{CreateMode, MapOptions, NameGenerator, SharedRegion, ShmName};
 
+use crate::at_exit;
 use crate::error::{Error, Result};
 use crate::process::{Liveness, ProcessIdentity};
 
@@ -76,6 +77,8 @@ impl Channel {
             region,
             owner: true,
         };
+        // A publisher in a table that lives as long as the process is never dropped.
+        at_exit::unlink_at_exit(&name);
         let me = ProcessIdentity::current();
         channel
             .word(PID)
@@ -266,6 +269,11 @@ impl Channel {
 
 impl Drop for Channel {
     fn drop(&mut self) {
+        if self.owner {
+            if let Some(name) = self.region.name() {
+                at_exit::keep_at_exit(name);
+            }
+        }
         if self.owner || !self.producer_alive() {
             // The producer's file goes with it (or with the first consumer to see it died).
             let _ = self.region.unlink();

@@ -47,6 +47,13 @@ impl WeightsMessage {
         &self.batch
     }
 
+    /// The name of the publication's version channel (a file in `/dev/shm`, removed when the
+    /// publisher is dropped or its process exits).
+    #[must_use]
+    pub fn channel(&self) -> &ShmName {
+        &self.channel
+    }
+
     /// Each tensor's element type, shape and strides, in the batch's view order.
     #[must_use]
     pub fn metas(&self) -> &[TensorMeta] {
