@@ -197,6 +197,7 @@ int tensormem_pool_restore(int device, const TmPoolCheckpoint* checkpoint, TmPoi
 int tensormem_pool_sleep(int device, uint64_t first, uint64_t second, int keep_contents, uint64_t* released);
 int tensormem_pool_wake(int device, uint64_t first, uint64_t second, uint64_t* mapped);
 int tensormem_pool_is_asleep(int device, uint64_t first, uint64_t second);
+int tensormem_host_empty_cache(void);
 
 /* Snapshots and history for the C++ layer (src/native/snapshot.rs). */
 TmSnapshot* tensormem_snapshot_take(uint64_t first, uint64_t second, int include_traces);

@@ -41,6 +41,8 @@ def _library():
         lib.tensormem_pool_wake.restype = ctypes.c_int
         lib.tensormem_pool_wake.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64,
                                             ctypes.POINTER(ctypes.c_uint64)]
+        lib.tensormem_host_empty_cache.restype = ctypes.c_int
+        lib.tensormem_host_empty_cache.argtypes = []
         lib.tensormem_pool_is_asleep.restype = ctypes.c_int
         lib.tensormem_pool_is_asleep.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
         lib.tensormem_last_error.restype = ctypes.c_char_p
@@ -88,16 +90,22 @@ def sleep(pool, keep_contents=True, device=None):
     return released.value
 
 
-def wake(pool, device=None):
+def wake(pool, device=None, release_host_memory=False):
     """Maps fresh memory at the addresses of sleeping ``pool`` and copies its contents back if they were
     kept. Returns the bytes mapped. ``torch.OutOfMemoryError`` if the device has no room (the pool stays
-    asleep)."""
+    asleep). The pinned host memory of the backup stays cached for the next sleep (which then copies at
+    once instead of pinning memory again); ``release_host_memory=True`` gives it back to the system
+    after the wake instead."""
     lib = _library()
     first, second = _pool_id(pool)
     mapped = ctypes.c_uint64(0)
     rc = lib.tensormem_pool_wake(_device(device), first, second, ctypes.byref(mapped))
     if rc != 0:
         _raise(lib, rc, f"wake(pool {(first, second)})")
+    if release_host_memory:
+        rc = lib.tensormem_host_empty_cache()
+        if rc != 0:
+            _raise(lib, rc, "releasing the pinned host memory after wake")
     return mapped.value
 
 

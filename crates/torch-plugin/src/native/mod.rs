@@ -63,7 +63,9 @@ pub use pools::{
     tensormem_pool_set_use_on_oom, tensormem_pool_use_count, DropFn, FilterFn, PointerFn,
     PoolFreeFn, PoolMallocFn, POOL_ALLOC_ERROR, POOL_ALLOC_OK, POOL_ALLOC_OUT_OF_MEMORY,
 };
-pub use sleep::{tensormem_pool_is_asleep, tensormem_pool_sleep, tensormem_pool_wake};
+pub use sleep::{
+    tensormem_host_empty_cache, tensormem_pool_is_asleep, tensormem_pool_sleep, tensormem_pool_wake,
+};
 pub(crate) use snapshot::history;
 pub use snapshot::{
     tensormem_history, tensormem_history_enabled, tensormem_snapshot_block,

@@ -72,6 +72,17 @@ pub unsafe extern "C" fn tensormem_pool_wake(
     })
 }
 
+/// Gives the pinned host memory cached by tensormem's host allocators (every opened device's)
+/// back to the system: after a wake, the backup that was kept for the next sleep
+/// (`tensormem_torch.wake(pool, release_host_memory=True)`). Returns [`TM_OK`](super::TM_OK), or
+/// [`TM_ERROR`](super::TM_ERROR) if freeing failed.
+#[no_mangle]
+pub extern "C" fn tensormem_host_empty_cache() -> c_int {
+    status("tensormem_host_empty_cache", || {
+        Ok(cuda::host_empty_cache()?)
+    })
+}
+
 /// Whether private pool (`first`, `second`) of `device` is asleep: 1 yes, 0 no, -1 on error.
 #[no_mangle]
 pub extern "C" fn tensormem_pool_is_asleep(device: c_int, first: u64, second: u64) -> c_int {
