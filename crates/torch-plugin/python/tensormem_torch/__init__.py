@@ -27,8 +27,8 @@ The library is found at ``$TENSORMEM_TORCH_LIB``, else inside this package, else
 workspace's ``target/release`` or ``target/debug``.
 
 ``tensormem_torch.weights`` moves a model's weights from one process into another's own tensors, version after
-version (``Publisher``, ``Subscriber``); it loads the library through ctypes and works whether or not tensormem is
-PyTorch's allocator.
+version (a publisher in the trainer, a subscriber in the engine); it loads the library through ctypes and works
+whether or not tensormem is PyTorch's allocator.
 
 What ``install()`` needs and does not find (PyTorch, a CUDA build of it and a visible GPU; for the C++ layer
 a C++ compiler, ninja and CUDA's headers) is one ``InstallError`` whose one-line message names what is
@@ -41,13 +41,15 @@ import os
 import shutil
 import warnings
 
+from . import weights  # imports no torch until used
+from ._paths import HERE, LIB_NAME, find_library
+from .sleep import is_asleep, sleep, wake
+
 __all__ = ["Plugin", "InstallError", "install", "mem_pool", "find_library", "find_source", "build_extension",
            "HOOKS", "sleep", "wake", "is_asleep", "weights"]
 
-LIB_NAME = "libtensormem_torch.so"
 SOURCE_NAME = "tensormem_allocator.cpp"
 HEADER_NAME = "tensormem_abi.h"  # the library's C interface, which the source includes
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 # (setter of PyTorch's _CUDAPluggableAllocator, the function of the library it is given)
 HOOKS = (
@@ -109,30 +111,6 @@ def _one_line(error):
         return type(error).__name__
     detail = next((line for line in lines[1:] if "error" in line.lower()), None)
     return f"{lines[0]} {detail}" if detail else lines[0]
-
-
-def _first_file(candidates, what, hint):
-    for path in candidates:
-        if os.path.isfile(path):
-            return os.path.abspath(path)
-    raise FileNotFoundError(f"{what} not found (looked at {', '.join(candidates)}): {hint}")
-
-
-def find_library():
-    """The path of libtensormem_torch.so: $TENSORMEM_TORCH_LIB, in or beside this package, or a cargo build."""
-    env = os.environ.get("TENSORMEM_TORCH_LIB")
-    if env:
-        if not os.path.isfile(env):
-            raise FileNotFoundError(f"TENSORMEM_TORCH_LIB={env} is not a file")
-        return os.path.abspath(env)
-    candidates = [os.path.join(HERE, LIB_NAME), os.path.join(HERE, "..", LIB_NAME)]
-    crate = os.path.normpath(os.path.join(HERE, "..", ".."))
-    root = os.path.normpath(os.path.join(crate, "..", ".."))
-    target = os.environ.get("CARGO_TARGET_DIR", os.path.join(root, "target"))
-    candidates += [os.path.join(target, profile, LIB_NAME) for profile in ("release", "debug")]
-    return _first_file(candidates, LIB_NAME,
-                       "build it with `cargo build --release -p tensormem-torch`, install the wheel "
-                       "(`pip install crates/torch-plugin`) or set TENSORMEM_TORCH_LIB")
 
 
 def find_source():
@@ -360,7 +338,3 @@ def mem_pool(path=None):
     """A torch.cuda.MemPool on tensormem, PyTorch's allocator staying current; returns (Plugin, pool)."""
     plugin = Plugin(path)
     return plugin, plugin.mem_pool()
-
-
-from .sleep import is_asleep, sleep, wake  # noqa: E402 - uses find_library above
-from . import weights  # noqa: E402 - tensormem_torch.weights: Publisher, Subscriber (imports no torch until used)

@@ -27,13 +27,14 @@ native install (``install(mode="native")``).
 """
 import ctypes
 
+from ._paths import find_library
+
 _LIB = None
 
 
 def _library():
     global _LIB
     if _LIB is None:
-        from . import find_library
         lib = ctypes.CDLL(find_library())
         lib.tensormem_pool_sleep.restype = ctypes.c_int
         lib.tensormem_pool_sleep.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int,

@@ -38,6 +38,8 @@ import ctypes
 import json
 import struct
 
+from ._paths import find_library
+
 __all__ = ["Publisher", "Subscriber", "WeightsError", "WeightsTimeout", "PublicationClosed"]
 
 # The status codes of src/weights.rs (csrc/tensormem_abi.h).
@@ -93,7 +95,6 @@ def _library():
     """libtensormem_torch.so through ctypes (the same library tensormem_torch.install() loads, if it was)."""
     global _LIB
     if _LIB is None:
-        from . import find_library
         lib = ctypes.CDLL(find_library())
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
@@ -105,7 +106,7 @@ def _library():
     return _LIB
 
 
-def _check(rc, what):
+def _ok(rc, what):
     if rc == TM_OK:
         return
     err = _library().tensormem_last_error()
@@ -184,7 +185,7 @@ class Publisher:
         self._tensors = values
         described = _describe(names, values)
         handle = _P()
-        _check(_library().tensormem_weights_publish(self.device, *described, ctypes.byref(handle)), "publish")
+        _ok(_library().tensormem_weights_publish(self.device, *described, ctypes.byref(handle)), "publish")
         self._handle = handle.value
         self._layout = json.dumps({
             "device": self.device,
@@ -203,9 +204,9 @@ class Publisher:
         consumer slot of its own, so send each consumer its own message."""
         lib, handle = _library(), self._live()
         length = ctypes.c_size_t()
-        _check(lib.tensormem_weights_message(handle, None, 0, ctypes.byref(length)), "message")
+        _ok(lib.tensormem_weights_message(handle, None, 0, ctypes.byref(length)), "message")
         buf = ctypes.create_string_buffer(length.value)
-        _check(lib.tensormem_weights_message(handle, buf, length.value, ctypes.byref(length)), "message")
+        _ok(lib.tensormem_weights_message(handle, buf, length.value, ctypes.byref(length)), "message")
         rust = buf.raw[:length.value]
         return _HEADER.pack(_MAGIC, _FORMAT, 0, len(rust), len(self._layout)) + rust + self._layout
 
@@ -216,7 +217,7 @@ class Publisher:
         import torch
         _, raw = _raw_stream(torch, stream, self.device)
         version = ctypes.c_uint64()
-        _check(_library().tensormem_weights_announce(self._live(), raw, ctypes.byref(version)), "publish")
+        _ok(_library().tensormem_weights_announce(self._live(), raw, ctypes.byref(version)), "publish")
         self.version = version.value
         return self.version
 
@@ -224,12 +225,12 @@ class Publisher:
         """Waits until every subscribed consumer installed ``version`` (default: the last published); consumers
         that died are skipped. Raises WeightsTimeout after ``timeout`` seconds (None: no limit)."""
         version = self.version if version is None else version
-        _check(_library().tensormem_weights_wait_installed(self._live(), version, _ms(timeout)), "wait_installed")
+        _ok(_library().tensormem_weights_wait_installed(self._live(), version, _ms(timeout)), "wait_installed")
 
     def holders(self):
         """How many consumers hold the publication's memory now (dead ones are not counted)."""
         count = ctypes.c_size_t()
-        _check(_library().tensormem_weights_holders(self._live(), ctypes.byref(count)), "holders")
+        _ok(_library().tensormem_weights_holders(self._live(), ctypes.byref(count)), "holders")
         return count.value
 
     def close(self, timeout=None):
@@ -238,7 +239,7 @@ class Publisher:
         (None: no limit), the publication staying closed and the tensors held: call again."""
         if self._handle is None:
             return
-        _check(_library().tensormem_weights_release(self._handle, _ms(timeout)), "close")
+        _ok(_library().tensormem_weights_release(self._handle, _ms(timeout)), "close")
         self._handle = None
         self._tensors = None
 
@@ -327,13 +328,13 @@ class Subscriber:
         self._stream, raw = _raw_stream(torch, stream, self.device)
         lib = _library()
         handle = _P()
-        _check(lib.tensormem_weights_open(rust, len(rust), raw, ctypes.byref(handle)), "open")
+        _ok(lib.tensormem_weights_open(rust, len(rust), raw, ctypes.byref(handle)), "open")
         self._handle = handle.value
         try:
             count = ctypes.c_size_t()
-            _check(lib.tensormem_weights_sources(self._handle, 0, None, ctypes.byref(count)), "sources")
+            _ok(lib.tensormem_weights_sources(self._handle, 0, None, ctypes.byref(count)), "sources")
             ptrs = (ctypes.c_uint64 * count.value)()
-            _check(lib.tensormem_weights_sources(self._handle, count.value, ptrs, ctypes.byref(count)), "sources")
+            _ok(lib.tensormem_weights_sources(self._handle, count.value, ptrs, ctypes.byref(count)), "sources")
             entries = layout["tensors"]
             if len(entries) != count.value:
                 raise WeightsError(f"tensormem weights: the payload names {len(entries)} tensors, its message "
@@ -379,7 +380,7 @@ class Subscriber:
                 raise WeightsError(f"tensormem weights: {name!r} is not a CUDA tensor; install into CUDA tensors")
         described = _describe(names, dsts)
         plan_id, copies = ctypes.c_uint64(), ctypes.c_size_t()
-        _check(_library().tensormem_weights_prepare(self._live(), *described, 1 if allow_unused else 0,
+        _ok(_library().tensormem_weights_prepare(self._live(), *described, 1 if allow_unused else 0,
                                                     ctypes.byref(plan_id), ctypes.byref(copies)), "prepare")
         plan = _Plan(list(names), list(dsts), plan_id.value, copies.value, self._sources)
         self._plans[key] = plan
@@ -409,15 +410,15 @@ class Subscriber:
                     self._side = torch.cuda.Stream(self.device)
                 self._side.wait_stream(stream)
                 raw = _P(self._side.cuda_stream)
-            _check(lib.tensormem_weights_install(handle, plan.plan, raw, _ms(timeout), ctypes.byref(version)),
+            _ok(lib.tensormem_weights_install(handle, plan.plan, raw, _ms(timeout), ctypes.byref(version)),
                    "install")
         else:
-            _check(lib.tensormem_weights_begin(handle, raw, _ms(timeout), ctypes.byref(version)), "install")
+            _ok(lib.tensormem_weights_begin(handle, raw, _ms(timeout), ctypes.byref(version)), "install")
             with torch.no_grad(), torch.cuda.stream(stream):
                 if plan.foreach_dsts:
                     torch._foreach_copy_(plan.foreach_dsts, plan.foreach_srcs)
             stream.synchronize()
-            _check(lib.tensormem_weights_finish(handle, version.value), "install")
+            _ok(lib.tensormem_weights_finish(handle, version.value), "install")
         self.version = version.value
         return self.version
 
@@ -428,12 +429,12 @@ class Subscriber:
         import torch
         _, raw = _raw_stream(torch, stream, self.device)
         version = ctypes.c_uint64()
-        _check(_library().tensormem_weights_begin(self._live(), raw, _ms(timeout), ctypes.byref(version)), "begin")
+        _ok(_library().tensormem_weights_begin(self._live(), raw, _ms(timeout), ctypes.byref(version)), "begin")
         return version.value
 
     def finish(self, version):
         """Records ``version`` (from ``begin``) installed: the producer may write the weights again."""
-        _check(_library().tensormem_weights_finish(self._live(), version), "finish")
+        _ok(_library().tensormem_weights_finish(self._live(), version), "finish")
         self.version = max(self.version, version)
 
     def close(self):
@@ -441,7 +442,7 @@ class Subscriber:
         handle, self._handle = getattr(self, "_handle", None), None
         self._sources, self._plans = {}, {}
         if handle is not None:
-            _check(_library().tensormem_weights_close_subscription(handle), "close")
+            _ok(_library().tensormem_weights_close_subscription(handle), "close")
 
     def __enter__(self):
         return self
