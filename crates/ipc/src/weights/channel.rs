@@ -14,7 +14,18 @@
 //! | 32..40 | published version (0: none yet) |
 //! | 40..48 | closed (1 once the producer closed the publication) |
 //! | 64 + 64 i .. | consumer slot `i` (63 slots): pid (0: free), start time, pid namespace, installed version, version being installed |
+//!
+//! # Who is alive
+//!
+//! Each side holds an open-file-description lock (`F_OFD_SETLK`) on one byte of the file while it
+//! runs: the producer on byte 8, a consumer on the first byte of its slot. The kernel lets go of a
+//! lock when its process dies, however it dies, and every process that maps the file sees the
+//! locks whatever its pid namespace: so a consumer in another container that is killed stops
+//! holding the producer back, and a killed producer ends its consumers' waits, where pids alone
+//! could not tell (a pid of another namespace cannot be checked). Where the file system refuses
+//! such locks, the pid, start time and namespace recorded beside them decide.
 
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -71,6 +82,7 @@ impl Channel {
         let region = MapOptions::new()
             .create(CreateMode::CreateExclusive)
             .len(LEN as u64)
+            .keep_fd(true)
             .map_shm(&name)
             .map_err(shm)?;
         let channel = Self {
@@ -87,20 +99,29 @@ impl Channel {
         channel
             .word(NAMESPACE)
             .store(me.pid_namespace, Ordering::Relaxed);
+        if channel.lock(PID, true) == Locked::Unsupported {
+            tracing::debug!(
+                target: "tensormem_ipc",
+                channel = %name,
+                "the file system refuses byte locks: liveness of the weights channel by pid only"
+            );
+        }
         channel.word(0).store(MAGIC, Ordering::Release);
         Ok(channel)
     }
 
     /// Maps the channel `name` a producer created.
     pub(crate) fn open(name: &ShmName) -> Result<Self> {
-        let region = MapOptions::new()
-            .map_shm(name)
-            .map_err(|e| Error::WeightsChannel {
-                problem: format!(
+        let region =
+            MapOptions::new()
+                .keep_fd(true)
+                .map_shm(name)
+                .map_err(|e| Error::WeightsChannel {
+                    problem: format!(
                     "cannot map the publication's channel {name}: {e}; the producer closed the \
                  publication or exited"
                 ),
-            })?;
+                })?;
         if region.mapping().len() < LEN {
             return Err(Error::WeightsChannel {
                 problem: format!(
@@ -134,6 +155,27 @@ impl Channel {
 
     fn slot_word(&self, slot: usize, field: usize) -> &AtomicU64 {
         self.word(SLOT_BASE + slot * SLOT_LEN + field)
+    }
+
+    fn fd(&self) -> Option<BorrowedFd<'_>> {
+        self.region.fd()
+    }
+
+    /// Takes (`true`) or lets go of the lock on byte `offset` (see the module docs).
+    fn lock(&self, offset: usize, take: bool) -> Locked {
+        let Some(fd) = self.fd() else {
+            return Locked::Unsupported;
+        };
+        byte_lock(fd, offset, take)
+    }
+
+    /// Whether a process recorded in the words at `pid`, `start` and `namespace`, which locks byte
+    /// `lock` while it runs, still runs: its lock decides, else (no locks here) its identity.
+    fn alive(&self, lock: usize, pid: usize, start: usize, namespace: usize) -> bool {
+        match self.fd().and_then(|fd| byte_locked(fd, lock)) {
+            Some(held) => held,
+            None => self.identity(pid, start, namespace).liveness() == Liveness::Alive,
+        }
     }
 
     fn identity(&self, pid: usize, start: usize, namespace: usize) -> ProcessIdentity {
@@ -175,7 +217,7 @@ impl Channel {
             }
             let base = SLOT_BASE + slot * SLOT_LEN;
             let who = self.identity(base + S_PID, base + S_START, base + S_NAMESPACE);
-            if who.liveness() == Liveness::Dead {
+            if !self.alive(base, base + S_PID, base + S_START, base + S_NAMESPACE) {
                 tracing::warn!(
                     target: "tensormem_ipc",
                     pid = who.pid,
@@ -200,13 +242,20 @@ impl Channel {
     pub(crate) fn attach(&self) -> Result<usize> {
         let me = ProcessIdentity::current();
         for slot in 0..MAX_CONSUMERS {
-            let claimed = self.slot_word(slot, S_PID).compare_exchange(
-                0,
-                u64::from(me.pid),
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            );
-            if claimed.is_ok() {
+            let claimed = match self.lock(SLOT_BASE + slot * SLOT_LEN, true) {
+                // The slot is ours: a pid still written there is a dead consumer's.
+                Locked::Taken => {
+                    self.slot_word(slot, S_PID)
+                        .store(u64::from(me.pid), Ordering::Release);
+                    true
+                }
+                Locked::Held => false,
+                Locked::Unsupported => self
+                    .slot_word(slot, S_PID)
+                    .compare_exchange(0, u64::from(me.pid), Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok(),
+            };
+            if claimed {
                 self.slot_word(slot, S_START)
                     .store(me.start_time, Ordering::Release);
                 self.slot_word(slot, S_NAMESPACE)
@@ -228,6 +277,7 @@ impl Channel {
     /// Gives slot `slot` back.
     pub(crate) fn detach(&self, slot: usize) {
         self.slot_word(slot, S_PID).store(0, Ordering::Release);
+        let _ = self.lock(SLOT_BASE + slot * SLOT_LEN, false);
     }
 
     /// Records that `slot` installs `version` now (reading) or has installed it.
@@ -254,16 +304,13 @@ impl Channel {
                 }
                 Ok(None)
             },
-            || {
-                (producer.liveness() == Liveness::Dead)
-                    .then_some(Error::PublicationClosed { pid: producer.pid })
-            },
+            || (!self.producer_alive()).then_some(Error::PublicationClosed { pid: producer.pid }),
         )
     }
 
     /// Whether the producer that created the channel still runs.
     pub(crate) fn producer_alive(&self) -> bool {
-        self.identity(PID, START, NAMESPACE).liveness() == Liveness::Alive
+        self.alive(PID, PID, START, NAMESPACE)
     }
 }
 
@@ -319,5 +366,97 @@ pub(crate) fn wait_until<T>(
         } else {
             std::thread::sleep(Duration::from_micros(50));
         }
+    }
+}
+
+/// What taking (or letting go of) a byte lock came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Locked {
+    /// Done.
+    Taken,
+    /// Another open file description holds it: a live process.
+    Held,
+    /// The file system refuses such locks.
+    Unsupported,
+}
+
+/// `fcntl(F_OFD_SETLK)` of a write lock (`take`) or of its release on byte `offset` of `fd`.
+fn byte_lock(fd: BorrowedFd<'_>, offset: usize, take: bool) -> Locked {
+    let mut lock = one_byte(offset, if take { libc::F_WRLCK } else { libc::F_UNLCK });
+    // SAFETY: `fd` is open for the call (borrowed); `lock` is a valid `flock` that lives for it.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_OFD_SETLK, &mut lock) } == 0 {
+        return Locked::Taken;
+    }
+    match std::io::Error::last_os_error().raw_os_error() {
+        Some(libc::EAGAIN | libc::EACCES) => Locked::Held,
+        _ => Locked::Unsupported,
+    }
+}
+
+/// Whether another open file description holds a lock on byte `offset` of `fd`
+/// (`fcntl(F_OFD_GETLK)`); `None` where the call fails.
+fn byte_locked(fd: BorrowedFd<'_>, offset: usize) -> Option<bool> {
+    let mut lock = one_byte(offset, libc::F_WRLCK);
+    // SAFETY: as in `byte_lock`; the kernel writes the conflicting lock (or F_UNLCK) into `lock`.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_OFD_GETLK, &mut lock) } != 0 {
+        return None;
+    }
+    Some(i32::from(lock.l_type) != libc::F_UNLCK)
+}
+
+fn one_byte(offset: usize, kind: i32) -> libc::flock {
+    // SAFETY: a plain C struct; all-zero bytes is a valid value (and `l_pid` must be 0 for OFD
+    // locks); the fields used are set below.
+    let mut lock: libc::flock = unsafe { std::mem::zeroed() };
+    lock.l_type = kind as libc::c_short;
+    lock.l_whence = libc::SEEK_SET as libc::c_short;
+    lock.l_start = offset as libc::off_t;
+    lock.l_len = 1;
+    lock
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_consumer_that_is_gone_is_seen_gone_whatever_its_recorded_identity() {
+        let names = NameGenerator::default();
+        let producer = Channel::create(&names).unwrap();
+        let consumer = Channel::open(producer.name()).unwrap();
+        let slot = consumer.attach().unwrap();
+        assert_eq!(producer.lagging(1), vec![std::process::id()]);
+        // As a consumer of another pid namespace looks: its pid cannot be checked.
+        consumer
+            .slot_word(slot, S_NAMESPACE)
+            .store(u64::MAX, Ordering::Release);
+        assert_eq!(
+            producer.lagging(1).len(),
+            1,
+            "alive while it holds its lock"
+        );
+        // Its file description closes, as when its process dies: the lock goes with it.
+        drop(consumer);
+        assert!(producer.lagging(1).is_empty());
+        // The slot is free for the next consumer.
+        let next = Channel::open(producer.name()).unwrap();
+        assert_eq!(next.attach().unwrap(), slot);
+    }
+
+    #[test]
+    fn a_consumer_sees_its_producer_go() {
+        let names = NameGenerator::default();
+        let producer = Channel::create(&names).unwrap();
+        let consumer = Channel::open(producer.name()).unwrap();
+        assert!(consumer.producer_alive());
+        // Another namespace's producer: only its lock can tell.
+        consumer.word(NAMESPACE).store(u64::MAX, Ordering::Release);
+        assert!(consumer.producer_alive());
+        drop(producer);
+        assert!(!consumer.producer_alive());
+        let err = consumer
+            .wait_version(0, Some(Duration::from_secs(5)))
+            .unwrap_err();
+        assert!(matches!(err, Error::PublicationClosed { .. }), "{err}");
     }
 }
