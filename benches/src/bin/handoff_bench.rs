@@ -62,58 +62,10 @@ const FILL: u8 = 1;
 
 type BoxError = Box<dyn std::error::Error>;
 
-/// The tensor sizes in bytes of a state dict, as `torch_handoff_bench.py`'s `layout()`.
+/// The tensor sizes in bytes of a state dict, as `torch_handoff_bench.py`'s `layout()`: GPT-2
+/// small in fp32 (`gpt2`), else Llama-7B-shaped in bf16.
 fn layout(name: &str) -> Vec<usize> {
-    let mut shapes: Vec<Vec<usize>> = Vec::new();
-    let elem;
-    if name == "gpt2" {
-        // GPT-2 small, fp32.
-        let (d, v, layers) = (768, 50257, 12);
-        elem = 4;
-        shapes.push(vec![v, d]);
-        shapes.push(vec![1024, d]);
-        for _ in 0..layers {
-            for shape in [
-                vec![d],
-                vec![d],
-                vec![d, 3 * d],
-                vec![3 * d],
-                vec![d, d],
-                vec![d],
-                vec![d],
-                vec![d],
-                vec![d, 4 * d],
-                vec![4 * d],
-                vec![4 * d, d],
-                vec![d],
-            ] {
-                shapes.push(shape);
-            }
-        }
-        shapes.push(vec![d]);
-        shapes.push(vec![d]);
-    } else {
-        // Llama-7B-shaped, bf16.
-        let (d, f, v, layers) = (4096, 11008, 32000, 32);
-        elem = 2;
-        shapes.push(vec![v, d]);
-        for _ in 0..layers {
-            for _ in 0..4 {
-                shapes.push(vec![d, d]);
-            }
-            shapes.push(vec![f, d]);
-            shapes.push(vec![f, d]);
-            shapes.push(vec![d, f]);
-            shapes.push(vec![d]);
-            shapes.push(vec![d]);
-        }
-        shapes.push(vec![d]);
-        shapes.push(vec![v, d]);
-    }
-    shapes
-        .iter()
-        .map(|s| s.iter().product::<usize>() * elem)
-        .collect()
+    tensormem_benches::layouts::sizes(if name == "gpt2" { "gpt2" } else { "7b" })
 }
 
 /// Length-prefixed frames over a pair of byte streams.

@@ -55,60 +55,17 @@ const ROUNDS: &str = "TENSORMEM_REFIT_BENCH_ROUNDS";
 const VERIFY: &str = "TENSORMEM_REFIT_BENCH_VERIFY";
 const WAIT: Option<Duration> = Some(Duration::from_secs(120));
 
-/// The anchor's layouts: shapes and element type.
+/// The anchor's layouts: shapes and element type (`gpt2` in fp32, the others in bf16).
 fn layout(name: &str) -> (Vec<Vec<u64>>, DType) {
-    let mut shapes: Vec<Vec<u64>> = Vec::new();
-    match name {
-        "gpt2" => {
-            let (d, v, l) = (768, 50257, 12);
-            shapes.extend([vec![v, d], vec![1024, d]]);
-            for _ in 0..l {
-                shapes.extend([
-                    vec![d],
-                    vec![d],
-                    vec![d, 3 * d],
-                    vec![3 * d],
-                    vec![d, d],
-                    vec![d],
-                    vec![d],
-                    vec![d],
-                    vec![d, 4 * d],
-                    vec![4 * d],
-                    vec![4 * d, d],
-                    vec![d],
-                ]);
-            }
-            shapes.extend([vec![d], vec![d]]);
-            (shapes, DType::Float32)
-        }
-        "7b" => {
-            let (d, f, v, l) = (4096, 11008, 32000, 32);
-            shapes.push(vec![v, d]);
-            for _ in 0..l {
-                for _ in 0..4 {
-                    shapes.push(vec![d, d]);
-                }
-                shapes.extend([vec![f, d], vec![f, d], vec![d, f], vec![d], vec![d]]);
-            }
-            shapes.extend([vec![d], vec![v, d]]);
-            (shapes, DType::BFloat16)
-        }
-        _ => {
-            let (d, f, v, l, e) = (2048, 768, 151936, 24, 128);
-            shapes.push(vec![v, d]);
-            for _ in 0..l {
-                for _ in 0..4 {
-                    shapes.push(vec![d, d]);
-                }
-                shapes.extend([vec![d], vec![d], vec![e, d]]);
-                for _ in 0..e {
-                    shapes.extend([vec![f, d], vec![f, d], vec![d, f]]);
-                }
-            }
-            shapes.extend([vec![d], vec![v, d]]);
-            (shapes, DType::BFloat16)
-        }
-    }
+    let (shapes, elem) = tensormem_benches::layouts::shapes(name).unwrap_or_default();
+    (
+        shapes,
+        if elem == 4 {
+            DType::Float32
+        } else {
+            DType::BFloat16
+        },
+    )
 }
 
 struct Model {
@@ -464,8 +421,9 @@ fn main() -> Result<(), BoxError> {
     allocator.device().make_current()?;
     println!("layout,method,tensors,bytes,first_ms,median_ms");
     let layouts: Vec<&str> = match which.as_str() {
-        "all" => vec!["gpt2", "7b", "moe"],
-        one => vec![one],
+        "all" => tensormem_benches::layouts::NAMES.to_vec(),
+        one if tensormem_benches::layouts::NAMES.contains(&one) => vec![one],
+        other => return Err(format!("unknown layout {other:?}: gpt2, 7b, moe or all").into()),
     };
     for name in layouts {
         floor(name, &allocator, &driver, rounds)?;
