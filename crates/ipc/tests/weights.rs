@@ -77,6 +77,9 @@ fn versions_install_in_order_and_the_producer_waits_for_them() {
     let dst = destinations(&names, &meta);
     let plan = sub.prepare(&dst, PlanOptions::default()).unwrap();
     assert_eq!(sub.prepare(&dst, PlanOptions::default()).unwrap(), plan);
+    // Plans by number, as a C caller keeps them.
+    assert_eq!(sub.plan_id(plan.index()), Some(plan));
+    assert_eq!((sub.plan_count(), sub.plan_id(1)), (1, None));
     assert_eq!(sub.plan(plan).copies().len(), 3, "pairs merge");
     assert_eq!(sub.plan(plan).bytes(), 6 * 8192);
 

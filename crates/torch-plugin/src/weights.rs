@@ -36,7 +36,7 @@ use std::time::Duration;
 use cudarc::driver::sys;
 use tensormem::ipc::driver::cuda::CudaIpcDriver;
 use tensormem::ipc::weights::{
-    DType, PlacedTensor, PlanId, PlanOptions, PublishedTensor, TensorMeta, WeightPublisher,
+    DType, PlacedTensor, PlanOptions, PublishedTensor, TensorMeta, WeightPublisher,
     WeightSubscriber, WeightsMessage, MAX_DIMS,
 };
 use tensormem_cuda_alloc::backend::cuda::CudaBackend;
@@ -66,12 +66,6 @@ struct PublisherEntry {
     pending: Mutex<Option<Vec<u8>>>,
 }
 
-/// A live subscription and the plans handed out for it (the C plan id is the index).
-struct SubscriptionEntry {
-    subscriber: Subscriber,
-    plans: Vec<PlanId>,
-}
-
 /// The live handles of one kind, by number.
 struct Table<T> {
     kind: &'static str,
@@ -81,7 +75,8 @@ struct Table<T> {
 /// The next handle's number; shared by both kinds, so that no number names two things.
 static NEXT_HANDLE: AtomicU64 = AtomicU64::new(1);
 static PUBLISHERS: Table<PublisherEntry> = Table::new("weights publisher");
-static SUBSCRIPTIONS: Table<Mutex<SubscriptionEntry>> = Table::new("weights subscription");
+/// Subscriptions; a C plan id is the subscriber's own plan number ([`PlanId::index`](tensormem::ipc::weights::PlanId::index)).
+static SUBSCRIPTIONS: Table<Mutex<Subscriber>> = Table::new("weights subscription");
 
 fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
@@ -490,10 +485,7 @@ pub unsafe extern "C" fn tensormem_weights_open(
         let message = WeightsMessage::decode(unsafe { std::slice::from_raw_parts(bytes, len) })?;
         let consumer = tensormem_runtime::consumer().map_err(runtime_error)?;
         let subscriber = WeightSubscriber::open(consumer, &message, stream_id(stream))?;
-        let handle = SUBSCRIPTIONS.insert(Mutex::new(SubscriptionEntry {
-            subscriber,
-            plans: Vec::new(),
-        }));
+        let handle = SUBSCRIPTIONS.insert(Mutex::new(subscriber));
         // SAFETY: checked non-null above, valid for a write.
         unsafe { out.write(handle) };
         Ok(())
@@ -524,7 +516,7 @@ pub unsafe extern "C" fn tensormem_weights_sources(
         }
         let entry = SUBSCRIPTIONS.get(subscription)?;
         let entry = locked(&entry);
-        let tensors = entry.subscriber.tensors();
+        let tensors = entry.tensors();
         let n = tensors.len();
         // SAFETY: non-null (checked above), valid for a write (the caller's obligation).
         unsafe { count.write(n) };
@@ -585,19 +577,12 @@ pub unsafe extern "C" fn tensormem_weights_prepare(
             allow_unused_sources: allow_unused != 0,
         };
         let entry = SUBSCRIPTIONS.get(subscription)?;
-        let mut entry = locked(&entry);
-        let id = entry.subscriber.prepare(&destinations, options)?;
-        let n = entry.subscriber.plan(id).copies().len();
-        let index = match entry.plans.iter().position(|&p| p == id) {
-            Some(i) => i,
-            None => {
-                entry.plans.push(id);
-                entry.plans.len() - 1
-            }
-        };
+        let mut subscriber = locked(&entry);
+        let id = subscriber.prepare(&destinations, options)?;
+        let n = subscriber.plan(id).copies().len();
         // SAFETY: non-null (checked above), valid for a write each (the caller's obligation).
         unsafe {
-            plan.write(index as u64);
+            plan.write(id.index() as u64);
             copies.write(n);
         }
         Ok(())
@@ -627,18 +612,17 @@ pub unsafe extern "C" fn tensormem_weights_install(
             return Err(Error::NullArgument { what: "version" });
         }
         let entry = SUBSCRIPTIONS.get(subscription)?;
-        let mut entry = locked(&entry);
-        let id = *entry.plans.get(plan as usize).ok_or(Error::UnknownPlan {
-            plan,
-            plans: entry.plans.len(),
-        })?;
+        let mut subscriber = locked(&entry);
+        let id = usize::try_from(plan)
+            .ok()
+            .and_then(|i| subscriber.plan_id(i))
+            .ok_or(Error::UnknownPlan {
+                plan,
+                plans: subscriber.plan_count(),
+            })?;
         // SAFETY: the destinations are live device memory of this process, idle during the copies
         // (the caller's obligation); the plan was prepared for them on this subscription.
-        let v = unsafe {
-            entry
-                .subscriber
-                .install(id, stream_id(stream), timeout(timeout_ms))?
-        };
+        let v = unsafe { subscriber.install(id, stream_id(stream), timeout(timeout_ms))? };
         // SAFETY: non-null (checked above), valid for a write (the caller's obligation).
         unsafe { version.write(v) };
         Ok(())
@@ -666,9 +650,7 @@ pub unsafe extern "C" fn tensormem_weights_begin(
             return Err(Error::NullArgument { what: "version" });
         }
         let entry = SUBSCRIPTIONS.get(subscription)?;
-        let v = locked(&entry)
-            .subscriber
-            .begin(stream_id(stream), timeout(timeout_ms))?;
+        let v = locked(&entry).begin(stream_id(stream), timeout(timeout_ms))?;
         // SAFETY: non-null (checked above), valid for a write (the caller's obligation).
         unsafe { version.write(v) };
         Ok(())
@@ -681,7 +663,7 @@ pub unsafe extern "C" fn tensormem_weights_begin(
 pub extern "C" fn tensormem_weights_finish(subscription: *mut c_void, version: u64) -> c_int {
     status("tensormem_weights_finish", || {
         let entry = SUBSCRIPTIONS.get(subscription)?;
-        locked(&entry).subscriber.finish(version);
+        locked(&entry).finish(version);
         Ok(())
     })
 }

@@ -19,6 +19,16 @@ use crate::received::IpcConsumer;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlanId(usize);
 
+impl PlanId {
+    /// Its number among the subscriber's plans (0, 1, ... in the order they were first
+    /// prepared), for callers that keep plans as numbers (a C interface); back with
+    /// [`WeightSubscriber::plan_id`].
+    #[must_use]
+    pub fn index(self) -> usize {
+        self.0
+    }
+}
+
 /// A publication open in this process (see [`crate::weights`]): the producer's tensors mapped here
 /// (zero copy), its versions followed, and installs into the consumer's own tensors.
 ///
@@ -145,6 +155,18 @@ impl<B: IpcDriver> WeightSubscriber<B> {
         drop(sources);
         self.plans.push(plan);
         Ok(PlanId(self.plans.len() - 1))
+    }
+
+    /// The plan numbered `index` ([`PlanId::index`]), if this subscriber prepared that many.
+    #[must_use]
+    pub fn plan_id(&self, index: usize) -> Option<PlanId> {
+        (index < self.plans.len()).then_some(PlanId(index))
+    }
+
+    /// How many plans this subscriber prepared.
+    #[must_use]
+    pub fn plan_count(&self) -> usize {
+        self.plans.len()
     }
 
     /// The plan `id` names.
