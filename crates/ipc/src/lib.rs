@@ -94,6 +94,7 @@ pub mod handle;
 mod opened;
 pub mod process;
 pub mod producer;
+mod reader;
 pub mod received;
 mod refcounter;
 mod view;

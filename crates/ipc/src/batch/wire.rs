@@ -5,6 +5,7 @@ use tensormem_shm::ShmName;
 
 use crate::driver::{EventHandle, MemHandle, IPC_HANDLE_SIZE};
 use crate::error::{Error, Result};
+use crate::reader::Reader;
 
 const MAGIC: &[u8; 4] = b"TMIB";
 /// The batch encoding version this crate writes and reads.
@@ -209,26 +210,26 @@ impl BatchHandle {
         if &bytes[..4] != MAGIC {
             return Err(bad("wrong magic (not a batch handle)".into()));
         }
-        let mut r = Reader { bytes, at: 4 };
-        let version = r.u16()?;
+        let mut r = Reader::new(bytes, 4, |problem| Error::MalformedBatch { problem });
+        let version = r.u16("integer")?;
         if version != BATCH_ENCODING_VERSION {
             return Err(bad(format!(
                 "encoding version {version}, this build reads version {BATCH_ENCODING_VERSION}; \
                  use the same tensormem-ipc version on both sides"
             )));
         }
-        let flags = r.u16()?;
+        let flags = r.u16("integer")?;
         if flags & !FLAG_EVENT != 0 {
             return Err(bad(format!("unknown flags {flags:#x}")));
         }
-        let device = r.u32()?;
-        let segment_count = r.u32()? as usize;
-        let view_count = r.u32()? as usize;
-        let producer = r.u64()?;
-        let slot = r.u64()?;
+        let device = r.u32("integer")?;
+        let segment_count = r.u32("integer")? as usize;
+        let view_count = r.u32("integer")? as usize;
+        let producer = r.u64("integer")?;
+        let slot = r.u64("integer")?;
         let event_bytes = r.array::<IPC_HANDLE_SIZE>("event handle")?;
         let event = (flags & FLAG_EVENT != 0).then_some(EventHandle(event_bytes));
-        let name_len = usize::from(r.u16()?);
+        let name_len = usize::from(r.u16("integer")?);
         if name_len == 0 {
             return Err(bad("no ref-counter file name".into()));
         }
@@ -255,15 +256,15 @@ impl BatchHandle {
         let mut segments = Vec::with_capacity(segment_count);
         for _ in 0..segment_count {
             let mem_handle = MemHandle(r.array::<IPC_HANDLE_SIZE>("segment memory handle")?);
-            let size = r.u64()?;
+            let size = r.u64("integer")?;
             segments.push(BatchSegment { mem_handle, size });
         }
         let mut views = Vec::with_capacity(view_count);
         for i in 0..view_count {
-            let segment = r.u32()?;
-            let offset = r.u64()?;
-            let len = r.u64()?;
-            let tag_len = usize::from(r.u16()?);
+            let segment = r.u32("integer")?;
+            let offset = r.u64("integer")?;
+            let len = r.u64("integer")?;
+            let tag_len = usize::from(r.u16("integer")?);
             let tag = r.take(tag_len, "view name")?;
             let name = std::str::from_utf8(tag)
                 .map_err(|e| bad(format!("the name of view {i} is not UTF-8: {e}")))?
@@ -289,47 +290,6 @@ impl BatchHandle {
 }
 
 /// Reads fields in order, every read checked against the end.
-struct Reader<'a> {
-    bytes: &'a [u8],
-    at: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, len: usize, what: &str) -> Result<&'a [u8]> {
-        let end = self.at.checked_add(len).filter(|&e| e <= self.bytes.len());
-        let Some(end) = end else {
-            return Err(Error::MalformedBatch {
-                problem: format!(
-                    "truncated: the {what} needs {len} bytes at {}, but the message has {}",
-                    self.at,
-                    self.bytes.len()
-                ),
-            });
-        };
-        let out = &self.bytes[self.at..end];
-        self.at = end;
-        Ok(out)
-    }
-
-    fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N]> {
-        let mut out = [0; N];
-        out.copy_from_slice(self.take(N, what)?);
-        Ok(out)
-    }
-
-    fn u16(&mut self) -> Result<u16> {
-        Ok(u16::from_le_bytes(self.array("integer")?))
-    }
-
-    fn u32(&mut self) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.array("integer")?))
-    }
-
-    fn u64(&mut self) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.array("integer")?))
-    }
-}
-
 /// Checks a batch's segments and views (see the module docs); returns the view indices in name
 /// order.
 fn validate(

@@ -6,6 +6,7 @@ use super::meta::{DType, TensorMeta, MAX_DIMS};
 use crate::batch::BatchHandle;
 use crate::driver::{EventHandle, IPC_HANDLE_SIZE};
 use crate::error::{Error, Result};
+use crate::reader::Reader;
 
 const MAGIC: &[u8; 4] = b"TMIW";
 /// The encoding version of [`WeightsMessage`] this crate writes and reads.
@@ -95,7 +96,7 @@ impl WeightsMessage {
     /// the batch inside).
     pub fn decode(bytes: &[u8]) -> Result<Self> {
         let bad = |problem: String| Error::MalformedWeights { problem };
-        let mut r = Reader { bytes, at: 0 };
+        let mut r = Reader::new(bytes, 0, |problem| Error::MalformedWeights { problem });
         if r.take(4, "magic")? != MAGIC {
             return Err(bad("wrong magic (not a weights message)".into()));
         }
@@ -109,8 +110,7 @@ impl WeightsMessage {
         if r.u16("reserved")? != 0 {
             return Err(bad("reserved bits set".into()));
         }
-        let mut event = [0u8; IPC_HANDLE_SIZE];
-        event.copy_from_slice(r.take(IPC_HANDLE_SIZE, "event handle")?);
+        let event = r.array::<IPC_HANDLE_SIZE>("event handle")?;
         let name_len = usize::from(r.u16("channel name length")?);
         let channel = ShmName::from_bytes(r.take(name_len, "channel name")?)
             .map_err(|e| bad(format!("channel name: {e}")))?;
@@ -164,50 +164,5 @@ impl WeightsMessage {
             channel,
             event: EventHandle(event),
         })
-    }
-}
-
-struct Reader<'a> {
-    bytes: &'a [u8],
-    at: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
-        let end = self.at.checked_add(n).filter(|&e| e <= self.bytes.len());
-        let Some(end) = end else {
-            return Err(Error::MalformedWeights {
-                problem: format!(
-                    "{} bytes end inside the {what} (at byte {})",
-                    self.bytes.len(),
-                    self.at
-                ),
-            });
-        };
-        let out = &self.bytes[self.at..end];
-        self.at = end;
-        Ok(out)
-    }
-
-    fn u8(&mut self, what: &str) -> Result<u8> {
-        Ok(self.take(1, what)?[0])
-    }
-
-    fn u16(&mut self, what: &str) -> Result<u16> {
-        Ok(u16::from_le_bytes(
-            self.take(2, what)?.try_into().expect("2 bytes"),
-        ))
-    }
-
-    fn u32(&mut self, what: &str) -> Result<u32> {
-        Ok(u32::from_le_bytes(
-            self.take(4, what)?.try_into().expect("4 bytes"),
-        ))
-    }
-
-    fn u64(&mut self, what: &str) -> Result<u64> {
-        Ok(u64::from_le_bytes(
-            self.take(8, what)?.try_into().expect("8 bytes"),
-        ))
     }
 }
