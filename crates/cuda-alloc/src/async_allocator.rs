@@ -11,7 +11,7 @@ use crate::backend::cuda::driver::check;
 use crate::backend::cuda::{registry, BackendEvent, BackendStream, CudaBackend};
 use crate::device::{Device, DeviceAddress, DeviceError, MemInfo, StreamId};
 use crate::error::{Error, Result};
-use crate::oom::OutOfMemory;
+use crate::oom::{OutOfMemory, Source as OomSource};
 use crate::size::format_size;
 use crate::stats::MemoryStats;
 
@@ -299,6 +299,8 @@ impl AsyncAllocator {
             allocated: state.used,
             reserved: 0,
             private_pools: 0,
+            processes: Vec::new(),
+            source: OomSource::AsyncBackend,
             message,
         }))
     }

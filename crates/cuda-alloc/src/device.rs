@@ -98,6 +98,21 @@ pub struct MemInfo {
     pub total: u64,
 }
 
+/// A process using a device and the device memory it holds, as NVML reports it
+/// (`nvmlProcessInfo_v1_t`, from `nvmlDeviceGetComputeRunningProcesses`): what the out-of-memory
+/// message lists, one sentence per process, as PyTorch's does.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct ProcessMemory {
+    /// The process id, as NVML gives it (the pid namespace of the driver's host, which inside a
+    /// container may not be the caller's).
+    pub pid: u32,
+    /// Device memory the process holds, in bytes (NVML's `usedGpuMemory`; NVML's "not available",
+    /// `u64::MAX`, is kept as it is, as PyTorch keeps it).
+    pub used_bytes: u64,
+    /// Whether it is the process that met the error (its pid is this process's).
+    pub this_process: bool,
+}
+
 /// Whether a stream is being captured into a CUDA graph (`cuStreamGetCaptureInfo`).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum CaptureStatus {
@@ -237,6 +252,15 @@ pub unsafe trait Device: Send + Sync + 'static {
 
     /// Whether `stream` is being captured into a graph (`cuStreamGetCaptureInfo`).
     fn capture_status(&self, stream: StreamId) -> DeviceResult<CaptureStatus>;
+
+    /// The processes using this device and the memory each holds (NVML's
+    /// `nvmlDeviceGetComputeRunningProcesses`), asked only when an allocation has failed, for the
+    /// out-of-memory message (PyTorch's `reportProcessMemoryInfo`). `None` where the backend cannot
+    /// tell (no NVML, or NVML refused): the message then has no process sentences, as PyTorch's has
+    /// none without NVML. Never an error. The default: `None`.
+    fn process_memory(&self) -> Option<Vec<ProcessMemory>> {
+        None
+    }
 
     /// The granularity of virtual-memory mappings in bytes (`cuMemGetAllocationGranularity`), typically 2 MiB.
     fn vmm_granularity(&self) -> DeviceResult<usize>;
@@ -384,6 +408,9 @@ unsafe impl<D: Device> Device for std::sync::Arc<D> {
     }
     fn capture_status(&self, stream: StreamId) -> DeviceResult<CaptureStatus> {
         (**self).capture_status(stream)
+    }
+    fn process_memory(&self) -> Option<Vec<ProcessMemory>> {
+        (**self).process_memory()
     }
     fn vmm_granularity(&self) -> DeviceResult<usize> {
         (**self).vmm_granularity()

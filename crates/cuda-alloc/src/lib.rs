@@ -143,7 +143,8 @@ pub use async_allocator::{AsyncAllocator, AsyncPoolStats, PoolUsage};
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub use cached_slice::CachedSlice;
 pub use device::{
-    CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, StreamId,
+    CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, ProcessMemory,
+    StreamId,
 };
 pub use error::{Error, Result, SleepError};
 pub use expandable::ChunkExport;

@@ -7,8 +7,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use common::*;
+use tensormem_cuda_alloc::oom::Reporter;
 use tensormem_cuda_alloc::snapshot::TraceAction;
-use tensormem_cuda_alloc::{Error, StreamId};
+use tensormem_cuda_alloc::{Error, ProcessMemory, StreamId};
 
 #[test]
 fn out_of_memory_after_releasing_everything_with_pytorchs_message() {
@@ -67,6 +68,48 @@ fn out_of_memory_after_releasing_everything_with_pytorchs_message() {
     assert_eq!(
         (oom_entry.device_free(), oom_entry.size),
         (Some(10 * MIB as u64), 20 * MIB as u64)
+    );
+}
+
+#[test]
+fn the_devices_process_list_is_in_the_error_in_either_wording() {
+    let a = sim(40 * MIB);
+    let this = std::process::id();
+    a.device().set_process_memory(Some(vec![
+        ProcessMemory {
+            pid: 31337,
+            used_bytes: 3 * MIB as u64,
+            this_process: false,
+        },
+        ProcessMemory {
+            pid: this,
+            used_bytes: 30 * MIB as u64,
+            this_process: true,
+        },
+    ]));
+    let _held = a.allocate(30 * MIB, S0).unwrap();
+    let err = a.allocate(20 * MIB, S0).unwrap_err();
+    let Error::OutOfMemory(oom) = &err else {
+        panic!("expected out of memory, got {err}")
+    };
+    assert_eq!(oom.processes.len(), 2);
+    assert_eq!(
+        oom.message_for(Reporter::PyTorch),
+        "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 40.00 MiB of \
+         which 10.00 MiB is free. Process 31337 has 3.00 MiB memory in use. Including non-PyTorch \
+         memory, this process has 30.00 MiB memory in use. Of the allocated memory 30.00 MiB is \
+         allocated by PyTorch, and 0 bytes is reserved by PyTorch but unallocated. If reserved but \
+         unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to \
+         avoid fragmentation.  See documentation for Memory Management  \
+         (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)"
+    );
+    assert!(
+        err.to_string().contains(
+            "is free. Process 31337 has 3.00 MiB memory in use. Including non-tensormem memory, this \
+             process has 30.00 MiB memory in use. Of the allocated memory 30.00 MiB is allocated by \
+             tensormem,"
+        ),
+        "{err}"
     );
 }
 

@@ -165,6 +165,29 @@ impl Error {
         )
     }
 
+    /// The out-of-memory report of the caching allocator this error carries, if it is one.
+    fn out_of_memory_report(&self) -> Option<&tensormem_cuda_alloc::oom::OutOfMemory> {
+        use tensormem_cuda_alloc::Error as AllocError;
+        match self {
+            Error::Alloc(AllocError::OutOfMemory(oom))
+            | Error::Cuda(tensormem::cuda::Error::Alloc(AllocError::OutOfMemory(oom))) => Some(oom),
+            _ => None,
+        }
+    }
+
+    /// The message a PyTorch program reads for this error: for an out-of-memory error, PyTorch
+    /// 2.11's own message word for word
+    /// ([`Reporter::PyTorch`](tensormem_cuda_alloc::oom::Reporter::PyTorch): "... is allocated by
+    /// PyTorch, ...", `PYTORCH_CUDA_ALLOC_CONF` and PyTorch's notes, where a Rust program reads
+    /// tensormem's names); any other error as `Display` words it.
+    #[must_use]
+    pub fn message_for_pytorch(&self) -> String {
+        match self.out_of_memory_report() {
+            Some(oom) => oom.message_for_pytorch().into_owned(),
+            None => self.to_string(),
+        }
+    }
+
     /// Whether this is a refusal PyTorch's allocator makes for the process's backend
     /// ([`tensormem::cuda::AsyncUnsupported`]): its message's first line is PyTorch's, word for word.
     #[must_use]
@@ -202,9 +225,10 @@ thread_local! {
     static LAST_ERROR: RefCell<Option<LastError>> = const { RefCell::new(None) };
 }
 
-/// Keeps `error` as this thread's last error.
+/// Keeps `error` as this thread's last error, in the words a PyTorch program reads
+/// ([`Error::message_for_pytorch`]).
 pub(crate) fn set_last_error(error: &Error) {
-    let text = error.to_string().replace('\0', " ");
+    let text = error.message_for_pytorch().replace('\0', " ");
     let last = LastError {
         message: CString::new(text).unwrap_or_default(),
         code: error.code(),
@@ -257,4 +281,52 @@ pub extern "C" fn tensormem_last_error_code() -> c_int {
 #[no_mangle]
 pub extern "C" fn tensormem_clear_last_error() {
     let _ = LAST_ERROR.try_with(|slot| slot.borrow_mut().take());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tensormem_cuda_alloc::backend::sim::SimDevice;
+    use tensormem_cuda_alloc::{CachingAllocator, StreamId};
+
+    /// An out-of-memory error of the caching allocator on a simulated 4 MiB device (8 MiB asked:
+    /// a 20 MiB segment tried).
+    fn out_of_memory() -> tensormem_cuda_alloc::Error {
+        let alloc = CachingAllocator::new(SimDevice::new(4 << 20));
+        alloc.allocate(8 << 20, StreamId(0)).unwrap_err()
+    }
+
+    #[test]
+    fn an_out_of_memory_error_reads_as_pytorchs_message() {
+        let pytorchs = "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of \
+             4.00 MiB of which 4.00 MiB is free. Of the allocated memory 0 bytes is allocated by \
+             PyTorch, and 0 bytes is reserved by PyTorch but unallocated. If reserved but \
+             unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+             to avoid fragmentation.  See documentation for Memory Management  \
+             (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)";
+        for error in [
+            Error::Alloc(out_of_memory()),
+            Error::Cuda(tensormem::cuda::Error::Alloc(out_of_memory())),
+        ] {
+            assert!(error.is_out_of_memory());
+            assert!(
+                error.to_string().contains("allocated by tensormem"),
+                "{error}"
+            );
+            assert_eq!(error.message_for_pytorch(), pytorchs);
+            set_last_error(&error);
+            assert_eq!(last_error_string().as_deref(), Some(pytorchs));
+            assert_eq!(tensormem_last_error_code(), TM_OUT_OF_MEMORY);
+        }
+        tensormem_clear_last_error();
+    }
+
+    #[test]
+    fn other_errors_read_as_they_display() {
+        let error = Error::InvalidDevice { device: -3 };
+        assert_eq!(error.message_for_pytorch(), error.to_string());
+        set_last_error(&error);
+        assert_eq!(last_error_string(), Some(error.to_string()));
+        tensormem_clear_last_error();
+    }
 }

@@ -17,7 +17,7 @@ use crate::block::{Block, NIL};
 use crate::device::{Device, DeviceError, StreamId};
 use crate::error::{Error, Result};
 use crate::free_set::FreePos;
-use crate::oom::{OomEvent, OutOfMemory};
+use crate::oom::{OomEvent, OutOfMemory, Source as OomSource};
 use crate::pool::PoolOwner;
 use crate::pool_id::MempoolId;
 use crate::size::ONE_EXABYTE;
@@ -286,6 +286,9 @@ impl<D: Device> CachingAllocator<D> {
             allocated: stats.allocated_bytes.all.current as u64,
             reserved: stats.reserved_bytes.all.current as u64,
             private_pools,
+            // Asked last, without any lock held (NVML may take a few milliseconds).
+            processes: self.device.process_memory().unwrap_or_default(),
+            source: OomSource::Caching,
             message: String::new(),
         }
         .finish();

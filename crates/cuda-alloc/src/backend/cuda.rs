@@ -17,6 +17,7 @@
 //! | `cudaEvent_t` (timing disabled, optionally interprocess) | [`BackendEvent`] |
 //! | `CUmemGenericAllocationHandle` | [`PhysicalChunk`] |
 //! | `cudaGetDeviceProperties` | [`device_properties`] |
+//! | NVML's process list (`reportProcessMemoryInfo`) | [`Device::process_memory`] |
 //!
 //! # Without a driver or a device
 //!
@@ -43,6 +44,7 @@ mod capture;
 mod context;
 pub(crate) mod driver;
 mod event;
+mod nvml;
 mod pinned;
 mod properties;
 pub(crate) mod registry;
@@ -56,7 +58,8 @@ use cudarc::driver::{sys, CudaContext, CudaStream as CudarcStream};
 use parking_lot::Mutex;
 
 use crate::device::{
-    CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, StreamId,
+    CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, ProcessMemory,
+    StreamId,
 };
 
 pub use context::has_primary_context;
@@ -483,6 +486,18 @@ unsafe impl Device for CudaBackend {
                 CaptureStatus::Invalidated
             }
         })
+    }
+
+    /// [`Device::process_memory`] through NVML (`libnvidia-ml.so.1`, opened at run time on the first
+    /// out-of-memory error): `nvmlDeviceGetComputeRunningProcesses` on the device found by its PCI
+    /// bus id, as PyTorch's `reportProcessMemoryInfo` does. `None` without NVML.
+    ///
+    /// # References
+    ///
+    /// - [`nvmlDeviceGetComputeRunningProcesses`](https://docs.nvidia.com/deploy/nvml-api/group__nvmlDeviceQueries.html) (Device Queries)
+    #[doc(alias = "nvmlDeviceGetComputeRunningProcesses")]
+    fn process_memory(&self) -> Option<Vec<ProcessMemory>> {
+        nvml::process_memory(self.ordinal)
     }
 
     /// [`Device::vmm_granularity`] through `cuMemGetAllocationGranularity` (asked once, then cached).

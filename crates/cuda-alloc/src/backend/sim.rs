@@ -44,7 +44,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use parking_lot::Mutex;
 
 use crate::device::{
-    CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, StreamId,
+    CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, ProcessMemory,
+    StreamId,
 };
 
 /// Where invented addresses start (a typical user-space GPU virtual address): the first window.
@@ -155,6 +156,8 @@ struct SimState {
     fail_releases: bool,
     /// Errors handed to `record_error`, oldest first.
     kept_errors: Vec<DeviceError>,
+    /// What `process_memory` answers (see `set_process_memory`).
+    processes: Option<Vec<ProcessMemory>>,
     /// The bytes written into physical chunks, by chunk id (made on the first write; a chunk never
     /// written reads as zeros; dropped with the chunk).
     contents: HashMap<u64, Vec<u8>>,
@@ -330,6 +333,7 @@ impl SimDevice {
                 auto_complete: false,
                 fail_releases: false,
                 kept_errors: Vec::new(),
+                processes: None,
                 contents: HashMap::new(),
                 counters: SimCounters::default(),
             }),
@@ -416,6 +420,12 @@ impl SimDevice {
     /// and changes nothing: for testing how callers handle a device that cannot take memory back.
     pub fn fail_releases(&self, on: bool) {
         self.state.lock().fail_releases = on;
+    }
+
+    /// Sets what [`Device::process_memory`] answers, NVML's list of the processes on a real device
+    /// (`None`, the default: the device cannot tell).
+    pub fn set_process_memory(&self, processes: Option<Vec<ProcessMemory>>) {
+        self.state.lock().processes = processes;
     }
 
     /// The errors kept by [`Device::record_error`] (met while an allocator was dropped), oldest
@@ -605,6 +615,10 @@ unsafe impl Device for SimDevice {
             Some(&id) => CaptureStatus::Active { id },
             None => CaptureStatus::None,
         })
+    }
+
+    fn process_memory(&self) -> Option<Vec<ProcessMemory>> {
+        self.state.lock().processes.clone()
     }
 
     fn vmm_granularity(&self) -> DeviceResult<usize> {
