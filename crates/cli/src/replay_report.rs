@@ -222,17 +222,27 @@ fn capacity_line(
     );
     let verdict = if given {
         "--capacity overrides it".to_owned()
+    } else if !inference.phases.is_empty() {
+        format!(
+            "no single value fits every recorded decision: the limit changed while the program ran \
+             (below); device memory {picked}"
+        )
     } else if inference.consistent {
         format!("device memory {picked}")
     } else {
         format!("NO value fits every recorded decision; device memory {picked} (the upper end)")
     };
-    writeln!(
-        out,
-        "device {device}: {what} in [{}, {upper}] ({}; the least is the most the trace reserved): {verdict}",
-        format_size(inference.lower),
-        if reasons.is_empty() { "nothing bounds it above".to_owned() } else { reasons.join(", ") },
-    )?;
+    if inference.phases.is_empty() {
+        writeln!(
+            out,
+            "device {device}: {what} in [{}, {upper}] ({}; the least is the most the trace reserved): {verdict}",
+            format_size(inference.lower),
+            if reasons.is_empty() { "nothing bounds it above".to_owned() } else { reasons.join(", ") },
+        )?;
+    } else {
+        writeln!(out, "device {device}: {what}: {verdict}")?;
+    }
+    phase_lines(out, device, inference)?;
     if inference.fraction_implied {
         writeln!(
             out,
@@ -240,6 +250,42 @@ fn capacity_line(
              although the device had room: torch.cuda.set_per_process_memory_fraction() was in force; \
              its value and the device's size are not in the trace, only the bytes the fraction allowed \
              (the interval above), and the replay uses a fraction and a size that allow them"
+        )?;
+    }
+    Ok(())
+}
+
+/// The limits a program set while it ran, when no single one fits its trace: per stretch of
+/// events, the bytes allowed, what bounds them, and between which events the limit changed.
+fn phase_lines(
+    out: &mut impl Write,
+    device: usize,
+    inference: &CapacityInference,
+) -> io::Result<()> {
+    if inference.phases.is_empty() {
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "  assumption: device {device}: torch.cuda.set_per_process_memory_fraction() was called again \
+         while the program ran (the trace does not record it); the replay changes the limit where \
+         the recorded decisions need it:"
+    )?;
+    for phase in &inference.phases {
+        let when = match phase.changed_after {
+            None => format!("from event {}", phase.from_event),
+            Some(after) => format!(
+                "from event {} (changed after event {after})",
+                phase.from_event
+            ),
+        };
+        let upper = phase.upper.map_or_else(|| "-".to_owned(), format_size);
+        writeln!(
+            out,
+            "    {when}: allowed in [{}, {upper}], replayed with {} (fraction {:.6})",
+            format_size(phase.lower),
+            format_size(phase.allowed),
+            phase.fraction,
         )?;
     }
     Ok(())

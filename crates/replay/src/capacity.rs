@@ -54,6 +54,18 @@ impl OomFact {
     }
 }
 
+/// One recorded decision that bounds the bytes the allocator was allowed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Decision {
+    /// A new segment or mapping succeeded, leaving this many bytes reserved.
+    Reached(u64),
+    /// A run of releases followed by a new segment of `size` bytes, `before` bytes reserved
+    /// before the run.
+    Retry { before: u64, size: u64 },
+    /// An `oom` event.
+    Oom(OomFact),
+}
+
 /// The recorded decisions that bound the allocator's memory, gathered while a trace is read.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct CapacityFacts {
@@ -65,6 +77,53 @@ pub(crate) struct CapacityFacts {
     pub(crate) ooms: Vec<OomFact>,
     /// The most device memory the layout of expandable reservations allows.
     pub(crate) layout_bound: Option<u64>,
+    /// Every decision above with the trace event it was made at, in order.
+    pub(crate) decisions: Vec<(u32, Decision)>,
+}
+
+impl CapacityFacts {
+    /// A new segment or mapping at `event` left `reserved` bytes reserved.
+    pub(crate) fn reach(&mut self, event: u32, reserved: u64) {
+        self.reached = self.reached.max(reserved);
+        self.decisions.push((event, Decision::Reached(reserved)));
+    }
+
+    /// The run of releases starting at `event` (with `before` bytes reserved) was followed by a
+    /// new segment of `size` bytes.
+    pub(crate) fn retry(&mut self, event: u32, before: u64, size: u64) {
+        self.retries.push((before, size));
+        self.decisions
+            .push((event, Decision::Retry { before, size }));
+    }
+
+    /// The `oom` event `event`.
+    pub(crate) fn oom(&mut self, event: u32, fact: OomFact) {
+        self.ooms.push(fact);
+        self.decisions.push((event, Decision::Oom(fact)));
+    }
+}
+
+/// A stretch of the trace under one limit on the bytes the allocator may reserve, when the program
+/// changed its memory fraction while it ran (see [`CapacityInference::phases`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LimitPhase {
+    /// The trace event from which the replay applies this limit: the first recorded decision
+    /// that the limit before it contradicts (`0` for the first phase).
+    pub from_event: usize,
+    /// The last recorded decision under the limit before it: the program changed the limit
+    /// between this event and [`from_event`](Self::from_event). `None` for the first phase.
+    pub changed_after: Option<usize>,
+    /// The least the limit allowed: the most bytes reserved right after a new segment in this
+    /// stretch (0 when none was made).
+    pub lower: u64,
+    /// The most it allowed, when a recorded decision in this stretch bounds it.
+    pub upper: Option<u64>,
+    /// The bytes the replay allows in this stretch: the upper end, or the whole device when
+    /// nothing bounds it from above.
+    pub allowed: u64,
+    /// The memory fraction that allows them on the device picked
+    /// ([`CapacityInference::capacity`]).
+    pub fraction: f64,
 }
 
 /// The device memory a replay infers from a trace, and why. How: `docs/replay.md`, "Device size".
@@ -90,8 +149,16 @@ pub struct CapacityInference {
     /// nothing bounds it from above (the replay then uses [`DEFAULT_CAPACITY`](crate::DEFAULT_CAPACITY),
     /// or more when the fraction of that would be below the lower end).
     pub capacity: Option<u64>,
-    /// Whether some value satisfies every recorded decision.
+    /// Whether some value satisfies every recorded decision (with [`phases`](Self::phases): some
+    /// value per phase).
     pub consistent: bool,
+    /// When no single limit satisfies every recorded decision under a memory fraction, the
+    /// stretches of the trace under one limit each, found in event order (a program that calls
+    /// `torch.cuda.set_per_process_memory_fraction` again while it runs, which the trace does not
+    /// record): each phase lasts as long as one limit fits its decisions. The replay changes the
+    /// limit at each phase's [`from_event`](LimitPhase::from_event). Empty when one limit fits
+    /// (or no fraction is in force).
+    pub phases: Vec<LimitPhase>,
 }
 
 impl CapacityInference {
@@ -155,7 +222,7 @@ impl CapacityInference {
                 (Some(c), Some(u)) => allowed(fraction, c) <= u,
                 _ => true,
             };
-        CapacityInference {
+        let whole = CapacityInference {
             fraction,
             fraction_implied: false,
             lower,
@@ -165,8 +232,213 @@ impl CapacityInference {
             layout_bound: facts.layout_bound,
             capacity,
             consistent,
+            phases: Vec::new(),
+        };
+        if whole.consistent || fraction.is_none() {
+            return whole;
+        }
+        let threshold = collects.then_some(threshold);
+        match limit_phases(facts, threshold) {
+            Some(phases) if phases.len() > 1 => whole.in_phases(facts, phases),
+            _ => whole,
         }
     }
+
+    /// The limits the program set while it ran, for a run whose configuration's memory fraction
+    /// is `fraction`: [`phases`](Self::phases) when that is the one recorded (or implied), none
+    /// when the run names a fraction of its own.
+    pub(crate) fn phases_for(&self, fraction: f64) -> &[LimitPhase] {
+        if self
+            .fraction
+            .is_some_and(|f| f.to_bits() == fraction.to_bits())
+        {
+            &self.phases
+        } else {
+            &[]
+        }
+    }
+
+    /// This inference with the limit changing over `phases`: the device gets the memory the
+    /// trace shows (the most of the bytes reserved plus the device's free memory at an `oom`
+    /// event, else [`DEFAULT_CAPACITY`](crate::DEFAULT_CAPACITY)), at least every phase's limit;
+    /// each phase allows its upper end, or the whole device when nothing bounds it.
+    fn in_phases(self, facts: &CapacityFacts, phases: Vec<OpenPhase>) -> Self {
+        let seen = facts
+            .ooms
+            .iter()
+            .map(|o| o.reserved.saturating_add(o.device_free))
+            .max()
+            .filter(|&t| t > 0)
+            .unwrap_or(crate::DEFAULT_CAPACITY);
+        let total = phases
+            .iter()
+            .map(|p| p.upper.unwrap_or(p.lower))
+            .fold(seen, u64::max);
+        let phases = phases
+            .into_iter()
+            .map(|p| {
+                let allowed = p.upper.unwrap_or(total);
+                LimitPhase {
+                    from_event: p.from as usize,
+                    changed_after: p.after.map(|e| e as usize),
+                    lower: p.lower,
+                    upper: p.upper,
+                    allowed,
+                    fraction: fraction_allowing(allowed, total),
+                }
+            })
+            .collect::<Vec<_>>();
+        tracing::debug!(
+            phases = phases.len(),
+            "no single memory limit fits the trace: the limit changed while the program ran"
+        );
+        CapacityInference {
+            oom_bounds: phases.iter().filter(|p| p.upper.is_some()).count(),
+            capacity: Some(total),
+            consistent: true,
+            phases,
+            ..self
+        }
+    }
+}
+
+/// A stretch of decisions under one limit, found by [`limit_phases`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct OpenPhase {
+    /// The trace event from which it holds.
+    from: u32,
+    /// The last decision's event of the phase before it.
+    after: Option<u32>,
+    /// The most bytes reserved after a new segment in it.
+    lower: u64,
+    /// The least upper end of its decisions.
+    upper: Option<u64>,
+}
+
+/// The bound a decision puts on the limit: bytes reserved it needed (a lower end), or an upper
+/// end; `threshold` is the garbage collection threshold when the allocator collects.
+fn bound_of(decision: Decision, threshold: Option<f64>) -> Bound {
+    match decision {
+        Decision::Reached(reserved) => Bound::Lower(reserved),
+        Decision::Retry { before, size } => {
+            let needed = before + size;
+            Bound::Release(match threshold {
+                Some(t) => (needed - 1).max(most_allowed_collecting_below(t, before)),
+                None => needed - 1,
+            })
+        }
+        Decision::Oom(oom) if oom.device_had_room() => {
+            Bound::Upper((oom.reserved + oom.segment()).saturating_sub(1))
+        }
+        Decision::Oom(_) => Bound::None,
+    }
+}
+
+/// What one decision says about the limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Bound {
+    /// At least this many bytes.
+    Lower(u64),
+    /// At most this many.
+    Upper(u64),
+    /// At most this many, unless the release was `empty_cache()` (a bound under what the same
+    /// limit allowed elsewhere).
+    Release(u64),
+    /// Nothing (the device itself was full).
+    None,
+}
+
+/// The interval a set of decisions allows, whatever their order: at least the most bytes reserved
+/// after a new segment, at most the least upper end (release runs bounding under that were
+/// `empty_cache()`); `None` when no limit fits them all.
+fn interval(bounds: &[Bound]) -> Option<(u64, Option<u64>)> {
+    let lower = bounds
+        .iter()
+        .filter_map(|b| match b {
+            Bound::Lower(l) => Some(*l),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0);
+    let mut upper: Option<u64> = None;
+    for b in bounds {
+        let u = match *b {
+            Bound::Upper(u) if u < lower => return None,
+            Bound::Upper(u) => u,
+            Bound::Release(u) if u >= lower => u,
+            _ => continue,
+        };
+        upper = Some(upper.map_or(u, |v| v.min(u)));
+    }
+    Some((lower, upper))
+}
+
+/// The stretches of the trace under one limit each, in event order: the fewest such stretches
+/// (each as long as one limit fits its decisions, read forwards), each then started as early as
+/// its limit still fits the decisions before it (read backwards), so that a limit changed between
+/// two decisions is in force for every decision that allows it. `threshold` is the garbage
+/// collection threshold when the allocator collects (its release runs bound the limit
+/// differently). `None` when there is no decision.
+pub(crate) fn limit_phases(
+    facts: &CapacityFacts,
+    threshold: Option<f64>,
+) -> Option<Vec<OpenPhase>> {
+    let bounds: Vec<Bound> = facts
+        .decisions
+        .iter()
+        .map(|&(_, d)| bound_of(d, threshold))
+        .collect();
+    if bounds.is_empty() {
+        return None;
+    }
+    // Forwards: each stretch as long as one limit fits it; `starts` are decision indices.
+    let mut starts = vec![0];
+    for end in 1..bounds.len() {
+        let start = *starts.last().expect("one stretch at least");
+        if interval(&bounds[start..=end]).is_none() {
+            starts.push(end);
+        }
+    }
+    // Backwards: each stretch from the earliest decision its limit still fits, never emptying
+    // the one before.
+    for k in (1..starts.len()).rev() {
+        let end = starts.get(k + 1).copied().unwrap_or(bounds.len());
+        while starts[k] - 1 > starts[k - 1] && interval(&bounds[starts[k] - 1..end]).is_some() {
+            starts[k] -= 1;
+        }
+    }
+    let phases = starts
+        .iter()
+        .enumerate()
+        .map(|(k, &start)| {
+            let end = starts.get(k + 1).copied().unwrap_or(bounds.len());
+            let (lower, upper) = interval(&bounds[start..end]).unwrap_or((0, None));
+            let event = |i: usize| facts.decisions[i].0;
+            OpenPhase {
+                from: if k == 0 { 0 } else { event(start) },
+                after: (k > 0).then(|| event(start - 1)),
+                lower,
+                upper,
+            }
+        })
+        .collect();
+    Some(phases)
+}
+
+/// The memory fraction whose share of `total` is exactly `allowed` bytes (PyTorch's
+/// `allowed_memory_maximum`, `fraction x total` rounded down), or the nearest above.
+fn fraction_allowing(allowed: u64, total: u64) -> f64 {
+    if total == 0 || allowed >= total {
+        return 1.0;
+    }
+    let mut fraction = allowed as f64 / total as f64;
+    while fraction > 0.0 && (fraction * total as f64) as u64 > allowed {
+        fraction = fraction.next_down();
+    }
+    while ((fraction * total as f64) as u64) < allowed {
+        fraction = fraction.next_up();
+    }
+    fraction
 }
 
 /// The memory fraction a trace recorded without one implies, if any: PyTorch's snapshot records the

@@ -99,7 +99,8 @@ fn infer_pools_with(
     loop {
         let mut pass =
             PoolRun::inferring(plan, forced.clone(), Arc::clone(named), released.clone());
-        let run = run::run_device(plan, &options, default, 0, None, &mut pass)?;
+        let phases = capacity.phases_for(recorded.per_process_memory_fraction);
+        let run = run::run_device(plan, &options, default, phases, 0, None, &mut pass)?;
         let stop = match pass.contradiction {
             Some((instance, pool)) if flips < pools::MAX_FLIPS => {
                 tracing::debug!(

@@ -111,7 +111,7 @@ mod timeline;
 use std::collections::BTreeMap;
 
 pub use async_model::{AsyncBounds, ASYNC_LOWER_BOUNDS, POOL_GRANULARITY};
-pub use capacity::CapacityInference;
+pub use capacity::{CapacityInference, LimitPhase};
 pub use check::{
     Check, Divergence, DivergenceKind, ExpectedStats, SegmentCheck, StatMismatch, StatsCheck,
 };

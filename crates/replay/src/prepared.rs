@@ -8,7 +8,7 @@ use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::snapshot::{Snapshot, TraceEntry};
 
 use crate::async_model::{self, AsyncPlan};
-use crate::capacity::CapacityInference;
+use crate::capacity::{CapacityInference, LimitPhase};
 use crate::check::ExpectedStats;
 use crate::plan::{DevicePlan, PlanError};
 use crate::pools::{self, PoolAttribution, PoolOf, PoolRun};
@@ -115,6 +115,14 @@ impl PreparedDevice {
         self.capacity.capacity.unwrap_or(DEFAULT_CAPACITY)
     }
 
+    /// The limits the program set while it ran, for a run under `options`: none when the run
+    /// names a memory fraction of its own (a what-if run of another fraction replaces the
+    /// program's).
+    fn phases(&self, options: &RunOptions<'_>) -> &[LimitPhase] {
+        self.capacity
+            .phases_for(options.config.per_process_memory_fraction)
+    }
+
     /// Decides which out-of-memory requests the trace leaves to either pool were a private pool's,
     /// from the `num_alloc_retries` PyTorch reported (`want`): when the replay under the recorded
     /// configuration `recorded` counts more retries, the earliest requests whose move to a private
@@ -165,6 +173,7 @@ impl PreparedDevice {
             &self.plan,
             &options,
             self.default_capacity(),
+            self.phases(&options),
             0,
             None,
             &mut pools,
@@ -198,6 +207,7 @@ impl PreparedDevice {
             &self.plan,
             options,
             self.default_capacity(),
+            self.phases(options),
             events_before,
             expected,
             &mut PoolRun::fixed(self.pools.clone()).with_private_ooms(self.ooms_private.clone()),

@@ -4,6 +4,7 @@ use std::collections::{HashMap, HashSet};
 use std::ops::ControlFlow;
 use std::time::Instant;
 
+use super::capacity::LimitPhase;
 use super::check::{Check, DivergenceKind, ExpectedStats, SegmentCheck, StatsCheck};
 use super::device::{AddressUse, ReplayDevice};
 use super::plan::{DevicePlan, Expected, Op, ReleaseRun, RestorePlan};
@@ -64,20 +65,21 @@ struct Figures {
 
 /// Whether a recorded run of releases was `torch.cuda.empty_cache()` rather than the allocator's own
 /// doing inside the allocation that follows (see [`ReleaseRun`]), judged on the replay's state
-/// before the run.
+/// before the run, under the memory fraction `fraction` in force then.
 fn release_was_external(
     allocator: &CachingAllocator<ReplayDevice>,
     config: &AllocatorConfig,
+    fraction: f64,
     run: ReleaseRun,
 ) -> bool {
     let Some(segment) = run.next_segment else {
         return true;
     };
-    let gc = config.garbage_collection_threshold > 0.0 && config.per_process_memory_fraction < 1.0;
+    let gc = config.garbage_collection_threshold > 0.0 && fraction < 1.0;
     if gc {
         return false;
     }
-    if room(allocator, config) >= segment {
+    if room(allocator, fraction) >= segment {
         return true;
     }
     run.next_alloc.is_some_and(|(size, stream)| {
@@ -87,30 +89,34 @@ fn release_was_external(
 
 /// Bytes the allocator could obtain from the device right now: the device's free memory, within
 /// the memory fraction's limit when one is set.
-fn room(allocator: &CachingAllocator<ReplayDevice>, config: &AllocatorConfig) -> u64 {
+fn room(allocator: &CachingAllocator<ReplayDevice>, fraction: f64) -> u64 {
     let Ok(info) = allocator.device().mem_info() else {
         return 0;
     };
     let mut room = info.free;
-    if config.per_process_memory_fraction < 1.0 {
-        let allowed = (config.per_process_memory_fraction * info.total as f64) as u64;
+    if fraction < 1.0 {
+        let allowed = (fraction * info.total as f64) as u64;
         room = room.min(allowed.saturating_sub(allocator.reserved_bytes()));
     }
     room
 }
 
-/// Replays `plan` under `options`; `events_before` is the number of events of earlier devices (for
-/// progress); `expected` the statistics to compare with, for this device.
+/// Replays `plan` under `options`, with the memory fraction changing at each of `phases` (the
+/// program's own calls, inferred; empty when it set none or the run names its own fraction);
+/// `events_before` is the number of events of earlier devices (for progress); `expected` the
+/// statistics to compare with, for this device.
 pub(crate) fn run_device(
     plan: &DevicePlan,
     options: &RunOptions<'_>,
     default_capacity: u64,
+    phases: &[LimitPhase],
     events_before: u64,
     expected: Option<&ExpectedStats>,
     pools: &mut PoolRun,
 ) -> Result<DeviceRun> {
     let capacity = options.capacity.unwrap_or(default_capacity);
     let mut replayer = Replayer::new(plan, options, capacity, pools);
+    replayer.phases = phases;
     let started = Instant::now();
     replayer.replay_ops(events_before)?;
     let seconds = started.elapsed().as_secs_f64();
@@ -162,6 +168,11 @@ struct Replayer<'a, 'o> {
     restores: RestoreCount,
     /// Handles of restored blocks no recorded allocation claimed (a restore that differed).
     strays: Vec<Allocation>,
+    /// The memory fraction in force.
+    fraction: f64,
+    /// The limits the program set while it ran, by the event they start at; the next one to
+    /// apply is the first.
+    phases: &'a [LimitPhase],
 }
 
 impl<'a, 'o> Replayer<'a, 'o> {
@@ -190,6 +201,8 @@ impl<'a, 'o> Replayer<'a, 'o> {
             restoring: None,
             restores: RestoreCount::default(),
             strays: Vec::new(),
+            fraction: options.config.per_process_memory_fraction,
+            phases: &[],
         }
     }
 
@@ -207,6 +220,7 @@ impl<'a, 'o> Replayer<'a, 'o> {
     fn replay_ops(&mut self, events_before: u64) -> Result<()> {
         let plan = self.plan;
         for (i, (op, &event)) in plan.ops.iter().zip(&plan.op_events).enumerate() {
+            self.follow_limit(event)?;
             if self.op(*op, event)?.is_break() {
                 break;
             }
@@ -412,12 +426,27 @@ impl<'a, 'o> Replayer<'a, 'o> {
         }
     }
 
+    /// Before the op of trace event `event`: the memory fraction of the phase that starts by then,
+    /// as the program set it.
+    fn follow_limit(&mut self, event: u32) -> Result<()> {
+        while let Some((phase, rest)) = self.phases.split_first() {
+            if phase.from_event > event as usize {
+                break;
+            }
+            self.phases = rest;
+            self.allocator
+                .set_memory_fraction(phase.fraction)
+                .map_err(|e| self.fail(event, e))?;
+            self.fraction = phase.fraction;
+        }
+        Ok(())
+    }
+
     /// Before a recorded `oom`: the device's memory becomes what the record implies
     /// (`recorded_capacity`), unless the caller set it or the failure was the memory fraction's
     /// (under a fraction, a failure the device had room for says nothing of the device's size).
     fn follow_recorded_capacity(&mut self, recorded_capacity: u64, device_had_room: bool) {
-        let fraction_failure =
-            device_had_room && self.options.config.per_process_memory_fraction < 1.0;
+        let fraction_failure = device_had_room && self.fraction < 1.0;
         if self.options.capacity.is_none() && !fraction_failure {
             self.allocator
                 .device()
@@ -483,7 +512,7 @@ impl<'a, 'o> Replayer<'a, 'o> {
     /// whose segments it released, when those are all it released) if it was the program's, else
     /// nothing (the replayed allocator makes the releases itself).
     fn release(&mut self, event: u32, run: ReleaseRun) -> Result<()> {
-        if !release_was_external(&self.allocator, &self.options.config, run) {
+        if !release_was_external(&self.allocator, &self.options.config, self.fraction, run) {
             return Ok(());
         }
         match self

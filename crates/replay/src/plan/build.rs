@@ -148,8 +148,8 @@ impl<'t> Builder<'t> {
             TraceAction::Alloc => self.alloc(i, e),
             TraceAction::FreeRequested => self.free_requested(i, e),
             TraceAction::FreeCompleted => self.free_completed(i, e),
-            TraceAction::SegmentAlloc => self.segment_alloc(e),
-            TraceAction::SegmentMap => self.segment_map(e),
+            TraceAction::SegmentAlloc => self.segment_alloc(i, e),
+            TraceAction::SegmentMap => self.segment_map(i, e),
             TraceAction::SegmentFree | TraceAction::SegmentUnmap => self.release(i, e),
             TraceAction::Oom => self.oom(i, e),
             TraceAction::Snapshot | TraceAction::UserDefined | TraceAction::Other(_) => {}
@@ -269,19 +269,19 @@ impl<'t> Builder<'t> {
 
     /// A `segment_alloc` event: the address of the new segment, the recorded segment it opens and
     /// the bytes reserved.
-    fn segment_alloc(&mut self, e: &TraceEntry) {
+    fn segment_alloc(&mut self, i: usize, e: &TraceEntry) {
         self.plan.malloc_addrs.push(e.addr);
         self.segments_live
             .open(&mut self.plan.instances, e.addr, e.size);
         self.reserved += e.size;
-        self.plan.capacity.reached = self.plan.capacity.reached.max(self.reserved);
+        self.plan.capacity.reach(i as u32, self.reserved);
     }
 
     /// A `segment_map` event: the bytes reserved, and the expandable reservation it grows, or the
     /// new one it starts (its address, and the recorded segment it opens).
-    fn segment_map(&mut self, e: &TraceEntry) {
+    fn segment_map(&mut self, i: usize, e: &TraceEntry) {
         self.reserved += e.size;
-        self.plan.capacity.reached = self.plan.capacity.reached.max(self.reserved);
+        self.plan.capacity.reach(i as u32, self.reserved);
         let end = e.addr + e.size;
         match self
             .reservations
@@ -384,7 +384,7 @@ impl<'t> Builder<'t> {
         let next_segment = match release_run_end(self.trace, i) {
             RunEnd::Oom => return,
             RunEnd::Segment(size) => {
-                self.plan.capacity.retries.push((before, size));
+                self.plan.capacity.retry(i as u32, before, size);
                 Some(size)
             }
             RunEnd::Other => None,
@@ -412,7 +412,7 @@ impl<'t> Builder<'t> {
             size: e.size,
             device_free: e.addr,
         };
-        self.plan.capacity.ooms.push(fact);
+        self.plan.capacity.oom(event, fact);
         self.plan.push(
             event,
             Op::Oom {

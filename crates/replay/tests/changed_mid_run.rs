@@ -1,0 +1,222 @@
+//! Programs that change the allocator while they run: `torch.cuda.set_per_process_memory_fraction`
+//! called again mid-run, lower and then higher, or higher and then lower. The trace records no
+//! such call; the replay infers from the recorded decisions where the limit changed and what it
+//! allowed, and reproduces the run exactly.
+//!
+//! The traces are tensormem's own (its allocator records PyTorch's events), on a simulated device,
+//! with `pool_id` removed as PyTorch 2.11 writes them.
+
+use tensormem_cuda_alloc::backend::sim::SimDevice;
+use tensormem_cuda_alloc::config::AllocatorConfig;
+use tensormem_cuda_alloc::snapshot::Snapshot;
+use tensormem_cuda_alloc::{Allocation, CachingAllocator, StreamId};
+use tensormem_replay::{ExpectedStats, Replay};
+
+const S: StreamId = StreamId(0);
+const MIB: usize = 1 << 20;
+const TOTAL: u64 = 1 << 40;
+
+/// An allocator recording its history, on a device that gives the same addresses every run.
+fn recording(config: &str) -> CachingAllocator<SimDevice> {
+    let allocator = CachingAllocator::with_config(
+        SimDevice::with_fixed_addresses(0, TOTAL),
+        AllocatorConfig::parse(config).unwrap(),
+    );
+    allocator.record_history(true, 1 << 20);
+    allocator
+}
+
+/// Limits the allocator to `bytes` of the device, as `set_per_process_memory_fraction` does.
+fn limit(allocator: &CachingAllocator<SimDevice>, bytes: usize) {
+    allocator
+        .set_memory_fraction(bytes as f64 / TOTAL as f64)
+        .unwrap();
+}
+
+/// Allocates `size` bytes until the allocator refuses one (at most `most`): the allocations made.
+fn until_refused(
+    allocator: &CachingAllocator<SimDevice>,
+    size: usize,
+    most: usize,
+) -> Vec<Allocation> {
+    let mut kept = Vec::new();
+    for _ in 0..most {
+        match allocator.allocate(size, S) {
+            Ok(a) => kept.push(a),
+            Err(_) => break,
+        }
+    }
+    kept
+}
+
+/// The allocator's snapshot as PyTorch 2.11 writes it (no `pool_id`), and its statistics.
+fn recorded(allocator: &CachingAllocator<SimDevice>) -> (Snapshot, ExpectedStats) {
+    let figures = allocator.memory_stats().to_flat();
+    let mut bytes = Vec::new();
+    allocator.snapshot().write_pickle(&mut bytes).unwrap();
+    let mut snapshot = Snapshot::from_pickle_bytes(&bytes).unwrap();
+    for entry in snapshot.device_traces.iter_mut().flatten() {
+        entry.pool_id = None;
+    }
+    let expected = ExpectedStats {
+        figures,
+        ..ExpectedStats::default()
+    };
+    (snapshot, expected)
+}
+
+/// Replays `snapshot` under its recorded configuration and asserts every decision and figure is
+/// the record's.
+fn assert_exact(snapshot: &Snapshot, expected: ExpectedStats) -> Replay {
+    let replay = Replay::new(snapshot).unwrap().with_expected_stats(expected);
+    let run = replay.run_recorded().unwrap();
+    let check = run.devices[0].check.as_ref().unwrap();
+    assert_eq!(check.divergence, None, "{check:?}");
+    assert_eq!(check.address_mismatches, 0);
+    assert_eq!(check.reserved_mismatches, 0);
+    assert_eq!(
+        check.segments.as_ref().unwrap().mismatches,
+        Vec::<String>::new()
+    );
+    assert_eq!(check.stats.as_ref().unwrap().mismatches, Vec::new());
+    assert_eq!(run.matches_record(), Some(true));
+    replay
+}
+
+/// The limits the replay inferred for device 0: (first event, bytes allowed).
+fn phases(replay: &Replay) -> Vec<(usize, u64)> {
+    replay
+        .capacity_inference(0)
+        .unwrap()
+        .phases
+        .iter()
+        .map(|p| (p.from_event, p.allowed))
+        .collect()
+}
+
+/// A limit of 64 MiB with out-of-memory errors the program catches, then 300 MiB, reaching well
+/// past the first limit: no single limit explains both parts.
+/// The configurations each program is recorded under.
+const CONFIGS: [&str; 4] = [
+    "",
+    "expandable_segments:True",
+    "garbage_collection_threshold:0.6",
+    "max_split_size_mb:40,roundup_power2_divisions:4",
+];
+
+#[test]
+fn a_fraction_lowered_then_raised_is_found_where_it_changed() {
+    for config in CONFIGS {
+        lowered_then_raised(config);
+    }
+}
+
+fn lowered_then_raised(config: &str) {
+    let allocator = recording(config);
+    limit(&allocator, 64 * MIB);
+    let mut first = until_refused(&allocator, 20 * MIB, 10);
+    assert_eq!(first.len(), 3);
+    allocator.free(first.remove(0)).unwrap();
+    let small = allocator.allocate(6 * MIB, S).unwrap();
+    assert!(allocator.allocate(30 * MIB, S).is_err());
+    limit(&allocator, 300 * MIB);
+    let second = until_refused(&allocator, 20 * MIB, 10);
+    assert_eq!(second.len(), 10);
+    for a in first.into_iter().chain(second).chain([small]) {
+        allocator.free(a).unwrap();
+    }
+    let big = allocator.allocate(50 * MIB, S).unwrap();
+    allocator.free(big).unwrap();
+
+    let (snapshot, expected) = recorded(&allocator);
+    let replay = assert_exact(&snapshot, expected);
+    let inferred = phases(&replay);
+    assert_eq!(inferred.len(), 2, "{config}: {inferred:?}");
+    assert!(inferred[0].1 < 80 << 20 && inferred[0].1 >= 60 << 20);
+    assert!(inferred[1].1 >= 220 << 20);
+    let inference = replay.capacity_inference(0).unwrap();
+    assert!(inference.consistent, "{inference:?}");
+}
+
+/// A limit of 300 MiB reached, everything freed, then 100 MiB: the next segments release the
+/// cache first (the limit is below what is reserved) and the program runs out at 100 MiB, and
+/// again after it freed what it had.
+#[test]
+fn a_fraction_raised_then_lowered_is_found_where_it_changed() {
+    for config in CONFIGS {
+        raised_then_lowered(config);
+    }
+}
+
+fn raised_then_lowered(config: &str) {
+    // With expandable segments the cache left by the first part serves the second without a new
+    // mapping, and the first refusal is explained by either limit: one phase fits.
+    let expandable = config.contains("expandable");
+    let allocator = recording(config);
+    limit(&allocator, 300 * MIB);
+    let first = until_refused(&allocator, 20 * MIB, 12);
+    assert_eq!(first.len(), 12);
+    for a in first {
+        allocator.free(a).unwrap();
+    }
+    limit(&allocator, 100 * MIB);
+    let second = until_refused(&allocator, 30 * MIB, 10);
+    assert_eq!(second.len(), if expandable { 8 } else { 3 }, "{config}");
+    for a in second {
+        allocator.free(a).unwrap();
+    }
+    let again = until_refused(&allocator, 30 * MIB, 10);
+    assert_eq!(again.len(), if expandable { 8 } else { 3 }, "{config}");
+    for a in again {
+        allocator.free(a).unwrap();
+    }
+
+    let (snapshot, expected) = recorded(&allocator);
+    let replay = assert_exact(&snapshot, expected);
+    let inferred = phases(&replay);
+    if expandable {
+        assert!(inferred.is_empty(), "{config}: {inferred:?}");
+        return;
+    }
+    assert_eq!(inferred.len(), 2, "{config}: {inferred:?}");
+    assert!(
+        inferred[1].1 >= 90 << 20 && inferred[1].1 < 130 << 20,
+        "{config}: {inferred:?}"
+    );
+}
+
+/// One limit for the whole run, with out-of-memory errors: one phase, as before.
+#[test]
+fn a_fraction_set_once_is_one_phase() {
+    let allocator = recording("");
+    limit(&allocator, 64 * MIB);
+    let kept = until_refused(&allocator, 20 * MIB, 10);
+    assert_eq!(kept.len(), 3);
+    for a in kept {
+        allocator.free(a).unwrap();
+    }
+    let (snapshot, expected) = recorded(&allocator);
+    let replay = assert_exact(&snapshot, expected);
+    assert!(phases(&replay).len() <= 1);
+}
+
+/// Under garbage collection, `empty_cache()` followed by a new segment: the program's release, not
+/// the collector's (which would have released less).
+#[test]
+fn empty_cache_under_garbage_collection_is_the_programs() {
+    let allocator = recording("garbage_collection_threshold:0.6");
+    limit(&allocator, 100 * MIB);
+    let first = until_refused(&allocator, 30 * MIB, 10);
+    assert_eq!(first.len(), 3);
+    for a in first {
+        allocator.free(a).unwrap();
+    }
+    allocator.empty_cache().unwrap();
+    let second = until_refused(&allocator, 35 * MIB, 10);
+    assert_eq!(second.len(), 2);
+    for a in second {
+        allocator.free(a).unwrap();
+    }
+    let (snapshot, expected) = recorded(&allocator);
+    assert_exact(&snapshot, expected);
+}
