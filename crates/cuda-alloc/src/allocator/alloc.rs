@@ -52,6 +52,8 @@ impl<D: Device> CachingAllocator<D> {
     /// Allocates `size` bytes for use on `stream` (PyTorch's `malloc`).
     ///
     /// A zero-sized request returns a null allocation without touching any pool, as PyTorch does.
+    /// While caching is off ([`set_caching_disabled`](Self::set_caching_disabled)) the memory comes
+    /// straight from the device, of exactly `size` bytes.
     /// Every `allocate` needs a [`free`](Self::free) (see [`Allocation`]);
     /// [`allocate_owned`](Self::allocate_owned) returns a handle that frees itself.
     ///
@@ -82,6 +84,9 @@ impl<D: Device> CachingAllocator<D> {
         if size >= ONE_EXABYTE {
             std::hint::cold_path();
             return Err(Error::TooLarge { bytes: size });
+        }
+        if self.bypasses_cache::<QUIET>(stream) {
+            return self.allocate_uncached(size, stream);
         }
         if self.pending.load(Relaxed) != 0 && (QUIET || !self.capturing()) {
             self.process_events()?;
@@ -145,7 +150,7 @@ impl<D: Device> CachingAllocator<D> {
     pub fn raw_alloc(&self, size: usize, stream: StreamId) -> Result<crate::DeviceAddress> {
         self.enable_pointer_index();
         let allocation = self.allocate(size, stream)?;
-        if allocation.shard != Allocation::EMPTY {
+        if allocation.shard < Allocation::UNCACHED {
             self.remember_shard(allocation.shard);
         }
         Ok(allocation.into_ptr())

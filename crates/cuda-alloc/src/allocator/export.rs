@@ -38,7 +38,13 @@ impl<D: Device> CachingAllocator<D> {
     /// ([`Device::export_physical`]: unsupported on this device or backend, or the driver failed).
     pub fn shareable_segment(&self, ptr: DeviceAddress) -> Result<ShareableSegment> {
         self.enable_pointer_index();
-        let shard = self.route(ptr).ok_or(Error::InvalidPointer { ptr })?;
+        let Some(shard) = self.route(ptr) else {
+            // An allocation made while caching was off: a device allocation of its own.
+            let (base, size) = self
+                .uncached_allocation(ptr)
+                .ok_or(Error::InvalidPointer { ptr })?;
+            return Ok(ShareableSegment::Allocation { base, size });
+        };
         let mut st = shard.lock_settled();
         let &index = st
             .allocated

@@ -42,6 +42,10 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(());
         }
         self.check_owner(&allocation)?;
+        if allocation.shard == Allocation::UNCACHED {
+            std::hint::cold_path();
+            return self.free_uncached(allocation.ptr, Some(allocation.block));
+        }
         let shard =
             self.streams
                 .by_index(allocation.shard)
@@ -111,7 +115,10 @@ impl<D: Device> CachingAllocator<D> {
                 return locked.free_allocated::<QUIET>(index, stack);
             }
         }
-        let shard = self.route(ptr).ok_or(Error::InvalidPointer { ptr })?;
+        let Some(shard) = self.route(ptr) else {
+            // Not in a segment of the pools: an allocation made while caching was off, or none.
+            return self.free_uncached(ptr, None);
+        };
         self.remember_shard(shard.index);
         let mut locked = self.lock(shard);
         let index = locked
@@ -137,6 +144,9 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(());
         }
         self.check_owner(allocation)?;
+        if allocation.shard == Allocation::UNCACHED {
+            return self.record_stream_uncached(allocation.ptr, Some(allocation.block), stream);
+        }
         if stream != allocation.stream {
             self.device.check_stream(stream)?;
         }
@@ -168,7 +178,9 @@ impl<D: Device> CachingAllocator<D> {
             return Ok(());
         }
         self.enable_pointer_index();
-        let shard = self.route(ptr).ok_or(Error::InvalidPointer { ptr })?;
+        let Some(shard) = self.route(ptr) else {
+            return self.record_stream_uncached(ptr, None, stream);
+        };
         if stream != shard.stream {
             self.device.check_stream(stream)?;
         }

@@ -140,7 +140,12 @@ impl<D: Device> CachingAllocator<D> {
     /// if it lies in an expandable segment.
     pub fn base_allocation(&self, ptr: DeviceAddress) -> Result<(DeviceAddress, usize)> {
         self.enable_pointer_index();
-        let shard = self.route(ptr).ok_or(Error::InvalidPointer { ptr })?;
+        let Some(shard) = self.route(ptr) else {
+            // An allocation made while caching was off is a device allocation of its own.
+            return self
+                .uncached_allocation(ptr)
+                .ok_or(Error::InvalidPointer { ptr });
+        };
         let st = shard.lock_settled();
         let &index = st
             .allocated
@@ -311,7 +316,7 @@ impl<D: Device> CachingAllocator<D> {
     /// ```
     #[must_use]
     pub fn would_serve_from_cache(&self, size: usize, stream: StreamId) -> bool {
-        if size == 0 || size >= ONE_EXABYTE {
+        if size == 0 || size >= ONE_EXABYTE || self.bypasses_cache::<false>(stream) {
             return false;
         }
         let Some(shard) = self.streams.get(stream) else {

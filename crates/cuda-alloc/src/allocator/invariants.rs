@@ -80,6 +80,7 @@ impl<D: Device> CachingAllocator<D> {
                 }
             }
         }
+        self.check_uncached().map_err(InvariantViolation)?;
         let pending = self.events.lock().outstanding();
         ensure!(
             pending == self.pending.load(Relaxed),

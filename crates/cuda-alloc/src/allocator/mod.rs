@@ -28,6 +28,7 @@ mod release;
 mod shard;
 mod sleep;
 mod teardown;
+mod uncached;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering::Relaxed};
@@ -113,6 +114,9 @@ pub struct Allocation {
 impl Allocation {
     /// The "no block" marker of zero-sized allocations.
     const EMPTY: u32 = u32::MAX;
+    /// The shard marker of allocations made while caching was off (`uncached.rs`), which belong to
+    /// no shard; their block field holds the handle's serial number.
+    const UNCACHED: u32 = u32::MAX - 1;
 
     /// A handle to block `block` (of generation `generation`) of shard `shard`, handed out by
     /// allocator `allocator`.
@@ -194,7 +198,8 @@ impl Allocation {
         self.ptr
     }
 
-    /// The size of the block handed out (the request rounded up).
+    /// The size of the block handed out (the request rounded up; exactly the request while caching
+    /// is off).
     #[must_use]
     pub fn size(&self) -> usize {
         self.size
@@ -306,6 +311,8 @@ pub struct CachingAllocator<D: Device> {
     pub(crate) trace: TraceRecorder,
     /// Outstanding events; taken after a shard lock, never before one.
     pub(crate) events: Mutex<EventQueues<D::Event>>,
+    /// Allocations made while caching was off (`uncached.rs`); a leaf lock.
+    pub(crate) uncached: Mutex<uncached::UncachedBook<D::Event>>,
     /// Entries in `events` (checked without its lock on every allocation).
     pub(crate) pending: CachePadded<AtomicUsize>,
     /// Number of captures underway (checked without a lock on every allocation).
@@ -390,6 +397,7 @@ impl<D: Device> CachingAllocator<D> {
             book: PeakBook::default(),
             trace: TraceRecorder::default(),
             events: Mutex::new(EventQueues::default()),
+            uncached: Mutex::new(uncached::UncachedBook::default()),
             pending: CachePadded::new(AtomicUsize::new(0)),
             captures_active: CachePadded::new(AtomicUsize::new(0)),
             captures: RwLock::new(Vec::new()),
@@ -463,18 +471,43 @@ impl<D: Device> CachingAllocator<D> {
     pub fn apply_settings(&self, config: &str) -> Result<()> {
         let mut next = self.settings.config();
         next.apply(config)?;
-        next.check_supported()?;
-        self.settings.set(&next);
+        self.set_settings(&next)
+    }
+
+    /// Replaces the settings with `config`'s (rounding, splitting, garbage collection, expandable
+    /// segments and the other settings PyTorch reads at run time), as
+    /// [`apply_settings`](Self::apply_settings) does with the configuration its string makes.
+    /// The memory fraction is set apart ([`set_memory_fraction`](Self::set_memory_fraction)).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a configuration asking for a backend other than the native one
+    /// ([`ConfigError::UnsupportedBackend`](crate::config::ConfigError)); the settings are then
+    /// unchanged.
+    pub fn set_settings(&self, config: &AllocatorConfig) -> Result<()> {
+        config.check_supported()?;
+        self.settings.set(config);
         Ok(())
     }
 
     /// Turns caching off (`true`) or back on, for debugging memory errors
-    /// (`PYTORCH_NO_CUDA_MEMORY_CACHING`, read by [`from_env`](Self::from_env)): while off, every
-    /// allocation is a device allocation of its own rounded size (`cuMemAlloc`; never split, never an
-    /// expandable segment), and freeing returns it to the device (`cuMemFree`) as soon as no stream uses
-    /// it any more, so that tools such as compute-sanitizer see each allocation's bounds. Statistics,
-    /// traces and snapshots go on as usual (PyTorch keeps none in this mode). Blocks cached before
-    /// caching was turned off stay until [`empty_cache`](Self::empty_cache).
+    /// (`PYTORCH_NO_CUDA_MEMORY_CACHING`, read by [`from_env`](Self::from_env)), as PyTorch's
+    /// `forceUncachedAllocator` does: while off, every allocation is a device allocation of exactly
+    /// the size asked for (`cuMemAlloc(size)`: no rounding, never split, never an expandable segment),
+    /// so that tools such as compute-sanitizer see each allocation's bounds, and freeing returns it
+    /// to the device (`cuMemFree`).
+    ///
+    /// As in PyTorch, these allocations are outside the allocator's books: they count in no statistic
+    /// ([`memory_stats`](Self::memory_stats) stays as it was: all zero if caching was off from the
+    /// start), make no trace entry, appear in no snapshot, and are not held to the memory fraction.
+    /// Unlike PyTorch (whose `cudaFree` waits for the whole device), stream safety is kept: memory
+    /// used on other streams ([`record_stream`](Self::record_stream)) goes back to the device once
+    /// their work recorded before the free has completed (checked at the next uncached allocation,
+    /// and waited for by [`empty_cache`](Self::empty_cache)). They can still be freed by pointer,
+    /// recorded on streams and shared with other processes ([`base_allocation`](Self::base_allocation)
+    /// gives the allocation itself). Requests for a private pool (a graph capture, a `MemPool`
+    /// context) are served by the pool as with caching on. Blocks cached before caching was turned
+    /// off stay until [`empty_cache`](Self::empty_cache); allocations made while it was off stay
+    /// outside the books when it is turned back on, until freed.
     pub fn set_caching_disabled(&self, disabled: bool) {
         self.settings.set_uncached(disabled);
     }

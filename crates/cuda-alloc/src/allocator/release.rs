@@ -46,6 +46,10 @@ impl<D: Device> CachingAllocator<D> {
 
     /// PyTorch's `release_cached_blocks(context, mempool_id)`.
     pub(crate) fn release_cached_blocks(&self, only: MempoolId) -> Result<()> {
+        if only.is_default() {
+            // Allocations freed while caching was off, waiting for other streams, go back too.
+            self.process_uncached(true)?;
+        }
         let (_guard, mut locks) = self.lock_all();
         if only.is_default() && !self.capturing() {
             self.synchronize_and_free_events(&mut locks, None)?;

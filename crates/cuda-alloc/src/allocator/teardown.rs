@@ -1,4 +1,5 @@
-//! Dropping an allocator: every segment, cached or not, goes back to the device.
+//! Dropping an allocator: every segment, cached or not, and every allocation made while caching was
+//! off goes back to the device.
 
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -13,10 +14,11 @@ impl<D: Device> Drop for CachingAllocator<D> {
     /// for `CudaBackend::check_err` and in the cudarc context's error slot), and the rest is still
     /// released. An allocator that never reserved memory makes no device call.
     fn drop(&mut self) {
-        let holds_memory = self.streams.iter().any(|shard| {
-            let st = shard.state.lock();
-            st.blocks.iter().next().is_some() || st.segments.iter().any(Option::is_some)
-        });
+        let holds_memory = self.uncached.lock().holds_memory()
+            || self.streams.iter().any(|shard| {
+                let st = shard.state.lock();
+                st.blocks.iter().next().is_some() || st.segments.iter().any(Option::is_some)
+            });
         if !holds_memory {
             return;
         }
@@ -29,6 +31,14 @@ impl<D: Device> Drop for CachingAllocator<D> {
         // Pending events are moot once the device is idle; dropping them destroys them.
         drop(std::mem::take(&mut *self.events.lock()));
         self.pending.store(0, Relaxed);
+        // Allocations made while caching was off, live or waiting for other streams.
+        for (addr, size) in self.uncached.lock().take_all() {
+            // SAFETY: each came from `malloc` with this size and is freed once (the table forgot
+            // them all), after the device was synchronized, so no queued work uses it.
+            if let Err(e) = unsafe { self.device.free(DeviceAddress(addr), size as usize) } {
+                errors.push(e);
+            }
+        }
         for shard in self.streams.iter() {
             let mut st = shard.lock_settled();
             let heads: Vec<(u64, u64, u16)> = st
