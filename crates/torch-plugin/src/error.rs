@@ -55,11 +55,12 @@ pub enum Error {
     /// A path argument that is not UTF-8.
     #[error("the path is not valid UTF-8")]
     InvalidPath,
-    /// An allocator settings string (`torch.cuda.memory._set_allocator_settings`) that is not UTF-8.
+    /// An allocator settings string (`torch._C._accelerator_setAllocatorSettings`,
+    /// `torch.cuda.memory._set_allocator_settings`) that is not UTF-8.
     #[error(
-        "the allocator settings string given to torch.cuda.memory._set_allocator_settings is not \
-         valid UTF-8; pass a config string in PYTORCH_CUDA_ALLOC_CONF's grammar, such as \
-         'expandable_segments:True'"
+        "the allocator settings string given to torch._C._accelerator_setAllocatorSettings (or \
+         torch.cuda.memory._set_allocator_settings) is not valid UTF-8; pass a config string in \
+         PYTORCH_CUDA_ALLOC_CONF's grammar, such as 'expandable_segments:True'"
     )]
     SettingsNotUtf8,
     /// The device API refused (no driver, a bad device, out of memory with PyTorch's message, ...).

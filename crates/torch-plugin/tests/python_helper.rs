@@ -44,6 +44,86 @@ except RuntimeError as e:
 print("ok", len(tt.HOOKS))
 "#;
 
+/// The routing of allocator settings, against a stand-in for PyTorch 2.11's functions (the binding
+/// `torch._C._accelerator_setAllocatorSettings` and the deprecated `torch.cuda.memory.
+/// _set_allocator_settings` that calls it by name) and the library's real
+/// `tensormem_set_allocator_settings`.
+const SETTINGS_CHECK: &str = r#"
+import sys, types
+sys.path.insert(0, sys.argv[1])
+import tensormem_torch as tt
+
+calls = []
+torch = types.ModuleType("torch")
+torch._C = types.ModuleType("torch._C")
+def set_settings(env):
+    if not isinstance(env, str):
+        raise TypeError("env must be a str")
+    calls.append(("pytorch", env))
+torch._C._accelerator_setAllocatorSettings = set_settings
+cuda = types.ModuleType("torch.cuda")
+memory = types.ModuleType("torch.cuda.memory")
+def _set_allocator_settings(env):
+    return torch._C._accelerator_setAllocatorSettings(env)
+memory._set_allocator_settings = _set_allocator_settings
+torch.cuda, cuda.memory = cuda, memory
+sys.modules.update({"torch": torch, "torch._C": torch._C, "torch.cuda": cuda, "torch.cuda.memory": memory})
+
+def apply(env):
+    calls.append(("tensormem", env))
+tt._route_settings_of(torch, apply)
+tt._route_settings_of(torch, apply)  # routing twice changes nothing
+for way in (torch._C._accelerator_setAllocatorSettings, memory._set_allocator_settings):
+    calls.clear()
+    way("max_split_size_mb:40,garbage_collection_threshold:0.5")
+    want = [("pytorch", "max_split_size_mb:40,garbage_collection_threshold:0.5"),
+            ("tensormem", "max_split_size_mb:40,garbage_collection_threshold:0.5")]
+    assert calls == want, (way.__name__, calls)
+# PyTorch's refusal comes first, and tensormem is not asked.
+calls.clear()
+try:
+    torch._C._accelerator_setAllocatorSettings(3)
+    raise SystemExit("PyTorch's TypeError was not raised")
+except TypeError:
+    pass
+assert calls == [], calls
+assert memory._set_allocator_settings.__name__ == "_set_allocator_settings"
+
+# The library's own refusal: a RuntimeError with tensormem's message, after PyTorch's function ran.
+plugin = tt.Plugin(sys.argv[2])
+torch._C._accelerator_setAllocatorSettings = set_settings
+memory._set_allocator_settings = _set_allocator_settings
+plugin._route_settings()
+calls.clear()
+try:
+    memory._set_allocator_settings("max_split_size_mb:banana")
+    raise SystemExit("tensormem took max_split_size_mb:banana")
+except RuntimeError as e:
+    assert str(e).startswith("tensormem: allocator settings 'max_split_size_mb:banana': "), e
+    assert "max_split_size_mb" in str(e)[60:], e
+assert calls == [("pytorch", "max_split_size_mb:banana")], calls
+print("ok settings")
+"#;
+
+#[test]
+#[ignore = "needs python3 (.ci/run runs it with --ignored)"]
+fn allocator_settings_reach_pytorch_then_tensormem_once_whichever_way() {
+    python::require();
+    let package = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
+    let out = python::command()
+        .args(["-c", SETTINGS_CHECK])
+        .arg(&package)
+        .arg(library())
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("ok settings"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 // The tests run python3: `#[ignore]`d so that a machine without it reports them as ignored, never
 // as passed; `.ci/run` runs them (`cargo test -p tensormem-torch --test python_helper --
 // --ignored`), and there a missing python3 is a failure (`python::require`).

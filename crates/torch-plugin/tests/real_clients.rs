@@ -92,6 +92,8 @@ fn a_mem_pool_with_its_own_pluggable_allocator() {
     real_client("mempool_own_allocator");
 }
 
+/// `torch.OutOfMemoryError` is caught and the program goes on; its message has PyTorch's words on
+/// tensormem too (figures aside: sizes, the GPU's number, process ids).
 #[test]
 #[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
 fn an_out_of_memory_error_is_caught_and_recovered_from() {
@@ -120,6 +122,15 @@ fn expandable_segment_tensors_travel_to_a_native_process_and_back() {
 #[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
 fn memory_stats_and_snapshots_through_pytorch() {
     real_client("stats_snapshot");
+}
+
+/// Allocator settings changed through `torch._C._accelerator_setAllocatorSettings` and through
+/// `torch.cuda.memory._set_allocator_settings` reach tensormem: the snapshot's `allocator_settings`
+/// show the new values after each, as PyTorch's do on its own allocator.
+#[test]
+#[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
+fn allocator_settings_changed_at_run_time_through_each_entry_point() {
+    real_client("allocator_settings");
 }
 
 #[test]

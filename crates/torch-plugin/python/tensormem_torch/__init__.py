@@ -270,25 +270,24 @@ class Plugin:
         return self
 
     def _route_settings(self):
-        """torch.cuda.memory._set_allocator_settings reaches PyTorch's settings only: send it here too."""
+        """Every way PyTorch offers to change allocator settings at run time reaches PyTorch's own
+        settings only: route each here too, after PyTorch's (see _route_settings_of)."""
         import torch
         lib = self.lib
         lib.tensormem_set_allocator_settings.restype = ctypes.c_int
         lib.tensormem_set_allocator_settings.argtypes = [ctypes.c_char_p]
-        original = torch.cuda.memory._set_allocator_settings
 
-        def _set_allocator_settings(env):
-            original(env)
+        def apply(env):
             if lib.tensormem_set_allocator_settings(env.encode()) != 0:
                 raise RuntimeError(f"tensormem: allocator settings {env!r}: {self.last_error()}")
 
-        _set_allocator_settings.__doc__ = original.__doc__
-        torch.cuda.memory._set_allocator_settings = _set_allocator_settings
+        _route_settings_of(torch, apply)
 
     def install_pluggable(self):
         """Makes tensormem PyTorch's allocator through CUDAPluggableAllocator (the limited fallback)."""
         import torch
         torch.cuda.memory.change_current_allocator(self.allocator())
+        self._route_settings()
         missing_graph = {"set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn"} & set(self.missing_hooks)
         if missing_graph:
             warnings.warn(f"this PyTorch has no {sorted(missing_graph)}: do not capture CUDA graphs "
@@ -327,6 +326,56 @@ class Plugin:
         """A torch.cuda.MemPool whose segments come from tensormem (PyTorch's allocator caches them)."""
         import torch
         return torch.cuda.MemPool(self.allocator().allocator())
+
+
+# The functions of torch._C that change allocator settings at run time: PyTorch 2.9 and later
+# (torch._C._accelerator_setAllocatorSettings, which torch.cuda.memory._set_allocator_settings calls by
+# name, and which PyTorch 2.10 and later tell its users to call instead), and the earlier name.
+SETTINGS_BINDINGS = ("_accelerator_setAllocatorSettings", "_cuda_cudaCachingAllocator_set_allocator_settings")
+# The Python functions that change them, each calling one of the above: (module, name).
+SETTINGS_HELPERS = (("torch.cuda.memory", "_set_allocator_settings"),)
+
+
+def _route_settings_of(torch, apply):
+    """Makes each of PyTorch's ways to change allocator settings (SETTINGS_BINDINGS, SETTINGS_HELPERS) call
+    `apply(env)` after PyTorch's own function, which still runs first and raises its own errors; a string
+    PyTorch took and `apply` refuses raises apply's error. A call goes to `apply` once, whichever way in
+    (a helper calling a binding). Routing twice changes nothing."""
+    import functools
+    import importlib
+    import threading
+
+    inside = threading.local()  # set while a routed function runs: the inner calls leave `apply` to it
+
+    def routed(original):
+        if getattr(original, "_tensormem_routed", False):
+            return original
+
+        @functools.wraps(original)
+        def call(env, *args, **kwargs):
+            if getattr(inside, "active", False):
+                return original(env, *args, **kwargs)
+            inside.active = True
+            try:
+                result = original(env, *args, **kwargs)
+            finally:
+                inside.active = False
+            apply(env)
+            return result
+
+        call._tensormem_routed = True
+        return call
+
+    for name in SETTINGS_BINDINGS:
+        if hasattr(torch._C, name):
+            setattr(torch._C, name, routed(getattr(torch._C, name)))
+    for module_name, name in SETTINGS_HELPERS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if hasattr(module, name):
+            setattr(module, name, routed(getattr(module, name)))
 
 
 def install(path=None, mode="auto", verbose=False):

@@ -511,9 +511,10 @@ pub unsafe extern "C" fn tensormem_usage(
 }
 
 /// Applies a configuration string in PyTorch's grammar to every device's allocator, now and for devices
-/// used later (`torch.cuda.memory._set_allocator_settings`, which the Python package routes here as well
-/// as to PyTorch's own settings). A string naming the other backend than the process's is refused
-/// with PyTorch's message.
+/// used later: the Python package routes here, after PyTorch's own settings, each way PyTorch offers to
+/// change them at run time (`torch._C._accelerator_setAllocatorSettings` and
+/// `torch.cuda.memory._set_allocator_settings`, which calls it). A string naming the other backend
+/// than the process's is refused with PyTorch's message.
 ///
 /// # Safety
 ///

@@ -253,6 +253,18 @@ def mempool_own_allocator(torch):
             "strict": True}
 
 
+def _oom_words(message):
+    """An out-of-memory message of the caching allocator with its figures taken out (sizes, the GPU's
+    number, process ids): what must read the same on both allocators. None for another message (the
+    cudaMallocAsync backend's)."""
+    import re
+    first = message.split("\n")[0]
+    if not first.startswith("CUDA out of memory. Tried to allocate"):
+        return None
+    first = re.sub(r"\d+(\.\d+)? (bytes|KiB|MiB|GiB)", "SIZE", first)
+    return re.sub(r"(GPU|Process) \d+", r"\1 N", first)
+
+
 def oom(torch):
     torch.cuda.set_per_process_memory_fraction(0.02)
     held, caught, message = [], 0, ""
@@ -261,13 +273,15 @@ def oom(torch):
             held.append(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
     except torch.OutOfMemoryError as e:
         caught = 1
-        message = str(e).split("\n")[0][:40]
+        message = str(e)
     n = len(held)
     held.clear()
     torch.cuda.empty_cache()
     after = torch.cuda.memory_reserved()
     x = torch.ones(1 << 20, device="cuda").sum().item()  # the process goes on
-    return {"out": [caught, n, after, x, message.startswith("CUDA out of memory")], "strict": True}
+    # PyTorch's message word for word on tensormem too: its sentences, figures aside.
+    return {"out": [caught, n, after, x, message.startswith("CUDA out of memory"), _oom_words(message)],
+            "strict": True}
 
 
 def streams(torch):
@@ -517,6 +531,28 @@ def stats_snapshot(torch):
     return {"out": out, "strict": True}
 
 
+def allocator_settings(torch):
+    """Allocator settings changed at run time through each way PyTorch offers (the binding
+    torch._C._accelerator_setAllocatorSettings, which PyTorch 2.10 and later tell users to call, and the
+    deprecated torch.cuda.memory._set_allocator_settings): after each, the snapshot's allocator_settings
+    show the new values, PyTorch's own on its allocator and tensormem's on tensormem."""
+    import warnings
+    kept = torch.empty(1 << 20, device="cuda")  # the allocator is in use
+    ways = [("torch.cuda.memory._set_allocator_settings", torch.cuda.memory._set_allocator_settings)]
+    if hasattr(torch._C, "_accelerator_setAllocatorSettings"):
+        ways.insert(0, ("torch._C._accelerator_setAllocatorSettings", torch._C._accelerator_setAllocatorSettings))
+    out = []
+    for (name, way), (mb, gc) in zip(ways, ((40, 0.5), (60, 0.75))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the helper's deprecation
+            way(f"max_split_size_mb:{mb},garbage_collection_threshold:{gc}")
+        settings = torch.cuda.memory._snapshot()["allocator_settings"]
+        seen = [settings.get("max_split_size"), settings.get("garbage_collection_threshold")]
+        out.append([name, seen == [mb << 20, gc], seen])
+    del kept
+    return {"out": out, "strict": False}
+
+
 def _ddp_rank(rank, backend, lib, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
     torch = setup(backend, lib)
@@ -636,8 +672,8 @@ def sleep_wake(torch):
 
 
 WORKLOADS = {f.__name__: f for f in (cnn_amp, transformer_varlen, compile_infer, compile_train, mempool,
-                                      mempool_options, mempool_own_allocator, oom, streams, ipc, ipc_expandable, stats_snapshot, ddp,
-                                      ddp_register, sleep_wake)}
+                                      mempool_options, mempool_own_allocator, oom, streams, ipc, ipc_expandable, stats_snapshot,
+                                      allocator_settings, ddp, ddp_register, sleep_wake)}
 
 # The environment a workload's processes start with, on either allocator (its children inherit it).
 WORKLOAD_ENV = {
