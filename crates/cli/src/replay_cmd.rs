@@ -176,6 +176,11 @@ fn print_report(
                     .into_iter()
                     .filter_map(|d| Some((d, replay.pool_attribution(d)?)))
                     .collect(),
+                settings: replay
+                    .devices()
+                    .into_iter()
+                    .filter_map(|d| Some((d, replay.settings_inference(d)?)))
+                    .collect(),
             },
             runs,
         )?;

@@ -6,6 +6,7 @@ use std::io::{self, Write};
 use tensormem_cuda_alloc::size::format_size;
 use tensormem_replay::{
     AsyncBounds, CapacityInference, Check, DeviceRun, PoolAttribution, PoolEvidence, ReplayRun,
+    SettingsInference,
 };
 
 /// What the report says about the trace.
@@ -21,6 +22,8 @@ pub(crate) struct Header<'a> {
     pub(crate) capacity_given: bool,
     /// Per device, which allocations went to which pool.
     pub(crate) pools: Vec<(usize, &'a PoolAttribution)>,
+    /// Per device, the allocator settings the program changed while it ran.
+    pub(crate) settings: Vec<(usize, &'a SettingsInference)>,
 }
 
 /// Writes the report.
@@ -101,6 +104,9 @@ pub(crate) fn print(
     }
     for (device, attribution) in &header.pools {
         pools_lines(out, *device, attribution)?;
+    }
+    for (device, settings) in &header.settings {
+        settings_lines(out, *device, settings)?;
     }
     for run in runs.iter().filter(|r| r.recorded) {
         details(out, header, run)?;
@@ -289,6 +295,61 @@ fn phase_lines(
         )?;
     }
     Ok(())
+}
+
+/// The allocator settings the program changed while it ran, when the recorded ones do not explain
+/// its trace: the settings found in force before and where they changed, or how far the search
+/// got.
+fn settings_lines(
+    out: &mut impl Write,
+    device: usize,
+    settings: &SettingsInference,
+) -> io::Result<()> {
+    let Some(first) = settings.first_departure else {
+        return Ok(());
+    };
+    let shown = |config: &tensormem_cuda_alloc::config::AllocatorConfig| {
+        let text = config.to_string();
+        if text.is_empty() {
+            "PyTorch's defaults".to_owned()
+        } else {
+            text
+        }
+    };
+    if let [earlier, later] = settings.phases.as_slice() {
+        let window = settings
+            .switch_window
+            .map(|(from, to)| {
+                format!(" (no recorded allocation tells apart a change at events {from} to {to})")
+            })
+            .unwrap_or_default();
+        writeln!(
+            out,
+            "  assumption: device {device}: the allocator settings changed while the program ran \
+             (torch.cuda.memory._set_allocator_settings, not in the trace): {} until event {}, the \
+             recorded {} from there{window}; the recorded settings alone depart from the record at \
+             event {first}",
+            shown(&earlier.config),
+            later.from_event,
+            shown(&later.config),
+        )?;
+        return Ok(());
+    }
+    let found = match &settings.explained_until {
+        Some((config, until)) => format!(
+            "; the settings that explain it furthest, {}, depart at {}",
+            shown(config),
+            until.map_or_else(|| "its end".to_owned(), |e| format!("event {e}")),
+        ),
+        None => String::new(),
+    };
+    writeln!(
+        out,
+        "  device {device}: the recorded allocator settings depart from the record at event {first}, \
+         and no single change of rounding, splitting, garbage collection or expandable segments \
+         explains the trace ({} replays tried{found})",
+        settings.replays
+    )
 }
 
 /// Which allocations went to which pool, when any went to a private pool or any is undecided.

@@ -29,6 +29,10 @@ pub(crate) struct Settings {
     /// Bumped after every change of the values above: what a decision cached against the settings
     /// (`allocator/parked.rs`) compares.
     version: AtomicU64,
+    /// Whether `max_split_size` changed since the allocator was made: the oversize counts were then
+    /// kept against several limits (as PyTorch keeps them) and no longer equal what the blocks
+    /// add up to under the current one.
+    max_split_changed: AtomicBool,
     /// The configuration these values came from.
     config: Mutex<AllocatorConfig>,
 }
@@ -45,6 +49,7 @@ impl Settings {
             release_lock_on_cudamalloc: AtomicBool::new(false),
             uncached: AtomicBool::new(false),
             version: AtomicU64::new(0),
+            max_split_changed: AtomicBool::new(false),
             config: Mutex::new(served(config)),
         };
         settings.store(config);
@@ -55,7 +60,16 @@ impl Settings {
     pub(crate) fn set(&self, config: &AllocatorConfig) {
         let mut current = self.config.lock();
         *current = served(config);
+        if self.max_split_size() != config.max_split_size {
+            self.max_split_changed.store(true, Relaxed);
+        }
         self.store(config);
+    }
+
+    /// The limit the oversize counts were all kept against: `max_split_size`, unless it changed
+    /// since the allocator was made.
+    pub(crate) fn oversize_limit(&self) -> Option<usize> {
+        (!self.max_split_changed.load(Relaxed)).then(|| self.max_split_size())
     }
 
     fn store(&self, config: &AllocatorConfig) {

@@ -246,6 +246,31 @@ fn settings_change_at_run_time() {
     assert_eq!(a.memory_stats().max_split_size, -1);
 }
 
+/// Blocks counted as oversize under one `max_split_size` and freed under another: the counts follow
+/// each call's limit, as PyTorch's do (they may go below zero), and the invariants still hold.
+#[test]
+fn oversize_counts_follow_the_limit_in_force_at_each_call() {
+    let a = sim(GIB);
+    a.apply_settings("max_split_size_mb:64").unwrap();
+    let big = a.allocate(100 * MIB, S0).unwrap();
+    assert_eq!(a.memory_stats().oversize_allocations.current, 1);
+    a.apply_settings("").unwrap();
+    let other = a.allocate(80 * MIB, S0).unwrap();
+    a.free(big).unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(a.memory_stats().oversize_allocations.current, 1, "not counted when freed");
+    a.apply_settings("max_split_size_mb:64").unwrap();
+    a.free(other).unwrap();
+    assert_eq!(a.memory_stats().oversize_allocations.current, 0);
+    a.check_invariants().unwrap();
+    // The same settings object, set whole.
+    let mut config = a.config();
+    config.max_split_size = 32 * MIB;
+    a.set_settings(&config).unwrap();
+    assert_eq!(a.config().max_split_size, 32 * MIB);
+    a.check_invariants().unwrap();
+}
+
 #[test]
 fn flat_stats_have_pytorchs_keys() {
     let a = sim(GIB);

@@ -12,6 +12,7 @@ use tensormem_cuda_alloc::MempoolId;
 use crate::capacity::CapacityInference;
 use crate::plan::DevicePlan;
 use crate::pools::{self, PoolAttribution, PoolOf, PoolRun};
+use crate::settings_phases::SettingsPhase;
 use crate::{run, Result, RunOptions, DEFAULT_CAPACITY};
 
 /// Infers the pool of every recorded segment of `plan` by replaying it under the recorded
@@ -19,62 +20,67 @@ use crate::{run, Result, RunOptions, DEFAULT_CAPACITY};
 /// assumptions the record contradicts (see [`pools`](crate::pools)). Segments one run of
 /// releases frees, all of private pools, were released by one `empty_cache` of one pool: when the
 /// inference gave them several pools, it is tried again with those pools made one, and the merged
-/// answer is kept if the record agrees with it as well.
+/// answer is kept if the record agrees with it as well. `settings` are the settings the program
+/// changed while it ran, as far as they are known.
 pub(crate) fn infer_pools(
     plan: &DevicePlan,
     recorded: &AllocatorConfig,
     capacity: &CapacityInference,
+    settings: &[SettingsPhase],
     named: &Arc<[Option<MempoolId>]>,
-) -> Result<(Vec<Option<PoolOf>>, PoolAttribution, Vec<u32>)> {
+) -> Result<Inferred> {
+    let given = Given {
+        plan,
+        recorded,
+        capacity,
+        settings,
+        named,
+    };
     let released = pools::released_private(plan);
-    let plain = infer_pools_from(plan, recorded, capacity, named, HashMap::new())?;
+    let plain = infer_pools_from(&given, HashMap::new())?;
     if released.is_empty() || plain.mismatches == 0 {
-        return Ok((plain.of, plain.attribution, plain.ambiguous_ooms));
+        return Ok(plain);
     }
     // Releases of private pools only say which segments were a pool's; the record has the last
     // word when it agrees better with them.
-    let by_release = infer_pools_from(plan, recorded, capacity, named, released)?;
-    let best = if by_release.mismatches < plain.mismatches {
+    let by_release = infer_pools_from(&given, released)?;
+    Ok(if by_release.mismatches < plain.mismatches {
         by_release
     } else {
         plain
-    };
-    Ok((best.of, best.attribution, best.ambiguous_ooms))
+    })
+}
+
+/// What every pass of the inference replays: the plan under the recorded configuration, with the
+/// capacity inferred, the settings changes known, and the pools the trace names.
+struct Given<'a> {
+    plan: &'a DevicePlan,
+    recorded: &'a AllocatorConfig,
+    capacity: &'a CapacityInference,
+    settings: &'a [SettingsPhase],
+    named: &'a Arc<[Option<MempoolId>]>,
 }
 
 /// One pool inference: the pool of each recorded segment, the attribution reported, the address
 /// and reserved-bytes mismatches of its last pass, and the out-of-memory requests it left to
 /// either pool.
-struct Inferred {
-    of: Vec<Option<PoolOf>>,
-    attribution: PoolAttribution,
-    mismatches: u64,
-    ambiguous_ooms: Vec<u32>,
+pub(crate) struct Inferred {
+    pub(crate) of: Vec<Option<PoolOf>>,
+    pub(crate) attribution: PoolAttribution,
+    pub(crate) mismatches: u64,
+    pub(crate) ambiguous_ooms: Vec<u32>,
 }
 
 /// [`infer_pools_with`] from the pools `released` decides ([`pools::released_private`]); then,
 /// when the inference split the segments of one run of releases between unnamed pools, with
 /// those pools made one, kept if the record agrees as well.
-fn infer_pools_from(
-    plan: &DevicePlan,
-    recorded: &AllocatorConfig,
-    capacity: &CapacityInference,
-    named: &Arc<[Option<MempoolId>]>,
-    released: HashMap<u32, MempoolId>,
-) -> Result<Inferred> {
-    let first = infer_pools_with(
-        plan,
-        recorded,
-        capacity,
-        named,
-        HashMap::new(),
-        released.clone(),
-    )?;
-    let merges = pools::merged_release_pools(plan, &first.of);
+fn infer_pools_from(given: &Given<'_>, released: HashMap<u32, MempoolId>) -> Result<Inferred> {
+    let first = infer_pools_with(given, HashMap::new(), released.clone())?;
+    let merges = pools::merged_release_pools(given.plan, &first.of);
     if merges.is_empty() || first.attribution.gave_up {
         return Ok(first);
     }
-    let merged = infer_pools_with(plan, recorded, capacity, named, merges, released)?;
+    let merged = infer_pools_with(given, merges, released)?;
     if merged.attribution.gave_up || merged.mismatches > first.mismatches {
         return Ok(first);
     }
@@ -84,13 +90,17 @@ fn infer_pools_from(
 /// One inference from `forced` on; also the address mismatches of its last pass and the
 /// out-of-memory requests it left to either pool.
 fn infer_pools_with(
-    plan: &DevicePlan,
-    recorded: &AllocatorConfig,
-    capacity: &CapacityInference,
-    named: &Arc<[Option<MempoolId>]>,
+    given: &Given<'_>,
     mut forced: HashMap<u32, MempoolId>,
     released: HashMap<u32, MempoolId>,
 ) -> Result<Inferred> {
+    let Given {
+        plan,
+        recorded,
+        capacity,
+        settings,
+        named,
+    } = *given;
     let mut options = RunOptions::new(recorded.clone());
     options.timeline_points = 1;
     options.check = true;
@@ -99,8 +109,12 @@ fn infer_pools_with(
     loop {
         let mut pass =
             PoolRun::inferring(plan, forced.clone(), Arc::clone(named), released.clone());
-        let phases = capacity.phases_for(recorded.per_process_memory_fraction);
-        let run = run::run_device(plan, &options, default, phases, 0, None, &mut pass)?;
+        let schedule = run::Schedule {
+            limits: capacity.phases_for(recorded.per_process_memory_fraction),
+            settings,
+            stop_at_divergence: false,
+        };
+        let run = run::run_device(plan, &options, default, schedule, 0, None, &mut pass)?;
         let stop = match pass.contradiction {
             Some((instance, pool)) if flips < pools::MAX_FLIPS => {
                 tracing::debug!(

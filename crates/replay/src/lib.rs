@@ -106,12 +106,14 @@ mod pools;
 mod prepared;
 mod restore;
 mod run;
+mod settings_phases;
 mod timeline;
 
 use std::collections::BTreeMap;
 
 pub use async_model::{AsyncBounds, ASYNC_LOWER_BOUNDS, POOL_GRANULARITY};
 pub use capacity::{CapacityInference, LimitPhase};
+pub use settings_phases::{SettingsInference, SettingsPhase};
 pub use check::{
     Check, Divergence, DivergenceKind, ExpectedStats, SegmentCheck, StatMismatch, StatsCheck,
 };
@@ -326,6 +328,9 @@ impl Replay {
             {
                 device.attribute_ooms_from_stats(&self.recorded, want);
             }
+            if let Some(figures) = expected.for_device(device.plan.device) {
+                device.settle_switch(figures);
+            }
         }
         self.expected = Some(expected);
         self
@@ -382,6 +387,15 @@ impl Replay {
     #[must_use]
     pub fn capacity_inference(&self, device: usize) -> Option<&CapacityInference> {
         self.device(device).map(|d| &d.capacity)
+    }
+
+    /// What the replay found about allocator settings the program of `device`'s trace changed
+    /// while it ran (`torch.cuda.memory._set_allocator_settings` mid-run, which the trace does not
+    /// record): where the recorded settings first depart from the record, and the settings in
+    /// force before they were set, when the search found them (see [`SettingsInference`]).
+    #[must_use]
+    pub fn settings_inference(&self, device: usize) -> Option<&SettingsInference> {
+        self.device(device).map(|d| &d.settings)
     }
 
     /// The recorded configuration with `config` applied over it, the way

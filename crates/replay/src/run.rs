@@ -9,6 +9,7 @@ use super::check::{Check, DivergenceKind, ExpectedStats, SegmentCheck, StatsChec
 use super::device::{AddressUse, ReplayDevice};
 use super::plan::{DevicePlan, Expected, Op, ReleaseRun, RestorePlan};
 use super::pools::PoolRun;
+use super::settings_phases::SettingsPhase;
 use super::timeline::{Sampler, Timeline};
 use super::{Error, Result, RunOptions};
 use tensormem_cuda_alloc::config::AllocatorConfig;
@@ -65,17 +66,18 @@ struct Figures {
 
 /// Whether a recorded run of releases was `torch.cuda.empty_cache()` rather than the allocator's own
 /// doing inside the allocation that follows (see [`ReleaseRun`]), judged on the replay's state
-/// before the run, under the memory fraction `fraction` in force then.
+/// before the run, under the garbage collection `threshold` and the memory fraction `fraction` in
+/// force then.
 fn release_was_external(
     allocator: &CachingAllocator<ReplayDevice>,
-    config: &AllocatorConfig,
+    threshold: f64,
     fraction: f64,
     run: ReleaseRun,
 ) -> bool {
     let Some(segment) = run.next_segment else {
         return true;
     };
-    let gc = config.garbage_collection_threshold > 0.0 && fraction < 1.0;
+    let gc = threshold > 0.0 && fraction < 1.0;
     if gc {
         return false;
     }
@@ -101,22 +103,43 @@ fn room(allocator: &CachingAllocator<ReplayDevice>, fraction: f64) -> u64 {
     room
 }
 
-/// Replays `plan` under `options`, with the memory fraction changing at each of `phases` (the
-/// program's own calls, inferred; empty when it set none or the run names its own fraction);
-/// `events_before` is the number of events of earlier devices (for progress); `expected` the
-/// statistics to compare with, for this device.
+/// What the program changed while it ran, as the replay infers it, and how far to replay.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Schedule<'a> {
+    /// The memory fraction, changed at each phase's first event (empty when the program set
+    /// none, or the run names its own fraction).
+    pub(crate) limits: &'a [LimitPhase],
+    /// The allocator settings, changed at each phase's first event (empty when they did not
+    /// change, or the run names its own).
+    pub(crate) settings: &'a [SettingsPhase],
+    /// Stop at the first allocation that departs from the record (a run that only asks how far
+    /// a hypothesis explains the trace).
+    pub(crate) stop_at_divergence: bool,
+}
+
+/// Replays `plan` under `options`, with what the program changed while it ran applied where
+/// `schedule` says; `events_before` is the number of events of earlier devices (for progress);
+/// `expected` the statistics to compare with, for this device.
 pub(crate) fn run_device(
     plan: &DevicePlan,
     options: &RunOptions<'_>,
     default_capacity: u64,
-    phases: &[LimitPhase],
+    schedule: Schedule<'_>,
     events_before: u64,
     expected: Option<&ExpectedStats>,
     pools: &mut PoolRun,
 ) -> Result<DeviceRun> {
     let capacity = options.capacity.unwrap_or(default_capacity);
-    let mut replayer = Replayer::new(plan, options, capacity, pools);
-    replayer.phases = phases;
+    // Settings in force from the start make the allocator (some figures keep the settings it was
+    // made with, as PyTorch's do).
+    let config = match schedule.settings.first() {
+        Some(phase) if phase.from_event == 0 => &phase.config,
+        _ => &options.config,
+    };
+    let mut replayer = Replayer::new(plan, options, config, capacity, pools);
+    replayer.limits = schedule.limits;
+    replayer.settings = schedule.settings;
+    replayer.stop_at_divergence = schedule.stop_at_divergence;
     let started = Instant::now();
     replayer.replay_ops(events_before)?;
     let seconds = started.elapsed().as_secs_f64();
@@ -129,6 +152,7 @@ pub(crate) fn run_device(
 fn new_allocator(
     plan: &DevicePlan,
     options: &RunOptions<'_>,
+    config: &AllocatorConfig,
     capacity: u64,
 ) -> CachingAllocator<ReplayDevice> {
     let device = ReplayDevice::new(
@@ -139,7 +163,7 @@ fn new_allocator(
     );
     let allocator = CachingAllocator::with_stream_capacity(
         device,
-        options.config.clone(),
+        config.clone(),
         DEFAULT_STREAM_CAPACITY.max(plan.streams + 1),
     );
     if options.record_history {
@@ -170,17 +194,24 @@ struct Replayer<'a, 'o> {
     strays: Vec<Allocation>,
     /// The memory fraction in force.
     fraction: f64,
+    /// The garbage collection threshold in force.
+    garbage_collection_threshold: f64,
     /// The limits the program set while it ran, by the event they start at; the next one to
     /// apply is the first.
-    phases: &'a [LimitPhase],
+    limits: &'a [LimitPhase],
+    /// The settings the program set while it ran, likewise.
+    settings: &'a [SettingsPhase],
+    /// Whether to stop at the first divergence from the record.
+    stop_at_divergence: bool,
 }
 
 impl<'a, 'o> Replayer<'a, 'o> {
-    /// A replay of `plan` about to start: a fresh allocator ([`new_allocator`]), every slot
+    /// A replay of `plan` about to start under `config`: a fresh allocator ([`new_allocator`]), every slot
     /// empty, nothing checked or sampled yet.
     fn new(
         plan: &'a DevicePlan,
         options: &'a RunOptions<'o>,
+        config: &AllocatorConfig,
         capacity: u64,
         pools: &'a mut PoolRun,
     ) -> Self {
@@ -190,7 +221,7 @@ impl<'a, 'o> Replayer<'a, 'o> {
             plan,
             options,
             pools,
-            allocator: new_allocator(plan, options, capacity),
+            allocator: new_allocator(plan, options, config, capacity),
             slots,
             check: options.check.then(Check::default),
             sampler: Sampler::new(plan.ops.len(), options.timeline_points),
@@ -202,7 +233,10 @@ impl<'a, 'o> Replayer<'a, 'o> {
             restores: RestoreCount::default(),
             strays: Vec::new(),
             fraction: options.config.per_process_memory_fraction,
-            phases: &[],
+            garbage_collection_threshold: config.garbage_collection_threshold,
+            limits: &[],
+            settings: &[],
+            stop_at_divergence: false,
         }
     }
 
@@ -220,8 +254,13 @@ impl<'a, 'o> Replayer<'a, 'o> {
     fn replay_ops(&mut self, events_before: u64) -> Result<()> {
         let plan = self.plan;
         for (i, (op, &event)) in plan.ops.iter().zip(&plan.op_events).enumerate() {
-            self.follow_limit(event)?;
+            self.follow_program(event)?;
             if self.op(*op, event)?.is_break() {
+                break;
+            }
+            if self.stop_at_divergence
+                && self.check.as_ref().is_some_and(|c| c.divergence.is_some())
+            {
                 break;
             }
             self.sampler.observe(
@@ -426,18 +465,28 @@ impl<'a, 'o> Replayer<'a, 'o> {
         }
     }
 
-    /// Before the op of trace event `event`: the memory fraction of the phase that starts by then,
-    /// as the program set it.
-    fn follow_limit(&mut self, event: u32) -> Result<()> {
-        while let Some((phase, rest)) = self.phases.split_first() {
+    /// Before the op of trace event `event`: the memory fraction and the settings of the phases
+    /// that start by then, as the program set them.
+    fn follow_program(&mut self, event: u32) -> Result<()> {
+        while let Some((phase, rest)) = self.limits.split_first() {
             if phase.from_event > event as usize {
                 break;
             }
-            self.phases = rest;
+            self.limits = rest;
             self.allocator
                 .set_memory_fraction(phase.fraction)
                 .map_err(|e| self.fail(event, e))?;
             self.fraction = phase.fraction;
+        }
+        while let Some((phase, rest)) = self.settings.split_first() {
+            if phase.from_event > event as usize {
+                break;
+            }
+            self.settings = rest;
+            self.allocator
+                .set_settings(&phase.config)
+                .map_err(|e| self.fail(event, e))?;
+            self.garbage_collection_threshold = phase.config.garbage_collection_threshold;
         }
         Ok(())
     }
@@ -512,7 +561,12 @@ impl<'a, 'o> Replayer<'a, 'o> {
     /// whose segments it released, when those are all it released) if it was the program's, else
     /// nothing (the replayed allocator makes the releases itself).
     fn release(&mut self, event: u32, run: ReleaseRun) -> Result<()> {
-        if !release_was_external(&self.allocator, &self.options.config, self.fraction, run) {
+        if !release_was_external(
+            &self.allocator,
+            self.garbage_collection_threshold,
+            self.fraction,
+            run,
+        ) {
             return Ok(());
         }
         match self

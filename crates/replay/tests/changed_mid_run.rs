@@ -220,3 +220,73 @@ fn empty_cache_under_garbage_collection_is_the_programs() {
     let (snapshot, expected) = recorded(&allocator);
     assert_exact(&snapshot, expected);
 }
+
+/// Replays `snapshot` and returns the settings phases the replay found: (first event, the
+/// configuration's canonical string).
+fn settings_phases(snapshot: &Snapshot, expected: ExpectedStats) -> Vec<(usize, String)> {
+    let replay = assert_exact(snapshot, expected);
+    replay
+        .settings_inference(0)
+        .unwrap()
+        .phases
+        .iter()
+        .map(|p| (p.from_event, p.config.to_string()))
+        .collect()
+}
+
+/// Allocates and frees, in a fixed order, blocks of sizes rounding and splitting decide
+/// differently: large blocks freed and then asked for in smaller pieces, and odd sizes.
+fn churn(allocator: &CachingAllocator<SimDevice>, seed: u64) {
+    let mut state = seed;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut live: Vec<Allocation> = Vec::new();
+    for _ in 0..200 {
+        if live.len() > 12 || (!live.is_empty() && next() % 3 == 0) {
+            let i = (next() % live.len() as u64) as usize;
+            allocator.free(live.swap_remove(i)).unwrap();
+        } else {
+            let size = match next() % 4 {
+                0 => (next() % 900 + 1) as usize * 1000,
+                1 => (next() % 60 + 1) as usize * MIB + 12_345,
+                2 => (next() % 8 + 1) as usize * 5 * MIB,
+                _ => (next() % 200 + 2) as usize * MIB,
+            };
+            live.push(allocator.allocate(size, S).unwrap());
+        }
+    }
+    for a in live {
+        allocator.free(a).unwrap();
+    }
+}
+
+/// A program that started under one set of settings and set others halfway (the first departs
+/// from the recorded ones): the replay finds the earlier settings and where they changed.
+#[test]
+fn settings_changed_while_the_program_ran_are_found() {
+    let cases = [
+        // (settings at start, settings set halfway)
+        ("", "max_split_size_mb:64"),
+        ("max_split_size_mb:100", ""),
+        ("", "roundup_power2_divisions:4"),
+        ("roundup_power2_divisions:8", "max_split_size_mb:200"),
+        ("", "expandable_segments:True"),
+    ];
+    for (start, then) in cases {
+        let allocator = recording(start);
+        churn(&allocator, 7);
+        allocator.apply_settings(then).unwrap();
+        churn(&allocator, 11);
+        let (snapshot, expected) = recorded(&allocator);
+        let found = settings_phases(&snapshot, expected);
+        let want_start = AllocatorConfig::parse(start).unwrap().to_string();
+        let want_then = AllocatorConfig::parse(then).unwrap().to_string();
+        assert_eq!(found.len(), 2, "{start:?} then {then:?}: {found:?}");
+        assert_eq!(found[0], (0, want_start), "{start:?} then {then:?}");
+        assert_eq!(found[1].1, want_then, "{start:?} then {then:?}");
+    }
+}

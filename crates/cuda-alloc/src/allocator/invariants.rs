@@ -40,7 +40,7 @@ impl<D: Device> CachingAllocator<D> {
         let (_guard, locks) = self.lock_all_unsettled();
         let mut reserved_total = 0u64;
         for locked in &locks {
-            reserved_total += check_shard(locked, self.settings.max_split_size())?;
+            reserved_total += check_shard(locked, self.settings.oversize_limit())?;
         }
         // Segments a call is allocating without its shard's lock (`release_lock_on_cudamalloc`)
         // are counted already but in no shard yet.
@@ -91,10 +91,11 @@ impl<D: Device> CachingAllocator<D> {
     }
 }
 
-/// Checks one shard; returns the bytes it has reserved from the device.
+/// Checks one shard; returns the bytes it has reserved from the device. `max_split` is the limit the
+/// oversize counts were kept against (`None`: several, and they are not checked).
 fn check_shard<D: Device>(
     locked: &Locked<'_, D>,
-    max_split: usize,
+    max_split: Option<usize>,
 ) -> Result<u64, InvariantViolation> {
     let st = &locked.st;
     // Call stacks of memory history belong to blocks in use (allocated, or freed and waiting for
@@ -227,7 +228,7 @@ fn check_shard<D: Device>(
             );
             add(&mut expected, Kind::Allocation, small, 1);
             add(&mut expected, Kind::AllocatedBytes, small, b.size);
-            if b.size as usize >= max_split {
+            if max_split.is_some_and(|m| b.size as usize >= m) {
                 expected[OVERSIZE_ALLOCATIONS] += 1;
             }
         }
@@ -260,7 +261,7 @@ fn check_shard<D: Device>(
                 size += blocks[at].size;
                 at = blocks[at].next;
             }
-            if size as usize >= max_split {
+            if max_split.is_some_and(|m| size as usize >= m) {
                 expected[OVERSIZE_SEGMENTS] += 1;
             }
             let route = locked.a.routes.read().get(&b.addr).copied();
@@ -307,6 +308,9 @@ fn check_shard<D: Device>(
         );
     }
     for (f, &value) in expected.iter().enumerate() {
+        if max_split.is_none() && (f == OVERSIZE_ALLOCATIONS || f == OVERSIZE_SEGMENTS) {
+            continue;
+        }
         let have = locked.shard.figures.current(f);
         ensure!(
             have == value,
