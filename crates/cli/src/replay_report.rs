@@ -415,6 +415,30 @@ fn pools_lines(
             }
         )?;
     }
+    let listed = |pools: &[tensormem_cuda_alloc::MempoolId]| {
+        pools
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if !attribution.no_split.is_empty() {
+        writeln!(
+            out,
+            "  assumption: device {device}: private pool {} made with no_split \
+             (torch.cuda.MemPool(no_split=True), not in the snapshot): the record agrees only so",
+            listed(&attribution.no_split)
+        )?;
+    }
+    if !attribution.own_allocator.is_empty() {
+        writeln!(
+            out,
+            "  assumption: device {device}: private pool {} made with its own allocator \
+             (torch.cuda.MemPool(allocator=...), not in the snapshot): its segments are whole \
+             device allocations under expandable segments",
+            listed(&attribution.own_allocator)
+        )?;
+    }
     if attribution.private_ooms > 0 {
         writeln!(
             out,

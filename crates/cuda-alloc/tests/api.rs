@@ -258,7 +258,11 @@ fn oversize_counts_follow_the_limit_in_force_at_each_call() {
     let other = a.allocate(80 * MIB, S0).unwrap();
     a.free(big).unwrap();
     a.check_invariants().unwrap();
-    assert_eq!(a.memory_stats().oversize_allocations.current, 1, "not counted when freed");
+    assert_eq!(
+        a.memory_stats().oversize_allocations.current,
+        1,
+        "not counted when freed"
+    );
     a.apply_settings("max_split_size_mb:64").unwrap();
     a.free(other).unwrap();
     assert_eq!(a.memory_stats().oversize_allocations.current, 0);

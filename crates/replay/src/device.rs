@@ -12,6 +12,7 @@
 //! faithful allocator never needs one.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 
@@ -19,6 +20,7 @@ use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::device::{
     CaptureStatus, Device, DeviceAddress, DeviceError, DeviceResult, MemInfo, StreamId,
 };
+use tensormem_cuda_alloc::PoolAllocator;
 
 /// How the addresses of new segments were chosen.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -43,8 +45,15 @@ struct Queues {
 /// while they fit. The allocator breaks ties by address, so the layout must be the real one for its
 /// decisions to be; a recorded address that would overlap a live segment (under a what-if
 /// configuration) is replaced by an invented one and counted in [`AddressUse`].
-#[derive(Debug)]
+///
+/// Clones are the same device (a memory pool with its own allocator takes its segments from it).
+#[derive(Clone, Debug)]
 pub struct ReplayDevice {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
     sim: SimDevice,
     queues: Mutex<Queues>,
 }
@@ -60,11 +69,13 @@ impl ReplayDevice {
         reservations: impl IntoIterator<Item = u64>,
     ) -> Self {
         ReplayDevice {
-            sim: SimDevice::with_fixed_addresses(index, capacity),
-            queues: Mutex::new(Queues {
-                mallocs: mallocs.into_iter().collect(),
-                reservations: reservations.into_iter().collect(),
-                used: AddressUse::default(),
+            inner: Arc::new(Inner {
+                sim: SimDevice::with_fixed_addresses(index, capacity),
+                queues: Mutex::new(Queues {
+                    mallocs: mallocs.into_iter().collect(),
+                    reservations: reservations.into_iter().collect(),
+                    used: AddressUse::default(),
+                }),
             }),
         }
     }
@@ -72,19 +83,27 @@ impl ReplayDevice {
     /// The simulated device underneath (event completion, capacity, counters).
     #[must_use]
     pub fn sim(&self) -> &SimDevice {
-        &self.sim
+        &self.inner.sim
+    }
+
+    /// An allocator of whole segments from this device, for a memory pool made with its own
+    /// allocator (`torch.cuda.MemPool(allocator=...)`): its segments are device allocations at the
+    /// recorded addresses, never expandable ones.
+    #[must_use]
+    pub fn pool_allocator(&self) -> Arc<dyn PoolAllocator> {
+        Arc::new(SegmentsOf(self.clone()))
     }
 
     /// How the addresses of new segments were chosen so far.
     #[must_use]
     pub fn address_use(&self) -> AddressUse {
-        self.queues.lock().used
+        self.inner.queues.lock().used
     }
 
     /// Bytes of capacity in use (device allocations plus physical chunks).
     #[must_use]
     pub fn used_bytes(&self) -> u64 {
-        self.sim.counters().used_bytes
+        self.sim().counters().used_bytes
     }
 
     /// Places one new range: with the next recorded address when there is one and it fits, else with
@@ -96,12 +115,12 @@ impl ReplayDevice {
         fits: bool,
         call: impl Fn() -> DeviceResult<T>,
     ) -> DeviceResult<T> {
-        let mut queues = self.queues.lock();
+        let mut queues = self.inner.queues.lock();
         if fits {
             if let Some(addr) = pick(&mut queues).pop_front() {
                 // The simulated device's own queue is empty here (everything pushed is taken by
                 // the call right after), so it takes exactly this address.
-                self.sim.push_addresses([addr]);
+                self.sim().push_addresses([addr]);
                 match call() {
                     Err(DeviceError::Driver { .. }) => {
                         tracing::debug!(
@@ -135,66 +154,66 @@ unsafe impl Device for ReplayDevice {
     type PhysicalChunk = <SimDevice as Device>::PhysicalChunk;
 
     fn index(&self) -> u32 {
-        self.sim.index()
+        self.sim().index()
     }
 
     fn mem_info(&self) -> DeviceResult<MemInfo> {
-        self.sim.mem_info()
+        self.sim().mem_info()
     }
 
     fn malloc(&self, size: usize) -> DeviceResult<DeviceAddress> {
-        let fits = size as u64 <= self.sim.mem_info()?.free;
-        self.place(|q| &mut q.mallocs, fits, || self.sim.malloc(size))
+        let fits = size as u64 <= self.sim().mem_info()?.free;
+        self.place(|q| &mut q.mallocs, fits, || self.sim().malloc(size))
     }
 
     unsafe fn free(&self, ptr: DeviceAddress, size: usize) -> DeviceResult<()> {
         // SAFETY: the caller's obligations are forwarded unchanged.
-        unsafe { self.sim.free(ptr, size) }
+        unsafe { self.sim().free(ptr, size) }
     }
 
     fn create_event(&self) -> DeviceResult<Self::Event> {
-        self.sim.create_event()
+        self.sim().create_event()
     }
 
     fn record_event(&self, event: &Self::Event, stream: StreamId) -> DeviceResult<()> {
-        self.sim.record_event(event, stream)
+        self.sim().record_event(event, stream)
     }
 
     fn query_event(&self, event: &Self::Event) -> DeviceResult<bool> {
-        self.sim.query_event(event)
+        self.sim().query_event(event)
     }
 
     fn synchronize_event(&self, event: &Self::Event) -> DeviceResult<()> {
-        self.sim.synchronize_event(event)
+        self.sim().synchronize_event(event)
     }
 
     fn synchronize(&self) -> DeviceResult<()> {
-        self.sim.synchronize()
+        self.sim().synchronize()
     }
 
     fn capture_status(&self, stream: StreamId) -> DeviceResult<CaptureStatus> {
-        self.sim.capture_status(stream)
+        self.sim().capture_status(stream)
     }
 
     fn vmm_granularity(&self) -> DeviceResult<usize> {
-        self.sim.vmm_granularity()
+        self.sim().vmm_granularity()
     }
 
     fn reserve_address_range(&self, size: usize) -> DeviceResult<DeviceAddress> {
         self.place(
             |q| &mut q.reservations,
             true,
-            || self.sim.reserve_address_range(size),
+            || self.sim().reserve_address_range(size),
         )
     }
 
     unsafe fn release_address_range(&self, ptr: DeviceAddress, size: usize) -> DeviceResult<()> {
         // SAFETY: the caller's obligations are forwarded unchanged.
-        unsafe { self.sim.release_address_range(ptr, size) }
+        unsafe { self.sim().release_address_range(ptr, size) }
     }
 
     fn create_physical(&self, size: usize) -> DeviceResult<Self::PhysicalChunk> {
-        self.sim.create_physical(size)
+        self.sim().create_physical(size)
     }
 
     unsafe fn map(
@@ -204,7 +223,7 @@ unsafe impl Device for ReplayDevice {
         chunk: &Self::PhysicalChunk,
     ) -> DeviceResult<()> {
         // SAFETY: the caller's obligations are forwarded unchanged.
-        unsafe { self.sim.map(ptr, size, chunk) }
+        unsafe { self.sim().map(ptr, size, chunk) }
     }
 
     unsafe fn unmap(
@@ -214,7 +233,23 @@ unsafe impl Device for ReplayDevice {
         chunk: Self::PhysicalChunk,
     ) -> DeviceResult<()> {
         // SAFETY: the caller's obligations are forwarded unchanged.
-        unsafe { self.sim.unmap(ptr, size, chunk) }
+        unsafe { self.sim().unmap(ptr, size, chunk) }
+    }
+}
+
+/// Whole segments from a replay device (see [`ReplayDevice::pool_allocator`]).
+#[derive(Debug)]
+struct SegmentsOf(ReplayDevice);
+
+impl PoolAllocator for SegmentsOf {
+    fn malloc(&self, size: usize) -> DeviceResult<DeviceAddress> {
+        self.0.malloc(size)
+    }
+
+    unsafe fn free(&self, ptr: DeviceAddress, size: usize) -> DeviceResult<()> {
+        // SAFETY: the caller guarantees `ptr` and `size` are a segment `malloc` returned and no
+        // queued work uses it: what the device's `free` asks.
+        unsafe { self.0.free(ptr, size) }
     }
 }
 

@@ -151,6 +151,8 @@ fn infer_pools_with(
                     gave_up,
                     private_ooms: pass.private_ooms,
                     ooms_from_stats: 0,
+                    no_split: Vec::new(),
+                    own_allocator: Vec::new(),
                 },
                 mismatches,
                 ambiguous_ooms: pass.ambiguous_ooms,

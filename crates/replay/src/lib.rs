@@ -113,7 +113,6 @@ use std::collections::BTreeMap;
 
 pub use async_model::{AsyncBounds, ASYNC_LOWER_BOUNDS, POOL_GRANULARITY};
 pub use capacity::{CapacityInference, LimitPhase};
-pub use settings_phases::{SettingsInference, SettingsPhase};
 pub use check::{
     Check, Divergence, DivergenceKind, ExpectedStats, SegmentCheck, StatMismatch, StatsCheck,
 };
@@ -122,6 +121,7 @@ pub use pools::{
     PoolAttribution, PoolEvidence, PoolShare, UndecidedAllocation, MAX_FLIPS, UNNAMED_POOL_BASE,
 };
 pub use run::{DeviceRun, RestoreCount};
+pub use settings_phases::{SettingsInference, SettingsPhase};
 pub use timeline::{Timeline, TimelinePoint};
 
 use plan::DevicePlan;

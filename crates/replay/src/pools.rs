@@ -118,6 +118,13 @@ pub struct PoolAttribution {
     /// Of those, the ones the trace leaves open and the recorded statistics decided (see
     /// [`Replay::with_expected_stats`](crate::Replay::with_expected_stats)).
     pub ooms_from_stats: usize,
+    /// Private pools replayed as made with `no_split` (`torch.cuda.MemPool(no_split=True)`, which
+    /// the snapshot does not record): the record agrees with them only so.
+    pub no_split: Vec<MempoolId>,
+    /// Private pools replayed as made with their own allocator (`torch.cuda.MemPool(allocator=...)`,
+    /// which the snapshot does not record): under expandable segments their segments are whole
+    /// device allocations in the record.
+    pub own_allocator: Vec<MempoolId>,
 }
 
 impl PoolAttribution {
@@ -328,6 +335,11 @@ pub(crate) struct PoolRun {
     ooms_private: HashSet<u32>,
     /// Out-of-memory requests seen so far.
     ooms_seen: u32,
+    /// Private pools made with `no_split` (inferred), and those of them the allocator was told of.
+    no_split: HashSet<MempoolId>,
+    no_split_set: HashSet<MempoolId>,
+    /// Private pools made with their own allocator (inferred).
+    own_allocator: HashSet<MempoolId>,
     /// Out-of-memory requests replayed in a private pool.
     pub(crate) private_ooms: usize,
     /// Out-of-memory requests replayed in the default pools that a private pool in use on their
@@ -367,6 +379,43 @@ impl PoolRun {
     pub(crate) fn with_private_ooms(mut self, ooms: HashSet<u32>) -> Self {
         self.ooms_private = ooms;
         self
+    }
+
+    /// The run, with the private pools `pools` made with `no_split` (their blocks never split).
+    pub(crate) fn with_no_split(mut self, pools: HashSet<MempoolId>) -> Self {
+        self.no_split = pools;
+        self
+    }
+
+    /// The run, with the private pools `pools` made with their own allocator.
+    pub(crate) fn with_own_allocator(mut self, pools: HashSet<MempoolId>) -> Self {
+        self.own_allocator = pools;
+        self
+    }
+
+    /// Makes the pools of [`with_own_allocator`](Self::with_own_allocator) before the replay
+    /// starts, each taking whole segments from the replay's device (a `MemPool` object holds one
+    /// use of its pool from when it is made).
+    pub(crate) fn make_pools(&mut self, allocator: &CachingAllocator<crate::ReplayDevice>) {
+        let mut pools: Vec<MempoolId> = self.own_allocator.iter().copied().collect();
+        pools.sort_unstable();
+        for pool in pools {
+            let own = allocator.device().pool_allocator();
+            match allocator.create_or_incref_pool_with(pool, Some(own)) {
+                Ok(()) => *self.begun.entry(pool).or_default() += 1,
+                Err(e) => tracing::debug!(%pool, error = %e, "making a replayed pool failed"),
+            }
+        }
+    }
+
+    /// A capture into `pool` began: counted, and the pool told it never splits when it was made so.
+    fn began<D: Device>(&mut self, allocator: &CachingAllocator<D>, pool: MempoolId) {
+        *self.begun.entry(pool).or_default() += 1;
+        if self.no_split.contains(&pool) && self.no_split_set.insert(pool) {
+            if let Err(e) = allocator.set_no_split(pool) {
+                tracing::debug!(%pool, error = %e, "making a replayed pool no_split failed");
+            }
+        }
     }
 
     /// An inference pass over `instances`, with the pools of `forced` imposed, those the trace
@@ -476,7 +525,7 @@ impl PoolRun {
         {
             return false;
         }
-        *self.begun.entry(pool).or_default() += 1;
+        self.began(allocator, pool);
         let serves = allocator.would_serve_from_cache(size, stream);
         if let Err(e) = allocator.end_allocate_to_pool(pool) {
             tracing::debug!(%pool, error = %e, "ending a replayed capture failed");
@@ -656,7 +705,7 @@ impl PoolRun {
         {
             return allocator.allocate(size, stream);
         }
-        *self.begun.entry(pool).or_default() += 1;
+        self.began(allocator, pool);
         let result = allocator.allocate(size, stream);
         if let Err(e) = allocator.end_allocate_to_pool(pool) {
             tracing::debug!(%pool, error = %e, "ending a replayed capture failed");

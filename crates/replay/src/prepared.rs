@@ -6,6 +6,7 @@ use std::collections::HashSet;
 
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::snapshot::{Snapshot, TraceEntry};
+use tensormem_cuda_alloc::MempoolId;
 
 use crate::async_model::{self, AsyncPlan};
 use crate::capacity::CapacityInference;
@@ -74,6 +75,10 @@ pub(crate) struct PreparedDevice {
     pub(crate) async_plan: AsyncPlan,
     /// The settings the program changed while it ran, as far as the trace tells.
     pub(crate) settings: SettingsInference,
+    /// Private pools made with `no_split`, as far as the trace tells.
+    no_split: HashSet<MempoolId>,
+    /// Private pools made with their own allocator, as far as the trace tells.
+    own_allocator: HashSet<MempoolId>,
     /// The recorded configuration (the settings phases apply to runs under its settings).
     recorded: AllocatorConfig,
 }
@@ -148,7 +153,10 @@ impl PreparedDevice {
             async_plan,
             settings: SettingsInference::default(),
             recorded: recorded.clone(),
+            no_split: HashSet::new(),
+            own_allocator: HashSet::new(),
         };
+        let departs = departs && device.infer_pool_options();
         if departs {
             device.settings = device.infer_settings();
             if !device.settings.phases.is_empty() {
@@ -166,6 +174,75 @@ impl PreparedDevice {
             }
         }
         Ok(device)
+    }
+
+    /// The replay of the inferred pools, with the out-of-memory requests and the `no_split` pools
+    /// decided.
+    fn pool_run(&self) -> PoolRun {
+        PoolRun::fixed(self.pools.clone())
+            .with_private_ooms(self.ooms_private.clone())
+            .with_no_split(self.no_split.clone())
+            .with_own_allocator(self.own_allocator.clone())
+    }
+
+    /// Finds the options private pools were made with (`torch.cuda.MemPool(no_split=True)`,
+    /// `MemPool(allocator=...)`; the snapshot records neither) when the replay departs from the
+    /// record: each private pool in turn is replayed with each option (its own allocator only
+    /// under expandable segments, where it shows: its segments are whole device allocations), kept
+    /// when the record agrees with it better. Whether the replay still departs.
+    fn infer_pool_options(&mut self) -> bool {
+        let Some((_, mut least)) = self.retries_and_mismatches(&self.recorded, &self.ooms_private)
+        else {
+            return true;
+        };
+        let private: Vec<MempoolId> = self
+            .attribution
+            .pools
+            .iter()
+            .map(|share| share.pool)
+            .filter(|pool| !pool.is_default())
+            .collect();
+        let expandable = self.recorded.expandable_segments;
+        for pool in private {
+            for own_allocator in [false, true] {
+                if least == 0 || (own_allocator && !expandable) {
+                    break;
+                }
+                let option = |device: &mut Self, keep: bool| {
+                    let set = if own_allocator {
+                        &mut device.own_allocator
+                    } else {
+                        &mut device.no_split
+                    };
+                    if keep {
+                        set.insert(pool);
+                    } else {
+                        set.remove(&pool);
+                    }
+                };
+                option(self, true);
+                match self.retries_and_mismatches(&self.recorded, &self.ooms_private) {
+                    Some((_, mismatches)) if mismatches < least => least = mismatches,
+                    _ => option(self, false),
+                }
+            }
+        }
+        let sorted = |set: &HashSet<MempoolId>| {
+            let mut pools: Vec<MempoolId> = set.iter().copied().collect();
+            pools.sort_unstable();
+            pools
+        };
+        self.attribution.no_split = sorted(&self.no_split);
+        self.attribution.own_allocator = sorted(&self.own_allocator);
+        if !self.no_split.is_empty() || !self.own_allocator.is_empty() {
+            tracing::info!(
+                device = self.plan.device,
+                no_split = ?self.attribution.no_split,
+                own_allocator = ?self.attribution.own_allocator,
+                "private pools replayed with options the snapshot does not record"
+            );
+        }
+        least > 0
     }
 
     /// Searches for settings the program changed while it ran (see [`crate::settings_phases`]),
@@ -365,8 +442,7 @@ impl PreparedDevice {
             settings: &phases,
             stop_at_divergence: true,
         };
-        let mut pools =
-            PoolRun::fixed(self.pools.clone()).with_private_ooms(self.ooms_private.clone());
+        let mut pools = self.pool_run();
         let run = run::run_device(
             &self.plan,
             &options,
@@ -402,8 +478,7 @@ impl PreparedDevice {
             settings: phases,
             stop_at_divergence: true,
         };
-        let mut pools =
-            PoolRun::fixed(self.pools.clone()).with_private_ooms(self.ooms_private.clone());
+        let mut pools = self.pool_run();
         let run = run::run_device(
             &self.plan,
             &options,
@@ -481,7 +556,7 @@ impl PreparedDevice {
         let mut options = RunOptions::new(recorded.clone());
         options.timeline_points = 1;
         options.check = true;
-        let mut pools = PoolRun::fixed(self.pools.clone()).with_private_ooms(ooms.clone());
+        let mut pools = self.pool_run().with_private_ooms(ooms.clone());
         match run::run_device(
             &self.plan,
             &options,
@@ -523,7 +598,7 @@ impl PreparedDevice {
             self.schedule(options),
             events_before,
             expected,
-            &mut PoolRun::fixed(self.pools.clone()).with_private_ooms(self.ooms_private.clone()),
+            &mut self.pool_run(),
         )
     }
 

@@ -137,6 +137,7 @@ pub(crate) fn run_device(
         _ => &options.config,
     };
     let mut replayer = Replayer::new(plan, options, config, capacity, pools);
+    replayer.pools.make_pools(&replayer.allocator);
     replayer.limits = schedule.limits;
     replayer.settings = schedule.settings;
     replayer.stop_at_divergence = schedule.stop_at_divergence;

@@ -1,0 +1,141 @@
+//! Memory pools made with options PyTorch's snapshot does not record (`torch.cuda.MemPool(...,
+//! no_split=True)`, a pool with its own allocator): the replay infers them from the trace and
+//! reproduces the run exactly.
+//!
+//! The traces are tensormem's own, on a simulated device, with `pool_id` removed as PyTorch 2.11
+//! writes them.
+
+use tensormem_cuda_alloc::backend::sim::SimDevice;
+use tensormem_cuda_alloc::config::AllocatorConfig;
+use tensormem_cuda_alloc::snapshot::Snapshot;
+use tensormem_cuda_alloc::{Allocation, CachingAllocator, MempoolId, PoolOptions, StreamId};
+use tensormem_replay::{ExpectedStats, Replay};
+
+const S: StreamId = StreamId(0);
+const MIB: usize = 1 << 20;
+const POOL: MempoolId = MempoolId(0, 1);
+
+fn recording(config: &str) -> CachingAllocator<SimDevice> {
+    let allocator = CachingAllocator::with_config(
+        SimDevice::with_fixed_addresses(0, 1 << 40),
+        AllocatorConfig::parse(config).unwrap(),
+    );
+    allocator.record_history(true, 1 << 20);
+    allocator
+}
+
+/// `size` bytes in `POOL` (inside `use_mem_pool`).
+fn in_pool(allocator: &CachingAllocator<SimDevice>, size: usize) -> Allocation {
+    allocator.begin_allocate_to_pool(POOL, |_| true).unwrap();
+    let a = allocator.allocate(size, S).unwrap();
+    allocator.end_allocate_to_pool(POOL).unwrap();
+    a
+}
+
+fn recorded(allocator: &CachingAllocator<SimDevice>) -> (Snapshot, ExpectedStats) {
+    let figures = allocator.memory_stats().to_flat();
+    let mut bytes = Vec::new();
+    allocator.snapshot().write_pickle(&mut bytes).unwrap();
+    let mut snapshot = Snapshot::from_pickle_bytes(&bytes).unwrap();
+    for entry in snapshot.device_traces.iter_mut().flatten() {
+        entry.pool_id = None;
+    }
+    (snapshot, ExpectedStats::from_figures(figures))
+}
+
+fn assert_exact(snapshot: &Snapshot, expected: ExpectedStats) -> Replay {
+    let replay = Replay::new(snapshot).unwrap().with_expected_stats(expected);
+    let run = replay.run_recorded().unwrap();
+    let check = run.devices[0].check.as_ref().unwrap();
+    assert_eq!(check.divergence, None, "{check:?}");
+    assert_eq!(
+        check.segments.as_ref().unwrap().mismatches,
+        Vec::<String>::new()
+    );
+    assert_eq!(check.stats.as_ref().unwrap().mismatches, Vec::new());
+    assert_eq!(run.matches_record(), Some(true));
+    replay
+}
+
+/// A pool whose blocks are never split, beside default allocations of the same sizes: in the
+/// pool each request takes a whole cached block.
+fn no_split_program(config: &str) -> CachingAllocator<SimDevice> {
+    let allocator = recording(config);
+    allocator
+        .create_pool(
+            POOL,
+            PoolOptions {
+                no_split: true,
+                ..PoolOptions::default()
+            },
+        )
+        .unwrap();
+    let mut kept = Vec::new();
+    for round in 0..4 {
+        let big = in_pool(&allocator, 30 * MIB);
+        let outside = allocator.allocate(30 * MIB, S).unwrap();
+        allocator.free(big).unwrap();
+        allocator.free(outside).unwrap();
+        // Smaller requests: split from the cached 30 MiB block outside the pool, whole inside it.
+        let small = in_pool(&allocator, (4 + round) * MIB);
+        let small_out = allocator.allocate((4 + round) * MIB, S).unwrap();
+        let tiny = in_pool(&allocator, 200_000);
+        kept.extend([small, small_out, tiny]);
+    }
+    for a in kept {
+        allocator.free(a).unwrap();
+    }
+    allocator
+}
+
+#[test]
+fn a_pool_that_never_splits_is_found() {
+    for config in ["", "max_split_size_mb:64"] {
+        let allocator = no_split_program(config);
+        let (snapshot, expected) = recorded(&allocator);
+        let replay = assert_exact(&snapshot, expected);
+        let attribution = replay.pool_attribution(0).unwrap();
+        assert!(attribution.no_split.len() == 1, "{config}: {attribution:?}");
+    }
+}
+
+/// A pool whose segments come from its own allocator (`MemPool(allocator=...)`, as `ncclMemAlloc`
+/// or a sleep-mode allocator): under expandable segments its segments are still whole device
+/// allocations, as PyTorch makes them.
+#[test]
+fn a_pool_with_its_own_allocator_is_found_under_expandable_segments() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    use tensormem_cuda_alloc::{DeviceAddress, FnPoolAllocator};
+
+    let allocator = recording("expandable_segments:True");
+    let next = Arc::new(AtomicU64::new(0x7e00_0000_0000));
+    let own = FnPoolAllocator::shared(
+        move |size| {
+            let size = (size as u64).div_ceil(2 << 20) * (2 << 20);
+            Ok(DeviceAddress(next.fetch_add(size, Ordering::Relaxed)))
+        },
+        |_, _| Ok(()),
+    );
+    allocator
+        .create_pool(
+            POOL,
+            PoolOptions {
+                allocator: Some(own),
+                ..PoolOptions::default()
+            },
+        )
+        .unwrap();
+    let mut kept = Vec::new();
+    for i in 0..6 {
+        kept.push(in_pool(&allocator, (3 + i) * MIB));
+        kept.push(allocator.allocate((3 + i) * MIB, S).unwrap());
+    }
+    for a in kept {
+        allocator.free(a).unwrap();
+    }
+    let (snapshot, expected) = recorded(&allocator);
+    let replay = assert_exact(&snapshot, expected);
+    let attribution = replay.pool_attribution(0).unwrap();
+    assert_eq!(attribution.own_allocator.len(), 1, "{attribution:?}");
+}
