@@ -1,7 +1,9 @@
 """Records PyTorch allocator traces of the kinds replay must reproduce exactly: out-of-memory errors the
 program catches, expandable segments inside private pools, Inductor's CUDA graph trees, private pools
-created and destroyed while the program runs, and a few more (empty_cache between phases, record_stream
-across several streams, captures sharing a pool).
+created and destroyed while the program runs, programs that change the allocator while they run (the
+memory fraction, the allocator settings), memory pools made with options the snapshot does not record
+(no_split), and a few more (empty_cache between phases, record_stream across several streams, captures
+sharing a pool).
 
 Run on a GPU machine with PyTorch:
 
@@ -285,6 +287,93 @@ def graph_shared_pool(torch):
 
 
 # name -> (workload, PYTORCH_CUDA_ALLOC_CONF)
+def _set_settings(torch, text):
+    """Changes the allocator settings mid-run the way PyTorch 2.11 asks programs to."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        torch.cuda.memory._set_allocator_settings(text)
+    else:
+        setter(text)
+
+
+def _varied(torch, seed, steps=300):
+    """Allocations of sizes rounding and splitting decide differently (small blocks, odd sizes of a
+    few MiB, large multiples of 5 MiB, large blocks freed and asked for again in pieces), with
+    random lifetimes."""
+    rng = random.Random(seed)
+    live = []
+    for _ in range(steps):
+        if len(live) > 12 or (live and rng.random() < 0.35):
+            live.pop(rng.randrange(len(live)))
+            continue
+        kind = rng.randrange(4)
+        if kind == 0:
+            size = rng.randint(1, 900) * 1000
+        elif kind == 1:
+            size = rng.randint(1, 60) * MIB + 12_345
+        elif kind == 2:
+            size = rng.randint(1, 8) * 5 * MIB
+        else:
+            size = rng.randint(2, 200) * MIB
+        live.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+    live.clear()
+    torch.cuda.synchronize()
+
+
+def fraction_changes(torch):
+    """set_per_process_memory_fraction called three times: low (OOMs caught), higher, lower again."""
+    torch.cuda.set_per_process_memory_fraction(0.004)
+    _oom_loop(torch, 31, steps=120)
+    torch.cuda.set_per_process_memory_fraction(0.02)
+    _oom_loop(torch, 32, steps=120, max_mib=96)
+    torch.cuda.set_per_process_memory_fraction(0.006)
+    _oom_loop(torch, 33, steps=120)
+
+
+def settings_changes(torch):
+    """Rounding from PYTORCH_CUDA_ALLOC_CONF at start, then max_split_size_mb set mid-run (which also
+    puts the rounding back to PyTorch's default)."""
+    _varied(torch, 41)
+    _set_settings(torch, "max_split_size_mb:64")
+    _varied(torch, 42)
+
+
+def settings_changes_split_back(torch):
+    """max_split_size_mb from PYTORCH_CUDA_ALLOC_CONF at start, then rounding set mid-run."""
+    _varied(torch, 43)
+    _set_settings(torch, "roundup_power2_divisions:8")
+    _varied(torch, 44)
+
+
+def settings_changes_gc(torch):
+    """Garbage collection under a memory fraction, its threshold raised mid-run; OOMs caught."""
+    torch.cuda.set_per_process_memory_fraction(0.006)
+    _oom_loop(torch, 45, steps=150)
+    _set_settings(torch, "garbage_collection_threshold:0.9")
+    _oom_loop(torch, 46, steps=150)
+
+
+def mempool_no_split(torch):
+    """A MemPool made with no_split=True used through use_mem_pool beside eager allocations of the
+    same sizes: inside the pool every request takes a whole cached block."""
+    pool = torch.cuda.MemPool(no_split=True)
+    rng = random.Random(47)
+    live = []
+    for i in range(200):
+        if len(live) > 10 or (live and rng.random() < 0.4):
+            live.pop(rng.randrange(len(live)))
+            continue
+        size = rng.choice([rng.randint(1, 900) * 1000, rng.randint(1, 40) * MIB + 4321])
+        if i % 2:
+            with torch.cuda.use_mem_pool(pool):
+                live.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+        else:
+            live.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+    live.clear()
+    torch.cuda.synchronize()
+    del pool
+
+
 WORKLOADS = {
     "oom_gc__fraction-0.004_garbage_collection_threshold-0.6": (oom_gc, "garbage_collection_threshold:0.6"),
     "oom_max_split__fraction-0.005_max_split_size_mb-32": (oom_max_split, "max_split_size_mb:32"),
@@ -299,6 +388,11 @@ WORKLOADS = {
     "mempool_empty_cache": (mempool_empty_cache, ""),
     "record_stream_multi": (record_stream_multi, ""),
     "graph_shared_pool": (graph_shared_pool, ""),
+    "fraction_changes": (fraction_changes, ""),
+    "settings_changes__roundup_power2_divisions-4": (settings_changes, "roundup_power2_divisions:4"),
+    "settings_changes__max_split_size_mb-100": (settings_changes_split_back, "max_split_size_mb:100"),
+    "settings_changes_gc__garbage_collection_threshold-0.6": (settings_changes_gc, "garbage_collection_threshold:0.6"),
+    "mempool_no_split": (mempool_no_split, ""),
 }
 
 
