@@ -347,8 +347,13 @@ fn settings_lines(
         out,
         "  device {device}: the recorded allocator settings depart from the record at event {first}, \
          and no single change of rounding, splitting, garbage collection or expandable segments \
-         explains the trace ({} replays tried{found})",
-        settings.replays
+         explains the trace ({} replays tried{}{found})",
+        settings.replays,
+        if settings.exhausted {
+            ", the budget for a trace this long"
+        } else {
+            ""
+        }
     )
 }
 

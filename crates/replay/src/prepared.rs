@@ -21,6 +21,10 @@ use crate::{inference, Error, Result, RunOptions, DEFAULT_CAPACITY};
 /// private pool, one replay each.
 const MAX_OOM_TRIALS: usize = 64;
 
+/// The most private pools [`PreparedDevice::infer_pool_options`] tries options on (two replays
+/// each at most).
+const MAX_POOLS_TRIED: usize = 32;
+
 /// The most switch points [`PreparedDevice::settle_switch`] tries, one replay each.
 const MAX_SWITCH_TRIALS: usize = 64;
 
@@ -201,6 +205,7 @@ impl PreparedDevice {
             .iter()
             .map(|share| share.pool)
             .filter(|pool| !pool.is_default())
+            .take(MAX_POOLS_TRIED)
             .collect();
         let expandable = self.recorded.expandable_segments;
         for pool in private {
@@ -261,12 +266,17 @@ impl PreparedDevice {
         let reach = |departure: Option<usize>| departure.unwrap_or(usize::MAX);
         let collects =
             recorded.per_process_memory_fraction < 1.0 || !self.capacity.phases.is_empty();
+        let budget = settings_phases::search_budget(self.plan.events);
         let mut best = (recorded.clone(), first);
         for _ in 0..settings_phases::MAX_ROUNDS {
             let mut improved: Option<(AllocatorConfig, usize)> = None;
             for candidate in settings_phases::candidates(&best.0, collects) {
                 if settings_phases::same_settings(&candidate, recorded) {
                     continue;
+                }
+                if found.replays >= budget {
+                    found.exhausted = true;
+                    break;
                 }
                 let phases = [SettingsPhase {
                     from_event: 0,

@@ -51,10 +51,24 @@ pub struct SettingsInference {
     pub explained_until: Option<(AllocatorConfig, Option<usize>)>,
     /// Replays the search ran.
     pub replays: usize,
+    /// Whether the search stopped at its budget of replays (a long trace) before it had tried every
+    /// candidate.
+    pub exhausted: bool,
 }
 
 /// The most rounds of the search, each changing one setting.
 pub(crate) const MAX_ROUNDS: usize = 4;
+
+/// Events the search may replay in all (about a minute at the replay's speed on one core): a trace
+/// of `events` events gets this many divided by its length replays, between 16 and
+/// [`MAX_ROUNDS`] rounds of every candidate.
+const SEARCH_EVENTS: usize = 100_000_000;
+
+/// The most replays the search of settings for a trace of `events` events runs (see
+/// [`SEARCH_EVENTS`]).
+pub(crate) fn search_budget(events: usize) -> usize {
+    (SEARCH_EVENTS / events.max(1)).clamp(16, MAX_ROUNDS * 40)
+}
 
 /// `max_split_size_mb` values tried (`None`: unlimited).
 const SPLIT_MB: [Option<usize>; 11] = [
