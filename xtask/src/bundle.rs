@@ -35,6 +35,8 @@ const BENCH_BINS: &[(&str, &str)] = &[
     ("tensormem-benches", "shm_loader_bench"),
     ("tensormem-benches", "sleep_wake_bench"),
     ("tensormem-benches", "storage_pool_bench"),
+    // The command, for the replay checks against real runs (`replay/whatif_check.py`).
+    ("tensormem-cli", "tensormem"),
 ];
 
 /// PyTorch anchors copied into `DIR/anchors/` (from [`ANCHORS_DIR`], vendored in the repository), so
@@ -50,6 +52,10 @@ const ANCHOR_SCRIPTS: &[&str] = &[
     "torch_refit_bench.py",
     "torch_step_bench.py",
 ];
+
+/// The trace-recording and what-if-check scripts, copied into `DIR/replay/` (relative to the
+/// workspace root).
+const REPLAY_SCRIPTS_DIR: &str = "benches/gpu";
 
 /// Where the anchors live, relative to the workspace root (`benches/anchors/README.md` says what they
 /// are).
@@ -124,6 +130,13 @@ pub(crate) fn build(dir: &Path) -> Result<()> {
     }
 
     files.extend(copy_anchors(dir)?);
+    let replay_dir = dir.join("replay");
+    fs::create_dir_all(&replay_dir)
+        .with_context(|| format!("could not create {}", replay_dir.display()))?;
+    copy_scripts(
+        &crate::gpu_tests::workspace_root().join(REPLAY_SCRIPTS_DIR),
+        &replay_dir,
+    )?;
     files.push(bundle_torch_plugin(dir)?);
 
     let run_sh = dir.join("run.sh");
@@ -386,7 +399,11 @@ fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
          torch/ holds PyTorch's pluggable allocator on tensormem (libtensormem_torch.so) and its Python\n\
          scripts; run.sh runs the real-client checks (GPT-2 and CUDA-graph training, losses against the\n\
          native allocator). The benchmark against PyTorch's native allocator, in one call:\n\n\
-         \x20   python3 gpu-bundle/torch/step_bench.py --lib gpu-bundle/torch/libtensormem_torch.so\n\n",
+         \x20   python3 gpu-bundle/torch/step_bench.py --lib gpu-bundle/torch/libtensormem_torch.so\n\n\
+         replay/ holds the trace recorders and the check of `tensormem replay --config X` against runs\n\
+         made under X for real (the command is gpu-bundle/tensormem):\n\n    \
+         python3 gpu-bundle/replay/whatif_check.py /tmp/whatif --tensormem gpu-bundle/tensormem\n    \
+         python3 gpu-bundle/replay/record_fidelity_traces.py /tmp/traces [NAME ...]\n\n",
     );
     let name = dir.file_name().map_or_else(
         || dir.display().to_string(),
