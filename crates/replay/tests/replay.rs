@@ -447,6 +447,32 @@ fn the_recorded_configuration_applied_again_changes_nothing() {
     assert_eq!(same.devices[0].addresses.invented, 0);
 }
 
+/// A what-if answer against the real run: the default `gpt2_train` replayed under
+/// `expandable_segments:True` gives every figure PyTorch reported for the same workload run under
+/// that setting (the program asked for the same sizes in the same order in both runs).
+#[test]
+fn a_what_if_answer_is_the_real_run_under_that_configuration() {
+    let (snapshot, _) = load("gpt2_train");
+    let (_, real) = load("gpt2_train__expandable_segments-True");
+    let replay = Replay::new(&snapshot).unwrap();
+    let answer = replay
+        .run_with("expandable_segments:True")
+        .unwrap()
+        .flat_stats();
+    let mut compared = 0;
+    for (key, &value) in &real.figures {
+        // The setting itself, not a decision.
+        if key == "max_split_size" {
+            continue;
+        }
+        if let Some(&replayed) = answer.get(key) {
+            assert_eq!(replayed, value, "{key}");
+            compared += 1;
+        }
+    }
+    assert!(compared >= 40, "{compared} figures compared");
+}
+
 #[test]
 fn expandable_segments_cut_fragmentation_of_the_gpt2_trace() {
     let (snapshot, _) = load("gpt2_train");
