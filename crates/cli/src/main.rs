@@ -10,6 +10,7 @@
 #![deny(unsafe_code)]
 
 mod embedded;
+mod matrix_cmd;
 mod plot;
 mod replay_cmd;
 mod replay_report;

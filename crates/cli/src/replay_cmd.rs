@@ -14,6 +14,7 @@ use tensormem_cuda_alloc::snapshot::{ReadLimits, Snapshot, SnapshotError};
 use tensormem_replay::{ExpectedStats, Replay, ReplayRun, RestoreCount, RunOptions};
 
 use crate::embedded;
+use crate::matrix_cmd;
 use crate::plot;
 use crate::replay_report;
 
@@ -59,6 +60,28 @@ pub(crate) struct ReplayArgs {
     #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
     max_trace_bytes: Option<u64>,
 
+    /// Replay the trace under a grid of allocator settings and rank them by peak reserved bytes,
+    /// with the recommended PYTORCH_CUDA_ALLOC_CONF: all four settings (expandable_segments,
+    /// max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold), or those named
+    /// (--matrix=expandable_segments,max_split_size_mb). Settings not named keep their recorded
+    /// values. A configuration under which a request fails that the recorded run served is
+    /// disqualified.
+    #[arg(
+        long,
+        value_name = "SETTINGS",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "all",
+        conflicts_with_all = ["configs", "plot", "snapshot_out"]
+    )]
+    matrix: Option<String>,
+
+    /// The values --matrix tries for one setting, KEY:V1,V2,... in PYTORCH_CUDA_ALLOC_CONF syntax
+    /// (max_split_size_mb:unlimited,64,256; roundup_power2_divisions:0,4;
+    /// garbage_collection_threshold:off,0.7); the setting is then varied. Repeat for several.
+    #[arg(long, value_name = "KEY:VALUES", requires = "matrix")]
+    matrix_values: Vec<String>,
+
     /// The most values TRACE's pickle may build (default 33554432, about 2 GiB of memory at worst):
     /// a guard against pickle bombs. Raise it only for a trace you trust.
     #[arg(long, value_name = "N")]
@@ -97,6 +120,15 @@ pub(crate) fn run(args: ReplayArgs) -> Result<()> {
     let mut replay = Replay::new(&source.snapshot).map_err(flat)?;
     if let Some(expected) = source.expected.clone() {
         replay = replay.with_expected_stats(expected);
+    }
+    if let Some(settings) = &args.matrix {
+        let matrix = matrix_cmd::MatrixArgs {
+            settings,
+            values: &args.matrix_values,
+            capacity: args.capacity,
+            json: args.json,
+        };
+        return matrix_cmd::run(&matrix, &source.name, &source.snapshot, &replay);
     }
     // Parse every configuration before running anything, so a typo fails at once.
     let mut plans = vec![(replay.recorded_config().clone(), true)];

@@ -101,6 +101,7 @@ mod capacity;
 mod check;
 mod device;
 mod inference;
+pub mod matrix;
 mod plan;
 mod pools;
 mod prepared;
@@ -117,6 +118,10 @@ pub use check::{
     Check, Divergence, DivergenceKind, ExpectedStats, SegmentCheck, StatMismatch, StatsCheck,
 };
 pub use device::{AddressUse, ReplayDevice};
+pub use matrix::{
+    FailedRequest, Grid, GridError, GridPoint, MatrixOptions, MatrixResult, MatrixRow,
+    Recommendation, Setting, SettingsMatrix,
+};
 pub use pools::{
     PoolAttribution, PoolEvidence, PoolShare, UndecidedAllocation, MAX_FLIPS, UNNAMED_POOL_BASE,
 };
