@@ -15,16 +15,12 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use cudarc::driver::sys;
-use tensormem_cuda_alloc::backend::cuda::{BackendStream, CudaBackend};
+use tensormem_cuda_alloc::backend::cuda::{check, BackendStream, CudaBackend};
 use tensormem_cuda_alloc::{AsyncAllocator, Device, DeviceAddress, DeviceError, Error, StreamId};
 
 use harness::{gpu, mib};
 
 const MIB: usize = 1 << 20;
-
-fn check(call: &str, result: sys::CUresult) {
-    assert_eq!(result, sys::CUresult::CUDA_SUCCESS, "{call} failed");
-}
 
 /// An allocator on device 0 whose pool starts trimmed and with its peaks reset.
 fn allocator() -> AsyncAllocator {
@@ -265,7 +261,8 @@ fn a_graph_capture_allocates_and_frees_inside_the_graph() {
             stream.as_raw(),
             sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
         )
-    });
+    })
+    .unwrap();
     let inside = alloc.allocate(4 * MIB, id);
     let filled = inside.as_ref().ok().map(|&ptr| {
         // SAFETY: the pointer is the graph's allocation, used only by the captured stream.
@@ -283,7 +280,7 @@ fn a_graph_capture_allocates_and_frees_inside_the_graph() {
     freed.unwrap().expect("freeing during the capture");
     deferred.expect("deferring the free of an uncaptured pointer");
     ended_books.expect("end_capture");
-    check("cuStreamEndCapture (the capture must stay valid)", ended);
+    check("cuStreamEndCapture (the capture must stay valid)", ended).unwrap();
     assert!(!alloc.is_capture_underway());
     assert_eq!(
         alloc.live_allocations(),
@@ -298,9 +295,10 @@ fn a_graph_capture_allocates_and_frees_inside_the_graph() {
         check(
             "cuGraphInstantiateWithFlags",
             sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0),
-        );
-        check("cuGraphLaunch", sys::cuGraphLaunch(exec, stream.as_raw()));
-        check("cuGraphLaunch", sys::cuGraphLaunch(exec, stream.as_raw()));
+        )
+        .unwrap();
+        check("cuGraphLaunch", sys::cuGraphLaunch(exec, stream.as_raw())).unwrap();
+        check("cuGraphLaunch", sys::cuGraphLaunch(exec, stream.as_raw())).unwrap();
     }
     stream.synchronize().unwrap();
     eprintln!(
@@ -309,8 +307,8 @@ fn a_graph_capture_allocates_and_frees_inside_the_graph() {
     );
     // SAFETY: the stream is idle, so the graph is not running.
     unsafe {
-        check("cuGraphExecDestroy", sys::cuGraphExecDestroy(exec));
-        check("cuGraphDestroy", sys::cuGraphDestroy(graph));
+        check("cuGraphExecDestroy", sys::cuGraphExecDestroy(exec)).unwrap();
+        check("cuGraphDestroy", sys::cuGraphDestroy(graph)).unwrap();
     }
     // The next allocation outside a capture frees the deferred pointer first.
     let next = alloc.allocate(MIB, id).unwrap();

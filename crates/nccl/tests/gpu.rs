@@ -9,17 +9,13 @@ use std::sync::Arc;
 
 use cudarc::driver::sys as cu;
 use cudarc::nccl::{result, sys};
-use tensormem_cuda_alloc::backend::cuda::{self, CudaBackend};
+use tensormem_cuda_alloc::backend::cuda::{self, check, CudaBackend};
 use tensormem_cuda_alloc::{CachingAllocator, Device, DeviceAddress, StreamId};
 use tensormem_nccl::Registration;
 use tensormem_test_support::{gpu, skip};
 
 const S: StreamId = StreamId::DEFAULT;
 const MIB: usize = 1 << 20;
-
-fn check(call: &str, result: cu::CUresult) {
-    assert_eq!(result, cu::CUresult::CUDA_SUCCESS, "{call}");
-}
 
 /// Whether two devices and NCCL are here (after saying why not).
 /// A machine with one GPU skips (the test needs a two-GPU host); with `TENSORMEM_REQUIRE_GPU=1`, no
@@ -44,7 +40,8 @@ fn fill_f32(device: &CudaBackend, ptr: DeviceAddress, value: f32, count: usize) 
     // SAFETY: `ptr` is an allocation of at least `count` f32s on this device's context.
     check("cuMemsetD32", unsafe {
         cu::cuMemsetD32_v2(ptr.0, value.to_bits(), count)
-    });
+    })
+    .unwrap();
 }
 
 fn read_f32(device: &CudaBackend, ptr: DeviceAddress, count: usize) -> Vec<f32> {
@@ -53,7 +50,8 @@ fn read_f32(device: &CudaBackend, ptr: DeviceAddress, count: usize) -> Vec<f32> 
     // SAFETY: `out` has room for `count` f32s; `ptr` holds at least that many.
     check("cuMemcpyDtoH", unsafe {
         cu::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), ptr.0, count * 4)
-    });
+    })
+    .unwrap();
     out
 }
 

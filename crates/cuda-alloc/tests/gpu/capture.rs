@@ -4,17 +4,13 @@
 //! what it was before.
 
 use cudarc::driver::sys;
-use tensormem_cuda_alloc::backend::cuda::{BackendStream, CudaBackend};
+use tensormem_cuda_alloc::backend::cuda::{check, BackendStream, CudaBackend};
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::{CachingAllocator, MempoolId};
 
 use crate::harness::gpu;
 
 const MIB: usize = 1 << 20;
-
-fn check(call: &str, result: sys::CUresult) {
-    assert_eq!(result, sys::CUresult::CUDA_SUCCESS, "{call} failed");
-}
 
 /// The calling thread's capture mode, read by exchanging it with itself.
 fn thread_capture_mode() -> sys::CUstreamCaptureMode {
@@ -24,12 +20,14 @@ fn thread_capture_mode() -> sys::CUstreamCaptureMode {
         check(
             "cuThreadExchangeStreamCaptureMode",
             sys::cuThreadExchangeStreamCaptureMode(&mut mode),
-        );
+        )
+        .unwrap();
         let mut back = mode;
         check(
             "cuThreadExchangeStreamCaptureMode",
             sys::cuThreadExchangeStreamCaptureMode(&mut back),
-        );
+        )
+        .unwrap();
     }
     mode
 }
@@ -60,7 +58,8 @@ fn capture_needing_a_new_segment(config: &str, size: usize, private: bool) {
             stream.as_raw(),
             sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
         )
-    });
+    })
+    .unwrap();
     assert!(alloc.device().is_capturing(id).unwrap());
     assert_eq!(alloc.reserved_bytes(), 0, "the cache starts empty");
 
@@ -78,7 +77,8 @@ fn capture_needing_a_new_segment(config: &str, size: usize, private: bool) {
     check(
         "cuStreamEndCapture (the capture must not be invalidated)",
         ended,
-    );
+    )
+    .unwrap();
     assert!(!alloc.device().is_capturing(id).unwrap());
     assert!(alloc.reserved_bytes() >= size as u64, "a segment was made");
     assert_eq!(thread_capture_mode(), mode_before, "the mode is restored");
@@ -90,8 +90,9 @@ fn capture_needing_a_new_segment(config: &str, size: usize, private: bool) {
         check(
             "cuGraphInstantiateWithFlags",
             sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0),
-        );
-        check("cuGraphLaunch", sys::cuGraphLaunch(exec, stream.as_raw()));
+        )
+        .unwrap();
+        check("cuGraphLaunch", sys::cuGraphLaunch(exec, stream.as_raw())).unwrap();
     }
     stream.synchronize().unwrap();
     let mut back = vec![0u8; size];
@@ -100,8 +101,8 @@ fn capture_needing_a_new_segment(config: &str, size: usize, private: bool) {
     assert!(back.iter().all(|&b| b == 0xA5), "the graph wrote the block");
     // SAFETY: the stream is idle, so the graph is not running.
     unsafe {
-        check("cuGraphExecDestroy", sys::cuGraphExecDestroy(exec));
-        check("cuGraphDestroy", sys::cuGraphDestroy(graph));
+        check("cuGraphExecDestroy", sys::cuGraphExecDestroy(exec)).unwrap();
+        check("cuGraphDestroy", sys::cuGraphDestroy(graph)).unwrap();
     }
 
     let expandable = alloc.config().expandable_segments;
@@ -146,7 +147,8 @@ fn a_segment_made_beside_another_threads_global_capture_succeeds() {
             capturing.as_raw(),
             sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
         )
-    });
+    })
+    .unwrap();
     let other_id = other.id();
     let made = std::thread::scope(|s| {
         s.spawn(|| {
@@ -163,9 +165,10 @@ fn a_segment_made_beside_another_threads_global_capture_succeeds() {
     check(
         "cuStreamEndCapture (the capture must not be invalidated)",
         ended,
-    );
+    )
+    .unwrap();
     // SAFETY: the graph is not instantiated or used.
-    check("cuGraphDestroy", unsafe { sys::cuGraphDestroy(graph) });
+    check("cuGraphDestroy", unsafe { sys::cuGraphDestroy(graph) }).unwrap();
     alloc.free(block).unwrap();
     alloc.empty_cache().unwrap();
     assert_eq!(alloc.reserved_bytes(), 0);

@@ -15,7 +15,7 @@ use std::process::{ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::sys;
-use tensormem_cuda_alloc::backend::cuda::{self, CudaBackend};
+use tensormem_cuda_alloc::backend::cuda::{self, check, CudaBackend};
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::{CachingAllocator, DeviceAddress, StreamId};
 use tensormem_ipc::driver::cuda::CudaIpcDriver;
@@ -47,10 +47,6 @@ fn gpu() -> Option<(Allocator, Producer, MutexGuard<'static, ()>)> {
     ))
 }
 
-fn check(call: &str, result: sys::CUresult) {
-    assert_eq!(result, sys::CUresult::CUDA_SUCCESS, "{call}");
-}
-
 fn current() {
     CudaBackend::new(0).unwrap().make_current().unwrap();
 }
@@ -62,9 +58,10 @@ fn fill(ptr: DeviceAddress, value: u8, len: usize) {
     // SAFETY: `ptr..ptr+len` is device memory of device 0 this test owns or received.
     check("cuMemsetD8", unsafe {
         sys::cuMemsetD8_v2(ptr.0, value, len)
-    });
+    })
+    .unwrap();
     // SAFETY: no arguments; the test's context is current (`current`).
-    check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() });
+    check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() }).unwrap();
 }
 
 fn read(ptr: DeviceAddress, len: usize) -> Vec<u8> {
@@ -73,7 +70,8 @@ fn read(ptr: DeviceAddress, len: usize) -> Vec<u8> {
     // SAFETY: as in `fill`; `out` has room for `len` bytes.
     check("cuMemcpyDtoH", unsafe {
         sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), ptr.0, len)
-    });
+    })
+    .unwrap();
     out
 }
 

@@ -76,7 +76,8 @@ fn new_stream() -> StreamId {
             &mut stream,
             sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
         )
-    });
+    })
+    .unwrap();
     StreamId(stream as u64)
 }
 
