@@ -457,6 +457,7 @@ pub(crate) fn run_device(
         seconds,
         restores: RestoreCount::default(),
         async_model: Some(bounds),
+        releases_external: Vec::new(),
     }
 }
 

@@ -113,6 +113,7 @@ fn infer_pools_with(
             limits: capacity.phases_for(recorded.per_process_memory_fraction),
             settings,
             stop_at_divergence: false,
+            releases_external: None,
         };
         let run = run::run_device(plan, &options, default, schedule, 0, None, &mut pass)?;
         let stop = match pass.contradiction {

@@ -336,6 +336,8 @@ impl Replay {
             if let Some(figures) = expected.for_device(device.plan.device) {
                 device.settle_switch(figures);
             }
+            // Pools or settings may have changed: judge the releases again.
+            device.judge_releases();
         }
         self.expected = Some(expected);
         self

@@ -83,6 +83,10 @@ pub(crate) struct PreparedDevice {
     no_split: HashSet<MempoolId>,
     /// Private pools made with their own allocator, as far as the trace tells.
     own_allocator: HashSet<MempoolId>,
+    /// Per recorded run of releases, whether it was the program's `empty_cache()`, as the replay
+    /// under the recorded configuration judged it (empty until judged; see
+    /// [`run::Schedule::releases_external`]).
+    releases_external: Vec<bool>,
     /// The recorded configuration (the settings phases apply to runs under its settings).
     recorded: AllocatorConfig,
 }
@@ -159,6 +163,7 @@ impl PreparedDevice {
             recorded: recorded.clone(),
             no_split: HashSet::new(),
             own_allocator: HashSet::new(),
+            releases_external: Vec::new(),
         };
         let departs = departs && device.infer_pool_options();
         if departs {
@@ -177,7 +182,25 @@ impl PreparedDevice {
                 device.ambiguous_ooms = inferred.ambiguous_ooms;
             }
         }
+        device.judge_releases();
         Ok(device)
+    }
+
+    /// Decides once, under the recorded configuration, which recorded runs of releases followed
+    /// by a new segment were the program's `empty_cache()`: what-if runs keep the answer (their
+    /// own state, under other settings, would say otherwise: a collector a what-if run adds would
+    /// take the program's `empty_cache()` for its own).
+    pub(crate) fn judge_releases(&mut self) {
+        self.releases_external = Vec::new();
+        if !self.plan.releases.iter().any(|r| r.next_segment.is_some()) {
+            return;
+        }
+        let mut options = RunOptions::new(self.recorded.clone());
+        options.timeline_points = 1;
+        match self.run(&options, 0, None) {
+            Ok(run) => self.releases_external = run.releases_external,
+            Err(e) => tracing::debug!(error = %e, "judging the recorded releases failed"),
+        }
     }
 
     /// The replay of the inferred pools, with the out-of-memory requests and the `no_split` pools
@@ -451,6 +474,7 @@ impl PreparedDevice {
                 .phases_for(self.recorded.per_process_memory_fraction),
             settings: &phases,
             stop_at_divergence: true,
+            releases_external: None,
         };
         let mut pools = self.pool_run();
         let run = run::run_device(
@@ -487,6 +511,7 @@ impl PreparedDevice {
                 .phases_for(recorded.per_process_memory_fraction),
             settings: phases,
             stop_at_divergence: true,
+            releases_external: None,
         };
         let mut pools = self.pool_run();
         let run = run::run_device(
@@ -518,6 +543,8 @@ impl PreparedDevice {
                 .phases_for(options.config.per_process_memory_fraction),
             settings: self.settings.phases_for(&options.config, &self.recorded),
             stop_at_divergence: false,
+            releases_external: (!self.releases_external.is_empty())
+                .then_some(self.releases_external.as_slice()),
         }
     }
 

@@ -53,6 +53,9 @@ pub struct DeviceRun {
     /// [`crate::async_model`]): which figures are bounds, and what the model found about running
     /// out of memory. `None` for replays of the native allocator.
     pub async_model: Option<crate::AsyncBounds>,
+    /// Per recorded run of releases ([`DevicePlan::releases`]), whether this replay made it as
+    /// the program's `empty_cache()` (else it was left to the allocator).
+    pub(crate) releases_external: Vec<bool>,
 }
 
 /// Running figures for the timeline.
@@ -115,6 +118,11 @@ pub(crate) struct Schedule<'a> {
     /// Stop at the first allocation that departs from the record (a run that only asks how far
     /// a hypothesis explains the trace).
     pub(crate) stop_at_divergence: bool,
+    /// Per recorded run of releases, whether it was the program's `empty_cache()`, as the replay
+    /// under the recorded configuration judged it: a fact about the recorded run, which a what-if
+    /// run keeps (under other settings the replay's own state would judge it otherwise). `None`:
+    /// judged by this replay.
+    pub(crate) releases_external: Option<&'a [bool]>,
 }
 
 /// Replays `plan` under `options`, with what the program changed while it ran applied where
@@ -141,6 +149,7 @@ pub(crate) fn run_device(
     replayer.limits = schedule.limits;
     replayer.settings = schedule.settings;
     replayer.stop_at_divergence = schedule.stop_at_divergence;
+    replayer.releases_external = schedule.releases_external;
     let started = Instant::now();
     replayer.replay_ops(events_before)?;
     let seconds = started.elapsed().as_secs_f64();
@@ -204,6 +213,10 @@ struct Replayer<'a, 'o> {
     settings: &'a [SettingsPhase],
     /// Whether to stop at the first divergence from the record.
     stop_at_divergence: bool,
+    /// How the recorded runs of releases were judged, when given (see [`Schedule`]).
+    releases_external: Option<&'a [bool]>,
+    /// How this replay judged them.
+    judged: Vec<bool>,
 }
 
 impl<'a, 'o> Replayer<'a, 'o> {
@@ -238,6 +251,8 @@ impl<'a, 'o> Replayer<'a, 'o> {
             limits: &[],
             settings: &[],
             stop_at_divergence: false,
+            releases_external: None,
+            judged: vec![false; plan.releases.len()],
         }
     }
 
@@ -307,7 +322,7 @@ impl<'a, 'o> Replayer<'a, 'o> {
                 self.pools
                     .release_starts(plan, &self.allocator, &plan.release_sets[set as usize]);
             }
-            Op::Release { run } => self.release(event, self.plan.releases[run as usize])?,
+            Op::Release { run } => self.release(event, run as usize)?,
         }
         Ok(ControlFlow::Continue(()))
     }
@@ -561,13 +576,21 @@ impl<'a, 'o> Replayer<'a, 'o> {
     /// A run of releases that did not end in an `oom`: `empty_cache()` (of the private pools
     /// whose segments it released, when those are all it released) if it was the program's, else
     /// nothing (the replayed allocator makes the releases itself).
-    fn release(&mut self, event: u32, run: ReleaseRun) -> Result<()> {
-        if !release_was_external(
-            &self.allocator,
-            self.garbage_collection_threshold,
-            self.fraction,
-            run,
-        ) {
+    fn release(&mut self, event: u32, index: usize) -> Result<()> {
+        let run = self.plan.releases[index];
+        let external = match self.releases_external.and_then(|judged| judged.get(index)) {
+            Some(&external) => external,
+            None => release_was_external(
+                &self.allocator,
+                self.garbage_collection_threshold,
+                self.fraction,
+                run,
+            ),
+        };
+        if let Some(judged) = self.judged.get_mut(index) {
+            *judged = external;
+        }
+        if !external {
             return Ok(());
         }
         match self
@@ -642,6 +665,7 @@ impl<'a, 'o> Replayer<'a, 'o> {
             seconds,
             restores: self.restores,
             async_model: None,
+            releases_external: self.judged,
         })
     }
 }
