@@ -124,6 +124,129 @@ fn allocator_settings_reach_pytorch_then_tensormem_once_whichever_way() {
     );
 }
 
+/// Tagged regions against a stand-in for `torch.cuda` (`MemPool`, `use_mem_pool`, devices) and for the
+/// pool sleep calls: a pool per tag and device, made once; `sleep_regions` keeps and discards as asked
+/// and runs the devices at once (the stand-in's calls meet at a barrier, which sequential calls never
+/// reach); tags work wherever pools do; bad input is refused with a message saying what to do.
+const REGIONS_CHECK: &str = r#"
+import contextlib, sys, threading, types
+sys.path.insert(0, sys.argv[1])
+
+state = {"device": 0, "stack": []}
+torch = types.ModuleType("torch")
+cuda = types.ModuleType("torch.cuda")
+class MemPool:
+    made = 0
+    def __init__(self):
+        MemPool.made += 1
+        self.id = (0, MemPool.made)
+        self.device = state["device"]
+@contextlib.contextmanager
+def use_mem_pool(pool, device=None):
+    state["stack"].append((pool.id, device))
+    try:
+        yield
+    finally:
+        state["stack"].pop()
+@contextlib.contextmanager
+def device_ctx(index):
+    old, state["device"] = state["device"], index
+    try:
+        yield
+    finally:
+        state["device"] = old
+class Device:
+    def __init__(self, text):
+        self.index = int(text.split(":")[1]) if ":" in text else None
+cuda.MemPool, cuda.use_mem_pool, cuda.device = MemPool, use_mem_pool, device_ctx
+cuda.current_device = lambda: state["device"]
+torch.cuda, torch.device = cuda, Device
+sys.modules.update({"torch": torch, "torch.cuda": cuda})
+
+import tensormem_torch as tt
+pools = sys.modules["tensormem_torch.sleep"]
+calls, asleep, lock = [], set(), threading.Lock()
+meet = threading.Barrier(2, timeout=10)
+def fake_sleep(pool, keep, device):
+    with lock:
+        calls.append(("sleep", pool.id, keep, device))
+        asleep.add(pool.id)
+    if pool.id == weights0.id or pool.id == weights1.id:
+        meet.wait()  # both devices' weights at once, or never
+    return (1 << 20) if keep else (2 << 20)
+def fake_wake(pool, device=None, release_host_memory=False):
+    with lock:
+        calls.append(("wake", pool.id, device))
+        asleep.discard(pool.id)
+    return 3 << 20
+def fake_is_asleep(pool, device=None):
+    return pool.id in asleep
+released = []
+pools.sleep, pools.wake, pools.is_asleep = fake_sleep, fake_wake, fake_is_asleep
+pools.release_host_memory_now = lambda: released.append(True)
+
+with tt.region("weights") as weights0:
+    assert state["stack"] == [(weights0.id, 0)], state
+    with tt.region("kv_cache") as cache0:
+        assert [p for p, _ in state["stack"]] == [weights0.id, cache0.id], state
+assert state["stack"] == []
+with tt.region("weights") as again:
+    assert again is weights0
+with tt.region("weights", device=1) as weights1:
+    assert weights1.device == 1 and weights1 is not weights0, (weights1.device,)
+assert state["device"] == 0
+assert sorted(tt.regions()) == [("kv_cache", 0), ("weights", 0), ("weights", 1)], tt.regions()
+
+got = tt.sleep_regions(keep=["weights"], discard=["kv_cache"])
+assert got == {("weights", 0): 1 << 20, ("weights", 1): 1 << 20, ("kv_cache", 0): 2 << 20}, got
+assert sorted(c for c in calls if c[0] == "sleep") == sorted([
+    ("sleep", weights0.id, True, 0), ("sleep", weights1.id, True, 1), ("sleep", cache0.id, False, 0)]), calls
+assert tt.is_asleep("weights") and tt.is_asleep("kv_cache", device=0)
+calls.clear()
+woken = tt.wake_regions(release_host_memory=True)
+assert woken == {("kv_cache", 0): 3 << 20, ("weights", 0): 3 << 20, ("weights", 1): 3 << 20}, woken
+assert released == [True] and not tt.is_asleep("weights")
+assert tt.wake_regions() == {}  # nothing asleep
+
+# Tags and pools through the package's sleep and wake.
+meet = threading.Barrier(2, timeout=10)
+assert tt.sleep("weights", keep_contents=False) == 2 * (2 << 20)
+assert tt.wake("weights", device=1) == 3 << 20
+assert tt.sleep(cache0, True, 0) == 1 << 20
+
+for bad, error, words in [
+    (lambda: tt.region("").__enter__(), ValueError, "non-empty string"),
+    (lambda: tt.sleep("nope"), KeyError, "regions made so far: ['kv_cache', 'weights']"),
+    (lambda: tt.sleep_regions(keep="weights"), TypeError, "lists of tags"),
+    (lambda: tt.sleep_regions(keep=["weights"], discard=["weights"]), ValueError, "both kept and discarded"),
+    (lambda: tt.wake("kv_cache", device=1), KeyError, "no region 'kv_cache' on device 1"),
+]:
+    try:
+        bad()
+        raise SystemExit(f"accepted: {words}")
+    except error as e:
+        assert words in str(e), (words, str(e))
+print("ok regions")
+"#;
+
+#[test]
+#[ignore = "needs python3 (.ci/run runs it with --ignored)"]
+fn regions_pool_by_tag_and_sleep_every_device_at_once() {
+    python::require();
+    let package = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
+    let out = python::command()
+        .args(["-c", REGIONS_CHECK])
+        .arg(&package)
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("ok regions"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 // The tests run python3: `#[ignore]`d so that a machine without it reports them as ignored, never
 // as passed; `.ci/run` runs them (`cargo test -p tensormem-torch --test python_helper --
 // --ignored`), and there a missing python3 is a failure (`python::require`).
@@ -156,6 +279,7 @@ fn the_scripts_compile() {
     for script in [
         "python/tensormem_torch/__init__.py",
         "python/tensormem_torch/sleep.py",
+        "python/tensormem_torch/regions.py",
         "tests/python/real_clients.py",
         "tests/python/alloc_bench.py",
         "tests/python/workloads.py",

@@ -151,6 +151,12 @@ fn a_graph_captured_into_a_mem_pool_replays_after_the_pool_sleeps_and_wakes() {
     real_client("sleep_wake");
 }
 
+#[test]
+#[ignore = "needs a CUDA GPU and python3 with torch (cargo xtask test-gpu runs it)"]
+fn tagged_regions_sleep_together_weights_kept_cache_discarded() {
+    real_client("regions");
+}
+
 /// Each program on PyTorch's `cudaMallocAsync` backend and on tensormem's (`AsyncAllocator` through the
 /// C++ layer): equal outputs, and where PyTorch's backend refuses part of a program (memory history,
 /// `MemPool`, the graph trees' pool checks), the same refusal, word for word. Not among them: `ipc`,

@@ -43,10 +43,11 @@ import warnings
 
 from . import weights  # imports no torch until used
 from ._paths import HERE, LIB_NAME, find_library
-from .sleep import is_asleep, sleep, wake
+from .regions import is_asleep, region, regions, sleep, sleep_regions, wake, wake_regions
 
 __all__ = ["Plugin", "InstallError", "install", "mem_pool", "find_library", "find_source", "build_extension",
-           "HOOKS", "sleep", "wake", "is_asleep", "weights"]
+           "HOOKS", "sleep", "wake", "is_asleep", "region", "regions", "sleep_regions", "wake_regions",
+           "weights"]
 
 SOURCE_NAME = "tensormem_allocator.cpp"
 HEADER_NAME = "tensormem_abi.h"  # the library's C interface, which the source includes

@@ -24,6 +24,9 @@ Refused (``RuntimeError`` naming why): a pool not on expandable segments, one wi
 another process, one being captured or allocated to (``use_mem_pool``), a pool already asleep, waking a
 pool that is not; allocating to a sleeping pool (``use_mem_pool``, a capture into it) fails too. Needs the
 native install (``install(mode="native")``).
+
+``tensormem_torch.sleep``, ``wake`` and ``is_asleep`` (from ``tensormem_torch.regions``) also take the tag
+of a region; the functions here take pools.
 """
 import ctypes
 
@@ -104,10 +107,17 @@ def wake(pool, device=None, release_host_memory=False):
     if rc != 0:
         _raise(lib, rc, f"wake(pool {(first, second)})")
     if release_host_memory:
-        rc = lib.tensormem_host_empty_cache()
-        if rc != 0:
-            _raise(lib, rc, "releasing the pinned host memory after wake")
+        release_host_memory_now()
     return mapped.value
+
+
+def release_host_memory_now():
+    """Gives the pinned host memory cached for backups (kept after a wake for the next sleep) back to the
+    system."""
+    lib = _library()
+    rc = lib.tensormem_host_empty_cache()
+    if rc != 0:
+        _raise(lib, rc, "releasing the pinned host memory after wake")
 
 
 def is_asleep(pool, device=None):

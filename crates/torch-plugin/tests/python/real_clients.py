@@ -19,6 +19,7 @@ PyTorch's allocator refuses part of under those settings passes when tensormem r
 message (its first line). --timeout bounds each run of a workload (a run past it is a failure).
 """
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -671,14 +672,81 @@ def sleep_wake(torch):
     return {"out": out, "strict": False, "notes": notes}
 
 
+def regions(torch):
+    """An engine's memory in two tagged regions: weights (kept) and a KV cache (discarded), with a CUDA
+    graph captured over both. On tensormem both regions sleep at once (their memory back to the device,
+    seen in mem_get_info), wake at the same addresses, the weights hold what they held and the graph,
+    with the cache written again, replays to the same result; natively there are no regions (plain
+    MemPools stand in) and the graph just replays again. Either way: the replay after equals the replay
+    before, bit for bit."""
+    on_tensormem = os.environ.get("TENSORMEM_REAL_CLIENT_BACKEND") == "tensormem"
+    if on_tensormem:
+        import tensormem_torch
+        region = tensormem_torch.region
+    else:
+        made = {}
+
+        @contextlib.contextmanager
+        def region(tag):
+            pool = made.setdefault(tag, torch.cuda.MemPool())
+            with torch.cuda.use_mem_pool(pool):
+                yield pool
+    g = torch.Generator(device="cuda").manual_seed(6)
+    with region("weights") as weights_pool:
+        weight = torch.randn(2048, 2048, device="cuda", generator=g)
+        table = torch.randn(64 << 20, device="cuda", generator=g)  # 256 MiB, for the memory to show
+    with region("kv_cache") as cache_pool:
+        cache = torch.empty(32 << 20, device="cuda")  # 128 MiB
+        static_in = torch.empty(256, 2048, device="cuda")
+    def fill_cache():
+        cache.copy_(torch.arange(cache.numel(), device="cuda", dtype=torch.float32).remainder_(977))
+        static_in.copy_(cache[: static_in.numel()].view_as(static_in) / 977)
+    fill_cache()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            torch.relu(static_in @ weight).sum(dim=1) + table[:256] + cache[:256]
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=weights_pool.id):
+        static_out = torch.relu(static_in @ weight).sum(dim=1) + table[:256] + cache[:256]
+    graph.replay()
+    torch.cuda.synchronize()
+    before = static_out.clone()
+    ptrs = [t.data_ptr() for t in (weight, table, cache, static_in, static_out)]
+    static_out.zero_()
+    notes, returned_enough, both_asleep = "", True, True
+    if on_tensormem:
+        free_before = _free_device_bytes(torch)
+        released = tensormem_torch.sleep_regions(keep=["weights"], discard=["kv_cache"])
+        free_asleep = _free_device_bytes(torch)
+        total = sum(released.values())
+        returned_enough = total >= 384 << 20 and free_asleep - free_before >= 0.95 * total
+        both_asleep = tensormem_torch.is_asleep("weights") and tensormem_torch.is_asleep("kv_cache")
+        mapped = tensormem_torch.wake_regions(release_host_memory=True)
+        fill_cache()  # the cache was discarded: the engine writes it again
+        notes = (f"released {total >> 20} MiB ({', '.join(f'{k[0]}: {v >> 20} MiB' for k, v in released.items())}), "
+                 f"free memory +{(free_asleep - free_before) >> 20} MiB, mapped {sum(mapped.values()) >> 20} MiB")
+    graph.replay()
+    torch.cuda.synchronize()
+    out = [torch.equal(before, static_out), ptrs == [t.data_ptr() for t in (weight, table, cache, static_in, static_out)],
+           returned_enough, both_asleep, list(static_out.shape)]
+    del graph, weight, table, cache, static_in, static_out, before, weights_pool, cache_pool
+    torch.cuda.empty_cache()
+    return {"out": out, "strict": False, "notes": notes}
+
+
 WORKLOADS = {f.__name__: f for f in (cnn_amp, transformer_varlen, compile_infer, compile_train, mempool,
                                       mempool_options, mempool_own_allocator, oom, streams, ipc, ipc_expandable, stats_snapshot,
-                                      allocator_settings, ddp, ddp_register, sleep_wake)}
+                                      allocator_settings, ddp, ddp_register, sleep_wake, regions)}
 
 # The environment a workload's processes start with, on either allocator (its children inherit it).
 WORKLOAD_ENV = {
     "sleep_wake": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
                    "TENSORMEM_ALLOC_CONF": "expandable_segments:True"},
+    "regions": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                "TENSORMEM_ALLOC_CONF": "expandable_segments:True"},
     "ipc_expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
                        "TENSORMEM_ALLOC_CONF": "expandable_segments:True",
                        # PyTorch builds that gate expandable-segment IPC behind it share with it set.
