@@ -688,7 +688,9 @@ def regions(torch):
 
         @contextlib.contextmanager
         def region(tag):
-            pool = made.setdefault(tag, torch.cuda.MemPool())
+            if tag not in made:
+                made[tag] = torch.cuda.MemPool()
+            pool = made[tag]
             with torch.cuda.use_mem_pool(pool):
                 yield pool
     g = torch.Generator(device="cuda").manual_seed(6)
