@@ -26,6 +26,14 @@ pub(crate) fn count(n: impl Into<u64>, one: &str, many: &str) -> String {
     format!("{n} {}", if n == 1 { one } else { many })
 }
 
+/// Output cut short by the reader (`tensormem replay | head`) is not an error.
+pub(crate) fn quiet_broken_pipe(result: std::io::Result<()>) -> anyhow::Result<()> {
+    match result {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => Ok(other?),
+    }
+}
+
 use clap::{Parser, Subcommand};
 
 /// tensormem: PyTorch's tensor-memory machinery in Rust.

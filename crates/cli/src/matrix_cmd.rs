@@ -14,7 +14,7 @@ use tensormem_replay::{
     Grid, MatrixOptions, MatrixResult, MatrixRow, Replay, Setting, SettingsMatrix,
 };
 
-use crate::replay_cmd::quiet_broken_pipe;
+use crate::quiet_broken_pipe;
 
 /// What `--matrix`, `--matrix-values`, `--capacity` and `--json` asked for.
 pub(crate) struct MatrixArgs<'a> {

@@ -166,15 +166,7 @@ pub(crate) fn run(args: ReplayArgs) -> Result<()> {
     if let Some(path) = &args.snapshot_out {
         write_snapshot(path, &runs[0])?;
     }
-    quiet_broken_pipe(print_report(&args, &source, &replay, &runs))
-}
-
-/// Output cut short by the reader (`tensormem replay | head`) is not an error.
-pub(crate) fn quiet_broken_pipe(result: std::io::Result<()>) -> Result<()> {
-    match result {
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
-        other => Ok(other?),
-    }
+    crate::quiet_broken_pipe(print_report(&args, &source, &replay, &runs))
 }
 
 fn print_report(

@@ -35,7 +35,7 @@ pub(crate) fn run(command: SnapshotCommand) -> Result<()> {
         SnapshotCommand::Summary { file } => {
             let snapshot = Snapshot::read_file(&file).map_err(|e| anyhow!("{e}"))?;
             let mut out = std::io::stdout().lock();
-            crate::replay_cmd::quiet_broken_pipe(
+            crate::quiet_broken_pipe(
                 write_summary(&mut out, &file.display().to_string(), &snapshot)
                     .and_then(|()| out.flush()),
             )
