@@ -246,6 +246,25 @@ impl CudaBackend {
         device_properties(self.ordinal)
     }
 
+    /// Whether the physical memory of this device's expandable segments is made GPUDirect RDMA
+    /// capable (`CUmemAllocationProp::allocFlags.gpuDirectRDMACapable`, set where the device reports
+    /// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`): an RDMA library (NIXL, a
+    /// network transport of NCCL) can then register the segments' mapped ranges as they are. A
+    /// registration must follow the mapping: the trace tracker's `segment_map` and `segment_unmap`
+    /// events say when ranges come and go (see `docs/nccl.md`).
+    ///
+    /// # Errors
+    /// [`DeviceError::Unsupported`] without virtual memory management (no expandable segments).
+    ///
+    /// # References
+    ///
+    /// - [`CUmemAllocationProp`](https://docs.nvidia.com/cuda/cuda-driver-api/structCUmemAllocationProp__v1.html)
+    /// - [`cuDeviceGetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html) (Device Management)
+    #[doc(alias = "gpuDirectRDMACapable")]
+    pub fn expandable_memory_rdma_capable(&self) -> DeviceResult<bool> {
+        Ok(self.chunk_kind()?.rdma_capable())
+    }
+
     /// Creates an interprocess-capable event (`cuEventCreate` with `CU_EVENT_DISABLE_TIMING |
     /// CU_EVENT_INTERPROCESS`), for the CUDA IPC layer: export it with [`BackendEvent::ipc_handle`].
     ///

@@ -95,13 +95,18 @@ impl Drop for PhysicalChunk {
 
 /// How physical memory of one device is created: pinned device memory on that device, exportable as a
 /// POSIX file descriptor where the device supports it (what PyTorch requests, so that expandable
-/// segments can be shared with other processes).
+/// segments can be shared with other processes), and usable for GPUDirect RDMA where the device
+/// supports that on memory it maps (so that an RDMA library such as NIXL or a network transport can
+/// register the segments as they are, as PyTorch's expandable segments allow from 2.13 on).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ChunkKind {
     /// The device handle.
     dev: sys::CUdevice,
     /// Whether the device can export handles as file descriptors.
     exportable: bool,
+    /// Whether the memory is made GPUDirect RDMA capable
+    /// (`CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`).
+    rdma: bool,
 }
 
 impl ChunkKind {
@@ -122,7 +127,22 @@ impl ChunkKind {
             dev,
             Attr::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
         )? != 0;
-        Ok(Self { dev, exportable })
+        // A driver that does not know the attribute has no such support: ask, never fail on it.
+        let rdma = attribute(
+            dev,
+            Attr::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+        )
+        .is_ok_and(|supported| supported != 0);
+        Ok(Self {
+            dev,
+            exportable,
+            rdma,
+        })
+    }
+
+    /// Whether the memory this kind makes can be registered for GPUDirect RDMA as it is.
+    pub(crate) fn rdma_capable(self) -> bool {
+        self.rdma
     }
 
     /// The `CUmemAllocationProp` for `cuMemCreate` and `cuMemGetAllocationGranularity`.
@@ -138,6 +158,7 @@ impl ChunkKind {
         } else {
             sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE
         };
+        prop.allocFlags.gpuDirectRDMACapable = u8::from(self.rdma);
         prop
     }
 
