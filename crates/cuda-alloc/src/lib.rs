@@ -134,7 +134,8 @@ mod trace;
 
 pub use allocator::{
     Allocation, CachingAllocator, CheckpointDelta, HostBackup, InvariantViolation, PoolCheckpoint,
-    ShareableSegment, SleepReport, WakeReport, DEFAULT_STREAM_CAPACITY, FAST_PATH_ENV,
+    ShareableSegment, SleepReport, WakeReport, BACKUP_PIECE_BYTES, DEFAULT_STREAM_CAPACITY,
+    FAST_PATH_ENV,
 };
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]

@@ -124,3 +124,30 @@ fn the_cache_limit_also_applies_when_the_round_threshold_is_higher() {
     host.empty_cache().unwrap();
     assert_eq!(flat(&host, "allocated_bytes.current"), 0);
 }
+
+/// Host memory reserved ahead of its use: pinned by several threads, cached, and then served
+/// without pinning; a second reserve pins only what is missing; blocks above
+/// `pinned_max_cached_size_mb` cannot be kept.
+#[test]
+fn a_reserve_pins_ahead_in_parallel_and_later_requests_pin_nothing() {
+    let host = host("");
+    assert_eq!(host.reserve(5 * MIB, 2 * MIB, 4).unwrap(), 6 * MIB);
+    assert_eq!(flat(&host, "num_host_alloc"), 3);
+    let taken: Vec<_> = (0..3).map(|_| host.allocate(2 * MIB).unwrap()).collect();
+    assert_eq!(flat(&host, "num_host_alloc"), 3, "served from the reserve");
+    for buffer in taken {
+        host.free(buffer).unwrap();
+    }
+    assert_eq!(host.reserve(8 * MIB, 2 * MIB, 2).unwrap(), 8 * MIB);
+    assert_eq!(flat(&host, "num_host_alloc"), 4, "one more block");
+    assert_eq!(
+        host.reserve(MIB, 2 * MIB, 8).unwrap(),
+        8 * MIB,
+        "enough already"
+    );
+    assert_eq!(flat(&host, "num_host_alloc"), 4);
+
+    let capped = self::host("pinned_max_cached_size_mb:1");
+    assert_eq!(capped.reserve(4 * MIB, 2 * MIB, 2).unwrap(), 0);
+    assert_eq!(flat(&capped, "allocated_bytes.current"), 0);
+}

@@ -558,3 +558,106 @@ fn a_checkpoint_is_not_restored_into_a_sleeping_pool() {
     a.set_checkpoint_pool_state(&checkpoint).unwrap();
     drop((big, small));
 }
+
+/// Host memory that runs out after `budget` buffers, counting what it hands out and gets back.
+struct Failing {
+    inner: Arc<HostCachingAllocator<SimDevice>>,
+    budget: std::sync::atomic::AtomicIsize,
+    out: std::sync::atomic::AtomicIsize,
+}
+
+impl HostBackup for Failing {
+    fn allocate(
+        &self,
+        size: usize,
+    ) -> tensormem_cuda_alloc::Result<tensormem_cuda_alloc::host::PinnedBuffer> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.budget.fetch_sub(1, SeqCst) <= 0 {
+            return Err(Error::TooLarge { bytes: size });
+        }
+        let buffer = self.inner.allocate(size)?;
+        self.out.fetch_add(1, SeqCst);
+        Ok(buffer)
+    }
+    fn free(
+        &self,
+        buffer: tensormem_cuda_alloc::host::PinnedBuffer,
+    ) -> tensormem_cuda_alloc::Result<()> {
+        self.out.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.free(buffer)
+    }
+}
+
+/// [`Failing`] handed to the allocator while the test keeps its own reference.
+struct Shared(Arc<Failing>);
+
+impl HostBackup for Shared {
+    fn allocate(
+        &self,
+        size: usize,
+    ) -> tensormem_cuda_alloc::Result<tensormem_cuda_alloc::host::PinnedBuffer> {
+        self.0.allocate(size)
+    }
+    fn free(
+        &self,
+        buffer: tensormem_cuda_alloc::host::PinnedBuffer,
+    ) -> tensormem_cuda_alloc::Result<()> {
+        self.0.free(buffer)
+    }
+}
+
+/// A backup made of many pieces, their host memory pinned by several threads while the pieces
+/// already pinned are copied: the contents come back whole. When the host runs out part way, the
+/// sleep fails, the pool stays awake with its contents, and every piece pinned is given back.
+#[test]
+fn a_backup_of_many_pieces_is_pinned_and_copied_at_once_and_a_failure_gives_every_piece_back() {
+    for budget in [isize::MAX, 1] {
+        let a = sim_with("expandable_segments:True", GIB);
+        a.create_or_incref_pool(POOL).unwrap();
+        a.begin_allocate_to_pool(POOL, |_| true).unwrap();
+        // Runs of odd lengths: each is backed up in several power-of-two pieces.
+        let blocks: Vec<_> = (0..6)
+            .map(|i| a.allocate((7 + 3 * i) * MIB + 4321, S0).unwrap())
+            .collect();
+        a.end_allocate_to_pool(POOL).unwrap();
+        for (i, b) in blocks.iter().enumerate() {
+            a.device()
+                .write_memory(b.ptr(), &pattern(i as u8, b.size()))
+                .unwrap();
+        }
+        let host = Arc::new(Failing {
+            inner: Arc::new(HostCachingAllocator::new(
+                SimDevice::new(GIB as u64),
+                HeapSource,
+            )),
+            budget: budget.into(),
+            out: 0.into(),
+        });
+        let slept = a.sleep_pool(POOL, Some(Box::new(Shared(Arc::clone(&host)))));
+        if budget == 1 {
+            assert!(slept.is_err(), "the host ran out");
+            assert!(!a.is_pool_asleep(POOL));
+            assert_eq!(host.out.load(std::sync::atomic::Ordering::SeqCst), 0);
+        } else {
+            let report = slept.unwrap();
+            assert!(
+                host.out.load(std::sync::atomic::Ordering::SeqCst) >= 2,
+                "several pieces"
+            );
+            a.wake_pool(POOL).unwrap();
+            assert!(report.backed_up_bytes >= blocks.iter().map(|b| b.size() as u64).sum());
+            assert_eq!(host.out.load(std::sync::atomic::Ordering::SeqCst), 0);
+        }
+        for (i, b) in blocks.iter().enumerate() {
+            let back = a.device().read_memory(b.ptr(), b.size()).unwrap();
+            assert!(
+                back == pattern(i as u8, b.size()),
+                "block {i} (budget {budget})"
+            );
+        }
+        for b in blocks {
+            a.free(b).unwrap();
+        }
+        checked(&a);
+    }
+}

@@ -81,7 +81,7 @@ pub use device::{
 pub use error::{Error, Result};
 pub use host::{
     alloc_pinned, free_pinned, host_allocator, host_empty_cache, host_memory_stats, host_stats,
-    record_pinned_stream,
+    record_pinned_stream, reserve_backup_memory,
 };
 pub use mem_pool::{use_mem_pool, MemPool, MemPoolGuard};
 pub use memory::{

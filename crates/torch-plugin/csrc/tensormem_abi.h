@@ -198,6 +198,7 @@ int tensormem_pool_sleep(int device, uint64_t first, uint64_t second, int keep_c
 int tensormem_pool_wake(int device, uint64_t first, uint64_t second, uint64_t* mapped);
 int tensormem_pool_is_asleep(int device, uint64_t first, uint64_t second);
 int tensormem_host_empty_cache(void);
+int tensormem_host_reserve(int device, uint64_t bytes, uint64_t* reserved);
 
 /* Snapshots and history for the C++ layer (src/native/snapshot.rs). */
 TmSnapshot* tensormem_snapshot_take(uint64_t first, uint64_t second, int include_traces);

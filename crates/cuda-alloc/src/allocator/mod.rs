@@ -54,7 +54,7 @@ pub use checkpoint::{CheckpointDelta, PoolCheckpoint};
 pub use export::ShareableSegment;
 pub use invariants::InvariantViolation;
 pub(crate) use private::PrivatePool;
-pub use sleep::{HostBackup, SleepReport, WakeReport};
+pub use sleep::{HostBackup, SleepReport, WakeReport, BACKUP_PIECE_BYTES};
 
 /// An out-of-memory observer as kept (cloned out of the list before being called).
 pub(crate) type SharedObserver = Arc<dyn Fn(&crate::oom::OomEvent) + Send + Sync>;

@@ -38,9 +38,12 @@ use crate::pool::PoolOwner;
 use crate::pool_id::MempoolId;
 use crate::snapshot::TraceAction;
 
-/// The largest pinned buffer one piece of a backup takes (a power of two, so that the host
-/// allocator's rounding wastes nothing).
-const BACKUP_PIECE: u64 = 256 << 20;
+/// The largest pinned buffer one piece of a sleeping pool's backup takes (a power of two, so that
+/// the host allocator's rounding wastes nothing): what to reserve host memory in
+/// ([`HostCachingAllocator::reserve`]) for the first sleep to copy at once.
+pub const BACKUP_PIECE_BYTES: usize = 256 << 20;
+
+const BACKUP_PIECE: u64 = BACKUP_PIECE_BYTES as u64;
 
 /// Where a sleeping pool's contents are kept: pinned host memory from a
 /// [`HostCachingAllocator`] (implemented for it, for `&'static` references to it and for `Arc`s
@@ -293,14 +296,16 @@ impl<D: Device> CachingAllocator<D> {
                     host,
                     pieces: Vec::new(),
                 };
+                let mut pieces = Vec::new();
                 for &(li, slot) in &targets {
                     let segment = locks[li].st.segments[slot].as_ref().expect("live");
                     for (start, len) in segment.mapped_runs() {
-                        if let Err(e) = copy_out(device, &mut backup, start, len) {
-                            backup.give_back();
-                            return Err(Box::new((None, e)));
-                        }
+                        pieces.extend(backup_pieces(start, len));
                     }
+                }
+                if let Err(e) = copy_out(device, &mut backup, &pieces) {
+                    backup.give_back();
+                    return Err(Box::new((None, e)));
                 }
                 Some(backup)
             }
@@ -544,8 +549,10 @@ impl<D: Device> CachingAllocator<D> {
     }
 }
 
-/// Copies `[start, start + len)` to pinned pieces of `backup`.
-fn copy_out<D: Device>(device: &D, backup: &mut Backup, start: u64, len: u64) -> Result<()> {
+/// The pieces a run of `len` bytes from `start` is backed up in: [`BACKUP_PIECE`] bytes each, the
+/// rest in powers of two (so that the host allocator's rounding wastes nothing).
+fn backup_pieces(start: u64, len: u64) -> Vec<(u64, u64)> {
+    let mut pieces = Vec::new();
     let mut at = start;
     let end = start + len;
     while at < end {
@@ -555,16 +562,91 @@ fn copy_out<D: Device>(device: &D, backup: &mut Backup, start: u64, len: u64) ->
         } else {
             1 << (63 - left.leading_zeros())
         };
-        let mut buffer = backup.host.allocate(piece as usize)?;
-        let dst = buffer.as_mut_slice().as_mut_ptr();
-        // SAFETY: `[at, at + piece)` lies in chunks mapped in this pool's segment, and the device
-        // was synchronized with every lock held, so no queued work writes it; `dst` is the pinned
-        // buffer of `piece` bytes owned here.
-        let copied = unsafe { device.copy_to_host(DeviceAddress(at), dst, piece as usize) };
-        backup.pieces.push((at, buffer));
-        copied?;
+        pieces.push((at, piece));
         at += piece;
     }
+    pieces
+}
+
+/// The most threads that pin a backup's host memory at once.
+const MAX_PINNING_THREADS: usize = 8;
+
+/// Copies `pieces` (device address, length) of device memory to pinned host memory from the
+/// backup's host allocator. Pinning new host memory is the slow part of a first sleep (the host
+/// allocator's cache serves later ones), and it runs without any device work: helper threads pin
+/// the pieces' buffers, up to [`MAX_PINNING_THREADS`] at once, while this thread copies each piece
+/// as soon as its buffer is there, so the copy overlaps the pinning of the pieces after it. Every
+/// buffer ends in the backup, copied or not, so that a failure gives them all back.
+fn copy_out<D: Device>(device: &D, backup: &mut Backup, pieces: &[(u64, u64)]) -> Result<()> {
+    if pieces.len() <= 1 {
+        for &(at, len) in pieces {
+            let buffer = backup.host.allocate(len as usize)?;
+            backup.pieces.push((at, buffer));
+            let (_, buffer) = backup.pieces.last_mut().expect("just pushed");
+            copy_piece(device, at, buffer)?;
+        }
+        return Ok(());
+    }
+    let threads = std::thread::available_parallelism()
+        .map_or(1, std::num::NonZeroUsize::get)
+        .clamp(1, MAX_PINNING_THREADS)
+        .min(pieces.len());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let failed = std::sync::atomic::AtomicBool::new(false);
+    let host = &*backup.host;
+    let (sender, pinned) = std::sync::mpsc::channel::<(u64, Result<PinnedBuffer>)>();
+    let mut first_error = None;
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            let sender = sender.clone();
+            let (next, failed) = (&next, &failed);
+            scope.spawn(move || loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(&(at, len)) = pieces.get(i) else {
+                    break;
+                };
+                if failed.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                if sender.send((at, host.allocate(len as usize))).is_err() {
+                    break;
+                }
+            });
+        }
+        drop(sender);
+        for (at, buffer) in pinned {
+            match buffer {
+                Ok(buffer) => {
+                    backup.pieces.push((at, buffer));
+                    if first_error.is_none() {
+                        let (_, buffer) = backup.pieces.last_mut().expect("just pushed");
+                        if let Err(e) = copy_piece(device, at, buffer) {
+                            failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                            first_error = Some(e);
+                        }
+                    }
+                }
+                Err(e) => {
+                    failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+    });
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// Copies the device memory at `at` into `buffer` (its whole length).
+fn copy_piece<D: Device>(device: &D, at: u64, buffer: &mut PinnedBuffer) -> Result<()> {
+    let len = buffer.len();
+    let dst = buffer.as_mut_slice().as_mut_ptr();
+    // SAFETY: `[at, at + len)` is a piece of a run of chunks mapped in the sleeping pool's segment
+    // (`backup_pieces`), and the device was synchronized with every lock held, so no queued work
+    // writes it; `dst` is the pinned buffer of `len` bytes owned here.
+    unsafe { device.copy_to_host(DeviceAddress(at), dst, len) }?;
     Ok(())
 }
 

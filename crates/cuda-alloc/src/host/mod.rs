@@ -460,6 +460,65 @@ impl<D: Device> HostCachingAllocator<D> {
         self.release(releases)
     }
 
+    /// Pins host memory ahead of its use and keeps it cached: enough blocks of `block` bytes
+    /// (rounded as [`allocate`](Self::allocate) rounds) that `bytes` of them are cached, made by up to
+    /// `threads` threads at once (pinning is slow, and runs in parallel). Later requests of that
+    /// size are served from the cache without pinning: a sleeping pool's first backup, which takes
+    /// pieces of 256 MiB ([`BACKUP_PIECE_BYTES`](crate::BACKUP_PIECE_BYTES)), then copies at once
+    /// instead of pinning as it goes. Blocks above `pinned_max_cached_size` are not cached, so a
+    /// reserve of them keeps nothing. Returns the bytes of such blocks cached now.
+    ///
+    /// # Errors
+    /// As [`allocate`](Self::allocate); the blocks pinned before the failure stay cached.
+    pub fn reserve(&self, bytes: usize, block: usize, threads: usize) -> Result<usize> {
+        let wanted = self
+            .block_size(block.max(1))
+            .ok_or(Error::TooLarge { bytes: block })?;
+        let cached = |state: &State<D::Event>| -> usize {
+            state.free.get(class_of(wanted)).map_or(0, |addrs| {
+                addrs
+                    .iter()
+                    .filter(|addr| state.blocks[addr].size >= wanted)
+                    .count()
+            }) * wanted
+        };
+        let have = cached(&self.state.lock());
+        if have >= bytes {
+            return Ok(have);
+        }
+        // Every block is held until all are made: the cached ones first (an allocation takes
+        // them), then new ones, so that each new one is pinned.
+        let missing = bytes.div_ceil(wanted);
+        let threads = threads.clamp(1, missing);
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let made: Mutex<Vec<PinnedBuffer>> = Mutex::new(Vec::with_capacity(missing));
+        let failure: Mutex<Option<Error>> = Mutex::new(None);
+        std::thread::scope(|scope| {
+            for _ in 0..threads {
+                scope.spawn(|| {
+                    while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < missing {
+                        match self.allocate(wanted) {
+                            Ok(buffer) => made.lock().push(buffer),
+                            Err(error) => {
+                                failure.lock().get_or_insert(error);
+                                break;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        for buffer in made.into_inner() {
+            self.free(buffer)?;
+        }
+        if let Some(error) = failure.into_inner() {
+            return Err(error);
+        }
+        let now = cached(&self.state.lock());
+        tracing::debug!(block = wanted, bytes = now, "pinned host memory reserved");
+        Ok(now)
+    }
+
     /// Returns every cached block to the system (PyTorch's host `empty_cache`); blocks handed out or
     /// waiting for their streams stay.
     ///

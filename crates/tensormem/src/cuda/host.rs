@@ -73,6 +73,30 @@ pub fn host_stats(device: Option<u32>) -> Result<HostStats> {
     Ok(host_allocator(device)?.stats())
 }
 
+/// Pins `bytes` of host memory for the backups of sleeping pools of `device` (or of the current
+/// device) ahead of the first sleep, in the pieces a backup takes
+/// ([`BACKUP_PIECE_BYTES`](crate::cuda_alloc::BACKUP_PIECE_BYTES)), several threads at once, and
+/// keeps it cached in that device's host allocator: the first sleep with contents then copies at
+/// once instead of pinning as it goes. Returns the bytes of such pieces cached. Call it while the
+/// program does other things (a thread of its own): it takes as long as pinning does.
+///
+/// # Errors
+///
+/// As [`host_allocator`]; [`Error::Alloc`](super::Error::Alloc) when the system cannot pin the
+/// memory (what was pinned before stays cached).
+pub fn reserve_backup_memory(bytes: usize, device: Option<u32>) -> Result<usize> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, std::num::NonZeroUsize::get)
+        .min(8);
+    Ok(
+        host_allocator(device)?.reserve(
+            bytes,
+            tensormem_cuda_alloc::BACKUP_PIECE_BYTES,
+            threads,
+        )?,
+    )
+}
+
 /// Returns the cached pinned blocks of every opened device's host allocator to the system
 /// (`torch._C._host_emptyCache`).
 ///

@@ -44,9 +44,11 @@ import warnings
 from . import weights  # imports no torch until used
 from ._paths import HERE, LIB_NAME, find_library
 from .regions import is_asleep, region, regions, sleep, sleep_regions, wake, wake_regions
+from .sleep import reserve_backup_memory
 
 __all__ = ["Plugin", "InstallError", "install", "mem_pool", "find_library", "find_source", "build_extension",
            "HOOKS", "sleep", "wake", "is_asleep", "region", "regions", "sleep_regions", "wake_regions",
+           "reserve_backup_memory",
            "weights"]
 
 SOURCE_NAME = "tensormem_allocator.cpp"

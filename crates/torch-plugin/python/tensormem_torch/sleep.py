@@ -47,6 +47,8 @@ def _library():
                                             ctypes.POINTER(ctypes.c_uint64)]
         lib.tensormem_host_empty_cache.restype = ctypes.c_int
         lib.tensormem_host_empty_cache.argtypes = []
+        lib.tensormem_host_reserve.restype = ctypes.c_int
+        lib.tensormem_host_reserve.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)]
         lib.tensormem_pool_is_asleep.restype = ctypes.c_int
         lib.tensormem_pool_is_asleep.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
         lib.tensormem_last_error.restype = ctypes.c_char_p
@@ -109,6 +111,21 @@ def wake(pool, device=None, release_host_memory=False):
     if release_host_memory:
         release_host_memory_now()
     return mapped.value
+
+
+def reserve_backup_memory(nbytes, device=None):
+    """Pins ``nbytes`` of host memory for the backups of ``device``'s sleeping pools ahead of the first
+    sleep (several threads at once) and keeps it cached: the first ``sleep(..., keep_contents=True)``
+    then copies at once instead of pinning as it goes (pinning is what makes a first sleep slow). Returns
+    the bytes cached. It takes as long as pinning does: call it while the program does other things (it
+    releases the GIL), e.g. ``threading.Thread(target=reserve_backup_memory, args=(22 << 30,)).start()``
+    while the model loads."""
+    lib = _library()
+    reserved = ctypes.c_uint64(0)
+    rc = lib.tensormem_host_reserve(_device(device), int(nbytes), ctypes.byref(reserved))
+    if rc != 0:
+        _raise(lib, rc, f"reserving {int(nbytes)} bytes of pinned host memory")
+    return reserved.value
 
 
 def release_host_memory_now():

@@ -64,7 +64,8 @@ pub use pools::{
     PoolFreeFn, PoolMallocFn, POOL_ALLOC_ERROR, POOL_ALLOC_OK, POOL_ALLOC_OUT_OF_MEMORY,
 };
 pub use sleep::{
-    tensormem_host_empty_cache, tensormem_pool_is_asleep, tensormem_pool_sleep, tensormem_pool_wake,
+    tensormem_host_empty_cache, tensormem_host_reserve, tensormem_pool_is_asleep,
+    tensormem_pool_sleep, tensormem_pool_wake,
 };
 pub(crate) use snapshot::history;
 pub use snapshot::{

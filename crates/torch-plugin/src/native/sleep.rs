@@ -83,6 +83,34 @@ pub extern "C" fn tensormem_host_empty_cache() -> c_int {
     })
 }
 
+/// Pins `bytes` of host memory for the backups of `device`'s sleeping pools ahead of the first
+/// sleep, and keeps it cached (`tensormem_torch.reserve_backup_memory`); writes the bytes cached
+/// into `*reserved` (when not null). Returns [`TM_OK`](super::TM_OK), or
+/// [`TM_ERROR`](super::TM_ERROR) when the system cannot pin the memory (what was pinned stays
+/// cached).
+///
+/// # Safety
+///
+/// `reserved` is null or valid for a write of one `u64`.
+#[no_mangle]
+pub unsafe extern "C" fn tensormem_host_reserve(
+    device: c_int,
+    bytes: u64,
+    reserved: *mut u64,
+) -> c_int {
+    status("tensormem_host_reserve", || {
+        let ordinal = u32::try_from(device).map_err(|_| Error::InvalidDevice { device })?;
+        devices::allocator(device, AsyncUnsupported::CachingAllocator)?;
+        let bytes = usize::try_from(bytes).unwrap_or(usize::MAX);
+        let cached = cuda::reserve_backup_memory(bytes, Some(ordinal))?;
+        if !reserved.is_null() {
+            // SAFETY: non-null, and valid for a write (the caller's obligation).
+            unsafe { reserved.write(cached as u64) };
+        }
+        Ok(())
+    })
+}
+
 /// Whether private pool (`first`, `second`) of `device` is asleep: 1 yes, 0 no, -1 on error.
 #[no_mangle]
 pub extern "C" fn tensormem_pool_is_asleep(device: c_int, first: u64, second: u64) -> c_int {
