@@ -179,6 +179,7 @@ fn print_report(
     if args.json {
         let mut json = json_report(&source.name, replay.events(), runs);
         json["pools"] = pools_json(replay);
+        json["changed_while_running"] = changes_json(replay);
         serde_json::to_writer_pretty(&mut stdout, &json)?;
         writeln!(stdout)?;
     } else {
@@ -398,8 +399,55 @@ fn pools_json(replay: &Replay) -> serde_json::Value {
                     "undecided": undecided,
                     "flips": a.flips,
                     "gave_up": a.gave_up,
+                    "no_split": a.no_split.iter().map(|p| [p.0, p.1]).collect::<Vec<_>>(),
+                    "own_allocator": a.own_allocator.iter().map(|p| [p.0, p.1]).collect::<Vec<_>>(),
                 }),
             ))
+        })
+        .collect();
+    serde_json::json!(devices)
+}
+
+/// Per device, what the program changed while it ran, as the replay infers it: the memory limits
+/// (stretches of events under one limit each) and the allocator settings (the settings in force
+/// before the recorded ones, and where they changed), empty lists when nothing changed.
+fn changes_json(replay: &Replay) -> serde_json::Value {
+    let devices: BTreeMap<String, serde_json::Value> = replay
+        .devices()
+        .into_iter()
+        .map(|d| {
+            let limits: Vec<serde_json::Value> = replay
+                .capacity_inference(d)
+                .map(|c| c.phases.as_slice())
+                .unwrap_or_default()
+                .iter()
+                .map(|p| {
+                    serde_json::json!({
+                        "from_event": p.from_event,
+                        "changed_after": p.changed_after,
+                        "lower": p.lower,
+                        "upper": p.upper,
+                        "allowed": p.allowed,
+                        "fraction": p.fraction,
+                    })
+                })
+                .collect();
+            let settings = replay.settings_inference(d);
+            let phases: Vec<serde_json::Value> = settings
+                .map(|s| s.phases.as_slice())
+                .unwrap_or_default()
+                .iter()
+                .map(|p| serde_json::json!({"from_event": p.from_event, "config": p.config.to_string()}))
+                .collect();
+            (
+                d.to_string(),
+                serde_json::json!({
+                    "limits": limits,
+                    "settings": phases,
+                    "settings_first_departure": settings.and_then(|s| s.first_departure),
+                    "settings_switch_window": settings.and_then(|s| s.switch_window),
+                }),
+            )
         })
         .collect();
     serde_json::json!(devices)
