@@ -6,7 +6,9 @@
 pub mod cuda;
 pub mod fake;
 
-use tensormem_cuda_alloc::{DeviceAddress, DeviceResult, StreamId};
+use std::os::fd::OwnedFd;
+
+use tensormem_cuda_alloc::{DeviceAddress, DeviceError, DeviceResult, StreamId};
 
 /// Bytes in a CUDA IPC memory or event handle (`CU_IPC_HANDLE_SIZE`).
 pub const IPC_HANDLE_SIZE: usize = 64;
@@ -44,6 +46,20 @@ pub struct DeviceCopy {
     pub dst: DeviceAddress,
     /// How many.
     pub len: u64,
+}
+
+/// The physical memory under one mapping of virtual-memory-managed memory (`cuMemCreate` +
+/// `cuMemMap`, what expandable segments are made of), exported for another process: see
+/// [`IpcDriver::export_mapping`].
+#[derive(Debug)]
+pub struct ExportedMapping {
+    /// Where the mapping starts in this process.
+    pub base: DeviceAddress,
+    /// Its size in bytes: the size of the physical chunk mapped there.
+    pub size: usize,
+    /// The chunk as a POSIX file descriptor of this process (`cuMemExportToShareableHandle`),
+    /// what another process imports (`cuMemImportFromShareableHandle`). Each call gives a new one.
+    pub fd: OwnedFd,
 }
 
 /// The driver calls of CUDA IPC, per device ordinal.
@@ -120,6 +136,28 @@ pub trait IpcDriver: Send + Sync + 'static {
     /// no queued work of this process uses it any more.
     unsafe fn close_chunks(&self, device: u32, ptr: DeviceAddress, size: usize)
         -> DeviceResult<()>;
+
+    /// The mapping that holds `ptr` in memory of the virtual memory management calls
+    /// (`cuMemCreate` + `cuMemMap`, which has no CUDA IPC memory handle): its start and size
+    /// (`cuMemGetAddressRange`, which for such memory gives the one mapping, not the reserved
+    /// range), and the physical chunk mapped there exported as a file descriptor
+    /// (`cuMemRetainAllocationHandle`, `cuMemExportToShareableHandle` with
+    /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`). What a publication of memory found by address
+    /// ([`crate::weights`]) shares expandable segments with.
+    ///
+    /// The default refuses: a driver that cannot export such memory need not implement it.
+    ///
+    /// # Errors
+    ///
+    /// [`DeviceError::Driver`] for memory that is not virtual-memory-managed (`cuMemAlloc`'s), or
+    /// a chunk made without the file-descriptor handle type (`cuMemCreate` without
+    /// `requestedHandleTypes`); [`DeviceError::Unsupported`] from the default.
+    fn export_mapping(&self, device: u32, ptr: DeviceAddress) -> DeviceResult<ExportedMapping> {
+        let _ = (device, ptr);
+        Err(DeviceError::Unsupported {
+            what: "exporting virtual-memory-managed memory with this IPC driver",
+        })
+    }
 
     /// Opens the event another process exported as `handle` (`cuIpcOpenEventHandle`).
     fn open_event_handle(

@@ -36,9 +36,11 @@
 
 use tensormem_shm::ShmName;
 
-use crate::chunks::{ChunkHandle, MAX_CHUNKS, TORCH_EXPANDABLE};
+use crate::chunks::ChunkHandle;
 use crate::driver::{EventHandle, MemHandle, IPC_HANDLE_SIZE};
 use crate::error::{Error, Result};
+pub use crate::segment::SegmentMemory;
+use crate::segment::{array, fixed};
 
 const MAGIC: &[u8; 4] = b"TMIH";
 /// The encoding version this crate writes and reads.
@@ -46,92 +48,6 @@ pub const ENCODING_VERSION: u16 = 1;
 const FLAG_EVENT: u16 = 1;
 const FLAG_CHUNKS: u16 = 2;
 const FIXED_LEN: usize = 174;
-
-/// PyTorch 2.x's versioned memory handle: a version byte, a type byte, then the CUDA handle.
-const TORCH_HANDLE_LEN: usize = 2 + IPC_HANDLE_SIZE;
-/// The type byte of a `cudaMalloc` allocation's handle (`SHAREABLE_CUDA_MALLOC`).
-const TORCH_CUDA_MALLOC: u8 = b'c';
-/// The version byte PyTorch 2.x writes before a handle's type (`SHAREABLE_HANDLE_VERSION`; later
-/// versions keep the `'c'` payload, so any version is read).
-use crate::chunks::TORCH_HANDLE_VERSION;
-
-/// What names the memory of a share: a device allocation's CUDA IPC handle, or the chunks of an
-/// expandable segment.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum SegmentMemory {
-    /// A device allocation (`cuMemAlloc`), by its CUDA IPC handle (`cuIpcGetMemHandle`; PyTorch's
-    /// handle type `'c'`).
-    Allocation(MemHandle),
-    /// Physical chunks of an expandable segment, by the producer's file descriptors (PyTorch's
-    /// handle type `'e'`, see [`crate::chunks`]).
-    Chunks(ChunkHandle),
-}
-
-impl SegmentMemory {
-    /// The memory named by the `handle` bytes of PyTorch's tuple: `'e'` handles of expandable
-    /// segments, `'c'` handles, or the bare 64-byte CUDA handle.
-    ///
-    /// # Errors
-    ///
-    /// As [`ChunkHandle::from_torch`] and [`MemHandle::from_torch`].
-    pub fn from_torch(bytes: &[u8]) -> Result<Self> {
-        if bytes.len() != IPC_HANDLE_SIZE && bytes.get(1) == Some(&TORCH_EXPANDABLE) {
-            return ChunkHandle::from_torch(bytes).map(Self::Chunks);
-        }
-        MemHandle::from_torch(bytes).map(Self::Allocation)
-    }
-
-    /// The `handle` bytes of PyTorch's tuple: a device allocation's bare 64-byte CUDA handle
-    /// (which every PyTorch 2.x accepts), or an expandable segment's `'e'` handle.
-    #[must_use]
-    pub fn to_torch(&self) -> Vec<u8> {
-        match self {
-            Self::Allocation(handle) => handle.0.to_vec(),
-            Self::Chunks(chunks) => chunks.to_torch(),
-        }
-    }
-}
-
-impl MemHandle {
-    /// The CUDA handle inside a memory handle PyTorch sends: its versioned form (a version byte,
-    /// the type `'c'`, the 64-byte CUDA handle) or the bare 64 bytes older PyTorch sends.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidTuple`] for an expandable segment's handle (type `'e'`, which tensormem-ipc
-    /// cannot open) or an unknown type; [`Error::HandleLength`] for any other length.
-    pub fn from_torch(bytes: &[u8]) -> Result<Self> {
-        Ok(MemHandle(match bytes.len() {
-            TORCH_HANDLE_LEN => match bytes[1] {
-                TORCH_CUDA_MALLOC => array(&bytes[2..]),
-                TORCH_EXPANDABLE => {
-                    return Err(Error::InvalidTuple {
-                        problem: "the handle is an expandable segment's, which tensormem cannot \
-                                  open; share from an allocator with expandable_segments:False"
-                            .into(),
-                    })
-                }
-                other => {
-                    return Err(Error::InvalidTuple {
-                        problem: format!("unknown handle type {other:#04x} (version {})", bytes[0]),
-                    })
-                }
-            },
-            _ => fixed("handle", bytes)?,
-        }))
-    }
-
-    /// This handle in PyTorch 2.x's versioned form (version 2, type `'c'`, the CUDA handle), what
-    /// PyTorch's own allocator returns from `shareIpcHandle`.
-    #[must_use]
-    pub fn to_torch(&self) -> [u8; TORCH_HANDLE_LEN] {
-        let mut out = [0; TORCH_HANDLE_LEN];
-        out[0] = TORCH_HANDLE_VERSION;
-        out[1] = TORCH_CUDA_MALLOC;
-        out[2..].copy_from_slice(&self.0);
-        out
-    }
-}
 
 /// Everything a consumer needs to open memory another process shared (the content of PyTorch's
 /// `_share_cuda_` tuple).
@@ -337,9 +253,10 @@ impl IpcHandle {
     /// [`IpcHandle::empty`].
     ///
     /// [`Error::HandleLength`] for a memory handle of another length (or a required event handle
-    /// that is not 64 bytes); [`Error::InvalidTuple`] for an expandable segment's handle (not
-    /// supported: PyTorch shares those through fds), an unknown handle type, a negative or too large
-    /// device, an invalid file name, or no memory handle with a size other than 0.
+    /// that is not 64 bytes); [`Error::InvalidTuple`] for an expandable segment's handle that does
+    /// not add up ([`ChunkHandle::from_torch`]), a fabric handle, an unknown handle type, a
+    /// negative or too large device, an invalid file name, or no memory handle with a size other
+    /// than 0.
     pub fn from_torch(tuple: &TorchShareTuple) -> Result<Self> {
         let device = u32::try_from(tuple.device).map_err(|_| Error::InvalidTuple {
             problem: format!("device {} is not a device ordinal", tuple.device),
@@ -390,46 +307,23 @@ fn decode_chunks(bytes: &[u8], from: usize) -> std::result::Result<ChunkHandle, 
     let pid = u32::from_le_bytes(array(&rest[..4]));
     let chunk_size = u64::from_le_bytes(array(&rest[4..12]));
     let count = u32::from_le_bytes(array(&rest[12..16])) as usize;
-    if count == 0 || count > MAX_CHUNKS || rest.len() != 16 + 4 * count {
+    if rest.len() - 16 != count.saturating_mul(4) {
         return Err(format!(
-            "{count} chunks in {} bytes (1 to {MAX_CHUNKS} chunks, 4 bytes each)",
+            "{count} chunks in {} bytes (4 bytes each)",
             rest.len() - 16
         ));
     }
-    if chunk_size == 0 || chunk_size % (2 << 20) != 0 {
-        return Err(format!(
-            "chunk size {chunk_size} is not a positive multiple of 2 MiB"
-        ));
-    }
-    let fds: Vec<i32> = rest[16..]
-        .chunks_exact(4)
-        .map(|b| i32::from_le_bytes(array(b)))
-        .collect();
-    if fds.iter().any(|&fd| fd < 0) {
-        return Err("a negative descriptor".into());
-    }
-    Ok(ChunkHandle {
+    let chunks = ChunkHandle {
         pid,
         chunk_size,
-        fds,
-    })
-}
-
-fn array<const N: usize>(bytes: &[u8]) -> [u8; N] {
-    let mut out = [0; N];
-    out.copy_from_slice(bytes);
-    out
-}
-
-fn fixed(field: &'static str, bytes: &[u8]) -> Result<[u8; IPC_HANDLE_SIZE]> {
-    if bytes.len() == IPC_HANDLE_SIZE {
-        Ok(array(bytes))
-    } else {
-        Err(Error::HandleLength {
-            field,
-            len: bytes.len(),
-            expected: IPC_HANDLE_SIZE,
-        })
+        fds: rest[16..]
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes(array(b)))
+            .collect(),
+    };
+    match chunks.problem() {
+        Some(problem) => Err(problem),
+        None => Ok(chunks),
     }
 }
 
@@ -752,6 +646,37 @@ mod tests {
                 Err(Error::MalformedHandle { .. })
             ));
         }
+    }
+
+    #[test]
+    fn chunks_whose_extent_overflows_are_refused_not_multiplied() {
+        // A positive multiple of 2 MiB whose extent over two chunks passes 2^64.
+        let huge = ChunkHandle {
+            pid: 7,
+            chunk_size: u64::MAX - (2 << 20) + 1,
+            fds: vec![3, 4],
+        };
+        assert_eq!(huge.extent(), u64::MAX, "saturates");
+        let h = IpcHandle {
+            memory: SegmentMemory::Chunks(huge.clone()),
+            ..sample(true)
+        };
+        let err = IpcHandle::decode(&h.encode()).unwrap_err().to_string();
+        assert!(err.contains("more than 2^64"), "{err}");
+        let err = IpcHandle::from_torch(&h.to_torch())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("more than 2^64"), "{err}");
+        // Built in code and opened: refused before any descriptor is taken.
+        let driver = std::sync::Arc::new(crate::driver::fake::FakeDriver::default());
+        let opened = crate::opened::OpenedBase::open(
+            &driver,
+            0,
+            &SegmentMemory::Chunks(huge),
+            crate::ChunkFdRoutes::Auto,
+            std::time::Duration::from_millis(10),
+        );
+        assert!(matches!(opened, Err(Error::InvalidTuple { .. })));
     }
 
     proptest! {

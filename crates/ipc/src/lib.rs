@@ -21,7 +21,7 @@
 //! | `UntypedStorage._new_shared_cuda(*tuple)`, `getIpcDevPtr` | [`IpcConsumer::open`] (one open per base allocation) |
 //! | the received storage's deleter | dropping [`ReceivedMemory`] |
 //! | `_release_ipc_counter_cuda` | [`IpcConsumer::release`] (the counter file only) |
-//! | a state dict sent tensor by tensor | [`IpcProducer::batch`] → [`BatchHandle`] → [`IpcConsumer::open_batch`] → [`ReceivedBatch`]: many tensors in one message, one slot, one handle per segment ([`batch`]) |
+//! | a state dict sent tensor by tensor | [`IpcProducer::batch`] → [`BatchHandle`] → [`IpcConsumer::open_batch`] → [`ReceivedBatch`]: many tensors in one message, one slot, one memory handle (or range of expandable-segment chunks) per segment ([`batch`]) |
 //! | `CudaIPCGlobalEntities` per process | one [`IpcProducer`] and one [`IpcConsumer`] per process: the process runtime's (`tensormem-runtime`) |
 //! | `torch.cuda.ipc_collect()` | [`IpcProducer::collect`] (`tensormem_runtime::ipc_collect()` for the process's producer) |
 //! | `~CudaIPCGlobalEntities` at static destruction | [`IpcProducer::close_at_exit`], run at exit for a producer that lives as long as the process ([`IpcProducer::register_exit_hook`]) |
@@ -97,6 +97,7 @@ pub mod producer;
 mod reader;
 pub mod received;
 mod refcounter;
+mod segment;
 mod view;
 pub mod weights;
 
@@ -105,7 +106,7 @@ pub use batch::{
     BATCH_ENCODING_VERSION,
 };
 pub use chunks::{ChunkFdRoutes, ChunkHandle, FdRoute, DEFAULT_CHUNK_FD_TIMEOUT};
-pub use driver::{DeviceCopy, EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
+pub use driver::{DeviceCopy, EventHandle, ExportedMapping, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
 pub use error::{Error, Result, RECEIVED_MEMORY_MESSAGE};
 pub use handle::{IpcHandle, SegmentMemory, TorchShareTuple};
 pub use producer::{

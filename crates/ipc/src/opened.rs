@@ -64,14 +64,25 @@ impl<B: IpcDriver> OpenedBase<B> {
         let handle = match memory {
             SegmentMemory::Allocation(handle) => handle,
             SegmentMemory::Chunks(handle) => {
+                // Checked where handles are read; checked again for handles built in code.
+                if let Some(problem) = handle.problem() {
+                    return Err(Error::InvalidTuple { problem });
+                }
+                let (Ok(chunk_size), Ok(size)) = (
+                    usize::try_from(handle.chunk_size),
+                    usize::try_from(handle.extent()),
+                ) else {
+                    return Err(Error::InvalidTuple {
+                        problem: format!(
+                            "{} chunks of {} bytes do not fit this process's address space",
+                            handle.fds.len(),
+                            handle.chunk_size
+                        ),
+                    });
+                };
                 let (fds, route) = handle.take_descriptors_within(routes, timeout)?;
-                let chunk_size =
-                    usize::try_from(handle.chunk_size).map_err(|_| Error::InvalidTuple {
-                        problem: format!("chunk size {} does not fit", handle.chunk_size),
-                    })?;
                 let ptr = driver.import_chunks(device, chunk_size, &fds)?;
                 drop(fds);
-                let size = chunk_size * handle.fds.len();
                 register_received(device, ptr, size);
                 tracing::info!(target: "tensormem_ipc", device, %ptr, size, pid = handle.pid,
                     chunks = handle.fds.len(), ?route, "opened an expandable segment's chunks");

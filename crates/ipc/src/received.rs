@@ -49,7 +49,9 @@ pub struct ConsumerConfig {
     /// dropped, most recently used first (default 4096): the next handoff of the same model opens
     /// nothing. Like [`idle_mem_handles`](Self::idle_mem_handles), each keeps the producer's
     /// allocation mapped here until it is evicted or [`IpcConsumer::trim`] is called; the producer's
-    /// ref counting is not affected (its memory is released with the batch's slot).
+    /// ref counting is not affected (its memory is released with the batch's slot). Ranges of
+    /// expandable-segment chunks are never kept: they are unmapped with the last batch holding
+    /// them (see [`chunk_fds`](Self::chunk_fds)).
     pub batch_segments: usize,
     /// How the descriptors of expandable-segment chunks are taken from the producer (default
     /// [`ChunkFdRoutes::Auto`]: `pidfd_getfd`, then the producer's socket; see [`crate::chunks`]).
@@ -357,6 +359,12 @@ impl<B: IpcDriver> IpcConsumer<B> {
     /// against the real mapping, records this process as the slot's holder, makes `stream` wait for
     /// the producer's event if there is one, and rebuilds the views.
     ///
+    /// A segment that is a range of an expandable segment is opened as a single share of chunks is
+    /// ([`open`](Self::open)): the descriptors taken from the producer
+    /// ([`ConsumerConfig::chunk_fds`]), the chunks imported and mapped in order into one range of
+    /// this process, so its views keep the distances they have in the producer; the range is
+    /// unmapped when the last batch holding it is dropped (never kept for the next batch).
+    ///
     /// `stream` must be the default stream (0) or a live stream of the batch's device; it is
     /// synchronized when the batch is dropped.
     ///
@@ -365,7 +373,9 @@ impl<B: IpcDriver> IpcConsumer<B> {
     /// As [`open`](Self::open): [`Error::InvalidDevice`], [`Error::RefCounterFile`],
     /// [`Error::NotRefCounterFile`], [`Error::SlotOutOfRange`], [`Error::SlotNotHeld`],
     /// [`Error::SlotClaimed`], [`Error::OutOfBounds`] (a segment larger than what its handle
-    /// opened), [`Error::Driver`]. Nothing is left claimed or changed then.
+    /// opened), [`Error::Driver`]; for ranges of chunks, what taking the descriptors answers
+    /// ([`Error::ChunkDescriptors`], [`Error::ImpostorPeer`], [`Error::ChunkSocketTimedOut`]).
+    /// Nothing is left claimed or changed then.
     pub fn open_batch(&self, batch: &BatchHandle, stream: StreamId) -> Result<ReceivedBatch<B>> {
         let inner = &self.inner;
         let device = batch.device();
@@ -379,12 +389,12 @@ impl<B: IpcDriver> IpcConsumer<B> {
         let (file, slot) = self.held_slot(batch.ref_counter(), batch.slot())?;
         let mut segments = Vec::with_capacity(batch.segments().len());
         for segment in batch.segments() {
-            let memory = SegmentMemory::Allocation(segment.mem_handle);
+            let memory = &segment.memory;
             let mem = inner.mems.acquire(&(device, memory.clone()), || {
                 OpenedBase::open(
                     &inner.driver,
                     device,
-                    &memory,
+                    memory,
                     inner.chunk_fds,
                     inner.chunk_fd_timeout,
                 )
@@ -421,14 +431,29 @@ impl<B: IpcDriver> IpcConsumer<B> {
                     Some(s) => segments[s as usize].get().ptr.offset(view.offset as usize),
                     None => DeviceAddress(0),
                 };
-                ReceivedBatch::<B>::make_view(view.name.clone(), ptr, view.len)
+                ReceivedBatch::<B>::make_view(view.name.clone(), ptr, view.len, view.segment)
             })
             .collect();
+        // Device allocations stay open for the next batch; chunks never stay idle (`keep_idle`).
         inner.keep(
             batch
                 .segments()
                 .iter()
-                .map(|s| (device, SegmentMemory::Allocation(s.mem_handle))),
+                .filter(|s| matches!(s.memory, SegmentMemory::Allocation(_)))
+                .map(|s| (device, s.memory.clone())),
+        );
+        tracing::debug!(
+            target: "tensormem_ipc",
+            device,
+            views = batch.views().len(),
+            segments = segments.len(),
+            chunk_segments = batch
+                .segments()
+                .iter()
+                .filter(|s| matches!(s.memory, SegmentMemory::Chunks(_)))
+                .count(),
+            slot,
+            "batch opened"
         );
         Ok(ReceivedBatch {
             driver: Arc::clone(&inner.driver),

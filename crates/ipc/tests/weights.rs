@@ -1,21 +1,26 @@
 //! Weights publications on the fake driver: versions, waits and mismatches in one process, and a
 //! consumer in a real second process (killed, or closing), so that the channel and the slot are
-//! exercised across processes. The GPU path (bytes really copied) is in `gpu.rs`.
+//! exercised across processes; memory of expandable segments published beside device
+//! allocations. The GPU path (bytes really copied) is in `gpu/weights.rs`.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use tensormem_cuda_alloc::backend::sim::SimDevice;
-use tensormem_cuda_alloc::{DeviceAddress, StreamId};
+use tensormem_cuda_alloc::{CachingAllocator, DeviceAddress, StreamId};
 use tensormem_ipc::driver::fake::FakeDriver;
 use tensormem_ipc::weights::{
-    DType, PlacedTensor, PlanOptions, PublishedTensor, TensorMeta, WeightPublisher,
+    DType, DeviceCopy, PlacedTensor, PlanOptions, PublishedTensor, TensorMeta, WeightPublisher,
     WeightSubscriber, WeightsMessage,
 };
-use tensormem_ipc::{Error, IpcConsumer, IpcProducer};
+use tensormem_ipc::{Error, IpcConsumer, IpcProducer, SegmentMemory};
 use tensormem_test_support::child::{self, expect};
 use tensormem_test_support::{hex, unhex};
+
+mod common;
+use common::{chunks_under, expandable_allocator};
 
 const S: StreamId = StreamId(0);
 const ROLE: &str = "TENSORMEM_IPC_WEIGHTS_ROLE";
@@ -299,4 +304,140 @@ fn a_producer_that_exits_without_closing_leaves_no_file() {
         let file = tensormem_shm::ShmName::new(name).unwrap().path();
         assert!(!file.exists(), "{} was left behind", file.display());
     }
+}
+
+/// A publication of memory of expandable segments beside a device allocation: tensors over two
+/// 20 MiB chunks of one segment (one of them across the chunks' boundary), one in a small-pool
+/// chunk, one in a device allocation. The consumer maps each range of chunks once, in one piece,
+/// and the plan merges copies inside a range, across its chunks, but never from one segment into
+/// the next, even where the consumer happens to map them side by side.
+#[test]
+fn expandable_memory_installs_through_one_mapping_per_range() {
+    const MIB: usize = 1 << 20;
+    let driver = Arc::new(FakeDriver::default());
+    let expandable = expandable_allocator();
+    let plain = Arc::new(CachingAllocator::new(SimDevice::new(1 << 30)));
+    let x = expandable.allocate(40 * MIB, S).unwrap(); // chunks 0 and 1 of the large pool
+    let y = expandable.allocate(MIB, S).unwrap(); // a 2 MiB chunk of the small pool
+    let z = plain.allocate(4096, S).unwrap();
+    // What the CUDA driver knows of this process's memory by itself.
+    let (x_chunks, y_chunks) = (
+        chunks_under(&expandable, x.ptr()),
+        chunks_under(&expandable, y.ptr()),
+    );
+    for chunks in [&x_chunks, &y_chunks] {
+        driver
+            .add_chunks(0, chunks.base, chunks.chunk_size, &chunks.borrowed())
+            .unwrap();
+    }
+    let (z_base, z_size) = plain.base_allocation(z.ptr()).unwrap();
+    driver.add_allocation(0, z_base, z_size);
+    let layout = [
+        ("a", x.ptr(), 12 * MIB),
+        ("b", x.ptr().offset(12 * MIB), 12 * MIB), // crosses into chunk 1
+        ("e", x.ptr().offset(24 * MIB), 16 * MIB),
+        ("c", y.ptr(), MIB),
+        ("d", z.ptr(), 4096),
+    ];
+    let metas: Vec<TensorMeta> = layout
+        .iter()
+        .map(|&(_, _, len)| TensorMeta::contiguous(DType::UInt8, &[len as u64]))
+        .collect();
+    let tensors: Vec<PublishedTensor> = layout
+        .iter()
+        .zip(&metas)
+        .map(|(&(name, ptr, _), meta)| PublishedTensor {
+            name: name.into(),
+            ptr,
+            meta: meta.clone(),
+        })
+        .collect();
+    let producer = IpcProducer::<SimDevice, _>::new(Arc::clone(&driver));
+    // SAFETY: the allocations live until the publication is released, below.
+    let mut publisher = unsafe { WeightPublisher::new(&producer, 0, &tensors) }.unwrap();
+    assert_eq!(
+        driver.counts.mappings_exported.load(Ordering::Relaxed),
+        3,
+        "each chunk exported once, however many tensors lie in it"
+    );
+    let message = WeightsMessage::decode(&publisher.message().unwrap().encode()).unwrap();
+    let kinds: Vec<Option<usize>> = message
+        .batch()
+        .segments()
+        .iter()
+        .map(|s| match &s.memory {
+            SegmentMemory::Chunks(chunks) => Some(chunks.fds.len()),
+            SegmentMemory::Allocation(_) => None,
+        })
+        .collect();
+    assert_eq!(kinds, [Some(2), Some(1), None]);
+
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let mut sub = WeightSubscriber::open(&consumer, &message, S).unwrap();
+    let src = |name: &str| sub.ptr(name).unwrap();
+    // Each range in one piece; the fake maps the two ranges side by side.
+    assert_eq!(src("b"), src("a").offset(12 * MIB));
+    assert_eq!(src("c"), src("a").offset(40 * MIB));
+    // The producer's chunks, at the producer's offsets in them.
+    let (x_ids, y_ids) = (x_chunks.ids(), y_chunks.ids());
+    assert_eq!(driver.chunk_at(0, src("a")), Some((x_ids[0], 0)));
+    assert_eq!(
+        driver.chunk_at(0, src("b").offset(8 * MIB)),
+        Some((x_ids[1], 0))
+    );
+    assert_eq!(
+        driver.chunk_at(0, src("e")),
+        Some((x_ids[1], 4 * MIB as u64))
+    );
+    assert_eq!(driver.chunk_at(0, src("c")), Some((y_ids[0], 0)));
+
+    // The engine's parameters: one allocation, the tensors back to back.
+    let params = DeviceAddress(0x100_0000);
+    driver.add_allocation(0, params, 64 * MIB);
+    let mut at = 0;
+    let destinations: Vec<PlacedTensor<'_>> = layout
+        .iter()
+        .zip(&metas)
+        .map(|(&(name, _, len), meta)| {
+            let placed = PlacedTensor {
+                name,
+                ptr: params.offset(at),
+                meta,
+            };
+            at += len;
+            placed
+        })
+        .collect();
+    let copy = |src: DeviceAddress, dst: usize, len: usize| DeviceCopy {
+        src,
+        dst: params.offset(dst),
+        len: len as u64,
+    };
+    let expected = [
+        copy(src("a"), 0, 40 * MIB),
+        copy(src("c"), 40 * MIB, MIB),
+        copy(src("d"), 41 * MIB, 4096),
+    ];
+    let plan = sub.prepare(&destinations, PlanOptions::default()).unwrap();
+    assert_eq!(sub.plan(plan).copies(), expected);
+
+    let version = publisher.publish(S).unwrap();
+    // SAFETY: the fake driver moves no bytes.
+    assert_eq!(unsafe { sub.install(plan, S, SECOND) }.unwrap(), version);
+    publisher.wait_installed(version, SECOND).unwrap();
+    assert_eq!(driver.copies(), expected);
+    assert_eq!(driver.counts.copy_batches.load(Ordering::Relaxed), 1);
+
+    // The consumer lets go: nothing is held, the ranges are unmapped, the memory can be freed.
+    drop(sub);
+    assert_eq!(publisher.holders(), 0);
+    publisher.wait_released(SECOND).unwrap();
+    drop(publisher);
+    consumer.trim();
+    assert_eq!(driver.open_mappings(), 0);
+    expandable.free(x).unwrap();
+    expandable.free(y).unwrap();
+    expandable.empty_cache().unwrap();
+    assert_eq!(expandable.memory_stats().reserved_bytes.all.current, 0);
+    plain.free(z).unwrap();
 }

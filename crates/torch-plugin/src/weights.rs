@@ -24,8 +24,9 @@
 //! without limit.
 //!
 //! Neither side needs tensormem to be PyTorch's allocator: a producer on PyTorch's own caching
-//! allocator publishes its tensors as well (memory of `cuMemAlloc`, so not of expandable segments),
-//! and a consumer's destinations may be any device memory of its own.
+//! allocator publishes its tensors as well, with or without expandable segments (memory of
+//! `cuMemAlloc` by its memory handles, memory of `cuMemCreate` by its chunks' file descriptors, see
+//! [`WeightPublisher::new`]), and a consumer's destinations may be any device memory of its own.
 
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -281,8 +282,9 @@ unsafe fn described(
 /// Publishes `count` tensors of `device` (see the module's docs for the arrays) and writes the
 /// publisher's handle to `*out` (null on failure). No version is announced yet.
 ///
-/// The tensors' memory must have been allocated with `cuMemAlloc` (PyTorch's and tensormem's
-/// caching allocators without expandable segments); the driver refuses other memory.
+/// The tensors' memory may be of `cuMemAlloc` or of expandable segments (`cuMemCreate` chunks made
+/// exportable as file descriptors, as PyTorch's and tensormem's caching allocators make them); the
+/// publication refuses other memory, naming what the driver answered (see [`WeightPublisher::new`]).
 ///
 /// # Safety
 ///

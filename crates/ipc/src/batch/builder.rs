@@ -23,7 +23,8 @@ pub struct BatchBuilder<'a, D: Device, B: IpcDriver> {
 
 impl<D: Device, B: IpcDriver> IpcProducer<D, B> {
     /// A batch: many allocations and views of them shared as one message, with one slot, at most
-    /// one event and one memory handle per segment (see [`crate::batch`]).
+    /// one event and one memory handle (or range of expandable-segment chunks) per segment (see
+    /// [`crate::batch`]).
     pub fn batch(&self) -> BatchBuilder<'_, D, B> {
         BatchBuilder {
             producer: self,
@@ -115,7 +116,9 @@ impl<'a, D: Device, B: IpcDriver> BatchBuilder<'a, D, B> {
     }
 
     /// Shares everything added as one message: one slot (set to 1) for the whole batch, at most one
-    /// event recorded on `stream` (none when `stream` is idle), one memory handle per segment.
+    /// event recorded on `stream` (none when `stream` is idle), one memory handle per segment, and
+    /// for allocations of expandable segments one range of chunks per run of chunks under them
+    /// (see [`crate::batch#ranges-of-expandable-segments`]).
     ///
     /// # Errors
     ///

@@ -10,7 +10,10 @@
 //! stream. A batch sends them as one message:
 //!
 //! - **one memory handle per segment** (the base allocation the caching allocator carved the tensors
-//!   from), however many tensors lie in it;
+//!   from), however many tensors lie in it; for memory of expandable segments (`cuMemCreate` +
+//!   `cuMemMap`, which has no memory handle) one **range of chunks** per run of contiguous chunks
+//!   under the tensors, named by the chunks' file descriptors as a single share of such memory
+//!   is ([`crate::chunks`]); one message mixes both kinds;
 //! - **at most one event** for the message (the stream whose work the consumer waits for; none when
 //!   that stream is idle, as for single shares);
 //! - **one ref-counter slot** for the message: every allocation in the batch stays allocated (or
@@ -21,6 +24,22 @@
 //! The consumer opens each segment once per process and keeps it open between messages
 //! ([`ConsumerConfig::batch_segments`](crate::ConsumerConfig::batch_segments)): the second handoff
 //! of the same model opens nothing, and costs a slot, an event wait at most and one message.
+//!
+//! # Ranges of expandable segments
+//!
+//! A range of chunks is opened as a single share of chunks is: the consumer takes copies of the
+//! producer's descriptors (`pidfd_getfd`, or the producer's socket, whose listener is checked;
+//! [`ConsumerConfig::chunk_fds`](crate::ConsumerConfig::chunk_fds)), imports the chunks and maps
+//! them one after another into one reserved range of its own. The views of a range therefore keep
+//! the distances they have in the producer, also across chunk boundaries, and alias the producer's
+//! memory (zero copy). Allocations whose chunks overlap or touch (blocks of one expandable segment,
+//! sharing a chunk or lying side by side) travel as one range, so a model allocated in one
+//! expandable segment is one range and one import. Lifetimes are those of every batch: the
+//! message's one slot keeps every allocation of the batch allocated, and so its chunks mapped and
+//! their descriptors open in the producer, until the consumer drops the batch, or dies (its slot
+//! is then reclaimed by [`IpcProducer::collect`](crate::IpcProducer::collect)); the consumer
+//! unmaps a range as soon as no batch holds it (ranges are never kept for the next message: the
+//! producer may reuse a descriptor number for other memory once the chunk is released).
 //! PyTorch peers do not read batches: to a PyTorch process, share tensor by tensor
 //! ([`SharedAllocation::share`](crate::SharedAllocation::share), [`IpcHandle::to_torch`](crate::IpcHandle::to_torch)).
 //!
@@ -69,14 +88,19 @@
 //! # Ok::<(), tensormem_ipc::Error>(())
 //! ```
 //!
-//! # Binary encoding (version 1)
+//! # Binary encoding
 //!
-//! All integers little-endian.
+//! All integers little-endian. Version 1 carries device allocations only, and is what a batch
+//! without a range of chunks is still written as, byte for byte (so releases that read only
+//! version 1 read it); version 2 ([`BATCH_ENCODING_VERSION`]) is written for a batch with a range
+//! of chunks, and differs only in its segments, which start with a kind byte. A build that reads
+//! version 1 only refuses version 2 with [`Error::MalformedBatch`](crate::Error::MalformedBatch)
+//! naming the version.
 //!
 //! | bytes | field |
 //! | --- | --- |
 //! | 0..4 | magic `TMIB` |
-//! | 4..6 | version (1) |
+//! | 4..6 | version (1 or 2) |
 //! | 6..8 | flags: bit 0 = an event must be waited on |
 //! | 8..12 | device ordinal |
 //! | 12..16 | segment count `S` (at least 1) |
@@ -86,21 +110,33 @@
 //! | 36..100 | event handle (zeros when flag 0 is clear) |
 //! | 100..102 | length `N` of the ref-counter file name (at least 1) |
 //! | 102..102+N | the name |
-//! | then `S` x 72 | per segment: memory handle (64), size in bytes (8) |
+//! | then, in version 1, `S` x 72 | per segment: memory handle (64), size in bytes (8) |
+//! | or, in version 2, `S` segments | per segment: kind (1), then for kind 0 (a device allocation) memory handle (64), size in bytes (8); for kind 1 (a range of chunks) the producer's pid (4), chunk size (8), chunk count `C` (4), `C` descriptors (4 each, in address order) |
 //! | then `V` x (22 + `T`) | per view: segment (4; `0xffffffff` for a zero-byte view of no memory), offset in the segment (8), length in bytes (8), name length `T` (2), the name (UTF-8) |
+//!
+//! A range of chunks' offsets count from its first chunk's start, and its size is the chunks'
+//! extent (chunk size x count).
 //!
 //! Decoding checks every field before anything is allocated from a count or opened: the magic,
 //! version and flags; counts against the bytes that are there; the file name; segments of nonzero
-//! size, named once each and used by some view; each view inside its segment (`offset + length <=
-//! size`, no overflow); names valid UTF-8 and distinct; and no two views overlapping, except views
-//! of exactly the same bytes (tied weights: two names for one tensor). The exact length must match.
-//! Anything else is [`Error::MalformedBatch`](crate::Error::MalformedBatch).
+//! size, named once each and used by some view; segment kinds; ranges of 1 to
+//! [`MAX_CHUNKS`](crate::chunks::MAX_CHUNKS) chunks of a positive multiple of 2 MiB, whose extent
+//! fits 64 bits, with non-negative descriptors, no descriptor named twice in the batch and every
+//! range of one process; version 2 only with a range of chunks; each view inside its segment
+//! (`offset + length <= size`, no overflow); names valid UTF-8 and distinct; and no two views
+//! overlapping, except views of exactly the same bytes (tied weights: two names for one tensor).
+//! The exact length must match. Anything else is
+//! [`Error::MalformedBatch`](crate::Error::MalformedBatch). The producer refuses the same batches
+//! with the same checks before it takes a slot.
 
 mod builder;
+mod check;
 mod received;
+mod segments;
 mod wire;
 
 pub use builder::BatchBuilder;
 pub use received::{ReceivedBatch, ReceivedView};
+pub(crate) use segments::SegmentTable;
 pub(crate) use wire::CheckedBatch;
 pub use wire::{BatchHandle, BatchSegment, BatchView, BATCH_ENCODING_VERSION};

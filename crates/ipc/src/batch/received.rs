@@ -20,6 +20,8 @@ pub struct ReceivedView {
     name: String,
     ptr: DeviceAddress,
     len: u64,
+    /// The batch's segment it lies in (`None` for a zero-byte view of no memory).
+    segment: Option<u32>,
 }
 
 impl ReceivedView {
@@ -87,8 +89,34 @@ impl<B: IpcDriver> std::fmt::Debug for ReceivedBatch<B> {
 }
 
 impl<B: IpcDriver> ReceivedBatch<B> {
-    pub(crate) fn make_view(name: String, ptr: DeviceAddress, len: u64) -> ReceivedView {
-        ReceivedView { name, ptr, len }
+    pub(crate) fn make_view(
+        name: String,
+        ptr: DeviceAddress,
+        len: u64,
+        segment: Option<u32>,
+    ) -> ReceivedView {
+        ReceivedView {
+            name,
+            ptr,
+            len,
+            segment,
+        }
+    }
+
+    /// For each view, in order, the piece of memory it lies in as mapped here: where its
+    /// segment's mapping starts (a base allocation, or the one range the chunks of an expandable
+    /// segment are mapped into, contiguously), or a number of its own for a view of no memory.
+    /// Copies may run through a region without a gap; two regions are never one, even where their
+    /// mappings happen to be adjacent.
+    pub(crate) fn regions(&self) -> Vec<u64> {
+        self.views
+            .iter()
+            .enumerate()
+            .map(|(i, view)| match view.segment {
+                Some(s) => self.segments[s as usize].get().ptr.0,
+                None => u64::MAX - i as u64,
+            })
+            .collect()
     }
 
     /// The device ordinal.
@@ -121,7 +149,7 @@ impl<B: IpcDriver> ReceivedBatch<B> {
         self.views.is_empty()
     }
 
-    /// How many segments were opened for it (one memory handle each).
+    /// How many segments were opened for it (one memory handle, or one range of chunks, each).
     #[must_use]
     pub fn segments(&self) -> usize {
         self.segments.len()

@@ -2,14 +2,14 @@
 //! loaded at run time), their results turned into errors by the allocator's one conversion
 //! ([`cuda::check`]).
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 use tensormem_cuda_alloc::backend::cuda::{self, check, BackendEvent, CudaBackend};
 use tensormem_cuda_alloc::{DeviceAddress, DeviceError, DeviceResult, StreamId};
 
-use super::{DeviceCopy, EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
+use super::{DeviceCopy, EventHandle, ExportedMapping, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
 
 /// The CUDA IPC driver calls, through the primary context of each device (the one the CUDA runtime
 /// and PyTorch use, so pointers and streams are interchangeable with theirs).
@@ -264,6 +264,53 @@ impl IpcDriver for CudaIpcDriver {
         check("cuMemAddressFree", unsafe {
             sys::cuMemAddressFree(ptr.0, size)
         })
+    }
+
+    /// [`IpcDriver::export_mapping`] through `cuMemGetAddressRange`, `cuMemRetainAllocationHandle`
+    /// and `cuMemExportToShareableHandle` (POSIX file descriptor), the retained handle released
+    /// again (`cuMemRelease`).
+    ///
+    /// # References
+    ///
+    /// - [`cuMemRetainAllocationHandle`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html) (Virtual Memory Management)
+    /// - [`cuMemExportToShareableHandle`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html) (Virtual Memory Management)
+    #[doc(alias = "cuMemRetainAllocationHandle")]
+    #[doc(alias = "cuMemExportToShareableHandle")]
+    fn export_mapping(&self, device: u32, ptr: DeviceAddress) -> DeviceResult<ExportedMapping> {
+        let (base, size) = self.address_range(device, ptr)?;
+        let mut handle = 0;
+        // SAFETY: `handle` is a valid out-parameter; the driver validates the address (any address
+        // of a mapping; memory not made by cuMemCreate is refused).
+        check("cuMemRetainAllocationHandle", unsafe {
+            sys::cuMemRetainAllocationHandle(&mut handle, base.0 as *mut std::ffi::c_void)
+        })?;
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: `fd` is valid for writes of a C int (what the POSIX handle type writes); the
+        // handle was retained above and is live; flags must be 0.
+        let exported = check("cuMemExportToShareableHandle", unsafe {
+            sys::cuMemExportToShareableHandle(
+                (&raw mut fd).cast(),
+                handle,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        });
+        // SAFETY: the handle was retained above and is released once; the mapping keeps the
+        // memory alive, and an exported descriptor does not need the handle.
+        let released = check("cuMemRelease", unsafe { sys::cuMemRelease(handle) });
+        exported?;
+        if fd < 0 {
+            return Err(DeviceError::Driver {
+                call: "cuMemExportToShareableHandle",
+                code: -1,
+                message: format!("the driver returned file descriptor {fd}"),
+            });
+        }
+        // SAFETY: the driver just opened `fd` for this process and hands its ownership over; it
+        // is closed on every path from here (dropped if the release failed).
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        released?;
+        Ok(ExportedMapping { base, size, fd })
     }
 
     fn open_event_handle(&self, device: u32, handle: &EventHandle) -> DeviceResult<BackendEvent> {

@@ -4,20 +4,23 @@
 //! one process opens in another; an opened handle is "mapped" at the producer's address plus
 //! [`FAKE_MAPPING_OFFSET`] (no memory is behind either address). Chunks of expandable segments
 //! are imported from the simulated device's exports ([`SimChunk::read_exported`]) into ranges from
-//! [`FAKE_CHUNKS_BASE`] on. Every call is counted, so tests can check that a handle was opened once, that every
-//! open was closed, that streams were synchronized before slots were released, and that no event is
-//! left alive.
+//! [`FAKE_CHUNKS_BASE`] on, one mapping per chunk as the CUDA driver makes them
+//! ([`FakeDriver::chunk_at`] says which chunk lies under an address). Chunks of this process that
+//! the fake is told of ([`FakeDriver::add_chunks`]) behave as `cuMemCreate` memory does: no IPC
+//! memory handle, one mapping per chunk, exported by [`IpcDriver::export_mapping`]. Every call is
+//! counted, so tests can check that a handle was opened once, that every open was closed, that
+//! streams were synchronized before slots were released, and that no event is left alive.
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use tensormem_cuda_alloc::backend::sim::SimChunk;
+use tensormem_cuda_alloc::backend::sim::{ExportedSimChunk, SimChunk};
 use tensormem_cuda_alloc::{DeviceAddress, DeviceError, DeviceResult, StreamId};
 
-use super::{DeviceCopy, EventHandle, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
+use super::{DeviceCopy, EventHandle, ExportedMapping, IpcDriver, MemHandle, IPC_HANDLE_SIZE};
 
 /// Where the fake maps an opened handle: the producer's address plus this, so that, as in a real
 /// second process, received memory never has the address of one of this process's allocations.
@@ -55,6 +58,8 @@ pub struct FakeCounts {
     pub chunk_imports: AtomicUsize,
     /// `copy_batch` calls.
     pub copy_batches: AtomicUsize,
+    /// Mappings of this process exported by `export_mapping`.
+    pub mappings_exported: AtomicUsize,
 }
 
 /// An event of the fake driver.
@@ -69,6 +74,9 @@ impl Drop for FakeEvent {
         self.alive.fetch_sub(1, Ordering::Relaxed);
     }
 }
+
+/// A range of imported chunks: the chunk size, and what each chunk is, in order.
+type ImportedRange = (usize, Vec<ExportedSimChunk>);
 
 /// IPC driver calls without a GPU (see the [module docs](self)).
 #[derive(Debug)]
@@ -85,6 +93,11 @@ pub struct FakeDriver {
     copies: Mutex<Vec<DeviceCopy>>,
     /// Allocations of this process that `address_range` knows: (device, base, size).
     allocations: Mutex<Vec<(u32, u64, usize)>>,
+    /// Chunks of this process mapped as `cuMemCreate` memory ([`add_chunks`](Self::add_chunks)):
+    /// (device, base, size, a descriptor of the chunk).
+    chunks: Mutex<Vec<(u32, u64, usize, OwnedFd)>>,
+    /// Ranges of imported chunks by (device, base).
+    imported: Mutex<HashMap<(u32, u64), ImportedRange>>,
     /// Call counts.
     pub counts: FakeCounts,
 }
@@ -107,6 +120,8 @@ impl FakeDriver {
             streams_idle: AtomicBool::new(false),
             copies: Mutex::new(Vec::new()),
             allocations: Mutex::new(Vec::new()),
+            chunks: Mutex::new(Vec::new()),
+            imported: Mutex::new(HashMap::new()),
             counts: FakeCounts::default(),
         }
     }
@@ -121,6 +136,60 @@ impl FakeDriver {
     /// opened).
     pub fn add_allocation(&self, device: u32, base: DeviceAddress, size: usize) {
         self.allocations.lock().push((device, base.0, size));
+    }
+
+    /// Tells the fake of chunks of this process mapped as virtual-memory-managed memory
+    /// (`cuMemCreate` + `cuMemMap`, an expandable segment's): the chunk exported as `fds[i]` (a
+    /// simulated device's export, [`SimChunk::read_exported`]) mapped at `base + i * chunk_size`.
+    /// From then on `address_range` gives each chunk's own mapping (as `cuMemGetAddressRange`
+    /// does for such memory), `mem_handle` refuses them (as `cuIpcGetMemHandle` does) and
+    /// `export_mapping` hands out a copy of the chunk's descriptor. The descriptors are copied.
+    ///
+    /// # Errors
+    ///
+    /// The error of copying a descriptor (`fcntl(F_DUPFD_CLOEXEC)`).
+    pub fn add_chunks(
+        &self,
+        device: u32,
+        base: DeviceAddress,
+        chunk_size: usize,
+        fds: &[BorrowedFd<'_>],
+    ) -> std::io::Result<()> {
+        let mut chunks = self.chunks.lock();
+        for (i, fd) in fds.iter().enumerate() {
+            let copy = rustix::io::fcntl_dupfd_cloexec(fd, 0)?;
+            chunks.push((device, base.0 + (i * chunk_size) as u64, chunk_size, copy));
+        }
+        Ok(())
+    }
+
+    /// The imported chunk mapped over `ptr` (what the producer's simulated device exported) and
+    /// the offset of `ptr` in it; `None` outside every range of imported chunks. Tests check with
+    /// it that received memory aliases the producer's chunks.
+    #[must_use]
+    pub fn chunk_at(&self, device: u32, ptr: DeviceAddress) -> Option<(ExportedSimChunk, u64)> {
+        let imported = self.imported.lock();
+        imported.iter().filter(|(&(d, _), _)| d == device).find_map(
+            |(&(_, base), (chunk_size, chunks))| {
+                let into = ptr.0.checked_sub(base)?;
+                let chunk = chunks.get(usize::try_from(into / *chunk_size as u64).ok()?)?;
+                Some((*chunk, into % *chunk_size as u64))
+            },
+        )
+    }
+
+    /// The chunk mapping of this process ([`add_chunks`](Self::add_chunks)) holding `ptr`.
+    fn own_chunk<T>(
+        &self,
+        device: u32,
+        ptr: u64,
+        f: impl FnOnce(u64, usize, &OwnedFd) -> T,
+    ) -> Option<T> {
+        let chunks = self.chunks.lock();
+        chunks
+            .iter()
+            .find(|(d, base, size, _)| *d == device && ptr >= *base && ptr < base + *size as u64)
+            .map(|(_, base, size, fd)| f(*base, *size, fd))
     }
 
     /// Every copy queued by `copy_batch` so far, in order (the fake has no bytes to move).
@@ -179,6 +248,12 @@ impl IpcDriver for FakeDriver {
 
     fn mem_handle(&self, device: u32, base: DeviceAddress, size: usize) -> DeviceResult<MemHandle> {
         self.check_device(device)?;
+        if self.own_chunk(device, base.0, |_, _, _| ()).is_some() {
+            return Err(invalid(
+                "cuIpcGetMemHandle",
+                format!("{base} is memory of cuMemCreate, which has no IPC memory handle"),
+            ));
+        }
         self.counts.handles_exported.fetch_add(1, Ordering::Relaxed);
         let mut b = [0u8; IPC_HANDLE_SIZE];
         b[..8].copy_from_slice(MEM_MAGIC);
@@ -251,9 +326,18 @@ impl IpcDriver for FakeDriver {
             d == device && ptr.0 >= base && ptr.0 < base + size as u64
         };
         let open = self.open.lock();
+        let imported = self.imported.lock();
         open.iter()
             .find(|(&(d, base), &(size, _))| inside(d, base, size))
-            .map(|(&(_, base), &(size, _))| (DeviceAddress(base), size))
+            .map(|(&(d, base), &(size, _))| match imported.get(&(d, base)) {
+                // Imported chunks are mapped one by one: the mapping is the chunk's.
+                Some(&(chunk_size, _)) => {
+                    let chunk = (ptr.0 - base) / chunk_size as u64;
+                    (DeviceAddress(base + chunk * chunk_size as u64), chunk_size)
+                }
+                None => (DeviceAddress(base), size),
+            })
+            .or_else(|| self.own_chunk(device, ptr.0, |base, size, _| (DeviceAddress(base), size)))
             .or_else(|| {
                 self.allocations
                     .lock()
@@ -284,6 +368,7 @@ impl IpcDriver for FakeDriver {
         fds: &[OwnedFd],
     ) -> DeviceResult<DeviceAddress> {
         self.check_device(device)?;
+        let mut read = Vec::with_capacity(fds.len());
         for fd in fds {
             let chunk = SimChunk::read_exported(fd.as_fd())?;
             if chunk.device != device || chunk.size != chunk_size {
@@ -295,10 +380,14 @@ impl IpcDriver for FakeDriver {
                     ),
                 ));
             }
+            read.push(chunk);
         }
         let size = chunk_size * fds.len();
         let base = FAKE_CHUNKS_BASE + self.next_range.fetch_add(size as u64, Ordering::Relaxed);
         self.open.lock().insert((device, base), (size, 1));
+        self.imported
+            .lock()
+            .insert((device, base), (chunk_size, read));
         self.counts.opens.fetch_add(1, Ordering::Relaxed);
         self.counts
             .chunk_imports
@@ -316,12 +405,40 @@ impl IpcDriver for FakeDriver {
         match open.get(&(device, ptr.0)) {
             Some(&(mapped, 1)) if mapped == size => {
                 open.remove(&(device, ptr.0));
+                self.imported.lock().remove(&(device, ptr.0));
                 self.counts.closes.fetch_add(1, Ordering::Relaxed);
                 Ok(())
             }
             _ => Err(invalid(
                 "cuMemUnmap",
                 format!("{ptr} + {size} is not a range of imported chunks"),
+            )),
+        }
+    }
+
+    fn export_mapping(&self, device: u32, ptr: DeviceAddress) -> DeviceResult<ExportedMapping> {
+        self.check_device(device)?;
+        let found = self.own_chunk(device, ptr.0, |base, size, fd| {
+            rustix::io::fcntl_dupfd_cloexec(fd, 0).map(|fd| ExportedMapping {
+                base: DeviceAddress(base),
+                size,
+                fd,
+            })
+        });
+        match found {
+            Some(Ok(mapping)) => {
+                self.counts
+                    .mappings_exported
+                    .fetch_add(1, Ordering::Relaxed);
+                Ok(mapping)
+            }
+            Some(Err(e)) => Err(invalid(
+                "cuMemExportToShareableHandle",
+                format!("copying the chunk's descriptor: {e}"),
+            )),
+            None => Err(invalid(
+                "cuMemRetainAllocationHandle",
+                format!("{ptr} is not memory of cuMemCreate"),
             )),
         }
     }

@@ -9,6 +9,10 @@
 //! once every consumer released its slot; until then it waits in the *limbo*, which
 //! [`IpcProducer::collect`] (also registered as the allocator's free-memory callback) empties.
 
+mod batch;
+mod events;
+mod sent;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
@@ -20,13 +24,14 @@ use tensormem_cuda_alloc::{
 };
 use tensormem_shm::NameGenerator;
 
-use crate::batch::{BatchHandle, BatchSegment, BatchView, CheckedBatch};
 use crate::chunks::ChunkHandle;
-use crate::driver::{EventHandle, IpcDriver, MemHandle};
+use crate::driver::{IpcDriver, MemHandle};
 use crate::error::{Error, Result};
 use crate::handle::{IpcHandle, SegmentMemory};
 use crate::opened::check_shareable;
 use crate::refcounter::{RefCounterFile, REF_COUNTER_FILE_SIZE};
+use events::EventPool;
+use sent::{Sent, SentSlot};
 
 /// At most this many interprocess events are in use at once; past it, sharing synchronizes the stream
 /// instead of recording one (PyTorch's `CUDA_IPC_MAXIMUM_EVENTS_TO_USE`).
@@ -192,11 +197,7 @@ impl<D: Device, B: IpcDriver> IpcProducer<D, B> {
                 limbo: Mutex::new(Vec::new()),
                 limbo_warned: AtomicBool::new(false),
                 shutdown_warned: AtomicBool::new(false),
-                events: Arc::new(EventPool {
-                    idle: Mutex::new(Vec::new()),
-                    live: AtomicUsize::new(0),
-                    lent: AtomicUsize::new(0),
-                }),
+                events: Arc::new(EventPool::new()),
                 id: random_id(),
                 handles: Mutex::new(HashMap::new()),
                 registered: Mutex::new(Vec::new()),
@@ -243,118 +244,6 @@ impl<D: Device, B: IpcDriver> IpcProducer<D, B> {
         let mut shared = self.adopt(allocator, allocation);
         let handle = shared.share(stream)?;
         Ok((shared, handle))
-    }
-
-    /// [`BatchBuilder::share`](crate::BatchBuilder::share)'s work.
-    pub(crate) fn share_batch(
-        &self,
-        allocations: &mut [&mut SharedAllocation<D, B>],
-        views: Vec<(usize, String, u64, u64)>,
-        stream: StreamId,
-    ) -> Result<BatchHandle> {
-        let invalid = |problem: String| Error::InvalidBatch { problem };
-        let producer = &self.inner;
-        let Some(first) = allocations.first() else {
-            return Err(invalid(
-                "nothing was added; add allocations and views first".into(),
-            ));
-        };
-        let device = first.sent().allocator.device().index();
-        let mut segments: Vec<BatchSegment> = Vec::new();
-        let mut index_of_base: HashMap<u64, u32> = HashMap::new();
-        // Per allocation: its segment and offset in it, `None` without memory.
-        let mut placed: Vec<Option<(u32, u64)>> = Vec::with_capacity(allocations.len());
-        for allocation in allocations.iter_mut() {
-            let on = allocation.sent().allocator.device().index();
-            if on != device {
-                return Err(invalid(format!(
-                    "allocations of devices {device} and {on}; a batch is of one device (send \
-                     one batch per device)"
-                )));
-            }
-            let located =
-                match allocation.locate()? {
-                    Some(Located {
-                        memory: SegmentMemory::Chunks(_),
-                        ..
-                    }) => return Err(invalid(
-                        "an allocation lies in an expandable segment, which batches do not carry \
-                         yet; share it on its own (SharedAllocation::share), or allocate the \
-                         batch's tensors with expandable_segments:False"
-                            .into(),
-                    )),
-                    other => other,
-                };
-            placed.push(located.map(|located| {
-                let SegmentMemory::Allocation(mem_handle) = located.memory else {
-                    unreachable!("chunks were refused above")
-                };
-                let index = *index_of_base.entry(located.base).or_insert_with(|| {
-                    segments.push(BatchSegment {
-                        mem_handle,
-                        size: located.base_size,
-                    });
-                    (segments.len() - 1) as u32
-                });
-                (index, located.offset)
-            }));
-        }
-        if segments.is_empty() {
-            return Err(invalid(
-                "no allocation of the batch has memory (all are zero-byte); share empty \
-                 allocations one by one (IpcHandle::empty)"
-                    .into(),
-            ));
-        }
-        let views: Vec<BatchView> = views
-            .into_iter()
-            .map(|(index, name, offset, len)| match placed[index] {
-                Some((segment, at)) => BatchView {
-                    name,
-                    segment: Some(segment),
-                    offset: at + offset,
-                    len,
-                },
-                None => BatchView {
-                    name,
-                    segment: None,
-                    offset: 0,
-                    len: 0,
-                },
-            })
-            .collect();
-        // Checked before a slot is taken: the consumer refuses what fails here.
-        let checked = CheckedBatch::new(segments, views).map_err(invalid)?;
-        for allocation in allocations.iter_mut() {
-            if let Some(sent) = allocation.sent.as_mut() {
-                sent.prune(false);
-            }
-        }
-        let (file, slot, event, event_handle) = producer.slot_and_event(device, stream)?;
-        let shared_at = Instant::now();
-        let event = event.map(Arc::new);
-        for (allocation, placed) in allocations.iter_mut().zip(&placed) {
-            if placed.is_none() {
-                continue; // no memory to hold
-            }
-            if let Some(sent) = allocation.sent.as_mut() {
-                sent.slots.push(SentSlot {
-                    file: Arc::clone(&file),
-                    slot,
-                    _event: event.clone(),
-                    shared_at,
-                    expires: producer.config.expire_unopened_batches,
-                });
-            }
-        }
-        producer.counters.shares.fetch_add(1, Ordering::Relaxed);
-        Ok(checked.into_handle(
-            device,
-            file.name().clone(),
-            slot as u64,
-            event_handle,
-            producer.id,
-        ))
     }
 
     /// The driver, the name generator of its files, its id and the memory handle of the
@@ -439,7 +328,7 @@ impl<D: Device, B: IpcDriver> IpcProducer<D, B> {
             shares: c.shares.load(Ordering::Relaxed),
             limbo: self.inner.limbo.lock().len(),
             limbo_warned: self.inner.limbo_warned.load(Ordering::Relaxed),
-            events_in_use: self.inner.events.lent.load(Ordering::Relaxed),
+            events_in_use: self.inner.events.lent(),
             synchronized_shares: c.synchronized.load(Ordering::Relaxed),
             idle_stream_shares: c.idle_stream.load(Ordering::Relaxed),
             files_created: c.files.load(Ordering::Relaxed),
@@ -516,85 +405,6 @@ impl<D: Device, B: IpcDriver> ProducerInner<D, B> {
             *current = None;
         }
         Ok((file, slot))
-    }
-
-    /// A ref-counter slot for one message, and the event (with its handle) that orders the
-    /// consumer after the work queued on `stream` so far; the slot goes back unsent if the event
-    /// cannot be had.
-    fn slot_and_event(&self, device: u32, stream: StreamId) -> Result<SlotAndEvent<B>> {
-        let (file, slot) = self.take_slot()?;
-        let event = match self.event(device, stream) {
-            Ok(event) => event,
-            Err(err) => {
-                file.release_unsent(slot);
-                return Err(err);
-            }
-        };
-        let event_handle = event
-            .as_ref()
-            .and_then(|g| g.pooled.as_ref())
-            .map(|p| p.handle);
-        Ok((file, slot, event, event_handle))
-    }
-
-    /// An event recorded on `stream` (from the pool, or new while fewer than the budget exist), or
-    /// `None` when the stream has no pending work (nothing to wait for), or `None` after
-    /// synchronizing the stream when every event is in use.
-    fn event(&self, device: u32, stream: StreamId) -> Result<Option<EventGuard<B>>> {
-        // An idle stream needs no event: every write queued on it has completed.
-        if self.config.skip_event_when_idle && self.driver.stream_idle(device, stream)? {
-            self.counters.idle_stream.fetch_add(1, Ordering::Relaxed);
-            return Ok(None);
-        }
-        let pool = &self.events;
-        let pooled = {
-            let mut idle = pool.idle.lock();
-            idle.iter()
-                .position(|e| e.device == device)
-                .map(|i| idle.swap_remove(i))
-        };
-        let pooled = match pooled {
-            Some(pooled) => pooled,
-            None => {
-                let budget = self.config.max_events;
-                if pool
-                    .live
-                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                        (n < budget).then_some(n + 1)
-                    })
-                    .is_err()
-                {
-                    self.driver.synchronize_stream(device, stream)?;
-                    self.counters.synchronized.fetch_add(1, Ordering::Relaxed);
-                    return Ok(None);
-                }
-                let made = self.driver.create_event(device).and_then(|event| {
-                    let handle = self.driver.event_handle(&event)?;
-                    Ok(PooledEvent {
-                        device,
-                        event,
-                        handle,
-                    })
-                });
-                match made {
-                    Ok(pooled) => pooled,
-                    Err(err) => {
-                        pool.live.fetch_sub(1, Ordering::AcqRel);
-                        return Err(err.into());
-                    }
-                }
-            }
-        };
-        pool.lent.fetch_add(1, Ordering::AcqRel);
-        // From here the guard gives the event back to the pool, also if recording fails.
-        let guard = EventGuard {
-            pooled: Some(pooled),
-            pool: Arc::clone(pool),
-        };
-        if let Some(pooled) = &guard.pooled {
-            self.driver.record_event(device, &pooled.event, stream)?;
-        }
-        Ok(Some(guard))
     }
 
     fn add_to_limbo(&self, sent: Sent<D, B>) {
@@ -722,128 +532,6 @@ fn random_id() -> u64 {
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
     hasher.write_u32(std::process::id());
     hasher.finish().max(1)
-}
-
-/// An interprocess event with its exported handle (taken once).
-struct PooledEvent<B: IpcDriver> {
-    device: u32,
-    event: B::Event,
-    handle: EventHandle,
-}
-
-/// The producer's interprocess events: idle ones ready for the next share, and how many exist and
-/// are lent out. An event is reused only after the share it served was released (its slot back to
-/// 0), when the consumer has waited on it already; events are destroyed with the producer.
-struct EventPool<B: IpcDriver> {
-    idle: Mutex<Vec<PooledEvent<B>>>,
-    live: AtomicUsize,
-    lent: AtomicUsize,
-}
-
-/// A message's ref-counter file and slot, its event if it needs one, and that event's handle.
-type SlotAndEvent<B> = (
-    Arc<RefCounterFile>,
-    usize,
-    Option<EventGuard<B>>,
-    Option<EventHandle>,
-);
-
-/// An event lent to one share; returns to the pool when the share goes.
-struct EventGuard<B: IpcDriver> {
-    pooled: Option<PooledEvent<B>>,
-    pool: Arc<EventPool<B>>,
-}
-
-impl<B: IpcDriver> Drop for EventGuard<B> {
-    fn drop(&mut self) {
-        if let Some(pooled) = self.pooled.take() {
-            self.pool.idle.lock().push(pooled);
-        }
-        self.pool.lent.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// One share: a slot of a file, and the event the consumer waits on.
-///
-/// The slot of a batch is held by every allocation of the batch (one `SentSlot` each, sharing the
-/// file, the slot and the event): each is pruned when the consumer releases the slot or the
-/// producer reclaims it, and the event goes back to the pool with the last of them.
-struct SentSlot<B: IpcDriver> {
-    file: Arc<RefCounterFile>,
-    slot: usize,
-    _event: Option<Arc<EventGuard<B>>>,
-    /// When it was handed out, and how long it may stay unclaimed once its memory is freed here.
-    shared_at: Instant,
-    expires: Option<Duration>,
-}
-
-/// An allocation that was shared, with its outstanding slots.
-struct Sent<D: Device, B: IpcDriver> {
-    allocation: Allocation,
-    allocator: Arc<CachingAllocator<D>>,
-    slots: Vec<SentSlot<B>>,
-}
-
-impl<D: Device, B: IpcDriver> Sent<D, B> {
-    /// Drops the slots consumers released (and, with `reclaim`, those of dead consumers); returns how
-    /// many were reclaimed.
-    fn prune(&mut self, reclaim: bool) -> usize {
-        let mut reclaimed = 0;
-        self.slots.retain(|s| {
-            match s.file.value(s.slot) {
-                Ok(value) if value <= 0 => return false,
-                Ok(_) => {}
-                Err(err) => {
-                    // Another process truncated the file: the consumer's release can never be
-                    // seen, so the memory stays held (never reused) rather than freed under it.
-                    tracing::warn!(
-                        target: "tensormem_ipc",
-                        %err,
-                        slot = s.slot,
-                        "a ref-counter file was truncated by another process; its memory stays held"
-                    );
-                    return true;
-                }
-            }
-            if reclaim {
-                if let Some(owner) = s.file.reclaim_if_owner_dead(s.slot) {
-                    tracing::warn!(
-                        target: "tensormem_ipc",
-                        pid = owner.pid,
-                        file = %s.file.name(),
-                        slot = s.slot,
-                        "a consumer process died holding shared CUDA memory; its reference was reclaimed"
-                    );
-                    reclaimed += 1;
-                    return false;
-                }
-                if s.expires.is_some_and(|limit| s.shared_at.elapsed() >= limit)
-                    && s.file.expire_if_unclaimed(s.slot)
-                {
-                    tracing::warn!(
-                        target: "tensormem_ipc",
-                        file = %s.file.name(),
-                        slot = s.slot,
-                        after_s = s.shared_at.elapsed().as_secs_f64(),
-                        "a share was never opened (or its consumer died opening it); its memory \
-                         was given back and a late open will be refused"
-                    );
-                    reclaimed += 1;
-                    return false;
-                }
-            }
-            true
-        });
-        reclaimed
-    }
-
-    fn free(self) {
-        let ptr = self.allocation.ptr();
-        drop(self.slots);
-        if let Err(err) = self.allocator.free(self.allocation) {
-            tracing::error!(target: "tensormem_ipc", %ptr, %err, "freeing a shared allocation failed");
-        }
-    }
 }
 
 /// Where an allocation lies in its segment (see [`SharedAllocation::locate`]).
@@ -978,7 +666,8 @@ impl<D: Device, B: IpcDriver> SharedAllocation<D, B> {
     ///
     /// # Errors
     ///
-    /// [`Error::Allocator`] if the allocation lies in an expandable segment (not shareable);
+    /// [`Error::Allocator`] if the allocator cannot say where the allocation lies or cannot
+    /// export the chunks of its expandable segment;
     /// [`Error::RefCounterFile`] if a ref-counter file cannot be created; [`Error::Driver`] if a driver
     /// call fails. Nothing is handed out then, and the allocation stays owned here.
     pub fn share(&mut self, stream: StreamId) -> Result<IpcHandle> {

@@ -12,8 +12,9 @@ const MAGIC: &[u8; 4] = b"TMIW";
 /// The encoding version of [`WeightsMessage`] this crate writes and reads.
 pub const WEIGHTS_ENCODING_VERSION: u16 = 1;
 
-/// A publication as a consumer receives it: the batch of its memory (one handle per segment, one
-/// view per tensor, one ref-counter slot for this consumer), each tensor's element type, shape and
+/// A publication as a consumer receives it: the batch of its memory (one memory handle or range of
+/// expandable-segment chunks per segment, one view per tensor, one ref-counter slot for this
+/// consumer), each tensor's element type, shape and
 /// strides, the producer's version channel and the event it records each version on.
 ///
 /// # Binary encoding (version 1)
@@ -27,12 +28,14 @@ pub const WEIGHTS_ENCODING_VERSION: u16 = 1;
 /// | 6..8 | reserved (0) |
 /// | 8..72 | the producer's version event (`cuIpcGetEventHandle`) |
 /// | 72..74 | length `N` of the channel's shared-memory name, then the name |
-/// | then 4 + `B` | length `B` of the batch, then the batch ([`BatchHandle::encode`]) |
+/// | then 4 + `B` | length `B` of the batch, then the batch ([`BatchHandle::encode`]: version 1 for device allocations only, version 2 with ranges of chunks) |
 /// | then per view of the batch, in its order | element type (1), dimensions `D` (1), `D` sizes (8 each), `D` strides in elements (8 each) |
 ///
 /// Decoding checks every field: the batch as [`BatchHandle::decode`] does, known element types, at
 /// most [`MAX_DIMS`] dimensions, each tensor inside its view (its span no longer than the view),
-/// and the exact length. Anything else is [`Error::MalformedWeights`].
+/// and the exact length. Anything else is [`Error::MalformedWeights`]. The message's own layout is
+/// the same whatever the batch's version; a build that reads only version 1 batches refuses a
+/// message carrying ranges of chunks with [`Error::MalformedBatch`] naming the batch's version.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WeightsMessage {
     pub(crate) batch: BatchHandle,

@@ -11,11 +11,13 @@
 //! Here the weights are named once and then only versions travel:
 //!
 //! 1. **Publish** ([`WeightPublisher::new`]): the producer names its tensors (name, address,
-//!    [`TensorMeta`]); one memory handle per allocation they lie in, one interprocess event, one
+//!    [`TensorMeta`]); one memory handle per allocation they lie in (or, in expandable segments,
+//!    one range of exported chunks per run of chunks under them), one interprocess event, one
 //!    small shared-memory [channel](WeightPublisher::publish) for versions. Each consumer gets a
 //!    [`WeightsMessage`] ([`WeightPublisher::message`]): a few bytes per tensor, one ref-counter slot.
-//! 2. **Open** ([`WeightSubscriber::open`]): the consumer maps each allocation once; the published
-//!    tensors alias the producer's memory ([`WeightSubscriber::tensors`], zero copy). While the
+//! 2. **Open** ([`WeightSubscriber::open`]): the consumer maps each allocation (or range of
+//!    chunks, in one piece) once; the published tensors alias the producer's memory
+//!    ([`WeightSubscriber::tensors`], zero copy). While the
 //!    subscription lives the producer's memory stays allocated for it; when it is dropped, or its
 //!    process dies, the hold goes.
 //! 3. **Install** ([`WeightSubscriber::prepare`], [`WeightSubscriber::install`]): the published
@@ -31,12 +33,27 @@
 //!    A consumer that dies is skipped; a producer that dies or closes ends the consumer's wait
 //!    with [`Error::PublicationClosed`](crate::Error::PublicationClosed).
 //!
-//! The memory is named by CUDA IPC memory handles (`cuIpcGetMemHandle`), which need no descriptor
-//! passing: it works between containers of one host and between users, wherever the consumer can
-//! map the producer's ref-counter and channel files (`/dev/shm` shared). Memory of expandable
-//! segments has no such handle: publish from an allocator without expandable segments.
+//! Memory of `cuMemAlloc` is named by CUDA IPC memory handles (`cuIpcGetMemHandle`), which need
+//! no descriptor passing: it works between containers of one host and between users, wherever the
+//! consumer can map the producer's ref-counter and channel files (`/dev/shm` shared). Memory of
+//! expandable segments (`cuMemCreate` + `cuMemMap`) has no such handle: its chunks are exported as
+//! file descriptors, which the consumer takes as for single shares of such memory
+//! ([`crate::chunks`]: `pidfd_getfd`, or the producer's socket; so the consumer must see the
+//! producer's pid, and be its user or root). One publication mixes both kinds.
 //!
 //! PyTorch programs use this through `tensormem_torch.weights` (the plugin crate).
+//!
+//! # How copies are merged
+//!
+//! A plan merges copies of tensors adjacent on both sides only inside one region per side, so that
+//! a merged copy never runs through memory that is not mapped as one piece. On the consumer's side
+//! of the sources, a region is a segment of the publication as mapped there: an allocation, or a
+//! range of chunks, which the consumer maps contiguously, so copies merge across its chunk
+//! boundaries; two segments are never one region, even where the consumer happens to map them side
+//! by side. On the destinations' side, a region is what `cuMemGetAddressRange` gives: an
+//! allocation, or, for the consumer's own memory of expandable segments, one chunk's mapping (a
+//! merged copy then starts and ends as its tensors do, and adds no crossing a copy per tensor would
+//! not make).
 //!
 //! # Example
 //!
@@ -90,6 +107,7 @@
 //! ```
 
 mod channel;
+mod memory;
 mod message;
 mod meta;
 mod plan;

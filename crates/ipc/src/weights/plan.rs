@@ -77,10 +77,12 @@ impl InstallPlan {
         Self::build_in_regions(sources, &[], destinations, &[], options)
     }
 
-    /// [`build`](Self::build), told which allocation each tensor lies in (`source_regions[i]`
-    /// for `sources[i]`, any number naming the allocation, such as its base address), so that
-    /// copies adjacent on both sides merge: a merged copy never leaves one allocation on either
-    /// side (the driver refuses a copy that spans two). Empty slices: nothing merges.
+    /// [`build`](Self::build), told which region each tensor lies in (`source_regions[i]` for
+    /// `sources[i]`, any number naming the region, such as its base address), so that copies
+    /// adjacent on both sides merge: a merged copy never leaves one region on either side. A region
+    /// is memory mapped as one piece, which one copy may run through: an allocation (the driver
+    /// refuses a copy that spans two), or a range of chunks mapped contiguously (see
+    /// [`crate::weights#how-copies-are-merged`]). Empty slices: nothing merges.
     ///
     /// # Errors
     ///

@@ -1,6 +1,6 @@
 //! The producer's side: [`WeightPublisher`].
 
-use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -8,9 +8,10 @@ use parking_lot::Mutex;
 use tensormem_cuda_alloc::{Device, DeviceAddress, StreamId};
 
 use super::channel::{wait_until, Channel};
+use super::memory::{self, PublishedMemory};
 use super::message::WeightsMessage;
 use super::meta::TensorMeta;
-use crate::batch::{BatchSegment, BatchView, CheckedBatch};
+use crate::batch::CheckedBatch;
 use crate::driver::{EventHandle, IpcDriver};
 use crate::error::{Error, Result};
 use crate::producer::IpcProducer;
@@ -44,6 +45,9 @@ pub struct WeightPublisher<D: Device, B: IpcDriver> {
     event_handle: EventHandle,
     slots: Mutex<Vec<(Arc<RefCounterFile>, usize)>>,
     closed: bool,
+    /// The chunks of expandable segments the tensors lie in, exported once each: what consumers
+    /// take copies of, open until the publication is dropped.
+    _chunk_fds: Vec<OwnedFd>,
 }
 
 impl<D: Device, B: IpcDriver> std::fmt::Debug for WeightPublisher<D, B> {
@@ -58,22 +62,34 @@ impl<D: Device, B: IpcDriver> std::fmt::Debug for WeightPublisher<D, B> {
 }
 
 impl<D: Device, B: IpcDriver> WeightPublisher<D, B> {
-    /// Publishes `tensors` of `device`: finds the allocation under each (`cuMemGetAddressRange`),
-    /// exports one memory handle per allocation, and makes the version channel and event. Version
-    /// 0 is not announced yet: call [`publish`](Self::publish) once the weights are written.
+    /// Publishes `tensors` of `device`: finds the memory under each and makes the version channel
+    /// and event. Version 0 is not announced yet: call [`publish`](Self::publish) once the weights
+    /// are written.
+    ///
+    /// Memory of `cuMemAlloc` (the caching allocators of PyTorch and tensormem, by default) is
+    /// found by its allocation (`cuMemGetAddressRange`) and named by one CUDA IPC memory handle
+    /// per allocation. Memory of the virtual memory management calls (`cuMemCreate` + `cuMemMap`:
+    /// both allocators' expandable segments) has no such handle: each chunk mapped under a tensor
+    /// is exported once as a file descriptor ([`IpcDriver::export_mapping`]), which the publisher
+    /// keeps open while it lives, and chunks that lie side by side travel as one range
+    /// ([`crate::batch#ranges-of-expandable-segments`]); consumers take copies of the descriptors
+    /// as for any share of such memory ([`crate::chunks`]). The chunks must have been made
+    /// exportable (`cuMemCreate` with the POSIX file-descriptor handle type, which both
+    /// allocators ask for), and the chunks under one tensor must be of one size.
     ///
     /// # Safety
     ///
     /// Each tensor's bytes (from `ptr`, its [`span`](TensorMeta::span)) are device memory of this
-    /// process on `device`, in an allocation made by `cuMemAlloc` (PyTorch's and tensormem's
-    /// caching allocators without expandable segments), and stay allocated until the publisher is
+    /// process on `device`, and stay allocated (and, for chunks, mapped) until the publisher is
     /// dropped and no consumer holds it ([`wait_released`](Self::wait_released)).
     ///
     /// # Errors
     ///
     /// [`Error::InvalidBatch`] for no tensors, a name given twice for different bytes, tensors that
-    /// partly overlap, a tensor past its allocation, or memory without a CUDA IPC memory handle
-    /// (an expandable segment's: publish from an allocator without expandable segments);
+    /// partly overlap, a tensor past its allocation or past the chunks mapped under it, chunks of
+    /// different sizes under one tensor, or memory with neither a CUDA IPC memory handle nor
+    /// exportable chunks (the message names what the driver answered to both);
+    /// [`Error::ReceivedMemory`] for memory this process received from another;
     /// [`Error::Driver`] where the driver refuses another call; [`Error::WeightsChannel`] if the
     /// channel's file cannot be made.
     pub unsafe fn new(
@@ -81,75 +97,22 @@ impl<D: Device, B: IpcDriver> WeightPublisher<D, B> {
         device: u32,
         tensors: &[PublishedTensor],
     ) -> Result<Self> {
-        let invalid = |problem: String| Error::InvalidBatch { problem };
         let driver = producer.driver_arc();
         if tensors.is_empty() {
-            return Err(invalid(
-                "nothing to publish; pass at least one tensor".into(),
-            ));
-        }
-        let mut segments: Vec<BatchSegment> = Vec::new();
-        let mut index_of_base: HashMap<u64, u32> = HashMap::new();
-        let mut views = Vec::with_capacity(tensors.len());
-        let mut metas = Vec::with_capacity(tensors.len());
-        for t in tensors {
-            t.meta
-                .check()
-                .map_err(|p| invalid(format!("tensor {:?}: {p}", t.name)))?;
-            let len = t.meta.span();
-            if len == 0 {
-                views.push(BatchView {
-                    name: t.name.clone(),
-                    segment: None,
-                    offset: 0,
-                    len: 0,
-                });
-                metas.push(t.meta.clone());
-                continue;
-            }
-            let (base, size) = driver.address_range(device, t.ptr)?;
-            let offset = t.ptr.0 - base.0;
-            if offset.checked_add(len).is_none_or(|end| end > size as u64) {
-                return Err(invalid(format!(
-                    "tensor {:?} ({}) spans {len} bytes from offset {offset} of an allocation of \
-                     {size} bytes",
-                    t.name, t.meta
-                )));
-            }
-            let segment = match index_of_base.get(&base.0) {
-                Some(&i) => i,
-                None => {
-                    let mem_handle = producer.handle_of(device, base, size).map_err(|err| {
-                        invalid(format!(
-                            "tensor {:?} lies in memory that has no CUDA IPC memory handle \
-                             ({err}); memory of an expandable segment (cuMemCreate) cannot be \
-                             published: allocate the weights with expandable_segments:False",
-                            t.name
-                        ))
-                    })?;
-                    segments.push(BatchSegment {
-                        mem_handle,
-                        size: size as u64,
-                    });
-                    let i = (segments.len() - 1) as u32;
-                    index_of_base.insert(base.0, i);
-                    i
-                }
-            };
-            views.push(BatchView {
-                name: t.name.clone(),
-                segment: Some(segment),
-                offset,
-                len,
+            return Err(Error::InvalidBatch {
+                problem: "nothing to publish; pass at least one tensor".into(),
             });
-            metas.push(t.meta.clone());
         }
-        if segments.is_empty() {
-            return Err(invalid(
-                "every tensor is empty (no bytes); there is no memory to publish".into(),
-            ));
-        }
-        let checked = CheckedBatch::new(segments, views).map_err(invalid)?;
+        let PublishedMemory {
+            checked,
+            metas,
+            chunk_fds,
+            chunk_segments,
+        } = memory::find(producer, device, tensors)?;
+        let raw: Vec<RawFd> = chunk_fds.iter().map(AsRawFd::as_raw_fd).collect();
+        // Consumers that may not use pidfd_getfd ask this process's descriptor socket; the
+        // descriptors stay open (owned here) while the publication lives.
+        crate::chunks::offer(&raw);
         let event = driver.create_event(device)?;
         let event_handle = driver.event_handle(&event)?;
         let channel = Channel::create(producer.file_names())?;
@@ -157,6 +120,9 @@ impl<D: Device, B: IpcDriver> WeightPublisher<D, B> {
             target: "tensormem_ipc",
             device,
             tensors = tensors.len(),
+            segments = checked.segments().len(),
+            chunk_segments,
+            chunks = chunk_fds.len(),
             channel = %channel.name(),
             "weights published"
         );
@@ -170,6 +136,7 @@ impl<D: Device, B: IpcDriver> WeightPublisher<D, B> {
             event_handle,
             slots: Mutex::new(Vec::new()),
             closed: false,
+            _chunk_fds: chunk_fds,
         })
     }
 

@@ -126,8 +126,12 @@ impl<B: IpcDriver> WeightSubscriber<B> {
 
     /// The plan that copies every published tensor into the destination of the same name, checked
     /// and built once for this pair of layouts (asking again for the same destinations returns
-    /// the same plan without building it). Tensors adjacent on both sides inside one allocation of
-    /// each side (`cuMemGetAddressRange`) are copied as one range.
+    /// the same plan without building it). Tensors adjacent on both sides inside one region of
+    /// each side are copied as one range: on the sources' side a segment of the publication as
+    /// mapped here (an allocation, or a range of expandable-segment chunks, mapped contiguously,
+    /// so merging runs across its chunk boundaries but never from one segment into another), on
+    /// the destinations' side the allocation or mapping `cuMemGetAddressRange` gives (see
+    /// [`crate::weights#how-copies-are-merged`]).
     ///
     /// # Errors
     ///
@@ -143,7 +147,9 @@ impl<B: IpcDriver> WeightSubscriber<B> {
             return Ok(PlanId(i));
         }
         let device = self.batch.device();
-        let source_regions = regions(&*self.driver, device, &sources);
+        // Sources: the segment each lies in as mapped here (an allocation, or the one range the
+        // chunks of an expandable segment are mapped into); destinations: cuMemGetAddressRange.
+        let source_regions = self.batch.regions();
         let destination_regions = regions(&*self.driver, device, destinations);
         let plan = InstallPlan::build_in_regions(
             &sources,
@@ -251,8 +257,9 @@ impl<B: IpcDriver> Drop for WeightSubscriber<B> {
     }
 }
 
-/// The allocation each tensor lies in (its base address, `cuMemGetAddressRange`), or a number of
-/// its own where the driver does not know the address (then it merges with nothing).
+/// The allocation (or, for memory of expandable segments, the chunk mapping) each destination
+/// lies in: its base address (`cuMemGetAddressRange`), or a number of its own where the driver
+/// does not know the address (then it merges with nothing).
 fn regions<B: IpcDriver>(driver: &B, device: u32, tensors: &[PlacedTensor<'_>]) -> Vec<u64> {
     tensors
         .iter()

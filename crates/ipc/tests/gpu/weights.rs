@@ -1,17 +1,20 @@
 //! Weights publications on a real GPU between two processes: every byte of every version installed
-//! into the consumer's own parameters (batched copies on a stream of its own), and memory that
-//! cannot be published refused with a clear error.
+//! into the consumer's own parameters (batched copies on a stream of its own), from memory of
+//! `cuMemAlloc` and from memory of expandable segments beside it.
 
 use std::io::BufRead;
+use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::sys;
-use tensormem_cuda_alloc::{Allocation, StreamId};
+use tensormem_cuda_alloc::backend::cuda::CudaBackend;
+use tensormem_cuda_alloc::{Allocation, CachingAllocator, StreamId};
+use tensormem_ipc::driver::cuda::CudaIpcDriver;
 use tensormem_ipc::weights::{
     DType, PlacedTensor, PlanOptions, PublishedTensor, TensorMeta, WeightPublisher,
     WeightSubscriber, WeightsMessage,
 };
-use tensormem_ipc::{Error, IpcConsumer};
+use tensormem_ipc::{IpcConsumer, SegmentMemory};
 use tensormem_test_support::{hex, unhex};
 
 use super::{check, current, expandable_gpu, fill, gpu, read, role, Allocator, Peer};
@@ -147,33 +150,16 @@ fn weights_consumer() {
     drop(sub);
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
-fn every_byte_of_every_version_reaches_the_consumers_parameters() {
-    const TEST: &str = "weights::every_byte_of_every_version_reaches_the_consumers_parameters";
-    if role().as_deref() == Some(CONSUMER) {
-        weights_consumer();
-        return;
-    }
-    let Some((allocator, producer, _lock)) = gpu() else {
-        return;
-    };
-    let metas = layout();
-    let weights = allocate(&allocator, &metas);
-    let tensors: Vec<PublishedTensor> = metas
-        .iter()
-        .zip(&weights)
-        .map(|((name, meta), a)| PublishedTensor {
-            name: name.clone(),
-            ptr: a
-                .as_ref()
-                .map_or(tensormem_cuda_alloc::DeviceAddress(0), |a| a.ptr()),
-            meta: meta.clone(),
-        })
-        .collect();
-    // SAFETY: the tensors are this test's allocations, kept until the publication is released.
-    let mut publisher = unsafe { WeightPublisher::new(&producer, 0, &tensors) }.unwrap();
-    let mut peer = Peer::this(TEST, CONSUMER);
+/// Has a consumer process (this binary running `test` as [`CONSUMER`]) open `publisher`'s message
+/// and install three versions into its own parameters, the producer writing every tensor of
+/// `weights` (laid out as `metas`) before each; checks every byte of each version there.
+fn three_versions_reach_a_consumer(
+    test: &str,
+    publisher: &mut WeightPublisher<CudaBackend, CudaIpcDriver>,
+    metas: &[(String, TensorMeta)],
+    weights: &[Option<Allocation>],
+) {
+    let mut peer = Peer::this(test, CONSUMER);
     peer.send(&format!(
         "open {}",
         hex(&publisher.message().unwrap().encode())
@@ -182,7 +168,7 @@ fn every_byte_of_every_version_reaches_the_consumers_parameters() {
     assert!(copies <= metas.len());
     let stream = new_stream();
     for v in 1..=3u64 {
-        for (i, (a, (_, m))) in weights.iter().zip(&metas).enumerate() {
+        for (i, (a, (_, m))) in weights.iter().zip(metas).enumerate() {
             if let Some(a) = a {
                 fill(a.ptr(), byte(i, v), m.span() as usize);
             }
@@ -198,21 +184,95 @@ fn every_byte_of_every_version_reaches_the_consumers_parameters() {
     assert_eq!(publisher.holders(), 0);
 }
 
+/// The published tensors of `weights`, laid out as `metas`.
+fn published(
+    metas: &[(String, TensorMeta)],
+    weights: &[Option<Allocation>],
+) -> Vec<PublishedTensor> {
+    metas
+        .iter()
+        .zip(weights)
+        .map(|((name, meta), a)| PublishedTensor {
+            name: name.clone(),
+            ptr: a
+                .as_ref()
+                .map_or(tensormem_cuda_alloc::DeviceAddress(0), |a| a.ptr()),
+            meta: meta.clone(),
+        })
+        .collect()
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
-fn memory_of_an_expandable_segment_is_refused_with_a_clear_error() {
-    let Some((allocator, producer, _lock)) = expandable_gpu() else {
+fn every_byte_of_every_version_reaches_the_consumers_parameters() {
+    const TEST: &str = "weights::every_byte_of_every_version_reaches_the_consumers_parameters";
+    if role().as_deref() == Some(CONSUMER) {
+        weights_consumer();
+        return;
+    }
+    let Some((allocator, producer, _lock)) = gpu() else {
         return;
     };
-    let a = allocator.allocate(4 << 20, S0).unwrap();
-    let tensors = [PublishedTensor {
-        name: "w".into(),
-        ptr: a.ptr(),
-        meta: TensorMeta::contiguous(DType::UInt8, &[4 << 20]),
-    }];
-    // SAFETY: the allocation lives to the end of the test.
-    let err = unsafe { WeightPublisher::new(&producer, 0, &tensors) }.unwrap_err();
-    assert!(matches!(err, Error::InvalidBatch { .. }), "{err}");
-    assert!(err.to_string().contains("expandable"), "{err}");
-    allocator.free(a).unwrap();
+    let metas = layout();
+    let weights = allocate(&allocator, &metas);
+    // SAFETY: the tensors are this test's allocations, kept until the publication is released.
+    let mut publisher =
+        unsafe { WeightPublisher::new(&producer, 0, &published(&metas, &weights)) }.unwrap();
+    three_versions_reach_a_consumer(TEST, &mut publisher, &metas, &weights);
+}
+
+/// Memory of expandable segments (chunks of `cuMemCreate`, exported as file descriptors) in one
+/// publication with memory of `cuMemAlloc`: every byte of every version reaches the consumer's
+/// own parameters, through ranges of chunks the consumer maps in one piece each.
+#[test]
+#[ignore = "needs a CUDA GPU (cargo xtask test-gpu runs it)"]
+fn memory_of_expandable_segments_reaches_the_consumers_parameters() {
+    const TEST: &str = "weights::memory_of_expandable_segments_reaches_the_consumers_parameters";
+    if role().as_deref() == Some(CONSUMER) {
+        weights_consumer();
+        return;
+    }
+    let Some((expandable, producer, _lock)) = expandable_gpu() else {
+        return;
+    };
+    let plain: Allocator = Arc::new(CachingAllocator::new(
+        CudaBackend::new(0).expect("opening device 0"),
+    ));
+    let metas = layout();
+    // Every fifth tensor in a device allocation, the others in expandable segments.
+    let weights: Vec<Option<Allocation>> = metas
+        .iter()
+        .enumerate()
+        .map(|(i, (_, m))| {
+            let allocator = if i % 5 == 4 { &plain } else { &expandable };
+            (m.span() > 0).then(|| allocator.allocate(m.span() as usize, S0).unwrap())
+        })
+        .collect();
+    // SAFETY: the tensors are this test's allocations, kept until the publication is released.
+    let mut publisher =
+        unsafe { WeightPublisher::new(&producer, 0, &published(&metas, &weights)) }.unwrap();
+    let message = publisher.message().unwrap();
+    let ranges = message
+        .batch()
+        .segments()
+        .iter()
+        .filter(|s| matches!(s.memory, SegmentMemory::Chunks(_)))
+        .count();
+    assert!(
+        ranges >= 1 && ranges < message.batch().segments().len(),
+        "ranges of chunks beside device allocations: {:?}",
+        message.batch().segments()
+    );
+    // That message's slot is given back unopened.
+    IpcConsumer::new(Arc::new(CudaIpcDriver::new().unwrap()))
+        .release_batch(message.batch())
+        .unwrap();
+    three_versions_reach_a_consumer(TEST, &mut publisher, &metas, &weights);
+    drop(publisher);
+    for (a, (i, _)) in weights.into_iter().zip(metas.iter().enumerate()) {
+        if let Some(a) = a {
+            let allocator = if i % 5 == 4 { &plain } else { &expandable };
+            allocator.free(a).unwrap();
+        }
+    }
 }
