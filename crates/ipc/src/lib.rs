@@ -86,6 +86,7 @@
 
 mod at_exit;
 pub mod batch;
+mod byte_lock;
 mod cache;
 pub mod chunks;
 pub mod driver;

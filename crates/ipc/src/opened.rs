@@ -180,5 +180,5 @@ pub(crate) fn release_held<'s, B: IpcDriver>(
             tracing::error!(target: "tensormem_ipc", %err, "releasing a ref-counter slot failed")
         }
     }
-    let _ = file.table().unclaim(file.mapping(), slot);
+    let _ = file.unclaim(slot);
 }

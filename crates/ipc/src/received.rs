@@ -258,7 +258,6 @@ impl<B: IpcDriver> IpcConsumer<B> {
             });
         }
         let (file, slot) = self.held_slot(name, handle.slot)?;
-        let table = file.get().table();
         let device = handle.device;
         let key = (device, handle.memory.clone());
         let mem = inner.mems.acquire(&key, || {
@@ -279,12 +278,12 @@ impl<B: IpcDriver> IpcConsumer<B> {
                 base_size: base.size as u64,
             });
         }
-        if let Err(pid) = table.claim(file.get().mapping(), slot)? {
+        if let Err(pid) = file.get().claim(slot)? {
             return Err(claim_refused(handle.slot, name.to_string(), pid));
         }
         if let Some(event) = &handle.event {
             if let Err(err) = inner.wait(handle.producer, device, event, stream) {
-                let _ = table.unclaim(file.get().mapping(), slot);
+                let _ = file.get().unclaim(slot);
                 return Err(err);
             }
         }
@@ -335,14 +334,14 @@ impl<B: IpcDriver> IpcConsumer<B> {
         let (table, map) = (file.get().table(), file.get().mapping());
         // Claimed for the time of the decrement, so that an open of the same handle racing this
         // release fails instead of holding a reference that is gone.
-        if let Err(pid) = table.claim(map, slot)? {
+        if let Err(pid) = file.get().claim(slot)? {
             return Err(claim_refused(handle_slot, name.to_string(), pid));
         }
         let counter = table.counter(map, slot)?;
         let released = counter.fetch_update(Ordering::AcqRel, Ordering::Acquire, |value| {
             (value > 0).then(|| value - 1)
         });
-        let _ = table.unclaim(map, slot);
+        let _ = file.get().unclaim(slot);
         match released {
             Ok(_) => Ok(()),
             Err(value) => Err(Error::SlotNotHeld {
@@ -409,8 +408,7 @@ impl<B: IpcDriver> IpcConsumer<B> {
             }
             segments.push(mem);
         }
-        let (table, map) = (file.get().table(), file.get().mapping());
-        if let Err(pid) = table.claim(map, slot)? {
+        if let Err(pid) = file.get().claim(slot)? {
             return Err(claim_refused(
                 batch.slot(),
                 batch.ref_counter().to_string(),
@@ -419,7 +417,7 @@ impl<B: IpcDriver> IpcConsumer<B> {
         }
         if let Some(event) = batch.event() {
             if let Err(err) = inner.wait(batch.producer(), device, event, stream) {
-                let _ = table.unclaim(map, slot);
+                let _ = file.get().unclaim(slot);
                 return Err(err);
             }
         }

@@ -11,13 +11,21 @@
 //!
 //! ```text
 //! data offset 0          n x i64       the counters (PyTorch's layout)
-//!             8n         n x 32 bytes  owner of each slot: pid, start time + 1, pid namespace, 0
+//!             8n         n x 32 bytes  owner of each slot: pid, start time + 1, pid namespace, flags
 //!             40n        64 bytes      trailer: magic "TMIPCRC1", n, creator pid, start, namespace
 //! ```
 //!
 //! A consumer records itself as the owner of the slot it opened; the producer's `collect` reclaims
 //! slots whose owner died without releasing them (PyTorch leaks those forever), and a consumer that
 //! finds the file's creator dead unlinks the name when it is done with it.
+//!
+//! Whether an owner died is asked of the kernel, not of pids: while it holds a slot, the owner
+//! holds an open-file-description lock on one byte of the file for it (byte
+//! [`SLOT_LOCKS`]` + slot`, past the end of the data; flag [`OWNER_LOCKS`] says so), which the
+//! kernel drops when the owner is killed. That works across pid namespaces (a consumer in another
+//! container, whose pid means nothing here). An owner recorded without the flag (a consumer that
+//! does not lock) is judged by its pid, start time and namespace, and an owner of another pid
+//! namespace without a lock is never taken for dead.
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
@@ -26,6 +34,7 @@ use tensormem_shm::{
     MapOptions, Mapping, RefcountedRegion, SharedRegion, ShmName, REFCOUNT_HEADER_LEN, TORCH_PREFIX,
 };
 
+use crate::byte_lock::{byte_lock, byte_locked, Locked};
 use crate::error::{Error, Result};
 use crate::process::{Liveness, ProcessIdentity};
 
@@ -40,6 +49,13 @@ const TRAILER_MAGIC: u64 = u64::from_le_bytes(*b"TMIPCRC1");
 pub(crate) fn data_len(slots: usize) -> usize {
     slots * (8 + OWNER_LEN) + TRAILER_LEN
 }
+
+/// The byte whose lock stands for slot 0's owner being alive; slot `n`'s is `SLOT_LOCKS + n` (past
+/// every byte of the data: locks need no bytes behind them).
+pub(crate) const SLOT_LOCKS: usize = 1 << 40;
+
+/// Owner flag: the owner holds the lock on its slot's byte while it holds the slot.
+pub(crate) const OWNER_LOCKS: u64 = 1;
 
 /// What an owner word holds once the producer gave an unclaimed slot up
 /// ([`RefCounterFile::expire_if_unclaimed`]): no process id is this.
@@ -116,9 +132,22 @@ impl SlotTable {
         }))
     }
 
+    /// Whether the owner of `slot` holds the lock on its slot's byte while it holds the slot.
+    fn owner_locks(&self, map: &Mapping, slot: usize) -> bool {
+        self.owners
+            && self
+                .owner_word(map, slot, 3)
+                .is_ok_and(|flags| flags.load(Ordering::Acquire) & OWNER_LOCKS != 0)
+    }
+
     /// Records this process as the owner of `slot`. `Err(pid)` if another owner is recorded
     /// ([`EXPIRED`] when the producer gave the slot up unclaimed).
     pub(crate) fn claim(&self, map: &Mapping, slot: usize) -> Result<Result<(), u32>> {
+        self.claim_with(map, slot, 0)
+    }
+
+    /// [`claim`](Self::claim) with the owner `flags` ([`OWNER_LOCKS`]).
+    fn claim_with(&self, map: &Mapping, slot: usize, flags: u64) -> Result<Result<(), u32>> {
         if !self.owners {
             return Ok(Ok(()));
         }
@@ -135,6 +164,9 @@ impl SlotTable {
         }
         self.owner_word(map, slot, 2)?
             .store(me.pid_namespace, Ordering::Release);
+        self.owner_word(map, slot, 3)?
+            .store(flags, Ordering::Release);
+        // The start time last: an owner is read as recorded once it is there.
         self.owner_word(map, slot, 1)?
             .store(me.start_time + 1, Ordering::Release);
         Ok(Ok(()))
@@ -156,6 +188,7 @@ impl SlotTable {
         }
         let me = u64::from(ProcessIdentity::current().pid);
         self.owner_word(map, slot, 1)?.store(0, Ordering::Release);
+        self.owner_word(map, slot, 3)?.store(0, Ordering::Release);
         let _ = self.owner_word(map, slot, 0)?.compare_exchange(
             me,
             0,
@@ -168,7 +201,7 @@ impl SlotTable {
     /// Clears any owner of `slot` (the producer, handing the slot out).
     fn reset_owner(&self, map: &Mapping, slot: usize) -> Result<()> {
         if self.owners {
-            for word in [1, 2, 0] {
+            for word in [1, 2, 3, 0] {
                 self.owner_word(map, slot, word)?
                     .store(0, Ordering::Release);
             }
@@ -263,7 +296,9 @@ impl RefCounterFile {
     pub(crate) fn create(name: &ShmName, slots: usize) -> Result<Self> {
         let hold = RefcountedRegion::create(name, data_len(slots) as u64)
             .map_err(|e| Error::file(name, e))?;
+        // The descriptor is kept to ask the kernel about the owners' locks.
         let view = MapOptions::new()
+            .keep_fd(true)
             .map_shm(name)
             .map_err(|e| Error::file(name, e))?;
         let len = REFCOUNT_HEADER_LEN + data_len(slots);
@@ -424,12 +459,29 @@ impl RefCounterFile {
         }
     }
 
+    /// Whether the owner of `slot` (`owner`) is alive: by the lock on its slot's byte when it
+    /// takes one (the kernel's answer, whatever its pid namespace), else by its pid.
+    fn owner_liveness(&self, slot: usize, owner: &ProcessIdentity) -> Liveness {
+        if self.table.owner_locks(self.view.mapping(), slot) {
+            if let Some(fd) = self.view.fd() {
+                match byte_locked(fd, SLOT_LOCKS + slot) {
+                    Some(true) => return Liveness::Alive,
+                    // Released: either the owner let go of the slot (and cleared its record
+                    // before unlocking) or it died.
+                    Some(false) => return Liveness::Dead,
+                    None => {}
+                }
+            }
+        }
+        owner.liveness()
+    }
+
     /// If `slot` is still held by a consumer that has died, sets it to 0 and returns that owner.
     pub(crate) fn reclaim_if_owner_dead(&self, slot: usize) -> Option<ProcessIdentity> {
         self.probe().ok()?;
         let map = self.view.mapping();
         let owner = self.table.owner(map, slot).ok().flatten()?;
-        if owner.liveness() != Liveness::Dead {
+        if self.owner_liveness(slot, &owner) != Liveness::Dead {
             return None;
         }
         let counter = self.table.counter(map, slot).ok()?;
@@ -461,7 +513,9 @@ pub(crate) struct MappedCounterFile {
 impl MappedCounterFile {
     /// Maps the existing file `name` (tensormem's or PyTorch's).
     pub(crate) fn open(name: &ShmName) -> Result<Self> {
+        // The descriptor is kept for the locks that show this process holds its slots.
         let region = MapOptions::new()
+            .keep_fd(true)
             .map_shm(name)
             .map_err(|e| Error::file(name, e))?;
         let len = region.mapping().len();
@@ -498,6 +552,54 @@ impl MappedCounterFile {
         self.table
             .probe(self.region.mapping())
             .map_err(|e| e.renamed(&self.name))
+    }
+
+    /// Records this process as the owner of `slot` ([`SlotTable::claim`]), holding the lock on the
+    /// slot's byte while it owns it (so that the producer sees it die, in any pid namespace); where
+    /// the file system refuses the lock, the owner is recorded without it. `Err(pid)` if another
+    /// owner holds the slot.
+    pub(crate) fn claim(&self, slot: usize) -> Result<Result<(), u32>> {
+        let map = self.region.mapping();
+        if !self.table.owners {
+            return Ok(Ok(()));
+        }
+        if self.table.owner_word(map, slot, 0)?.load(Ordering::Acquire) != 0 {
+            // Claimed already (perhaps by this process, whose lock on the byte must stay): the
+            // claim says by whom.
+            return self.table.claim(map, slot);
+        }
+        let locked = match self.region.fd() {
+            Some(fd) => byte_lock(fd, SLOT_LOCKS + slot, true),
+            None => Locked::Unsupported,
+        };
+        if locked == Locked::Held {
+            // Another live process holds this slot (its record may not be written yet).
+            let holder = self.table.owner(map, slot)?.map_or(0, |o| o.pid);
+            return Ok(Err(holder));
+        }
+        let flags = if locked == Locked::Taken {
+            OWNER_LOCKS
+        } else {
+            0
+        };
+        let claimed = self.table.claim_with(map, slot, flags)?;
+        if claimed.is_err() && locked == Locked::Taken {
+            self.unlock(slot);
+        }
+        Ok(claimed)
+    }
+
+    /// Clears this process's ownership of `slot` ([`SlotTable::unclaim`]), then lets go of its lock.
+    pub(crate) fn unclaim(&self, slot: usize) -> Result<()> {
+        let cleared = self.table.unclaim(self.region.mapping(), slot);
+        self.unlock(slot);
+        cleared
+    }
+
+    fn unlock(&self, slot: usize) {
+        if let Some(fd) = self.region.fd() {
+            let _ = byte_lock(fd, SLOT_LOCKS + slot, false);
+        }
     }
 }
 
@@ -636,6 +738,82 @@ mod tests {
         assert_eq!(file.value(0).unwrap(), 1);
         table.unclaim(mapped.mapping(), 0).unwrap();
         assert_eq!(table.owner(mapped.mapping(), 0).unwrap(), None);
+    }
+
+    /// A consumer holds the lock of its slot's byte while it owns the slot: the producer asks the
+    /// kernel, not the pid. Here the owner's pid is this live process, yet once its descriptor is
+    /// gone (as when it is killed) the slot is reclaimed; a second claim of a slot it owns keeps the
+    /// lock; letting go clears the record and the lock, so that another can claim it.
+    #[test]
+    fn an_owner_is_alive_while_it_holds_the_lock_of_its_slot() {
+        let name = NameGenerator::default().next_name();
+        let file = RefCounterFile::create(&name, 2).unwrap();
+        file.take_slot().unwrap();
+        file.take_slot().unwrap();
+        let consumer = MappedCounterFile::open(&name).unwrap();
+        assert_eq!(consumer.claim(0).unwrap(), Ok(()));
+        assert!(consumer.table().owner_locks(consumer.mapping(), 0));
+        assert_eq!(consumer.claim(0).unwrap(), Err(std::process::id()));
+        assert_eq!(
+            file.reclaim_if_owner_dead(0),
+            None,
+            "alive: its lock is there"
+        );
+        // Another open file description cannot take the slot's lock while it is held.
+        let other = MappedCounterFile::open(&name).unwrap();
+        assert!(other.claim(0).unwrap().is_err());
+
+        assert_eq!(consumer.claim(1).unwrap(), Ok(()));
+        consumer.unclaim(1).unwrap();
+        assert_eq!(consumer.table().owner(consumer.mapping(), 1).unwrap(), None);
+        assert_eq!(
+            other.claim(1).unwrap(),
+            Ok(()),
+            "the lock went with the record"
+        );
+        other.unclaim(1).unwrap();
+
+        drop(consumer);
+        let owner = file
+            .reclaim_if_owner_dead(0)
+            .expect("its lock went with its descriptor");
+        assert_eq!(owner.pid, std::process::id());
+        assert_eq!(file.value(0).unwrap(), 0);
+    }
+
+    /// An owner of another pid namespace (a consumer in another container: its pid means nothing
+    /// here) is judged by its lock when it takes one, and never taken for dead when it does not.
+    #[test]
+    fn an_owner_of_another_pid_namespace_is_judged_by_its_lock_alone() {
+        let name = NameGenerator::default().next_name();
+        let file = RefCounterFile::create(&name, 2).unwrap();
+        file.take_slot().unwrap();
+        file.take_slot().unwrap();
+        let map = file.view.mapping();
+        let table = file.table;
+        for (slot, flags) in [(0, OWNER_LOCKS), (1, 0)] {
+            // pid 1 of a namespace that is not this one, recorded as a consumer there writes it.
+            table
+                .owner_word(map, slot, 0)
+                .unwrap()
+                .store(1, Ordering::Release);
+            table
+                .owner_word(map, slot, 2)
+                .unwrap()
+                .store(u64::MAX - 1, Ordering::Release);
+            table
+                .owner_word(map, slot, 3)
+                .unwrap()
+                .store(flags, Ordering::Release);
+            table
+                .owner_word(map, slot, 1)
+                .unwrap()
+                .store(7, Ordering::Release);
+        }
+        // Slot 0's owner takes locks and holds none: it died. Slot 1's does not lock: unknown.
+        assert_eq!(file.reclaim_if_owner_dead(0).map(|o| o.pid), Some(1));
+        assert_eq!(file.reclaim_if_owner_dead(1), None);
+        assert_eq!(file.value(1).unwrap(), 1);
     }
 
     #[test]
