@@ -28,8 +28,8 @@ hands the planned copies (adjacent tensors merged) to the driver in one ``cuMemc
 consumer that reads them its own way between ``begin()`` and ``finish()``.
 
 Neither process needs tensormem as PyTorch's allocator: a producer on PyTorch's own caching allocator publishes
-too, as long as its memory is not of expandable segments (``expandable_segments:True`` memory has no CUDA IPC
-memory handle). The library is loaded with ctypes (``tensormem_torch.find_library()``). Each consumer holds the
+too, its memory of expandable segments included (their chunks travel as file descriptors, where PyTorch made
+them exportable, as it does for its own expandable-segment sharing). The library is loaded with ctypes (``tensormem_torch.find_library()``). Each consumer holds the
 producer's memory while subscribed; a consumer that dies lets go of it, and ``Publisher.holders()`` no longer
 counts it. Errors raise ``WeightsError`` (``WeightsTimeout`` for a wait that ran out of time, ``PublicationClosed``
 once the producer closed the publication or exited) with the library's message.
