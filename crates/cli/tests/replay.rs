@@ -72,7 +72,14 @@ fn json_output_is_the_documented_object_and_nothing_else() {
     let object = value.as_object().unwrap();
     let mut keys: Vec<&str> = object.keys().map(String::as_str).collect();
     keys.sort_unstable();
-    assert_eq!(keys, ["events", "pools", "runs", "trace"]);
+    assert_eq!(
+        keys,
+        ["changed_while_running", "events", "pools", "runs", "trace"]
+    );
+    // A program that changed nothing while it ran: no stretches of limits, no settings phases.
+    let changed = &value["changed_while_running"]["0"];
+    assert_eq!(changed["limits"], serde_json::json!([]));
+    assert_eq!(changed["settings"], serde_json::json!([]));
     assert_eq!(value["events"], 1207);
     assert!(value["trace"]
         .as_str()
