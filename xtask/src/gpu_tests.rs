@@ -28,6 +28,7 @@ pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] = &[
     ("tensormem-torch", "weights"),
     ("tensormem-torch", "native_abi"),
     ("tensormem-nccl", "gpu"),
+    ("tensormem-nccl", "weights_gpu"),
 ];
 
 /// Examples that run on a GPU as checks: (package, example). Each skips with a message when there is

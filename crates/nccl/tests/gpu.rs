@@ -9,31 +9,15 @@ use std::sync::Arc;
 
 use cudarc::driver::sys as cu;
 use cudarc::nccl::{result, sys};
-use tensormem_cuda_alloc::backend::cuda::{self, check, CudaBackend};
+use tensormem_cuda_alloc::backend::cuda::{check, CudaBackend};
 use tensormem_cuda_alloc::{CachingAllocator, Device, DeviceAddress, StreamId};
 use tensormem_nccl::Registration;
-use tensormem_test_support::{gpu, skip};
+
+mod common;
+use common::two_gpus_and_nccl;
 
 const S: StreamId = StreamId::DEFAULT;
 const MIB: usize = 1 << 20;
-
-/// Whether two devices and NCCL are here (after saying why not).
-/// A machine with one GPU skips (the test needs a two-GPU host); with `TENSORMEM_REQUIRE_GPU=1`, no
-/// device at all, or two devices without a loadable NCCL, fail instead.
-fn two_gpus_and_nccl() -> bool {
-    if gpu::at_least(2, cuda::device_count()).is_none() {
-        return false;
-    }
-    let reason = match std::panic::catch_unwind(result::get_nccl_version) {
-        Ok(Ok(_)) => return true,
-        Ok(Err(e)) => format!("NCCL: {e:?}"),
-        Err(_) => {
-            "libnccl.so cannot be loaded (put NCCL's lib directory on LD_LIBRARY_PATH)".to_owned()
-        }
-    };
-    skip::unless_required(&[gpu::REQUIRE_GPU], &reason);
-    false
-}
 
 fn fill_f32(device: &CudaBackend, ptr: DeviceAddress, value: f32, count: usize) {
     device.make_current().unwrap();
