@@ -2,7 +2,7 @@
 //! for it, and [`BatchHandle::decode`](super::BatchHandle::decode) checks what arrives, with the
 //! same function (see the [module docs](crate::batch)).
 
-use super::wire::{BatchSegment, BatchView, NO_SEGMENT};
+use super::model::{BatchSegment, BatchView, NO_SEGMENT};
 use crate::handle::SegmentMemory;
 
 /// Checks a batch's segments and views (see the [module docs](crate::batch)); returns the view

@@ -131,12 +131,14 @@
 
 mod builder;
 mod check;
+mod model;
 mod received;
 mod segments;
 mod wire;
 
 pub use builder::BatchBuilder;
+pub use model::{BatchSegment, BatchView};
 pub use received::{ReceivedBatch, ReceivedView};
 pub(crate) use segments::SegmentTable;
 pub(crate) use wire::CheckedBatch;
-pub use wire::{BatchHandle, BatchSegment, BatchView, BATCH_ENCODING_VERSION};
+pub use wire::{BatchHandle, BATCH_ENCODING_VERSION};

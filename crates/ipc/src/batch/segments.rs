@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use super::wire::BatchSegment;
+use super::model::BatchSegment;
 use crate::chunks::ChunkHandle;
 use crate::driver::MemHandle;
 

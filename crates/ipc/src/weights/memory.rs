@@ -8,8 +8,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
 use tensormem_cuda_alloc::{Device, DeviceAddress};
 
-use super::meta::TensorMeta;
-use super::publisher::PublishedTensor;
+use super::meta::{PublishedTensor, TensorMeta};
 use crate::batch::{BatchView, CheckedBatch, SegmentTable};
 use crate::chunks::ChunkHandle;
 use crate::driver::{IpcDriver, MemHandle};

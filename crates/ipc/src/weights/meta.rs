@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use tensormem_cuda_alloc::DeviceAddress;
+
 /// An element type, by the name PyTorch prints for it (`torch.bfloat16` is `"bfloat16"`).
 ///
 /// The set is what weights are stored in; the wire code of each is stable.
@@ -232,6 +234,18 @@ impl fmt::Display for TensorMeta {
         }
         Ok(())
     }
+}
+
+/// One tensor to publish: its name, the address of its first element, what it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublishedTensor {
+    /// The name consumers know it by (a state dict's key); distinct within a publication, except
+    /// for tied weights (two names, the same bytes and layout).
+    pub name: String,
+    /// The address of its first element (PyTorch's `data_ptr()`).
+    pub ptr: DeviceAddress,
+    /// Element type, shape and strides.
+    pub meta: TensorMeta,
 }
 
 #[cfg(test)]

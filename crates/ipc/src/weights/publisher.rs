@@ -5,29 +5,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tensormem_cuda_alloc::{Device, DeviceAddress, StreamId};
+use tensormem_cuda_alloc::{Device, StreamId};
 
 use super::channel::{wait_until, Channel};
 use super::memory::{self, PublishedMemory};
 use super::message::WeightsMessage;
-use super::meta::TensorMeta;
+use super::meta::{PublishedTensor, TensorMeta};
 use crate::batch::CheckedBatch;
 use crate::driver::{EventHandle, IpcDriver};
 use crate::error::{Error, Result};
 use crate::producer::IpcProducer;
 use crate::refcounter::RefCounterFile;
-
-/// One tensor to publish: its name, the address of its first element, what it is.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PublishedTensor {
-    /// The name consumers know it by (a state dict's key); distinct within a publication, except
-    /// for tied weights (two names, the same bytes and layout).
-    pub name: String,
-    /// The address of its first element (PyTorch's `data_ptr()`).
-    pub ptr: DeviceAddress,
-    /// Element type, shape and strides.
-    pub meta: TensorMeta,
-}
 
 /// A set of CUDA tensors published to consumer processes, version after version (see
 /// [`crate::weights`]).
