@@ -278,7 +278,7 @@ impl PreparedDevice {
     fn infer_settings(&self) -> SettingsInference {
         let recorded = &self.recorded;
         let mut found = SettingsInference::default();
-        let Some((first, _)) = self.explains(recorded, &[]) else {
+        let Some((first, _)) = self.explains(&[]) else {
             return found;
         };
         found.replays += 1;
@@ -305,7 +305,7 @@ impl PreparedDevice {
                     from_event: 0,
                     config: candidate.clone(),
                 }];
-                let Some((departure, _)) = self.explains(recorded, &phases) else {
+                let Some((departure, _)) = self.explains(&phases) else {
                     continue;
                 };
                 found.replays += 1;
@@ -385,7 +385,7 @@ impl PreparedDevice {
     /// there, agrees with the record.
     fn switch_at(&self, earlier: &AllocatorConfig, at: usize) -> Switch {
         let phases = switch_phases(earlier, &self.recorded, at);
-        match self.explains(&self.recorded, &phases) {
+        match self.explains(&phases) {
             None => Switch::Fails,
             Some((None, true)) => Switch::Fits,
             Some((None, false)) => Switch::Fails,
@@ -454,6 +454,37 @@ impl PreparedDevice {
         }
     }
 
+    /// The plan replayed under the recorded configuration with the settings `phases` (none: the
+    /// recorded settings throughout), checked against the record (and `expected`, when given) and
+    /// stopped at its first departure from it. `None` when the replay fails.
+    fn checked_run(
+        &self,
+        phases: &[SettingsPhase],
+        expected: Option<&ExpectedStats>,
+    ) -> Option<DeviceRun> {
+        let mut options = RunOptions::new(self.recorded.clone());
+        options.timeline_points = 1;
+        options.check = true;
+        let schedule = Schedule {
+            limits: self
+                .capacity
+                .phases_for(self.recorded.per_process_memory_fraction),
+            settings: phases,
+            stop_at_divergence: true,
+            releases_external: None,
+        };
+        run::run_device(
+            &self.plan,
+            &options,
+            self.default_capacity(),
+            schedule,
+            0,
+            expected,
+            &mut self.pool_run(),
+        )
+        .ok()
+    }
+
     /// The plan replayed with the switch to the recorded settings at `at`, against `expected`:
     /// whether everything matched, and how far its bytes allocated over the run are off
     /// (`allocated_bytes.all.allocated`, replayed minus recorded). `None` when the replay fails.
@@ -465,66 +496,18 @@ impl PreparedDevice {
     ) -> Option<(bool, i64)> {
         const FIGURE: &str = "allocated_bytes.all.allocated";
         let phases = switch_phases(earlier, &self.recorded, at);
-        let mut options = RunOptions::new(self.recorded.clone());
-        options.timeline_points = 1;
-        options.check = true;
-        let schedule = Schedule {
-            limits: self
-                .capacity
-                .phases_for(self.recorded.per_process_memory_fraction),
-            settings: &phases,
-            stop_at_divergence: true,
-            releases_external: None,
-        };
-        let mut pools = self.pool_run();
-        let run = run::run_device(
-            &self.plan,
-            &options,
-            self.default_capacity(),
-            schedule,
-            0,
-            Some(expected),
-            &mut pools,
-        )
-        .ok()?;
+        let run = self.checked_run(&phases, Some(expected))?;
         let replayed = run.stats.to_flat().get(FIGURE).copied().unwrap_or(0);
         let recorded = expected.figures.get(FIGURE).copied().unwrap_or(replayed);
         let check = run.check?;
         Some((check.matches(), replayed - recorded))
     }
 
-    /// How far the plan replayed under the recorded configuration with the settings `phases`
-    /// (none: the recorded settings throughout) agrees with the record: the first event where it
-    /// departs (`None`: no allocation departs) and whether everything matched. `None` when the
-    /// replay fails.
-    fn explains(
-        &self,
-        recorded: &AllocatorConfig,
-        phases: &[SettingsPhase],
-    ) -> Option<(Option<usize>, bool)> {
-        let mut options = RunOptions::new(recorded.clone());
-        options.timeline_points = 1;
-        options.check = true;
-        let schedule = Schedule {
-            limits: self
-                .capacity
-                .phases_for(recorded.per_process_memory_fraction),
-            settings: phases,
-            stop_at_divergence: true,
-            releases_external: None,
-        };
-        let mut pools = self.pool_run();
-        let run = run::run_device(
-            &self.plan,
-            &options,
-            self.default_capacity(),
-            schedule,
-            0,
-            None,
-            &mut pools,
-        )
-        .ok()?;
-        let check = run.check?;
+    /// How far the plan replayed with the settings `phases` (none: the recorded settings
+    /// throughout) agrees with the record: the first event where it departs (`None`: no allocation
+    /// departs) and whether everything matched. `None` when the replay fails.
+    fn explains(&self, phases: &[SettingsPhase]) -> Option<(Option<usize>, bool)> {
+        let check = self.checked_run(phases, None)?.check?;
         Some((check.divergence.as_ref().map(|d| d.event), check.matches()))
     }
 

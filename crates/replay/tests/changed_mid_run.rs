@@ -12,19 +12,12 @@ use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_cuda_alloc::{Allocation, CachingAllocator, StreamId};
 use tensormem_replay::{ExpectedStats, Replay};
 
+mod common;
+
+use common::{assert_exact, recorded, recording, TOTAL};
+
 const S: StreamId = StreamId(0);
 const MIB: usize = 1 << 20;
-const TOTAL: u64 = 1 << 40;
-
-/// An allocator recording its history, on a device that gives the same addresses every run.
-fn recording(config: &str) -> CachingAllocator<SimDevice> {
-    let allocator = CachingAllocator::with_config(
-        SimDevice::with_fixed_addresses(0, TOTAL),
-        AllocatorConfig::parse(config).unwrap(),
-    );
-    allocator.record_history(true, 1 << 20);
-    allocator
-}
 
 /// Limits the allocator to `bytes` of the device, as `set_per_process_memory_fraction` does.
 fn limit(allocator: &CachingAllocator<SimDevice>, bytes: usize) {
@@ -49,40 +42,6 @@ fn until_refused(
     kept
 }
 
-/// The allocator's snapshot as PyTorch 2.11 writes it (no `pool_id`), and its statistics.
-fn recorded(allocator: &CachingAllocator<SimDevice>) -> (Snapshot, ExpectedStats) {
-    let figures = allocator.memory_stats().to_flat();
-    let mut bytes = Vec::new();
-    allocator.snapshot().write_pickle(&mut bytes).unwrap();
-    let mut snapshot = Snapshot::from_pickle_bytes(&bytes).unwrap();
-    for entry in snapshot.device_traces.iter_mut().flatten() {
-        entry.pool_id = None;
-    }
-    let expected = ExpectedStats {
-        figures,
-        ..ExpectedStats::default()
-    };
-    (snapshot, expected)
-}
-
-/// Replays `snapshot` under its recorded configuration and asserts every decision and figure is
-/// the record's.
-fn assert_exact(snapshot: &Snapshot, expected: ExpectedStats) -> Replay {
-    let replay = Replay::new(snapshot).unwrap().with_expected_stats(expected);
-    let run = replay.run_recorded().unwrap();
-    let check = run.devices[0].check.as_ref().unwrap();
-    assert_eq!(check.divergence, None, "{check:?}");
-    assert_eq!(check.address_mismatches, 0);
-    assert_eq!(check.reserved_mismatches, 0);
-    assert_eq!(
-        check.segments.as_ref().unwrap().mismatches,
-        Vec::<String>::new()
-    );
-    assert_eq!(check.stats.as_ref().unwrap().mismatches, Vec::new());
-    assert_eq!(run.matches_record(), Some(true));
-    replay
-}
-
 /// The limits the replay inferred for device 0: (first event, bytes allowed).
 fn phases(replay: &Replay) -> Vec<(usize, u64)> {
     replay
@@ -94,8 +53,6 @@ fn phases(replay: &Replay) -> Vec<(usize, u64)> {
         .collect()
 }
 
-/// A limit of 64 MiB with out-of-memory errors the program catches, then 300 MiB, reaching well
-/// past the first limit: no single limit explains both parts.
 /// The configurations each program is recorded under.
 const CONFIGS: [&str; 4] = [
     "",
@@ -104,6 +61,8 @@ const CONFIGS: [&str; 4] = [
     "max_split_size_mb:40,roundup_power2_divisions:4",
 ];
 
+/// A limit of 64 MiB with out-of-memory errors the program catches, then 300 MiB, reaching well
+/// past the first limit: no single limit explains both parts.
 #[test]
 fn a_fraction_lowered_then_raised_is_found_where_it_changed() {
     for config in CONFIGS {

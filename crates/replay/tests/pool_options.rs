@@ -6,23 +6,14 @@
 //! writes them.
 
 use tensormem_cuda_alloc::backend::sim::SimDevice;
-use tensormem_cuda_alloc::config::AllocatorConfig;
-use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_cuda_alloc::{Allocation, CachingAllocator, MempoolId, PoolOptions, StreamId};
-use tensormem_replay::{ExpectedStats, Replay};
+mod common;
+
+use common::{assert_exact, recorded, recording};
 
 const S: StreamId = StreamId(0);
 const MIB: usize = 1 << 20;
 const POOL: MempoolId = MempoolId(0, 1);
-
-fn recording(config: &str) -> CachingAllocator<SimDevice> {
-    let allocator = CachingAllocator::with_config(
-        SimDevice::with_fixed_addresses(0, 1 << 40),
-        AllocatorConfig::parse(config).unwrap(),
-    );
-    allocator.record_history(true, 1 << 20);
-    allocator
-}
 
 /// `size` bytes in `POOL` (inside `use_mem_pool`).
 fn in_pool(allocator: &CachingAllocator<SimDevice>, size: usize) -> Allocation {
@@ -30,31 +21,6 @@ fn in_pool(allocator: &CachingAllocator<SimDevice>, size: usize) -> Allocation {
     let a = allocator.allocate(size, S).unwrap();
     allocator.end_allocate_to_pool(POOL).unwrap();
     a
-}
-
-fn recorded(allocator: &CachingAllocator<SimDevice>) -> (Snapshot, ExpectedStats) {
-    let figures = allocator.memory_stats().to_flat();
-    let mut bytes = Vec::new();
-    allocator.snapshot().write_pickle(&mut bytes).unwrap();
-    let mut snapshot = Snapshot::from_pickle_bytes(&bytes).unwrap();
-    for entry in snapshot.device_traces.iter_mut().flatten() {
-        entry.pool_id = None;
-    }
-    (snapshot, ExpectedStats::from_figures(figures))
-}
-
-fn assert_exact(snapshot: &Snapshot, expected: ExpectedStats) -> Replay {
-    let replay = Replay::new(snapshot).unwrap().with_expected_stats(expected);
-    let run = replay.run_recorded().unwrap();
-    let check = run.devices[0].check.as_ref().unwrap();
-    assert_eq!(check.divergence, None, "{check:?}");
-    assert_eq!(
-        check.segments.as_ref().unwrap().mismatches,
-        Vec::<String>::new()
-    );
-    assert_eq!(check.stats.as_ref().unwrap().mismatches, Vec::new());
-    assert_eq!(run.matches_record(), Some(true));
-    replay
 }
 
 /// A pool whose blocks are never split, beside default allocations of the same sizes: in the

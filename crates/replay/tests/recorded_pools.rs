@@ -4,10 +4,13 @@
 //! where the trace without `pool_id` leaves the pools undecidable.
 
 use tensormem_cuda_alloc::backend::sim::SimDevice;
-use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::snapshot::{Snapshot, TraceAction};
 use tensormem_cuda_alloc::{Allocation, CachingAllocator, MempoolId, StreamId};
 use tensormem_replay::{ExpectedStats, PoolAttribution, PoolEvidence, Replay};
+
+mod common;
+
+use common::{assert_exact, recording, snapshot_of, without_pool_ids};
 
 const POOL: MempoolId = MempoolId(0, 1);
 const STREAM: StreamId = StreamId(0);
@@ -28,16 +31,6 @@ impl Rng {
     }
 }
 
-/// An allocator recording its history, on a device that gives the same addresses every run.
-fn recording(config: &str) -> CachingAllocator<SimDevice> {
-    let allocator = CachingAllocator::with_config(
-        SimDevice::with_fixed_addresses(0, 1 << 40),
-        AllocatorConfig::parse(config).unwrap(),
-    );
-    allocator.record_history(true, 1 << 20);
-    allocator
-}
-
 /// `size` bytes in `POOL` (a `use_mem_pool` context around one allocation; the `MemPool` object
 /// holds its own reference).
 fn in_pool(allocator: &CachingAllocator<SimDevice>, size: usize) -> Allocation {
@@ -52,38 +45,9 @@ fn in_pool(allocator: &CachingAllocator<SimDevice>, size: usize) -> Allocation {
 /// configuration: exact, figure for figure.
 fn replay_exactly(allocator: &CachingAllocator<SimDevice>) -> (Snapshot, Replay) {
     let original = allocator.memory_stats();
-    let mut bytes = Vec::new();
-    allocator.snapshot().write_pickle(&mut bytes).unwrap();
-    let snapshot = Snapshot::from_pickle_bytes(&bytes).unwrap();
-    let replay = exact(&snapshot, &original.to_flat());
+    let snapshot = snapshot_of(allocator);
+    let replay = assert_exact(&snapshot, ExpectedStats::from_figures(original.to_flat()));
     (snapshot, replay)
-}
-
-fn exact(snapshot: &Snapshot, figures: &std::collections::BTreeMap<String, i64>) -> Replay {
-    let replay = Replay::new(snapshot)
-        .unwrap()
-        .with_expected_stats(ExpectedStats {
-            figures: figures.clone(),
-            ..ExpectedStats::default()
-        });
-    let run = replay.run_recorded().unwrap();
-    let check = run.devices[0].check.as_ref().unwrap();
-    assert_eq!(check.divergence, None);
-    assert_eq!(
-        check.segments.as_ref().unwrap().mismatches,
-        Vec::<String>::new()
-    );
-    assert_eq!(check.stats.as_ref().unwrap().mismatches, Vec::new());
-    assert_eq!(run.matches_record(), Some(true));
-    replay
-}
-
-/// `snapshot` as PyTorch 2.11 writes it: no `pool_id` on trace entries.
-fn without_pool_ids(mut snapshot: Snapshot) -> Snapshot {
-    for entry in snapshot.device_traces.iter_mut().flatten() {
-        entry.pool_id = None;
-    }
-    snapshot
 }
 
 /// Allocations per pool.

@@ -4,13 +4,15 @@
 
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::config::AllocatorConfig;
-use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_cuda_alloc::{CachingAllocator, StreamId};
 use tensormem_replay::Replay;
 
+mod common;
+
+use common::TOTAL;
+
 const S: StreamId = StreamId(0);
 const MIB: usize = 1 << 20;
-const TOTAL: u64 = 1 << 40;
 
 /// The program: under a limit of 400 MiB, 390 MiB allocated (one more request refused) and freed,
 /// then three times: blocks
@@ -50,21 +52,11 @@ fn program(config: &str) -> CachingAllocator<SimDevice> {
     allocator
 }
 
-fn snapshot(allocator: &CachingAllocator<SimDevice>) -> Snapshot {
-    let mut bytes = Vec::new();
-    allocator.snapshot().write_pickle(&mut bytes).unwrap();
-    let mut snapshot = Snapshot::from_pickle_bytes(&bytes).unwrap();
-    for entry in snapshot.device_traces.iter_mut().flatten() {
-        entry.pool_id = None;
-    }
-    snapshot
-}
-
 /// The program's `empty_cache()` calls stay the program's in a what-if run that adds garbage
 /// collection (under which the replay's own state would take them for the collector's).
 #[test]
 fn the_programs_empty_cache_stays_the_programs_under_garbage_collection() {
-    let recorded = snapshot(&program(""));
+    let recorded = common::recorded(&program("")).0;
     let what_if = "garbage_collection_threshold:0.6";
     let real = program(what_if).memory_stats().to_flat();
     let replay = Replay::new(&recorded).unwrap();

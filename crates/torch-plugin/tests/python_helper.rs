@@ -108,20 +108,28 @@ print("ok settings")
 #[test]
 #[ignore = "needs python3 (.ci/run runs it with --ignored)"]
 fn allocator_settings_reach_pytorch_then_tensormem_once_whichever_way() {
+    let stdout = check_script(SETTINGS_CHECK, true);
+    assert!(stdout.contains("ok settings"), "{stdout}");
+}
+
+/// Runs `script` with python3 (required) on the package folder and, with `with_library`, the
+/// library cargo built; asserts it succeeded and returns what it printed.
+fn check_script(script: &str, with_library: bool) -> String {
     python::require();
     let package = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
-    let out = python::command()
-        .args(["-c", SETTINGS_CHECK])
-        .arg(&package)
-        .arg(library())
-        .output()
-        .expect("python3 runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let mut command = python::command();
+    command.args(["-c", script]).arg(&package);
+    if with_library {
+        command.arg(library());
+    }
+    let out = command.output().expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
-        out.status.success() && stdout.contains("ok settings"),
+        out.status.success(),
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    stdout
 }
 
 /// Tagged regions against a stand-in for `torch.cuda` (`MemPool`, `use_mem_pool`, devices) and for the
@@ -232,19 +240,8 @@ print("ok regions")
 #[test]
 #[ignore = "needs python3 (.ci/run runs it with --ignored)"]
 fn regions_pool_by_tag_and_sleep_every_device_at_once() {
-    python::require();
-    let package = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
-    let out = python::command()
-        .args(["-c", REGIONS_CHECK])
-        .arg(&package)
-        .output()
-        .expect("python3 runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("ok regions"),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = check_script(REGIONS_CHECK, false);
+    assert!(stdout.contains("ok regions"), "{stdout}");
 }
 
 // The tests run python3: `#[ignore]`d so that a machine without it reports them as ignored, never
@@ -254,20 +251,7 @@ fn regions_pool_by_tag_and_sleep_every_device_at_once() {
 #[test]
 #[ignore = "needs python3 (.ci/run runs it with --ignored)"]
 fn the_helper_wires_exported_functions_and_reads_errors() {
-    python::require();
-    let package = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
-    let out = python::command()
-        .args(["-c", CHECK])
-        .arg(&package)
-        .arg(library())
-        .output()
-        .expect("python3 runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = check_script(CHECK, true);
     assert!(stdout.contains("ok 8"), "{stdout}");
 }
 
