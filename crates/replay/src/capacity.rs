@@ -348,29 +348,62 @@ enum Bound {
     None,
 }
 
-/// The interval a set of decisions allows, whatever their order: at least the most bytes reserved
-/// after a new segment, at most the least upper end (release runs bounding under that were
-/// `empty_cache()`); `None` when no limit fits them all.
-fn interval(bounds: &[Bound]) -> Option<(u64, Option<u64>)> {
-    let lower = bounds
-        .iter()
-        .filter_map(|b| match b {
-            Bound::Lower(l) => Some(*l),
-            _ => None,
-        })
-        .max()
-        .unwrap_or(0);
-    let mut upper: Option<u64> = None;
-    for b in bounds {
-        let u = match *b {
-            Bound::Upper(u) if u < lower => return None,
-            Bound::Upper(u) => u,
-            Bound::Release(u) if u >= lower => u,
-            _ => continue,
-        };
-        upper = Some(upper.map_or(u, |v| v.min(u)));
+/// The interval a set of decisions allows, whatever their order, gathered one decision at a time:
+/// at least the most bytes reserved after a new segment, at most the least upper end (release runs
+/// bounding under the lower end were `empty_cache()`, and drop out as it rises).
+#[derive(Debug, Default)]
+struct Interval {
+    lower: u64,
+    /// The least upper end of the failures.
+    failures: Option<u64>,
+    /// The upper ends of release runs at or above `lower`, least first.
+    releases: std::collections::BinaryHeap<std::cmp::Reverse<u64>>,
+}
+
+impl Interval {
+    /// Whether one limit still fits once `bound` is added.
+    fn fits(&self, bound: Bound) -> bool {
+        match bound {
+            Bound::Lower(l) => self.failures.is_none_or(|u| u >= self.lower.max(l)),
+            Bound::Upper(u) => u >= self.lower,
+            Bound::Release(_) | Bound::None => true,
+        }
     }
-    Some((lower, upper))
+
+    fn add(&mut self, bound: Bound) {
+        match bound {
+            Bound::Lower(l) => {
+                self.lower = self.lower.max(l);
+                while self
+                    .releases
+                    .peek()
+                    .is_some_and(|&std::cmp::Reverse(u)| u < self.lower)
+                {
+                    self.releases.pop();
+                }
+            }
+            Bound::Upper(u) => self.failures = Some(self.failures.map_or(u, |v| v.min(u))),
+            Bound::Release(u) if u >= self.lower => self.releases.push(std::cmp::Reverse(u)),
+            Bound::Release(_) | Bound::None => {}
+        }
+    }
+
+    /// The interval of `bounds` (which one limit fits).
+    fn of(bounds: &[Bound]) -> Self {
+        let mut interval = Self::default();
+        for &b in bounds {
+            interval.add(b);
+        }
+        interval
+    }
+
+    fn upper(&self) -> Option<u64> {
+        let release = self.releases.peek().map(|&std::cmp::Reverse(u)| u);
+        match (self.failures, release) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
 }
 
 /// The stretches of the trace under one limit each, in event order: the fewest such stretches
@@ -378,7 +411,8 @@ fn interval(bounds: &[Bound]) -> Option<(u64, Option<u64>)> {
 /// its limit still fits the decisions before it (read backwards), so that a limit changed between
 /// two decisions is in force for every decision that allows it. `threshold` is the garbage
 /// collection threshold when the allocator collects (its release runs bound the limit
-/// differently). `None` when there is no decision.
+/// differently). `None` when there is no decision. Each decision is added once per direction (the
+/// interval of a set does not depend on the order of its decisions).
 pub(crate) fn limit_phases(
     facts: &CapacityFacts,
     threshold: Option<f64>,
@@ -393,18 +427,22 @@ pub(crate) fn limit_phases(
     }
     // Forwards: each stretch as long as one limit fits it; `starts` are decision indices.
     let mut starts = vec![0];
-    for end in 1..bounds.len() {
-        let start = *starts.last().expect("one stretch at least");
-        if interval(&bounds[start..=end]).is_none() {
-            starts.push(end);
+    let mut current = Interval::default();
+    for (i, &b) in bounds.iter().enumerate() {
+        if !current.fits(b) {
+            starts.push(i);
+            current = Interval::default();
         }
+        current.add(b);
     }
     // Backwards: each stretch from the earliest decision its limit still fits, never emptying
     // the one before.
     for k in (1..starts.len()).rev() {
         let end = starts.get(k + 1).copied().unwrap_or(bounds.len());
-        while starts[k] - 1 > starts[k - 1] && interval(&bounds[starts[k] - 1..end]).is_some() {
+        let mut later = Interval::of(&bounds[starts[k]..end]);
+        while starts[k] - 1 > starts[k - 1] && later.fits(bounds[starts[k] - 1]) {
             starts[k] -= 1;
+            later.add(bounds[starts[k]]);
         }
     }
     let phases = starts
@@ -412,13 +450,13 @@ pub(crate) fn limit_phases(
         .enumerate()
         .map(|(k, &start)| {
             let end = starts.get(k + 1).copied().unwrap_or(bounds.len());
-            let (lower, upper) = interval(&bounds[start..end]).unwrap_or((0, None));
+            let interval = Interval::of(&bounds[start..end]);
             let event = |i: usize| facts.decisions[i].0;
             OpenPhase {
                 from: if k == 0 { 0 } else { event(start) },
                 after: (k > 0).then(|| event(start - 1)),
-                lower,
-                upper,
+                lower: interval.lower,
+                upper: interval.upper(),
             }
         })
         .collect();
@@ -647,6 +685,50 @@ mod tests {
             CapacityInference::infer(&facts, &config("per_process_memory_fraction:0.5"));
         assert!(!inference.consistent);
         assert_eq!(inference.upper, Some((2 << 30) - 1));
+    }
+
+    /// Two limits: the second starts as early as its limit fits (the small segment after the last
+    /// failure could have been made under either), and each stretch keeps its own interval.
+    #[test]
+    fn stretches_under_one_limit_each_start_as_early_as_their_limit_allows() {
+        let mib = 1u64 << 20;
+        let mut facts = CapacityFacts::default();
+        facts.reach(1, 60 * mib);
+        facts.oom(
+            2,
+            OomFact {
+                reserved: 60 * mib,
+                size: 20 * mib,
+                device_free: 1 << 40,
+            },
+        );
+        facts.reach(3, 40 * mib);
+        facts.reach(4, 300 * mib);
+        facts.retry(5, 300 * mib, 40 * mib);
+        let phases = limit_phases(&facts, None).unwrap();
+        assert_eq!(phases.len(), 2, "{phases:?}");
+        assert_eq!((phases[0].from, phases[0].after), (0, None));
+        assert_eq!(
+            (phases[0].lower, phases[0].upper),
+            (60 * mib, Some(80 * mib - 1))
+        );
+        assert_eq!((phases[1].from, phases[1].after), (3, Some(2)));
+        assert_eq!(
+            (phases[1].lower, phases[1].upper),
+            (300 * mib, Some(340 * mib - 1))
+        );
+        // One limit fits the whole trace once the last segment is gone: no second stretch.
+        let mut one = CapacityFacts::default();
+        one.reach(1, 60 * mib);
+        one.oom(
+            2,
+            OomFact {
+                reserved: 60 * mib,
+                size: 20 * mib,
+                device_free: 1 << 40,
+            },
+        );
+        assert_eq!(limit_phases(&one, None).unwrap().len(), 1);
     }
 
     #[test]
