@@ -401,7 +401,7 @@ impl PreparedDevice {
     /// The bytes allocated over the run move one way as the switch moves (every allocation
     /// between two points is rounded under the one or the other settings), so the point is
     /// searched for by halving on them, then the points around it are tried, at most
-    /// [`MAX_SWITCH_TRIALS`] replays in all.
+    /// [`MAX_SWITCH_TRIALS`] replays in all (fewer for a long trace).
     pub(crate) fn settle_switch(&mut self, expected: &ExpectedStats) {
         let Some((from, to)) = self.settings.switch_window else {
             return;
@@ -415,6 +415,8 @@ impl PreparedDevice {
             earlier.max_split_size =
                 usize::try_from(figure).unwrap_or(AllocatorConfig::default().max_split_size);
         }
+        // Fewer for a long trace (each trial is a whole replay).
+        let most = MAX_SWITCH_TRIALS.min(settings_phases::search_budget(self.plan.events));
         let trials = std::cell::Cell::new(0);
         let settle = |device: &mut Self, at: usize| -> Option<i64> {
             trials.set(trials.get() + 1);
@@ -435,7 +437,7 @@ impl PreparedDevice {
         if off_from.signum() * off_to.signum() < 0 {
             // The first point whose figure is no longer on the side of `from`'s.
             let (mut lo, mut hi) = (from, to);
-            while lo < hi && trials.get() < MAX_SWITCH_TRIALS / 2 {
+            while lo < hi && trials.get() < most / 2 {
                 let mid = lo + (hi - lo) / 2;
                 match settle(self, mid) {
                     None => return,
@@ -445,7 +447,7 @@ impl PreparedDevice {
             }
             start = lo;
         }
-        let left = MAX_SWITCH_TRIALS.saturating_sub(trials.get()).max(1);
+        let left = most.saturating_sub(trials.get()).max(1);
         let step = (to - start) / left + 1;
         for at in (start..=to).step_by(step) {
             if settle(self, at).is_none() {
