@@ -26,6 +26,7 @@ pub(crate) const GPU_TEST_TARGETS: &[(&str, &str)] = &[
     ("tensormem-torch", "torch_client"),
     ("tensormem-torch", "real_clients"),
     ("tensormem-torch", "weights"),
+    ("tensormem-torch", "nccl_weights"),
     ("tensormem-torch", "native_abi"),
     ("tensormem-nccl", "gpu"),
     ("tensormem-nccl", "weights_gpu"),

@@ -18,8 +18,8 @@
 extern "C" {
 #endif
 
-/* Status codes (src/status.rs, and the weights functions' own, src/weights.rs) and a pool allocator's answers
- * (src/native/pools.rs). */
+/* Status codes (src/status.rs, and the weights functions' own, src/weights.rs), a pool allocator's answers
+ * (src/native/pools.rs) and the size of an NCCL unique id (src/nccl_weights.rs). */
 enum {
   TM_OK = 0,
   TM_OUT_OF_MEMORY = 1,
@@ -29,7 +29,8 @@ enum {
   TM_WEIGHTS_CLOSED = 4,
   POOL_ALLOC_OK = 0,
   POOL_ALLOC_OUT_OF_MEMORY = 1,
-  POOL_ALLOC_ERROR = -1
+  POOL_ALLOC_ERROR = -1,
+  TM_NCCL_UNIQUE_ID_BYTES = 128
 };
 
 /* PyTorch's MempoolId_t, passed by value (src/hooks.rs). */
@@ -243,6 +244,24 @@ int tensormem_weights_install(void* subscription, uint64_t plan, cudaStream_t st
 int tensormem_weights_begin(void* subscription, cudaStream_t stream, int64_t timeout_ms, uint64_t* version);
 int tensormem_weights_finish(void* subscription, uint64_t version);
 int tensormem_weights_close_subscription(void* subscription);
+
+/* Weights from one rank into the other ranks' own tensors through NCCL (src/nccl_weights.rs). A sync is an
+ * opaque handle; tensors are parallel arrays (names, first-byte addresses, sizes in bytes, metadata text such as
+ * "float32[768,3072]" that every rank gives alike). NCCL is loaded on first use. */
+typedef struct TmNcclSyncReport {
+  uint64_t sync;
+  uint64_t bytes;
+  uint64_t buckets;
+  uint64_t direct;
+  double seconds;
+} TmNcclSyncReport;
+
+int tensormem_nccl_unique_id(uint8_t* out, size_t len);
+int tensormem_nccl_weights_open(int device, const uint8_t* unique_id, size_t unique_id_len, int rank, int world_size,
+                                int src, size_t count, const char* const* names, const uint64_t* ptrs,
+                                const uint64_t* sizes, const char* const* metas, size_t bucket_bytes, void** out);
+int tensormem_nccl_weights_sync(void* sync, cudaStream_t stream, TmNcclSyncReport* report);
+int tensormem_nccl_weights_close(void* sync);
 
 #ifdef __cplusplus
 }

@@ -111,17 +111,19 @@ pub enum Error {
         /// The tensor it was given for.
         tensor: String,
     },
-    /// A weights publisher or subscription handle that is not live: never handed out, released,
-    /// dropped or closed already, or one of the other kind.
+    /// A weights handle (a publisher, a subscription, an NCCL weight sync) that is not live: never
+    /// handed out, released, dropped or closed already, or one of another kind.
     #[error(
-        "{handle:#x} is not a live {kind} handle: pass the handle tensormem_weights_publish or \
-         tensormem_weights_open gave, before it is released, dropped or closed"
+        "{handle:#x} is not a live {kind} handle: pass the handle {made_by} gave, before it is \
+         released, dropped or closed"
     )]
     UnknownWeightsHandle {
         /// The handle's value.
         handle: u64,
         /// What kind of handle was expected.
         kind: &'static str,
+        /// The functions that hand out that kind.
+        made_by: &'static str,
     },
     /// A plan id that tensormem_weights_prepare did not give for this subscription.
     #[error(
@@ -137,6 +139,19 @@ pub enum Error {
     /// A weights argument that cannot be what the caller meant; the message says which and why.
     #[error("{0}")]
     InvalidWeightsArgument(String),
+    /// The NCCL weight sync refused (a layout that differs between ranks, a bucket size below the
+    /// minimum, ...) or NCCL failed; the message names it.
+    #[error(transparent)]
+    Nccl(#[from] tensormem_nccl::Error),
+    /// NCCL's library could not be loaded under the names it is looked for by.
+    #[error(
+        "NCCL could not be loaded: none of the names cudarc looks for (libnccl.so, libnccl.so.12 and \
+         others) is on the loader's path. PyTorch's wheels ship NCCL as \
+         site-packages/nvidia/nccl/lib/libnccl.so.2, a name not among them: make a link named \
+         libnccl.so to it in a directory of LD_LIBRARY_PATH, set before the process starts \
+         (tensormem_torch.nccl_weights.nccl_library_dir() makes one and returns its directory)"
+    )]
+    NcclNotFound,
     /// Code under the plugin panicked; the panic was stopped at the C boundary.
     #[error("{call} panicked: {message}; this is a bug in tensormem, please report it")]
     Panicked {
@@ -155,7 +170,10 @@ impl Error {
         let alloc = match self {
             Error::Alloc(e) => e,
             Error::Cuda(tensormem::cuda::Error::Alloc(e)) => e,
-            Error::Device(DeviceError::OutOfMemory { .. }) => return true,
+            Error::Device(DeviceError::OutOfMemory { .. })
+            | Error::Nccl(tensormem_nccl::Error::Device(DeviceError::OutOfMemory { .. })) => {
+                return true
+            }
             _ => return false,
         };
         matches!(

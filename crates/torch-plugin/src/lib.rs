@@ -33,6 +33,8 @@
 //! [`weights`] exports the functions `tensormem_torch.weights` moves a model's weights between
 //! processes with (a producer publishes its tensors once, consumers install each version into
 //! their own tensors): `tensormem_weights_*`, on whichever allocator each process runs.
+//! [`nccl_weights`] exports those `tensormem_torch.nccl_weights` moves them with from one rank into
+//! other ranks' own tensors through NCCL, across GPUs and machines: `tensormem_nccl_*`.
 //!
 //! Where one of them does what a function of the C++ layer does, both call one implementation in
 //! [`native`]; the pluggable function keeps PyTorch's signature and reports failure its way.
@@ -72,12 +74,15 @@
 //! ```
 
 mod allocate;
+mod args;
 mod boundary;
 mod capture_mode;
 mod devices;
 mod error;
+mod handles;
 mod hooks;
 pub mod native;
+pub mod nccl_weights;
 mod stats;
 mod status;
 mod streams;

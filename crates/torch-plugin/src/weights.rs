@@ -28,10 +28,8 @@
 //! `cuMemAlloc` by its memory handles, memory of `cuMemCreate` by its chunks' file descriptors, see
 //! [`WeightPublisher::new`]), and a consumer's destinations may be any device memory of its own.
 
-use std::collections::BTreeMap;
-use std::ffi::{c_char, c_int, c_void, CStr};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::ffi::{c_char, c_int, c_void};
+use std::sync::{Mutex, RwLock};
 use std::time::Duration;
 
 use cudarc::driver::sys;
@@ -43,8 +41,10 @@ use tensormem::ipc::weights::{
 use tensormem_cuda_alloc::backend::cuda::CudaBackend;
 use tensormem_cuda_alloc::{DeviceAddress, StreamId};
 
+use crate::args::{items, put, text};
 use crate::boundary::call;
 use crate::error::{Error, Result};
+use crate::handles::{locked, Table};
 use crate::status::{TM_ERROR, TM_OK, TM_OUT_OF_MEMORY};
 
 /// A wait ran out of time (the producer's [`tensormem_weights_wait_installed`] or
@@ -67,60 +67,11 @@ struct PublisherEntry {
     pending: Mutex<Option<Vec<u8>>>,
 }
 
-/// The live handles of one kind, by number.
-struct Table<T> {
-    kind: &'static str,
-    live: Mutex<BTreeMap<u64, Arc<T>>>,
-}
-
-/// The next handle's number; shared by both kinds, so that no number names two things.
-static NEXT_HANDLE: AtomicU64 = AtomicU64::new(1);
-static PUBLISHERS: Table<PublisherEntry> = Table::new("weights publisher");
+static PUBLISHERS: Table<PublisherEntry> =
+    Table::new("weights publisher", "tensormem_weights_publish");
 /// Subscriptions; a C plan id is the subscriber's own plan number ([`PlanId::index`](tensormem::ipc::weights::PlanId::index)).
-static SUBSCRIPTIONS: Table<Mutex<Subscriber>> = Table::new("weights subscription");
-
-fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-impl<T> Table<T> {
-    const fn new(kind: &'static str) -> Self {
-        Self {
-            kind,
-            live: Mutex::new(BTreeMap::new()),
-        }
-    }
-
-    /// Adds `value`; its handle.
-    fn insert(&self, value: T) -> *mut c_void {
-        let id = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed);
-        locked(&self.live).insert(id, Arc::new(value));
-        id as usize as *mut c_void
-    }
-
-    /// The live entry `handle` names.
-    fn get(&self, handle: *mut c_void) -> Result<Arc<T>> {
-        let id = handle as usize as u64;
-        locked(&self.live)
-            .get(&id)
-            .cloned()
-            .ok_or(Error::UnknownWeightsHandle {
-                handle: id,
-                kind: self.kind,
-            })
-    }
-
-    /// Takes the entry `handle` names out of the table (it is dropped once no call uses it).
-    fn remove(&self, handle: *mut c_void) -> Result<Arc<T>> {
-        let id = handle as usize as u64;
-        locked(&self.live)
-            .remove(&id)
-            .ok_or(Error::UnknownWeightsHandle {
-                handle: id,
-                kind: self.kind,
-            })
-    }
-}
+static SUBSCRIPTIONS: Table<Mutex<Subscriber>> =
+    Table::new("weights subscription", "tensormem_weights_open");
 
 /// Runs `body` at the C boundary: [`TM_OK`], or the code of its error (see the module's docs).
 fn status(name: &'static str, body: impl FnOnce() -> Result<()>) -> c_int {
@@ -160,55 +111,6 @@ fn runtime_error(err: tensormem_runtime::Error) -> Error {
 
 fn stream_id(stream: sys::CUstream) -> StreamId {
     StreamId(stream as u64)
-}
-
-/// Writes `value` through `out`, which must not be null.
-///
-/// # Safety
-///
-/// `out` is null or valid for a write of one `T`.
-unsafe fn put<T>(out: *mut T, value: T, what: &'static str) -> Result<()> {
-    if out.is_null() {
-        return Err(Error::NullArgument { what });
-    }
-    // SAFETY: non-null (checked above) and valid for a write (the caller's obligation).
-    unsafe { out.write(value) };
-    Ok(())
-}
-
-/// `len` items from `ptr` (which may be null only when `len` is 0).
-///
-/// # Safety
-///
-/// `ptr` is valid for reads of `len` items, unless `len` is 0.
-unsafe fn items<'a, T>(ptr: *const T, len: usize, what: &'static str) -> Result<&'a [T]> {
-    if len == 0 {
-        return Ok(&[]);
-    }
-    if ptr.is_null() {
-        return Err(Error::NullArgument { what });
-    }
-    // SAFETY: non-null, valid for `len` reads (the caller's obligation), not written meanwhile.
-    Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
-}
-
-/// The UTF-8 text of C string `text`, the `index`th of argument `what`.
-///
-/// # Safety
-///
-/// `text` is null or a NUL-terminated string.
-unsafe fn text<'a>(text: *const c_char, what: &'static str, index: usize) -> Result<&'a str> {
-    if text.is_null() {
-        return Err(Error::NullArgument { what });
-    }
-    // SAFETY: non-null and NUL-terminated (the caller's obligation).
-    let bytes = unsafe { CStr::from_ptr(text) };
-    bytes.to_str().map_err(|_| {
-        Error::InvalidWeightsArgument(format!(
-            "{what}[{index}] ({}) is not valid UTF-8: pass names and type names as UTF-8",
-            bytes.to_string_lossy()
-        ))
-    })
 }
 
 /// The tensors the parallel arrays describe (see the module's docs).

@@ -244,6 +244,241 @@ fn regions_pool_by_tag_and_sleep_every_device_at_once() {
     assert!(stdout.contains("ok regions"), "{stdout}");
 }
 
+/// `tensormem_torch.nccl_weights` against a stand-in for torch (tensors, streams, `torch.distributed`'s default
+/// store), a stand-in store and a recording stand-in for the library: two ranks (threads) share the id rank 0
+/// made through the store and open with the arrays their tensors give; `sync` passes the current stream and
+/// returns the library's report; a rank whose tensors are refused makes both ranks raise before either opens;
+/// bad arguments are refused with what to do. Then the real library: its exports bind, and without NCCL (or a
+/// GPU) the calls raise `NcclWeightsError` saying what is missing.
+const NCCL_CHECK: &str = r#"
+import ctypes, sys, threading, types
+sys.path.insert(0, sys.argv[1])
+
+torch = types.ModuleType("torch")
+class DType:
+    def __init__(self, name, size):
+        self.name, self.itemsize = name, size
+    def __str__(self):
+        return "torch." + self.name
+float32, bfloat16 = DType("float32", 4), DType("bfloat16", 2)
+class Device:
+    def __init__(self, index):
+        self.index = index
+class Tensor:
+    next_ptr = [0x7f00_0000_0000]
+    def __init__(self, shape, dtype=float32, device=0, contiguous=True, cuda=True):
+        self.shape, self.dtype, self.device = tuple(shape), dtype, Device(device)
+        self.is_cuda, self._contiguous = cuda, contiguous
+        self.ptr = Tensor.next_ptr[0]
+        Tensor.next_ptr[0] += 1 << 20
+    def data_ptr(self):
+        return self.ptr
+    def numel(self):
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+    def element_size(self):
+        return self.dtype.itemsize
+    def is_contiguous(self):
+        return self._contiguous
+    def stride(self):
+        return (1,) * len(self.shape)
+class Stream:
+    def __init__(self, device):
+        self.cuda_stream = 0x5000 + device
+cuda = types.ModuleType("torch.cuda")
+cuda.current_stream = lambda device=None: Stream(device)
+cuda.current_device = lambda: 0
+dist = types.ModuleType("torch.distributed")
+dist.is_available = lambda: True
+dist.is_initialized = lambda: False
+dist.distributed_c10d = types.SimpleNamespace(_get_default_store=lambda: default_store)
+torch.Tensor, torch.device, torch.cuda, torch.distributed = Tensor, Device, cuda, dist
+torch.OutOfMemoryError = MemoryError
+sys.modules.update({"torch": torch, "torch.cuda": cuda, "torch.distributed": dist})
+
+class Store:
+    """torch.distributed.Store's set and get (get waits for the key)."""
+    def __init__(self):
+        self.values, self.changed = {}, threading.Condition()
+    def set(self, key, value):
+        assert isinstance(key, str) and isinstance(value, bytes), (key, value)
+        with self.changed:
+            self.values[key] = value
+            self.changed.notify_all()
+    def get(self, key):
+        with self.changed:
+            if not self.changed.wait_for(lambda: key in self.values, timeout=10):
+                raise RuntimeError(f"store: no {key} in 10 s")
+            return self.values[key]
+default_store = Store()
+
+ID = bytes(range(7, 7 + 128))
+class FakeLib:
+    """The library's four calls, recording what ctypes would pass."""
+    def __init__(self):
+        self.calls, self.lock, self.next = [], threading.Lock(), 0x100
+    def record(self, *call):
+        with self.lock:
+            self.calls.append(call)
+    def tensormem_nccl_unique_id(self, buf, n):
+        assert n == 128
+        ctypes.memmove(buf, ID, n)
+        self.record("unique_id")
+        return 0
+    def tensormem_nccl_weights_open(self, device, uid, uid_len, rank, world, src, count, names, ptrs, sizes, metas,
+                                    bucket, out):
+        arrays = ([names[i].decode() for i in range(count)], list(ptrs[:count]), list(sizes[:count]),
+                  [metas[i].decode() for i in range(count)])
+        with self.lock:
+            self.next += 1
+            out._obj.value = self.next
+        self.record("open", rank, device, bytes(uid[:uid_len]), world, src, bucket, arrays, self.next)
+        return 0
+    def tensormem_nccl_weights_sync(self, handle, stream, report):
+        report._obj.sync, report._obj.bytes, report._obj.seconds = 1, 4096, 0.25
+        self.record("sync", handle, stream.value)
+        return 0
+    def tensormem_nccl_weights_close(self, handle):
+        self.record("close", handle)
+        return 0
+    def tensormem_last_error(self):
+        return b"the library refused"
+
+import tensormem_torch
+nw = tensormem_torch.nccl_weights
+assert "nccl_weights" in tensormem_torch.__all__
+fake = nw._LIB = FakeLib()
+
+def model(device=0, contiguous=True):
+    return {"wte.weight": Tensor((8, 4), device=device), "h.0.attn.bias": Tensor((3,), bfloat16, device=device),
+            "h.0.mlp.weight": Tensor((2, 5), device=device, contiguous=contiguous)}
+
+def ranks(tensors, store, **kw):
+    """NcclWeights on ranks 0 and 1 of two, each in a thread: what each returned or raised."""
+    out = [None, None]
+    def run(rank):
+        try:
+            out[rank] = nw.NcclWeights(tensors[rank], rank, 2, store=store, **kw)
+        except Exception as e:
+            out[rank] = e
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+# Two ranks share rank 0's id through the store and open with their own tensors' arrays.
+store = Store()
+tensors = [model(0), model(1)]
+w0, w1 = ranks(tensors, store, bucket_bytes=2 << 20)
+assert isinstance(w0, nw.NcclWeights) and isinstance(w1, nw.NcclWeights), (w0, w1)
+assert [c[0] for c in fake.calls].count("unique_id") == 1, fake.calls
+opens = sorted(c for c in fake.calls if c[0] == "open")
+for rank, call in enumerate(opens):
+    _, r, device, uid, world, src, bucket, arrays, _ = call
+    assert (r, device, uid, world, src, bucket) == (rank, rank, ID, 2, 0, 2 << 20), call
+    names, ptrs, sizes, metas = arrays
+    assert names == ["wte.weight", "h.0.attn.bias", "h.0.mlp.weight"], names
+    assert ptrs == [t.data_ptr() for t in tensors[rank].values()], ptrs
+    assert sizes == [128, 6, 40], sizes
+    assert metas == ["float32[8,4]", "bfloat16[3]", "float32[2,5]"], metas
+assert store.values["tensormem_nccl_weights/0/id"] == ID
+assert store.values["tensormem_nccl_weights/0/status/1"] == b"ok"
+
+fake.calls.clear()
+report = w1.sync()
+assert report == nw.SyncReport(1, 4096, 0, 0, 0.25), report
+assert fake.calls == [("sync", w1._handle, 0x5001)], fake.calls
+handle = w1._handle
+with w1:
+    pass
+w1.close()
+assert fake.calls[1:] == [("close", handle)], fake.calls
+try:
+    w1.sync()
+    raise SystemExit("a closed sync synced")
+except nw.NcclWeightsError as e:
+    assert "closed" in str(e), e
+w0.close()
+
+# A rank whose tensors are refused: it raises its own error, the other names it; neither opens.
+fake.calls.clear()
+e0, e1 = ranks([model(0), model(1, contiguous=False)], Store())
+assert isinstance(e1, ValueError) and "'h.0.mlp.weight' is not contiguous" in str(e1), e1
+assert isinstance(e0, nw.NcclWeightsError), e0
+assert "rank 1: ValueError" in str(e0) and "not contiguous" in str(e0), e0
+assert not [c for c in fake.calls if c[0] == "open"], fake.calls
+
+# The default process group's store, under the next key.
+dist.is_initialized = lambda: True
+w0, w1 = ranks([model(0), model(1)], None)
+assert "tensormem_nccl_weights/2/id" in default_store.values, sorted(default_store.values)
+w0.close(), w1.close()
+dist.is_initialized = lambda: False
+
+# An id given: no store; the library's refusal is raised with its message.
+w = nw.NcclWeights(model(0), 0, 1, unique_id=ID, bucket_bytes=1 << 20)
+assert fake.calls[-1][0] == "open" and fake.calls[-1][3] == ID, fake.calls[-1]
+w.close()
+fake.tensormem_nccl_weights_sync = lambda *args: -1
+w = nw.NcclWeights(model(0), 0, 1, unique_id=ID)
+try:
+    w.sync()
+    raise SystemExit("a refused sync returned")
+except nw.NcclWeightsError as e:
+    assert str(e) == "tensormem nccl_weights: sync failed: the library refused", e
+w.close()
+
+for bad, error, words in [
+    (lambda: nw.NcclWeights(model(), 2, 2, unique_id=ID), ValueError, "rank 2 is not a rank of a world of 2"),
+    (lambda: nw.NcclWeights(model(), 0, 2, src=-1, unique_id=ID), ValueError, "src -1"),
+    (lambda: nw.NcclWeights(model(), 0, "2", unique_id=ID), TypeError, "world_size must be an int"),
+    (lambda: nw.NcclWeights(model(), 0, 1, unique_id=ID[:100]), ValueError, "100 bytes, not 128"),
+    (lambda: nw.NcclWeights(model(), 0, 1, unique_id=ID, bucket_bytes=4096), ValueError, "at least 1048576"),
+    (lambda: nw.NcclWeights(dict(model(), x=Tensor((2,), cuda=False)), 0, 1, unique_id=ID), ValueError,
+     "'x' is not a CUDA tensor"),
+    (lambda: nw.NcclWeights(dict(model(), x=Tensor((2,), device=1)), 0, 1, unique_id=ID), ValueError,
+     "on devices [0, 1]"),
+    (lambda: nw.NcclWeights(model(0), 0, 1, unique_id=ID, device=1), ValueError, "on devices [0, 1]"),
+    (lambda: nw.NcclWeights([("a", Tensor((1,))), ("a", Tensor((1,)))], 0, 1, unique_id=ID), ValueError,
+     "two tensors are named 'a'"),
+    (lambda: nw.NcclWeights(model(), 0, 2), ValueError, "pass store="),
+]:
+    try:
+        bad()
+        raise SystemExit(f"accepted: {words}")
+    except error as e:
+        assert words in str(e), (words, str(e))
+
+# The real library: every call binds; without NCCL or a GPU each says what is missing.
+nw._LIB = None
+import os
+os.environ["TENSORMEM_TORCH_LIB"] = sys.argv[2]
+try:
+    uid = nw.unique_id()
+    assert len(uid) == 128
+    print("nccl id made")
+except nw.NcclWeightsError as e:
+    assert "NCCL could not be loaded" in str(e), e
+    print("no nccl:", e)
+    try:
+        nw.NcclWeights(model(0), 0, 1, unique_id=ID)
+        raise SystemExit("opened without NCCL")
+    except nw.NcclWeightsError as e:
+        assert "open failed: NCCL could not be loaded" in str(e), e
+print("ok nccl_weights")
+"#;
+
+#[test]
+#[ignore = "needs python3 (.ci/run runs it with --ignored)"]
+fn nccl_weights_share_the_id_check_every_rank_and_pass_the_arrays() {
+    let stdout = check_script(NCCL_CHECK, true);
+    assert!(stdout.contains("ok nccl_weights"), "{stdout}");
+}
+
 // The tests run python3: `#[ignore]`d so that a machine without it reports them as ignored, never
 // as passed; `.ci/run` runs them (`cargo test -p tensormem-torch --test python_helper --
 // --ignored`), and there a missing python3 is a failure (`python::require`).
@@ -264,6 +499,8 @@ fn the_scripts_compile() {
         "python/tensormem_torch/__init__.py",
         "python/tensormem_torch/sleep.py",
         "python/tensormem_torch/regions.py",
+        "python/tensormem_torch/nccl_weights.py",
+        "tests/python/nccl_weights_check.py",
         "tests/python/real_clients.py",
         "tests/python/alloc_bench.py",
         "tests/python/workloads.py",

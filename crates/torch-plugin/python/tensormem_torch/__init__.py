@@ -28,7 +28,8 @@ workspace's ``target/release`` or ``target/debug``.
 
 ``tensormem_torch.weights`` moves a model's weights from one process into another's own tensors, version after
 version (a publisher in the trainer, a subscriber in the engine); it loads the library through ctypes and works
-whether or not tensormem is PyTorch's allocator.
+whether or not tensormem is PyTorch's allocator. ``tensormem_torch.nccl_weights`` moves them from one rank into the
+other ranks' own tensors through NCCL (an RL trainer into inference engines on other GPUs or machines).
 
 What ``install()`` needs and does not find (PyTorch, a CUDA build of it and a visible GPU; for the C++ layer
 a C++ compiler, ninja and CUDA's headers) is one ``InstallError`` whose one-line message names what is
@@ -41,7 +42,7 @@ import os
 import shutil
 import warnings
 
-from . import weights  # imports no torch until used
+from . import nccl_weights, weights  # import no torch until used
 from ._paths import HERE, LIB_NAME, find_library
 from .regions import is_asleep, region, regions, sleep, sleep_regions, wake, wake_regions
 from .sleep import reserve_backup_memory
@@ -49,7 +50,7 @@ from .sleep import reserve_backup_memory
 __all__ = ["Plugin", "InstallError", "install", "mem_pool", "find_library", "find_source", "build_extension",
            "HOOKS", "sleep", "wake", "is_asleep", "region", "regions", "sleep_regions", "wake_regions",
            "reserve_backup_memory",
-           "weights"]
+           "weights", "nccl_weights"]
 
 SOURCE_NAME = "tensormem_allocator.cpp"
 HEADER_NAME = "tensormem_abi.h"  # the library's C interface, which the source includes
