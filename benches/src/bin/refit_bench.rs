@@ -22,8 +22,17 @@
 //! - `tm_open`: the consumer's open of the publication alone (`first_ms`) and its plan
 //!   (`median_ms` column: the plan's build time).
 //!
+//! With `--consumer-device N` (N > 0, a machine with several GPUs) the consumer's parameters are
+//! on device N: the install reads the producer's memory on device 0 through CUDA IPC and copies
+//! it across (peer copies over NVLink or PCIe, peer access enabled). Two more rows give the floor
+//! measured in the same run, one process:
+//! - `floor_peer_batched`: the layout's tensors of device 0 copied to the same tensors on device N
+//!   with one `cuMemcpyBatchAsync`;
+//! - `floor_peer_bulk`: the layout's bytes as one buffer copied from device 0 to device N with one
+//!   copy (the peer bandwidth: `tm_sync` at 90% of it or better is the goal).
+//!
 //! ```text
-//! refit_bench [--layout gpt2|7b|moe|all] [--rounds N] [--verify]
+//! refit_bench [--layout gpt2|7b|moe|all] [--rounds N] [--verify] [--consumer-device N]
 //! ```
 //!
 //! `--verify`: after the last sync the consumer reads every parameter back and checks every byte
@@ -53,6 +62,7 @@ const ROLE: &str = "TENSORMEM_REFIT_BENCH_ROLE";
 const LAYOUT: &str = "TENSORMEM_REFIT_BENCH_LAYOUT";
 const ROUNDS: &str = "TENSORMEM_REFIT_BENCH_ROUNDS";
 const VERIFY: &str = "TENSORMEM_REFIT_BENCH_VERIFY";
+const DEVICE: &str = "TENSORMEM_REFIT_BENCH_DEVICE";
 const WAIT: Option<Duration> = Some(Duration::from_secs(120));
 
 /// The anchor's layouts: shapes and element type (`gpt2` in fp32, the others in bf16).
@@ -81,6 +91,7 @@ impl Model {
         allocator: &CachingAllocator<CudaBackend>,
         fill: impl Fn(usize) -> u8,
     ) -> Result<Self, BoxError> {
+        allocator.device().make_current()?;
         let (shapes, dtype) = layout(name);
         let metas: Vec<TensorMeta> = shapes
             .iter()
@@ -89,7 +100,7 @@ impl Model {
         let mut allocations = Vec::with_capacity(metas.len());
         for (i, m) in metas.iter().enumerate() {
             let a = allocator.allocate(m.nbytes() as usize, StreamId::DEFAULT)?;
-            // SAFETY: the allocation is `nbytes` bytes of device 0 (current), owned here.
+            // SAFETY: the allocation is `nbytes` bytes of the allocator's device (current), owned here.
             check("cuMemsetD8", unsafe {
                 sys::cuMemsetD8_v2(a.ptr().0, fill(i), m.nbytes() as usize)
             })?;
@@ -130,10 +141,10 @@ impl Model {
     }
 }
 
-/// A non-blocking stream of device 0 (batched copies refuse the legacy default stream).
+/// A non-blocking stream of the current device (batched copies refuse the legacy default stream).
 fn new_stream() -> Result<StreamId, BoxError> {
     let mut stream = std::ptr::null_mut();
-    // SAFETY: `stream` is a valid out-parameter; device 0's context is current.
+    // SAFETY: `stream` is a valid out-parameter; a device's context is current.
     check("cuStreamCreate", unsafe {
         sys::cuStreamCreate(
             &mut stream,
@@ -155,7 +166,14 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn consumer() -> Result<(), BoxError> {
     let name = std::env::var(LAYOUT)?;
     let rounds: u64 = std::env::var(ROUNDS)?.parse()?;
-    let allocator = CachingAllocator::new(CudaBackend::new(0)?);
+    let device: u32 = std::env::var(DEVICE).map_or(Ok(0), |d| d.parse())?;
+    let allocator = CachingAllocator::new(CudaBackend::new(device)?);
+    if device != 0 {
+        // The producer's memory is on device 0: this device reads it.
+        allocator
+            .device()
+            .enable_peer_access(&CudaBackend::new(0)?)?;
+    }
     allocator.device().make_current()?;
     let driver = Arc::new(CudaIpcDriver::new()?);
     let stream = new_stream()?;
@@ -182,12 +200,12 @@ fn consumer() -> Result<(), BoxError> {
         let v = sub.begin(stream, WAIT)?;
         // SAFETY: the sources are the subscription's mapped views; the destinations are this
         // process's parameters, allocated until the end; nothing else runs on them.
-        unsafe { driver.copy_batch(0, &copies, stream)? };
-        // SAFETY: `byte` is one writable host byte; `last` is a parameter of device 0.
+        unsafe { driver.copy_batch(device, &copies, stream)? };
+        // SAFETY: `byte` is one writable host byte; `last` is a parameter of this device.
         check("cuMemcpyDtoHAsync", unsafe {
             sys::cuMemcpyDtoHAsync_v2((&mut byte as *mut u8).cast(), last.0, 1, stream.0 as _)
         })?;
-        driver.synchronize_stream(0, stream)?;
+        driver.synchronize_stream(device, stream)?;
         sub.finish(v);
         writeln!(out, "v {v} {byte}")?;
         out.flush()?;
@@ -281,17 +299,82 @@ fn floor(
     Ok(())
 }
 
+/// The floor of an install across GPUs, in one process: the layout's tensors of device 0 copied to
+/// the same tensors on `peer`'s device with one batched copy, and the same bytes as one buffer with
+/// one copy (the peer bandwidth).
+fn floor_peer(
+    name: &str,
+    allocator: &CachingAllocator<CudaBackend>,
+    peer: &CachingAllocator<CudaBackend>,
+    driver: &CudaIpcDriver,
+    rounds: usize,
+) -> Result<(), BoxError> {
+    let device = peer.device().ordinal();
+    let src = Model::new(name, allocator, |_| 1)?;
+    let dst = Model::new(name, peer, |_| 0)?;
+    let bytes = src.bytes() as usize;
+    let whole_src = allocator.allocate(bytes, StreamId::DEFAULT)?;
+    let whole_dst = peer.allocate(bytes, StreamId::DEFAULT)?;
+    peer.device().make_current()?;
+    let stream = new_stream()?;
+    let tensors: Vec<DeviceCopy> = src
+        .allocations
+        .iter()
+        .zip(&dst.allocations)
+        .zip(&src.metas)
+        .map(|((s, d), m)| DeviceCopy {
+            src: s.ptr(),
+            dst: d.ptr(),
+            len: m.nbytes(),
+        })
+        .collect();
+    let whole = [DeviceCopy {
+        src: whole_src.ptr(),
+        dst: whole_dst.ptr(),
+        len: bytes as u64,
+    }];
+    for (method, copies) in [
+        ("floor_peer_batched", tensors.as_slice()),
+        ("floor_peer_bulk", whole.as_slice()),
+    ] {
+        let mut times = Vec::new();
+        for _ in 0..=rounds {
+            let t = Instant::now();
+            // SAFETY: both sides are live allocations of this process of `len` bytes, on device 0
+            // and on `device` (whose context reads device 0's memory: peer access is enabled).
+            unsafe { driver.copy_batch(device, copies, stream)? };
+            driver.synchronize_stream(device, stream)?;
+            times.push(ms(t.elapsed()));
+        }
+        println!(
+            "{name},{method},{},{},{:.2},{:.2}",
+            copies.len(),
+            bytes,
+            times[0],
+            median(times[1..].to_vec())
+        );
+    }
+    allocator.free(whole_src)?;
+    peer.free(whole_dst)?;
+    src.free(allocator)?;
+    dst.free(peer)?;
+    allocator.device().make_current()?;
+    Ok(())
+}
+
 fn sync(
     name: &str,
     allocator: &CachingAllocator<CudaBackend>,
     driver: &Arc<CudaIpcDriver>,
     rounds: usize,
     verify: bool,
+    consumer_device: u32,
 ) -> Result<(), BoxError> {
     let weights = Model::new(name, allocator, pattern)?;
     let stream = new_stream()?;
     let mut child = Command::new(std::env::current_exe()?)
         .env(ROLE, "consumer")
+        .env(DEVICE, consumer_device.to_string())
         .env(LAYOUT, name)
         .env(ROUNDS, (rounds + 1).to_string())
         .env(VERIFY, if verify { "1" } else { "0" })
@@ -406,6 +489,7 @@ fn main() -> Result<(), BoxError> {
     let which = value("--layout").unwrap_or_else(|| "all".into());
     let rounds: usize = value("--rounds").map_or(Ok(10), |r| r.parse())?;
     let verify = args.iter().any(|a| a == "--verify");
+    let consumer_device: u32 = value("--consumer-device").map_or(Ok(0), |d| d.parse())?;
     let driver = match CudaIpcDriver::new() {
         Ok(d) if d.device_count().unwrap_or(0) > 0 => Arc::new(d),
         Ok(_) => {
@@ -418,6 +502,15 @@ fn main() -> Result<(), BoxError> {
         }
     };
     let allocator = CachingAllocator::new(CudaBackend::new(0)?);
+    let peer = match consumer_device {
+        0 => None,
+        n if n < driver.device_count().unwrap_or(0) => {
+            let peer = CachingAllocator::new(CudaBackend::new(n)?);
+            peer.device().enable_peer_access(allocator.device())?;
+            Some(peer)
+        }
+        n => return Err(format!("--consumer-device {n}: no such device").into()),
+    };
     allocator.device().make_current()?;
     println!("layout,method,tensors,bytes,first_ms,median_ms");
     let layouts: Vec<&str> = match which.as_str() {
@@ -426,8 +519,11 @@ fn main() -> Result<(), BoxError> {
         other => return Err(format!("unknown layout {other:?}: gpt2, 7b, moe or all").into()),
     };
     for name in layouts {
-        floor(name, &allocator, &driver, rounds)?;
-        sync(name, &allocator, &driver, rounds, verify)?;
+        match &peer {
+            Some(peer) => floor_peer(name, &allocator, peer, &driver, rounds)?,
+            None => floor(name, &allocator, &driver, rounds)?,
+        }
+        sync(name, &allocator, &driver, rounds, verify, consumer_device)?;
     }
     Ok(())
 }
