@@ -190,4 +190,19 @@ pub trait IpcDriver: Send + Sync + 'static {
         copies: &[DeviceCopy],
         stream: StreamId,
     ) -> DeviceResult<()>;
+
+    /// The device of `stream`'s context (`cuStreamGetCtx`), where the driver can tell; `None` for
+    /// the legacy default stream and by default.
+    fn stream_device(&self, stream: StreamId) -> DeviceResult<Option<u32>> {
+        let _ = stream;
+        Ok(None)
+    }
+
+    /// Lets `device` reach `peer`'s memory, mappings of other processes' memory on `peer`
+    /// included (`cuCtxEnablePeerAccess`), as copies queued on `device` between the two need.
+    /// Enabling twice is not an error. By default nothing (one device).
+    fn enable_peer_access(&self, device: u32, peer: u32) -> DeviceResult<()> {
+        let _ = (device, peer);
+        Ok(())
+    }
 }

@@ -114,6 +114,48 @@ fn versions_install_in_order_and_the_producer_waits_for_them() {
     assert_eq!(publisher.holders(), 0);
 }
 
+/// A consumer whose parameters are on another GPU than the publication: the install runs on its
+/// stream's device, which is first given peer access to the publication's device.
+#[test]
+fn an_install_on_another_device_copies_there_with_peer_access() {
+    let driver = Arc::new(FakeDriver::new(2));
+    driver.add_allocation(0, DeviceAddress(0x10_0000), 2 * 8192);
+    let meta = TensorMeta::contiguous(DType::BFloat16, &[64, 64]);
+    let names = names(2);
+    let tensors: Vec<PublishedTensor> = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| PublishedTensor {
+            name: name.clone(),
+            ptr: DeviceAddress(0x10_0000 + i as u64 * 8192),
+            meta: meta.clone(),
+        })
+        .collect();
+    let producer = IpcProducer::<SimDevice, _>::new(Arc::clone(&driver));
+    // SAFETY: the fake driver has no memory behind the addresses; nothing reads them.
+    let publisher = unsafe { WeightPublisher::new(&producer, 0, &tensors) }.unwrap();
+    let message = WeightsMessage::decode(&publisher.message().unwrap().encode()).unwrap();
+    let consumer = IpcConsumer::new(Arc::clone(&driver));
+    let other_gpu = StreamId(0x51);
+    driver.set_stream_device(other_gpu, 1);
+    let mut sub = WeightSubscriber::open(&consumer, &message, other_gpu).unwrap();
+    driver.add_allocation(1, DeviceAddress(0x90_0000), 1 << 20);
+    let plan = sub
+        .prepare(&destinations(&names, &meta), PlanOptions::default())
+        .unwrap();
+    let v = publisher.publish(S).unwrap();
+    // SAFETY: the fake driver moves no bytes.
+    assert_eq!(unsafe { sub.install(plan, other_gpu, SECOND) }.unwrap(), v);
+    assert_eq!(driver.copy_devices(), vec![1]);
+    assert_eq!(driver.peer_accesses(), vec![(1, 0)]);
+    // A stream of the publication's device needs no peer access.
+    let v = publisher.publish(S).unwrap();
+    // SAFETY: as above.
+    assert_eq!(unsafe { sub.install(plan, S, SECOND) }.unwrap(), v);
+    assert_eq!(driver.copy_devices(), vec![1, 0]);
+    assert_eq!(driver.peer_accesses(), vec![(1, 0)]);
+}
+
 #[test]
 fn the_producer_does_not_pass_a_consumer_that_reads_a_version() {
     let (driver, publisher, _meta) = published(2);

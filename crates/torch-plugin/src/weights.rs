@@ -500,9 +500,11 @@ pub unsafe extern "C" fn tensormem_weights_prepare(
 ///
 /// # Safety
 ///
-/// The destinations `plan` was prepared for are device memory of this process, still allocated and
-/// not used by other work while the copies run; `stream` is a live stream of the publication's
-/// device (or null); `version` is valid for a write.
+/// The destinations `plan` was prepared for are device memory of this process on `stream`'s
+/// device, still allocated and not used by other work while the copies run; `stream` is a live
+/// stream of the publication's device or of another device of this process (parameters on another
+/// GPU: that device is given peer access to the publication's, and the copies run there), or null;
+/// `version` is valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn tensormem_weights_install(
     subscription: *mut c_void,

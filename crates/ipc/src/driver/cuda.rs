@@ -329,6 +329,43 @@ impl IpcDriver for CudaIpcDriver {
         })
     }
 
+    /// The device of `stream`'s context: `cuStreamGetCtx`, that context made current for a
+    /// `cuCtxGetDevice` and the previous one current again.
+    ///
+    /// # References
+    ///
+    /// - [`cuStreamGetCtx`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) (Stream Management)
+    /// - [`cuCtxGetDevice`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html) (Context Management)
+    #[doc(alias = "cuStreamGetCtx")]
+    fn stream_device(&self, stream: StreamId) -> DeviceResult<Option<u32>> {
+        let raw = stream.0 as sys::CUstream;
+        if raw.is_null() {
+            return Ok(None);
+        }
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: the stream is live (the caller's obligation for every StreamId); `ctx` is a valid
+        // out-parameter.
+        check("cuStreamGetCtx", unsafe {
+            sys::cuStreamGetCtx(raw, &mut ctx)
+        })?;
+        // SAFETY: `ctx` is the stream's live context; it is pushed, asked and popped again, so the
+        // calling thread's current context is what it was.
+        unsafe {
+            check("cuCtxPushCurrent", sys::cuCtxPushCurrent_v2(ctx))?;
+            let mut device = 0;
+            let asked = check("cuCtxGetDevice", sys::cuCtxGetDevice(&mut device));
+            let mut popped = std::ptr::null_mut();
+            check("cuCtxPopCurrent", sys::cuCtxPopCurrent_v2(&mut popped))?;
+            asked?;
+            Ok(u32::try_from(device).ok())
+        }
+    }
+
+    fn enable_peer_access(&self, device: u32, peer: u32) -> DeviceResult<()> {
+        let peer_backend = self.current(peer)?;
+        self.current(device)?.enable_peer_access(peer_backend)
+    }
+
     unsafe fn copy_batch(
         &self,
         device: u32,

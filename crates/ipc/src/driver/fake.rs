@@ -98,6 +98,11 @@ pub struct FakeDriver {
     chunks: Mutex<Vec<(u32, u64, usize, OwnedFd)>>,
     /// Ranges of imported chunks by (device, base).
     imported: Mutex<HashMap<(u32, u64), ImportedRange>>,
+    /// The device of each stream [`set_stream_device`](Self::set_stream_device) named.
+    stream_devices: Mutex<HashMap<u64, u32>>,
+    /// Every (device, peer) of `enable_peer_access`, and the device of every `copy_batch`.
+    peer_accesses: Mutex<Vec<(u32, u32)>>,
+    copy_devices: Mutex<Vec<u32>>,
     /// Call counts.
     pub counts: FakeCounts,
 }
@@ -122,8 +127,29 @@ impl FakeDriver {
             allocations: Mutex::new(Vec::new()),
             chunks: Mutex::new(Vec::new()),
             imported: Mutex::new(HashMap::new()),
+            stream_devices: Mutex::new(HashMap::new()),
+            peer_accesses: Mutex::new(Vec::new()),
+            copy_devices: Mutex::new(Vec::new()),
             counts: FakeCounts::default(),
         }
+    }
+
+    /// Makes `stream_device` answer `device` for `stream` (a stream of another device than the
+    /// memory it copies, as a consumer on another GPU has).
+    pub fn set_stream_device(&self, stream: StreamId, device: u32) {
+        self.stream_devices.lock().insert(stream.0, device);
+    }
+
+    /// Every (device, peer) `enable_peer_access` was asked for, in order.
+    #[must_use]
+    pub fn peer_accesses(&self) -> Vec<(u32, u32)> {
+        self.peer_accesses.lock().clone()
+    }
+
+    /// The device of every `copy_batch` call, in order.
+    #[must_use]
+    pub fn copy_devices(&self) -> Vec<u32> {
+        self.copy_devices.lock().clone()
     }
 
     /// Makes `stream_idle` report every stream idle (`true`) or busy (`false`, the default).
@@ -470,6 +496,18 @@ impl IpcDriver for FakeDriver {
         self.check_device(device)?;
         self.counts.copy_batches.fetch_add(1, Ordering::Relaxed);
         self.copies.lock().extend_from_slice(copies);
+        self.copy_devices.lock().push(device);
+        Ok(())
+    }
+
+    fn stream_device(&self, stream: StreamId) -> DeviceResult<Option<u32>> {
+        Ok(self.stream_devices.lock().get(&stream.0).copied())
+    }
+
+    fn enable_peer_access(&self, device: u32, peer: u32) -> DeviceResult<()> {
+        self.check_device(device)?;
+        self.check_device(peer)?;
+        self.peer_accesses.lock().push((device, peer));
         Ok(())
     }
 }

@@ -216,9 +216,13 @@ impl<B: IpcDriver> WeightSubscriber<B> {
     /// copies on `stream` in as few launches as the driver allows, synchronizes `stream` and
     /// records the version installed. Returns the version.
     ///
+    /// `stream` may be of another device than the publication's (parameters on another GPU of
+    /// the node): the copies then run on the stream's device, which is given peer access to the
+    /// publication's device first (NVLink or PCIe peer copies).
+    ///
     /// # Safety
     ///
-    /// The destinations the plan was prepared for are device memory of this process on this
+    /// The destinations the plan was prepared for are device memory of this process on `stream`'s
     /// device, not in use by other work while the copies run, and still allocated.
     ///
     /// # Errors
@@ -232,11 +236,18 @@ impl<B: IpcDriver> WeightSubscriber<B> {
         timeout: Option<Duration>,
     ) -> Result<u64> {
         let version = self.begin(stream, timeout)?;
-        let device = self.batch.device();
+        // The copies run on the stream's device: the parameters may be on another GPU than the
+        // publication, which that device then reads through peer access.
+        let published_on = self.batch.device();
+        let device = self.driver.stream_device(stream)?.unwrap_or(published_on);
+        if device != published_on {
+            self.driver.enable_peer_access(device, published_on)?;
+        }
         let copies = self.plans[plan.0].copies();
         // SAFETY: the sources are the publication's views, mapped while `self` lives and inside
-        // their allocations (checked when the message was decoded and opened); the destinations
-        // are the caller's obligation; the plan refused overlapping destinations.
+        // their allocations (checked when the message was decoded and opened), reachable from
+        // `device` (its own, or through the peer access just enabled); the destinations are the
+        // caller's obligation; the plan refused overlapping destinations.
         unsafe { self.driver.copy_batch(device, copies, stream)? };
         self.driver.synchronize_stream(device, stream)?;
         self.finish(version);
