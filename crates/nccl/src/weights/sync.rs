@@ -149,6 +149,15 @@ impl<E: CopyEngine, C: Collective<Event = E::Event>> Drop for Link<E, C> {
     }
 }
 
+/// Where one bucket is broadcast from (on the sender) or into (elsewhere).
+enum Transfer {
+    /// One piece of one of this rank's tensors: the tensor itself, without a staging copy.
+    Direct(DeviceAddress),
+    /// The staging buffer of the bucket's slot, with the copies between it and this rank's tensors
+    /// (into it on the sender, out of it elsewhere).
+    Staged(Vec<CopySpan>),
+}
+
 /// One rank's end of a weight sync: the sending rank (`root`) broadcasts its tensors' bytes, every
 /// other rank receives them into its own tensors, matched by name. See the
 /// [module docs](super).
@@ -156,9 +165,8 @@ pub struct WeightSync<E: CopyEngine, C: Collective<Event = E::Event>> {
     link: Link<E, C>,
     root: usize,
     plan: SyncPlan,
-    /// Per bucket, the copies between this rank's tensors and its staging buffer (into it on the
-    /// sender, out of it elsewhere); `None` for a bucket broadcast directly.
-    copies: Vec<Option<Vec<CopySpan>>>,
+    /// Per bucket, where its bytes are broadcast from or into.
+    transfers: Vec<Transfer>,
     /// Per staging buffer: its bucket is in place (packed on the sender, received elsewhere).
     filled: [E::Event; 2],
     /// Per staging buffer: it may be written again (broadcast on the sender, unpacked elsewhere).
@@ -265,13 +273,16 @@ impl<E: CopyEngine, C: Collective<Event = E::Event>> WeightSync<E, C> {
         if !agreed {
             return Err(Error::LayoutRejected { fingerprint });
         }
-        let copies = plan
+        let transfers = plan
             .buckets()
             .iter()
             .enumerate()
             .map(|(k, b)| {
                 let staging = addrs[k % 2];
-                b.direct().is_none().then(|| {
+                if let Some(tensor) = b.direct() {
+                    return Transfer::Direct(tensor);
+                }
+                Transfer::Staged(
                     b.spans()
                         .iter()
                         .map(|s| {
@@ -286,8 +297,8 @@ impl<E: CopyEngine, C: Collective<Event = E::Event>> WeightSync<E, C> {
                                 len: s.len,
                             }
                         })
-                        .collect()
-                })
+                        .collect(),
+                )
             })
             .collect();
         tracing::debug!(
@@ -304,7 +315,7 @@ impl<E: CopyEngine, C: Collective<Event = E::Event>> WeightSync<E, C> {
             link,
             root,
             plan,
-            copies,
+            transfers,
             filled,
             drained,
             begin,
@@ -365,7 +376,11 @@ impl<E: CopyEngine, C: Collective<Event = E::Event>> WeightSync<E, C> {
             sync: self.syncs,
             bytes: self.plan.bytes(),
             buckets: self.plan.buckets().len(),
-            direct: self.copies.iter().filter(|c| c.is_none()).count(),
+            direct: self
+                .transfers
+                .iter()
+                .filter(|t| matches!(t, Transfer::Direct(_)))
+                .count(),
             elapsed: start.elapsed(),
         };
         tracing::info!(
@@ -394,8 +409,8 @@ impl<E: CopyEngine, C: Collective<Event = E::Event>> WeightSync<E, C> {
         let (engine, collective) = (&self.link.engine, &self.link.collective);
         for (k, bucket) in self.plan.buckets().iter().enumerate() {
             let (step, slot) = (Step::Bucket(k), k % 2);
-            let src = match (&self.copies[k], bucket.direct()) {
-                (Some(copies), _) => {
+            let src = match &self.transfers[k] {
+                Transfer::Staged(copies) => {
                     engine.wait(&self.drained[slot])?;
                     // SAFETY: the sources are the caller's tensors (sync's obligations); the
                     // destination is the staging buffer, free once `drained` completes.
@@ -404,13 +419,12 @@ impl<E: CopyEngine, C: Collective<Event = E::Event>> WeightSync<E, C> {
                     collective.wait(&self.filled[slot])?;
                     self.link.addrs[slot]
                 }
-                (None, Some(tensor)) => tensor,
-                (None, None) => unreachable!("a bucket without copies is direct"),
+                Transfer::Direct(tensor) => *tensor,
             };
             // SAFETY: `src` is the packed staging buffer or a piece of one of the caller's
             // tensors, `bucket.len()` bytes; the broadcast only reads it on the root.
             unsafe { collective.broadcast(step, src, bucket.len(), self.root)? };
-            if self.copies[k].is_some() {
+            if matches!(self.transfers[k], Transfer::Staged(_)) {
                 collective.record(&self.drained[slot])?;
             }
         }
@@ -435,7 +449,7 @@ impl<E: CopyEngine, C: Collective<Event = E::Event>> WeightSync<E, C> {
                 // SAFETY: sync's obligations.
                 unsafe { self.issue(k + 1)? };
             }
-            if let Some(copies) = &self.copies[k] {
+            if let Transfer::Staged(copies) = &self.transfers[k] {
                 let slot = k % 2;
                 let engine = &self.link.engine;
                 engine.wait(&self.filled[slot])?;
@@ -457,8 +471,7 @@ impl<E: CopyEngine, C: Collective<Event = E::Event>> WeightSync<E, C> {
         let collective = &self.link.collective;
         let bucket = &self.plan.buckets()[k];
         let (step, slot) = (Step::Bucket(k), k % 2);
-        if self.copies[k].is_none() {
-            let tensor = bucket.direct().expect("a bucket without copies is direct");
+        if let Transfer::Direct(tensor) = self.transfers[k] {
             // SAFETY: a piece of one of the caller's tensors, `bucket.len()` bytes, used by
             // nothing else during the sync.
             return unsafe { collective.broadcast(step, tensor, bucket.len(), self.root) };
