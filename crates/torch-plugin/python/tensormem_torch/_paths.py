@@ -1,4 +1,6 @@
-"""Where the library is: one place for the package's modules (``find_library``), below all of them."""
+"""Where the library is and how it is loaded: one place for the package's modules (``find_library``,
+``load_library``, ``last_error``), below all of them."""
+import ctypes
 import os
 
 LIB_NAME = "libtensormem_torch.so"
@@ -27,3 +29,23 @@ def find_library():
     return _first_file(candidates, LIB_NAME,
                        "build it with `cargo build --release -p tensormem-torch`, install the wheel "
                        "(`pip install crates/torch-plugin`) or set TENSORMEM_TORCH_LIB")
+
+
+def load_library(signatures):
+    """libtensormem_torch.so through ctypes (the same library ``tensormem_torch.install()`` loads, if it
+    was), with each function of ``signatures`` (``{name: argtypes}``) returning an ``int`` status, and
+    ``tensormem_last_error`` for the message of the last failure."""
+    lib = ctypes.CDLL(find_library())
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = argtypes
+    lib.tensormem_last_error.restype = ctypes.c_char_p
+    lib.tensormem_last_error.argtypes = []
+    return lib
+
+
+def last_error(lib):
+    """The message of ``lib``'s last failure on this thread."""
+    err = lib.tensormem_last_error()
+    return err.decode("utf-8", "replace") if err else "unknown error"

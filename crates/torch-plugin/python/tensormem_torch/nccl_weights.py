@@ -38,7 +38,7 @@ import hashlib
 import os
 import re
 
-from ._paths import find_library
+from ._paths import last_error, load_library
 from .weights import _dtype_name, _named
 
 __all__ = ["NcclWeights", "NcclWeightsError", "SyncReport", "unique_id", "nccl_library_dir", "UNIQUE_ID_BYTES",
@@ -86,25 +86,17 @@ _SIGNATURES = {
 
 
 def _library():
-    """libtensormem_torch.so through ctypes (the same library tensormem_torch.install() loads, if it was)."""
+    """libtensormem_torch.so with this module's functions (``_paths.load_library``), loaded once."""
     global _LIB
     if _LIB is None:
-        lib = ctypes.CDLL(find_library())
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype = ctypes.c_int
-            fn.argtypes = argtypes
-        lib.tensormem_last_error.restype = ctypes.c_char_p
-        lib.tensormem_last_error.argtypes = []
-        _LIB = lib
+        _LIB = load_library(_SIGNATURES)
     return _LIB
 
 
 def _ok(rc, what):
     if rc == TM_OK:
         return
-    err = _library().tensormem_last_error()
-    text = err.decode("utf-8", "replace") if err else "unknown error"
+    text = last_error(_library())
     message = f"tensormem nccl_weights: {what} failed: {text}"
     if "NCCL could not be loaded" in text:
         here = nccl_library_dir()

@@ -30,29 +30,26 @@ of a region; the functions here take pools.
 """
 import ctypes
 
-from ._paths import find_library
+from ._paths import last_error, load_library
 
 _LIB = None
 
+_U64P = ctypes.POINTER(ctypes.c_uint64)
+# The functions this module calls: argument types (each returns an int status).
+_SIGNATURES = {
+    "tensormem_pool_sleep": [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, _U64P],
+    "tensormem_pool_wake": [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, _U64P],
+    "tensormem_host_empty_cache": [],
+    "tensormem_host_reserve": [ctypes.c_int, ctypes.c_uint64, _U64P],
+    "tensormem_pool_is_asleep": [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64],
+}
+
 
 def _library():
+    """libtensormem_torch.so with this module's functions (``_paths.load_library``), loaded once."""
     global _LIB
     if _LIB is None:
-        lib = ctypes.CDLL(find_library())
-        lib.tensormem_pool_sleep.restype = ctypes.c_int
-        lib.tensormem_pool_sleep.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int,
-                                             ctypes.POINTER(ctypes.c_uint64)]
-        lib.tensormem_pool_wake.restype = ctypes.c_int
-        lib.tensormem_pool_wake.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64,
-                                            ctypes.POINTER(ctypes.c_uint64)]
-        lib.tensormem_host_empty_cache.restype = ctypes.c_int
-        lib.tensormem_host_empty_cache.argtypes = []
-        lib.tensormem_host_reserve.restype = ctypes.c_int
-        lib.tensormem_host_reserve.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)]
-        lib.tensormem_pool_is_asleep.restype = ctypes.c_int
-        lib.tensormem_pool_is_asleep.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
-        lib.tensormem_last_error.restype = ctypes.c_char_p
-        _LIB = lib
+        _LIB = load_library(_SIGNATURES)
     return _LIB
 
 
@@ -74,8 +71,7 @@ def _device(device):
 
 
 def _raise(lib, rc, what):
-    err = lib.tensormem_last_error()
-    message = f"tensormem: {what} failed: {err.decode('utf-8', 'replace') if err else 'unknown error'}"
+    message = f"tensormem: {what} failed: {last_error(lib)}"
     if rc == 1:
         import torch
         raise torch.OutOfMemoryError(message)

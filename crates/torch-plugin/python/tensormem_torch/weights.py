@@ -38,7 +38,7 @@ import ctypes
 import json
 import struct
 
-from ._paths import find_library
+from ._paths import last_error, load_library
 
 __all__ = ["Publisher", "Subscriber", "WeightsError", "WeightsTimeout", "PublicationClosed"]
 
@@ -92,25 +92,17 @@ _SIGNATURES = {
 
 
 def _library():
-    """libtensormem_torch.so through ctypes (the same library tensormem_torch.install() loads, if it was)."""
+    """libtensormem_torch.so with this module's functions (``_paths.load_library``), loaded once."""
     global _LIB
     if _LIB is None:
-        lib = ctypes.CDLL(find_library())
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype = ctypes.c_int
-            fn.argtypes = argtypes
-        lib.tensormem_last_error.restype = ctypes.c_char_p
-        lib.tensormem_last_error.argtypes = []
-        _LIB = lib
+        _LIB = load_library(_SIGNATURES)
     return _LIB
 
 
 def _ok(rc, what):
     if rc == TM_OK:
         return
-    err = _library().tensormem_last_error()
-    message = f"tensormem weights: {what} failed: {err.decode('utf-8', 'replace') if err else 'unknown error'}"
+    message = f"tensormem weights: {what} failed: {last_error(_library())}"
     if rc == TM_WEIGHTS_TIMED_OUT:
         raise WeightsTimeout(message)
     if rc == TM_WEIGHTS_CLOSED:
