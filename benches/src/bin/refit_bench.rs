@@ -250,6 +250,34 @@ fn verify(params: &Model, last: u8) -> Result<usize, BoxError> {
     Ok(wrong)
 }
 
+/// One copy per tensor of the layout, from `src`'s allocation to `dst`'s.
+fn tensor_copies(src: &Model, dst: &Model) -> Vec<DeviceCopy> {
+    src.allocations
+        .iter()
+        .zip(&dst.allocations)
+        .zip(&src.metas)
+        .map(|((s, d), m)| DeviceCopy {
+            src: s.ptr(),
+            dst: d.ptr(),
+            len: m.nbytes(),
+        })
+        .collect()
+}
+
+/// Runs `round` once cold and `rounds` times warm: the cold time and the warm median, in ms.
+fn time_rounds(
+    rounds: usize,
+    mut round: impl FnMut() -> Result<(), BoxError>,
+) -> Result<(f64, f64), BoxError> {
+    let mut times = Vec::new();
+    for _ in 0..=rounds {
+        let t = Instant::now();
+        round()?;
+        times.push(ms(t.elapsed()));
+    }
+    Ok((times[0], median(times[1..].to_vec())))
+}
+
 fn floor(
     name: &str,
     allocator: &CachingAllocator<CudaBackend>,
@@ -259,21 +287,9 @@ fn floor(
     let src = Model::new(name, allocator, |_| 1)?;
     let dst = Model::new(name, allocator, |_| 0)?;
     let stream = new_stream()?;
-    let copies: Vec<DeviceCopy> = src
-        .allocations
-        .iter()
-        .zip(&dst.allocations)
-        .zip(&src.metas)
-        .map(|((s, d), m)| DeviceCopy {
-            src: s.ptr(),
-            dst: d.ptr(),
-            len: m.nbytes(),
-        })
-        .collect();
+    let copies = tensor_copies(&src, &dst);
     for (method, single) in [("floor_batched", false), ("floor_loop", true)] {
-        let mut times = Vec::new();
-        for _ in 0..=rounds {
-            let t = Instant::now();
+        let (first, median) = time_rounds(rounds, || {
             if single {
                 for c in &copies {
                     // SAFETY: both sides are live allocations of this process of `len` bytes.
@@ -283,16 +299,10 @@ fn floor(
                 // SAFETY: as above.
                 unsafe { driver.copy_batch(0, &copies, stream)? };
             }
-            driver.synchronize_stream(0, stream)?;
-            times.push(ms(t.elapsed()));
-        }
-        println!(
-            "{name},{method},{},{},{:.2},{:.2}",
-            copies.len(),
-            src.bytes(),
-            times[0],
-            median(times[1..].to_vec())
-        );
+            Ok(driver.synchronize_stream(0, stream)?)
+        })?;
+        let (count, bytes) = (copies.len(), src.bytes());
+        println!("{name},{method},{count},{bytes},{first:.2},{median:.2}");
     }
     src.free(allocator)?;
     dst.free(allocator)?;
@@ -317,17 +327,7 @@ fn floor_peer(
     let whole_dst = peer.allocate(bytes, StreamId::DEFAULT)?;
     peer.device().make_current()?;
     let stream = new_stream()?;
-    let tensors: Vec<DeviceCopy> = src
-        .allocations
-        .iter()
-        .zip(&dst.allocations)
-        .zip(&src.metas)
-        .map(|((s, d), m)| DeviceCopy {
-            src: s.ptr(),
-            dst: d.ptr(),
-            len: m.nbytes(),
-        })
-        .collect();
+    let tensors = tensor_copies(&src, &dst);
     let whole = [DeviceCopy {
         src: whole_src.ptr(),
         dst: whole_dst.ptr(),
@@ -337,22 +337,14 @@ fn floor_peer(
         ("floor_peer_batched", tensors.as_slice()),
         ("floor_peer_bulk", whole.as_slice()),
     ] {
-        let mut times = Vec::new();
-        for _ in 0..=rounds {
-            let t = Instant::now();
+        let (first, median) = time_rounds(rounds, || {
             // SAFETY: both sides are live allocations of this process of `len` bytes, on device 0
             // and on `device` (whose context reads device 0's memory: peer access is enabled).
             unsafe { driver.copy_batch(device, copies, stream)? };
-            driver.synchronize_stream(device, stream)?;
-            times.push(ms(t.elapsed()));
-        }
-        println!(
-            "{name},{method},{},{},{:.2},{:.2}",
-            copies.len(),
-            bytes,
-            times[0],
-            median(times[1..].to_vec())
-        );
+            Ok(driver.synchronize_stream(device, stream)?)
+        })?;
+        let count = copies.len();
+        println!("{name},{method},{count},{bytes},{first:.2},{median:.2}");
     }
     allocator.free(whole_src)?;
     peer.free(whole_dst)?;
