@@ -1,38 +1,9 @@
 //! `tensormem replay --matrix`, run as a user runs it: the built binary, its exit status, stdout and
 //! stderr.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+mod common;
 
-fn tensormem(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tensormem"))
-        .args(args)
-        .env_remove("TENSORMEM_LOG")
-        .output()
-        .expect("the tensormem binary runs")
-}
-
-fn stdout(output: &Output) -> String {
-    String::from_utf8(output.stdout.clone()).expect("stdout is UTF-8")
-}
-
-fn stderr(output: &Output) -> String {
-    String::from_utf8(output.stderr.clone()).expect("stderr is UTF-8")
-}
-
-fn trace(name: &str) -> String {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../traces")
-        .join(name)
-        .display()
-        .to_string()
-}
-
-fn json(args: &[&str]) -> serde_json::Value {
-    let output = tensormem(args);
-    assert!(output.status.success(), "{}", stderr(&output));
-    serde_json::from_str(&stdout(&output)).expect("stdout is one JSON document")
-}
+use common::{json, stderr, stdout, tensormem, trace};
 
 #[test]
 fn the_matrix_of_the_built_in_trace_ranks_configurations_and_recommends_one() {

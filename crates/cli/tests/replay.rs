@@ -1,32 +1,11 @@
 //! `tensormem replay` and `tensormem snapshot summary`, run as a user runs them: the built binary,
 //! its exit status, stdout and stderr.
 
-use std::path::PathBuf;
 use std::process::{Command, Output};
 
-fn tensormem(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tensormem"))
-        .args(args)
-        .env_remove("TENSORMEM_LOG")
-        .output()
-        .expect("the tensormem binary runs")
-}
+mod common;
 
-fn stdout(output: &Output) -> String {
-    String::from_utf8(output.stdout.clone()).expect("stdout is UTF-8")
-}
-
-fn stderr(output: &Output) -> String {
-    String::from_utf8(output.stderr.clone()).expect("stderr is UTF-8")
-}
-
-fn trace(name: &str) -> String {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../traces")
-        .join(name)
-        .display()
-        .to_string()
-}
+use common::{stderr, stdout, tensormem, trace};
 
 /// Asserts a failure reported on exactly one line that names `what`.
 fn fails_with_one_line(output: &Output, what: &str) {
