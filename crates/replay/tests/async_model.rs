@@ -5,7 +5,6 @@
 //! errors.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::snapshot::{Snapshot, TraceAction};
@@ -13,6 +12,10 @@ use tensormem_cuda_alloc::{CachingAllocator, StreamId};
 use tensormem_replay::{
     DeviceRun, Replay, ReplayRun, RunOptions, ASYNC_LOWER_BOUNDS, POOL_GRANULARITY,
 };
+
+mod common;
+
+use common::traces_dir;
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -226,13 +229,6 @@ fn requests_the_device_has_no_room_for_are_certain_out_of_memory_errors() {
     let live = 3 * MIB + 1000 + 700 * KIB + MIB;
     assert_async_stats(device, (live, live), (6 * MIB, 6 * MIB));
     assert_eq!(bounds.headroom, 0);
-}
-
-fn traces_dir() -> PathBuf {
-    std::env::var_os("TENSORMEM_TRACES_DIR").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces"),
-        PathBuf::from,
-    )
 }
 
 fn load(name: &str) -> Snapshot {

@@ -1,17 +1,12 @@
 //! The recorded `memory_stats()` a replay is checked against: figures that cannot be read are errors,
 //! never dropped, and a record that confirms nothing is not a match.
 
-use std::path::PathBuf;
-
 use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_replay::{Error, ExpectedStats, Replay};
 
-fn traces_dir() -> PathBuf {
-    std::env::var_os("TENSORMEM_TRACES_DIR").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces"),
-        PathBuf::from,
-    )
-}
+mod common;
+
+use common::traces_dir;
 
 fn refused(json: &str) -> String {
     match ExpectedStats::from_json(json) {

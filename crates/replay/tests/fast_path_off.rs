@@ -12,12 +12,9 @@ use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_cuda_alloc::{CachingAllocator, FAST_PATH_ENV};
 use tensormem_replay::{Replay, ReplayRun};
 
-fn traces_dir() -> PathBuf {
-    std::env::var_os("TENSORMEM_TRACES_DIR").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces"),
-        PathBuf::from,
-    )
-}
+mod common;
+
+use common::traces_dir;
 
 /// The recorded traces: every `NAME.pickle` or `NAME.pickle.gz` beside a `NAME.stats.json`.
 fn corpus(dir: &Path) -> Vec<PathBuf> {

@@ -3,32 +3,17 @@
 //! out of memory last, the recommendation replays to the figure reported, the combinations left out
 //! replay alike, and a grid restricted to some settings varies only those.
 
-use std::path::PathBuf;
-
 use tensormem_cuda_alloc::config::{AllocatorConfig, MB};
 use tensormem_cuda_alloc::snapshot::Snapshot;
-use tensormem_replay::{
-    ExpectedStats, MatrixOptions, MatrixResult, Replay, RunOptions, Setting, SettingsMatrix,
-};
+use tensormem_replay::{MatrixOptions, MatrixResult, Replay, RunOptions, Setting, SettingsMatrix};
 
-fn traces_dir() -> PathBuf {
-    std::env::var_os("TENSORMEM_TRACES_DIR").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces"),
-        PathBuf::from,
-    )
-}
+mod common;
+
+use common::load_trace;
 
 /// The trace `name` and the replay of it, with its recorded statistics.
 fn load(name: &str) -> (Snapshot, Replay) {
-    let dir = traces_dir();
-    let plain = dir.join(format!("{name}.pickle"));
-    let path = if plain.is_file() {
-        plain
-    } else {
-        dir.join(format!("{name}.pickle.gz"))
-    };
-    let snapshot = Snapshot::read_file(path).unwrap();
-    let expected = ExpectedStats::read_file(dir.join(format!("{name}.stats.json"))).unwrap();
+    let (snapshot, expected) = load_trace(name);
     let replay = Replay::new(&snapshot)
         .unwrap()
         .with_expected_stats(expected);

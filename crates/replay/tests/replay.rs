@@ -2,12 +2,14 @@
 //! recorded configuration every figure of PyTorch's `memory_stats()` must come out exactly; under
 //! other configurations the replay must run to the end.
 
-use std::path::PathBuf;
-
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::snapshot::{Snapshot, TraceAction, TraceEntry};
 use tensormem_cuda_alloc::{CachingAllocator, StreamId, DEFAULT_STREAM_CAPACITY};
 use tensormem_replay::{ExpectedStats, Replay, RunOptions};
+
+mod common;
+
+use common::load_trace;
 
 const TRACES: [&str; 29] = [
     "gpt2_train",
@@ -41,27 +43,6 @@ const TRACES: [&str; 29] = [
     "oom_mempool_use_on_oom__fraction-0.004",
 ];
 
-fn traces_dir() -> PathBuf {
-    std::env::var_os("TENSORMEM_TRACES_DIR").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces"),
-        PathBuf::from,
-    )
-}
-
-fn load(name: &str) -> (Snapshot, ExpectedStats) {
-    let dir = traces_dir();
-    // Large traces are kept gzip-compressed.
-    let plain = dir.join(format!("{name}.pickle"));
-    let path = if plain.is_file() {
-        plain
-    } else {
-        dir.join(format!("{name}.pickle.gz"))
-    };
-    let snapshot = Snapshot::read_file(path).unwrap();
-    let expected = ExpectedStats::read_file(dir.join(format!("{name}.stats.json"))).unwrap();
-    (snapshot, expected)
-}
-
 /// Every figure the allocator tracks that PyTorch's `memory_stats()` reports for all pools.
 fn tracked_keys() -> Vec<String> {
     let mut keys: Vec<String> = [
@@ -92,7 +73,7 @@ fn tracked_keys() -> Vec<String> {
 }
 
 fn exact(name: &str) {
-    let (snapshot, expected) = load(name);
+    let (snapshot, expected) = load_trace(name);
     let replay = Replay::new(&snapshot)
         .unwrap()
         .with_expected_stats(expected.clone());
@@ -193,7 +174,7 @@ fn multistream_replays_exactly() {
 /// 51 segments released by the OOM path and by `empty_cache`, all reproduced.
 #[test]
 fn oom_pressure_replays_exactly() {
-    let (_, expected) = load("oom_pressure");
+    let (_, expected) = load_trace("oom_pressure");
     assert!(expected.figures["num_ooms"] > 0 && expected.figures["num_alloc_retries"] > 0);
     assert!(expected.figures["num_device_free"] > 0);
     exact("oom_pressure");
@@ -205,7 +186,7 @@ fn oom_pressure_replays_exactly() {
 #[test]
 fn cudagraph_train_replays_exactly() {
     exact("cudagraph_train");
-    let (snapshot, _) = load("cudagraph_train");
+    let (snapshot, _) = load_trace("cudagraph_train");
     let replay = Replay::new(&snapshot).unwrap();
     let attribution = replay.pool_attribution(0).unwrap();
     assert!(attribution.has_private());
@@ -215,7 +196,7 @@ fn cudagraph_train_replays_exactly() {
 /// Two devices, one allocator each, each checked against its own `memory_stats(d)`.
 #[test]
 fn two_gpu_replays_exactly_per_device() {
-    let (_, expected) = load("two_gpu");
+    let (_, expected) = load_trace("two_gpu");
     assert_eq!(expected.devices.len(), 2);
     exact("two_gpu");
 }
@@ -225,7 +206,7 @@ fn two_gpu_replays_exactly_per_device() {
 #[test]
 fn varlen_pressure_under_a_fraction_replays_exactly_with_no_flag() {
     let name = "varlen_pressure__per_process_memory_fraction-0.019";
-    let (snapshot, expected) = load(name);
+    let (snapshot, expected) = load_trace(name);
     assert!(expected.figures["num_ooms"] > 0);
     exact(name);
     let replay = Replay::new(&snapshot).unwrap();
@@ -243,7 +224,7 @@ fn varlen_pressure_under_a_fraction_replays_exactly_with_no_flag() {
 #[test]
 fn mempool_replays_exactly() {
     exact("mempool");
-    let (snapshot, _) = load("mempool");
+    let (snapshot, _) = load_trace("mempool");
     let replay = Replay::new(&snapshot).unwrap();
     let attribution = replay.pool_attribution(0).unwrap();
     let pooled: u64 = attribution
@@ -277,7 +258,7 @@ fn caught_ooms_under_a_fraction_set_in_the_program_replay_exactly_with_no_flag()
         "oom_gc__fraction-0.004_garbage_collection_threshold-0.6",
     ] {
         exact(name);
-        let (snapshot, _) = load(name);
+        let (snapshot, _) = load_trace(name);
         let replay = Replay::new(&snapshot).unwrap();
         let inference = replay.capacity_inference(0).unwrap();
         assert!(inference.fraction_implied, "{name}");
@@ -300,7 +281,7 @@ fn mempools_with_empty_cache_between_phases_replay_exactly() {
 #[test]
 fn mempools_destroyed_together_replay_exactly() {
     exact("mempool2");
-    let (snapshot, expected) = load("mempool2");
+    let (snapshot, expected) = load_trace("mempool2");
     let run = Replay::new(&snapshot)
         .unwrap()
         .with_expected_stats(expected.clone())
@@ -335,7 +316,7 @@ fn checkpoint_restores_of_cuda_graph_trees_replay_exactly() {
         ("compile_ro__expandable_segments-True", 3),
     ] {
         exact(name);
-        let (snapshot, _) = load(name);
+        let (snapshot, _) = load_trace(name);
         let run = Replay::new(&snapshot).unwrap().run_recorded().unwrap();
         assert_eq!(
             run.devices[0].restores,
@@ -351,7 +332,7 @@ fn checkpoint_restores_of_cuda_graph_trees_replay_exactly() {
     // Optimizer steps cut segments of the default pools much as a restore cuts a graph tree's:
     // with no private pool, nothing is a restore.
     for name in ["gpt2_train", "gpt2_train__expandable_segments-True"] {
-        let (snapshot, _) = load(name);
+        let (snapshot, _) = load_trace(name);
         let run = Replay::new(&snapshot).unwrap().run_recorded().unwrap();
         assert_eq!(
             run.devices[0].restores,
@@ -370,7 +351,7 @@ fn expandable_segments_in_private_pools_replay_exactly() {
 
 #[test]
 fn timeline_peaks_are_the_statistics_peaks() {
-    let (snapshot, _) = load("gpt2_train");
+    let (snapshot, _) = load_trace("gpt2_train");
     let replay = Replay::new(&snapshot).unwrap();
     let run = replay.run_recorded().unwrap();
     let stats = run.flat_stats();
@@ -391,7 +372,7 @@ fn timeline_peaks_are_the_statistics_peaks() {
 #[test]
 fn what_if_runs_complete_under_other_configurations() {
     for name in TRACES {
-        let (snapshot, _) = load(name);
+        let (snapshot, _) = load_trace(name);
         let replay = Replay::new(&snapshot).unwrap();
         let recorded = replay.run_recorded().unwrap().flat_stats();
         for config in [
@@ -439,7 +420,7 @@ fn what_if_runs_complete_under_other_configurations() {
 
 #[test]
 fn the_recorded_configuration_applied_again_changes_nothing() {
-    let (snapshot, _) = load("gpt2_train__expandable_segments-True");
+    let (snapshot, _) = load_trace("gpt2_train__expandable_segments-True");
     let replay = Replay::new(&snapshot).unwrap();
     let recorded = replay.run_recorded().unwrap();
     let same = replay.run_with("expandable_segments:True").unwrap();
@@ -452,8 +433,8 @@ fn the_recorded_configuration_applied_again_changes_nothing() {
 /// that setting (the program asked for the same sizes in the same order in both runs).
 #[test]
 fn a_what_if_answer_is_the_real_run_under_that_configuration() {
-    let (snapshot, _) = load("gpt2_train");
-    let (_, real) = load("gpt2_train__expandable_segments-True");
+    let (snapshot, _) = load_trace("gpt2_train");
+    let (_, real) = load_trace("gpt2_train__expandable_segments-True");
     let replay = Replay::new(&snapshot).unwrap();
     let answer = replay
         .run_with("expandable_segments:True")
@@ -475,7 +456,7 @@ fn a_what_if_answer_is_the_real_run_under_that_configuration() {
 
 #[test]
 fn expandable_segments_cut_fragmentation_of_the_gpt2_trace() {
-    let (snapshot, _) = load("gpt2_train");
+    let (snapshot, _) = load_trace("gpt2_train");
     let replay = Replay::new(&snapshot).unwrap();
     let native = replay.run_recorded().unwrap().flat_stats();
     let expandable = replay
@@ -488,7 +469,7 @@ fn expandable_segments_cut_fragmentation_of_the_gpt2_trace() {
 
 #[test]
 fn a_small_device_runs_out_of_memory_and_the_replay_goes_on() {
-    let (snapshot, _) = load("gpt2_train");
+    let (snapshot, _) = load_trace("gpt2_train");
     let replay = Replay::new(&snapshot).unwrap();
     let mut options = RunOptions::new(replay.recorded_config().clone());
     options.capacity = Some(4 << 30);
@@ -507,7 +488,7 @@ fn a_small_device_runs_out_of_memory_and_the_replay_goes_on() {
 
 #[test]
 fn bad_what_if_configurations_are_reported() {
-    let (snapshot, _) = load("multistream");
+    let (snapshot, _) = load_trace("multistream");
     let replay = Replay::new(&snapshot).unwrap();
     let error = replay.run_with("max_split_size_mb:banana").unwrap_err();
     let message = error.to_string();
@@ -516,7 +497,7 @@ fn bad_what_if_configurations_are_reported() {
 
 #[test]
 fn a_snapshot_without_events_is_refused() {
-    let (mut snapshot, _) = load("multistream");
+    let (mut snapshot, _) = load_trace("multistream");
     snapshot.device_traces.clear();
     assert!(Replay::new(&snapshot)
         .unwrap_err()
@@ -609,8 +590,8 @@ fn tensormem_traces_replay_exactly_too() {
 /// Two devices in one snapshot: one allocator each, each exact on its own trace.
 #[test]
 fn every_device_of_a_snapshot_is_replayed_with_its_own_allocator() {
-    let (gpt2, _) = load("gpt2_train");
-    let (multi, _) = load("multistream");
+    let (gpt2, _) = load_trace("gpt2_train");
+    let (multi, _) = load_trace("multistream");
     let mut both = gpt2.clone();
     both.device_traces.push(multi.trace(0).to_vec());
     both.segments
@@ -645,7 +626,7 @@ fn every_device_of_a_snapshot_is_replayed_with_its_own_allocator() {
 /// the result is not PyTorch's.
 #[test]
 fn a_trace_that_starts_mid_run_replays_to_the_end() {
-    let (mut snapshot, _) = load("gpt2_train");
+    let (mut snapshot, _) = load_trace("gpt2_train");
     snapshot.device_traces[0].drain(..2000);
     let replay = Replay::new(&snapshot).unwrap();
     let run = replay.run_recorded().unwrap();
@@ -760,7 +741,7 @@ fn a_trace_on_more_streams_than_the_default_capacity_replays_exactly() {
 fn a_use_on_oom_pool_replays_exactly() {
     let name = "oom_mempool_use_on_oom__fraction-0.004";
     exact(name);
-    let (snapshot, expected) = load(name);
+    let (snapshot, expected) = load_trace(name);
     let replay = Replay::new(&snapshot)
         .unwrap()
         .with_expected_stats(expected);

@@ -1,14 +1,40 @@
-//! What the replay tests that record their traces with tensormem's own allocator share: the
-//! recording allocator on a simulated device, the snapshot as PyTorch writes it, and the check that
-//! a replay reproduces the record exactly.
+//! What the replay tests share: where the recorded PyTorch traces are and how one is read, and, for
+//! the tests that record their traces with tensormem's own allocator, the recording allocator on a
+//! simulated device, the snapshot as PyTorch writes it, and the check that a replay reproduces the
+//! record exactly.
 
 #![allow(dead_code)] // each test file uses its part
+
+use std::path::PathBuf;
 
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_cuda_alloc::CachingAllocator;
 use tensormem_replay::{ExpectedStats, Replay};
+
+/// The recorded PyTorch traces: `traces/` of the repository, or `$TENSORMEM_TRACES_DIR`.
+pub(crate) fn traces_dir() -> PathBuf {
+    std::env::var_os("TENSORMEM_TRACES_DIR").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces"),
+        PathBuf::from,
+    )
+}
+
+/// The recorded trace `name` (`name.pickle`, or `name.pickle.gz` for the large ones kept
+/// compressed) and its recorded statistics (`name.stats.json`).
+pub(crate) fn load_trace(name: &str) -> (Snapshot, ExpectedStats) {
+    let dir = traces_dir();
+    let plain = dir.join(format!("{name}.pickle"));
+    let path = if plain.is_file() {
+        plain
+    } else {
+        dir.join(format!("{name}.pickle.gz"))
+    };
+    let snapshot = Snapshot::read_file(path).unwrap();
+    let expected = ExpectedStats::read_file(dir.join(format!("{name}.stats.json"))).unwrap();
+    (snapshot, expected)
+}
 
 /// The simulated device's memory: large enough that only limits the tests set bind.
 pub(crate) const TOTAL: u64 = 1 << 40;
