@@ -26,6 +26,46 @@ pub(crate) fn count(n: impl Into<u64>, one: &str, many: &str) -> String {
     format!("{n} {}", if n == 1 { one } else { many })
 }
 
+/// Writes `rows` under `titles`, columns padded; those in `left` aligned left, the rest right.
+pub(crate) fn table(
+    out: &mut impl std::io::Write,
+    titles: &[&str],
+    rows: &[Vec<String>],
+    left: &[usize],
+) -> std::io::Result<()> {
+    let widths: Vec<usize> = (0..titles.len())
+        .map(|c| {
+            rows.iter()
+                .map(|r| r[c].chars().count())
+                .chain([titles[c].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |cells: Vec<&str>| -> String {
+        let mut text = String::new();
+        for (c, cell) in cells.into_iter().enumerate() {
+            if c > 0 {
+                text.push_str("  ");
+            }
+            let pad = " ".repeat(widths[c] - cell.chars().count());
+            if left.contains(&c) {
+                text.push_str(cell);
+                text.push_str(&pad);
+            } else {
+                text.push_str(&pad);
+                text.push_str(cell);
+            }
+        }
+        text.trim_end().to_owned()
+    };
+    writeln!(out, "{}", line(titles.to_vec()))?;
+    for row in rows {
+        writeln!(out, "{}", line(row.iter().map(String::as_str).collect()))?;
+    }
+    Ok(())
+}
+
 /// Output cut short by the reader (`tensormem replay | head`) is not an error.
 pub(crate) fn quiet_broken_pipe(result: std::io::Result<()>) -> anyhow::Result<()> {
     match result {

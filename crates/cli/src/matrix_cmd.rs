@@ -195,7 +195,7 @@ fn print(
             ]
         })
         .collect();
-    table(out, &titles, &rows, &[1, 10, 11])?;
+    crate::table(out, &titles, &rows, &[1, 10, 11])?;
     for line in [
         "configuration: the --config string that gives the row over the recorded configuration",
         "path: \"as recorded\" when every request fails or succeeds as in the recorded run (the \
@@ -248,46 +248,6 @@ fn verdict(row: &MatrixRow) -> String {
         ),
         None => "disqualified: out of memory".to_owned(),
     }
-}
-
-/// Writes `rows` under `titles`, columns padded; those in `left` aligned left, the rest right.
-fn table(
-    out: &mut impl Write,
-    titles: &[&str],
-    rows: &[Vec<String>],
-    left: &[usize],
-) -> std::io::Result<()> {
-    let widths: Vec<usize> = (0..titles.len())
-        .map(|c| {
-            rows.iter()
-                .map(|r| r[c].chars().count())
-                .chain([titles[c].len()])
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    let line = |cells: Vec<&str>| -> String {
-        let mut text = String::new();
-        for (c, cell) in cells.into_iter().enumerate() {
-            if c > 0 {
-                text.push_str("  ");
-            }
-            let pad = " ".repeat(widths[c] - cell.chars().count());
-            if left.contains(&c) {
-                text.push_str(cell);
-                text.push_str(&pad);
-            } else {
-                text.push_str(&pad);
-                text.push_str(cell);
-            }
-        }
-        text.trim_end().to_owned()
-    };
-    writeln!(out, "{}", line(titles.to_vec()))?;
-    for row in rows {
-        writeln!(out, "{}", line(row.iter().map(String::as_str).collect()))?;
-    }
-    Ok(())
 }
 
 /// Each device's memory, and where it comes from.

@@ -64,37 +64,8 @@ pub(crate) fn print(
             }
         })
         .collect();
-    let widths: Vec<usize> = (0..titles.len())
-        .map(|c| {
-            rows.iter()
-                .map(|r| r[c].chars().count())
-                .chain([titles[c].len()])
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    let line = |cells: &[String]| -> String {
-        let mut text = String::new();
-        for (c, cell) in cells.iter().enumerate() {
-            if c > 0 {
-                text.push_str("  ");
-            }
-            let pad = widths[c] - cell.chars().count();
-            if c == 0 || c == 8 {
-                text.push_str(cell);
-                text.push_str(&" ".repeat(pad));
-            } else {
-                text.push_str(&" ".repeat(pad));
-                text.push_str(cell);
-            }
-        }
-        text.trim_end().to_owned()
-    };
-    let titles: Vec<String> = titles.iter().map(|t| (*t).to_owned()).collect();
-    writeln!(out, "{}", line(&titles))?;
-    for r in &rows {
-        writeln!(out, "{}", line(r))?;
-    }
+    // The configuration and whether it matches the record read from the left.
+    crate::table(out, &titles, &rows, &[0, 8])?;
     writeln!(out, "{LEGEND}")?;
     for run in runs.iter().filter(|r| !r.lower_bounds().is_empty()) {
         async_lines(out, run)?;
