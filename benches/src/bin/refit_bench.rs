@@ -33,7 +33,12 @@
 //!
 //! ```text
 //! refit_bench [--layout gpt2|7b|moe|all] [--rounds N] [--verify] [--consumer-device N]
+//!             [--consumer-wrap "PROGRAM ARGS..."]
 //! ```
+//!
+//! `--consumer-wrap`: the consumer is started through `PROGRAM ARGS... <this binary>`, for example
+//! in a pid namespace of its own and without ptrace rights, as a consumer in another container runs:
+//! `--consumer-wrap "unshare --pid --fork setpriv --inh-caps=-all --bounding-set=-all"` (as root).
 //!
 //! `--verify`: after the last sync the consumer reads every parameter back and checks every byte
 //! against the producer's (each tensor filled with its own byte), and the run fails otherwise.
@@ -361,10 +366,20 @@ fn sync(
     rounds: usize,
     verify: bool,
     consumer_device: u32,
+    wrap: &[String],
 ) -> Result<(), BoxError> {
     let weights = Model::new(name, allocator, pattern)?;
     let stream = new_stream()?;
-    let mut child = Command::new(std::env::current_exe()?)
+    let exe = std::env::current_exe()?;
+    let mut command = match wrap.split_first() {
+        Some((program, args)) => {
+            let mut command = Command::new(program);
+            command.args(args).arg(&exe);
+            command
+        }
+        None => Command::new(&exe),
+    };
+    let mut child = command
         .env(ROLE, "consumer")
         .env(DEVICE, consumer_device.to_string())
         .env(LAYOUT, name)
@@ -482,6 +497,9 @@ fn main() -> Result<(), BoxError> {
     let rounds: usize = value("--rounds").map_or(Ok(10), |r| r.parse())?;
     let verify = args.iter().any(|a| a == "--verify");
     let consumer_device: u32 = value("--consumer-device").map_or(Ok(0), |d| d.parse())?;
+    let wrap: Vec<String> = value("--consumer-wrap")
+        .map(|w| w.split_whitespace().map(str::to_owned).collect())
+        .unwrap_or_default();
     let driver = match CudaIpcDriver::new() {
         Ok(d) if d.device_count().unwrap_or(0) > 0 => Arc::new(d),
         Ok(_) => {
@@ -515,7 +533,15 @@ fn main() -> Result<(), BoxError> {
             Some(peer) => floor_peer(name, &allocator, peer, &driver, rounds)?,
             None => floor(name, &allocator, &driver, rounds)?,
         }
-        sync(name, &allocator, &driver, rounds, verify, consumer_device)?;
+        sync(
+            name,
+            &allocator,
+            &driver,
+            rounds,
+            verify,
+            consumer_device,
+            &wrap,
+        )?;
     }
     Ok(())
 }
