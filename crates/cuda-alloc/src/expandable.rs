@@ -171,22 +171,30 @@ impl<D: Device> ExpandableSegment<D> {
     }
 
     /// Unmaps the whole chunks inside `[addr, addr + size)`; returns the range unmapped (size 0 if
-    /// none). The caller has made sure no queued device work uses the range.
-    pub(crate) fn unmap(&mut self, device: &D, addr: u64, size: u64) -> DeviceResult<(u64, u64)> {
+    /// none) and how many of its bytes were asleep (released by [`sleep`](Self::sleep) already).
+    /// The caller has made sure no queued device work uses the range.
+    pub(crate) fn unmap(
+        &mut self,
+        device: &D,
+        addr: u64,
+        size: u64,
+    ) -> DeviceResult<((u64, u64), u64)> {
         let (start, len) = self.unmappable(addr, size);
         if len == 0 {
-            return Ok((addr, 0));
+            return Ok(((addr, 0), 0));
         }
         let begin = self.slot_of(start);
-        self.unmap_slots(device, begin, begin + len / self.segment_size)?;
+        let asleep = self.unmap_slots(device, begin, begin + len / self.segment_size)?;
         self.trim();
-        Ok((start, len))
+        Ok(((start, len), asleep))
     }
 
-    fn unmap_slots(&mut self, device: &D, begin: u64, end: u64) -> DeviceResult<()> {
+    /// Unmaps slots `begin..end`; returns the bytes of those that were asleep.
+    fn unmap_slots(&mut self, device: &D, begin: u64, end: u64) -> DeviceResult<u64> {
         // Slots asleep have no chunk left to release: they just stop being owed one.
         let lo = self.asleep.partition_point(|&s| s < begin);
         let hi = self.asleep.partition_point(|&s| s < end);
+        let asleep = (hi - lo) as u64 * self.segment_size;
         self.asleep.drain(lo..hi);
         for i in begin..end {
             if let Some(Mapped { chunk, .. }) = self.handles[i as usize].take() {
@@ -196,7 +204,7 @@ impl<D: Device> ExpandableSegment<D> {
                 unsafe { device.unmap(at, self.segment_size as usize, chunk)? };
             }
         }
-        Ok(())
+        Ok(asleep)
     }
 
     fn trim(&mut self) {

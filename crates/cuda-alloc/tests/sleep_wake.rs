@@ -76,16 +76,27 @@ fn a_pool_sleeps_and_wakes_with_its_contents_at_the_same_addresses() {
         a.device().read_memory(big.ptr(), 16).is_err(),
         "nothing is mapped under the pool"
     );
-    // The books do not change: reserved and allocated stay as they were.
+    // Reserved bytes leave with the physical memory (2 MiB of small chunks, 40 MiB of large
+    // ones); allocated bytes stay: the pool keeps its blocks.
     let asleep = checked(&a);
     assert_eq!(
         asleep.reserved_bytes.all.current,
-        before.reserved_bytes.all.current
+        before.reserved_bytes.all.current - 42 * MIB as i64
+    );
+    assert_eq!(
+        asleep.reserved_bytes.small_pool.current,
+        before.reserved_bytes.small_pool.current - 2 * MIB as i64
+    );
+    assert_eq!(
+        asleep.reserved_bytes.large_pool.current,
+        before.reserved_bytes.large_pool.current - 40 * MIB as i64
     );
     assert_eq!(
         asleep.allocated_bytes.all.current,
         before.allocated_bytes.all.current
     );
+    // A memory fraction still counts them: the pool needs them back when it wakes.
+    assert_eq!(a.reserved_bytes(), before.reserved_bytes.all.current as u64);
 
     let woke = a.wake_pool(POOL).unwrap();
     assert_eq!(woke.mapped_bytes, report.released_bytes);

@@ -177,7 +177,7 @@ impl<D: Device> Locked<'_, D> {
         let segment = self.st.segments[slot as usize]
             .as_mut()
             .expect("an expandable block's segment is live");
-        let (at, len) = segment.unmap(&self.a.device, addr, size)?;
+        let ((at, len), asleep) = segment.unmap(&self.a.device, addr, size)?;
         let st = &mut *self.st;
         st.pools[pool as usize].free.remove(size, addr);
         let gc_now = st.pools[pool as usize].gc_now();
@@ -205,7 +205,8 @@ impl<D: Device> Locked<'_, D> {
             .insert(new_addr, index);
         self.a.counters.reserved.fetch_sub(len, Relaxed);
         let small = self.st.pools[pool as usize].small;
-        self.dec(Kind::ReservedBytes, small, len);
+        // Chunks of a sleeping pool left the reserved statistic when they were released.
+        self.dec(Kind::ReservedBytes, small, len - asleep);
         if let Some(id) = self.st.pools[pool as usize].private_id() {
             self.a.adjust_private_segments(id, -1);
         }

@@ -12,12 +12,13 @@
 //!
 //! # Statistics while asleep
 //!
-//! Reserved and allocated bytes (the allocator's and the pool's) are left as they were: the pool
-//! still owns its blocks and addresses, and they come back as they were. This is what PyTorch's
-//! statistics say under vLLM's `CuMemAllocator` and under `torch_memory_saver`, which release the
-//! memory behind the allocator's back. The memory actually returned shows in the device's free
-//! memory (`cuMemGetInfo`, [`CachingAllocator::device`]`.mem_info()`) and in
-//! [`CachingAllocator::asleep_bytes`].
+//! The reserved bytes of `memory_stats()` leave with the physical memory and come back with it, as
+//! they do when PyTorch unmaps an expandable segment's chunks: for expandable segments PyTorch's
+//! reserved bytes are the bytes mapped. Allocated and active bytes do not change (the pool still
+//! owns its blocks and addresses, and gets them back as they were), nor does the memory a memory
+//! fraction counts (the pool may wake at any time and needs its memory back then). The memory
+//! returned also shows in the device's free memory (`cuMemGetInfo`,
+//! [`CachingAllocator::device`]`.mem_info()`) and in [`CachingAllocator::asleep_bytes`].
 //!
 //! # Refusals
 //!
@@ -37,6 +38,7 @@ use crate::host::{HostCachingAllocator, PinnedBuffer};
 use crate::pool::PoolOwner;
 use crate::pool_id::MempoolId;
 use crate::snapshot::TraceAction;
+use crate::stats::peaks::Kind;
 
 /// The largest pinned buffer one piece of a sleeping pool's backup takes (a power of two, so that
 /// the host allocator's rounding wastes nothing): what to reserve host memory in
@@ -148,6 +150,8 @@ pub(crate) struct Slept {
     pub(crate) shard: u32,
     pub(crate) slot: usize,
     pub(crate) id: u64,
+    /// Whether the segment belongs to the pool's small blocks (the statistic it counts in).
+    pub(crate) small: bool,
 }
 
 /// The state of a pool that is not plainly awake.
@@ -172,10 +176,10 @@ impl<D: Device> CachingAllocator<D> {
     /// Allocating to the pool is refused until [`wake_pool`](Self::wake_pool); freeing its blocks
     /// is allowed. Every allocator call waits while it runs.
     ///
-    /// Reserved and allocated statistics do not change while the pool sleeps (it keeps its blocks
-    /// and gets them back as they were; what PyTorch reports under vLLM's sleep mode and
-    /// `torch_memory_saver`): the memory returned shows in the device's free memory
-    /// (`cuMemGetInfo`) and in [`asleep_bytes`](Self::asleep_bytes).
+    /// The reserved bytes of the statistics drop by the memory released (and come back on wake);
+    /// allocated and active bytes do not change (the pool keeps its blocks and gets them back as
+    /// they were). The memory returned also shows in the device's free memory (`cuMemGetInfo`) and
+    /// in [`asleep_bytes`](Self::asleep_bytes).
     ///
     /// It refuses ([`SleepError`]) a pool with a segment that is not expandable, one with a chunk
     /// exported to another process ([`shareable_segment`](Self::shareable_segment)), one a capture
@@ -248,7 +252,7 @@ impl<D: Device> CachingAllocator<D> {
             }
         }
         // The pool's segments, and the checks that they can sleep.
-        let mut targets: Vec<(usize, usize)> = Vec::new();
+        let mut targets: Vec<(usize, usize, bool)> = Vec::new();
         for (li, locked) in locks.iter().enumerate() {
             let st = &locked.st;
             let owned: Vec<u16> = (0..st.pools.len() as u16)
@@ -257,7 +261,7 @@ impl<D: Device> CachingAllocator<D> {
             if owned.is_empty() {
                 continue;
             }
-            let mut slots: Vec<usize> = Vec::new();
+            let mut slots: Vec<(usize, bool)> = Vec::new();
             for (_, block) in st.blocks.iter() {
                 if !owned.contains(&block.pool) {
                     continue;
@@ -272,18 +276,21 @@ impl<D: Device> CachingAllocator<D> {
                         segment: DeviceAddress(first.addr),
                     }));
                 }
-                slots.push(block.expandable as usize);
+                slots.push((
+                    block.expandable as usize,
+                    st.pools[block.pool as usize].small,
+                ));
             }
             slots.sort_unstable();
             slots.dedup();
-            for slot in slots {
+            for (slot, small) in slots {
                 let segment = st.segments[slot]
                     .as_ref()
                     .expect("an expandable block's segment is live");
                 if let Some(chunk) = segment.first_exported() {
                     return Err(refuse(SleepError::Shared { pool, chunk }));
                 }
-                targets.push((li, slot));
+                targets.push((li, slot, small));
             }
         }
         device
@@ -297,7 +304,7 @@ impl<D: Device> CachingAllocator<D> {
                     pieces: Vec::new(),
                 };
                 let mut pieces = Vec::new();
-                for &(li, slot) in &targets {
+                for &(li, slot, _) in &targets {
                     let segment = locks[li].st.segments[slot].as_ref().expect("live");
                     for (start, len) in segment.mapped_runs() {
                         pieces.extend(backup_pieces(start, len));
@@ -318,26 +325,31 @@ impl<D: Device> CachingAllocator<D> {
         };
         let mut segments = Vec::with_capacity(targets.len());
         let mut failure = None;
-        for &(li, slot) in &targets {
-            let shard = locks[li].shard.index;
-            let segment = locks[li].st.segments[slot].as_mut().expect("live");
+        for &(li, slot, small) in &targets {
+            let locked = &mut locks[li];
+            let shard = locked.shard.index;
+            let segment = locked.st.segments[slot].as_mut().expect("live");
             segments.push(Slept {
                 shard,
                 slot,
                 id: segment.id(),
+                small,
             });
             // Trackers let go of the memory before it is released.
             for (addr, len) in segment.mapped_runs() {
                 self.trace
                     .tell_trackers(TraceAction::SegmentUnmap, addr, len, pool);
             }
-            match segment.sleep(device) {
-                Ok(bytes) => report.released_bytes += bytes,
-                Err(e) => {
-                    report.released_bytes += segment.asleep_bytes();
-                    failure = Some(e);
-                    break;
-                }
+            let result = segment.sleep(device);
+            let released = match &result {
+                Ok(bytes) => *bytes,
+                Err(_) => segment.asleep_bytes(),
+            };
+            report.released_bytes += released;
+            locked.dec(Kind::ReservedBytes, small, released);
+            if let Err(e) = result {
+                failure = Some(e);
+                break;
             }
         }
         drop(locks);
@@ -401,8 +413,14 @@ impl<D: Device> CachingAllocator<D> {
         let mut locks = self.lock_all();
         let device = &self.device;
         let mut report = WakeReport::default();
-        let mut woken: Vec<(usize, usize)> = Vec::new();
-        for &Slept { shard, slot, id } in &segments {
+        let mut woken: Vec<(usize, usize, bool, u64)> = Vec::new();
+        for &Slept {
+            shard,
+            slot,
+            id,
+            small,
+        } in &segments
+        {
             let Some(li) = locks.1.iter().position(|l| l.shard.index == shard) else {
                 continue;
             };
@@ -419,10 +437,10 @@ impl<D: Device> CachingAllocator<D> {
             match segment.wake(device) {
                 Ok(bytes) => {
                     report.mapped_bytes += bytes;
-                    woken.push((li, slot));
+                    woken.push((li, slot, small, bytes));
                 }
                 Err(e) => {
-                    for &(li, slot) in &woken {
+                    for &(li, slot, _, _) in &woken {
                         let segment = locks.1[li].st.segments[slot].as_mut().expect("live");
                         if let Err(undo) = segment.sleep(device) {
                             tracing::warn!(%undo, "putting a partly woken pool back to sleep failed");
@@ -442,9 +460,12 @@ impl<D: Device> CachingAllocator<D> {
             }
         }
         // The ranges still mapped after `empty_cache` meanwhile: copy back only into those.
+        for &(li, _, small, bytes) in &woken {
+            locks.1[li].inc(Kind::ReservedBytes, small, bytes);
+        }
         let mapped: Vec<(u64, u64)> = woken
             .iter()
-            .flat_map(|&(li, slot)| {
+            .flat_map(|&(li, slot, _, _)| {
                 locks.1[li].st.segments[slot]
                     .as_ref()
                     .expect("live")
@@ -482,8 +503,8 @@ impl<D: Device> CachingAllocator<D> {
         self.asleep.lock().contains_key(&pool)
     }
 
-    /// Bytes of physical memory released by sleeping pools (all of them, or `pool`'s), which the
-    /// the reserved and allocated statistics still count.
+    /// Bytes of physical memory released by sleeping pools (all of them, or `pool`'s): what the
+    /// reserved statistic dropped by, and what a memory fraction still counts.
     #[must_use]
     pub fn asleep_bytes(&self, pool: Option<MempoolId>) -> u64 {
         self.asleep

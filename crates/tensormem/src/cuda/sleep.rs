@@ -17,9 +17,10 @@
 //! # }
 //! ```
 //!
-//! Statistics ([`memory_reserved`](super::memory_reserved), [`memory_allocated`](super::memory_allocated))
-//! do not change while a pool sleeps; the memory returned shows in [`mem_get_info`](super::mem_get_info)
-//! and [`asleep_bytes`].
+//! While a pool sleeps, [`memory_reserved`](super::memory_reserved) drops by the memory released
+//! (as when expandable segments' chunks are unmapped) and comes back on wake;
+//! [`memory_allocated`](super::memory_allocated) does not change (the pool keeps its blocks). The
+//! memory returned also shows in [`mem_get_info`](super::mem_get_info) and [`asleep_bytes`].
 
 use tensormem_cuda_alloc::{MempoolId, SleepReport, WakeReport};
 

@@ -18,8 +18,8 @@ the tensors hold what they held and the graph replays as before::
     tensormem_torch.wake(pool)                         # same addresses, same contents
     graph.replay()
 
-While a pool sleeps, ``torch.cuda.memory_reserved()`` and ``memory_allocated()`` do not change (as under
-vLLM's sleep mode and ``torch_memory_saver``); ``torch.cuda.mem_get_info()`` shows the memory returned.
+While a pool sleeps, ``torch.cuda.memory_reserved()`` drops by the memory it returned (comes back on wake)
+and ``torch.cuda.mem_get_info()`` shows that memory free; ``memory_allocated()`` does not change.
 Refused (``RuntimeError`` naming why): a pool not on expandable segments, one with memory shared with
 another process, one being captured or allocated to (``use_mem_pool``), a pool already asleep, waking a
 pool that is not; allocating to a sleeping pool (``use_mem_pool``, a capture into it) fails too. Needs the
