@@ -276,9 +276,6 @@ fn settings_lines(
     device: usize,
     settings: &SettingsInference,
 ) -> io::Result<()> {
-    let Some(first) = settings.first_departure else {
-        return Ok(());
-    };
     let shown = |config: &tensormem_cuda_alloc::config::AllocatorConfig| {
         let text = config.to_string();
         if text.is_empty() {
@@ -287,22 +284,56 @@ fn settings_lines(
             text
         }
     };
-    if let [earlier, later] = settings.phases.as_slice() {
-        let window = settings
+    let window = |which: &str| {
+        settings
             .switch_window
             .map(|(from, to)| {
-                format!(" (no recorded allocation tells apart a change at events {from} to {to})")
+                format!(" (no recorded allocation tells apart {which} at events {from} to {to})")
             })
-            .unwrap_or_default();
+            .unwrap_or_default()
+    };
+    let Some(first) = settings.first_departure else {
+        if let [made, later] = settings.phases.as_slice() {
+            writeln!(
+                out,
+                "  assumption: device {device}: the allocator was made with {} (its max_split_size \
+                 figure) and the program set the recorded {} while it ran, at a point no allocation \
+                 tells{}",
+                shown(&made.config),
+                shown(&later.config),
+                window("the change"),
+            )?;
+        }
+        return Ok(());
+    };
+    if let [earlier, later] = settings.phases.as_slice() {
         writeln!(
             out,
             "  assumption: device {device}: the allocator settings changed while the program ran \
              (torch.cuda.memory._set_allocator_settings, not in the trace): {} until event {}, the \
-             recorded {} from there{window}; the recorded settings alone depart from the record at \
+             recorded {} from there{}; the recorded settings alone depart from the record at \
              event {first}",
             shown(&earlier.config),
             later.from_event,
             shown(&later.config),
+            window("a change"),
+        )?;
+        return Ok(());
+    }
+    if let [_, _, _, ..] = settings.phases.as_slice() {
+        let stretches: Vec<String> = settings
+            .phases
+            .iter()
+            .map(|p| format!("{} from event {}", shown(&p.config), p.from_event))
+            .collect();
+        writeln!(
+            out,
+            "  assumption: device {device}: the allocator settings changed {} times while the \
+             program ran (torch.cuda.memory._set_allocator_settings, not in the trace): {}{}; \
+             the recorded settings alone depart from the record at event {first}",
+            settings.phases.len() - 1,
+            stretches.join(", "),
+            window("the last change"),
         )?;
         return Ok(());
     }
@@ -660,4 +691,80 @@ fn details(out: &mut impl Write, header: &Header<'_>, run: &ReplayRun) -> io::Re
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use tensormem_cuda_alloc::config::AllocatorConfig;
+    use tensormem_replay::{SettingsInference, SettingsPhase};
+
+    use super::settings_lines;
+
+    fn phase(from_event: usize, config: &str) -> SettingsPhase {
+        SettingsPhase {
+            from_event,
+            config: AllocatorConfig::parse(config).unwrap(),
+        }
+    }
+
+    fn lines(settings: &SettingsInference) -> String {
+        let mut out = Vec::new();
+        settings_lines(&mut out, 0, settings).unwrap();
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn several_changes_are_listed_stretch_by_stretch() {
+        let settings = SettingsInference {
+            first_departure: Some(30),
+            phases: vec![
+                phase(0, ""),
+                phase(310, "roundup_power2_divisions:4"),
+                phase(649, "max_split_size_mb:64"),
+            ],
+            switch_window: Some((640, 660)),
+            ..SettingsInference::default()
+        };
+        let text = lines(&settings);
+        assert!(text.contains("changed 2 times"), "{text}");
+        assert!(
+            text.contains(
+                "PyTorch's defaults from event 0, roundup_power2_divisions:4 from event 310, \
+                 max_split_size_mb:64 from event 649"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("the last change at events 640 to 660"),
+            "{text}"
+        );
+        assert!(
+            text.contains("depart from the record at event 30"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_change_no_allocation_tells_names_what_the_allocator_was_made_with() {
+        let settings = SettingsInference {
+            first_departure: None,
+            phases: vec![phase(0, ""), phase(0, "max_split_size_mb:300")],
+            switch_window: Some((0, 412)),
+            ..SettingsInference::default()
+        };
+        let text = lines(&settings);
+        assert!(
+            text.contains("made with PyTorch's defaults (its max_split_size figure)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("the recorded max_split_size_mb:300"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn nothing_is_said_when_the_recorded_settings_explain_the_trace() {
+        assert_eq!(lines(&SettingsInference::default()), "");
+    }
 }

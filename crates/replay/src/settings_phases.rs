@@ -70,6 +70,12 @@ pub(crate) fn search_budget(events: usize) -> usize {
     (SEARCH_EVENTS / events.max(1)).clamp(16, MAX_ROUNDS * 40)
 }
 
+/// The most replays the search for settings changed more than once may add for a trace of `events`
+/// events (see [`SEARCH_EVENTS`]): every candidate of each stretch needs a few to place its switch.
+pub(crate) fn forward_budget(events: usize) -> usize {
+    (SEARCH_EVENTS / events.max(1)).clamp(16, 4000)
+}
+
 /// `max_split_size_mb` values tried (`None`: unlimited).
 const SPLIT_MB: [Option<usize>; 11] = [
     None,

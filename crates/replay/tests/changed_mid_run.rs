@@ -249,3 +249,77 @@ fn settings_changed_while_the_program_ran_are_found() {
         assert_eq!(found[1].1, want_then, "{start:?} then {then:?}");
     }
 }
+
+/// A program that set other settings twice or three times while it ran: the replay finds each
+/// stretch's settings and where it began.
+#[test]
+fn settings_changed_several_times_are_found() {
+    let cases: [(&str, &[&str], u64); 4] = [
+        // (settings at start, settings set one after the other, seed)
+        (
+            "",
+            &["roundup_power2_divisions:4", "max_split_size_mb:64"],
+            7,
+        ),
+        (
+            "",
+            &["roundup_power2_divisions:4", "max_split_size_mb:64"],
+            5,
+        ),
+        (
+            "max_split_size_mb:100",
+            &["roundup_power2_divisions:8", "max_split_size_mb:40"],
+            9,
+        ),
+        (
+            "",
+            &[
+                "roundup_power2_divisions:2",
+                "roundup_power2_divisions:8",
+                "max_split_size_mb:200",
+            ],
+            11,
+        ),
+    ];
+    for (start, thens, seed) in cases {
+        let allocator = recording(start);
+        churn(&allocator, seed);
+        for (k, then) in thens.iter().enumerate() {
+            allocator.apply_settings(then).unwrap();
+            churn(&allocator, seed + 4 + k as u64);
+        }
+        let (snapshot, expected) = recorded(&allocator);
+        let found = settings_phases(&snapshot, expected);
+        assert!(
+            found.len() > thens.len(),
+            "{start:?} then {thens:?}: {found:?}"
+        );
+        let want_start = AllocatorConfig::parse(start).unwrap().to_string();
+        assert_eq!(found[0], (0, want_start), "{start:?} then {thens:?}");
+        assert!(
+            found.windows(2).all(|w| w[0].0 < w[1].0),
+            "each stretch after the last: {found:?}"
+        );
+    }
+}
+
+/// A program made with one `max_split_size_mb` that set another before any block was as large as
+/// either: no allocation tells, but the `max_split_size` figure (kept from the allocator's
+/// creation) does; the replay is exact.
+#[test]
+fn a_split_limit_changed_where_no_allocation_tells_is_found_from_the_figures() {
+    let allocator = recording("");
+    churn(&allocator, 7);
+    allocator.apply_settings("max_split_size_mb:300").unwrap();
+    churn(&allocator, 11);
+    let (snapshot, expected) = recorded(&allocator);
+    let found = settings_phases(&snapshot, expected);
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert_eq!(found[0].1, AllocatorConfig::default().to_string());
+    assert_eq!(
+        found[1].1,
+        AllocatorConfig::parse("max_split_size_mb:300")
+            .unwrap()
+            .to_string()
+    );
+}

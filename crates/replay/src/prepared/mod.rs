@@ -14,8 +14,10 @@ use crate::check::ExpectedStats;
 use crate::plan::{DevicePlan, PlanError};
 use crate::pools::{self, PoolAttribution, PoolOf, PoolRun};
 use crate::run::{self, DeviceRun, Schedule};
-use crate::settings_phases::{self, SettingsInference, SettingsPhase};
+use crate::settings_phases::{SettingsInference, SettingsPhase};
 use crate::{inference, Error, Result, RunOptions, DEFAULT_CAPACITY};
+
+mod settings;
 
 /// The most out-of-memory requests [`PreparedDevice::attribute_ooms_from_stats`] tries in a
 /// private pool, one replay each.
@@ -24,40 +26,6 @@ const MAX_OOM_TRIALS: usize = 64;
 /// The most private pools [`PreparedDevice::infer_pool_options`] tries options on (two replays
 /// each at most).
 const MAX_POOLS_TRIED: usize = 32;
-
-/// The most switch points [`PreparedDevice::settle_switch`] tries, one replay each.
-const MAX_SWITCH_TRIALS: usize = 64;
-
-/// How a replay with the settings switched at one event compares with the record.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Switch {
-    /// It agrees.
-    Fits,
-    /// It departs before the switch: the switch came earlier.
-    TooLate,
-    /// It departs after: the switch came later.
-    TooEarly,
-    /// It fails otherwise.
-    Fails,
-}
-
-/// The settings `earlier` from the start, `recorded` from event `at`.
-fn switch_phases(
-    earlier: &AllocatorConfig,
-    recorded: &AllocatorConfig,
-    at: usize,
-) -> [SettingsPhase; 2] {
-    [
-        SettingsPhase {
-            from_event: 0,
-            config: earlier.clone(),
-        },
-        SettingsPhase {
-            from_event: at,
-            config: recorded.clone(),
-        },
-    ]
-}
 
 /// One device's trace, prepared for replaying.
 #[derive(Debug)]
@@ -273,189 +241,6 @@ impl PreparedDevice {
         least > 0
     }
 
-    /// Searches for settings the program changed while it ran (see [`crate::settings_phases`]),
-    /// when the replay under the recorded settings departs from the record.
-    fn infer_settings(&self) -> SettingsInference {
-        let recorded = &self.recorded;
-        let mut found = SettingsInference::default();
-        let Some((first, _)) = self.explains(&[]) else {
-            return found;
-        };
-        found.replays += 1;
-        let Some(first) = first else {
-            return found;
-        };
-        found.first_departure = Some(first);
-        let reach = |departure: Option<usize>| departure.unwrap_or(usize::MAX);
-        let collects =
-            recorded.per_process_memory_fraction < 1.0 || !self.capacity.phases.is_empty();
-        let budget = settings_phases::search_budget(self.plan.events);
-        let mut best = (recorded.clone(), first);
-        for _ in 0..settings_phases::MAX_ROUNDS {
-            let mut improved: Option<(AllocatorConfig, usize)> = None;
-            for candidate in settings_phases::candidates(&best.0, collects) {
-                if settings_phases::same_settings(&candidate, recorded) {
-                    continue;
-                }
-                if found.replays >= budget {
-                    found.exhausted = true;
-                    break;
-                }
-                let phases = [SettingsPhase {
-                    from_event: 0,
-                    config: candidate.clone(),
-                }];
-                let Some((departure, _)) = self.explains(&phases) else {
-                    continue;
-                };
-                found.replays += 1;
-                let reached = reach(departure);
-                if reached > improved.as_ref().map_or(best.1, |b| b.1) {
-                    improved = Some((candidate, reached));
-                }
-            }
-            match improved {
-                Some(better) => best = better,
-                None => break,
-            }
-            if best.1 == usize::MAX {
-                break;
-            }
-        }
-        if settings_phases::same_settings(&best.0, recorded) {
-            return found;
-        }
-        let (earlier, until) = best;
-        found.explained_until = Some((earlier.clone(), (until != usize::MAX).then_some(until)));
-        // The switch lies after the first departure and no later than where the earlier settings
-        // stop explaining the trace: any point that fits, found by halving, then the earliest
-        // and the latest that fit (no allocation between them tells them apart).
-        let (mut lo, mut hi) = (first + 1, until.min(self.plan.events));
-        let mut fits = None;
-        while lo <= hi {
-            let at = lo + (hi - lo) / 2;
-            found.replays += 1;
-            match self.switch_at(&earlier, at) {
-                Switch::Fits => {
-                    fits = Some(at);
-                    break;
-                }
-                Switch::TooLate => hi = at - 1,
-                Switch::TooEarly => lo = at + 1,
-                Switch::Fails => break,
-            }
-        }
-        let Some(at) = fits else {
-            return found;
-        };
-        let (mut lo, mut hi) = (first + 1, at);
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            found.replays += 1;
-            if self.switch_at(&earlier, mid) == Switch::Fits {
-                hi = mid;
-            } else {
-                lo = mid + 1;
-            }
-        }
-        let earliest = lo;
-        let (mut lo, mut hi) = (at, until.min(self.plan.events));
-        while lo < hi {
-            let mid = lo + (hi - lo).div_ceil(2);
-            found.replays += 1;
-            if self.switch_at(&earlier, mid) == Switch::Fits {
-                lo = mid;
-            } else {
-                hi = mid - 1;
-            }
-        }
-        tracing::info!(
-            device = self.plan.device,
-            from = earliest,
-            to = lo,
-            earlier = %earlier,
-            "the allocator settings changed while the program ran"
-        );
-        found.switch_window = Some((earliest, lo));
-        found.phases = switch_phases(&earlier, recorded, earliest).to_vec();
-        found
-    }
-
-    /// Whether the plan replayed under `earlier` settings until event `at`, the recorded ones from
-    /// there, agrees with the record.
-    fn switch_at(&self, earlier: &AllocatorConfig, at: usize) -> Switch {
-        let phases = switch_phases(earlier, &self.recorded, at);
-        match self.explains(&phases) {
-            None => Switch::Fails,
-            Some((None, true)) => Switch::Fits,
-            Some((None, false)) => Switch::Fails,
-            // Departed before the switch: the recorded settings were in force earlier.
-            Some((Some(d), _)) if d < at => Switch::TooLate,
-            Some(_) => Switch::TooEarly,
-        }
-    }
-
-    /// Within the window of switch points no allocation tells apart, the one at which the
-    /// statistics PyTorch reported (`expected`) agree too: some count each block against the
-    /// settings in force when it was allocated (its rounded size) or freed (the oversize counts).
-    /// The bytes allocated over the run move one way as the switch moves (every allocation
-    /// between two points is rounded under the one or the other settings), so the point is
-    /// searched for by halving on them, then the points around it are tried, at most
-    /// [`MAX_SWITCH_TRIALS`] replays in all (fewer for a long trace).
-    pub(crate) fn settle_switch(&mut self, expected: &ExpectedStats) {
-        let Some((from, to)) = self.settings.switch_window else {
-            return;
-        };
-        let Some(mut earlier) = self.settings.phases.first().map(|p| p.config.clone()) else {
-            return;
-        };
-        // `max_split_size` is the one the allocator was made with (PyTorch reads it once): the
-        // earlier settings had it, whatever the allocations could tell.
-        if let Some(&figure) = expected.figures.get("max_split_size") {
-            earlier.max_split_size =
-                usize::try_from(figure).unwrap_or(AllocatorConfig::default().max_split_size);
-        }
-        // Fewer for a long trace (each trial is a whole replay).
-        let most = MAX_SWITCH_TRIALS.min(settings_phases::search_budget(self.plan.events));
-        let trials = std::cell::Cell::new(0);
-        let settle = |device: &mut Self, at: usize| -> Option<i64> {
-            trials.set(trials.get() + 1);
-            let (matched, off) = device.stats_at(&earlier, at, expected)?;
-            if matched {
-                device.settings.phases = switch_phases(&earlier, &device.recorded, at).to_vec();
-                return None;
-            }
-            Some(off)
-        };
-        let Some(off_from) = settle(self, from) else {
-            return;
-        };
-        let Some(off_to) = settle(self, to) else {
-            return;
-        };
-        let mut start = from;
-        if off_from.signum() * off_to.signum() < 0 {
-            // The first point whose figure is no longer on the side of `from`'s.
-            let (mut lo, mut hi) = (from, to);
-            while lo < hi && trials.get() < most / 2 {
-                let mid = lo + (hi - lo) / 2;
-                match settle(self, mid) {
-                    None => return,
-                    Some(off) if off.signum() == off_from.signum() => lo = mid + 1,
-                    Some(_) => hi = mid,
-                }
-            }
-            start = lo;
-        }
-        let left = most.saturating_sub(trials.get()).max(1);
-        let step = (to - start) / left + 1;
-        for at in (start..=to).step_by(step) {
-            if settle(self, at).is_none() {
-                return;
-            }
-        }
-    }
-
     /// The plan replayed under the recorded configuration with the settings `phases` (none: the
     /// recorded settings throughout), checked against the record (and `expected`, when given) and
     /// stopped at its first departure from it. `None` when the replay fails.
@@ -485,32 +270,6 @@ impl PreparedDevice {
             &mut self.pool_run(),
         )
         .ok()
-    }
-
-    /// The plan replayed with the switch to the recorded settings at `at`, against `expected`:
-    /// whether everything matched, and how far its bytes allocated over the run are off
-    /// (`allocated_bytes.all.allocated`, replayed minus recorded). `None` when the replay fails.
-    fn stats_at(
-        &self,
-        earlier: &AllocatorConfig,
-        at: usize,
-        expected: &ExpectedStats,
-    ) -> Option<(bool, i64)> {
-        const FIGURE: &str = "allocated_bytes.all.allocated";
-        let phases = switch_phases(earlier, &self.recorded, at);
-        let run = self.checked_run(&phases, Some(expected))?;
-        let replayed = run.stats.to_flat().get(FIGURE).copied().unwrap_or(0);
-        let recorded = expected.figures.get(FIGURE).copied().unwrap_or(replayed);
-        let check = run.check?;
-        Some((check.matches(), replayed - recorded))
-    }
-
-    /// How far the plan replayed with the settings `phases` (none: the recorded settings
-    /// throughout) agrees with the record: the first event where it departs (`None`: no allocation
-    /// departs) and whether everything matched. `None` when the replay fails.
-    fn explains(&self, phases: &[SettingsPhase]) -> Option<(Option<usize>, bool)> {
-        let check = self.checked_run(phases, None)?.check?;
-        Some((check.divergence.as_ref().map(|d| d.event), check.matches()))
     }
 
     /// The device memory the simulated device gets when the caller does not say.
