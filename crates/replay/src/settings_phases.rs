@@ -49,6 +49,10 @@ pub struct SettingsInference {
     /// The settings that explain the trace furthest from its start, when they differ from the
     /// recorded ones, and the first event they do not explain (`None`: the end).
     pub explained_until: Option<(AllocatorConfig, Option<usize>)>,
+    /// Other settings that explain the trace from its start as far as the first phase's (no
+    /// recorded allocation tells them apart); the statistics, when given, may
+    /// ([`Replay::with_expected_stats`](crate::Replay::with_expected_stats)).
+    pub alternatives: Vec<AllocatorConfig>,
     /// Replays the search ran.
     pub replays: usize,
     /// Whether the search stopped at its budget of replays (a long trace) before it had tried every

@@ -323,3 +323,79 @@ fn a_split_limit_changed_where_no_allocation_tells_is_found_from_the_figures() {
             .to_string()
     );
 }
+
+/// Random allocations of up to `max_mib` MiB with random lifetimes, every refusal caught and the
+/// live blocks dropped (a program that catches `torch.OutOfMemoryError`).
+fn oom_loop(
+    allocator: &CachingAllocator<SimDevice>,
+    seed: u64,
+    max_mib: u64,
+    live: &mut Vec<Allocation>,
+) {
+    let mut state = seed;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    for _ in 0..150 {
+        let size = ((next() % max_mib) + 1) as usize * MIB - (next() % 4096) as usize;
+        match allocator.allocate(size, S) {
+            Ok(a) => live.push(a),
+            Err(_) => {
+                for a in live.drain(..) {
+                    allocator.free(a).unwrap();
+                }
+            }
+        }
+        if live.len() > 12 || (!live.is_empty() && next() % 10 < 3) {
+            let i = (next() % live.len() as u64) as usize;
+            allocator.free(live.swap_remove(i)).unwrap();
+        }
+    }
+}
+
+/// Garbage collection under a memory fraction with its threshold changed mid-run, out-of-memory
+/// errors caught: several earlier thresholds explain the allocations about as far, and the
+/// statistics (retries, synchronizations) tell which one was in force.
+#[test]
+fn a_garbage_collection_threshold_changed_while_the_program_ran_is_found() {
+    for (start, then, seed) in [
+        (
+            "garbage_collection_threshold:0.6",
+            "garbage_collection_threshold:0.9",
+            45,
+        ),
+        (
+            "garbage_collection_threshold:0.9",
+            "garbage_collection_threshold:0.5",
+            8,
+        ),
+    ] {
+        let allocator = recording(start);
+        limit(&allocator, 96 * MIB);
+        let mut live = Vec::new();
+        oom_loop(&allocator, seed, 48, &mut live);
+        allocator.apply_settings(then).unwrap();
+        oom_loop(&allocator, seed + 100, 48, &mut live);
+        for a in live {
+            allocator.free(a).unwrap();
+        }
+        let (snapshot, expected) = recorded(&allocator);
+        let found = settings_phases(&snapshot, expected);
+        assert_eq!(found.len(), 2, "{start} then {then}: {found:?}");
+        let threshold = |text: &str| {
+            AllocatorConfig::parse(text)
+                .unwrap()
+                .garbage_collection_threshold
+        };
+        assert_eq!(
+            AllocatorConfig::parse(&found[0].1)
+                .unwrap()
+                .garbage_collection_threshold,
+            threshold(start),
+            "{start} then {then}: {found:?}"
+        );
+    }
+}

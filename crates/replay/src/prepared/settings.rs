@@ -13,6 +13,9 @@ use crate::settings_phases::{self, SettingsInference, SettingsPhase};
 /// this many times less one).
 const MAX_STRETCHES: usize = 6;
 
+/// The most other earlier settings [`PreparedDevice::settle_switch`] tries on the statistics.
+const MAX_ALTERNATIVES: usize = 8;
+
 /// The most switch points [`PreparedDevice::settle_switch`] tries, one replay each.
 const MAX_SWITCH_TRIALS: usize = 64;
 
@@ -66,8 +69,11 @@ impl PreparedDevice {
             recorded.per_process_memory_fraction < 1.0 || !self.capacity.phases.is_empty();
         let budget = settings_phases::search_budget(self.plan.events);
         let mut best = (recorded.clone(), first);
+        // Other settings of the last round that explain more of the trace than the recorded ones.
+        let mut ties: Vec<(AllocatorConfig, usize)> = Vec::new();
         for _ in 0..settings_phases::MAX_ROUNDS {
             let mut improved: Option<(AllocatorConfig, usize)> = None;
+            let mut round_ties = Vec::new();
             for candidate in settings_phases::candidates(&best.0, collects) {
                 if settings_phases::same_settings(&candidate, recorded) {
                     continue;
@@ -85,12 +91,20 @@ impl PreparedDevice {
                 };
                 found.replays += 1;
                 let reached = reach(departure);
-                if reached > improved.as_ref().map_or(best.1, |b| b.1) {
-                    improved = Some((candidate, reached));
+                let furthest = improved.as_ref().map_or(best.1, |b| b.1);
+                if reached > furthest {
+                    if let Some(passed) = improved.replace((candidate, reached)) {
+                        round_ties.push(passed);
+                    }
+                } else if reached > first {
+                    round_ties.push((candidate, reached));
                 }
             }
             match improved {
-                Some(better) => best = better,
+                Some(better) => {
+                    best = better;
+                    ties = round_ties;
+                }
                 None => break,
             }
             if best.1 == usize::MAX {
@@ -105,32 +119,16 @@ impl PreparedDevice {
         }
         let (earlier, until) = best;
         found.explained_until = Some((earlier.clone(), (until != usize::MAX).then_some(until)));
-        // The switch lies after the first departure and no later than where the earlier settings
-        // stop explaining the trace: any point that fits, found by halving, then the earliest
-        // and the latest that fit (no allocation between them tells them apart).
+        ties.sort_by_key(|(_, reached)| std::cmp::Reverse(*reached));
+        ties.truncate(MAX_ALTERNATIVES);
+        found.alternatives = ties.into_iter().map(|(config, _)| config).collect();
         let before = from_start(&earlier);
-        let (mut lo, mut hi) = (first + 1, until.min(self.plan.events));
-        let mut fits = None;
-        while lo <= hi {
-            let at = lo + (hi - lo) / 2;
-            found.replays += 1;
-            match self.switch_at(&before, recorded, at) {
-                Switch::Fits => {
-                    fits = Some(at);
-                    break;
-                }
-                Switch::TooLate => hi = at - 1,
-                Switch::TooEarly => lo = at + 1,
-                Switch::Fails => break,
-            }
-        }
-        let Some(at) = fits else {
+        let Some((earliest, latest)) = self.switch_window(&earlier, first, until, &mut found)
+        else {
             // No single switch to the recorded settings explains it: changed more than once?
             self.forward(&earlier, until, &mut found);
             return found;
         };
-        let (earliest, latest) =
-            self.fit_window(&before, recorded, (first + 1, at, until), &mut found);
         tracing::info!(
             device = self.plan.device,
             from = earliest,
@@ -141,6 +139,35 @@ impl PreparedDevice {
         found.switch_window = Some((earliest, latest));
         found.phases = switched(&before, recorded, earliest);
         found
+    }
+
+    /// Where the program may have switched from `earlier` to the recorded settings: after the
+    /// first event the recorded settings cannot explain (`first`) and no later than the first the
+    /// earlier ones cannot (`until`). Any point that fits, found by halving, then the earliest and
+    /// the latest that fit (no allocation between them tells them apart); `None` when none fits.
+    fn switch_window(
+        &self,
+        earlier: &AllocatorConfig,
+        first: usize,
+        until: usize,
+        found: &mut SettingsInference,
+    ) -> Option<(usize, usize)> {
+        let before = from_start(earlier);
+        let (mut lo, mut hi) = (first + 1, until.min(self.plan.events));
+        while lo <= hi {
+            let at = lo + (hi - lo) / 2;
+            found.replays += 1;
+            match self.switch_at(&before, &self.recorded, at) {
+                Switch::Fits => {
+                    let window = (first + 1, at, until);
+                    return Some(self.fit_window(&before, &self.recorded, window, found));
+                }
+                Switch::TooLate => hi = at.checked_sub(1)?,
+                Switch::TooEarly => lo = at + 1,
+                Switch::Fails => return None,
+            }
+        }
+        None
     }
 
     /// The earliest and the latest switch to `to` after the phases `before` that fit the record,
@@ -325,6 +352,34 @@ impl PreparedDevice {
             };
             if self.settle_one(&mut phases, k, window, expected, most) {
                 self.settings.phases = phases;
+                return;
+            }
+        }
+        // Settings that explain the trace nearly as far from its start: the statistics may say
+        // which were in force (the allocations could not), when the program switched once.
+        let (Some(first), 1) = (self.settings.first_departure, last) else {
+            return;
+        };
+        let mut scratch = SettingsInference::default();
+        for alternative in self.settings.alternatives.clone() {
+            let mut earlier = alternative;
+            earlier.max_split_size = phases[0].config.max_split_size;
+            let Some((departure, _)) = self.explains(&from_start(&earlier)) else {
+                continue;
+            };
+            let until = departure.unwrap_or(usize::MAX);
+            let Some(window) = self.switch_window(&earlier, first, until, &mut scratch) else {
+                continue;
+            };
+            let mut phases = switched(&from_start(&earlier), &self.recorded, window.0);
+            if self.settle_one(&mut phases, 1, window, expected, most) {
+                tracing::info!(
+                    device = self.plan.device,
+                    earlier = %earlier,
+                    "the statistics tell which earlier settings were in force"
+                );
+                self.settings.phases = phases;
+                self.settings.switch_window = Some(window);
                 return;
             }
         }
