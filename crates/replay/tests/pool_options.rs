@@ -105,3 +105,66 @@ fn a_pool_with_its_own_allocator_is_found_under_expandable_segments() {
     let attribution = replay.pool_attribution(0).unwrap();
     assert_eq!(attribution.own_allocator.len(), 1, "{attribution:?}");
 }
+
+/// Two pools used in turn with the default pool, random sizes and lifetimes, only the second made
+/// with `no_split`: an option tried on the first pool can look right for a while (it explains
+/// part of what the second pool did); the replay keeps only the second's.
+#[test]
+fn only_the_pool_that_never_splits_is_found_among_several() {
+    // The plain pool first: the one an option is tried on first.
+    const PLAIN: MempoolId = POOL;
+    const NO_SPLIT: MempoolId = MempoolId(0, 2);
+    for seed in [9, 47, 5] {
+        let allocator = recording("");
+        allocator
+            .create_pool(PLAIN, PoolOptions::default())
+            .unwrap();
+        allocator
+            .create_pool(
+                NO_SPLIT,
+                PoolOptions {
+                    no_split: true,
+                    ..PoolOptions::default()
+                },
+            )
+            .unwrap();
+        let mut state: u64 = seed;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut live: Vec<Allocation> = Vec::new();
+        for i in 0..200 {
+            if live.len() > 10 || (!live.is_empty() && next() % 10 < 4) {
+                let k = (next() % live.len() as u64) as usize;
+                allocator.free(live.swap_remove(k)).unwrap();
+                continue;
+            }
+            let size = if next() % 2 == 0 {
+                (next() % 900 + 1) as usize * 1000
+            } else {
+                (next() % 40 + 1) as usize * MIB + 4321
+            };
+            let pool = [Some(PLAIN), Some(NO_SPLIT), None][i % 3];
+            let a = match pool {
+                Some(pool) => {
+                    allocator.begin_allocate_to_pool(pool, |_| true).unwrap();
+                    let a = allocator.allocate(size, S).unwrap();
+                    allocator.end_allocate_to_pool(pool).unwrap();
+                    a
+                }
+                None => allocator.allocate(size, S).unwrap(),
+            };
+            live.push(a);
+        }
+        for a in live {
+            allocator.free(a).unwrap();
+        }
+        let (snapshot, expected) = recorded(&allocator);
+        let replay = assert_exact(&snapshot, expected);
+        let attribution = replay.pool_attribution(0).unwrap();
+        assert_eq!(attribution.no_split, vec![NO_SPLIT], "seed {seed}");
+    }
+}

@@ -24,8 +24,11 @@ mod settings;
 const MAX_OOM_TRIALS: usize = 64;
 
 /// The most private pools [`PreparedDevice::infer_pool_options`] tries options on (two replays
-/// each at most).
+/// each a pass at most).
 const MAX_POOLS_TRIED: usize = 32;
+
+/// The most passes [`PreparedDevice::infer_pool_options`] makes over the pools.
+const MAX_OPTION_PASSES: usize = 3;
 
 /// One device's trace, prepared for replaying.
 #[derive(Debug)]
@@ -199,28 +202,34 @@ impl PreparedDevice {
             .take(MAX_POOLS_TRIED)
             .collect();
         let expandable = self.recorded.expandable_segments;
-        for pool in private {
-            for own_allocator in [false, true] {
-                if least == 0 || (own_allocator && !expandable) {
-                    break;
-                }
-                let option = |device: &mut Self, keep: bool| {
-                    let set = if own_allocator {
-                        &mut device.own_allocator
-                    } else {
-                        &mut device.no_split
-                    };
-                    if keep {
-                        set.insert(pool);
-                    } else {
-                        set.remove(&pool);
+        // Each pool's options turned on or off, one at a time, kept when the replay departs less;
+        // again while that helps (an option taken early can be one another pool's explains).
+        for _ in 0..MAX_OPTION_PASSES {
+            let before = least;
+            for &pool in &private {
+                for own_allocator in [false, true] {
+                    if least == 0 || (own_allocator && !expandable) {
+                        break;
                     }
-                };
-                option(self, true);
-                match self.retries_and_mismatches(&self.recorded, &self.ooms_private) {
-                    Some((_, mismatches)) if mismatches < least => least = mismatches,
-                    _ => option(self, false),
+                    let toggle = |device: &mut Self| {
+                        let set = if own_allocator {
+                            &mut device.own_allocator
+                        } else {
+                            &mut device.no_split
+                        };
+                        if !set.remove(&pool) {
+                            set.insert(pool);
+                        }
+                    };
+                    toggle(self);
+                    match self.retries_and_mismatches(&self.recorded, &self.ooms_private) {
+                        Some((_, mismatches)) if mismatches < least => least = mismatches,
+                        _ => toggle(self),
+                    }
                 }
+            }
+            if least == 0 || least == before {
+                break;
             }
         }
         let sorted = |set: &HashSet<MempoolId>| {
