@@ -197,6 +197,7 @@ impl Rank {
 
         let options = SyncOptions {
             bucket_bytes: args.bucket_bytes,
+            ..SyncOptions::default()
         };
         let start = Instant::now();
         // SAFETY: `comm` lives on this device and is destroyed after the sync is dropped.

@@ -37,6 +37,20 @@ pub enum Error {
         /// NCCL's result code (`ncclResult_t`).
         code: i32,
     },
+    /// The collectives of a weight sync did not finish in time
+    /// ([`SyncOptions::timeout`](crate::weights::SyncOptions::timeout)).
+    #[error(
+        "rank {rank}: the collectives of the weight sync did not finish within {waited:?}: another \
+         rank most likely died or stopped syncing; this sync is broken (its staging buffers stay \
+         allocated under the stalled collectives): abort the communicator (ncclCommAbort) on \
+         every surviving rank and make a new one"
+    )]
+    TimedOut {
+        /// This rank.
+        rank: usize,
+        /// How long it waited.
+        waited: std::time::Duration,
+    },
     /// The communicator is null.
     #[error("the NCCL communicator is null; pass one from ncclCommInitRank or ncclCommInitAll")]
     NullCommunicator,

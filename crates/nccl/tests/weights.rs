@@ -90,6 +90,7 @@ fn on_ranks<T: Send>(
 fn options() -> SyncOptions {
     SyncOptions {
         bucket_bytes: BUCKET,
+        ..SyncOptions::default()
     }
 }
 
@@ -255,6 +256,7 @@ fn a_bucket_size_that_differs_is_named_where_it_differs() {
         let tensors = allocate(&me, &layout(), &[0, 1, 2]);
         let options = SyncOptions {
             bucket_bytes: BUCKET << me.rank(),
+            ..SyncOptions::default()
         };
         WeightSync::connect(me.engine(), me.collective(), 0, &tensors, options).err()
     });
@@ -435,4 +437,76 @@ fn a_sync_returns_once_the_last_bucket_is_in_place_even_when_it_goes_straight_in
             }
         }
     });
+}
+
+/// A receiving rank that stops syncing (alive, but never joins the next sync): the sender's next
+/// sync ends with `TimedOut` once the timeout has passed, instead of waiting for ever, and the
+/// sync is broken from then on.
+#[test]
+fn a_rank_that_stops_syncing_is_a_timeout_on_the_others_not_a_hang() {
+    let layout = layout();
+    let world = FakeWorld::new(2);
+    let timeout = Duration::from_millis(300);
+    let sender_done = std::sync::Barrier::new(2);
+    let results = on_ranks(&world, 2, |me| {
+        let order: Vec<usize> = (0..layout.len()).collect();
+        let tensors = allocate(&me, &layout, &order);
+        let options = SyncOptions {
+            timeout,
+            ..options()
+        };
+        let mut sync =
+            WeightSync::connect(me.engine(), me.collective(), 0, &tensors, options).unwrap();
+        // SAFETY: the fake's memory; nothing else uses the tensors.
+        unsafe { sync.sync() }.unwrap();
+        if me.rank() == 1 {
+            // Stops syncing; once the sender has given up, its process goes away.
+            sender_done.wait();
+            world.lose(1);
+            return None;
+        }
+        // SAFETY: as above.
+        let second = unsafe { sync.sync() }.map(|_| ());
+        // SAFETY: as above.
+        let third = unsafe { sync.sync() }.map(|_| ());
+        sender_done.wait();
+        Some((second, third))
+    });
+    let Some((second, third)) = &results[0] else {
+        panic!("the sender returns its results")
+    };
+    match second {
+        Err(Error::TimedOut { rank: 0, waited }) => assert!(*waited >= timeout),
+        other => panic!("expected a timeout on the sender, got {other:?}"),
+    }
+    assert_eq!(third, &Err(Error::Broken));
+    let message = second.as_ref().unwrap_err().to_string();
+    assert!(message.contains("ncclCommAbort"), "{message}");
+}
+
+/// A receiving rank lost mid-sync (its process died; the communicator reports it, as NCCL's
+/// asynchronous error does): the sender's sync fails with the communicator's error at once, with
+/// no timeout to wait out.
+#[test]
+fn a_rank_lost_mid_sync_is_an_error_on_the_others_at_once() {
+    let layout = layout();
+    let world = FakeWorld::new(2);
+    let results = on_ranks(&world, 2, |me| {
+        let order: Vec<usize> = (0..layout.len()).collect();
+        let tensors = allocate(&me, &layout, &order);
+        let mut sync =
+            WeightSync::connect(me.engine(), me.collective(), 0, &tensors, options()).unwrap();
+        // SAFETY: the fake's memory; nothing else uses the tensors.
+        unsafe { sync.sync() }.unwrap();
+        if me.rank() == 1 {
+            world.lose(1);
+            return None;
+        }
+        // SAFETY: as above.
+        Some(unsafe { sync.sync() }.map(|_| ()))
+    });
+    match &results[0] {
+        Some(Err(Error::Collective { code: 6, .. })) => {}
+        other => panic!("expected the communicator's remote error, got {other:?}"),
+    }
 }

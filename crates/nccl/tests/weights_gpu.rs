@@ -2,7 +2,8 @@
 //! unique id (`ncclCommInitRank`, as separate processes or machines make theirs). Rank 0 sends a
 //! GPT-2-small-like state dict (150 fp32 tensors, 498 MB) into rank 1's own tensors, allocated in
 //! the reverse order, twice (two versions); rank 1 checks every byte of every tensor. A layout
-//! that differs is refused on both ranks. `#[ignore]`d (the bundle's run.sh runs it with
+//! that differs is refused on both ranks. A rank that stops syncing is a timeout on the other,
+//! not a hang. `#[ignore]`d (the bundle's run.sh runs it with
 //! `--include-ignored`); without two devices or without NCCL it says `skipped: ...`, and fails
 //! instead with `TENSORMEM_REQUIRE_GPU=1`. NVLink multicast stays off (`NCCL_NVLS_ENABLE=0`).
 
@@ -118,9 +119,20 @@ impl Rank {
     }
 
     fn connect(&self, tensors: &[LocalTensor]) -> Result<weights::cuda::CudaWeightSync, Error> {
-        let options = SyncOptions {
-            bucket_bytes: BUCKET,
-        };
+        self.connect_with(
+            tensors,
+            SyncOptions {
+                bucket_bytes: BUCKET,
+                ..SyncOptions::default()
+            },
+        )
+    }
+
+    fn connect_with(
+        &self,
+        tensors: &[LocalTensor],
+        options: SyncOptions,
+    ) -> Result<weights::cuda::CudaWeightSync, Error> {
         // SAFETY: `comm` lives on this rank's device and is destroyed in `finish`, after the sync.
         unsafe { weights::cuda::connect(self.comm, self.stream.clone(), 0, tensors, options) }
     }
@@ -224,5 +236,46 @@ fn a_layout_that_differs_is_refused_on_both_ranks() {
             );
         }
         me.finish(allocations);
+    });
+}
+
+/// Rank 1 connects, syncs once, then stops syncing (as a process that died would): rank 0's next
+/// sync ends with `TimedOut` after the timeout, not a hang; the communicators are then aborted,
+/// as the error says to.
+#[test]
+#[ignore = "needs two CUDA GPUs and NCCL (cargo xtask test-gpu runs it)"]
+fn a_rank_that_stops_syncing_is_a_timeout_on_the_other_not_a_hang() {
+    if !two_gpus_and_nccl() {
+        return;
+    }
+    let layout = gpt2();
+    let timeout = std::time::Duration::from_secs(2);
+    let sender_done = std::sync::Barrier::new(2);
+    two_ranks(|rank, id| {
+        let me = Rank::new(rank, id);
+        let order: Vec<usize> = (0..layout.len()).collect();
+        let (tensors, allocations) = me.tensors(&layout, &order);
+        let options = SyncOptions {
+            bucket_bytes: BUCKET,
+            timeout,
+        };
+        let mut sync = me.connect_with(&tensors, options).unwrap();
+        // SAFETY: the tensors are this rank's allocations, used by nothing else.
+        unsafe { sync.sync() }.unwrap();
+        if rank == 0 {
+            // SAFETY: as above.
+            let error = unsafe { sync.sync() }.unwrap_err();
+            match error {
+                Error::TimedOut { rank: 0, waited } => assert!(waited >= timeout),
+                other => panic!("expected a timeout, got {other}"),
+            }
+        }
+        sender_done.wait();
+        drop(sync);
+        // SAFETY: a live communicator of this rank, aborted once (not destroyed afterwards).
+        unsafe { result::comm_abort(me.comm) }.unwrap();
+        for a in allocations {
+            me.allocator.free(a).unwrap();
+        }
     });
 }

@@ -259,7 +259,8 @@ typedef struct TmNcclSyncReport {
 int tensormem_nccl_unique_id(uint8_t* out, size_t len);
 int tensormem_nccl_weights_open(int device, const uint8_t* unique_id, size_t unique_id_len, int rank, int world_size,
                                 int src, size_t count, const char* const* names, const uint64_t* ptrs,
-                                const uint64_t* sizes, const char* const* metas, size_t bucket_bytes, void** out);
+                                const uint64_t* sizes, const char* const* metas, size_t bucket_bytes,
+                                uint64_t timeout_ms, void** out);
 int tensormem_nccl_weights_sync(void* sync, cudaStream_t stream, TmNcclSyncReport* report);
 int tensormem_nccl_weights_close(void* sync);
 

@@ -35,6 +35,7 @@
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use cudarc::driver::sys;
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
@@ -42,7 +43,8 @@ use tensormem_cuda_alloc::backend::cuda::{check, BackendEvent, CudaBackend};
 use tensormem_cuda_alloc::{Device, DeviceAddress};
 use tensormem_nccl::weights::cuda::CudaWeightSync;
 use tensormem_nccl::weights::{
-    self, LocalTensor, SyncOptions, SyncReport, WeightLayout, MIN_BUCKET_BYTES,
+    self, LocalTensor, SyncOptions, SyncReport, WeightLayout, DEFAULT_SYNC_TIMEOUT,
+    MIN_BUCKET_BYTES,
 };
 
 use crate::args::{items, put, text};
@@ -321,7 +323,10 @@ pub unsafe extern "C" fn tensormem_nccl_unique_id(out: *mut u8, len: usize) -> c
 /// to it by name. Returns once every rank has done so.
 ///
 /// Every rank calls it with the same `unique_id`, `world_size`, `src` and `bucket_bytes` (at
-/// least 1 MiB; 256 MiB is the Rust API's default). Refused before NCCL is touched: a null
+/// least 1 MiB; 256 MiB is the Rust API's default). `timeout_ms`: how long this rank waits for
+/// the collectives of one exchange before it gives the other ranks up (a rank that died or
+/// stopped syncing) with an error, after which the sync is broken and its communicator aborted
+/// when closed; 0 for the default, ten minutes. Refused before NCCL is touched: a null
 /// pointer, a unique id of another length, a rank or `src` outside the world, a bucket size
 /// below 1 MiB, a name given twice, a null address with bytes. Refused on every rank alike once
 /// the layouts were compared: a tensor missing on a rank, one the sender does not send, another
@@ -348,6 +353,7 @@ pub unsafe extern "C" fn tensormem_nccl_weights_open(
     sizes: *const u64,
     metas: *const *const c_char,
     bucket_bytes: usize,
+    timeout_ms: u64,
     out: *mut *mut c_void,
 ) -> c_int {
     status("tensormem_nccl_weights_open", || {
@@ -387,7 +393,13 @@ pub unsafe extern "C" fn tensormem_nccl_weights_open(
             raw: raw as usize,
             failed: false,
         };
-        let options = SyncOptions { bucket_bytes };
+        let options = SyncOptions {
+            bucket_bytes,
+            timeout: match timeout_ms {
+                0 => DEFAULT_SYNC_TIMEOUT,
+                ms => Duration::from_millis(ms),
+            },
+        };
         // SAFETY: `raw` is a live communicator of `stream`'s device, released (by `comm`) only
         // after the sync is dropped.
         match unsafe { weights::cuda::connect(raw, stream, root, &tensors, options) } {

@@ -120,6 +120,7 @@ fn open(a: &Args) -> (c_int, *mut c_void) {
             array(&a.sizes),
             strings(&a.metas),
             a.bucket_bytes,
+            0,
             out_ptr,
         )
     };

@@ -328,13 +328,13 @@ class FakeLib:
         self.record("unique_id")
         return 0
     def tensormem_nccl_weights_open(self, device, uid, uid_len, rank, world, src, count, names, ptrs, sizes, metas,
-                                    bucket, out):
+                                    bucket, timeout_ms, out):
         arrays = ([names[i].decode() for i in range(count)], list(ptrs[:count]), list(sizes[:count]),
                   [metas[i].decode() for i in range(count)])
         with self.lock:
             self.next += 1
             out._obj.value = self.next
-        self.record("open", rank, device, bytes(uid[:uid_len]), world, src, bucket, arrays, self.next)
+        self.record("open", rank, device, bytes(uid[:uid_len]), world, src, bucket, arrays, self.next, timeout_ms)
         return 0
     def tensormem_nccl_weights_sync(self, handle, stream, report):
         report._obj.sync, report._obj.bytes, report._obj.seconds = 1, 4096, 0.25
@@ -378,8 +378,8 @@ assert isinstance(w0, nw.NcclWeights) and isinstance(w1, nw.NcclWeights), (w0, w
 assert [c[0] for c in fake.calls].count("unique_id") == 1, fake.calls
 opens = sorted(c for c in fake.calls if c[0] == "open")
 for rank, call in enumerate(opens):
-    _, r, device, uid, world, src, bucket, arrays, _ = call
-    assert (r, device, uid, world, src, bucket) == (rank, rank, ID, 2, 0, 2 << 20), call
+    _, r, device, uid, world, src, bucket, arrays, _, timeout_ms = call
+    assert (r, device, uid, world, src, bucket, timeout_ms) == (rank, rank, ID, 2, 0, 2 << 20, 0), call
     names, ptrs, sizes, metas = arrays
     assert names == ["wte.weight", "h.0.attn.bias", "h.0.mlp.weight"], names
     assert ptrs == [t.data_ptr() for t in tensors[rank].values()], ptrs
@@ -423,6 +423,10 @@ dist.is_initialized = lambda: False
 w = nw.NcclWeights(model(0), 0, 1, unique_id=ID, bucket_bytes=1 << 20)
 assert fake.calls[-1][0] == "open" and fake.calls[-1][3] == ID, fake.calls[-1]
 w.close()
+# A timeout in seconds reaches the library in milliseconds.
+w = nw.NcclWeights(model(0), 0, 1, unique_id=ID, timeout=2.5)
+assert fake.calls[-1][0] == "open" and fake.calls[-1][-1] == 2500, fake.calls[-1]
+w.close()
 fake.tensormem_nccl_weights_sync = lambda *args: -1
 w = nw.NcclWeights(model(0), 0, 1, unique_id=ID)
 try:
@@ -438,6 +442,8 @@ for bad, error, words in [
     (lambda: nw.NcclWeights(model(), 0, "2", unique_id=ID), TypeError, "world_size must be an int"),
     (lambda: nw.NcclWeights(model(), 0, 1, unique_id=ID[:100]), ValueError, "100 bytes, not 128"),
     (lambda: nw.NcclWeights(model(), 0, 1, unique_id=ID, bucket_bytes=4096), ValueError, "at least 1048576"),
+    (lambda: nw.NcclWeights(model(), 0, 1, unique_id=ID, timeout=0), ValueError, "timeout is 0"),
+    (lambda: nw.NcclWeights(model(), 0, 1, unique_id=ID, timeout="1"), ValueError, "pass seconds"),
     (lambda: nw.NcclWeights(dict(model(), x=Tensor((2,), cuda=False)), 0, 1, unique_id=ID), ValueError,
      "'x' is not a CUDA tensor"),
     (lambda: nw.NcclWeights(dict(model(), x=Tensor((2,), device=1)), 0, 1, unique_id=ID), ValueError,

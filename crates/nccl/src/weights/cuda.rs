@@ -346,4 +346,28 @@ unsafe impl Collective for NcclCollective {
     fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)
     }
+
+    fn is_idle(&self) -> Result<bool> {
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: the communicator is live (`new`'s contract); `state` is a valid place for the
+        // answer.
+        let rc = unsafe { sys::ncclCommGetAsyncError(self.comm(), &mut state) };
+        if rc != sys::ncclResult_t::ncclSuccess {
+            return Err(Error::Collective {
+                call: "ncclCommGetAsyncError",
+                code: rc as i32,
+            });
+        }
+        if !matches!(
+            state,
+            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
+        ) {
+            // A rank lost, a network error: what the collectives queued will never finish.
+            return Err(Error::Collective {
+                call: "a collective of the communicator (ncclCommGetAsyncError)",
+                code: state as i32,
+            });
+        }
+        Ok(self.stream.is_idle()?)
+    }
 }

@@ -195,4 +195,13 @@ pub unsafe trait Collective {
     ///
     /// The device's or the communicator's.
     fn synchronize(&self) -> Result<()>;
+
+    /// Whether everything queued on the communication stream has finished, without blocking. A
+    /// failure of the communicator (NCCL's asynchronous error: a rank lost, a network error) is
+    /// an error here, so that a wait polling it ends.
+    ///
+    /// # Errors
+    ///
+    /// The device's or the communicator's.
+    fn is_idle(&self) -> Result<bool>;
 }

@@ -15,7 +15,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
@@ -114,6 +114,7 @@ impl FakeWorld {
                 ranks,
                 slots: Mutex::new(HashMap::new()),
                 arrived: Condvar::new(),
+                lost: Mutex::new(None),
             },
             delays,
             log: Mutex::new(Vec::new()),
@@ -132,6 +133,20 @@ impl FakeWorld {
             rank,
             memory: Arc::clone(&self.memories[rank]),
         }
+    }
+
+    /// Loses rank `rank`, as a communicator loses a rank whose process died: collectives waiting
+    /// for it end without moving anything, and the other ranks' collectives report the loss
+    /// ([`Collective::is_idle`] fails, as NCCL's asynchronous error does).
+    pub fn lose(&self, rank: usize) {
+        *lock(&self.rendezvous.lost) = Some(rank);
+        let _slots = lock(&self.rendezvous.slots);
+        self.rendezvous.arrived.notify_all();
+    }
+
+    /// The rank lost, if any.
+    fn lost(&self) -> Option<usize> {
+        *lock(&self.rendezvous.lost)
     }
 
     /// Everything logged so far, in the order it happened.
@@ -315,6 +330,9 @@ unsafe impl CopyEngine for FakeEngine {
     }
 }
 
+/// NCCL's `ncclRemoteError`: what a communicator reports once a peer is gone.
+const NCCL_REMOTE_ERROR: i32 = 6;
+
 /// A rank's collective.
 #[derive(Debug)]
 pub struct FakeCollective {
@@ -338,9 +356,10 @@ impl FakeCollective {
         self.stream.enqueue(move || {
             world.note(rank, Lane::Comm, op, Phase::Started);
             std::thread::sleep(delay);
-            let all = world.rendezvous.exchange(id, rank, given(&memory));
-            taken(&memory, all);
-            world.note(rank, Lane::Comm, op, Phase::Finished);
+            if let Some(all) = world.rendezvous.exchange(id, rank, given(&memory)) {
+                taken(&memory, all);
+                world.note(rank, Lane::Comm, op, Phase::Finished);
+            }
         })
     }
 }
@@ -420,6 +439,16 @@ unsafe impl Collective for FakeCollective {
     fn synchronize(&self) -> Result<()> {
         self.stream.synchronize()
     }
+
+    fn is_idle(&self) -> Result<bool> {
+        if self.rank.world.lost().is_some() {
+            return Err(Error::Collective {
+                call: "a fake collective (rank lost)",
+                code: NCCL_REMOTE_ERROR,
+            });
+        }
+        self.stream.is_idle()
+    }
 }
 
 impl FakeRank {
@@ -476,6 +505,8 @@ type Job = Box<dyn FnOnce() + Send>;
 struct Stream {
     jobs: Option<Sender<Job>>,
     thread: Option<JoinHandle<()>>,
+    /// Jobs queued and not finished.
+    pending: Arc<AtomicUsize>,
 }
 
 impl fmt::Debug for Stream {
@@ -498,12 +529,27 @@ impl Stream {
         Self {
             jobs: Some(tx),
             thread: Some(thread),
+            pending: Arc::new(AtomicUsize::new(0)),
         }
     }
 
     fn enqueue(&self, job: impl FnOnce() + Send + 'static) -> Result<()> {
         let jobs = self.jobs.as_ref().expect("live until dropped");
-        jobs.send(Box::new(job)).map_err(|_| dead())
+        let pending = Arc::clone(&self.pending);
+        pending.fetch_add(1, Ordering::SeqCst);
+        jobs.send(Box::new(move || {
+            job();
+            pending.fetch_sub(1, Ordering::SeqCst);
+        }))
+        .map_err(|_| dead())
+    }
+
+    /// Whether every job queued has run; an error once the stream's thread died.
+    fn is_idle(&self) -> Result<bool> {
+        if self.thread.as_ref().is_none_or(JoinHandle::is_finished) {
+            return Err(dead());
+        }
+        Ok(self.pending.load(Ordering::SeqCst) == 0)
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -575,6 +621,8 @@ struct Rendezvous {
     ranks: usize,
     slots: Mutex<HashMap<u64, Slot>>,
     arrived: Condvar,
+    /// A rank the world lost ([`FakeWorld::lose`]): collectives waiting for it end unfinished.
+    lost: Mutex<Option<usize>>,
 }
 
 #[derive(Debug)]
@@ -585,7 +633,9 @@ struct Slot {
 }
 
 impl Rendezvous {
-    fn exchange(&self, id: u64, rank: usize, part: Vec<u8>) -> Vec<Vec<u8>> {
+    /// Hands in this rank's part of collective `id` and waits for every rank's; `None` when a
+    /// rank was lost before all arrived.
+    fn exchange(&self, id: u64, rank: usize, part: Vec<u8>) -> Option<Vec<Vec<u8>>> {
         let ranks = self.ranks;
         let mut slots = lock(&self.slots);
         let slot = slots.entry(id).or_insert_with(|| Slot {
@@ -602,8 +652,13 @@ impl Rendezvous {
         self.arrived.notify_all();
         let (mut slots, timeout) = self
             .arrived
-            .wait_timeout_while(slots, TIMEOUT, |s| s[&id].arrived < ranks)
+            .wait_timeout_while(slots, TIMEOUT, |s| {
+                s[&id].arrived < ranks && lock(&self.lost).is_none()
+            })
             .unwrap_or_else(PoisonError::into_inner);
+        if slots[&id].arrived < ranks && lock(&self.lost).is_some() {
+            return None;
+        }
         assert!(
             !timeout.timed_out(),
             "fake collective {id}: a rank never joined (rank {rank} waited {TIMEOUT:?})"
@@ -618,6 +673,6 @@ impl Rendezvous {
         if slot.left == ranks {
             slots.remove(&id);
         }
-        all
+        Some(all)
     }
 }

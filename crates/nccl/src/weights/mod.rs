@@ -78,7 +78,7 @@
 //!         let rank = world.rank(r);
 //!         std::thread::spawn(move || -> tensormem_nccl::Result<Vec<u8>> {
 //!             let mine = tensors(&rank, if r == 0 { 7 } else { 0 });
-//!             let options = SyncOptions { bucket_bytes: 1 << 20 };
+//!             let options = SyncOptions { bucket_bytes: 1 << 20, ..SyncOptions::default() };
 //!             let mut sync = WeightSync::connect(rank.engine(), rank.collective(), 0, &mine, options)?;
 //!             // SAFETY: the tensors are the fake's memory, used by nothing else.
 //!             let report = unsafe { sync.sync()? };
@@ -146,4 +146,7 @@ mod sync;
 pub use engine::{Collective, CopyEngine, CopySpan, Step};
 pub use layout::{LocalTensor, TensorSpec, WeightLayout};
 pub use plan::{Bucket, Span, SyncPlan};
-pub use sync::{SyncOptions, SyncReport, WeightSync, DEFAULT_BUCKET_BYTES, MIN_BUCKET_BYTES};
+pub use sync::{
+    SyncOptions, SyncReport, WeightSync, DEFAULT_BUCKET_BYTES, DEFAULT_SYNC_TIMEOUT,
+    MIN_BUCKET_BYTES,
+};

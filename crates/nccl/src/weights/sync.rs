@@ -17,6 +17,13 @@ pub const DEFAULT_BUCKET_BYTES: usize = 256 << 20;
 /// The smallest bucket size accepted (1 MiB); the layout travels in pieces of this size.
 pub const MIN_BUCKET_BYTES: usize = 1 << 20;
 
+/// How long a rank waits for the collectives of a sync by default before it gives the other ranks
+/// up ([`SyncOptions::timeout`]): ten minutes, PyTorch's default for NCCL process groups.
+pub const DEFAULT_SYNC_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The longest pause between two looks at the communication stream while waiting for it.
+const MAX_POLL_PAUSE: Duration = Duration::from_micros(200);
+
 /// The largest encoded layout a receiving rank accepts (1 GiB): a guard against a header that is
 /// not one.
 const MAX_LAYOUT_BYTES: u64 = 1 << 30;
@@ -24,18 +31,24 @@ const MAX_LAYOUT_BYTES: u64 = 1 << 30;
 /// The first word of the header the sending rank broadcasts when ranks connect.
 const HEADER_MAGIC: u64 = u64::from_le_bytes(*b"TMWSYNC1");
 
-/// How weights are bucketed. Every rank must use the same options.
+/// How weights are bucketed, and how long a rank waits for the others. Every rank must use the
+/// same bucket size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SyncOptions {
     /// The bytes of one broadcast (the last bucket may hold fewer); each rank holds two staging
     /// buffers of this size. At least [`MIN_BUCKET_BYTES`].
     pub bucket_bytes: usize,
+    /// How long this rank waits for the collectives of one exchange (the layout's agreement, the
+    /// weights) before it gives up with [`Error::TimedOut`]: a rank that died or stopped syncing
+    /// leaves them unfinished for ever. [`DEFAULT_SYNC_TIMEOUT`] by default.
+    pub timeout: Duration,
 }
 
 impl Default for SyncOptions {
     fn default() -> Self {
         Self {
             bucket_bytes: DEFAULT_BUCKET_BYTES,
+            timeout: DEFAULT_SYNC_TIMEOUT,
         }
     }
 }
@@ -74,6 +87,8 @@ struct Link<E: CopyEngine, C: Collective<Event = E::Event>> {
     /// Set while work may be queued that a failure left behind: the staging buffers are then
     /// leaked rather than freed under it, and no further sync runs.
     broken: bool,
+    /// How long a wait for the collectives may take ([`SyncOptions::timeout`]).
+    timeout: Duration,
 }
 
 impl<E: CopyEngine, C: Collective<Event = E::Event>> Link<E, C> {
@@ -95,11 +110,36 @@ impl<E: CopyEngine, C: Collective<Event = E::Event>> Link<E, C> {
                 }
                 self.collective
                     .broadcast(Step::Layout, staging, piece.len(), root)?;
-                self.collective.synchronize()?;
+                self.wait_collective()?;
                 if !self.root_is_me(root) {
                     self.engine.read(staging, piece)?;
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Waits for everything queued on the communication stream, as [`Collective::synchronize`]
+    /// does, but no longer than the timeout: the collectives of a rank whose peers died or stopped
+    /// syncing never finish. Looks at the stream with pauses growing to [`MAX_POLL_PAUSE`].
+    fn wait_collective(&self) -> Result<()> {
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(2);
+        while !self.collective.is_idle()? {
+            let waited = start.elapsed();
+            if waited >= self.timeout {
+                let rank = self.collective.rank();
+                tracing::error!(
+                    target: "tensormem_nccl",
+                    rank,
+                    ?waited,
+                    "a weight sync's collectives did not finish in time: another rank most likely \
+                     died; abort the communicator"
+                );
+                return Err(Error::TimedOut { rank, waited });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(MAX_POLL_PAUSE);
         }
         Ok(())
     }
@@ -125,7 +165,7 @@ impl<E: CopyEngine, C: Collective<Event = E::Event>> Link<E, C> {
         unsafe {
             self.engine.write(staging, &bytes)?;
             self.collective.all_reduce_max(staging, 2)?;
-            self.collective.synchronize()?;
+            self.wait_collective()?;
             self.engine.read(staging, &mut bytes)?;
         }
         let max = u64::from_le_bytes(bytes[..8].try_into().expect("eight bytes"));
@@ -237,6 +277,7 @@ impl<E: CopyEngine, C: Collective<Event = E::Event>> WeightSync<E, C> {
             staging: Some(staging),
             addrs,
             broken: true,
+            timeout: options.timeout,
         };
         let is_root = link.root_is_me(root);
 
@@ -369,6 +410,8 @@ impl<E: CopyEngine, C: Collective<Event = E::Event>> WeightSync<E, C> {
         let (engine, collective) = (&self.link.engine, &self.link.collective);
         collective.record(&self.end)?;
         engine.wait(&self.end)?;
+        // The collectives first, within the timeout: the copies after them wait for them.
+        self.link.wait_collective()?;
         engine.synchronize()?;
         self.link.broken = false;
         self.syncs += 1;

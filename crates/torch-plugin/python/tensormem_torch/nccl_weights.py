@@ -79,7 +79,7 @@ _SIGNATURES = {
     "tensormem_nccl_unique_id": [ctypes.c_void_p, ctypes.c_size_t],
     "tensormem_nccl_weights_open": [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                                     ctypes.c_int, ctypes.c_size_t, _STRS, _U64P, _U64P, _STRS, ctypes.c_size_t,
-                                    ctypes.POINTER(_P)],
+                                    ctypes.c_uint64, ctypes.POINTER(_P)],
     "tensormem_nccl_weights_sync": [_P, _P, ctypes.POINTER(_Report)],
     "tensormem_nccl_weights_close": [_P],
 }
@@ -155,6 +155,16 @@ def nccl_library_dir():
         os.symlink(target, temporary)
         os.replace(temporary, link)
     return folder
+
+
+def _timeout_ms(timeout):
+    """``timeout`` in seconds (None: the default) as the milliseconds the library takes (0: its default)."""
+    if timeout is None:
+        return 0
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"tensormem nccl_weights: timeout is {timeout!r}; pass seconds, more than 0 (or None for "
+                         "the default, ten minutes)")
+    return max(1, int(timeout * 1000))
 
 
 def _check_ranks(rank, world_size, src):
@@ -246,14 +256,16 @@ class NcclWeights:
     bytes of ``unique_id()`` from rank ``src``; without it, shared through ``store`` (default: the default process
     group's) under ``key`` (default: how many this process made so far for ``rank``). ``bucket_bytes``: the size of one
     broadcast, at least 1 MiB, the same on every rank; each rank holds two staging buffers of it. ``device``: the
-    tensors' device (default: theirs, or the current device when there are none).
+    tensors' device (default: theirs, or the current device when there are none). ``timeout``: seconds this rank
+    waits for the others in one exchange before it raises (a rank that died or stopped syncing), after which the
+    sync is broken and ``close()`` aborts its communicator; default ten minutes, PyTorch's NCCL default.
 
     Returns once every rank connected and the layouts agree; raises ``NcclWeightsError`` naming the differences
     otherwise, on every rank. The tensors are kept referenced until ``close()``.
     """
 
     def __init__(self, named_tensors, rank, world_size, src=0, unique_id=None, store=None,
-                 bucket_bytes=DEFAULT_BUCKET_BYTES, device=None, key=None):
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, device=None, key=None, timeout=None):
         import torch
         self._handle = None
         _check_ranks(rank, world_size, src)
@@ -263,6 +275,7 @@ class NcclWeights:
             if not isinstance(bucket_bytes, int) or bucket_bytes < MIN_BUCKET_BYTES:
                 raise ValueError(f"tensormem nccl_weights: bucket_bytes is {bucket_bytes}; pass at least "
                                  f"{MIN_BUCKET_BYTES} (1 MiB), the same on every rank")
+            timeout_ms = _timeout_ms(timeout)
             self.device, arrays = _describe(torch, names, tensors, device)
         except (TypeError, ValueError) as e:
             error = e
@@ -283,7 +296,7 @@ class NcclWeights:
                              "pass the bytes of nccl_weights.unique_id() unchanged")
         handle = _P()
         _ok(_library().tensormem_nccl_weights_open(self.device, unique_id, len(unique_id), rank, world_size, src,
-                                                   *arrays, bucket_bytes, ctypes.byref(handle)), "open")
+                                                   *arrays, bucket_bytes, timeout_ms, ctypes.byref(handle)), "open")
         self._handle = handle.value
         self.names, self._tensors = names, tensors
         self.rank, self.world_size, self.src = rank, world_size, src
