@@ -14,7 +14,7 @@ use tensormem_replay::{ExpectedStats, Replay};
 
 mod common;
 
-use common::{assert_exact, recorded, recording, TOTAL};
+use common::{assert_exact, recorded, recording, xorshift, TOTAL};
 
 const S: StreamId = StreamId(0);
 const MIB: usize = 1 << 20;
@@ -196,16 +196,10 @@ fn settings_phases(snapshot: &Snapshot, expected: ExpectedStats) -> Vec<(usize, 
 /// Allocates and frees, in a fixed order, blocks of sizes rounding and splitting decide
 /// differently: large blocks freed and then asked for in smaller pieces, and odd sizes.
 fn churn(allocator: &CachingAllocator<SimDevice>, seed: u64) {
-    let mut state = seed;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = xorshift(seed);
     let mut live: Vec<Allocation> = Vec::new();
     for _ in 0..200 {
-        if live.len() > 12 || (!live.is_empty() && next() % 3 == 0) {
+        if live.len() > 12 || (!live.is_empty() && next().is_multiple_of(3)) {
             let i = (next() % live.len() as u64) as usize;
             allocator.free(live.swap_remove(i)).unwrap();
         } else {
@@ -332,13 +326,7 @@ fn oom_loop(
     max_mib: u64,
     live: &mut Vec<Allocation>,
 ) {
-    let mut state = seed;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = xorshift(seed);
     for _ in 0..150 {
         let size = ((next() % max_mib) + 1) as usize * MIB - (next() % 4096) as usize;
         match allocator.allocate(size, S) {

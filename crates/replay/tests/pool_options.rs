@@ -9,7 +9,7 @@ use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::{Allocation, CachingAllocator, MempoolId, PoolOptions, StreamId};
 mod common;
 
-use common::{assert_exact, recorded, recording};
+use common::{assert_exact, recorded, recording, xorshift};
 
 const S: StreamId = StreamId(0);
 const MIB: usize = 1 << 20;
@@ -128,13 +128,7 @@ fn only_the_pool_that_never_splits_is_found_among_several() {
                 },
             )
             .unwrap();
-        let mut state: u64 = seed;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut next = xorshift(seed);
         let mut live: Vec<Allocation> = Vec::new();
         for i in 0..200 {
             if live.len() > 10 || (!live.is_empty() && next() % 10 < 4) {
@@ -142,7 +136,7 @@ fn only_the_pool_that_never_splits_is_found_among_several() {
                 allocator.free(live.swap_remove(k)).unwrap();
                 continue;
             }
-            let size = if next() % 2 == 0 {
+            let size = if next().is_multiple_of(2) {
                 (next() % 900 + 1) as usize * 1000
             } else {
                 (next() % 40 + 1) as usize * MIB + 4321

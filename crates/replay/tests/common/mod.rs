@@ -92,3 +92,15 @@ pub(crate) fn assert_exact(snapshot: &Snapshot, expected: ExpectedStats) -> Repl
     assert_eq!(run.matches_record(), Some(true));
     replay
 }
+
+/// A small deterministic generator (xorshift64) from `seed` (not 0): the same sequence every run,
+/// for test programs that allocate and free in a fixed pseudo-random order.
+pub(crate) fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+    let mut state = seed;
+    move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    }
+}
