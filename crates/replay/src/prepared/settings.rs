@@ -51,6 +51,12 @@ fn from_start(earlier: &AllocatorConfig) -> [SettingsPhase; 1] {
 }
 
 impl PreparedDevice {
+    /// Whether garbage collection can act in this trace's replays (a memory fraction is in force):
+    /// only then are its thresholds among the candidates.
+    fn collects(&self) -> bool {
+        self.recorded.per_process_memory_fraction < 1.0 || !self.capacity.phases.is_empty()
+    }
+
     /// Searches for settings the program changed while it ran (see [`crate::settings_phases`]),
     /// when the replay under the recorded settings departs from the record.
     pub(super) fn infer_settings(&self) -> SettingsInference {
@@ -65,8 +71,7 @@ impl PreparedDevice {
         };
         found.first_departure = Some(first);
         let reach = |departure: Option<usize>| departure.unwrap_or(usize::MAX);
-        let collects =
-            recorded.per_process_memory_fraction < 1.0 || !self.capacity.phases.is_empty();
+        let collects = self.collects();
         let budget = settings_phases::search_budget(self.plan.events);
         let mut best = (recorded.clone(), first);
         // Other settings of the last round that explain more of the trace than the recorded ones.
@@ -82,11 +87,7 @@ impl PreparedDevice {
                     found.exhausted = true;
                     break;
                 }
-                let phases = [SettingsPhase {
-                    from_event: 0,
-                    config: candidate.clone(),
-                }];
-                let Some((departure, _)) = self.explains(&phases) else {
+                let Some((departure, _)) = self.explains(&from_start(&candidate)) else {
                     continue;
                 };
                 found.replays += 1;
@@ -159,8 +160,13 @@ impl PreparedDevice {
             found.replays += 1;
             match self.switch_at(&before, &self.recorded, at) {
                 Switch::Fits => {
-                    let window = (first + 1, at, until);
-                    return Some(self.fit_window(&before, &self.recorded, window, found));
+                    let phases = switched(&before, &self.recorded, at);
+                    return Some(self.fit_window(
+                        &phases,
+                        1,
+                        (first + 1, until),
+                        &mut found.replays,
+                    ));
                 }
                 Switch::TooLate => hi = at.checked_sub(1)?,
                 Switch::TooEarly => lo = at + 1,
@@ -170,21 +176,28 @@ impl PreparedDevice {
         None
     }
 
-    /// The earliest and the latest switch to `to` after the phases `before` that fit the record,
-    /// around `at` (which fits) within `(lo, at, hi)`, by halving: no allocation between them
-    /// tells them apart.
+    /// The earliest and the latest event switch `k` of `phases` may come at with every decision
+    /// still the record's, within `(lo, hi)`, the other switches where they are; switch `k`'s
+    /// event fits. By halving on each side of it (no allocation between the two tells them
+    /// apart); the replays are counted in `replays`.
     fn fit_window(
         &self,
-        before: &[SettingsPhase],
-        to: &AllocatorConfig,
-        (lo, at, hi): (usize, usize, usize),
-        found: &mut SettingsInference,
+        phases: &[SettingsPhase],
+        k: usize,
+        (lo, hi): (usize, usize),
+        replays: &mut usize,
     ) -> (usize, usize) {
+        let mut fits = |at: usize| {
+            *replays += 1;
+            let mut trial = phases.to_vec();
+            trial[k].from_event = at;
+            matches!(self.explains(&trial), Some((None, true)))
+        };
+        let at = phases[k].from_event;
         let (mut low, mut high) = (lo.min(at), at);
         while low < high {
             let mid = low + (high - low) / 2;
-            found.replays += 1;
-            if self.switch_at(before, to, mid) == Switch::Fits {
+            if fits(mid) {
                 high = mid;
             } else {
                 low = mid + 1;
@@ -194,8 +207,7 @@ impl PreparedDevice {
         let (mut low, mut high) = (at, hi.min(self.plan.events).max(at));
         while low < high {
             let mid = low + (high - low).div_ceil(2);
-            found.replays += 1;
-            if self.switch_at(before, to, mid) == Switch::Fits {
+            if fits(mid) {
                 low = mid;
             } else {
                 high = mid - 1;
@@ -230,13 +242,9 @@ impl PreparedDevice {
         found: &mut SettingsInference,
     ) -> Option<Vec<SettingsPhase>> {
         let recorded = &self.recorded;
-        let collects =
-            recorded.per_process_memory_fraction < 1.0 || !self.capacity.phases.is_empty();
+        let collects = self.collects();
         let budget = found.replays + settings_phases::forward_budget(self.plan.events);
-        let mut phases = vec![SettingsPhase {
-            from_event: 0,
-            config: earlier.clone(),
-        }];
+        let mut phases = from_start(earlier).to_vec();
         // The earliest event the next switch may come at, and the first event the settings so
         // far cannot explain.
         let (mut after, mut reached) = (found.first_departure.unwrap_or(0) + 1, until);
@@ -277,10 +285,12 @@ impl PreparedDevice {
                         break;
                     };
                     if departure.is_none() && matched {
+                        let k = trial.len() - 1;
                         let window =
-                            self.fit_window(&phases, &candidate, (after, at, reached), found);
+                            self.fit_window(&trial, k, (after, reached), &mut found.replays);
                         found.switch_window = Some(window);
-                        return Some(switched(&phases, &candidate, window.0));
+                        trial[k].from_event = window.0;
+                        return Some(trial);
                     }
                     let reach = departure.unwrap_or(usize::MAX);
                     if reach > best.as_ref().map_or(reached, |b| b.2) {
@@ -348,7 +358,8 @@ impl PreparedDevice {
             let window = if k == last {
                 last_window
             } else {
-                self.window_of(&phases, k)
+                let bounds = (phases[k - 1].from_event + 1, phases[k + 1].from_event);
+                self.fit_window(&phases, k, bounds, &mut 0)
             };
             if self.settle_one(&mut phases, k, window, expected, most) {
                 self.settings.phases = phases;
@@ -383,38 +394,6 @@ impl PreparedDevice {
                 return;
             }
         }
-    }
-
-    /// The earliest and the latest event switch `k` of `phases` may come at with every decision
-    /// still the record's, the other switches where they are.
-    fn window_of(&self, phases: &[SettingsPhase], k: usize) -> (usize, usize) {
-        let fits = |at: usize| {
-            let mut trial = phases.to_vec();
-            trial[k].from_event = at;
-            matches!(self.explains(&trial), Some((None, true)))
-        };
-        let now = phases[k].from_event;
-        let (mut lo, mut hi) = (phases[k - 1].from_event + 1, now);
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            if fits(mid) {
-                hi = mid;
-            } else {
-                lo = mid + 1;
-            }
-        }
-        let earliest = lo.min(now);
-        let end = phases.get(k + 1).map_or(self.plan.events, |p| p.from_event);
-        let (mut lo, mut hi) = (now, end.max(now));
-        while lo < hi {
-            let mid = lo + (hi - lo).div_ceil(2);
-            if fits(mid) {
-                lo = mid;
-            } else {
-                hi = mid - 1;
-            }
-        }
-        (earliest, lo)
     }
 
     /// Moves switch `k` of `phases` within `(from, to)` to where the bytes allocated over the run
