@@ -343,10 +343,6 @@ unsafe impl Collective for NcclCollective {
         Ok(self.stream.wait_event(event)?)
     }
 
-    fn synchronize(&self) -> Result<()> {
-        Ok(self.stream.synchronize()?)
-    }
-
     fn is_idle(&self) -> Result<bool> {
         let mut state = sys::ncclResult_t::ncclSuccess;
         // SAFETY: the communicator is live (`new`'s contract); `state` is a valid place for the

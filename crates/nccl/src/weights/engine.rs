@@ -130,8 +130,8 @@ pub unsafe trait CopyEngine {
 /// Implementors guarantee: [`broadcast`](Self::broadcast) and
 /// [`all_reduce_max`](Self::all_reduce_max) are matched across ranks in call order (NCCL's rule
 /// for one communicator) and write only the memory named; work on the stream is ordered as
-/// [`CopyEngine`]'s is, with the same event semantics; [`synchronize`](Self::synchronize) returns
-/// once the work queued before it has completed.
+/// [`CopyEngine`]'s is, with the same event semantics; [`is_idle`](Self::is_idle) answers `true`
+/// only once the work queued before it has completed.
 pub unsafe trait Collective {
     /// An ordering point, of the same type as the copy engine's.
     type Event;
@@ -189,14 +189,8 @@ pub unsafe trait Collective {
     /// The device's.
     fn wait(&self, event: &Self::Event) -> Result<()>;
 
-    /// Waits for everything queued on the communication stream.
-    ///
-    /// # Errors
-    ///
-    /// The device's or the communicator's.
-    fn synchronize(&self) -> Result<()>;
-
-    /// Whether everything queued on the communication stream has finished, without blocking. A
+    /// Whether everything queued on the communication stream has finished, without blocking (a
+    /// sync polls it, with a timeout, rather than block on a collective that may never end). A
     /// failure of the communicator (NCCL's asynchronous error: a rank lost, a network error) is
     /// an error here, so that a wait polling it ends.
     ///

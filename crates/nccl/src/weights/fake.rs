@@ -436,10 +436,6 @@ unsafe impl Collective for FakeCollective {
         wait_on(&self.stream, event)
     }
 
-    fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize()
-    }
-
     fn is_idle(&self) -> Result<bool> {
         if self.rank.world.lost().is_some() {
             return Err(Error::Collective {
