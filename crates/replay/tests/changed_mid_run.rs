@@ -387,3 +387,31 @@ fn a_garbage_collection_threshold_changed_while_the_program_ran_is_found() {
         );
     }
 }
+
+/// Rounding or the split limit changed mid-run under a memory fraction, out-of-memory errors
+/// caught: under the final settings the early allocations look like a private pool's, and the
+/// pools invented for them must not hide the settings that were in force.
+#[test]
+fn a_rounding_or_split_change_under_a_fraction_with_caught_ooms_is_found() {
+    for then in ["max_split_size_mb:40", "roundup_power2_divisions:4"] {
+        for seed in [3, 8, 45] {
+            let allocator = recording("");
+            limit(&allocator, 96 * MIB);
+            let mut live = Vec::new();
+            oom_loop(&allocator, seed, 48, &mut live);
+            allocator.apply_settings(then).unwrap();
+            oom_loop(&allocator, seed + 100, 48, &mut live);
+            for a in live {
+                allocator.free(a).unwrap();
+            }
+            let (snapshot, expected) = recorded(&allocator);
+            let found = settings_phases(&snapshot, expected);
+            let settings = |text: &str| {
+                let config = AllocatorConfig::parse(text).unwrap();
+                (config.max_split_size, config.roundup_power2_divisions)
+            };
+            let found: Vec<_> = found.iter().map(|(_, text)| settings(text)).collect();
+            assert_eq!(found, [settings(""), settings(then)], "{then}, seed {seed}");
+        }
+    }
+}

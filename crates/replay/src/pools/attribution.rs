@@ -90,6 +90,23 @@ pub struct PoolAttribution {
 }
 
 impl PoolAttribution {
+    /// Whether a private pool was made up by the inference alone: neither the trace, the final
+    /// segments nor a release of private pools names it.
+    #[must_use]
+    pub fn has_unnamed_private_pools(&self) -> bool {
+        self.pools.iter().any(|p| {
+            !p.pool.is_default()
+                && !p.by_evidence.keys().any(|e| {
+                    matches!(
+                        e,
+                        PoolEvidence::Recorded
+                            | PoolEvidence::FinalSegments
+                            | PoolEvidence::PoolRelease
+                    )
+                })
+        })
+    }
+
     /// Whether any allocation was attributed to a private pool.
     #[must_use]
     pub fn has_private(&self) -> bool {

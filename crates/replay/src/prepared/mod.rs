@@ -138,23 +138,58 @@ impl PreparedDevice {
         };
         let departs = departs && device.infer_pool_options();
         if departs {
-            device.settings = device.infer_settings();
-            if !device.settings.phases.is_empty() {
-                // The pools again, with the settings in force where they were.
-                let inferred = inference::infer_pools(
-                    &device.plan,
-                    recorded,
-                    &device.capacity,
-                    &device.settings.phases,
-                    &named,
-                )?;
-                device.pools = inferred.of;
-                device.attribution = inferred.attribution;
-                device.ambiguous_ooms = inferred.ambiguous_ooms;
+            let found = device.settings_and_pools(&named)?;
+            let unexplained = found.1.as_ref().map_or(u64::MAX, |i| i.mismatches);
+            if unexplained > 0 && device.attribution.has_unnamed_private_pools() {
+                // The private pools were invented to explain allocations the recorded settings
+                // contradict; settings changed while the program ran explain those as well, and
+                // the pools invented then hide them. Searched again with every segment in the
+                // default pools (the pools are inferred again under what is found).
+                let default_pools = vec![None; device.pools.len()];
+                let invented = std::mem::replace(&mut device.pools, default_pools);
+                let again = device.settings_and_pools(&named)?;
+                if again.1.as_ref().is_some_and(|i| i.mismatches < unexplained) {
+                    device.adopt(again);
+                } else {
+                    device.pools = invented;
+                    device.adopt(found);
+                }
+            } else {
+                device.adopt(found);
             }
         }
         device.judge_releases();
         Ok(device)
+    }
+
+    /// Searches for settings changed while the program ran with the pools as they are, and
+    /// infers the pools again under the settings found (`None` when none were found).
+    fn settings_and_pools(
+        &self,
+        named: &std::sync::Arc<[Option<MempoolId>]>,
+    ) -> Result<(SettingsInference, Option<inference::Inferred>)> {
+        let settings = self.infer_settings();
+        if settings.phases.is_empty() {
+            return Ok((settings, None));
+        }
+        let inferred = inference::infer_pools(
+            &self.plan,
+            &self.recorded,
+            &self.capacity,
+            &settings.phases,
+            named,
+        )?;
+        Ok((settings, Some(inferred)))
+    }
+
+    /// Takes the settings found and the pools inferred under them, if any.
+    fn adopt(&mut self, (settings, inferred): (SettingsInference, Option<inference::Inferred>)) {
+        self.settings = settings;
+        if let Some(inferred) = inferred {
+            self.pools = inferred.of;
+            self.attribution = inferred.attribution;
+            self.ambiguous_ooms = inferred.ambiguous_ooms;
+        }
     }
 
     /// Decides once, under the recorded configuration, which recorded runs of releases followed
