@@ -114,6 +114,10 @@ fn infer_pools_with(
             settings,
             stop_at_divergence: false,
             releases_external: None,
+            program: run::ProgramSettings {
+                recorded,
+                phases: settings,
+            },
         };
         let run = run::run_device(plan, &options, default, schedule, 0, None, &mut pass)?;
         let stop = match pass.contradiction {

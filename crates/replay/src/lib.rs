@@ -297,7 +297,7 @@ impl Replay {
         let mut plans = Vec::new();
         for (device, trace) in snapshot.traces() {
             if !trace.is_empty() {
-                plans.push(prepared::read_plan(snapshot, device, trace, &recorded)?);
+                plans.push(prepared::read_plan(snapshot, device, trace)?);
             }
         }
         let fraction_implied = imply_fraction(&mut recorded, &plans);

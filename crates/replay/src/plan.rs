@@ -21,6 +21,34 @@ use tensormem_cuda_alloc::device::StreamId;
 use tensormem_cuda_alloc::snapshot::{Segment, TraceEntry};
 use tensormem_cuda_alloc::MempoolId;
 
+/// Under which settings a free whose completion the trace shows right before a run of releases
+/// completed at once rather than by the synchronization of that run: the run may be one that does
+/// not synchronize, and which runs do depends on the settings in force (the trace alone does not
+/// say, so the replay reads it under the settings the program ran under at that point).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct AtOnce {
+    /// The run ends in a new segment: under garbage collection it can be
+    /// `garbage_collect_cached_blocks`, which does not synchronize.
+    pub(crate) collecting: bool,
+    /// The run releases only segments at least this large and ends in a new segment (0: it does
+    /// not): under a `max_split_size` no larger it can be `release_available_cached_blocks`,
+    /// which does not synchronize.
+    pub(crate) splitting_from: u64,
+}
+
+impl AtOnce {
+    /// Whether the free completed at once under `max_split_size` and garbage collection on or off
+    /// (`collects`).
+    pub(crate) fn holds(self, max_split_size: usize, collects: bool) -> bool {
+        if collects {
+            return self.collecting;
+        }
+        max_split_size != usize::MAX
+            && self.splitting_from > 0
+            && u64::try_from(max_split_size).is_ok_and(|m| self.splitting_from >= m)
+    }
+}
+
 /// One call of the replay.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Op {
@@ -33,10 +61,12 @@ pub(crate) enum Op {
         instance: u32,
     },
     /// Free the allocation in `slot`. With `held_on`, the block is first recorded as used on that
-    /// synthetic stream, whose work completes at the matching [`Op::Complete`].
+    /// synthetic stream, whose work completes at the matching [`Op::Complete`], unless `at_once`
+    /// says the free completed at once under the settings the program ran under then.
     Free {
         slot: u32,
         held_on: Option<StreamId>,
+        at_once: AtOnce,
     },
     /// The work on synthetic stream `stream` is done: the block it held back (of `requested` bytes)
     /// returns to its pool at the next allocation.
@@ -177,17 +207,13 @@ pub(crate) enum PlanError {
 }
 
 impl DevicePlan {
-    /// Reads device `device`'s events; `segments` are the snapshot's segments of that device,
-    /// `max_split_size` the recorded configuration's and `collects` whether it sets a garbage
-    /// collection threshold (both tell which releases synchronized).
+    /// Reads device `device`'s events; `segments` are the snapshot's segments of that device.
     pub(crate) fn build(
         device: usize,
         trace: &[TraceEntry],
         segments: Vec<Segment>,
-        max_split_size: usize,
-        collects: bool,
     ) -> Result<DevicePlan, PlanError> {
-        build::build(device, trace, segments, max_split_size, collects)
+        build::build(device, trace, segments)
     }
 
     fn push(&mut self, event: u32, op: Op) {
@@ -233,7 +259,7 @@ mod tests {
             entry(FreeCompleted, 0x1000_1000, 4096, 0),
             entry(FreeCompleted, 0x1000_0000, 4096, 0),
         ];
-        let plan = DevicePlan::build(0, &trace, Vec::new(), usize::MAX, false).unwrap();
+        let plan = DevicePlan::build(0, &trace, Vec::new()).unwrap();
         let held: Vec<Option<StreamId>> = plan
             .ops
             .iter()
@@ -276,7 +302,7 @@ mod tests {
             entry(SegmentFree, 0x5000_0000, 2 << 20, 0),
             entry(Oom, 0, 64 << 20, 0),
         ];
-        let plan = DevicePlan::build(0, &trace, Vec::new(), usize::MAX, false).unwrap();
+        let plan = DevicePlan::build(0, &trace, Vec::new()).unwrap();
         let releases: Vec<(u32, ReleaseRun)> = plan
             .ops
             .iter()
@@ -315,7 +341,7 @@ mod tests {
             entry(SegmentMap, small, 2 << 20, 0),
             entry(SegmentMap, large + (40 << 20), 20 << 20, 0),
         ];
-        let plan = DevicePlan::build(0, &trace, Vec::new(), usize::MAX, false).unwrap();
+        let plan = DevicePlan::build(0, &trace, Vec::new()).unwrap();
         assert_eq!(plan.reserve_addrs, vec![large, small]);
         let bound = plan.capacity.layout_bound.unwrap();
         let chunk = LARGE_BUFFER as u64;
@@ -334,7 +360,7 @@ mod tests {
             entry(SegmentFree, 0x1000_0000, 20 << 20, 0),
             entry(Oom, 1 << 20, 64 << 20, 0),
         ];
-        let plan = DevicePlan::build(0, &trace, Vec::new(), usize::MAX, false).unwrap();
+        let plan = DevicePlan::build(0, &trace, Vec::new()).unwrap();
         assert_eq!(
             plan.ops,
             vec![

@@ -7,7 +7,7 @@ use std::time::Instant;
 use super::capacity::LimitPhase;
 use super::check::{Check, DivergenceKind, ExpectedStats, SegmentCheck, StatsCheck};
 use super::device::{AddressUse, ReplayDevice};
-use super::plan::{DevicePlan, Expected, Op, ReleaseRun};
+use super::plan::{AtOnce, DevicePlan, Expected, Op, ReleaseRun};
 use super::pools::PoolRun;
 use super::settings_phases::SettingsPhase;
 use super::timeline::{Sampler, Timeline};
@@ -111,8 +111,26 @@ fn room(allocator: &CachingAllocator<ReplayDevice>, fraction: f64) -> u64 {
     room
 }
 
+/// The settings the recorded program ran under, by which its frees are read ([`AtOnce`]): each
+/// phase's from its first event, the recorded configuration's before the first (or throughout,
+/// without phases). A what-if run keeps them: they are facts about the recorded run.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ProgramSettings<'a> {
+    pub(crate) recorded: &'a AllocatorConfig,
+    pub(crate) phases: &'a [SettingsPhase],
+}
+
+/// How a configuration reads a free completed right before a run of releases: its
+/// `max_split_size` and whether it collects garbage (see [`AtOnce::holds`]).
+fn reading(config: &AllocatorConfig) -> (usize, bool) {
+    (
+        config.max_split_size,
+        config.garbage_collection_threshold > 0.0,
+    )
+}
+
 /// What the program changed while it ran, as the replay infers it, and how far to replay.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub(crate) struct Schedule<'a> {
     /// The memory fraction, changed at each phase's first event (empty when the program set
     /// none, or the run names its own fraction).
@@ -128,6 +146,8 @@ pub(crate) struct Schedule<'a> {
     /// run keeps (under other settings the replay's own state would judge it otherwise). `None`:
     /// judged by this replay.
     pub(crate) releases_external: Option<&'a [bool]>,
+    /// The settings the program ran under.
+    pub(crate) program: ProgramSettings<'a>,
 }
 
 /// Replays `plan` under `options`, with what the program changed while it ran applied where
@@ -155,6 +175,8 @@ pub(crate) fn run_device(
     replayer.settings = schedule.settings;
     replayer.stop_at_divergence = schedule.stop_at_divergence;
     replayer.releases_external = schedule.releases_external;
+    replayer.program = schedule.program.phases;
+    replayer.read_as = reading(schedule.program.recorded);
     let started = Instant::now();
     replayer.replay_ops(events_before)?;
     let seconds = started.elapsed().as_secs_f64();
@@ -222,6 +244,10 @@ struct Replayer<'a, 'o> {
     releases_external: Option<&'a [bool]>,
     /// How this replay judged them.
     judged: Vec<bool>,
+    /// The settings the program ran under from the next phase on (see [`ProgramSettings`]).
+    program: &'a [SettingsPhase],
+    /// How frees are read at this point ([`reading`]).
+    read_as: (usize, bool),
 }
 
 impl<'a, 'o> Replayer<'a, 'o> {
@@ -258,6 +284,8 @@ impl<'a, 'o> Replayer<'a, 'o> {
             stop_at_divergence: false,
             releases_external: None,
             judged: vec![false; plan.releases.len()],
+            program: &[],
+            read_as: reading(config),
         }
     }
 
@@ -308,7 +336,14 @@ impl<'a, 'o> Replayer<'a, 'o> {
                 slot,
                 instance,
             } => return self.alloc(event, size, stream, slot, instance),
-            Op::Free { slot, held_on } => self.free(event, slot, held_on)?,
+            Op::Free {
+                slot,
+                held_on,
+                at_once,
+            } => {
+                let held_on = held_on.filter(|_| !self.completed_at_once(at_once));
+                self.free(event, slot, held_on)?;
+            }
             Op::Complete { stream, .. } => self.complete(stream),
             Op::Oom {
                 size,
@@ -489,6 +524,13 @@ impl<'a, 'o> Replayer<'a, 'o> {
     /// Before the op of trace event `event`: the memory fraction and the settings of the phases
     /// that start by then, as the program set them.
     fn follow_program(&mut self, event: u32) -> Result<()> {
+        while let Some((phase, rest)) = self.program.split_first() {
+            if phase.from_event > event as usize {
+                break;
+            }
+            self.program = rest;
+            self.read_as = reading(&phase.config);
+        }
         while let Some((phase, rest)) = self.limits.split_first() {
             if phase.from_event > event as usize {
                 break;
@@ -510,6 +552,13 @@ impl<'a, 'o> Replayer<'a, 'o> {
             self.garbage_collection_threshold = phase.config.garbage_collection_threshold;
         }
         Ok(())
+    }
+
+    /// Whether a free the trace holds until the next release run completed at once, under the
+    /// settings the program ran under then.
+    fn completed_at_once(&self, at_once: AtOnce) -> bool {
+        let (max_split_size, collects) = self.read_as;
+        at_once.holds(max_split_size, collects)
     }
 
     /// Before a recorded `oom`: the device's memory becomes what the record implies

@@ -4,7 +4,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use super::{DevicePlan, Expected, Instance, Op, PlanError, ReleaseRun, RestorePlan, NO_INSTANCE};
+use super::{
+    AtOnce, DevicePlan, Expected, Instance, Op, PlanError, ReleaseRun, RestorePlan, NO_INSTANCE,
+};
 use crate::capacity::OomFact;
 use crate::restore::{self, Restore};
 use tensormem_cuda_alloc::device::StreamId;
@@ -17,13 +19,11 @@ pub(super) fn build(
     device: usize,
     trace: &[TraceEntry],
     segments: Vec<Segment>,
-    max_split_size: usize,
-    collects: bool,
 ) -> Result<DevicePlan, PlanError> {
     if u32::try_from(trace.len()).is_err() {
         return Err(PlanError::TooManyEvents);
     }
-    let mut builder = Builder::new(device, trace, segments, max_split_size, collects)?;
+    let mut builder = Builder::new(device, trace, segments)?;
     builder.plan_restores();
     for (i, e) in trace.iter().enumerate() {
         builder.event(i, e);
@@ -35,10 +35,6 @@ pub(super) fn build(
 /// allocator's blocks, segments and streams at this point.
 struct Builder<'t> {
     trace: &'t [TraceEntry],
-    /// The recorded configuration's `max_split_size`.
-    max_split_size: usize,
-    /// Whether the recorded configuration sets a garbage collection threshold.
-    collects: bool,
     /// For every `free_requested` event, the `free_completed` event of its block.
     completion: HashMap<usize, Option<usize>>,
     /// The first synthetic stream id.
@@ -77,8 +73,6 @@ impl<'t> Builder<'t> {
         device: usize,
         trace: &'t [TraceEntry],
         segments: Vec<Segment>,
-        max_split_size: usize,
-        collects: bool,
     ) -> Result<Builder<'t>, PlanError> {
         let completion = completion_events(trace);
         let mut streams: Vec<u64> = trace.iter().map(|e| e.stream).collect();
@@ -87,8 +81,6 @@ impl<'t> Builder<'t> {
         let synthetic_base = synthetic_base(trace)?;
         Ok(Builder {
             trace,
-            max_split_size,
-            collects,
             completion,
             synthetic_base,
             plan: DevicePlan {
@@ -209,38 +201,43 @@ impl<'t> Builder<'t> {
             return;
         };
         self.spare_slots.push(slot);
-        let held_on = self.held_on(i);
+        let (held_on, at_once) = self.held_on(i);
         if let Some(stream) = held_on {
             self.held.insert(e.addr, stream);
         }
-        self.plan.push(i as u32, Op::Free { slot, held_on });
+        self.plan.push(
+            i as u32,
+            Op::Free {
+                slot,
+                held_on,
+                at_once,
+            },
+        );
     }
 
     /// Whether the free of event `i` completed at once (`None`) or waited for other work: then
     /// the synthetic stream that holds the block until its `free_completed` event (in the order
-    /// of those events; frees never completed come after all of them).
-    fn held_on(&mut self, i: usize) -> Option<StreamId> {
+    /// of those events; frees never completed come after all of them). A free completed by the
+    /// synchronization of the next allocation's release run (nothing recorded in between) is held,
+    /// with the settings under which that run did not synchronize and it completed at once.
+    fn held_on(&mut self, i: usize) -> (Option<StreamId>, AtOnce) {
         match self.completion.get(&i) {
-            // Completed at once, unless by the synchronization of the next allocation's
-            // out-of-memory sequence (nothing is recorded in between).
-            Some(&Some(done))
-                if done == i + 1
-                    && (!completed_by_synchronizing(self.trace, done)
-                        || released_without_synchronizing(
-                            self.trace,
-                            done,
-                            self.max_split_size,
-                            self.collects,
-                        )) =>
-            {
-                None
+            Some(&Some(done)) if done == i + 1 && !completed_by_synchronizing(self.trace, done) => {
+                (None, AtOnce::default())
             }
-            Some(&Some(done)) => Some(StreamId(self.synthetic_base + done as u64)),
+            Some(&Some(done)) => {
+                let at_once = if done == i + 1 {
+                    released_without_synchronizing(self.trace, done)
+                } else {
+                    AtOnce::default()
+                };
+                (Some(StreamId(self.synthetic_base + done as u64)), at_once)
+            }
             _ => {
                 self.never_completed += 1;
-                Some(StreamId(
-                    self.synthetic_base + self.trace.len() as u64 + self.never_completed,
-                ))
+                let stream =
+                    StreamId(self.synthetic_base + self.trace.len() as u64 + self.never_completed);
+                (Some(stream), AtOnce::default())
             }
         }
     }
@@ -550,44 +547,35 @@ fn completion_events(trace: &[TraceEntry]) -> HashMap<usize, Option<usize>> {
     completion
 }
 
-/// Whether the release run right after the `free_completed` event at `done` can be one that does
-/// not synchronize:
-/// - under `max_split_size`, `release_available_cached_blocks`: a request that finds no cached
-///   block and no room first releases just enough oversize cached blocks (each at least
-///   `max_split_size`) and tries again;
-/// - with garbage collection (`collects`), `garbage_collect_cached_blocks`: a request that finds
-///   no cached block first releases old cached segments while the bytes reserved are above the
-///   threshold, then makes a new segment.
+/// Under which settings the release run right after the `free_completed` event at `done` can be
+/// one that does not synchronize:
+/// - with garbage collection, `garbage_collect_cached_blocks`: a request that finds no cached
+///   block first releases old cached segments while the bytes reserved are above the threshold,
+///   then makes a new segment;
+/// - otherwise, under `max_split_size`, `release_available_cached_blocks`: a request that finds no
+///   cached block and no room first releases just enough oversize cached blocks (each at least
+///   `max_split_size`) and tries again.
 ///
 /// A block freed right before such a run was free at once, not held back until a synchronization.
 /// A run that ends in an `oom` (or, under `max_split_size` alone, also releases smaller segments)
 /// was `release_cached_blocks`, which synchronizes first.
-fn released_without_synchronizing(
-    trace: &[TraceEntry],
-    done: usize,
-    max_split_size: usize,
-    collects: bool,
-) -> bool {
-    if collects {
-        return matches!(release_run_end(trace, done + 1), RunEnd::Segment(_));
-    }
-    if max_split_size == usize::MAX {
-        return false;
-    }
-    let Ok(max_split) = u64::try_from(max_split_size) else {
-        return false;
-    };
-    let mut released_any = false;
+fn released_without_synchronizing(trace: &[TraceEntry], done: usize) -> AtOnce {
+    let collecting = matches!(release_run_end(trace, done + 1), RunEnd::Segment(_));
+    let mut smallest: Option<u64> = None;
+    let mut splitting_from = 0;
     for e in trace[done + 1..].iter().filter(|e| !is_note(&e.action)) {
         if e.action != TraceAction::SegmentFree {
-            return released_any && e.action == TraceAction::SegmentAlloc;
+            if e.action == TraceAction::SegmentAlloc {
+                splitting_from = smallest.unwrap_or(0);
+            }
+            break;
         }
-        if e.size < max_split {
-            return false;
-        }
-        released_any = true;
+        smallest = Some(smallest.map_or(e.size, |s| s.min(e.size)));
     }
-    false
+    AtOnce {
+        collecting,
+        splitting_from,
+    }
 }
 
 /// Whether the `free_completed` event at `i` of a held-back block came from synchronizing with

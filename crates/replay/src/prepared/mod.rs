@@ -13,7 +13,7 @@ use crate::capacity::CapacityInference;
 use crate::check::ExpectedStats;
 use crate::plan::{DevicePlan, PlanError};
 use crate::pools::{self, PoolAttribution, PoolOf, PoolRun};
-use crate::run::{self, DeviceRun, Schedule};
+use crate::run::{self, DeviceRun, ProgramSettings, Schedule};
 use crate::settings_phases::{SettingsInference, SettingsPhase};
 use crate::{inference, Error, Result, RunOptions, DEFAULT_CAPACITY};
 
@@ -62,14 +62,11 @@ pub(crate) struct PreparedDevice {
     recorded: AllocatorConfig,
 }
 
-/// Reads device `device`'s trace into a plan, under the recorded configuration `recorded` (its
-/// `max_split_size` and garbage collection tell which releases synchronized); warns of frees of
-/// blocks the trace never allocated.
+/// Reads device `device`'s trace into a plan; warns of frees of blocks the trace never allocated.
 pub(crate) fn read_plan(
     snapshot: &Snapshot,
     device: usize,
     trace: &[TraceEntry],
-    recorded: &AllocatorConfig,
 ) -> Result<DevicePlan> {
     let segments = snapshot
         .segments
@@ -77,14 +74,7 @@ pub(crate) fn read_plan(
         .filter(|s| usize::try_from(s.device).ok() == Some(device))
         .cloned()
         .collect();
-    let plan = DevicePlan::build(
-        device,
-        trace,
-        segments,
-        recorded.max_split_size,
-        recorded.garbage_collection_threshold > 0.0,
-    )
-    .map_err(|e| Error::Trace {
+    let plan = DevicePlan::build(device, trace, segments).map_err(|e| Error::Trace {
         device,
         reason: match e {
             PlanError::TooManyEvents => "it has more than 2^32 events",
@@ -303,6 +293,10 @@ impl PreparedDevice {
             settings: phases,
             stop_at_divergence: true,
             releases_external: None,
+            program: ProgramSettings {
+                recorded: &self.recorded,
+                phases,
+            },
         };
         run::run_device(
             &self.plan,
@@ -333,6 +327,10 @@ impl PreparedDevice {
             stop_at_divergence: false,
             releases_external: (!self.releases_external.is_empty())
                 .then_some(self.releases_external.as_slice()),
+            program: ProgramSettings {
+                recorded: &self.recorded,
+                phases: &self.settings.phases,
+            },
         }
     }
 
