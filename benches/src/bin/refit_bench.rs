@@ -38,7 +38,9 @@
 //!
 //! `--consumer-wrap`: the consumer is started through `PROGRAM ARGS... <this binary>`, for example
 //! in a pid namespace of its own and without ptrace rights, as a consumer in another container runs:
-//! `--consumer-wrap "unshare --pid --fork setpriv --inh-caps=-all --bounding-set=-all"` (as root).
+//! `--consumer-wrap "unshare --pid --fork --mount-proc setpriv --inh-caps=-all --bounding-set=-all"`
+//! (as root; without `--mount-proc` the namespace sees its parent's `/proc` and CUDA's `cuInit`
+//! fails with `CUDA_ERROR_OPERATING_SYSTEM`).
 //!
 //! `--verify`: after the last sync the consumer reads every parameter back and checks every byte
 //! against the producer's (each tensor filled with its own byte), and the run fails otherwise.
