@@ -4,15 +4,21 @@
 //! (`pattern,bytes,value,unit`), then the goals met or missed:
 //!
 //! ```text
-//! sleep_wake_bench            # a 10 GiB pool
-//! sleep_wake_bench --gib 4    # a smaller one (less device or host memory)
+//! sleep_wake_bench                        # a 10 GiB pool
+//! sleep_wake_bench --gib 4                # a smaller one (less device or host memory)
+//! sleep_wake_bench --gib 22 --register 8  # the backup pinned with malloc + cuMemHostRegister
 //! ```
+//!
+//! `--register N`: the backup's pinned host memory is made as under
+//! `pinned_use_cuda_host_register:True,pinned_num_register_threads:N` (anonymous mappings with the
+//! huge-page advice, their pages touched by N threads, then `cuMemHostRegister`) instead of
+//! `cuMemHostAlloc`: run both in one call to compare their first cycles.
 //!
 //! | pattern | what |
 //! | --- | --- |
 //! | `pinned_d2h`, `pinned_h2d` | the copy limit: 256 MiB pieces between the pool's memory and pinned host memory, as sleeping copies, GB/s |
 //! | `sleep_discard`, `wake_discard` | a sleep (wait + unmap + release) and a wake (create + map + access) without contents, median of 5, ms |
-//! | `sleep_keep_first`, `wake_keep_first` | the first cycle with contents: pinned host memory made (`cuMemHostAlloc`, several threads at once) while the pieces already pinned are copied, ms |
+//! | `sleep_keep_first`, `wake_keep_first` | the first cycle with contents: pinned host memory made (`cuMemHostAlloc`, or as `--register` says; several threads at once) while the pieces already pinned are copied, ms |
 //! | `sleep_keep`, `wake_keep` | with contents, the pinned memory cached: median of 3, ms and GB/s |
 //! | `reserve` | the pinned memory of a backup made ahead (`HostCachingAllocator::reserve`, after the cache was emptied), ms |
 //! | `sleep_keep_reserved`, `wake_keep_reserved` | the first cycle after that reserve, ms |
@@ -27,7 +33,7 @@ use std::time::Instant;
 
 use tensormem_cuda_alloc::backend::cuda::{CudaBackend, CudaPinnedSource};
 use tensormem_cuda_alloc::config::AllocatorConfig;
-use tensormem_cuda_alloc::host::HostCachingAllocator;
+use tensormem_cuda_alloc::host::{HostCachingAllocator, PinnedSource};
 use tensormem_cuda_alloc::{CachingAllocator, Device, DeviceAddress, MempoolId, StreamId};
 
 const GIB: usize = 1 << 30;
@@ -43,7 +49,7 @@ fn ms(seconds: f64) -> f64 {
     seconds * 1e3
 }
 
-fn run(gib: usize) -> Result<bool, String> {
+fn run(gib: usize, register: Option<usize>) -> Result<bool, String> {
     let err = |what: &str| {
         let what = what.to_string();
         move |e: tensormem_cuda_alloc::Error| format!("{what}: {e}")
@@ -56,7 +62,14 @@ fn run(gib: usize) -> Result<bool, String> {
     let device = CudaBackend::new(0).map_err(derr("opening CUDA device 0"))?;
     let alloc = CachingAllocator::with_config(device, config);
     let host_device = CudaBackend::new(0).map_err(derr("opening CUDA device 0"))?;
-    let source = CudaPinnedSource::host_alloc(&host_device);
+    let source = match register {
+        Some(threads) => CudaPinnedSource::host_register(&host_device, threads),
+        None => CudaPinnedSource::host_alloc(&host_device),
+    };
+    let source_name = match register {
+        Some(threads) => format!("{} ({threads} threads touching)", source.name()),
+        None => source.name().to_owned(),
+    };
     let host: &'static HostCachingAllocator<CudaBackend> =
         Box::leak(Box::new(HostCachingAllocator::new(host_device, source)));
     let device = alloc.device();
@@ -116,6 +129,7 @@ fn run(gib: usize) -> Result<bool, String> {
     }
     host.free(pinned).map_err(err("freeing pinned memory"))?;
     let (d2h, h2d) = (median(d2h), median(h2d));
+    println!("# backup host memory: {source_name}");
     println!("pattern,bytes,value,unit");
     println!("pool,{pool_bytes},{},MiB", pool_bytes >> 20);
     println!("pinned_d2h,{},{d2h:.1},GB/s", pieces * PIECE);
@@ -290,22 +304,25 @@ fn run(gib: usize) -> Result<bool, String> {
 }
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let gib = match args.as_slice() {
-        [] => 10,
-        [flag, n] if flag == "--gib" => match n.parse() {
-            Ok(n) if n > 0 => n,
+    let mut args = std::env::args().skip(1);
+    let (mut gib, mut register) = (10, None);
+    while let Some(flag) = args.next() {
+        let value = args
+            .next()
+            .and_then(|n| n.parse::<usize>().ok())
+            .filter(|&n| n > 0);
+        match (flag.as_str(), value) {
+            ("--gib", Some(n)) => gib = n,
+            ("--register", Some(n)) => register = Some(n),
             _ => {
-                eprintln!("sleep_wake_bench: --gib {n}: not a positive number");
+                eprintln!(
+                    "usage: sleep_wake_bench [--gib N] [--register THREADS] (N, THREADS > 0)"
+                );
                 return ExitCode::from(2);
             }
-        },
-        _ => {
-            eprintln!("usage: sleep_wake_bench [--gib N]");
-            return ExitCode::from(2);
         }
-    };
-    match run(gib) {
+    }
+    match run(gib, register) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => {
             eprintln!("sleep_wake_bench: a goal was missed (see the goal rows)");

@@ -41,8 +41,11 @@ impl CudaPinnedSource {
         }
     }
 
-    /// Heap blocks registered with `cuMemHostRegister`, their pages first touched by `threads`
+    /// Blocks registered with `cuMemHostRegister`, their pages first touched by `threads`
     /// threads in parallel (mapping the pages is what makes registration of large blocks slow).
+    /// Blocks of 2 MiB and more are anonymous mappings that ask for transparent huge pages
+    /// (`MADV_HUGEPAGE`): a 2 MiB page is faulted and pinned at once instead of 512 small ones,
+    /// where the kernel allows (`/sys/kernel/mm/transparent_hugepage/enabled` not `never`).
     #[must_use]
     pub fn host_register(device: &CudaBackend, threads: usize) -> Self {
         Self {
@@ -117,11 +120,7 @@ unsafe impl PinnedSource for CudaPinnedSource {
                     .ok_or(DeviceError::OutOfMemory { bytes: size as u64 })
             }
             Mode::Register { threads } => {
-                let layout = crate::host::heap_layout(size)?;
-                // SAFETY: the layout's size is non-zero.
-                let raw = unsafe { std::alloc::alloc(layout) };
-                let ptr =
-                    NonNull::new(raw).ok_or(DeviceError::OutOfMemory { bytes: size as u64 })?;
+                let ptr = pages::map(size)?;
                 touch_pages(ptr, size, threads);
                 // SAFETY: `[ptr, ptr + size)` is a live heap allocation, page-aligned, not registered.
                 let result = unsafe {
@@ -132,8 +131,8 @@ unsafe impl PinnedSource for CudaPinnedSource {
                     )
                 };
                 if let Err(error) = check_alloc("cuMemHostRegister", result, size) {
-                    // SAFETY: allocated above with this layout, never handed out.
-                    unsafe { std::alloc::dealloc(ptr.as_ptr(), layout) };
+                    // SAFETY: mapped above with this size, never handed out.
+                    unsafe { pages::unmap(ptr, size) }?;
                     return Err(error);
                 }
                 Ok(ptr)
@@ -162,10 +161,8 @@ unsafe impl PinnedSource for CudaPinnedSource {
                 check("cuMemHostUnregister", unsafe {
                     sys::cuMemHostUnregister(ptr.as_ptr().cast())
                 })?;
-                let layout = crate::host::heap_layout(size)?;
-                // SAFETY: allocated by `alloc` with this layout, unregistered just above.
-                unsafe { std::alloc::dealloc(ptr.as_ptr(), layout) };
-                Ok(())
+                // SAFETY: mapped by `alloc` with this size, unregistered just above.
+                unsafe { pages::unmap(ptr, size) }
             }
         }
     }
@@ -174,6 +171,124 @@ unsafe impl PinnedSource for CudaPinnedSource {
         match self.mode {
             Mode::HostAlloc => "cuMemHostAlloc",
             Mode::Register { .. } => "cuMemHostRegister",
+        }
+    }
+}
+
+/// Where registered blocks come from: on Linux, anonymous mappings with the huge-page advice for
+/// blocks of [`HUGE_PAGE`](pages::HUGE_PAGE) and more; the heap otherwise.
+mod pages {
+    use std::ptr::NonNull;
+
+    use crate::device::{DeviceError, DeviceResult};
+
+    /// The size of a transparent huge page on x86-64 (and on aarch64 kernels of 4 KiB pages).
+    pub(super) const HUGE_PAGE: usize = 2 << 20;
+
+    /// Whether a block of `size` bytes is an anonymous mapping rather than heap memory.
+    fn mapped(size: usize) -> bool {
+        cfg!(any(target_os = "linux", target_os = "android")) && size >= HUGE_PAGE
+    }
+
+    /// `size` bytes (a multiple of the page size), page-aligned.
+    pub(super) fn map(size: usize) -> DeviceResult<NonNull<u8>> {
+        let out_of_memory = || DeviceError::OutOfMemory { bytes: size as u64 };
+        if !mapped(size) {
+            let layout = crate::host::heap_layout(size)?;
+            // SAFETY: the layout's size is non-zero.
+            let raw = unsafe { std::alloc::alloc(layout) };
+            return NonNull::new(raw).ok_or_else(out_of_memory);
+        }
+        map_huge(size).ok_or_else(out_of_memory)
+    }
+
+    /// Gives back a block of [`map`].
+    ///
+    /// # Safety
+    /// `ptr` came from [`map`] with this `size`, is given back once, and nothing uses it any more.
+    pub(super) unsafe fn unmap(ptr: NonNull<u8>, size: usize) -> DeviceResult<()> {
+        if !mapped(size) {
+            let layout = crate::host::heap_layout(size)?;
+            // SAFETY: the caller guarantees `ptr` came from `map`'s heap branch with this size.
+            unsafe { std::alloc::dealloc(ptr.as_ptr(), layout) };
+            return Ok(());
+        }
+        // SAFETY: as this function's contract.
+        unsafe { unmap_huge(ptr, size) }
+    }
+
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    fn map_huge(size: usize) -> Option<NonNull<u8>> {
+        use rustix::mm::{madvise, mmap_anonymous, Advice, MapFlags, ProtFlags};
+        // SAFETY: a fresh private anonymous mapping at an address the kernel picks; nothing else
+        // refers to it.
+        let raw = unsafe {
+            mmap_anonymous(
+                std::ptr::null_mut(),
+                size,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
+            )
+        }
+        .ok()?;
+        // Advice only: a kernel without transparent huge pages refuses it, and small pages serve.
+        // SAFETY: `[raw, raw + size)` is the mapping made above.
+        if let Err(errno) = unsafe { madvise(raw, size, Advice::LinuxHugepage) } {
+            tracing::debug!(%errno, "no transparent huge pages for pinned host memory");
+        }
+        NonNull::new(raw.cast::<u8>())
+    }
+
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    fn map_huge(_size: usize) -> Option<NonNull<u8>> {
+        unreachable!("blocks are mapped on Linux only")
+    }
+
+    /// # Safety
+    /// As [`unmap`], for a block of [`map_huge`].
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    unsafe fn unmap_huge(ptr: NonNull<u8>, size: usize) -> DeviceResult<()> {
+        // SAFETY: the caller guarantees `[ptr, ptr + size)` is a mapping of `map_huge`, unused.
+        unsafe { rustix::mm::munmap(ptr.as_ptr().cast(), size) }.map_err(|errno| {
+            DeviceError::Driver {
+                call: "munmap",
+                code: -1,
+                message: errno.to_string(),
+            }
+        })
+    }
+
+    /// # Safety
+    /// As [`unmap`].
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    unsafe fn unmap_huge(_ptr: NonNull<u8>, _size: usize) -> DeviceResult<()> {
+        unreachable!("blocks are mapped on Linux only")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Blocks for registering, mapped and from the heap, are page-aligned, writable over their
+    /// whole length by the touching threads, and given back.
+    #[test]
+    fn blocks_to_register_are_aligned_and_writable() {
+        for size in [
+            HOST_ALIGNMENT,
+            64 << 10,
+            pages::HUGE_PAGE,
+            3 * pages::HUGE_PAGE,
+        ] {
+            let ptr = pages::map(size).unwrap();
+            assert_eq!(ptr.as_ptr() as usize % HOST_ALIGNMENT, 0, "{size}");
+            touch_pages(ptr, size, 4);
+            // SAFETY: `ptr` is a live block of `size` bytes made above, used only here.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), size) };
+            bytes.fill(0xa5);
+            assert!(bytes.iter().all(|&b| b == 0xa5));
+            // SAFETY: made by `map` with this size, no longer used.
+            unsafe { pages::unmap(ptr, size) }.unwrap();
         }
     }
 }
