@@ -28,6 +28,7 @@
 //! the device to the bytes reserved plus that from then on (other processes may have taken memory);
 //! those events are not part of the interval.
 
+use crate::settings_phases::SettingsPhase;
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::size::allocation_size;
 
@@ -71,8 +72,6 @@ pub(crate) enum Decision {
 pub(crate) struct CapacityFacts {
     /// The most bytes reserved right after a new segment or mapping.
     pub(crate) reached: u64,
-    /// Release runs followed by a new segment: (bytes reserved before the run, segment size).
-    pub(crate) retries: Vec<(u64, u64)>,
     /// The `oom` events.
     pub(crate) ooms: Vec<OomFact>,
     /// The most device memory the layout of expandable reservations allows.
@@ -91,7 +90,6 @@ impl CapacityFacts {
     /// The run of releases starting at `event` (with `before` bytes reserved) was followed by a
     /// new segment of `size` bytes.
     pub(crate) fn retry(&mut self, event: u32, before: u64, size: u64) {
-        self.retries.push((before, size));
         self.decisions
             .push((event, Decision::Retry { before, size }));
     }
@@ -164,19 +162,43 @@ pub struct CapacityInference {
 impl CapacityInference {
     /// Infers the interval from `facts` under the recorded configuration.
     pub(crate) fn infer(facts: &CapacityFacts, recorded: &AllocatorConfig) -> Self {
+        Self::infer_under(facts, recorded, &[])
+    }
+
+    /// Infers the interval from `facts` under the recorded configuration, with the garbage
+    /// collection of `settings` (the settings the program changed while it ran) in force where
+    /// they were: a release run followed by a new segment bounds the limit as a collection where
+    /// a threshold was in force, as a retry where none was.
+    pub(crate) fn infer_under(
+        facts: &CapacityFacts,
+        recorded: &AllocatorConfig,
+        settings: &[SettingsPhase],
+    ) -> Self {
         let fraction = recorded.per_process_memory_fraction;
         let fraction = (fraction > 0.0 && fraction < 1.0).then_some(fraction);
         // With garbage collection the allocator also releases cached blocks on its own, once the
         // bytes reserved exceed the threshold's share of the limit.
         let threshold = recorded.garbage_collection_threshold;
         let collects = fraction.is_some() && threshold > 0.0;
+        let threshold_at = |event: u32| {
+            settings
+                .iter()
+                .rev()
+                .find(|p| p.from_event <= event as usize)
+                .map_or(threshold, |p| p.config.garbage_collection_threshold)
+        };
         let lower = facts.reached;
         let mut upper: Option<u64> = None;
         let mut tighten = |bound: u64| upper = Some(upper.map_or(bound, |u| u.min(bound)));
         let mut retry_bounds = 0;
-        for &(before, size) in &facts.retries {
+        let retries = facts.decisions.iter().filter_map(|&(event, d)| match d {
+            Decision::Retry { before, size } => Some((event, before, size)),
+            _ => None,
+        });
+        for (event, before, size) in retries {
             let needed = before + size;
-            let bound = if collects {
+            let threshold = threshold_at(event);
+            let bound = if fraction.is_some() && threshold > 0.0 {
                 (needed - 1).max(most_allowed_collecting_below(threshold, before))
             } else {
                 needed - 1
@@ -640,17 +662,18 @@ mod tests {
 
     #[test]
     fn garbage_collection_releases_bound_the_allowed_bytes() {
-        let facts = CapacityFacts {
+        let base = CapacityFacts {
             reached: 322 << 20,
             ooms: vec![OomFact {
                 reserved: 294 << 20,
                 size: 36 << 20,
                 device_free: 80 << 30,
             }],
-            // Segments released before a new one with 196 MiB reserved: the collector's.
-            retries: vec![(196 << 20, 42 << 20)],
             ..CapacityFacts::default()
         };
+        // Segments released before a new one with 196 MiB reserved: the collector's.
+        let mut facts = base.clone();
+        facts.retry(10, 196 << 20, 42 << 20);
         let collecting =
             config("per_process_memory_fraction:0.004,garbage_collection_threshold:0.6");
         let inference = CapacityInference::infer(&facts, &collecting);
@@ -661,10 +684,8 @@ mod tests {
         let allowed = (0.004 * inference.capacity.unwrap() as f64) as u64;
         assert!((322 << 20..=upper).contains(&allowed), "{allowed}");
         // A release with little reserved was `empty_cache`: no bound.
-        let facts = CapacityFacts {
-            retries: vec![(20 << 20, 2 << 20)],
-            ..facts
-        };
+        let mut facts = base;
+        facts.retry(10, 20 << 20, 2 << 20);
         let inference = CapacityInference::infer(&facts, &collecting);
         assert_eq!(inference.retry_bounds, 0);
         assert_eq!(inference.upper, Some((330 << 20) - 1));

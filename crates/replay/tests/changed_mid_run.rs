@@ -344,9 +344,9 @@ fn oom_loop(
     }
 }
 
-/// Garbage collection under a memory fraction with its threshold changed mid-run, out-of-memory
-/// errors caught: several earlier thresholds explain the allocations about as far, and the
-/// statistics (retries, synchronizations) tell which one was in force.
+/// Garbage collection under a memory fraction with its threshold changed (or turned on) mid-run,
+/// out-of-memory errors caught: several earlier thresholds explain the allocations about as far,
+/// and the statistics (retries, synchronizations) tell which one was in force.
 #[test]
 fn a_garbage_collection_threshold_changed_while_the_program_ran_is_found() {
     for (start, then, seed) in [
@@ -360,6 +360,9 @@ fn a_garbage_collection_threshold_changed_while_the_program_ran_is_found() {
             "garbage_collection_threshold:0.5",
             8,
         ),
+        // Turned on mid-run: the releases before bound the limit as retries, not collections.
+        ("", "garbage_collection_threshold:0.7", 5),
+        ("", "garbage_collection_threshold:0.7", 11),
     ] {
         let allocator = recording(start);
         limit(&allocator, 96 * MIB);

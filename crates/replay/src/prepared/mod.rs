@@ -129,7 +129,7 @@ impl PreparedDevice {
         let departs = departs && device.infer_pool_options();
         if departs {
             let found = device.settings_and_pools(&named)?;
-            let unexplained = found.1.as_ref().map_or(u64::MAX, |i| i.mismatches);
+            let unexplained = found.1.as_ref().map_or(u64::MAX, |(_, i)| i.mismatches);
             if unexplained > 0 && device.attribution.has_unnamed_private_pools() {
                 // The private pools were invented to explain allocations the recorded settings
                 // contradict; settings changed while the program ran explain those as well, and
@@ -138,7 +138,11 @@ impl PreparedDevice {
                 let default_pools = vec![None; device.pools.len()];
                 let invented = std::mem::replace(&mut device.pools, default_pools);
                 let again = device.settings_and_pools(&named)?;
-                if again.1.as_ref().is_some_and(|i| i.mismatches < unexplained) {
+                if again
+                    .1
+                    .as_ref()
+                    .is_some_and(|(_, i)| i.mismatches < unexplained)
+                {
                     device.adopt(again);
                 } else {
                     device.pools = invented;
@@ -157,25 +161,52 @@ impl PreparedDevice {
     fn settings_and_pools(
         &self,
         named: &std::sync::Arc<[Option<MempoolId>]>,
-    ) -> Result<(SettingsInference, Option<inference::Inferred>)> {
+    ) -> Result<(
+        SettingsInference,
+        Option<(CapacityInference, inference::Inferred)>,
+    )> {
         let settings = self.infer_settings();
         if settings.phases.is_empty() {
             return Ok((settings, None));
         }
+        // Garbage collection on where it was not recorded (or off where it was) reads the
+        // releases that bound the limit otherwise.
+        let capacity = if settings.phases.iter().any(|p| {
+            p.config.garbage_collection_threshold != self.recorded.garbage_collection_threshold
+        }) {
+            CapacityInference {
+                fraction_implied: self.capacity.fraction_implied,
+                ..CapacityInference::infer_under(
+                    &self.plan.capacity,
+                    &self.recorded,
+                    &settings.phases,
+                )
+            }
+        } else {
+            self.capacity.clone()
+        };
         let inferred = inference::infer_pools(
             &self.plan,
             &self.recorded,
-            &self.capacity,
+            &capacity,
             &settings.phases,
             named,
         )?;
-        Ok((settings, Some(inferred)))
+        Ok((settings, Some((capacity, inferred))))
     }
 
-    /// Takes the settings found and the pools inferred under them, if any.
-    fn adopt(&mut self, (settings, inferred): (SettingsInference, Option<inference::Inferred>)) {
+    /// Takes the settings found, and the device's memory and the pools inferred under them, if
+    /// any.
+    fn adopt(
+        &mut self,
+        (settings, inferred): (
+            SettingsInference,
+            Option<(CapacityInference, inference::Inferred)>,
+        ),
+    ) {
         self.settings = settings;
-        if let Some(inferred) = inferred {
+        if let Some((capacity, inferred)) = inferred {
+            self.capacity = capacity;
             self.pools = inferred.of;
             self.attribution = inferred.attribution;
             self.ambiguous_ooms = inferred.ambiguous_ooms;

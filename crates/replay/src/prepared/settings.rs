@@ -19,6 +19,12 @@ const MAX_ALTERNATIVES: usize = 8;
 /// The most switch points [`PreparedDevice::settle_switch`] tries, one replay each.
 const MAX_SWITCH_TRIALS: usize = 64;
 
+/// The figures that move one way as a switch of settings moves, by which
+/// [`PreparedDevice::settle_switch`] halves: the bytes allocated (every allocation between two
+/// points is rounded under the one or the other settings), then the retries (garbage collection
+/// in force longer releases cached blocks before a request would fail and retry).
+const SWITCH_FIGURES: [&str; 2] = ["allocated_bytes.all.allocated", "num_alloc_retries"];
+
 /// How a replay with the settings switched at one event compares with the record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Switch {
@@ -329,9 +335,8 @@ impl PreparedDevice {
     /// Within the window of switch points no allocation tells apart, the one at which the
     /// statistics PyTorch reported (`expected`) agree too: some count each block against the
     /// settings in force when it was allocated (its rounded size) or freed (the oversize counts).
-    /// The bytes allocated over the run move one way as a switch moves (every allocation between
-    /// two points is rounded under the one or the other settings), so each switch is searched for
-    /// by halving on them: the switches between earlier stretches first (each within the points
+    /// The bytes allocated over the run (or, where those agree, the retries) move one way as a
+    /// switch moves ([`SWITCH_FIGURES`]), so each switch is searched for by halving on them: the switches between earlier stretches first (each within the points
     /// that keep every decision), then the last one, whose points around the halving's answer are
     /// tried too. At most [`MAX_SWITCH_TRIALS`] replays a switch (fewer for a long trace).
     pub(crate) fn settle_switch(&mut self, expected: &ExpectedStats) {
@@ -482,15 +487,21 @@ impl PreparedDevice {
     }
 
     /// The plan replayed with the settings `phases` against `expected`: whether everything
-    /// matched, and how far its bytes allocated over the run are off
-    /// (`allocated_bytes.all.allocated`, replayed minus recorded). `None` when the replay fails.
+    /// matched, and how far it is off (replayed minus recorded) in the first of
+    /// [`SWITCH_FIGURES`] that differs (0 when none does). `None` when the replay fails.
     fn stats_of(&self, phases: &[SettingsPhase], expected: &ExpectedStats) -> Option<(bool, i64)> {
-        const FIGURE: &str = "allocated_bytes.all.allocated";
         let run = self.checked_run(phases, Some(expected))?;
-        let replayed = run.stats.to_flat().get(FIGURE).copied().unwrap_or(0);
-        let recorded = expected.figures.get(FIGURE).copied().unwrap_or(replayed);
+        let flat = run.stats.to_flat();
+        let off = SWITCH_FIGURES
+            .iter()
+            .map(|figure| {
+                let replayed = flat.get(*figure).copied().unwrap_or(0);
+                replayed - expected.figures.get(*figure).copied().unwrap_or(replayed)
+            })
+            .find(|&off| off != 0)
+            .unwrap_or(0);
         let check = run.check?;
-        Some((check.matches(), replayed - recorded))
+        Some((check.matches(), off))
     }
 
     /// How far the plan replayed with the settings `phases` (none: the recorded settings
