@@ -100,7 +100,7 @@ const SPLIT_MB: [Option<usize>; 11] = [
 const DIVISIONS: [usize; 8] = [0, 1, 2, 4, 8, 16, 32, 64];
 
 /// `garbage_collection_threshold` values tried (0: off); they act only under a memory fraction.
-const THRESHOLDS: [f64; 7] = [0.0, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95];
+pub(crate) const THRESHOLDS: [f64; 7] = [0.0, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95];
 
 /// The settings one change away from `from`: each of `max_split_size_mb`,
 /// `roundup_power2_divisions`, `garbage_collection_threshold` (only when `collects`: a memory

@@ -342,6 +342,9 @@ impl PreparedDevice {
     pub(crate) fn settle_switch(&mut self, expected: &ExpectedStats) {
         if self.settings.first_departure.is_none() {
             self.split_changed_unseen(expected);
+            if self.settings.phases.is_empty() && self.collection_changed_unseen(expected) {
+                return;
+            }
         }
         let Some(last_window) = self.settings.switch_window else {
             return;
@@ -484,6 +487,38 @@ impl PreparedDevice {
         );
         self.settings.switch_window = Some((0, self.plan.events));
         self.settings.phases = switched(&from_start(&earlier), &self.recorded, 0);
+    }
+
+    /// A program that turned garbage collection on, off or to another threshold where no
+    /// allocation tells (every block lands where the recorded settings put it): the retries and
+    /// synchronizations say so. Each other threshold is tried as the earlier one, its switch to
+    /// the recorded settings settled on the statistics; the first that makes everything agree is
+    /// kept. Whether one did.
+    fn collection_changed_unseen(&mut self, expected: &ExpectedStats) -> bool {
+        if !self.collects() || matches!(self.stats_of(&[], expected), None | Some((true, _))) {
+            return false;
+        }
+        let events = self.plan.events;
+        let most = MAX_SWITCH_TRIALS.min(settings_phases::search_budget(events));
+        for threshold in settings_phases::THRESHOLDS {
+            if threshold == self.recorded.garbage_collection_threshold {
+                continue;
+            }
+            let mut earlier = self.recorded.clone();
+            earlier.garbage_collection_threshold = threshold;
+            let mut phases = switched(&from_start(&earlier), &self.recorded, 0);
+            if self.settle_one(&mut phases, 1, (0, events), expected, most) {
+                tracing::info!(
+                    device = self.plan.device,
+                    earlier = %earlier,
+                    "the statistics tell garbage collection changed while the program ran"
+                );
+                self.settings.switch_window = Some((0, events));
+                self.settings.phases = phases;
+                return true;
+            }
+        }
+        false
     }
 
     /// The plan replayed with the settings `phases` against `expected`: whether everything
