@@ -558,7 +558,7 @@ fn most_allowed_collecting_below(threshold: f64, reserved: u64) -> u64 {
 }
 
 /// The largest device size whose `fraction` is at most `bytes`.
-fn largest_total_with_allowed_at_most(fraction: f64, bytes: u64) -> u64 {
+pub(crate) fn largest_total_with_allowed_at_most(fraction: f64, bytes: u64) -> u64 {
     let mut total = ((bytes as f64 + 1.0) / fraction) as u64;
     while total > 0 && allowed(Some(fraction), total) > bytes {
         total -= 1 + total / (1 << 40);

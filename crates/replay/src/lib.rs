@@ -327,7 +327,11 @@ impl Replay {
     #[must_use]
     pub fn with_expected_stats(mut self, expected: ExpectedStats) -> Self {
         for device in &mut self.devices {
-            let before = (device.ooms_private.clone(), device.settings.phases.clone());
+            let before = (
+                device.ooms_private.clone(),
+                device.settings.phases.clone(),
+                device.capacity.capacity,
+            );
             if let Some(&want) = expected
                 .for_device(device.plan.device)
                 .and_then(|e| e.figures.get("num_alloc_retries"))
@@ -336,8 +340,14 @@ impl Replay {
             }
             if let Some(figures) = expected.for_device(device.plan.device) {
                 device.settle_switch(figures);
+                device.settle_allowed(figures);
             }
-            if (&device.ooms_private, &device.settings.phases) != (&before.0, &before.1) {
+            let after = (
+                &device.ooms_private,
+                &device.settings.phases,
+                device.capacity.capacity,
+            );
+            if after != (&before.0, &before.1, before.2) {
                 // What the releases were judged under changed: judge them again.
                 device.judge_releases();
             }

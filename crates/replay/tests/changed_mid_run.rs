@@ -361,6 +361,7 @@ fn a_garbage_collection_threshold_changed_while_the_program_ran_is_found() {
             8,
         ),
         // Turned on mid-run: the releases before bound the limit as retries, not collections.
+        ("", "garbage_collection_threshold:0.7", 3),
         ("", "garbage_collection_threshold:0.7", 5),
         ("", "garbage_collection_threshold:0.7", 11),
     ] {
@@ -462,5 +463,24 @@ fn frees_are_read_under_the_settings_in_force_when_they_changed() {
             [settings(start), settings(then)],
             "{start} then {then}, seed {seed}"
         );
+    }
+}
+
+/// Garbage collection under a memory fraction the trace implies (the snapshot does not record
+/// it), out-of-memory errors caught: the decisions bound the bytes allowed to an interval, and
+/// where in it they lie decides when the collector acts; the statistics tell.
+#[test]
+fn garbage_collection_under_an_implied_fraction_is_exact() {
+    for seed in [9, 21] {
+        let allocator = recording("garbage_collection_threshold:0.7");
+        limit(&allocator, 96 * MIB);
+        let mut live = Vec::new();
+        oom_loop(&allocator, seed, 48, &mut live);
+        oom_loop(&allocator, seed + 100, 48, &mut live);
+        for a in live {
+            allocator.free(a).unwrap();
+        }
+        let (snapshot, expected) = recorded(&allocator);
+        assert_exact(&snapshot, expected);
     }
 }

@@ -6,6 +6,7 @@
 use tensormem_cuda_alloc::config::AllocatorConfig;
 
 use super::PreparedDevice;
+use crate::capacity;
 use crate::check::ExpectedStats;
 use crate::settings_phases::{self, SettingsInference, SettingsPhase};
 
@@ -519,6 +520,62 @@ impl PreparedDevice {
             }
         }
         false
+    }
+
+    /// Under garbage collection with a memory fraction the trace implies, where the replay still
+    /// departs from the statistics: the bytes allowed are known only within an interval (the
+    /// replay takes its upper end), and the collector acts at its threshold's share of them, so
+    /// values down the interval, a 2 MiB step apart (segments' granularity), and its lower end
+    /// are tried (with the last switch of settings settled again under each); the first that
+    /// makes everything agree is kept.
+    pub(crate) fn settle_allowed(&mut self, expected: &ExpectedStats) {
+        const STEP: u64 = 2 << 20;
+        const MOST: usize = 32;
+        let collecting = self.recorded.garbage_collection_threshold > 0.0
+            || self
+                .settings
+                .phases
+                .iter()
+                .any(|p| p.config.garbage_collection_threshold > 0.0);
+        let (Some(fraction), Some(upper)) = (self.capacity.fraction, self.capacity.upper) else {
+            return;
+        };
+        if !self.capacity.fraction_implied || !collecting || !self.capacity.phases.is_empty() {
+            return;
+        }
+        let phases = self.settings.phases.clone();
+        if !matches!(self.stats_of(&phases, expected), Some((false, _))) {
+            return;
+        }
+        let kept = self.capacity.capacity;
+        let lower = self.capacity.lower;
+        let tries = (1..MOST as u64)
+            .map(|k| upper.saturating_sub(k * STEP))
+            .take_while(|&allowed| allowed > lower)
+            .chain((lower < upper).then_some(lower));
+        let last = phases.len().saturating_sub(1);
+        let most = MAX_SWITCH_TRIALS.min(settings_phases::search_budget(self.plan.events));
+        for allowed in tries {
+            self.capacity.capacity = Some(capacity::largest_total_with_allowed_at_most(
+                fraction, allowed,
+            ));
+            let mut settled = phases.clone();
+            let agrees = matches!(self.stats_of(&phases, expected), Some((true, _)))
+                || (last > 0
+                    && self.settings.switch_window.is_some_and(|window| {
+                        self.settle_one(&mut settled, last, window, expected, most)
+                    }));
+            if agrees {
+                tracing::info!(
+                    device = self.plan.device,
+                    allowed,
+                    "the statistics tell the bytes the memory fraction allowed"
+                );
+                self.settings.phases = settled;
+                return;
+            }
+        }
+        self.capacity.capacity = kept;
     }
 
     /// The plan replayed with the settings `phases` against `expected`: whether everything
