@@ -484,3 +484,29 @@ fn garbage_collection_under_an_implied_fraction_is_exact() {
         assert_exact(&snapshot, expected);
     }
 }
+
+/// Under expandable segments a mapping is checked against the limit as the request's segment
+/// size and then maps whole chunks, so the bytes reserved after it may pass the limit: they do not
+/// bound it from below. A limit raised mid-run is found where the program raised it.
+#[test]
+fn a_limit_raised_under_expandable_segments_is_found() {
+    for seed in [5, 9, 11] {
+        let allocator = recording("expandable_segments:True");
+        limit(&allocator, 64 * MIB);
+        let mut live = Vec::new();
+        oom_loop(&allocator, seed, 48, &mut live);
+        limit(&allocator, 128 * MIB);
+        oom_loop(&allocator, seed + 100, 48, &mut live);
+        for a in live {
+            allocator.free(a).unwrap();
+        }
+        let (snapshot, expected) = recorded(&allocator);
+        let replay = assert_exact(&snapshot, expected);
+        assert_eq!(
+            phases(&replay).len(),
+            2,
+            "seed {seed}: {:?}",
+            phases(&replay)
+        );
+    }
+}

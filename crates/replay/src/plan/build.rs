@@ -10,7 +10,7 @@ use super::{
 use crate::capacity::OomFact;
 use crate::restore::{self, Restore};
 use tensormem_cuda_alloc::device::StreamId;
-use tensormem_cuda_alloc::size::{LARGE_BUFFER, SMALL_BUFFER};
+use tensormem_cuda_alloc::size::{allocation_size, LARGE_BUFFER, SMALL_BUFFER};
 use tensormem_cuda_alloc::snapshot::{Segment, TraceAction, TraceEntry};
 use tensormem_cuda_alloc::MempoolId;
 
@@ -277,8 +277,18 @@ impl<'t> Builder<'t> {
     /// A `segment_map` event: the bytes reserved, and the expandable reservation it grows, or the
     /// new one it starts (its address, and the recorded segment it opens).
     fn segment_map(&mut self, i: usize, e: &TraceEntry) {
+        // The allocator checked the request's segment size against the limit before mapping, and
+        // maps whole chunks past the free tail: what was reserved before the first mapping of an
+        // allocation plus that size was allowed (what it reserved after may exceed the limit).
+        let first_of_run = !matches!(
+            self.trace[..i].iter().rev().find(|e| !is_note(&e.action)),
+            Some(prev) if prev.action == TraceAction::SegmentMap
+        );
+        if first_of_run {
+            let checked = next_request_segment(self.trace, i).unwrap_or(e.size);
+            self.plan.capacity.reach(i as u32, self.reserved + checked);
+        }
         self.reserved += e.size;
-        self.plan.capacity.reach(i as u32, self.reserved);
         let end = e.addr + e.size;
         match self
             .reservations
@@ -381,7 +391,18 @@ impl<'t> Builder<'t> {
         let next_segment = match release_run_end(self.trace, i) {
             RunEnd::Oom => return,
             RunEnd::Segment(size) => {
-                self.plan.capacity.retry(i as u32, before, size);
+                // A mapping is checked as the request's segment size, not as what it maps.
+                let checked = self
+                    .trace
+                    .get(i..)
+                    .and_then(|rest| {
+                        rest.iter()
+                            .find(|e| !is_release(&e.action) && !is_note(&e.action))
+                    })
+                    .filter(|e| e.action == TraceAction::SegmentMap)
+                    .and_then(|_| next_request_segment(self.trace, i))
+                    .unwrap_or(size);
+                self.plan.capacity.retry(i as u32, before, checked);
                 Some(size)
             }
             RunEnd::Other => None,
@@ -576,6 +597,14 @@ fn released_without_synchronizing(trace: &[TraceEntry], done: usize) -> AtOnce {
         collecting,
         splitting_from,
     }
+}
+
+/// The segment size (PyTorch's `get_allocation_size`) of the first request at or after event `i`.
+fn next_request_segment(trace: &[TraceEntry], i: usize) -> Option<u64> {
+    let request = trace[i..].iter().find(|e| e.action == TraceAction::Alloc)?;
+    usize::try_from(request.size)
+        .ok()
+        .map(|size| allocation_size(size) as u64)
 }
 
 /// Whether the `free_completed` event at `i` of a held-back block came from synchronizing with
