@@ -510,3 +510,22 @@ fn a_limit_raised_under_expandable_segments_is_found() {
         );
     }
 }
+
+/// Expandable segments under a memory fraction whose reservations come and go: a reservation made
+/// where an earlier one was released (the driver reuses address space) says nothing of the earlier
+/// one's size, so the device's memory is bounded only by ranges in use at the same time.
+#[test]
+fn reservations_made_after_others_were_released_do_not_bound_the_device() {
+    for seed in [7, 9] {
+        let allocator = recording("expandable_segments:True,max_split_size_mb:40");
+        limit(&allocator, 96 * MIB);
+        let mut live = Vec::new();
+        oom_loop(&allocator, seed, 48, &mut live);
+        oom_loop(&allocator, seed + 100, 48, &mut live);
+        for a in live {
+            allocator.free(a).unwrap();
+        }
+        let (snapshot, expected) = recorded(&allocator);
+        assert_exact(&snapshot, expected);
+    }
+}

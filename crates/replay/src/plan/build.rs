@@ -46,6 +46,10 @@ struct Builder<'t> {
     spare_slots: Vec<u32>,
     /// The synthetic stream each block freed but not yet completed is held on, by address.
     held: HashMap<u64, StreamId>,
+    /// When each segment of `cuMemAlloc` was in use, in the order they were made.
+    lives: Vec<Life>,
+    /// The index in `lives` of each segment live now, by address.
+    segment_lives: HashMap<u64, usize>,
     reservations: Vec<Reservation>,
     segments_live: LiveSegments,
     /// Per recorded segment, its blocks allocated or waiting for their stream's work.
@@ -93,6 +97,8 @@ impl<'t> Builder<'t> {
             live: HashMap::new(),
             spare_slots: Vec::new(),
             held: HashMap::new(),
+            lives: Vec::new(),
+            segment_lives: HashMap::new(),
             reservations: Vec::new(),
             segments_live: LiveSegments::default(),
             busy: HashMap::new(),
@@ -268,6 +274,12 @@ impl<'t> Builder<'t> {
     /// the bytes reserved.
     fn segment_alloc(&mut self, i: usize, e: &TraceEntry) {
         self.plan.malloc_addrs.push(e.addr);
+        self.segment_lives.insert(e.addr, self.lives.len());
+        self.lives.push(Life {
+            base: e.addr,
+            made: i,
+            released: None,
+        });
         self.segments_live
             .open(&mut self.plan.instances, e.addr, e.size);
         self.reserved += e.size;
@@ -309,6 +321,11 @@ impl<'t> Builder<'t> {
                     chunk: chunk_of_first_map(e.size),
                     mapped: e.size,
                     retired: false,
+                    life: Life {
+                        base: e.addr,
+                        made: i,
+                        released: None,
+                    },
                 });
                 self.segments_live
                     .open(&mut self.plan.instances, e.addr, e.size);
@@ -327,7 +344,12 @@ impl<'t> Builder<'t> {
         if starts {
             self.open_release_set(i as u32);
         }
-        self.release_segment(e);
+        self.release_segment(i, e);
+        if e.action == TraceAction::SegmentFree {
+            if let Some(k) = self.segment_lives.remove(&e.addr) {
+                self.lives[k].released = Some(i);
+            }
+        }
         if starts {
             self.release_run(i, before);
         }
@@ -358,7 +380,7 @@ impl<'t> Builder<'t> {
     /// One release of a run: the recorded segment at its address joins the run's set, and is
     /// closed (a segment), or the expandable reservation loses the mapping (and is released with
     /// its last one).
-    fn release_segment(&mut self, e: &TraceEntry) {
+    fn release_segment(&mut self, i: usize, e: &TraceEntry) {
         let instance = self.segments_live.find(e.addr);
         if let Some(set) = self.plan.release_sets.last_mut() {
             if instance != NO_INSTANCE && !set.contains(&instance) {
@@ -377,6 +399,7 @@ impl<'t> Builder<'t> {
             r.mapped = r.mapped.saturating_sub(e.size);
             if r.mapped == 0 {
                 r.retired = true;
+                r.life.released = Some(i);
                 self.segments_live.close(&mut self.plan.instances, r.base);
             }
         }
@@ -454,8 +477,7 @@ impl<'t> Builder<'t> {
     fn finish(mut self) -> DevicePlan {
         let last = self.trace.len().saturating_sub(1) as u32;
         self.plan.flush(last, &mut self.synced);
-        self.plan.capacity.layout_bound =
-            capacity_bound(&self.reservations, &self.plan.malloc_addrs);
+        self.plan.capacity.layout_bound = capacity_bound(&self.reservations, &self.lives);
         self.segments_live
             .finish(&mut self.plan.instances, &self.plan.segments);
         self.plan
@@ -491,6 +513,24 @@ struct Reservation {
     mapped: u64,
     /// Everything was unmapped: the reservation was released.
     retired: bool,
+    life: Life,
+}
+
+/// When an address range (an expandable reservation or a segment) was in use: from the event
+/// that made it to the one that released it.
+#[derive(Clone, Copy, Debug)]
+struct Life {
+    base: u64,
+    made: usize,
+    released: Option<usize>,
+}
+
+impl Life {
+    /// Whether both were in use at some point (the driver then gave them apart).
+    fn overlaps(&self, other: &Life) -> bool {
+        other.made <= self.released.unwrap_or(usize::MAX)
+            && self.made <= other.released.unwrap_or(usize::MAX)
+    }
 }
 
 /// The recorded segments live at a point of the trace, by address.
@@ -692,16 +732,19 @@ fn chunk_of_first_map(size: u64) -> u64 {
 }
 
 /// The most device memory for which every recorded reservation (`total * 9 / 8` rounded up to whole
-/// chunks, as the allocator reserves) ends before the next recorded address above it; `None` when
-/// nothing lies above any reservation.
-fn capacity_bound(reservations: &[Reservation], malloc_addrs: &[u64]) -> Option<u64> {
+/// chunks, as the allocator reserves) ends before the next recorded address above it in use at the
+/// same time; `None` when nothing lies above any reservation.
+fn capacity_bound(reservations: &[Reservation], segments: &[Life]) -> Option<u64> {
     let mut bound: Option<u64> = None;
     for r in reservations {
+        // Only ranges in use while this one was: a range made after it was released (the driver
+        // reuses address space) says nothing of its size.
         let next = reservations
             .iter()
+            .map(|o| &o.life)
+            .chain(segments)
+            .filter(|o| o.base > r.base && r.life.overlaps(o))
             .map(|o| o.base)
-            .chain(malloc_addrs.iter().copied())
-            .filter(|&a| a > r.base)
             .min();
         let Some(next) = next else { continue };
         let room = (next - r.base) / r.chunk * r.chunk;
