@@ -347,6 +347,27 @@ fn oom_loop(
 /// Garbage collection under a memory fraction with its threshold changed (or turned on) mid-run,
 /// out-of-memory errors caught: several earlier thresholds explain the allocations about as far,
 /// and the statistics (retries, synchronizations) tell which one was in force.
+/// A program that catches its out-of-memory errors under a limit of `mib` MiB, made under
+/// `config`: two stretches of [`oom_loop`] from `seed`, `between` done between them (settings or
+/// the limit changed), every block freed at the end. Its snapshot and statistics.
+fn caught_ooms(
+    config: &str,
+    mib: usize,
+    seed: u64,
+    between: impl FnOnce(&CachingAllocator<SimDevice>),
+) -> (Snapshot, ExpectedStats) {
+    let allocator = recording(config);
+    limit(&allocator, mib * MIB);
+    let mut live = Vec::new();
+    oom_loop(&allocator, seed, 48, &mut live);
+    between(&allocator);
+    oom_loop(&allocator, seed + 100, 48, &mut live);
+    for a in live {
+        allocator.free(a).unwrap();
+    }
+    recorded(&allocator)
+}
+
 #[test]
 fn a_garbage_collection_threshold_changed_while_the_program_ran_is_found() {
     for (start, then, seed) in [
@@ -365,16 +386,9 @@ fn a_garbage_collection_threshold_changed_while_the_program_ran_is_found() {
         ("", "garbage_collection_threshold:0.7", 5),
         ("", "garbage_collection_threshold:0.7", 11),
     ] {
-        let allocator = recording(start);
-        limit(&allocator, 96 * MIB);
-        let mut live = Vec::new();
-        oom_loop(&allocator, seed, 48, &mut live);
-        allocator.apply_settings(then).unwrap();
-        oom_loop(&allocator, seed + 100, 48, &mut live);
-        for a in live {
-            allocator.free(a).unwrap();
-        }
-        let (snapshot, expected) = recorded(&allocator);
+        let (snapshot, expected) = caught_ooms(start, 96, seed, |a| {
+            a.apply_settings(then).unwrap();
+        });
         let found = settings_phases(&snapshot, expected);
         assert_eq!(found.len(), 2, "{start} then {then}: {found:?}");
         let threshold = |text: &str| {
@@ -399,16 +413,9 @@ fn a_garbage_collection_threshold_changed_while_the_program_ran_is_found() {
 fn a_rounding_or_split_change_under_a_fraction_with_caught_ooms_is_found() {
     for then in ["max_split_size_mb:40", "roundup_power2_divisions:4"] {
         for seed in [3, 8, 45] {
-            let allocator = recording("");
-            limit(&allocator, 96 * MIB);
-            let mut live = Vec::new();
-            oom_loop(&allocator, seed, 48, &mut live);
-            allocator.apply_settings(then).unwrap();
-            oom_loop(&allocator, seed + 100, 48, &mut live);
-            for a in live {
-                allocator.free(a).unwrap();
-            }
-            let (snapshot, expected) = recorded(&allocator);
+            let (snapshot, expected) = caught_ooms("", 96, seed, |a| {
+                a.apply_settings(then).unwrap();
+            });
             let found = settings_phases(&snapshot, expected);
             let settings = |text: &str| {
                 let config = AllocatorConfig::parse(text).unwrap();
@@ -436,16 +443,9 @@ fn frees_are_read_under_the_settings_in_force_when_they_changed() {
         ("max_split_size_mb:40", "roundup_power2_divisions:2", 8),
     ];
     for (start, then, seed) in cases {
-        let allocator = recording(start);
-        limit(&allocator, 96 * MIB);
-        let mut live = Vec::new();
-        oom_loop(&allocator, seed, 48, &mut live);
-        allocator.apply_settings(then).unwrap();
-        oom_loop(&allocator, seed + 100, 48, &mut live);
-        for a in live {
-            allocator.free(a).unwrap();
-        }
-        let (snapshot, expected) = recorded(&allocator);
+        let (snapshot, expected) = caught_ooms(start, 96, seed, |a| {
+            a.apply_settings(then).unwrap();
+        });
         let found = settings_phases(&snapshot, expected);
         let settings = |text: &str| {
             let config = AllocatorConfig::parse(text).unwrap();
@@ -472,15 +472,8 @@ fn frees_are_read_under_the_settings_in_force_when_they_changed() {
 #[test]
 fn garbage_collection_under_an_implied_fraction_is_exact() {
     for seed in [9, 21] {
-        let allocator = recording("garbage_collection_threshold:0.7");
-        limit(&allocator, 96 * MIB);
-        let mut live = Vec::new();
-        oom_loop(&allocator, seed, 48, &mut live);
-        oom_loop(&allocator, seed + 100, 48, &mut live);
-        for a in live {
-            allocator.free(a).unwrap();
-        }
-        let (snapshot, expected) = recorded(&allocator);
+        let (snapshot, expected) =
+            caught_ooms("garbage_collection_threshold:0.7", 96, seed, |_| {});
         assert_exact(&snapshot, expected);
     }
 }
@@ -491,16 +484,9 @@ fn garbage_collection_under_an_implied_fraction_is_exact() {
 #[test]
 fn a_limit_raised_under_expandable_segments_is_found() {
     for seed in [5, 9, 11] {
-        let allocator = recording("expandable_segments:True");
-        limit(&allocator, 64 * MIB);
-        let mut live = Vec::new();
-        oom_loop(&allocator, seed, 48, &mut live);
-        limit(&allocator, 128 * MIB);
-        oom_loop(&allocator, seed + 100, 48, &mut live);
-        for a in live {
-            allocator.free(a).unwrap();
-        }
-        let (snapshot, expected) = recorded(&allocator);
+        let (snapshot, expected) = caught_ooms("expandable_segments:True", 64, seed, |a| {
+            limit(a, 128 * MIB);
+        });
         let replay = assert_exact(&snapshot, expected);
         assert_eq!(
             phases(&replay).len(),
@@ -517,15 +503,12 @@ fn a_limit_raised_under_expandable_segments_is_found() {
 #[test]
 fn reservations_made_after_others_were_released_do_not_bound_the_device() {
     for seed in [7, 9] {
-        let allocator = recording("expandable_segments:True,max_split_size_mb:40");
-        limit(&allocator, 96 * MIB);
-        let mut live = Vec::new();
-        oom_loop(&allocator, seed, 48, &mut live);
-        oom_loop(&allocator, seed + 100, 48, &mut live);
-        for a in live {
-            allocator.free(a).unwrap();
-        }
-        let (snapshot, expected) = recorded(&allocator);
+        let (snapshot, expected) = caught_ooms(
+            "expandable_segments:True,max_split_size_mb:40",
+            96,
+            seed,
+            |_| {},
+        );
         assert_exact(&snapshot, expected);
     }
 }
