@@ -512,3 +512,33 @@ fn reservations_made_after_others_were_released_do_not_bound_the_device() {
         assert_exact(&snapshot, expected);
     }
 }
+
+/// Rounding turned off and a split limit set at once: an allocation made under the wrong
+/// rounding right after the switch can land where the record has it, so a switch placed a little
+/// late looks too early; the points before the first event the earlier settings cannot explain
+/// are tried one by one.
+#[test]
+fn a_switch_whose_first_allocations_do_not_tell_is_found() {
+    let allocator = recording("roundup_power2_divisions:4");
+    let mut next = xorshift(21);
+    let mut live: Vec<Allocation> = Vec::new();
+    for stretch in 0..2 {
+        if stretch == 1 {
+            allocator.apply_settings("max_split_size_mb:64").unwrap();
+        }
+        for _ in 0..150 {
+            let size = ((next() % 48) + 1) as usize * MIB - (next() % 4096) as usize;
+            live.push(allocator.allocate(size, S).unwrap());
+            if live.len() > 12 || next() % 10 < 3 {
+                let i = (next() % live.len() as u64) as usize;
+                allocator.free(live.swap_remove(i)).unwrap();
+            }
+        }
+    }
+    for a in live {
+        allocator.free(a).unwrap();
+    }
+    let (snapshot, expected) = recorded(&allocator);
+    let found = settings_phases(&snapshot, expected);
+    assert_eq!(found.len(), 2, "{found:?}");
+}

@@ -17,6 +17,10 @@ const MAX_STRETCHES: usize = 6;
 /// The most other earlier settings [`PreparedDevice::settle_switch`] tries on the statistics.
 const MAX_ALTERNATIVES: usize = 8;
 
+/// The most points before the first event the earlier settings cannot explain that
+/// [`PreparedDevice::switch_window`] tries one by one when halving finds none.
+const MAX_SCAN_BEFORE_UNTIL: usize = 64;
+
 /// The most switch points [`PreparedDevice::settle_switch`] tries, one replay each.
 const MAX_SWITCH_TRIALS: usize = 64;
 
@@ -180,7 +184,18 @@ impl PreparedDevice {
                 Switch::Fails => return None,
             }
         }
-        None
+        // A switch a little past the true one can still look too early: an allocation made
+        // under the wrong settings in between may land where the record has it and depart only
+        // later. The points just before `until` are tried one by one.
+        let fits = ((first + 1)..=until.min(self.plan.events))
+            .rev()
+            .take(MAX_SCAN_BEFORE_UNTIL)
+            .find(|&at| {
+                found.replays += 1;
+                self.switch_at(&before, &self.recorded, at) == Switch::Fits
+            })?;
+        let phases = switched(&before, &self.recorded, fits);
+        Some(self.fit_window(&phases, 1, (first + 1, until), &mut found.replays))
     }
 
     /// The earliest and the latest event switch `k` of `phases` may come at with every decision
