@@ -9,6 +9,8 @@
 //! sleep_wake_bench --gib 22 --register 8  # the backup pinned with malloc + cuMemHostRegister
 //! ```
 //!
+//! Without a CUDA driver or device it prints a `# skipped` line and exits successfully.
+//!
 //! `--register N`: the backup's pinned host memory is made as under
 //! `pinned_use_cuda_host_register:True,pinned_num_register_threads:N` (anonymous mappings with the
 //! huge-page advice, their pages touched by N threads, then `cuMemHostRegister`) instead of
@@ -31,7 +33,7 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use tensormem_cuda_alloc::backend::cuda::{CudaBackend, CudaPinnedSource};
+use tensormem_cuda_alloc::backend::cuda::{self, CudaBackend, CudaPinnedSource};
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::host::{HostCachingAllocator, PinnedSource};
 use tensormem_cuda_alloc::{CachingAllocator, Device, DeviceAddress, MempoolId, StreamId};
@@ -320,6 +322,17 @@ fn main() -> ExitCode {
                 );
                 return ExitCode::from(2);
             }
+        }
+    }
+    match cuda::device_count() {
+        Ok(n) if n > 0 => {}
+        Ok(_) => {
+            println!("# skipped: the driver reports no CUDA device");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            println!("# skipped: no CUDA driver ({e})");
+            return ExitCode::SUCCESS;
         }
     }
     match run(gib, register) {
