@@ -438,7 +438,17 @@ fn harness() -> Result<bool, BoxError> {
                 started.elapsed().as_secs_f64()
             );
         }
-        tally.fds_left = open_fds().saturating_sub(fds_before);
+        let fds_after = open_fds();
+        tally.fds_left = fds_after.len().saturating_sub(fds_before.len());
+        for (fd, target) in fds_after
+            .iter()
+            .filter(|(fd, _)| !fds_before.contains_key(*fd))
+        {
+            eprintln!(
+                "{}: descriptor {fd} open since the trials began: {target}",
+                mode.name()
+            );
+        }
         ok &= !tally.left_behind() && tally.hangs == 0 && tally.failed.is_empty();
         if !tally.failed.is_empty() {
             eprintln!("{}: children failed: {:?}", mode.name(), tally.failed);
@@ -715,9 +725,20 @@ fn trial(mode: Mode, payload: &str, kill: Option<Duration>) -> Result<Outcome, B
     })
 }
 
-/// Descriptors this process has open.
-fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
+/// Descriptors this process has open, with what each names (`/proc/self/fd/N`'s link).
+fn open_fds() -> std::collections::BTreeMap<String, String> {
+    std::fs::read_dir("/proc/self/fd").map_or_else(
+        |_| std::collections::BTreeMap::new(),
+        |dir| {
+            dir.flatten()
+                .map(|e| {
+                    let target = std::fs::read_link(e.path())
+                        .map_or_else(|_| "?".to_owned(), |t| t.display().to_string());
+                    (e.file_name().to_string_lossy().into_owned(), target)
+                })
+                .collect()
+        },
+    )
 }
 
 /// Objects in `/dev/shm` whose name carries `pid` the way tensormem's and PyTorch's names do
