@@ -385,7 +385,9 @@ fn readme_text(files: &[PathBuf], dir: &Path, glibc: (u32, u32)) -> String {
          gpu-bundle/pinned_patterns; gpu-bundle/pinned_patterns --register 8; \
          python3 gpu-bundle/anchors/torch_pinned_bench.py\n\n\
          A 10 GiB pool put to sleep and woken, with and without contents, against the pinned-copy\n\
-         bandwidth of the same run (--gib N for a smaller pool):\n\n    gpu-bundle/sleep_wake_bench\n\n\
+         bandwidth of the same run (--gib N for a smaller pool); the first cycle's backup pinned\n\
+         with cuMemHostAlloc, then with malloc + cuMemHostRegister (8 threads touching):\n\n    \
+         gpu-bundle/sleep_wake_bench --gib 22; gpu-bundle/sleep_wake_bench --gib 22 --register 8\n\n\
          The CUDA IPC round trip against PyTorch's (same call, same machine):\n\n    \
          gpu-bundle/ipc_roundtrip; python3 gpu-bundle/anchors/torch_sharing_bench.py\n\n\
          A whole model handed to another process as one batch against PyTorch's state dict on a\n\
