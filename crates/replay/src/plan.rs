@@ -25,27 +25,35 @@ use tensormem_cuda_alloc::MempoolId;
 /// completed at once rather than by the synchronization of that run: the run may be one that does
 /// not synchronize, and which runs do depends on the settings in force (the trace alone does not
 /// say, so the replay reads it under the settings the program ran under at that point).
+///
+/// Packed in one word (the top bit: the run ends in a new segment; the rest: the smallest segment
+/// it releases), so that [`Op`] stays four words: the replay walks millions of them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct AtOnce {
-    /// The run ends in a new segment: under garbage collection it can be
-    /// `garbage_collect_cached_blocks`, which does not synchronize.
-    pub(crate) collecting: bool,
-    /// The run releases only segments at least this large and ends in a new segment (0: it does
-    /// not): under a `max_split_size` no larger it can be `release_available_cached_blocks`,
-    /// which does not synchronize.
-    pub(crate) splitting_from: u64,
-}
+pub(crate) struct AtOnce(u64);
 
 impl AtOnce {
+    const COLLECTING: u64 = 1 << 63;
+
+    /// `collecting`: the run ends in a new segment, so under garbage collection it can be
+    /// `garbage_collect_cached_blocks`, which does not synchronize. `splitting_from`: the run
+    /// releases only segments at least this large and ends in a new segment (0: it does not), so
+    /// under a `max_split_size` no larger it can be `release_available_cached_blocks`, which does
+    /// not synchronize either.
+    pub(crate) fn new(collecting: bool, splitting_from: u64) -> Self {
+        let flag = if collecting { Self::COLLECTING } else { 0 };
+        AtOnce(flag | splitting_from.min(Self::COLLECTING - 1))
+    }
+
     /// Whether the free completed at once under `max_split_size` and garbage collection on or off
     /// (`collects`).
     pub(crate) fn holds(self, max_split_size: usize, collects: bool) -> bool {
         if collects {
-            return self.collecting;
+            return self.0 & Self::COLLECTING != 0;
         }
+        let splitting_from = self.0 & !Self::COLLECTING;
         max_split_size != usize::MAX
-            && self.splitting_from > 0
-            && u64::try_from(max_split_size).is_ok_and(|m| self.splitting_from >= m)
+            && splitting_from > 0
+            && u64::try_from(max_split_size).is_ok_and(|m| splitting_from >= m)
     }
 }
 

@@ -305,27 +305,25 @@ impl<'t> Builder<'t> {
         match self
             .reservations
             .iter_mut()
-            .find(|r| !r.retired && e.addr >= r.base && e.addr <= r.extent)
+            .find(|r| !r.retired() && e.addr >= r.base() && e.addr <= r.extent)
         {
             Some(r) => {
                 r.extent = r.extent.max(end);
                 r.mapped += e.size;
                 self.segments_live
-                    .grow(&mut self.plan.instances, r.base, r.extent);
+                    .grow(&mut self.plan.instances, r.base(), r.extent);
             }
             None => {
                 self.plan.reserve_addrs.push(e.addr);
                 self.reservations.push(Reservation {
-                    base: e.addr,
-                    extent: end,
-                    chunk: chunk_of_first_map(e.size),
-                    mapped: e.size,
-                    retired: false,
                     life: Life {
                         base: e.addr,
                         made: i,
                         released: None,
                     },
+                    extent: end,
+                    chunk: chunk_of_first_map(e.size),
+                    mapped: e.size,
                 });
                 self.segments_live
                     .open(&mut self.plan.instances, e.addr, e.size);
@@ -368,7 +366,7 @@ impl<'t> Builder<'t> {
                 !self
                     .reservations
                     .iter()
-                    .any(|r| !r.retired && r.base == **base)
+                    .any(|r| !r.retired() && r.base() == **base)
             })
             .map(|(_, &(_, id))| id)
             .filter(|id| self.busy.get(id).copied().unwrap_or(0) == 0)
@@ -392,15 +390,14 @@ impl<'t> Builder<'t> {
         } else if let Some(r) = self
             .reservations
             .iter_mut()
-            .find(|r| !r.retired && e.addr >= r.base && e.addr < r.extent)
+            .find(|r| !r.retired() && e.addr >= r.base() && e.addr < r.extent)
         {
             // A reservation left with nothing mapped is released with its last mapping: a later
             // mapping at its address starts a new one.
             r.mapped = r.mapped.saturating_sub(e.size);
             if r.mapped == 0 {
-                r.retired = true;
                 r.life.released = Some(i);
-                self.segments_live.close(&mut self.plan.instances, r.base);
+                self.segments_live.close(&mut self.plan.instances, r.base());
             }
         }
     }
@@ -504,16 +501,25 @@ fn synthetic_base(trace: &[TraceEntry]) -> Result<u64, PlanError> {
 
 /// A recorded expandable reservation, as far as the trace shows it.
 struct Reservation {
-    base: u64,
+    /// Its base, and when it was in use (released once everything was unmapped).
+    life: Life,
     /// Highest end of any mapping in it so far.
     extent: u64,
     /// Chunk size of its pool (from the size of its first mapping).
     chunk: u64,
     /// Bytes mapped in it now.
     mapped: u64,
+}
+
+impl Reservation {
+    fn base(&self) -> u64 {
+        self.life.base
+    }
+
     /// Everything was unmapped: the reservation was released.
-    retired: bool,
-    life: Life,
+    fn retired(&self) -> bool {
+        self.life.released.is_some()
+    }
 }
 
 /// When an address range (an expandable reservation or a segment) was in use: from the event
@@ -633,10 +639,7 @@ fn released_without_synchronizing(trace: &[TraceEntry], done: usize) -> AtOnce {
         }
         smallest = Some(smallest.map_or(e.size, |s| s.min(e.size)));
     }
-    AtOnce {
-        collecting,
-        splitting_from,
-    }
+    AtOnce::new(collecting, splitting_from)
 }
 
 /// The segment size (PyTorch's `get_allocation_size`) of the first request at or after event `i`.
@@ -743,11 +746,11 @@ fn capacity_bound(reservations: &[Reservation], segments: &[Life]) -> Option<u64
             .iter()
             .map(|o| &o.life)
             .chain(segments)
-            .filter(|o| o.base > r.base && r.life.overlaps(o))
+            .filter(|o| o.base > r.base() && r.life.overlaps(o))
             .map(|o| o.base)
             .min();
         let Some(next) = next else { continue };
-        let room = (next - r.base) / r.chunk * r.chunk;
+        let room = (next - r.base()) / r.chunk * r.chunk;
         let fits = largest_total_within(room);
         bound = Some(bound.map_or(fits, |b| b.min(fits)));
     }
