@@ -185,21 +185,17 @@ mod pages {
     /// The size of a transparent huge page on x86-64 (and on aarch64 kernels of 4 KiB pages).
     pub(super) const HUGE_PAGE: usize = 2 << 20;
 
-    /// Whether a block of `size` bytes is an anonymous mapping rather than heap memory.
-    fn mapped(size: usize) -> bool {
-        cfg!(any(target_os = "linux", target_os = "android")) && size >= HUGE_PAGE
-    }
-
     /// `size` bytes (a multiple of the page size), page-aligned.
     pub(super) fn map(size: usize) -> DeviceResult<NonNull<u8>> {
         let out_of_memory = || DeviceError::OutOfMemory { bytes: size as u64 };
-        if !mapped(size) {
-            let layout = crate::host::heap_layout(size)?;
-            // SAFETY: the layout's size is non-zero.
-            let raw = unsafe { std::alloc::alloc(layout) };
-            return NonNull::new(raw).ok_or_else(out_of_memory);
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        if size >= HUGE_PAGE {
+            return map_huge(size).ok_or_else(out_of_memory);
         }
-        map_huge(size).ok_or_else(out_of_memory)
+        let layout = crate::host::heap_layout(size)?;
+        // SAFETY: the layout's size is non-zero.
+        let raw = unsafe { std::alloc::alloc(layout) };
+        NonNull::new(raw).ok_or_else(out_of_memory)
     }
 
     /// Gives back a block of [`map`].
@@ -207,16 +203,25 @@ mod pages {
     /// # Safety
     /// `ptr` came from [`map`] with this `size`, is given back once, and nothing uses it any more.
     pub(super) unsafe fn unmap(ptr: NonNull<u8>, size: usize) -> DeviceResult<()> {
-        if !mapped(size) {
-            let layout = crate::host::heap_layout(size)?;
-            // SAFETY: the caller guarantees `ptr` came from `map`'s heap branch with this size.
-            unsafe { std::alloc::dealloc(ptr.as_ptr(), layout) };
-            return Ok(());
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        if size >= HUGE_PAGE {
+            // SAFETY: the caller guarantees `[ptr, ptr + size)` is a mapping of `map_huge`,
+            // unused.
+            return unsafe { rustix::mm::munmap(ptr.as_ptr().cast(), size) }.map_err(|errno| {
+                DeviceError::Driver {
+                    call: "munmap",
+                    code: -1,
+                    message: errno.to_string(),
+                }
+            });
         }
-        // SAFETY: as this function's contract.
-        unsafe { unmap_huge(ptr, size) }
+        let layout = crate::host::heap_layout(size)?;
+        // SAFETY: the caller guarantees `ptr` came from `map`'s heap branch with this size.
+        unsafe { std::alloc::dealloc(ptr.as_ptr(), layout) };
+        Ok(())
     }
 
+    /// A private anonymous mapping of `size` bytes, advised to use transparent huge pages.
     #[cfg(any(target_os = "linux", target_os = "android"))]
     fn map_huge(size: usize) -> Option<NonNull<u8>> {
         use rustix::mm::{madvise, mmap_anonymous, Advice, MapFlags, ProtFlags};
@@ -237,32 +242,6 @@ mod pages {
             tracing::debug!(%errno, "no transparent huge pages for pinned host memory");
         }
         NonNull::new(raw.cast::<u8>())
-    }
-
-    #[cfg(not(any(target_os = "linux", target_os = "android")))]
-    fn map_huge(_size: usize) -> Option<NonNull<u8>> {
-        unreachable!("blocks are mapped on Linux only")
-    }
-
-    /// # Safety
-    /// As [`unmap`], for a block of [`map_huge`].
-    #[cfg(any(target_os = "linux", target_os = "android"))]
-    unsafe fn unmap_huge(ptr: NonNull<u8>, size: usize) -> DeviceResult<()> {
-        // SAFETY: the caller guarantees `[ptr, ptr + size)` is a mapping of `map_huge`, unused.
-        unsafe { rustix::mm::munmap(ptr.as_ptr().cast(), size) }.map_err(|errno| {
-            DeviceError::Driver {
-                call: "munmap",
-                code: -1,
-                message: errno.to_string(),
-            }
-        })
-    }
-
-    /// # Safety
-    /// As [`unmap`].
-    #[cfg(not(any(target_os = "linux", target_os = "android")))]
-    unsafe fn unmap_huge(_ptr: NonNull<u8>, _size: usize) -> DeviceResult<()> {
-        unreachable!("blocks are mapped on Linux only")
     }
 }
 
