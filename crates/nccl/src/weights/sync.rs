@@ -119,8 +119,9 @@ impl<E: CopyEngine, C: Collective<Event = E::Event>> Link<E, C> {
         Ok(())
     }
 
-    /// Waits for everything queued on the communication stream, but no longer than the timeout: the collectives of a rank whose peers died or stopped
-    /// syncing never finish. Looks at the stream with pauses growing to [`MAX_POLL_PAUSE`].
+    /// Waits for everything queued on the communication stream, but no longer than the timeout:
+    /// the collectives of a rank whose peers died or stopped syncing never finish. Looks at the
+    /// stream with pauses growing to [`MAX_POLL_PAUSE`].
     fn wait_collective(&self) -> Result<()> {
         let start = Instant::now();
         let mut pause = Duration::from_micros(2);
