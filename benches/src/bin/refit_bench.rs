@@ -208,12 +208,15 @@ fn consumer() -> Result<(), BoxError> {
         // SAFETY: the sources are the subscription's mapped views; the destinations are this
         // process's parameters, allocated until the end; nothing else runs on them.
         unsafe { driver.copy_batch(device, &copies, stream)? };
-        // SAFETY: `byte` is one writable host byte; `last` is a parameter of this device.
-        check("cuMemcpyDtoHAsync", unsafe {
-            sys::cuMemcpyDtoHAsync_v2((&mut byte as *mut u8).cast(), last.0, 1, stream.0 as _)
-        })?;
         driver.synchronize_stream(device, stream)?;
         sub.finish(v);
+        // Read back once the sync is over (the producer's timer stops at `finish`): the last
+        // parameter is this process's own memory, which the producer never writes.
+        // SAFETY: `byte` is one writable host byte; `last` is a parameter of this device, and the
+        // copies into it completed above.
+        check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2((&mut byte as *mut u8).cast(), last.0, 1)
+        })?;
         writeln!(out, "v {v} {byte}")?;
         out.flush()?;
     }
