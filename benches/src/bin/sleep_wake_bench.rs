@@ -6,10 +6,16 @@
 //! ```text
 //! sleep_wake_bench                        # a 10 GiB pool
 //! sleep_wake_bench --gib 4                # a smaller one (less device or host memory)
+//! sleep_wake_bench --gib 22 --pinned      # every piece of the backup pinned (on the way)
 //! sleep_wake_bench --gib 22 --register 8  # the backup pinned with malloc + cuMemHostRegister
 //! ```
 //!
 //! Without a CUDA driver or device it prints a `# skipped` line and exits successfully.
+//!
+//! By default a sleep takes pinned memory the host allocator has cached and stages the rest through
+//! a ring of pinned buffers into ordinary memory. `--pinned`: every piece in pinned memory
+//! ([`AlwaysPinned`]), pinned on the way when not cached (the first sleep waits for the pinning,
+//! the later ones find it cached).
 //!
 //! `--register N`: the backup's pinned host memory is made as under
 //! `pinned_use_cuda_host_register:True,pinned_num_register_threads:N` (anonymous mappings with the
@@ -20,8 +26,9 @@
 //! | --- | --- |
 //! | `pinned_d2h`, `pinned_h2d` | the copy limit: 256 MiB pieces between the pool's memory and pinned host memory, as sleeping copies, GB/s |
 //! | `sleep_discard`, `wake_discard` | a sleep (wait + unmap + release) and a wake (create + map + access) without contents, median of 5, ms |
-//! | `sleep_keep_first`, `wake_keep_first` | the first cycle with contents: pinned host memory made (`cuMemHostAlloc`, or as `--register` says; several threads at once) while the pieces already pinned are copied, ms |
-//! | `sleep_keep`, `wake_keep` | with contents, the pinned memory cached: median of 3, ms and GB/s |
+//! | `sleep_keep_first`, `wake_keep_first` | the first cycle with contents, the host cache emptied first: staged (with `--pinned`: pinned host memory made on the way, `cuMemHostAlloc` or as `--register` says), ms |
+//! | `staged_first`, `staged_later` | bytes of the first and of the later backups that were staged, MiB |
+//! | `sleep_keep`, `wake_keep` | the later cycles with contents: median of 3, ms and GB/s |
 //! | `reserve` | the pinned memory of a backup made ahead (`HostCachingAllocator::reserve`, after the cache was emptied), ms |
 //! | `sleep_keep_reserved`, `wake_keep_reserved` | the first cycle after that reserve, ms |
 //! | `returned` | device free memory gained by a sleep over the pool's mapped bytes, % |
@@ -36,7 +43,9 @@ use std::time::Instant;
 use tensormem_cuda_alloc::backend::cuda::{self, CudaBackend, CudaPinnedSource};
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::host::{HostCachingAllocator, PinnedSource};
-use tensormem_cuda_alloc::{CachingAllocator, Device, DeviceAddress, MempoolId, StreamId};
+use tensormem_cuda_alloc::{
+    AlwaysPinned, CachingAllocator, Device, DeviceAddress, HostBackup, MempoolId, StreamId,
+};
 
 const GIB: usize = 1 << 30;
 const PIECE: usize = 256 << 20;
@@ -51,7 +60,7 @@ fn ms(seconds: f64) -> f64 {
     seconds * 1e3
 }
 
-fn run(gib: usize, register: Option<usize>) -> Result<bool, String> {
+fn run(gib: usize, register: Option<usize>, pin_all: bool) -> Result<bool, String> {
     let err = |what: &str| {
         let what = what.to_string();
         move |e: tensormem_cuda_alloc::Error| format!("{what}: {e}")
@@ -149,6 +158,7 @@ fn run(gib: usize, register: Option<usize>) -> Result<bool, String> {
         })
         .collect();
     let mut returned = Vec::new();
+    let staged = std::cell::Cell::new(0);
     let mut cycle = |keep: bool| -> Result<(f64, f64), String> {
         if keep {
             // Written before each sleep that keeps contents: one that discards them (the cycles
@@ -162,9 +172,15 @@ fn run(gib: usize, register: Option<usize>) -> Result<bool, String> {
         device.synchronize().map_err(derr("synchronizing"))?;
         let free_before = device.mem_info().map_err(derr("cuMemGetInfo"))?.free;
         let started = Instant::now();
-        let backup: Option<Box<dyn tensormem_cuda_alloc::HostBackup>> =
-            keep.then(|| Box::new(host) as Box<dyn tensormem_cuda_alloc::HostBackup>);
+        let backup: Option<Box<dyn HostBackup>> = keep.then(|| -> Box<dyn HostBackup> {
+            if pin_all {
+                Box::new(AlwaysPinned(host))
+            } else {
+                Box::new(host)
+            }
+        });
         let slept = alloc.sleep_pool(POOL, backup).map_err(err("sleeping"))?;
+        staged.set(slept.staged_bytes);
         let sleep_s = started.elapsed().as_secs_f64();
         let free_asleep = device.mem_info().map_err(derr("cuMemGetInfo"))?.free;
         returned.push(free_asleep.saturating_sub(free_before) as f64 / slept.released_bytes as f64);
@@ -193,7 +209,10 @@ fn run(gib: usize, register: Option<usize>) -> Result<bool, String> {
         wakes.push(w);
     }
     let (sleep_discard, wake_discard) = (median(sleeps), median(wakes));
+    // Nothing pinned ready: the first sleep stages its backup (or, with --pinned, pins it).
+    host.empty_cache().map_err(err("emptying the host cache"))?;
     let (first_keep, first_wake) = cycle(true)?;
+    let staged_first = staged.get();
     let mut sleeps = Vec::new();
     let mut wakes = Vec::new();
     for _ in 0..3 {
@@ -202,6 +221,7 @@ fn run(gib: usize, register: Option<usize>) -> Result<bool, String> {
         wakes.push(w);
     }
     let (sleep_keep, wake_keep) = (median(sleeps), median(wakes));
+    let staged_later = staged.get();
     // The first cycle again, its host memory pinned ahead instead.
     host.empty_cache().map_err(err("emptying the host cache"))?;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
@@ -221,8 +241,10 @@ fn run(gib: usize, register: Option<usize>) -> Result<bool, String> {
     println!("wake_discard,{pool_bytes},{:.2},ms", ms(wake_discard));
     println!("sleep_keep_first,{pool_bytes},{:.1},ms", ms(first_keep));
     println!("wake_keep_first,{pool_bytes},{:.1},ms", ms(first_wake));
+    println!("staged_first,{pool_bytes},{},MiB", staged_first >> 20);
     println!("sleep_keep,{pool_bytes},{:.1},ms", ms(sleep_keep));
     println!("wake_keep,{pool_bytes},{:.1},ms", ms(wake_keep));
+    println!("staged_later,{pool_bytes},{},MiB", staged_later >> 20);
     println!("reserve,{pool_bytes},{:.1},ms", ms(reserve_s));
     println!(
         "sleep_keep_reserved,{pool_bytes},{:.1},ms",
@@ -307,8 +329,12 @@ fn run(gib: usize, register: Option<usize>) -> Result<bool, String> {
 
 fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
-    let (mut gib, mut register) = (10, None);
+    let (mut gib, mut register, mut pin_all) = (10, None, false);
     while let Some(flag) = args.next() {
+        if flag == "--pinned" {
+            pin_all = true;
+            continue;
+        }
         let value = args
             .next()
             .and_then(|n| n.parse::<usize>().ok())
@@ -318,7 +344,7 @@ fn main() -> ExitCode {
             ("--register", Some(n)) => register = Some(n),
             _ => {
                 eprintln!(
-                    "usage: sleep_wake_bench [--gib N] [--register THREADS] (N, THREADS > 0)"
+                    "usage: sleep_wake_bench [--gib N] [--register THREADS] [--pinned] (N, THREADS > 0)"
                 );
                 return ExitCode::from(2);
             }
@@ -335,7 +361,7 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
     }
-    match run(gib, register) {
+    match run(gib, register, pin_all) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => {
             eprintln!("sleep_wake_bench: a goal was missed (see the goal rows)");

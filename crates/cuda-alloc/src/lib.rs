@@ -133,9 +133,9 @@ pub mod stats;
 mod trace;
 
 pub use allocator::{
-    Allocation, CachingAllocator, CheckpointDelta, HostBackup, InvariantViolation, PoolCheckpoint,
-    ShareableSegment, SleepReport, WakeReport, BACKUP_PIECE_BYTES, DEFAULT_STREAM_CAPACITY,
-    FAST_PATH_ENV,
+    Allocation, AlwaysPinned, CachingAllocator, CheckpointDelta, HostBackup, InvariantViolation,
+    PoolCheckpoint, ShareableSegment, SleepReport, WakeReport, BACKUP_PIECE_BYTES,
+    DEFAULT_STREAM_CAPACITY, FAST_PATH_ENV,
 };
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]

@@ -9,7 +9,7 @@ use common::*;
 use tensormem_cuda_alloc::backend::sim::SimDevice;
 use tensormem_cuda_alloc::host::{HeapSource, HostCachingAllocator};
 use tensormem_cuda_alloc::{
-    CachingAllocator, Device, DeviceError, Error, HostBackup, MempoolId, SleepError,
+    AlwaysPinned, CachingAllocator, Device, DeviceError, Error, HostBackup, MempoolId, SleepError,
 };
 
 const POOL: MempoolId = MempoolId(0, 7);
@@ -382,7 +382,7 @@ fn an_allocator_dropped_with_a_pool_asleep_gives_everything_back() {
         HeapSource,
     ));
     let (a, big, small) = pool_with_data();
-    a.sleep_pool(POOL, Some(Box::new(Arc::clone(&host))))
+    a.sleep_pool(POOL, Some(Box::new(AlwaysPinned(Arc::clone(&host)))))
         .unwrap();
     assert!(host.stats().active_bytes.current > 0);
     let _ = (big.into_ptr(), small.into_ptr());
@@ -467,7 +467,7 @@ fn a_pool_that_ends_asleep_never_wakes_over_live_memory() {
     // The pool's first block starts its segment's reserved range.
     let segment_base = big.ptr();
     let report = a
-        .sleep_pool(POOL, Some(Box::new(Arc::clone(&host))))
+        .sleep_pool(POOL, Some(Box::new(AlwaysPinned(Arc::clone(&host)))))
         .unwrap();
     assert!(report.backed_up_bytes > 0);
     assert!(
@@ -617,12 +617,19 @@ impl HostBackup for Shared {
     }
 }
 
-/// A backup made of many pieces, their host memory pinned by several threads while the pieces
-/// already pinned are copied: the contents come back whole. When the host runs out part way, the
-/// sleep fails, the pool stays awake with its contents, and every piece pinned is given back.
+/// A backup made of many pieces, staged through pinned buffers into ordinary memory (the host has
+/// nothing pinned ready) or kept in pinned pieces: the contents come back whole either way. When
+/// the host runs out part way, the sleep fails, the pool stays awake with its contents, and every
+/// buffer is given back.
 #[test]
-fn a_backup_of_many_pieces_is_pinned_and_copied_at_once_and_a_failure_gives_every_piece_back() {
-    for budget in [isize::MAX, 1] {
+fn a_backup_of_many_pieces_comes_back_whole_staged_or_pinned_and_a_failure_gives_every_piece_back()
+{
+    for (budget, pinned) in [
+        (isize::MAX, false),
+        (isize::MAX, true),
+        (1, false),
+        (1, true),
+    ] {
         let a = sim_with("expandable_segments:True", GIB);
         a.create_or_incref_pool(POOL).unwrap();
         a.begin_allocate_to_pool(POOL, |_| true).unwrap();
@@ -644,20 +651,29 @@ fn a_backup_of_many_pieces_is_pinned_and_copied_at_once_and_a_failure_gives_ever
             budget: budget.into(),
             out: 0.into(),
         });
-        let slept = a.sleep_pool(POOL, Some(Box::new(Shared(Arc::clone(&host)))));
+        let keep: Box<dyn HostBackup> = if pinned {
+            Box::new(AlwaysPinned(Shared(Arc::clone(&host))))
+        } else {
+            Box::new(Shared(Arc::clone(&host)))
+        };
+        let slept = a.sleep_pool(POOL, Some(keep));
+        let out = || host.out.load(std::sync::atomic::Ordering::SeqCst);
         if budget == 1 {
             assert!(slept.is_err(), "the host ran out");
             assert!(!a.is_pool_asleep(POOL));
-            assert_eq!(host.out.load(std::sync::atomic::Ordering::SeqCst), 0);
+            assert_eq!(out(), 0);
         } else {
             let report = slept.unwrap();
-            assert!(
-                host.out.load(std::sync::atomic::Ordering::SeqCst) >= 2,
-                "several pieces"
-            );
-            a.wake_pool(POOL).unwrap();
             assert!(report.backed_up_bytes >= blocks.iter().map(|b| b.size() as u64).sum());
-            assert_eq!(host.out.load(std::sync::atomic::Ordering::SeqCst), 0);
+            if pinned {
+                assert!(out() >= 2, "several pinned pieces");
+                assert_eq!(report.staged_bytes, 0);
+            } else {
+                assert_eq!(out(), 0, "the staging buffers went back");
+                assert_eq!(report.staged_bytes, report.backed_up_bytes);
+            }
+            a.wake_pool(POOL).unwrap();
+            assert_eq!(out(), 0);
         }
         for (i, b) in blocks.iter().enumerate() {
             let back = a.device().read_memory(b.ptr(), b.size()).unwrap();
@@ -671,4 +687,51 @@ fn a_backup_of_many_pieces_is_pinned_and_copied_at_once_and_a_failure_gives_ever
         }
         checked(&a);
     }
+}
+
+/// A backup larger than the staging ring, part of it in pinned memory reserved ahead: the reserved
+/// piece is copied straight, the rest staged through the ring many times over, and everything
+/// comes back; the pinned piece is cached again after the wake and the staged memory is gone.
+#[test]
+fn a_backup_takes_reserved_pinned_memory_first_and_stages_the_rest() {
+    let a = sim_with("expandable_segments:True", 2 * GIB);
+    let host = Arc::new(HostCachingAllocator::new(
+        SimDevice::new(GIB as u64),
+        HeapSource,
+    ));
+    assert_eq!(
+        host.reserve(128 * MIB, 128 * MIB, 1).unwrap(),
+        128 * MIB,
+        "one piece reserved"
+    );
+    a.create_or_incref_pool(POOL).unwrap();
+    a.begin_allocate_to_pool(POOL, |_| true).unwrap();
+    let big = a.allocate(400 * MIB + 12345, S0).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    let data = pattern(3, big.size());
+    a.device().write_memory(big.ptr(), &data).unwrap();
+
+    let report = a
+        .sleep_pool(POOL, Some(Box::new(Arc::clone(&host))))
+        .unwrap();
+    assert!(report.backed_up_bytes >= big.size() as u64);
+    assert!(
+        report.staged_bytes > 0 && report.staged_bytes <= report.backed_up_bytes - 128 * MIB as u64,
+        "{report:?}"
+    );
+    assert_eq!(
+        host.stats().active_bytes.current,
+        128 * MIB as i64,
+        "only the reserved piece is held while asleep"
+    );
+    // Fresh chunks are zeros: a piece not copied back would show.
+    a.wake_pool(POOL).unwrap();
+    assert!(a.device().read_memory(big.ptr(), big.size()).unwrap() == data);
+    assert_eq!(host.stats().active_bytes.current, 0);
+    assert!(
+        host.allocate_cached(128 * MIB).unwrap().is_some(),
+        "the pinned piece is cached for the next sleep"
+    );
+    a.free(big).unwrap();
+    checked(&a);
 }

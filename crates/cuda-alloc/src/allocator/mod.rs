@@ -14,6 +14,7 @@
 //! | `inspect` | statistics, snapshots, pointer lookups, the invariant walk |
 
 mod alloc;
+mod backup;
 mod checkpoint;
 mod export;
 mod fast;
@@ -50,11 +51,12 @@ use crate::stats::peaks::{Kind, PeakBook};
 use crate::trace::{Record, TraceRecorder};
 use shard::{Shard, ShardGuard, ShardState, StreamTable};
 
+pub use backup::{AlwaysPinned, HostBackup, BACKUP_PIECE_BYTES};
 pub use checkpoint::{CheckpointDelta, PoolCheckpoint};
 pub use export::ShareableSegment;
 pub use invariants::InvariantViolation;
 pub(crate) use private::PrivatePool;
-pub use sleep::{HostBackup, SleepReport, WakeReport, BACKUP_PIECE_BYTES};
+pub use sleep::{SleepReport, WakeReport};
 
 /// An out-of-memory observer as kept (cloned out of the list before being called).
 pub(crate) type SharedObserver = Arc<dyn Fn(&crate::oom::OomEvent) + Send + Sync>;

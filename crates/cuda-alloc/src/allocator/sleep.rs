@@ -4,7 +4,9 @@
 //! memory from the outside).
 //!
 //! [`CachingAllocator::sleep_pool`] waits for the device, optionally copies every mapped chunk of
-//! the pool's segments to pinned host memory, then unmaps and releases the chunks
+//! the pool's segments to host memory (pinned memory the host allocator has ready, the rest
+//! through pinned staging buffers into ordinary memory: see [`HostBackup`]), then unmaps and
+//! releases the chunks
 //! (`cuMemUnmap` + `cuMemRelease`), keeping the reserved ranges. The allocator's books do not
 //! change: blocks stay allocated or free at their addresses, tensors and captured CUDA graphs keep
 //! their pointers. [`CachingAllocator::wake_pool`] maps fresh chunks at the same addresses (with
@@ -29,75 +31,26 @@
 //! ([`CachingAllocator::begin_allocate_to_pool`] fails); freeing its blocks is allowed.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
+use super::backup::{Backup, HostBackup};
 use super::CachingAllocator;
 use crate::device::{CaptureStatus, Device, DeviceAddress};
 use crate::error::{Error, Result, SleepError};
-use crate::host::{HostCachingAllocator, PinnedBuffer};
 use crate::pool::PoolOwner;
 use crate::pool_id::MempoolId;
 use crate::snapshot::TraceAction;
 use crate::stats::peaks::Kind;
-
-/// The largest pinned buffer one piece of a sleeping pool's backup takes (a power of two, so that
-/// the host allocator's rounding wastes nothing): what to reserve host memory in
-/// ([`HostCachingAllocator::reserve`]) for the first sleep to copy at once.
-pub const BACKUP_PIECE_BYTES: usize = 256 << 20;
-
-const BACKUP_PIECE: u64 = BACKUP_PIECE_BYTES as u64;
-
-/// Where a sleeping pool's contents are kept: pinned host memory from a
-/// [`HostCachingAllocator`] (implemented for it, for `&'static` references to it and for `Arc`s
-/// of it).
-pub trait HostBackup: Send + Sync {
-    /// Pinned host memory of at least `size` bytes.
-    ///
-    /// # Errors
-    /// As [`HostCachingAllocator::allocate`].
-    fn allocate(&self, size: usize) -> Result<PinnedBuffer>;
-
-    /// Gives back memory from [`allocate`](Self::allocate).
-    ///
-    /// # Errors
-    /// As [`HostCachingAllocator::free`].
-    fn free(&self, buffer: PinnedBuffer) -> Result<()>;
-}
-
-impl<H: Device> HostBackup for HostCachingAllocator<H> {
-    fn allocate(&self, size: usize) -> Result<PinnedBuffer> {
-        HostCachingAllocator::allocate(self, size)
-    }
-    fn free(&self, buffer: PinnedBuffer) -> Result<()> {
-        HostCachingAllocator::free(self, buffer)
-    }
-}
-
-impl<T: HostBackup + ?Sized> HostBackup for &'static T {
-    fn allocate(&self, size: usize) -> Result<PinnedBuffer> {
-        (**self).allocate(size)
-    }
-    fn free(&self, buffer: PinnedBuffer) -> Result<()> {
-        (**self).free(buffer)
-    }
-}
-
-impl<T: HostBackup + ?Sized> HostBackup for Arc<T> {
-    fn allocate(&self, size: usize) -> Result<PinnedBuffer> {
-        (**self).allocate(size)
-    }
-    fn free(&self, buffer: PinnedBuffer) -> Result<()> {
-        (**self).free(buffer)
-    }
-}
 
 /// What [`CachingAllocator::sleep_pool`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct SleepReport {
     /// Bytes of physical memory unmapped and released to the device.
     pub released_bytes: u64,
-    /// Bytes copied to pinned host memory (0 when the contents were discarded).
+    /// Bytes copied to host memory (0 when the contents were discarded).
     pub backed_up_bytes: u64,
+    /// The part of them kept in ordinary host memory, copied through pinned staging buffers
+    /// because the host had no pinned memory ready for it ([`HostBackup::allocate_cached`]).
+    pub staged_bytes: u64,
     /// Expandable segments (stream and size-class parts of the pool) that slept.
     pub segments: usize,
 }
@@ -109,36 +62,6 @@ pub struct WakeReport {
     pub mapped_bytes: u64,
     /// Bytes copied back from pinned host memory (0 when the contents were discarded).
     pub restored_bytes: u64,
-}
-
-/// A sleeping pool's backup: pinned pieces and the device addresses they were copied from.
-pub(crate) struct Backup {
-    host: Box<dyn HostBackup>,
-    pieces: Vec<(u64, PinnedBuffer)>,
-}
-
-impl Backup {
-    fn bytes(&self) -> u64 {
-        self.pieces.iter().map(|(_, b)| b.len() as u64).sum()
-    }
-
-    /// Gives every piece back to the host allocator (what dropping it does too).
-    fn give_back(self) {
-        drop(self);
-    }
-}
-
-impl Drop for Backup {
-    /// Gives every piece back to the host allocator (logging failures: the memory is pinned host
-    /// memory the host allocator keeps either way), also when the allocator is dropped with the
-    /// pool asleep.
-    fn drop(&mut self) {
-        for (_, buffer) in std::mem::take(&mut self.pieces) {
-            if let Err(error) = self.host.free(buffer) {
-                tracing::warn!(%error, "giving a sleeping pool's backup back to the host allocator failed");
-            }
-        }
-    }
 }
 
 /// A segment that slept: where it was (shard index, segment slot) and which segment it was. A
@@ -171,7 +94,8 @@ pub(crate) type SleepBook = parking_lot::Mutex<BTreeMap<MempoolId, Asleep>>;
 
 impl<D: Device> CachingAllocator<D> {
     /// Puts private pool `pool` to sleep: waits for the device, copies the bytes of every mapped
-    /// chunk of its segments to pinned host memory from `keep` (when given), then unmaps and
+    /// chunk of its segments to host memory from `keep` (when given: its cached pinned memory
+    /// first, the rest staged into ordinary memory, [`HostBackup`]), then unmaps and
     /// releases every chunk, keeping the address ranges reserved and the blocks where they are.
     /// Allocating to the pool is refused until [`wake_pool`](Self::wake_pool); freeing its blocks
     /// is allowed. Every allocator call waits while it runs.
@@ -299,28 +223,27 @@ impl<D: Device> CachingAllocator<D> {
         let backup = match keep {
             None => None,
             Some(host) => {
-                let mut backup = Backup {
-                    host,
-                    pieces: Vec::new(),
-                };
-                let mut pieces = Vec::new();
-                for &(li, slot, _) in &targets {
-                    let segment = locks[li].st.segments[slot].as_ref().expect("live");
-                    for (start, len) in segment.mapped_runs() {
-                        pieces.extend(backup_pieces(start, len));
-                    }
-                }
-                if let Err(e) = copy_out(device, &mut backup, &pieces) {
+                let mut backup = Backup::new(host);
+                let runs: Vec<(u64, u64)> = targets
+                    .iter()
+                    .flat_map(|&(li, slot, _)| {
+                        locks[li].st.segments[slot]
+                            .as_ref()
+                            .expect("live")
+                            .mapped_runs()
+                    })
+                    .collect();
+                if let Err(e) = backup.copy_out(device, &runs) {
                     backup.give_back();
                     return Err(Box::new((None, e)));
                 }
                 Some(backup)
             }
         };
-        let backed_up_bytes = backup.as_ref().map_or(0, Backup::bytes);
         let mut report = SleepReport {
             released_bytes: 0,
-            backed_up_bytes,
+            backed_up_bytes: backup.as_ref().map_or(0, Backup::bytes),
+            staged_bytes: backup.as_ref().map_or(0, Backup::staged_bytes),
             segments: targets.len(),
         };
         let mut segments = Vec::with_capacity(targets.len());
@@ -370,6 +293,7 @@ impl<D: Device> CachingAllocator<D> {
             %pool,
             released = report.released_bytes,
             backed_up = report.backed_up_bytes,
+            staged = report.staged_bytes,
             "a pool went to sleep"
         );
         match failure {
@@ -479,7 +403,9 @@ impl<D: Device> CachingAllocator<D> {
         }
         let result = match &backup {
             None => Ok(()),
-            Some(backup) => copy_back(device, backup, &mapped, &mut report),
+            Some(backup) => backup
+                .copy_back(device, &mapped)
+                .map(|restored| report.restored_bytes = restored),
         };
         drop(locks);
         self.asleep.lock().remove(&pool);
@@ -568,130 +494,4 @@ impl<D: Device> CachingAllocator<D> {
         }
         Ok(())
     }
-}
-
-/// The pieces a run of `len` bytes from `start` is backed up in: [`BACKUP_PIECE`] bytes each, the
-/// rest in powers of two (so that the host allocator's rounding wastes nothing).
-fn backup_pieces(start: u64, len: u64) -> Vec<(u64, u64)> {
-    let mut pieces = Vec::new();
-    let mut at = start;
-    let end = start + len;
-    while at < end {
-        let left = end - at;
-        let piece = if left >= BACKUP_PIECE {
-            BACKUP_PIECE
-        } else {
-            1 << (63 - left.leading_zeros())
-        };
-        pieces.push((at, piece));
-        at += piece;
-    }
-    pieces
-}
-
-/// The most threads that pin a backup's host memory at once.
-const MAX_PINNING_THREADS: usize = 8;
-
-/// Copies `pieces` (device address, length) of device memory to pinned host memory from the
-/// backup's host allocator. Pinning new host memory is the slow part of a first sleep (the host
-/// allocator's cache serves later ones), and it runs without any device work: helper threads pin
-/// the pieces' buffers, up to [`MAX_PINNING_THREADS`] at once, while this thread copies each piece
-/// as soon as its buffer is there, so the copy overlaps the pinning of the pieces after it. Every
-/// buffer ends in the backup, copied or not, so that a failure gives them all back.
-fn copy_out<D: Device>(device: &D, backup: &mut Backup, pieces: &[(u64, u64)]) -> Result<()> {
-    if pieces.len() <= 1 {
-        for &(at, len) in pieces {
-            let buffer = backup.host.allocate(len as usize)?;
-            backup.pieces.push((at, buffer));
-            let (_, buffer) = backup.pieces.last_mut().expect("just pushed");
-            copy_piece(device, at, buffer)?;
-        }
-        return Ok(());
-    }
-    let threads = std::thread::available_parallelism()
-        .map_or(1, std::num::NonZeroUsize::get)
-        .clamp(1, MAX_PINNING_THREADS)
-        .min(pieces.len());
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let failed = std::sync::atomic::AtomicBool::new(false);
-    let host = &*backup.host;
-    let (sender, pinned) = std::sync::mpsc::channel::<(u64, Result<PinnedBuffer>)>();
-    let mut first_error = None;
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            let sender = sender.clone();
-            let (next, failed) = (&next, &failed);
-            scope.spawn(move || loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(&(at, len)) = pieces.get(i) else {
-                    break;
-                };
-                if failed.load(std::sync::atomic::Ordering::Relaxed) {
-                    break;
-                }
-                if sender.send((at, host.allocate(len as usize))).is_err() {
-                    break;
-                }
-            });
-        }
-        drop(sender);
-        for (at, buffer) in pinned {
-            match buffer {
-                Ok(buffer) => {
-                    backup.pieces.push((at, buffer));
-                    if first_error.is_none() {
-                        let (_, buffer) = backup.pieces.last_mut().expect("just pushed");
-                        if let Err(e) = copy_piece(device, at, buffer) {
-                            failed.store(true, std::sync::atomic::Ordering::Relaxed);
-                            first_error = Some(e);
-                        }
-                    }
-                }
-                Err(e) => {
-                    failed.store(true, std::sync::atomic::Ordering::Relaxed);
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-    });
-    match first_error {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
-}
-
-/// Copies the device memory at `at` into `buffer` (its whole length).
-fn copy_piece<D: Device>(device: &D, at: u64, buffer: &mut PinnedBuffer) -> Result<()> {
-    let len = buffer.len();
-    let dst = buffer.as_mut_slice().as_mut_ptr();
-    // SAFETY: `[at, at + len)` is a piece of a run of chunks mapped in the sleeping pool's segment
-    // (`backup_pieces`), and the device was synchronized with every lock held, so no queued work
-    // writes it; `dst` is the pinned buffer of `len` bytes owned here.
-    unsafe { device.copy_to_host(DeviceAddress(at), dst, len) }?;
-    Ok(())
-}
-
-/// Copies the pieces of `backup` back, into the parts of them inside the `mapped` runs.
-fn copy_back<D: Device>(
-    device: &D,
-    backup: &Backup,
-    mapped: &[(u64, u64)],
-    report: &mut WakeReport,
-) -> Result<()> {
-    for (at, buffer) in &backup.pieces {
-        let (lo, hi) = (*at, *at + buffer.len() as u64);
-        for &(start, len) in mapped {
-            let (from, to) = (lo.max(start), hi.min(start + len));
-            if from >= to {
-                continue;
-            }
-            let offset = (from - lo) as usize;
-            let bytes = &buffer.as_slice()[offset..offset + (to - from) as usize];
-            // SAFETY: `[from, to)` lies in a run of chunks this call mapped and nothing has used
-            // yet (every allocator lock is held); `bytes` is valid for reads of that length.
-            unsafe { device.copy_from_host(bytes.as_ptr(), DeviceAddress(from), bytes.len())? };
-            report.restored_bytes += bytes.len() as u64;
-        }
-    }
-    Ok(())
 }

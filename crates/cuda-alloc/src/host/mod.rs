@@ -46,6 +46,7 @@
 //! # Ok::<(), tensormem_cuda_alloc::Error>(())
 //! ```
 
+pub(crate) mod pages;
 mod source;
 mod stats;
 
@@ -283,21 +284,8 @@ impl<D: Device> HostCachingAllocator<D> {
         let wanted = self
             .block_size(size)
             .ok_or(Error::TooLarge { bytes: size })?;
-        let class = class_of(wanted);
-        let mut releases = Releases::new();
-        let reused = {
-            let mut state = self.state.lock();
-            self.process_events(&mut state, &mut releases)
-                .map(|()| self.take_cached(&mut state, class, wanted, size))
-        };
-        if let Err(error) = self.release(releases) {
-            // The blocks that could not be returned stay cached; this request goes on.
-            tracing::warn!(%error, "returning an uncached pinned host block failed");
-        }
-        if let Some((addr, block_size)) = reused? {
-            self.trace
-                .record(TraceAction::Alloc, addr as u64, size as u64, StreamId(0));
-            return Ok(self.buffer(addr, block_size, size));
+        if let Some(buffer) = self.reuse(size, wanted)? {
+            return Ok(buffer);
         }
         // A new block, made without the lock (pinning is slow).
         let started = Instant::now();
@@ -339,6 +327,42 @@ impl<D: Device> HostCachingAllocator<D> {
         self.trace
             .record(TraceAction::Alloc, addr as u64, size as u64, StreamId(0));
         Ok(self.buffer(addr, wanted, size))
+    }
+
+    /// [`allocate`](Self::allocate) from the cache alone: a cached block that serves `size` bytes,
+    /// or `None` where serving it would pin new memory. What a sleeping pool's backup takes first
+    /// (memory reserved ahead, or left from an earlier sleep), staging the rest.
+    ///
+    /// # Errors
+    /// As [`allocate`](Self::allocate), without the source's.
+    pub fn allocate_cached(&self, size: usize) -> Result<Option<PinnedBuffer>> {
+        if size == 0 {
+            return self.allocate(0).map(Some);
+        }
+        let wanted = self
+            .block_size(size)
+            .ok_or(Error::TooLarge { bytes: size })?;
+        self.reuse(size, wanted)
+    }
+
+    /// A cached block of at least `wanted` bytes whose streams are done with it, handed out for a
+    /// request of `size` bytes, if there is one.
+    fn reuse(&self, size: usize, wanted: usize) -> Result<Option<PinnedBuffer>> {
+        let mut releases = Releases::new();
+        let reused = {
+            let mut state = self.state.lock();
+            self.process_events(&mut state, &mut releases)
+                .map(|()| self.take_cached(&mut state, class_of(wanted), wanted, size))
+        };
+        if let Err(error) = self.release(releases) {
+            // The blocks that could not be returned stay cached; this request goes on.
+            tracing::warn!(%error, "returning an uncached pinned host block failed");
+        }
+        Ok(reused?.map(|(addr, block_size)| {
+            self.trace
+                .record(TraceAction::Alloc, addr as u64, size as u64, StreamId(0));
+            self.buffer(addr, block_size, size)
+        }))
     }
 
     /// The most recently freed block of size class `class` with at least `wanted` bytes, handed out

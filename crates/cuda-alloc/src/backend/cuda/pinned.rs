@@ -120,7 +120,7 @@ unsafe impl PinnedSource for CudaPinnedSource {
                     .ok_or(DeviceError::OutOfMemory { bytes: size as u64 })
             }
             Mode::Register { threads } => {
-                let ptr = pages::map(size)?;
+                let ptr = crate::host::pages::map(size)?;
                 touch_pages(ptr, size, threads);
                 // SAFETY: `[ptr, ptr + size)` is a live heap allocation, page-aligned, not registered.
                 let result = unsafe {
@@ -132,7 +132,7 @@ unsafe impl PinnedSource for CudaPinnedSource {
                 };
                 if let Err(error) = check_alloc("cuMemHostRegister", result, size) {
                     // SAFETY: mapped above with this size, never handed out.
-                    unsafe { pages::unmap(ptr, size) }?;
+                    unsafe { crate::host::pages::unmap(ptr, size) }?;
                     return Err(error);
                 }
                 Ok(ptr)
@@ -162,7 +162,7 @@ unsafe impl PinnedSource for CudaPinnedSource {
                     sys::cuMemHostUnregister(ptr.as_ptr().cast())
                 })?;
                 // SAFETY: mapped by `alloc` with this size, unregistered just above.
-                unsafe { pages::unmap(ptr, size) }
+                unsafe { crate::host::pages::unmap(ptr, size) }
             }
         }
     }
@@ -172,76 +172,6 @@ unsafe impl PinnedSource for CudaPinnedSource {
             Mode::HostAlloc => "cuMemHostAlloc",
             Mode::Register { .. } => "cuMemHostRegister",
         }
-    }
-}
-
-/// Where registered blocks come from: on Linux, anonymous mappings with the huge-page advice for
-/// blocks of [`HUGE_PAGE`](pages::HUGE_PAGE) and more; the heap otherwise.
-mod pages {
-    use std::ptr::NonNull;
-
-    use crate::device::{DeviceError, DeviceResult};
-
-    /// The size of a transparent huge page on x86-64 (and on aarch64 kernels of 4 KiB pages).
-    pub(super) const HUGE_PAGE: usize = 2 << 20;
-
-    /// `size` bytes (a multiple of the page size), page-aligned.
-    pub(super) fn map(size: usize) -> DeviceResult<NonNull<u8>> {
-        let out_of_memory = || DeviceError::OutOfMemory { bytes: size as u64 };
-        #[cfg(any(target_os = "linux", target_os = "android"))]
-        if size >= HUGE_PAGE {
-            return map_huge(size).ok_or_else(out_of_memory);
-        }
-        let layout = crate::host::heap_layout(size)?;
-        // SAFETY: the layout's size is non-zero.
-        let raw = unsafe { std::alloc::alloc(layout) };
-        NonNull::new(raw).ok_or_else(out_of_memory)
-    }
-
-    /// Gives back a block of [`map`].
-    ///
-    /// # Safety
-    /// `ptr` came from [`map`] with this `size`, is given back once, and nothing uses it any more.
-    pub(super) unsafe fn unmap(ptr: NonNull<u8>, size: usize) -> DeviceResult<()> {
-        #[cfg(any(target_os = "linux", target_os = "android"))]
-        if size >= HUGE_PAGE {
-            // SAFETY: the caller guarantees `[ptr, ptr + size)` is a mapping of `map_huge`,
-            // unused.
-            return unsafe { rustix::mm::munmap(ptr.as_ptr().cast(), size) }.map_err(|errno| {
-                DeviceError::Driver {
-                    call: "munmap",
-                    code: -1,
-                    message: errno.to_string(),
-                }
-            });
-        }
-        let layout = crate::host::heap_layout(size)?;
-        // SAFETY: the caller guarantees `ptr` came from `map`'s heap branch with this size.
-        unsafe { std::alloc::dealloc(ptr.as_ptr(), layout) };
-        Ok(())
-    }
-
-    /// A private anonymous mapping of `size` bytes, advised to use transparent huge pages.
-    #[cfg(any(target_os = "linux", target_os = "android"))]
-    fn map_huge(size: usize) -> Option<NonNull<u8>> {
-        use rustix::mm::{madvise, mmap_anonymous, Advice, MapFlags, ProtFlags};
-        // SAFETY: a fresh private anonymous mapping at an address the kernel picks; nothing else
-        // refers to it.
-        let raw = unsafe {
-            mmap_anonymous(
-                std::ptr::null_mut(),
-                size,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::PRIVATE,
-            )
-        }
-        .ok()?;
-        // Advice only: a kernel without transparent huge pages refuses it, and small pages serve.
-        // SAFETY: `[raw, raw + size)` is the mapping made above.
-        if let Err(errno) = unsafe { madvise(raw, size, Advice::LinuxHugepage) } {
-            tracing::debug!(%errno, "no transparent huge pages for pinned host memory");
-        }
-        NonNull::new(raw.cast::<u8>())
     }
 }
 
@@ -256,10 +186,10 @@ mod tests {
         for size in [
             HOST_ALIGNMENT,
             64 << 10,
-            pages::HUGE_PAGE,
-            3 * pages::HUGE_PAGE,
+            crate::host::pages::HUGE_PAGE,
+            3 * crate::host::pages::HUGE_PAGE,
         ] {
-            let ptr = pages::map(size).unwrap();
+            let ptr = crate::host::pages::map(size).unwrap();
             assert_eq!(ptr.as_ptr() as usize % HOST_ALIGNMENT, 0, "{size}");
             touch_pages(ptr, size, 4);
             // SAFETY: `ptr` is a live block of `size` bytes made above, used only here.
@@ -267,7 +197,7 @@ mod tests {
             bytes.fill(0xa5);
             assert!(bytes.iter().all(|&b| b == 0xa5));
             // SAFETY: made by `map` with this size, no longer used.
-            unsafe { pages::unmap(ptr, size) }.unwrap();
+            unsafe { crate::host::pages::unmap(ptr, size) }.unwrap();
         }
     }
 }
