@@ -76,9 +76,10 @@ pub fn host_stats(device: Option<u32>) -> Result<HostStats> {
 /// Pins `bytes` of host memory for the backups of sleeping pools of `device` (or of the current
 /// device) ahead of the first sleep, in the pieces a backup takes
 /// ([`BACKUP_PIECE_BYTES`](crate::cuda_alloc::BACKUP_PIECE_BYTES)), several threads at once, and
-/// keeps it cached in that device's host allocator: the first sleep with contents then copies at
-/// once instead of pinning as it goes. Returns the bytes of such pieces cached. Call it while the
-/// program does other things (a thread of its own): it takes as long as pinning does.
+/// keeps it cached in that device's host allocator: a sleep with contents then copies straight
+/// into it at the device's full bandwidth, instead of staging through pinned buffers into
+/// ordinary memory. Returns the bytes of such pieces cached. Call it while the program does other
+/// things (a thread of its own): it takes as long as pinning does.
 ///
 /// # Errors
 ///

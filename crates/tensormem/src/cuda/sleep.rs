@@ -1,8 +1,7 @@
 //! Pools that sleep and wake (what vLLM's sleep mode and SGLang's `torch_memory_saver` do to
 //! PyTorch's memory): a private pool on expandable segments releases its physical memory while its
 //! addresses stay reserved, tensors and captured CUDA graphs keep their pointers, and it later gets
-//! fresh memory at the same addresses, with its contents copied back from pinned host memory when
-//! asked.
+//! fresh memory at the same addresses, with its contents copied back from host memory when asked.
 //!
 //! ```no_run
 //! use tensormem::cuda;
@@ -10,7 +9,7 @@
 //! cuda::set_allocator_settings("expandable_segments:True")?;
 //! let pool = cuda::MempoolId(0, 1);
 //! // ... a graph captured into `pool`, or tensors allocated under a MemPool context ...
-//! let slept = cuda::sleep_pool(pool, true, None)?; // contents kept in pinned host memory
+//! let slept = cuda::sleep_pool(pool, true, None)?; // contents kept in host memory
 //! println!("{} bytes back to the device", slept.released_bytes);
 //! cuda::wake_pool(pool, None)?; // same addresses, same contents
 //! # Ok(())
@@ -29,8 +28,10 @@ use super::host::host_allocator;
 use super::memory::caching_allocator;
 
 /// Puts private pool `pool` of `device` (or of the current device) to sleep: its physical memory
-/// is released, its addresses kept; with `keep_contents`, its bytes are first copied to pinned
-/// memory from the device's host allocator ([`host_allocator`](super::host_allocator)). See
+/// is released, its addresses kept; with `keep_contents`, its bytes are first copied to host
+/// memory: pinned memory the device's host allocator ([`host_allocator`](super::host_allocator))
+/// has cached (a [`reserve_backup_memory`](super::reserve_backup_memory), or an earlier backup
+/// kept pinned), the rest through a ring of pinned staging buffers into ordinary memory. See
 /// [`CachingAllocator::sleep_pool`](crate::cuda_alloc::CachingAllocator::sleep_pool).
 ///
 /// # Errors
