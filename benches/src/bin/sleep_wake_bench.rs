@@ -27,7 +27,8 @@
 //! | `pinned_d2h`, `pinned_h2d` | the copy limit: 256 MiB pieces between the pool's memory and pinned host memory, as sleeping copies, GB/s |
 //! | `sleep_discard`, `wake_discard` | a sleep (wait + unmap + release) and a wake (create + map + access) without contents, median of 5, ms |
 //! | `sleep_keep_first`, `wake_keep_first` | the first cycle with contents, the host cache emptied first: staged (with `--pinned`: pinned host memory made on the way, `cuMemHostAlloc` or as `--register` says), ms |
-//! | `staged_first`, `staged_later` | bytes of the first and of the later backups that were staged, MiB |
+//! | `staged_first`, `woke_staged_first`, `staged_later` | bytes of the first backup that were staged, of them still staged at its wake (right after the sleep), and of a later backup staged, MiB |
+//! | `sleep_keep_then_pinned`, `pinned_while_asleep`, `wake_keep_pinned` | the first cycle again (host cache emptied), the pool left asleep until its staged backup was moved into pinned memory in the background: the sleep, that wait, the wake, ms |
 //! | `sleep_keep`, `wake_keep` | the later cycles with contents: median of 3, ms and GB/s |
 //! | `reserve` | the pinned memory of a backup made ahead (`HostCachingAllocator::reserve`, after the cache was emptied), ms |
 //! | `sleep_keep_reserved`, `wake_keep_reserved` | the first cycle after that reserve, ms |
@@ -159,7 +160,9 @@ fn run(gib: usize, register: Option<usize>, pin_all: bool) -> Result<bool, Strin
         .collect();
     let mut returned = Vec::new();
     let staged = std::cell::Cell::new(0);
-    let mut cycle = |keep: bool| -> Result<(f64, f64), String> {
+    let waited = std::cell::Cell::new(0.0);
+    let woke_staged = std::cell::Cell::new(0);
+    let mut cycle = |keep: bool, wait_pinned: bool| -> Result<(f64, f64), String> {
         if keep {
             // Written before each sleep that keeps contents: one that discards them (the cycles
             // before) leaves the memory's contents undefined.
@@ -184,9 +187,21 @@ fn run(gib: usize, register: Option<usize>, pin_all: bool) -> Result<bool, Strin
         let sleep_s = started.elapsed().as_secs_f64();
         let free_asleep = device.mem_info().map_err(derr("cuMemGetInfo"))?.free;
         returned.push(free_asleep.saturating_sub(free_before) as f64 / slept.released_bytes as f64);
+        if wait_pinned {
+            // As a pool asleep for a while: its staged pieces move into pinned memory meanwhile.
+            let started = Instant::now();
+            while alloc.asleep_staged_bytes(Some(POOL)) > 0 {
+                if started.elapsed().as_secs() > 60 {
+                    return Err("the staged backup was not pinned within 60 s".into());
+                }
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            waited.set(started.elapsed().as_secs_f64());
+        }
         let started = Instant::now();
-        alloc.wake_pool(POOL).map_err(err("waking"))?;
+        let woke = alloc.wake_pool(POOL).map_err(err("waking"))?;
         let wake_s = started.elapsed().as_secs_f64();
+        woke_staged.set(woke.staged_bytes);
         if keep {
             for (at, bytes) in &marks {
                 let mut back = vec![0u8; bytes.len()];
@@ -204,19 +219,23 @@ fn run(gib: usize, register: Option<usize>, pin_all: bool) -> Result<bool, Strin
     let mut sleeps = Vec::new();
     let mut wakes = Vec::new();
     for _ in 0..5 {
-        let (s, w) = cycle(false)?;
+        let (s, w) = cycle(false, false)?;
         sleeps.push(s);
         wakes.push(w);
     }
     let (sleep_discard, wake_discard) = (median(sleeps), median(wakes));
     // Nothing pinned ready: the first sleep stages its backup (or, with --pinned, pins it).
     host.empty_cache().map_err(err("emptying the host cache"))?;
-    let (first_keep, first_wake) = cycle(true)?;
-    let staged_first = staged.get();
+    let (first_keep, first_wake) = cycle(true, false)?;
+    let (staged_first, woke_staged_first) = (staged.get(), woke_staged.get());
+    // Again, the pool asleep until its backup is pinned (as between two training steps).
+    host.empty_cache().map_err(err("emptying the host cache"))?;
+    let (asleep_keep, asleep_wake) = cycle(true, true)?;
+    let pinning_s = waited.get();
     let mut sleeps = Vec::new();
     let mut wakes = Vec::new();
     for _ in 0..3 {
-        let (s, w) = cycle(true)?;
+        let (s, w) = cycle(true, false)?;
         sleeps.push(s);
         wakes.push(w);
     }
@@ -233,7 +252,7 @@ fn run(gib: usize, register: Option<usize>, pin_all: bool) -> Result<bool, Strin
     )
     .map_err(err("reserving pinned memory"))?;
     let reserve_s = started.elapsed().as_secs_f64();
-    let (reserved_keep, reserved_wake) = cycle(true)?;
+    let (reserved_keep, reserved_wake) = cycle(true, false)?;
     let bytes = pool_bytes as f64;
     let per_10 = 10.0 * GIB as f64 / bytes;
     let per_22 = 22.0 * GIB as f64 / bytes;
@@ -242,6 +261,16 @@ fn run(gib: usize, register: Option<usize>, pin_all: bool) -> Result<bool, Strin
     println!("sleep_keep_first,{pool_bytes},{:.1},ms", ms(first_keep));
     println!("wake_keep_first,{pool_bytes},{:.1},ms", ms(first_wake));
     println!("staged_first,{pool_bytes},{},MiB", staged_first >> 20);
+    println!(
+        "woke_staged_first,{pool_bytes},{},MiB",
+        woke_staged_first >> 20
+    );
+    println!(
+        "sleep_keep_then_pinned,{pool_bytes},{:.1},ms",
+        ms(asleep_keep)
+    );
+    println!("pinned_while_asleep,{pool_bytes},{:.1},ms", ms(pinning_s));
+    println!("wake_keep_pinned,{pool_bytes},{:.1},ms", ms(asleep_wake));
     println!("sleep_keep,{pool_bytes},{:.1},ms", ms(sleep_keep));
     println!("wake_keep,{pool_bytes},{:.1},ms", ms(wake_keep));
     println!("staged_later,{pool_bytes},{},MiB", staged_later >> 20);

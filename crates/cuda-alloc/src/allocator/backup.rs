@@ -174,7 +174,7 @@ impl Drop for Plain {
 /// One piece's memory.
 enum Kept {
     Pinned(PinnedBuffer),
-    Plain(Plain),
+    Plain(Arc<Plain>),
 }
 
 impl Kept {
@@ -193,32 +193,82 @@ impl Kept {
     }
 }
 
-/// A sleeping pool's backup: the pieces and the device addresses they were copied from.
+/// The pieces of a backup and the device addresses they were copied from.
+type Pieces = Arc<Mutex<Vec<(u64, Kept)>>>;
+
+/// A sleeping pool's backup: its pieces, and whether threads moving staged pieces into pinned
+/// memory while the pool sleeps should stop.
 pub(crate) struct Backup {
-    host: Box<dyn HostBackup>,
-    pieces: Vec<(u64, Kept)>,
+    host: Arc<dyn HostBackup>,
+    pieces: Pieces,
+    stop: Arc<AtomicBool>,
 }
+
+/// The most threads that pin memory for staged pieces while a pool sleeps (pinning is serialized
+/// in the driver beyond a few).
+const PROMOTING_THREADS: usize = 4;
 
 impl Backup {
     pub(crate) fn new(host: Box<dyn HostBackup>) -> Self {
         Self {
-            host,
-            pieces: Vec::new(),
+            host: Arc::from(host),
+            pieces: Arc::default(),
+            stop: Arc::new(AtomicBool::new(false)),
         }
     }
 
     /// Bytes kept.
     pub(crate) fn bytes(&self) -> u64 {
-        self.pieces.iter().map(|(_, k)| k.len() as u64).sum()
+        self.pieces.lock().iter().map(|(_, k)| k.len() as u64).sum()
     }
 
     /// Bytes kept in ordinary memory through the staging buffers.
     pub(crate) fn staged_bytes(&self) -> u64 {
-        self.pieces
+        staged_bytes(&self.pieces.lock())
+    }
+
+    /// Starts moving the staged pieces into pinned memory from the host, in the background, so
+    /// that the wake copies them straight and the pinned memory stays cached for the next sleep
+    /// (as if it had been reserved ahead). One piece at a time: host memory grows by a piece per
+    /// thread at most. A piece the host cannot pin stays staged. The threads are not waited for:
+    /// once told to stop (a wake, the backup dropped), a thread gives the memory it was pinning to
+    /// the host's cache and ends.
+    pub(crate) fn promote_in_background(&self) {
+        let staged: Vec<usize> = self
+            .pieces
+            .lock()
             .iter()
-            .filter(|(_, k)| matches!(k, Kept::Plain(_)))
-            .map(|(_, k)| k.len() as u64)
-            .sum()
+            .enumerate()
+            .filter(|(_, (_, k))| matches!(k, Kept::Plain(_)))
+            .map(|(i, _)| i)
+            .collect();
+        if staged.is_empty() {
+            return;
+        }
+        let staged = Arc::new(staged);
+        let next = Arc::new(AtomicUsize::new(0));
+        for _ in 0..PROMOTING_THREADS.min(staged.len()) {
+            let (host, pieces) = (Arc::clone(&self.host), Arc::clone(&self.pieces));
+            let (staged, next) = (Arc::clone(&staged), Arc::clone(&next));
+            let stop = Arc::clone(&self.stop);
+            let spawned = std::thread::Builder::new()
+                .name("tensormem-backup-pin".into())
+                .spawn(move || {
+                    while !stop.load(Relaxed) {
+                        let Some(&i) = staged.get(next.fetch_add(1, Relaxed)) else {
+                            break;
+                        };
+                        if let Err(error) = promote(&*host, &pieces, i, &stop) {
+                            tracing::debug!(%error, "a staged backup piece stays in ordinary memory");
+                            break;
+                        }
+                    }
+                });
+            if let Err(error) = spawned {
+                tracing::debug!(%error, "no thread to pin a staged backup");
+                break;
+            }
+        }
     }
 
     /// Gives every piece back (what dropping it does too).
@@ -230,13 +280,14 @@ impl Backup {
     /// the host has ready for a piece, else staged. Every piece made ends in the backup, copied or
     /// not, so that a failure gives them all back.
     pub(crate) fn copy_out<D: Device>(&mut self, device: &D, runs: &[(u64, u64)]) -> Result<()> {
+        let mut kept = self.pieces.lock();
         let mut staged = Vec::new();
         for &(start, len) in runs {
             for (at, len) in backup_pieces(start, len) {
                 match self.host.allocate_cached(len as usize)? {
                     Some(mut buffer) => {
                         let dst = buffer.as_mut_slice().as_mut_ptr();
-                        self.pieces.push((at, Kept::Pinned(buffer)));
+                        kept.push((at, Kept::Pinned(buffer)));
                         // SAFETY: `[at, at + len)` is a piece of a run of mapped chunks, and the
                         // device was synchronized with every allocator lock held, so no queued
                         // work writes it; `dst` is the pinned buffer of `len` bytes owned here.
@@ -253,16 +304,24 @@ impl Backup {
         for (at, len) in staged {
             let plain = Plain::new(len as usize)?;
             jobs.extend(stage_jobs(at, plain.ptr.as_ptr() as usize, len));
-            self.pieces.push((at, Kept::Plain(plain)));
+            kept.push((at, Kept::Plain(Arc::new(plain))));
         }
+        drop(kept);
         Ring::new(&*self.host)?.stage_out(device, &jobs)
     }
 
-    /// Copies the pieces back, into the parts of them inside the `mapped` runs. Returns the bytes
-    /// copied.
-    pub(crate) fn copy_back<D: Device>(&self, device: &D, mapped: &[(u64, u64)]) -> Result<u64> {
+    /// Copies the pieces back, into the parts of them inside the `mapped` runs, once the background
+    /// pinning stopped. Returns the bytes copied and the part of them staged.
+    pub(crate) fn copy_back<D: Device>(
+        &self,
+        device: &D,
+        mapped: &[(u64, u64)],
+    ) -> Result<(u64, u64)> {
+        // Pieces pinned from here on go to the host's cache, not into this backup.
+        self.stop.store(true, Relaxed);
+        let pieces = self.pieces.lock();
         let (mut jobs, mut restored) = (Vec::new(), 0);
-        for (at, kept) in &self.pieces {
+        for (at, kept) in pieces.iter() {
             let (lo, hi) = (*at, *at + kept.len() as u64);
             for &(start, len) in mapped {
                 let (from, to) = (lo.max(start), hi.min(start + len));
@@ -289,10 +348,11 @@ impl Backup {
                 restored += to - from;
             }
         }
+        let staged = jobs.iter().map(|j| j.len as u64).sum();
         if !jobs.is_empty() {
             Ring::new(&*self.host)?.stage_back(device, &jobs)?;
         }
-        Ok(restored)
+        Ok((restored, staged))
     }
 }
 
@@ -301,7 +361,8 @@ impl Drop for Backup {
     /// pinned host memory the host allocator keeps either way) and unmaps the staged ones, also
     /// when the allocator is dropped with the pool asleep.
     fn drop(&mut self) {
-        for (_, kept) in std::mem::take(&mut self.pieces) {
+        self.stop.store(true, Relaxed);
+        for (_, kept) in std::mem::take(&mut *self.pieces.lock()) {
             if let Kept::Pinned(buffer) = kept {
                 if let Err(error) = self.host.free(buffer) {
                     tracing::warn!(%error, "giving a sleeping pool's backup back to the host allocator failed");
@@ -309,6 +370,47 @@ impl Drop for Backup {
             }
         }
     }
+}
+
+fn staged_bytes(pieces: &[(u64, Kept)]) -> u64 {
+    pieces
+        .iter()
+        .filter(|(_, k)| matches!(k, Kept::Plain(_)))
+        .map(|(_, k)| k.len() as u64)
+        .sum()
+}
+
+/// Moves staged piece `i` into pinned memory from `host`, unless told to `stop` meanwhile: the
+/// pinned memory then goes to the host's cache.
+fn promote(
+    host: &dyn HostBackup,
+    pieces: &Mutex<Vec<(u64, Kept)>>,
+    i: usize,
+    stop: &AtomicBool,
+) -> Result<()> {
+    let plain = match pieces.lock().get(i) {
+        Some((_, Kept::Plain(plain))) => Arc::clone(plain),
+        _ => return Ok(()),
+    };
+    let mut buffer = host.allocate(plain.len)?;
+    // SAFETY: `plain` (kept alive by this reference) is `len` bytes of staged memory that nothing
+    // writes while the pool sleeps; the buffer holds at least `len` bytes and is this thread's.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            plain.ptr.as_ptr(),
+            buffer.as_mut_slice().as_mut_ptr(),
+            plain.len,
+        );
+    }
+    let mut kept = pieces.lock();
+    if stop.load(Relaxed) || kept.get(i).is_none() {
+        drop(kept);
+        return host.free(buffer);
+    }
+    let staged = std::mem::replace(&mut kept[i].1, Kept::Pinned(buffer));
+    drop(kept);
+    drop(staged);
+    Ok(())
 }
 
 /// The pieces a run of `len` bytes from `start` is backed up in: [`BACKUP_PIECE`] bytes each, the

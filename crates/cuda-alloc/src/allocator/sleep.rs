@@ -60,8 +60,11 @@ pub struct SleepReport {
 pub struct WakeReport {
     /// Bytes of fresh physical memory mapped at the pool's addresses.
     pub mapped_bytes: u64,
-    /// Bytes copied back from pinned host memory (0 when the contents were discarded).
+    /// Bytes copied back from host memory (0 when the contents were discarded).
     pub restored_bytes: u64,
+    /// The part of them copied back through the staging buffers: staged pieces the background
+    /// pinning had not moved into pinned memory yet.
+    pub staged_bytes: u64,
 }
 
 /// A segment that slept: where it was (shard index, segment slot) and which segment it was. A
@@ -283,6 +286,10 @@ impl<D: Device> CachingAllocator<D> {
             }
             return Err(Box::new((None, e.clone().into())));
         }
+        // While the pool sleeps, its staged pieces move into pinned memory for the wake.
+        if let Some(backup) = &backup {
+            backup.promote_in_background();
+        }
         let state = Asleep::Sleeping {
             segments,
             released: report.released_bytes,
@@ -403,9 +410,10 @@ impl<D: Device> CachingAllocator<D> {
         }
         let result = match &backup {
             None => Ok(()),
-            Some(backup) => backup
-                .copy_back(device, &mapped)
-                .map(|restored| report.restored_bytes = restored),
+            Some(backup) => backup.copy_back(device, &mapped).map(|(restored, staged)| {
+                report.restored_bytes = restored;
+                report.staged_bytes = staged;
+            }),
         };
         drop(locks);
         self.asleep.lock().remove(&pool);
@@ -440,6 +448,26 @@ impl<D: Device> CachingAllocator<D> {
             .map(|(_, state)| match state {
                 Asleep::Changing => 0,
                 Asleep::Sleeping { released, .. } => *released,
+            })
+            .sum()
+    }
+
+    /// Bytes of the sleeping pools' backups (all of them, or `pool`'s) kept in ordinary host
+    /// memory: staged by their sleep and not yet moved into pinned memory by the background
+    /// pinning. A wake copies these through the staging buffers; the rest straight from pinned
+    /// memory.
+    #[must_use]
+    pub fn asleep_staged_bytes(&self, pool: Option<MempoolId>) -> u64 {
+        self.asleep
+            .lock()
+            .iter()
+            .filter(|(id, _)| pool.is_none_or(|p| p == **id))
+            .map(|(_, state)| match state {
+                Asleep::Sleeping {
+                    backup: Some(backup),
+                    ..
+                } => backup.staged_bytes(),
+                _ => 0,
             })
             .sum()
     }
