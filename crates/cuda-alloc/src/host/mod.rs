@@ -57,8 +57,6 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 
-#[cfg(feature = "cuda")]
-pub(crate) use source::layout as heap_layout;
 pub use source::{HeapSource, PinnedSource, HOST_ALIGNMENT};
 pub use stats::{DurationStat, HostStats};
 

@@ -17,7 +17,7 @@ pub(crate) fn map(size: usize) -> DeviceResult<NonNull<u8>> {
     if size >= HUGE_PAGE {
         return map_huge(size).ok_or_else(out_of_memory);
     }
-    let layout = crate::host::heap_layout(size)?;
+    let layout = super::source::layout(size)?;
     // SAFETY: the layout's size is non-zero.
     let raw = unsafe { std::alloc::alloc(layout) };
     NonNull::new(raw).ok_or_else(out_of_memory)
@@ -40,7 +40,7 @@ pub(crate) unsafe fn unmap(ptr: NonNull<u8>, size: usize) -> DeviceResult<()> {
             }
         });
     }
-    let layout = crate::host::heap_layout(size)?;
+    let layout = super::source::layout(size)?;
     // SAFETY: the caller guarantees `ptr` came from `map`'s heap branch with this size.
     unsafe { std::alloc::dealloc(ptr.as_ptr(), layout) };
     Ok(())
