@@ -127,7 +127,7 @@ def _each_device(calls):
 
 
 def sleep_regions(keep=(), discard=(), device=None):
-    """Puts regions to sleep: those named in ``keep`` with their contents (copied to pinned host memory),
+    """Puts regions to sleep: those named in ``keep`` with their contents (copied to host memory),
     those in ``discard`` without. On ``device`` only when given, else on every device where each exists,
     the devices at once. Returns ``{(tag, device): bytes given back}``."""
     if isinstance(keep, str) or isinstance(discard, str):
@@ -182,7 +182,7 @@ def _tagged(tag, device, call):
 
 def sleep(pool, keep_contents=True, device=None):
     """Releases the physical memory of ``pool`` on ``device``, keeping its addresses; with
-    ``keep_contents`` its bytes go to pinned host memory first. ``pool`` is a ``torch.cuda.MemPool``, a
+    ``keep_contents`` its bytes go to host memory first. ``pool`` is a ``torch.cuda.MemPool``, a
     ``CUDAGraph`` (its pool), a pool id, or a region's tag (its pools on ``device``, or on every device
     where it was made, at once). Returns the bytes given back to the device."""
     if isinstance(pool, str):

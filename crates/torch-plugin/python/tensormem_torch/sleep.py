@@ -4,8 +4,11 @@ A private pool -- a ``torch.cuda.MemPool``, or a CUDA graph's pool -- whose memo
 segments (``PYTORCH_CUDA_ALLOC_CONF`` / ``TENSORMEM_ALLOC_CONF`` ``expandable_segments:True``) can hand
 its physical memory back to the device while its addresses stay reserved: its tensors keep their
 ``data_ptr()`` and a graph captured into it keeps its pointers. ``wake`` maps fresh memory at the same
-addresses and, if ``keep_contents`` was set, copies the bytes back from pinned host memory, after which
-the tensors hold what they held and the graph replays as before::
+addresses and, if ``keep_contents`` was set, copies the bytes back from host memory, after which the
+tensors hold what they held and the graph replays as before. The backup goes into pinned host memory
+cached for it (``reserve_backup_memory``, or an earlier backup) and, for the rest, through pinned
+staging buffers into ordinary memory, which background threads move into pinned memory while the pool
+sleeps::
 
     pool = torch.cuda.MemPool()
     with torch.cuda.use_mem_pool(pool):
@@ -80,8 +83,8 @@ def _raise(lib, rc, what):
 
 def sleep(pool, keep_contents=True, device=None):
     """Releases the physical memory of ``pool`` (a MemPool, a CUDAGraph, or a pool id) on ``device``,
-    keeping its addresses; with ``keep_contents`` its bytes go to pinned host memory first. Returns the
-    bytes given back to the device."""
+    keeping its addresses; with ``keep_contents`` its bytes go to host memory first (pinned where it is
+    cached, else staged). Returns the bytes given back to the device."""
     lib = _library()
     first, second = _pool_id(pool)
     released = ctypes.c_uint64(0)
@@ -95,8 +98,8 @@ def sleep(pool, keep_contents=True, device=None):
 def wake(pool, device=None, release_host_memory=False):
     """Maps fresh memory at the addresses of sleeping ``pool`` and copies its contents back if they were
     kept. Returns the bytes mapped. ``torch.OutOfMemoryError`` if the device has no room (the pool stays
-    asleep). The pinned host memory of the backup stays cached for the next sleep (which then copies at
-    once instead of pinning memory again); ``release_host_memory=True`` gives it back to the system
+    asleep). The pinned host memory of the backup stays cached for the next sleep (which then copies
+    straight into it instead of staging); ``release_host_memory=True`` gives it back to the system
     after the wake instead."""
     lib = _library()
     first, second = _pool_id(pool)
