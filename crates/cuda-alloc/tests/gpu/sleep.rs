@@ -1,5 +1,6 @@
 //! Pools that sleep and wake on a real GPU: the memory goes back to the device (`cuMemGetInfo`),
-//! the addresses stay, and the contents come back from pinned host memory.
+//! the addresses stay, and the contents come back from host memory (staged, and pinned while
+//! the pool sleeps).
 
 use tensormem_cuda_alloc::backend::cuda::{CudaBackend, CudaPinnedSource};
 use tensormem_cuda_alloc::config::AllocatorConfig;
@@ -112,6 +113,31 @@ fn a_pool_sleeps_returning_its_memory_and_wakes_with_its_contents_at_the_same_ad
     // SAFETY: the first block is allocated and mapped again.
     unsafe { device.copy_from_host(fresh.as_ptr(), blocks[0].ptr(), fresh.len()) }.unwrap();
     assert!(read(device, blocks[0].ptr(), fresh.len()) == fresh);
+
+    // Again with contents, the pool left asleep until the background threads moved its staged
+    // backup into pinned memory: the wake copies every piece straight from pinned memory.
+    for (block, data) in blocks.iter().zip(&filled) {
+        // SAFETY: the block is allocated and mapped; no work is queued.
+        unsafe { device.copy_from_host(data.as_ptr(), block.ptr(), data.len()) }.unwrap();
+    }
+    let slept = alloc.sleep_pool(POOL, Some(Box::new(host))).unwrap();
+    let started = std::time::Instant::now();
+    while alloc.asleep_staged_bytes(Some(POOL)) > 0 {
+        assert!(
+            started.elapsed().as_secs() < 120,
+            "the staged backup was not pinned"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let woke = alloc.wake_pool(POOL).unwrap();
+    assert_eq!(woke.restored_bytes, slept.backed_up_bytes);
+    assert_eq!(
+        woke.staged_bytes, 0,
+        "every piece came back from pinned memory"
+    );
+    for (block, data) in blocks.iter().zip(&filled) {
+        assert!(read(device, block.ptr(), data.len()) == *data);
+    }
 
     // Without contents: the memory is returned and comes back mapped (contents undefined).
     let free_awake = device.mem_info().unwrap().free;
