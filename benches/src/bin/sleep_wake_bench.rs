@@ -33,6 +33,7 @@
 //! | `reserve` | the pinned memory of a backup made ahead (`HostCachingAllocator::reserve`, after the cache was emptied), ms |
 //! | `sleep_keep_reserved`, `wake_keep_reserved` | the first cycle after that reserve, ms |
 //! | `returned` | device free memory gained by a sleep over the pool's mapped bytes, % |
+//! | `rss_after_wake`, `rss_after_release` | the process's resident memory after the last wake (the pinned backup cached for the next sleep) and after the host cache was emptied, MiB |
 //!
 //! Goals: at least 95% of the pool's bytes returned, under 100 ms per 10 GiB without contents,
 //! backup and restore at 90% of the pinned-copy bandwidth or more, a full cycle with contents
@@ -59,6 +60,19 @@ fn median(mut samples: Vec<f64>) -> f64 {
 
 fn ms(seconds: f64) -> f64 {
     seconds * 1e3
+}
+
+/// This process's resident memory (`VmRSS` of `/proc/self/status`), MiB; 0 where unknown.
+fn rss_mib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib >> 10)
 }
 
 fn run(gib: usize, register: Option<usize>, pin_all: bool) -> Result<bool, String> {
@@ -253,6 +267,11 @@ fn run(gib: usize, register: Option<usize>, pin_all: bool) -> Result<bool, Strin
     .map_err(err("reserving pinned memory"))?;
     let reserve_s = started.elapsed().as_secs_f64();
     let (reserved_keep, reserved_wake) = cycle(true, false)?;
+    // What the process keeps after a wake (the pinned backup cached for the next sleep), and
+    // after giving it back (`host_empty_cache`, `release_host_memory=True` in Python).
+    let rss_kept = rss_mib();
+    host.empty_cache().map_err(err("emptying the host cache"))?;
+    let rss_released = rss_mib();
     let bytes = pool_bytes as f64;
     let per_10 = 10.0 * GIB as f64 / bytes;
     let per_22 = 22.0 * GIB as f64 / bytes;
@@ -274,6 +293,8 @@ fn run(gib: usize, register: Option<usize>, pin_all: bool) -> Result<bool, Strin
     println!("sleep_keep,{pool_bytes},{:.1},ms", ms(sleep_keep));
     println!("wake_keep,{pool_bytes},{:.1},ms", ms(wake_keep));
     println!("staged_later,{pool_bytes},{},MiB", staged_later >> 20);
+    println!("rss_after_wake,{pool_bytes},{rss_kept},MiB");
+    println!("rss_after_release,{pool_bytes},{rss_released},MiB");
     println!("reserve,{pool_bytes},{:.1},ms", ms(reserve_s));
     println!(
         "sleep_keep_reserved,{pool_bytes},{:.1},ms",
