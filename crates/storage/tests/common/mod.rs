@@ -25,8 +25,9 @@ pub fn manager() {
             // A child process: the parent's daemon serves it.
             return PathBuf::from(dir);
         }
+        sweep_stale_daemon_dirs();
         let dir = std::env::temp_dir().join(format!(
-            "tensormem-storage-test-{}-{}",
+            "{DAEMON_DIR_PREFIX}{}-{}",
             std::process::id(),
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -52,6 +53,31 @@ pub fn manager() {
         std::env::set_var(ENV_DIR, &dir);
         dir
     });
+}
+
+/// The start of a test daemon's directory name, followed by the test process's pid.
+const DAEMON_DIR_PREFIX: &str = "tensormem-storage-test-";
+
+/// Removes the daemon directories of test processes that have ended: the daemon is a thread of
+/// its test process, which exits without a chance to remove its socket and lock.
+fn sweep_stale_daemon_dirs() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(DAEMON_DIR_PREFIX))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 /// Waits (bounded) until `cond` holds; returns whether it did.
