@@ -21,13 +21,18 @@ fn allocate_grew(
     (alloc.reserved_bytes() != before, a)
 }
 
-const CONFIGS: [&str; 5] = [
+const CONFIGS: [&str; 6] = [
     "",
     "expandable_segments:True",
+    "expandable_segments:True,max_split_size_mb:40",
     "max_split_size_mb:40",
     "roundup_power2_divisions:4",
     "max_split_size_mb:24,max_non_split_rounding_mb:30,roundup_power2_divisions:[64:8,>:2]",
 ];
+
+/// The configurations under which an allocation the query says no to may still need no new
+/// memory: expandable segments with a split limit.
+const FIRST_LOOK_ONLY: [usize; 1] = [2];
 
 #[derive(Clone, Debug)]
 enum Step {
@@ -64,7 +69,13 @@ proptest! {
                     let stream = if other { S1 } else { S0 };
                     let predicted = alloc.would_serve_from_cache(size, stream);
                     let (grew, a) = allocate_grew(&alloc, size, stream);
-                    prop_assert_eq!(predicted, !grew, "size {} on {:?} under '{}'", size, stream, CONFIGS[config]);
+                    if FIRST_LOOK_ONLY.contains(&config) {
+                        // A request below the split limit that the first look refuses (no oversize
+                        // block for it) can still take the free mapped end of an expandable segment.
+                        prop_assert!(!predicted || !grew, "size {} on {:?} under '{}'", size, stream, CONFIGS[config]);
+                    } else {
+                        prop_assert_eq!(predicted, !grew, "size {} on {:?} under '{}'", size, stream, CONFIGS[config]);
+                    }
                     live.extend(a);
                 }
                 Step::Free(i) => {

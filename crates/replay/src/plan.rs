@@ -131,7 +131,9 @@ pub(crate) struct RestorePlan {
 /// that follows (decided when replaying); else the replayed allocator makes the releases itself.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct ReleaseRun {
-    /// The size of the new segment (or mapping) that follows the run, if one does.
+    /// The size of the new segment that follows the run, if one does; for a mapping of an
+    /// expandable segment, the request's segment size, which the allocator checks against the
+    /// memory fraction before it maps.
     pub(crate) next_segment: Option<u64>,
     /// The next allocation after the run: size asked for and stream.
     pub(crate) next_alloc: Option<(u64, StreamId)>,

@@ -19,6 +19,7 @@ pub use restoring::RestoreCount;
 use restoring::{Restored, Restoring};
 use tensormem_cuda_alloc::config::AllocatorConfig;
 use tensormem_cuda_alloc::device::{Device, StreamId};
+use tensormem_cuda_alloc::size::allocation_size;
 use tensormem_cuda_alloc::snapshot::Snapshot;
 use tensormem_cuda_alloc::stats::MemoryStats;
 use tensormem_cuda_alloc::Error as AllocError;
@@ -82,10 +83,21 @@ fn release_was_external(
     fraction: f64,
     run: ReleaseRun,
 ) -> bool {
-    let Some(segment) = run.next_segment else {
-        return true;
-    };
     let gc = threshold > 0.0 && fraction < 1.0;
+    let Some(segment) = run.next_segment else {
+        // Nothing mapped after the releases: the program's, unless the next request's first look
+        // in the cache failed and its segment size did not fit under the memory fraction. The
+        // allocator checks the limit before it looks at expandable segments, so it releases the
+        // cache and retries even where the request then takes memory already mapped.
+        return gc
+            || fraction >= 1.0
+            || !run.next_alloc.is_some_and(|(size, stream)| {
+                usize::try_from(size).is_ok_and(|bytes| {
+                    !allocator.would_serve_from_cache(bytes, stream)
+                        && room(allocator, fraction) < allocation_size(bytes) as u64
+                })
+            });
+    };
     if gc {
         return false;
     }

@@ -542,3 +542,38 @@ fn a_switch_whose_first_allocations_do_not_tell_is_found() {
     let found = settings_phases(&snapshot, expected);
     assert_eq!(found.len(), 2, "{found:?}");
 }
+
+/// Expandable segments with a split limit under a memory fraction, out-of-memory errors caught,
+/// the settings never changed: a request below the split limit may not take an oversize free
+/// block, so the allocator checks the limit (with the request's segment size) and releases the
+/// cache before it takes the free mapped end of a segment, mapping nothing. Such a release is the
+/// allocator's retry, not `empty_cache()`, and the replay counts it as the record does.
+#[test]
+fn a_release_before_a_request_that_maps_nothing_is_the_allocators_retry() {
+    let allocator = recording("expandable_segments:True,max_split_size_mb:40");
+    limit(&allocator, 256 * MIB);
+    let mut next = xorshift(2 * 7919);
+    let mut live = Vec::new();
+    for _ in 0..197 {
+        let r = next();
+        let size = ((r % 48) as usize + 1) * MIB - (r >> 20) as usize % 4096;
+        match allocator.allocate(size, S) {
+            Ok(a) => live.push(a),
+            Err(_) => {
+                for a in live.drain(..) {
+                    allocator.free(a).unwrap();
+                }
+            }
+        }
+        if live.len() > 10 || (!live.is_empty() && next() % 10 < 3) {
+            let i = (next() as usize) % live.len();
+            allocator.free(live.swap_remove(i)).unwrap();
+        }
+    }
+    for a in live {
+        allocator.free(a).unwrap();
+    }
+    let (snapshot, expected) = recorded(&allocator);
+    assert!(expected.figures["num_alloc_retries"] > expected.figures["num_ooms"]);
+    assert_exact(&snapshot, expected);
+}

@@ -296,6 +296,11 @@ impl<D: Device> CachingAllocator<D> {
     /// reclaimed it, which this query does not do (it changes nothing: no events are processed,
     /// no statistics or garbage-collection ages move, no trace entry is written).
     ///
+    /// Under expandable segments with a `max_split_size`, a request the first look refuses (it may
+    /// not take an oversize block) can still be served without new memory: the allocator then
+    /// takes the free, mapped end of an expandable segment, after checking the memory fraction as
+    /// for new memory. This query answers the first look.
+    ///
     /// A zero-sized request, or one of 1 EB or more, is never served from the cache (`allocate`
     /// returns a null allocation or an error for those). A stream the allocator has never seen has
     /// no cached blocks.

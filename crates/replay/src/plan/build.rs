@@ -423,7 +423,7 @@ impl<'t> Builder<'t> {
                     .and_then(|_| next_request_segment(self.trace, i))
                     .unwrap_or(size);
                 self.plan.capacity.retry(i as u32, before, checked);
-                Some(size)
+                Some(checked)
             }
             RunEnd::Other => None,
         };
