@@ -441,15 +441,7 @@ impl<D: Device> CachingAllocator<D> {
     /// reserved statistic dropped by, and what a memory fraction still counts.
     #[must_use]
     pub fn asleep_bytes(&self, pool: Option<MempoolId>) -> u64 {
-        self.asleep
-            .lock()
-            .iter()
-            .filter(|(id, _)| pool.is_none_or(|p| p == **id))
-            .map(|(_, state)| match state {
-                Asleep::Changing => 0,
-                Asleep::Sleeping { released, .. } => *released,
-            })
-            .sum()
+        self.sum_asleep(pool, |released, _| released)
     }
 
     /// Bytes of the sleeping pools' backups (all of them, or `pool`'s) kept in ordinary host
@@ -458,16 +450,25 @@ impl<D: Device> CachingAllocator<D> {
     /// memory.
     #[must_use]
     pub fn asleep_staged_bytes(&self, pool: Option<MempoolId>) -> u64 {
+        self.sum_asleep(pool, |_, backup| backup.map_or(0, Backup::staged_bytes))
+    }
+
+    /// `figure` (of the bytes released and the backup) summed over the sleeping pools, all of them
+    /// or `pool`; pools on their way to sleep or to wake count 0.
+    fn sum_asleep(
+        &self,
+        pool: Option<MempoolId>,
+        figure: impl Fn(u64, Option<&Backup>) -> u64,
+    ) -> u64 {
         self.asleep
             .lock()
             .iter()
             .filter(|(id, _)| pool.is_none_or(|p| p == **id))
             .map(|(_, state)| match state {
+                Asleep::Changing => 0,
                 Asleep::Sleeping {
-                    backup: Some(backup),
-                    ..
-                } => backup.staged_bytes(),
-                _ => 0,
+                    released, backup, ..
+                } => figure(*released, backup.as_ref()),
             })
             .sum()
     }
