@@ -783,7 +783,8 @@ fn staged_pieces_move_into_pinned_memory_while_the_pool_sleeps() {
         slept.staged_bytes, slept.backed_up_bytes,
         "nothing was pinned"
     );
-    assert_eq!(a.asleep_staged_bytes(Some(POOL)), slept.staged_bytes);
+    // The background pinning may have moved some pieces already.
+    assert!(a.asleep_staged_bytes(Some(POOL)) <= slept.staged_bytes);
     eventually("the staged pieces were pinned", || {
         a.asleep_staged_bytes(None) == 0
     });
