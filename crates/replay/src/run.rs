@@ -89,14 +89,15 @@ fn release_was_external(
         // in the cache failed and its segment size did not fit under the memory fraction. The
         // allocator checks the limit before it looks at expandable segments, so it releases the
         // cache and retries even where the request then takes memory already mapped.
-        return gc
-            || fraction >= 1.0
-            || !run.next_alloc.is_some_and(|(size, stream)| {
+        let retried = !gc
+            && fraction < 1.0
+            && run.next_alloc.is_some_and(|(size, stream)| {
                 usize::try_from(size).is_ok_and(|bytes| {
                     !allocator.would_serve_from_cache(bytes, stream)
                         && room(allocator, fraction) < allocation_size(bytes) as u64
                 })
             });
+        return !retried;
     };
     if gc {
         return false;

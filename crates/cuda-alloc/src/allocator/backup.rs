@@ -178,6 +178,10 @@ enum Kept {
 }
 
 impl Kept {
+    fn is_staged(&self) -> bool {
+        matches!(self, Self::Plain(_))
+    }
+
     fn len(&self) -> usize {
         match self {
             Self::Pinned(buffer) => buffer.len(),
@@ -224,7 +228,12 @@ impl Backup {
 
     /// Bytes kept in ordinary memory through the staging buffers.
     pub(crate) fn staged_bytes(&self) -> u64 {
-        staged_bytes(&self.pieces.lock())
+        self.pieces
+            .lock()
+            .iter()
+            .filter(|(_, k)| k.is_staged())
+            .map(|(_, k)| k.len() as u64)
+            .sum()
     }
 
     /// Starts moving the staged pieces into pinned memory from the host, in the background, so
@@ -239,7 +248,7 @@ impl Backup {
             .lock()
             .iter()
             .enumerate()
-            .filter(|(_, (_, k))| matches!(k, Kept::Plain(_)))
+            .filter(|(_, (_, k))| k.is_staged())
             .map(|(i, _)| i)
             .collect();
         if staged.is_empty() {
@@ -310,8 +319,9 @@ impl Backup {
         Ring::new(&*self.host)?.stage_out(device, &jobs)
     }
 
-    /// Copies the pieces back, into the parts of them inside the `mapped` runs, once the background
-    /// pinning stopped. Returns the bytes copied and the part of them staged.
+    /// Copies the pieces back, into the parts of them inside the `mapped` runs, and tells the
+    /// background pinning to stop (without waiting for it). Returns the bytes copied and the part
+    /// of them staged.
     pub(crate) fn copy_back<D: Device>(
         &self,
         device: &D,
@@ -370,14 +380,6 @@ impl Drop for Backup {
             }
         }
     }
-}
-
-fn staged_bytes(pieces: &[(u64, Kept)]) -> u64 {
-    pieces
-        .iter()
-        .filter(|(_, k)| matches!(k, Kept::Plain(_)))
-        .map(|(_, k)| k.len() as u64)
-        .sum()
 }
 
 /// Moves staged piece `i` into pinned memory from `host`, unless told to `stop` meanwhile: the
@@ -464,63 +466,38 @@ struct Ring<'a> {
 }
 
 impl<'a> Ring<'a> {
-    /// [`STAGE_SLOTS`] buffers: cached ones where the host has them, the rest pinned by several
-    /// threads at once.
+    /// [`STAGE_SLOTS`] buffers from the host (cached after the first sleep; the first pins them,
+    /// a few hundred MiB). A failure gives back the ones made.
     fn new(host: &'a dyn HostBackup) -> Result<Self> {
         let mut ring = Self {
             host,
             slots: Vec::with_capacity(STAGE_SLOTS),
         };
-        while ring.slots.len() < STAGE_SLOTS {
-            match host.allocate_cached(STAGE_BYTES)? {
-                Some(buffer) => ring.slots.push(buffer),
-                None => break,
-            }
-        }
-        let missing = STAGE_SLOTS - ring.slots.len();
-        if missing > 0 {
-            let made = Mutex::new(Vec::with_capacity(missing));
-            let failure = Mutex::new(None);
-            let next = AtomicUsize::new(0);
-            std::thread::scope(|scope| {
-                for _ in 0..staging_threads().min(missing) {
-                    scope.spawn(|| {
-                        while next.fetch_add(1, Relaxed) < missing {
-                            match host.allocate(STAGE_BYTES) {
-                                Ok(buffer) => made.lock().push(buffer),
-                                Err(error) => {
-                                    failure.lock().get_or_insert(error);
-                                    break;
-                                }
-                            }
-                        }
-                    });
-                }
-            });
-            ring.slots.extend(made.into_inner());
-            if let Some(error) = failure.into_inner() {
-                return Err(error);
-            }
+        for _ in 0..STAGE_SLOTS {
+            ring.slots.push(host.allocate(STAGE_BYTES)?);
         }
         Ok(ring)
     }
 
-    /// The slots' addresses (handed between threads by index).
-    fn addresses(&mut self) -> Vec<usize> {
-        self.slots
+    /// The slots' addresses (handed between threads by index) and the list of free slots, all
+    /// of them to begin with.
+    fn free_list(&mut self) -> (Vec<usize>, mpsc::Sender<usize>, mpsc::Receiver<usize>) {
+        let slots: Vec<usize> = self
+            .slots
             .iter_mut()
             .map(|b| b.as_mut_slice().as_mut_ptr() as usize)
-            .collect()
+            .collect();
+        let (free_tx, free_rx) = mpsc::channel();
+        for slot in 0..slots.len() {
+            free_tx.send(slot).expect("the receiver is here");
+        }
+        (slots, free_tx, free_rx)
     }
 
     /// Device to ordinary memory: this thread copies each job's bytes into a free slot, threads
     /// copy filled slots out to the job's host memory and free them.
     fn stage_out<D: Device>(mut self, device: &D, jobs: &[Job]) -> Result<()> {
-        let slots = self.addresses();
-        let (free_tx, free_rx) = mpsc::channel::<usize>();
-        for slot in 0..slots.len() {
-            free_tx.send(slot).expect("the receiver is here");
-        }
+        let (slots, free_tx, free_rx) = self.free_list();
         let (work_tx, work_rx) = mpsc::channel::<(usize, Job)>();
         let work_rx = Mutex::new(work_rx);
         std::thread::scope(|scope| {
@@ -572,40 +549,31 @@ impl<'a> Ring<'a> {
     /// thread copies filled slots to the device and frees them. Jobs write distinct device ranges,
     /// so their order does not matter.
     fn stage_back<D: Device>(mut self, device: &D, jobs: &[Job]) -> Result<()> {
-        let slots = self.addresses();
-        let (free_tx, free_rx) = mpsc::channel::<usize>();
-        for slot in 0..slots.len() {
-            free_tx.send(slot).expect("the receiver is here");
-        }
+        let (slots, free_tx, free_rx) = self.free_list();
         let free_rx = Mutex::new(free_rx);
         let (filled_tx, filled_rx) = mpsc::channel::<(usize, Job)>();
         let next = AtomicUsize::new(0);
-        let stop = AtomicBool::new(false);
         std::thread::scope(|scope| {
             for _ in 0..staging_threads().min(jobs.len()) {
                 let filled_tx = filled_tx.clone();
-                let (free_rx, slots, next, stop) = (&free_rx, &slots, &next, &stop);
-                scope.spawn(move || loop {
-                    if stop.load(Relaxed) {
-                        break;
-                    }
-                    let Some(job) = jobs.get(next.fetch_add(1, Relaxed)) else {
-                        break;
-                    };
-                    let free = free_rx.lock().recv();
-                    let Ok(slot) = free else { break };
-                    // SAFETY: the slot is this thread's until it is sent on (one holder at a
-                    // time) and holds at least `job.len` bytes; `job.host` is `job.len` readable
-                    // bytes of a staged piece.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            job.host as *const u8,
-                            slots[slot] as *mut u8,
-                            job.len,
-                        );
-                    }
-                    if filled_tx.send((slot, *job)).is_err() {
-                        break;
+                let (free_rx, slots, next) = (&free_rx, &slots, &next);
+                scope.spawn(move || {
+                    while let Some(job) = jobs.get(next.fetch_add(1, Relaxed)) {
+                        let free = free_rx.lock().recv();
+                        let Ok(slot) = free else { break };
+                        // SAFETY: the slot is this thread's until it is sent on (one holder at a
+                        // time) and holds at least `job.len` bytes; `job.host` is `job.len` readable
+                        // bytes of a staged piece.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                job.host as *const u8,
+                                slots[slot] as *mut u8,
+                                job.len,
+                            );
+                        }
+                        if filled_tx.send((slot, *job)).is_err() {
+                            break;
+                        }
                     }
                 });
             }
@@ -623,14 +591,14 @@ impl<'a> Ring<'a> {
                 };
                 if let Err(error) = copied {
                     result = Err(Error::from(error));
-                    stop.store(true, Relaxed);
                     break;
                 }
                 if free_tx.send(slot).is_err() {
                     break;
                 }
             }
-            // Threads waiting for a slot or sending one see the channels close and stop.
+            // Threads waiting for a slot or sending one see the channels close and stop (each copies
+            // at most the slot it holds).
             drop(free_tx);
             drop(filled_rx);
             result

@@ -64,7 +64,7 @@ fn map_huge(size: usize) -> Option<NonNull<u8>> {
     // Advice only: a kernel without transparent huge pages refuses it, and small pages serve.
     // SAFETY: `[raw, raw + size)` is the mapping made above.
     if let Err(errno) = unsafe { madvise(raw, size, Advice::LinuxHugepage) } {
-        tracing::debug!(%errno, "no transparent huge pages for pinned host memory");
+        tracing::debug!(%errno, "no transparent huge pages for host memory mapped here");
     }
     NonNull::new(raw.cast::<u8>())
 }

@@ -10,7 +10,7 @@ use super::driver::{check, check_alloc};
 use super::CudaBackend;
 use crate::config::AllocatorConfig;
 use crate::device::{DeviceError, DeviceResult};
-use crate::host::{PinnedSource, HOST_ALIGNMENT};
+use crate::host::{pages, PinnedSource, HOST_ALIGNMENT};
 
 /// How pinned blocks are made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,7 +120,7 @@ unsafe impl PinnedSource for CudaPinnedSource {
                     .ok_or(DeviceError::OutOfMemory { bytes: size as u64 })
             }
             Mode::Register { threads } => {
-                let ptr = crate::host::pages::map(size)?;
+                let ptr = pages::map(size)?;
                 touch_pages(ptr, size, threads);
                 // SAFETY: `[ptr, ptr + size)` is a live heap allocation, page-aligned, not registered.
                 let result = unsafe {
@@ -132,7 +132,7 @@ unsafe impl PinnedSource for CudaPinnedSource {
                 };
                 if let Err(error) = check_alloc("cuMemHostRegister", result, size) {
                     // SAFETY: mapped above with this size, never handed out.
-                    unsafe { crate::host::pages::unmap(ptr, size) }?;
+                    unsafe { pages::unmap(ptr, size) }?;
                     return Err(error);
                 }
                 Ok(ptr)
@@ -162,7 +162,7 @@ unsafe impl PinnedSource for CudaPinnedSource {
                     sys::cuMemHostUnregister(ptr.as_ptr().cast())
                 })?;
                 // SAFETY: mapped by `alloc` with this size, unregistered just above.
-                unsafe { crate::host::pages::unmap(ptr, size) }
+                unsafe { pages::unmap(ptr, size) }
             }
         }
     }
@@ -186,10 +186,10 @@ mod tests {
         for size in [
             HOST_ALIGNMENT,
             64 << 10,
-            crate::host::pages::HUGE_PAGE,
-            3 * crate::host::pages::HUGE_PAGE,
+            pages::HUGE_PAGE,
+            3 * pages::HUGE_PAGE,
         ] {
-            let ptr = crate::host::pages::map(size).unwrap();
+            let ptr = pages::map(size).unwrap();
             assert_eq!(ptr.as_ptr() as usize % HOST_ALIGNMENT, 0, "{size}");
             touch_pages(ptr, size, 4);
             // SAFETY: `ptr` is a live block of `size` bytes made above, used only here.
@@ -197,7 +197,7 @@ mod tests {
             bytes.fill(0xa5);
             assert!(bytes.iter().all(|&b| b == 0xa5));
             // SAFETY: made by `map` with this size, no longer used.
-            unsafe { crate::host::pages::unmap(ptr, size) }.unwrap();
+            unsafe { pages::unmap(ptr, size) }.unwrap();
         }
     }
 }
